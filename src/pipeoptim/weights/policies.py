@@ -1,0 +1,426 @@
+"""Weight policies: which weights each pass of each micro-batch uses, one class per method family.
+
+A policy serves one stage. Before a forward it hands the stage a :class:`WeightUse`: the tensors
+to call the stage's module with (through ``torch.func.functional_call``), the weight version they
+carry and the prediction step count applied. Around a backward it may swap in other values, and
+around an update it may keep the outgoing version alive. It never knows which executor runs it:
+everything it needs comes from the stage's own action list (the schedule is data) and the
+stage's optimizer.
+
+Autograd safety on any PyTorch 2.x rests on one device: a forward never uses the parameters
+themselves but *aliases* of their storage made with ``param.data`` (same memory, separate
+autograd version counter). The optimizer may then update the parameters in place between a
+forward and its backward without autograd's "modified by an inplace operation" error, and the
+backward reads whatever the storage holds when it runs:
+
+* the live weights, if nothing else happened (async-naive, PipeOptim's ``latest`` backward);
+* an older version, if the policy moved the parameter to fresh storage before the update and
+  left the old storage to the in-flight micro-batches (weight stashing, 2BW): a stash costs one
+  copy per *update that in-flight work still needs*, never one per micro-batch;
+* predicted values written into the live storage for the duration of a pass and restored from a
+  single cache afterwards (PipeOptim, SpecTrain, XPipe): two versions per stage, whatever N.
+
+Versions count the stage's updates: version v is the weights after v optimizer steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..schedules.actions import Action, Kind
+from .predict import Predictor
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing ``tensor``'s storage with its own version counter, collecting a gradient."""
+    return tensor.data.requires_grad_(True)
+
+
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class WeightUse:
+    """The weights one pass of one micro-batch runs on."""
+
+    weights: Dict[str, torch.Tensor]   #: parameter name -> tensor handed to functional_call
+    version: int                       #: the weight version these values are (or are predicted from)
+    steps: float = 0.0                 #: prediction steps applied on top of ``version`` (0: none)
+    restore: Optional[Callable[[], None]] = field(default=None, repr=False)
+
+    def done(self) -> None:
+        """Called right after the pass: undo any temporary change to the live weights."""
+        if self.restore is not None:
+            self.restore()
+            self.restore = None
+
+
+class WeightPolicy:
+    """Base: forwards and backwards on the live weights, nothing kept."""
+
+    #: What DESIGN.md calls this row; shown in reports.
+    description = "live weights in both passes"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
+                 num_stages: int, **options) -> None:
+        if options:
+            raise ValueError(f"{type(self).__name__} takes no options, got {', '.join(options)}")
+        self.stage = stage
+        self.num_stages = num_stages
+        self.optimizer = optimizer
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.param_bytes = nbytes([p for _, p in self.named])
+        self.version = 0                   #: live version: updates applied so far
+        self.epoch_start_version = 0
+        self.copy_bytes_peak = 0
+        self._forward_version: Dict[int, int] = {}
+        self._order: List[Action] = []
+
+    # -- schedule knowledge -----------------------------------------------------------------
+    def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = ()) -> None:
+        """The actions this stage will run next (and, for policies that need it, every rank's)."""
+        self.epoch_start_version = self.version
+        self._order = list(stage_actions)
+        self._updates_before: Dict[tuple, int] = {}
+        count = 0
+        for a in self._order:
+            if a.kind is Kind.U:
+                count += 1
+            else:
+                self._updates_before[(a.kind, a.index)] = count
+
+    def updates_between(self, microbatch: int) -> int:
+        """Updates this stage applies between micro-batch's forward and its backward."""
+        backward = Kind.I if (Kind.I, microbatch) in self._updates_before else Kind.B
+        return self._updates_before[(backward, microbatch)] - self._updates_before[(Kind.F, microbatch)]
+
+    # -- passes -------------------------------------------------------------------------------
+    def live_weights(self) -> Dict[str, torch.Tensor]:
+        return {n: alias(p) for n, p in self.named}
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        self._forward_version[microbatch] = self.version
+        return WeightUse(self.live_weights(), self.version)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        """Around a backward; yields what the backward runs on (for the version trace)."""
+        yield WeightUse(use.weights, self.version)
+        self._forward_version.pop(microbatch, None)
+
+    # -- updates ------------------------------------------------------------------------------
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        self.version += 1
+
+    # -- memory -------------------------------------------------------------------------------
+    def copy_bytes(self) -> int:
+        """Bytes of weight copies held now, beyond the live weights."""
+        return 0
+
+    def note_memory(self) -> None:
+        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes())
+
+    @property
+    def versions_peak(self) -> float:
+        """Weight versions held at the peak, the live weights included (measured)."""
+        return 1 + (self.copy_bytes_peak / self.param_bytes if self.param_bytes else 0)
+
+
+class SynchronousPolicy(WeightPolicy):
+    """GPipe, 1F1B-flush, sequential: one version per mini-batch; no update between F and B."""
+
+    description = "W(t) in both passes (one version per mini-batch)"
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        if use.version != self.version:
+            raise RuntimeError(f"stage {self.stage}: micro-batch {microbatch} ran forward on version "
+                               f"{use.version} but its backward on {self.version}; a synchronous "
+                               f"method needs a flush before every update")
+        with super().backward_pass(microbatch, use) as used:
+            yield used
+
+
+class LatestPolicy(WeightPolicy):
+    """async-naive: forward on the live (stale) weights, backward on the weights live then."""
+
+    description = "latest weights in each pass (stale forward, inconsistent backward)"
+
+
+class _VersionStore(WeightPolicy):
+    """Keeps outgoing versions that in-flight or future forwards still need (stash, 2BW).
+
+    Before an update, if the live version is still needed, the parameters move to fresh storage
+    (a copy) and the old storage stays with the micro-batches that use it: their saved aliases
+    keep reading the old values, and later forwards can alias it too.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: Dict[int, List[torch.Tensor]] = {}
+        self.users: Counter = Counter()
+
+    def target_version(self, microbatch: int) -> int:
+        """The version micro-batch's forward must use."""
+        return self.version
+
+    def future_needs(self, version: int) -> bool:
+        """Whether a forward that has not run yet will need ``version``."""
+        return False
+
+    def weights_of(self, version: int) -> Dict[str, torch.Tensor]:
+        if version == self.version:
+            return self.live_weights()
+        if version not in self.kept:
+            raise RuntimeError(f"stage {self.stage}: weight version {version} is needed but was not "
+                               f"kept (live is {self.version}, kept: {sorted(self.kept)})")
+        return {n: alias(t) for (n, _), t in zip(self.named, self.kept[version])}
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        version = self.target_version(microbatch)
+        self._forward_version[microbatch] = version
+        self.users[version] += 1
+        return WeightUse(self.weights_of(version), version)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        yield WeightUse(use.weights, use.version)  # the aliases saved at forward hold that version
+        version = self._forward_version.pop(microbatch)
+        self.users[version] -= 1
+        self._drop_unneeded()
+
+    def before_update(self) -> None:
+        live = self.version
+        if self.users[live] > 0 or self.future_needs(live):
+            self.kept[live] = [p.data for _, p in self.named]
+            for _, p in self.named:
+                p.data = p.data.clone()
+        self.note_memory()
+
+    def after_update(self) -> None:
+        super().after_update()
+        self._drop_unneeded()
+
+    def _drop_unneeded(self) -> None:
+        for version in [v for v in self.kept if self.users[v] <= 0 and not self.future_needs(v)]:
+            del self.kept[version]
+
+    def copy_bytes(self) -> int:
+        return sum(nbytes(ts) for ts in self.kept.values())
+
+
+class StashingPolicy(_VersionStore):
+    """PipeDream: the backward runs on the version its forward used (weight stashing).
+
+    With ``vertical_sync`` every stage uses the version stage 0 used for that micro-batch, which
+    every stage computes from the schedule (no version travels with the activations).
+    """
+
+    description = "forward on the latest weights, stashed for its backward"
+
+    def __init__(self, *args, vertical_sync: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.vertical_sync = vertical_sync
+        self._stage0_version: Dict[int, int] = {}
+
+    def begin_epoch(self, stage_actions, full_orders=()) -> None:
+        super().begin_epoch(stage_actions, full_orders)
+        if self.vertical_sync:
+            if not full_orders:
+                raise ValueError("vertical sync needs stage 0's order")
+            count = 0
+            self._stage0_version = {}
+            for a in full_orders[0]:
+                if a.stage != 0:
+                    continue
+                if a.kind is Kind.U:
+                    count += 1
+                elif a.kind is Kind.F:
+                    self._stage0_version[a.index] = self.epoch_start_version + count
+            self._pending = sorted(self._stage0_version)
+
+    def target_version(self, microbatch: int) -> int:
+        if not self.vertical_sync:
+            return self.version
+        self._pending.remove(microbatch)
+        return self._stage0_version[microbatch]
+
+    def future_needs(self, version: int) -> bool:
+        return self.vertical_sync and any(self._stage0_version[i] == version for i in self._pending)
+
+
+class DoubleBufferPolicy(_VersionStore):
+    """PipeDream-2BW: every micro-batch of update window t runs on the version stage 0 held when
+    the window started (t-1 once the pipeline is full), so at most two versions are alive."""
+
+    description = "older of two buffers for a whole update window"
+
+    def begin_epoch(self, stage_actions, full_orders=()) -> None:
+        super().begin_epoch(stage_actions, full_orders)
+        m = max(1, sum(1 for a in stage_actions if a.kind is Kind.F) //
+                max(1, sum(1 for a in stage_actions if a.kind is Kind.U)))
+        self.window = m
+        count, self._window_version = 0, {}
+        for a in (full_orders[0] if full_orders else stage_actions):
+            if a.kind is Kind.U:
+                count += 1
+            elif a.kind is Kind.F and a.index % m == 0:
+                self._window_version[a.index // m] = self.epoch_start_version + count
+        self._pending_windows = Counter({w: m for w in self._window_version})
+
+    def target_version(self, microbatch: int) -> int:
+        window = microbatch // self.window
+        self._pending_windows[window] -= 1
+        return self._window_version[window]
+
+    def future_needs(self, version: int) -> bool:
+        return any(self._window_version[w] == version for w, left in self._pending_windows.items() if left > 0)
+
+
+class _Predicting(WeightPolicy):
+    """Writes predicted weights into the live storage for a pass and restores them from a cache."""
+
+    def __init__(self, *args, sgd_momentum: str = "paper", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.predictor = Predictor(self.optimizer, sgd_momentum=sgd_momentum)
+        self.cache: Optional[List[torch.Tensor]] = None
+
+    def forward_steps(self, microbatch: int) -> float:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _write_prediction(self, steps: float) -> Optional[Callable[[], None]]:
+        """Overwrite the live weights with W - lr*steps*Delta; return how to put W back."""
+        if steps == 0 or not self.predictor.has_direction:
+            return None
+        if self.cache is None:
+            self.cache = [torch.empty_like(p) for _, p in self.named]
+            self.note_memory()
+        for (_, p), saved in zip(self.named, self.cache):
+            saved.copy_(p.data)
+            self.predictor.predict_into(p, steps, out=p.data)
+
+        def restore() -> None:
+            with torch.no_grad():
+                for (_, p), saved in zip(self.named, self.cache):
+                    p.data.copy_(saved)
+        return restore
+
+    def copy_bytes(self) -> int:
+        return nbytes(self.cache) if self.cache is not None else 0
+
+
+class PipeOptimPolicy(_Predicting):
+    """PipeOptim: the forward of micro-batch t runs on W_hat = W - lr * s * Delta, Delta being the
+    stage optimizer's own update direction.
+
+    ``steps``: ``exact`` (default) counts the updates this stage applies between the forward and
+    the backward, from the schedule (min(t, N-1-k) within an epoch); ``paper`` uses N-1-k;
+    ``code`` uses N-k, as the authors' released code does. ``backward``: ``latest`` (the paper)
+    runs the backward on the live weights, holding one cache; ``predicted`` runs it on the same
+    predicted weights as the forward, which keeps one predicted copy per in-flight micro-batch.
+    """
+
+    description = "forward on W - lr*s*Delta(optimizer), backward on the latest weights"
+
+    def __init__(self, *args, steps: str = "exact", backward: str = "latest", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if steps not in ("exact", "paper", "code"):
+            raise ValueError(f"steps must be exact, paper or code, got {steps!r}")
+        if backward not in ("latest", "predicted"):
+            raise ValueError(f"backward must be latest or predicted, got {backward!r}")
+        self.steps_policy = steps
+        self.backward_weights = backward
+        self._held: Dict[int, List[torch.Tensor]] = {}
+
+    def forward_steps(self, microbatch: int) -> float:
+        if self.steps_policy == "exact":
+            return self.updates_between(microbatch)
+        depth = self.num_stages - 1 - self.stage
+        return depth if self.steps_policy == "paper" else depth + 1
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        steps = self.forward_steps(microbatch) if self.predictor.has_direction else 0
+        self._forward_version[microbatch] = self.version
+        if self.backward_weights == "predicted" and steps:
+            predicted = self.predictor.predict(steps)
+            tensors = [predicted[p] for _, p in self.named]
+            self._held[microbatch] = tensors
+            self.note_memory()
+            return WeightUse({n: t.requires_grad_(True) for (n, _), t in zip(self.named, tensors)},
+                             self.version, steps)
+        restore = self._write_prediction(steps)
+        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        if self.backward_weights == "predicted":
+            yield WeightUse(use.weights, use.version, use.steps)
+            self._held.pop(microbatch, None)
+        else:
+            yield WeightUse(use.weights, self.version)
+        self._forward_version.pop(microbatch, None)
+
+    def copy_bytes(self) -> int:
+        return super().copy_bytes() + sum(nbytes(ts) for ts in self._held.values())
+
+
+class XPipePolicy(PipeOptimPolicy):
+    """XPipe: the micro-batched asynchronous pipeline (an update every M micro-batches) with each
+    forward predicted over the exact number of updates before its backward, along the
+    optimizer's direction (the XPipe paper uses Adam's), backward on the latest weights."""
+
+    description = "micro-batched async pipeline, forward on Adam-direction predicted weights"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, steps="exact", backward="latest", **kwargs)
+
+
+class SpecTrainPolicy(_Predicting):
+    """SpecTrain: momentum-direction prediction in both passes, s_f = floor(k/2) + N-k-1 for the
+    forward and s_b = floor(k/2) for the backward (Chen et al.'s pipeline timing model)."""
+
+    description = "momentum prediction in both passes (s_f, s_b)"
+
+    @property
+    def backward_steps(self) -> int:
+        return self.stage // 2
+
+    def forward_steps(self, microbatch: int) -> float:
+        return self.stage // 2 + self.num_stages - self.stage - 1
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        steps = self.forward_steps(microbatch)
+        self._forward_version[microbatch] = self.version
+        restore = self._write_prediction(steps)
+        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        restore = self._write_prediction(self.backward_steps)
+        try:
+            yield WeightUse(use.weights, self.version, self.backward_steps if restore else 0)
+        finally:
+            if restore is not None:
+                restore()
+        self._forward_version.pop(microbatch, None)
+
+
+POLICIES = {cls.__name__: cls for cls in (SynchronousPolicy, LatestPolicy, StashingPolicy,
+                                          DoubleBufferPolicy, PipeOptimPolicy, XPipePolicy,
+                                          SpecTrainPolicy)}
+
+
+def make_policy(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
+                num_stages: int, **options) -> WeightPolicy:
+    """Instantiate the policy class called ``name`` for one stage."""
+    return POLICIES[name](module, optimizer, stage=stage, num_stages=num_stages, **options)

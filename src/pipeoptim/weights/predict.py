@@ -1,0 +1,369 @@
+"""Optimizer-aware weight prediction (PipeOptim, DESIGN.md section 4).
+
+A :class:`Predictor` watches an optimizer through its step hooks and, after every step, can
+predict the weights ``s`` optimizer steps ahead::
+
+    W_hat = W - lr * s * Delta
+
+``lr`` is the *current* learning rate of the parameter's group (read at prediction time, so
+LR schedulers are honoured) and ``Delta`` is the update direction, relative to the group lr,
+that the optimizer applied at its last step. For the optimizers with an exact formula,
+``Delta`` equals ``(W_before - W_after) / lr`` of the step just taken; in the formulas below,
+``g`` is that step's gradient, negated when ``maximize`` is set and with the L2 term
+``wd * W_before`` added for the optimizers that fold weight decay into the gradient:
+
+=============  ==========================================================================
+SGD            plain: ``g``; momentum: ``m`` (the buffer after the step, the paper),
+               or ``mu * m + (1 - dampening) * g`` with ``sgd_momentum="code"`` (the
+               authors' released code); Nesterov: ``g + mu * m``.
+Adam / AdamW   ``m_hat / (sqrt(v_hat) + eps)`` with ``v = max_exp_avg_sq`` under amsgrad.
+Adamax         ``m / ((1 - beta1^t) * u)`` with ``u`` the exponentially weighted inf-norm.
+NAdam          ``((1-mu_t)/(1-prod mu) * g + mu_{t+1}/(1-prod mu * mu_{t+1}) * m) / denom``.
+RAdam          ``m_hat * r_t * sqrt(1-beta2^t) / (sqrt(v) + eps)`` if ``rho_t > 5``, else
+               ``m_hat``.
+RMSprop        ``g / (sqrt(v [- mean_g^2 if centered]) + eps)``; with momentum: the buffer.
+Adagrad        ``g / (sqrt(sum) + eps) / (1 + (t - 1) * lr_decay)``: lr decay is folded in
+               because Delta is relative to the group lr.
+Adadelta       ``sqrt(acc_delta_before + eps) / sqrt(v + eps) * g``.
+=============  ==========================================================================
+
+Decoupled weight decay (AdamW, and NAdam / RAdam with ``decoupled_weight_decay=True``)
+shrinks W *before* the adaptive update: ``W_after = (1 - lr*wd) W_before - lr * a``. The exact
+Delta, ``a + wd * W_before``, is recovered without storing ``W_before`` as
+``(a + wd * W_after) / (1 - lr_step * wd)``, with ``lr_step`` the lr of that step.
+
+Any other optimizer (including subclasses of the above that override ``step``) uses the
+fallback ``Delta = (W_before - W_after) / lr_step`` recorded by the hooks, with a warning.
+
+Memory: formulas read from the optimizer state need nothing extra; those that need the
+step's gradient keep one tensor per parameter (reused across steps); the fallback keeps one
+snapshot per parameter. Complex parameters are not supported by the exact formulas.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Predictor", "optimizer_direction_supported"]
+
+_KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
+    ("sgd", torch.optim.SGD),
+    ("adam", torch.optim.Adam),
+    ("adam", torch.optim.AdamW),
+    ("adamax", torch.optim.Adamax),
+    ("nadam", torch.optim.NAdam),
+    ("radam", torch.optim.RAdam),
+    ("rmsprop", torch.optim.RMSprop),
+    ("adagrad", torch.optim.Adagrad),
+    ("adadelta", torch.optim.Adadelta),
+)
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """Name of the exact formula for ``optimizer``, or None.
+
+    Decided on the ``step`` function itself, not on ``isinstance``: a subclass that overrides
+    ``step`` gets None. Both sides are unwrapped because torch wraps ``step`` (per class,
+    lazily) with its hook/profiling wrapper.
+    """
+    step = inspect.unwrap(type(optimizer).step)
+    for name, cls in _KNOWN:
+        if step is inspect.unwrap(cls.step):
+            return name
+    return None
+
+
+def optimizer_direction_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """True when an exact Delta formula exists for ``optimizer`` (no fallback needed)."""
+    return _kind(optimizer) is not None
+
+
+def _betas(group: dict[str, Any]) -> tuple[float, float]:
+    b1, b2 = group["betas"]
+    return float(b1), float(b2)
+
+
+class Predictor:
+    """Predicts weights from an optimizer's own update rule (see the module docstring).
+
+    Args:
+        optimizer: the optimizer to watch; hooks are registered on it at construction.
+        sgd_momentum: ``"paper"`` (Delta = momentum buffer) or ``"code"``
+            (Delta = mu*m + (1-dampening)*g); only affects SGD with momentum, no Nesterov.
+
+    Attributes:
+        steps_taken: number of optimizer steps seen by the hooks.
+        uses_fallback: True when no exact formula exists and the last applied update is used.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, sgd_momentum: str = "paper") -> None:
+        if sgd_momentum not in ("paper", "code"):
+            raise ValueError(f"sgd_momentum must be 'paper' or 'code', got {sgd_momentum!r}")
+        self.optimizer = optimizer
+        self.sgd_momentum = sgd_momentum
+        self.steps_taken: int = 0
+        self._kind = _kind(optimizer)
+        self.uses_fallback: bool = self._kind is None
+        # Per-parameter tensors owned by the predictor: the captured gradient turned into Delta
+        # by the post-hook (exact formulas), or W_before turned into Delta (fallback).
+        self._stored: dict[Tensor, Tensor] = {}
+        self._pending: list[tuple[dict[str, Any], Tensor]] = []
+        self._step_lr: dict[int, float] = {}  # id(group) -> lr used by the last step
+        self._group_of: dict[Tensor, dict[str, Any]] = {}
+        if self.uses_fallback:
+            warnings.warn(
+                f"Predictor: no exact update-direction formula for {type(optimizer).__name__}; "
+                "using the last applied update (W_before - W_after) / lr as Delta.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_hook),
+            optimizer.register_step_post_hook(self._post_hook),
+        ]
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def has_direction(self) -> bool:
+        """True once the optimizer has stepped at least once."""
+        return self.steps_taken > 0
+
+    def detach(self) -> None:
+        """Remove the step hooks; later steps are no longer observed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def lr(self, param: Tensor) -> float:
+        """Current lr of ``param``'s group (a tensor lr is converted to float)."""
+        return float(self._group(param).get("lr", 1.0))
+
+    def direction(self, param: Tensor) -> Tensor | None:
+        """Delta of ``param`` (a new tensor), or None before its first update."""
+        with torch.no_grad():
+            scratch = torch.empty_like(param)
+            delta = self._delta(param, scratch)
+        if delta is None:
+            return None
+        return delta if delta is scratch else delta.clone()
+
+    def predict(self, steps: float) -> dict[Tensor, Tensor]:
+        """Map every parameter of the optimizer to ``W - lr * steps * Delta`` (new tensors).
+
+        Parameters without a direction yet (before the first step) map to a clone of W.
+        The live parameters are not modified.
+        """
+        out: dict[Tensor, Tensor] = {}
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                alpha = -float(group.get("lr", 1.0)) * steps
+                for p in group["params"]:
+                    self._group_of[p] = group
+                    delta = self._delta(p, None)
+                    w = p.detach()
+                    out[p] = w.clone() if delta is None else torch.add(w, delta, alpha=alpha)
+        return out
+
+    def predict_into(self, param: Tensor, steps: float, out: Tensor) -> bool:
+        """Write ``W - lr * steps * Delta`` into ``out``; False (``out`` untouched) if no Delta.
+
+        ``out`` must have ``param``'s shape; it may be ``param`` itself. When it does not
+        share storage with ``param`` it is also used as scratch space, so adaptive formulas
+        allocate nothing.
+        """
+        with torch.no_grad():
+            w = param.detach()
+            aliased = out.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+            delta = self._delta(param, None if aliased else out)
+            if delta is None:
+                return False
+            alpha = -self.lr(param) * steps
+            if delta is out:
+                out.mul_(alpha).add_(w)
+            else:
+                torch.add(w, delta, alpha=alpha, out=out)
+        return True
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._pending = []
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                self._step_lr[id(group)] = float(group.get("lr", 1.0))
+                capture = self.uses_fallback or self._needs_grad(group)
+                for p in group["params"]:
+                    self._group_of[p] = group
+                    if not capture or (p.grad is None and not self.uses_fallback):
+                        continue
+                    buf = self._stored.get(p)
+                    if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+                        buf = torch.empty_like(p)
+                        self._stored[p] = buf
+                    if self.uses_fallback:
+                        buf.copy_(p.detach())
+                    else:
+                        self._capture_grad(group, p, buf)
+                    self._pending.append((group, p))
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.steps_taken += 1
+        with torch.no_grad():
+            for group, p in self._pending:
+                buf = self._stored[p]
+                if self.uses_fallback:
+                    buf.sub_(p.detach())
+                    lr = self._step_lr[id(group)]
+                    if lr != 0.0:
+                        buf.div_(lr)
+                else:
+                    self._finish(group, p, optimizer.state[p], buf)
+        self._pending = []
+
+    # ------------------------------------------------------------------ formulas
+    def _group(self, param: Tensor) -> dict[str, Any]:
+        group = self._group_of.get(param)
+        if group is None:
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    self._group_of[p] = g
+            group = self._group_of.get(param)
+            if group is None:
+                raise KeyError("parameter is not managed by this optimizer")
+        return group
+
+    def _needs_grad(self, group: dict[str, Any]) -> bool:
+        """Whether this group's Delta needs the step's gradient (kept between hooks)."""
+        kind = self._kind
+        if kind == "sgd":
+            return (
+                group["momentum"] == 0 or group["nesterov"] or self.sgd_momentum == "code"
+            )
+        if kind == "rmsprop":
+            return group["momentum"] == 0
+        return kind in ("nadam", "adagrad", "adadelta")
+
+    def _l2(self, group: dict[str, Any]) -> float:
+        """Weight decay that the optimizer adds to the gradient (0 when decoupled)."""
+        wd = float(group.get("weight_decay", 0.0))
+        if self._kind in ("nadam", "radam", "adam") and group.get("decoupled_weight_decay"):
+            return 0.0
+        return wd
+
+    def _capture_grad(self, group: dict[str, Any], p: Tensor, buf: Tensor) -> None:
+        """Pre-step: ``buf <- g`` as the optimizer will use it (sign, L2 decay)."""
+        grad = p.grad
+        if grad.is_sparse:
+            grad = grad.to_dense()
+        if group.get("maximize", False):
+            torch.neg(grad, out=buf)
+        else:
+            buf.copy_(grad)
+        wd = self._l2(group)
+        if wd != 0.0:
+            buf.add_(p.detach(), alpha=wd)
+        if self._kind == "adadelta":  # numerator uses acc_delta *before* the step
+            eps = group["eps"]
+            acc = self.optimizer.state.get(p, {}).get("acc_delta")
+            if acc is None:
+                buf.mul_(math.sqrt(eps))
+            else:
+                buf.mul_(acc.add(eps).sqrt_())
+
+    def _finish(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], g: Tensor) -> None:
+        """Post-step: turn the captured gradient ``g`` into Delta, in place."""
+        kind = self._kind
+        if kind == "sgd":
+            mu = group["momentum"]
+            if mu == 0:
+                return
+            if group["nesterov"]:
+                g.add_(state["momentum_buffer"], alpha=mu)
+            else:  # "code" variant
+                g.mul_(1 - group["dampening"]).add_(state["momentum_buffer"], alpha=mu)
+        elif kind == "nadam":
+            b1, b2 = _betas(group)
+            step = float(state["step"])
+            decay = group["momentum_decay"]
+            mu = b1 * (1.0 - 0.5 * 0.96 ** (step * decay))
+            mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * decay))
+            prod = float(state["mu_product"])
+            denom = state["exp_avg_sq"].div(1 - b2**step).sqrt_().add_(group["eps"])
+            g.mul_((1 - mu) / (1 - prod))
+            g.add_(state["exp_avg"], alpha=mu_next / (1 - prod * mu_next)).div_(denom)
+            self._decoupled(group, p, g)
+        elif kind == "rmsprop":
+            sq = state["square_avg"]
+            if group["centered"]:
+                avg = torch.addcmul(sq, state["grad_avg"], state["grad_avg"], value=-1).sqrt_()
+            else:
+                avg = sq.sqrt()
+            g.div_(avg.add_(group["eps"]))
+        elif kind == "adagrad":
+            step = float(state["step"])
+            g.div_(state["sum"].sqrt().add_(group["eps"]))
+            g.div_(1 + (step - 1) * group["lr_decay"])
+        elif kind == "adadelta":
+            g.div_(state["square_avg"].add(group["eps"]).sqrt_())
+
+    def _decoupled(self, group: dict[str, Any], p: Tensor, delta: Tensor) -> None:
+        """Add decoupled decay: ``delta <- (delta + wd * W_after) / (1 - lr_step * wd)``.
+
+        Equals ``delta + wd * W_before`` since ``W_after = (1-lr*wd) W_before - lr*delta``.
+        """
+        wd = float(group.get("weight_decay", 0.0))
+        if wd == 0.0 or not group.get("decoupled_weight_decay", False):
+            return
+        delta.add_(p.detach(), alpha=wd).div_(1 - self._step_lr[id(group)] * wd)
+
+    def _delta(self, p: Tensor, out: Tensor | None) -> Tensor | None:
+        """Delta of ``p``: a stored/state tensor (do not modify), or ``out`` filled with it.
+
+        ``out`` is scratch space of ``p``'s shape; one is allocated when None is given.
+        """
+        if self.steps_taken == 0:
+            return None
+        stored = self._stored.get(p)
+        group = self._group(p)
+        if self.uses_fallback or self._needs_grad(group):
+            return stored
+        state = self.optimizer.state.get(p)
+        if not state:
+            return None
+        kind = self._kind
+        if kind == "sgd":  # momentum, paper variant: the buffer itself
+            return state["momentum_buffer"]
+        if kind == "rmsprop":  # with momentum: the buffer already holds g / avg
+            return state["momentum_buffer"]
+        if out is None:
+            out = torch.empty_like(p)
+        step = float(state["step"])
+        b1, b2 = _betas(group)
+        bc1 = 1 - b1**step
+        if kind == "adam":
+            v = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
+            torch.sqrt(v, out=out).div_(math.sqrt(1 - b2**step)).add_(group["eps"])
+            torch.div(state["exp_avg"], out, out=out).div_(bc1)
+        elif kind == "adamax":
+            torch.div(state["exp_avg"], state["exp_inf"], out=out).div_(bc1)
+        elif kind == "radam":
+            bc2 = 1 - b2**step
+            rho_inf = 2 / (1 - b2) - 1
+            rho_t = rho_inf - 2 * step * b2**step / bc2
+            if rho_t > 5.0:
+                rect = math.sqrt(
+                    (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+                )
+                torch.sqrt(state["exp_avg_sq"], out=out).add_(group["eps"])
+                torch.div(state["exp_avg"], out, out=out).mul_(rect * math.sqrt(bc2) / bc1)
+            else:
+                torch.div(state["exp_avg"], bc1, out=out)
+        else:  # pragma: no cover - every known kind is handled above
+            raise AssertionError(kind)
+        self._decoupled(group, p, out)
+        return out
