@@ -83,7 +83,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            default_microbatches=lambda n: n, versions=lambda k, n, **o: 1 if n == 1 else 2),
     Method("spectrain", "async-1f1b", "SpecTrainPolicy",
            "momentum-based prediction in both passes (SpecTrain)", False,
-           versions=lambda k, n, **o: 2),
+           versions=lambda k, n, **o: 2 if (k // 2 + n - k - 1) or k // 2 else 1),
     Method("xpipe", "async-1f1b", "XPipePolicy",
            "micro-batched async pipeline with Adam-direction prediction (XPipe)", False,
            default_microbatches=lambda n: 2, versions=lambda k, n, **o: 2),

@@ -133,7 +133,8 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
             if on_batch is not None:
                 on_batch(base + window, loss)
 
-        window_losses = run_schedule(pipeline, schedule, data, on_loss=record)
+        window_losses = run_schedule(pipeline, schedule, data, on_loss=record,
+                                     trace_offset=first_epoch * len(micro))
         losses += [window_losses[w] for w in range(len(batches) * count)]
         seconds = time.perf_counter() - epoch_start
         for e in range(count):

@@ -30,17 +30,20 @@ def check_runnable(schedule: Schedule, num_stages: int) -> None:
 
 
 def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequence[MicroBatch],
-                 on_loss: Optional[Callable[[int, float], None]] = None) -> Dict[int, float]:
+                 on_loss: Optional[Callable[[int, float], None]] = None,
+                 trace_offset: int = 0) -> Dict[int, float]:
     """Run one schedule over ``microbatches`` (indexed as the schedule's micro-batches).
 
     Returns the loss of each update window (mini-batch): the sum of its micro-batches' scaled
     losses. ``on_loss(window, loss)`` is called as soon as a window's loss is complete.
+    ``trace_offset`` numbers this schedule's micro-batches after earlier epochs' in the traces.
     """
     n = len(stages)
     check_runnable(schedule, n)
     m = schedule.microbatches_per_update
     for stage in stages:
         stage.policy.begin_epoch(schedule.orders[stage.index], schedule.orders)
+        stage.trace_offset = trace_offset
     activations: Dict[Tuple[int, int], Any] = {}
     gradients: Dict[Tuple[int, int], Any] = {}
     window_loss: Dict[int, float] = {}

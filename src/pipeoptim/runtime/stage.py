@@ -66,6 +66,8 @@ class Stage:
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.trace: List[TraceEntry] = []
+        #: Added to schedule-local micro-batch numbers in the trace (micro-batches of earlier epochs).
+        self.trace_offset = 0
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
@@ -88,7 +90,7 @@ class Stage:
         finally:
             use.done()
         self.policy.note_memory()
-        self.trace.append(TraceEntry(self.index, microbatch, "F", use.version, use.steps))
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "F", use.version, use.steps))
         self._saved[microbatch] = (leaves, as_tuple(output), use)
         self.time["F"] += time.perf_counter() - start
         self.count["F"] += 1
@@ -114,7 +116,7 @@ class Stage:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         self._collect_weight_grads(use)
-        self.trace.append(TraceEntry(self.index, microbatch, "B", used.version, used.steps))
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
         if self.is_first:

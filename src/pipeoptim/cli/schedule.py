@@ -1,0 +1,205 @@
+"""`pipeoptim schedule`: build a schedule, simulate it, and show it (text, PNG, Chrome trace, CSV).
+
+NAME is a schedule (``gpipe``, ``async-1f1b``, ...) or a training method (``pipeoptim``,
+``pipedream``, ...). For a method, the command shows the method's schedule, uses its default
+number of micro-batches when ``--microbatches`` is not given, and reports the weight versions
+each stage holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..methods import get_method, method_names
+from ..schedules import Costs, analytic_bubble_fraction, build_schedule, schedule_names, simulate
+from ..schedules import render
+
+FORMATS = ("text", "png", "chrome", "csv")
+EXTENSIONS = {"png": "png", "chrome": "json", "csv": "csv", "text": "txt"}
+ASYNC_SCHEDULES = ("async-1f1b", "2bw")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    names = list(dict.fromkeys(schedule_names() + method_names()))
+    parser = subparsers.add_parser(
+        "schedule",
+        help="simulate a pipeline schedule and show its timeline, bubbles and memory",
+        description="Build the schedule of NAME, simulate it with the given costs, and show when "
+                    "each stage computes and idles: a text timeline, a PNG, a Chrome/Perfetto "
+                    "trace or torch.distributed.pipelining's compute-only CSV.",
+        epilog="schedules: " + ", ".join(schedule_names()) + ". methods: " + ", ".join(method_names())
+               + ". Example: pipeoptim schedule pipeoptim --stages 4 --batches 8 --format png",
+    )
+    parser.add_argument("name", metavar="NAME",
+                        help=f"a schedule or a method name, one of: {', '.join(names)}")
+    parser.add_argument("--stages", "-N", metavar="N", default="4",
+                        help="pipeline stages, one per rank (ranks for interleaved-1f1b and "
+                             "bidirectional, which put several stages on a rank); default 4")
+    parser.add_argument("--microbatches", "-M", metavar="M", default=None,
+                        help="micro-batches per mini-batch, i.e. per update. Default: the "
+                             "method's own (gpipe, 1f1b-flush, pipedream-2bw: N; xpipe: 2; "
+                             "others: 1); for a schedule name N for synchronous schedules and 2bw "
+                             "(rounded up to even for bidirectional), 1 for async-1f1b")
+    parser.add_argument("--batches", "-T", metavar="T", default=None,
+                        help="mini-batches (updates) to run; default 1 for synchronous schedules, "
+                             "2N for asynchronous ones (async-1f1b, 2bw and the methods on them)")
+    parser.add_argument("--chunks", "-V", metavar="V", default="2",
+                        help="model chunks per rank for interleaved-1f1b; default 2")
+    parser.add_argument("--costs", metavar="F,B[,W]", default="1,1",
+                        help="time of one forward and one backward per stage (and of the weight "
+                             "half W of a split backward, default B/2); default 1,1")
+    parser.add_argument("--comm", metavar="C", default="0",
+                        help="time to send one activation or gradient between ranks; default 0")
+    parser.add_argument("--update-cost", metavar="U", default="0",
+                        help="time of one optimizer update; default 0 (updates are drawn as ticks)")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text: a timeline in the terminal (default); png: a picture; chrome: "
+                             "trace-event JSON for ui.perfetto.dev (1 unit of cost = 1 ms); csv: "
+                             "torch.distributed.pipelining's compute-only CSV, one row per rank, "
+                             "an empty cell per idle unit step")
+    parser.add_argument("--out", metavar="FILE", default=None,
+                        help="file to write; default schedule-NAME-N{N}-M{M}.png / .json / .csv "
+                             "in the current directory (text is printed unless --out is given)")
+    parser.add_argument("--width", metavar="COLS", default="120",
+                        help="columns of the text timeline; default 120")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (schedule, method, stages, ranks, microbatches, "
+                             "batches, makespan, bubble_fraction, analytic_bubble_fraction, "
+                             "peak_activations, weight_copies, busy, out) instead of a summary")
+    parser.set_defaults(func=run)
+
+
+def _integer(option: str, text: Optional[str], minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option} must be an integer, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"{option} must be at least {minimum}, got {value}")
+    return value
+
+
+def _number(option: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{option} must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{option} must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _costs(text: str) -> List[float]:
+    parts = [p for p in text.split(",")]
+    if not 2 <= len(parts) <= 3:
+        raise ValueError(f"--costs takes F,B or F,B,W (e.g. 1,2 or 1,2,1), got {text!r}")
+    values = [_number("--costs", p.strip()) for p in parts]
+    if values[0] <= 0 or values[1] <= 0:
+        raise ValueError(f"--costs: forward and backward must take some time, got {text!r}")
+    return values
+
+
+def _default_microbatches(schedule: str, stages: int) -> int:
+    if schedule == "async-1f1b":
+        return 1
+    if schedule == "bidirectional":
+        return stages + stages % 2
+    return stages
+
+
+def run(args: argparse.Namespace) -> int:
+    name = args.name
+    method = None
+    if name in method_names():
+        method = get_method(name)
+        schedule_name = method.schedule
+    elif name in schedule_names():
+        schedule_name = name
+    else:
+        raise ValueError(f"unknown schedule or method {name!r}; schedules: {', '.join(schedule_names())}; "
+                         f"methods: {', '.join(method_names())}")
+    stages = _integer("--stages", args.stages)
+    chunks = _integer("--chunks", args.chunks)
+    width = _integer("--width", args.width)
+    if args.microbatches is not None:
+        microbatches = _integer("--microbatches", args.microbatches)
+    elif method is not None:
+        microbatches = method.microbatches(stages, None)
+    else:
+        microbatches = _default_microbatches(schedule_name, stages)
+    asynchronous = schedule_name in ASYNC_SCHEDULES
+    batches = (_integer("--batches", args.batches) if args.batches is not None
+               else (2 * stages if asynchronous else 1))
+    forward, backward, *weight = _costs(args.costs)
+    comm = _number("--comm", args.comm)
+    update = _number("--update-cost", args.update_cost)
+
+    notes = []
+    if name == "sequential":
+        notes.append(f"sequential runs as one stage; shown is the gpipe schedule it maps to, "
+                     f"with {stages} stages")
+
+    def costs_for(num_stages: int) -> Costs:
+        return Costs.uniform(num_stages, forward, backward, weight[0] if weight else None,
+                             update=update, comm=comm)
+
+    schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks)
+    costs = costs_for(schedule.num_stages)
+    if schedule_name == "bidirectional":  # its order is list-scheduled against the costs
+        schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks, costs)
+    result = simulate(schedule, costs)
+    analytic = analytic_bubble_fraction(schedule, costs)
+    weight_copies = method.weight_versions(stages) if method is not None else None
+
+    out: Optional[Path] = None
+    if args.format != "text" or args.out is not None:
+        out = Path(args.out) if args.out else Path(
+            f"schedule-{name}-N{stages}-M{microbatches}.{EXTENSIONS[args.format]}")
+        title = f"{name} ({schedule_name} schedule)" if method is not None else None
+        if args.format == "png":
+            render.to_png(result, out, title=title)
+        elif args.format == "chrome":
+            render.write_chrome_trace(result, out)
+        elif args.format == "csv":
+            render.write_csv(schedule, out)
+        else:
+            out.write_text(render.to_text(result, width=width) + "\n")
+
+    if args.json:
+        report: Dict[str, Any] = {
+            "schedule": schedule_name,
+            "method": method.name if method is not None else None,
+            "stages": schedule.num_stages,
+            "ranks": schedule.num_ranks,
+            "microbatches": schedule.microbatches_per_update,
+            "batches": schedule.num_updates,
+            "total_microbatches": schedule.num_microbatches,
+            "costs": {"forward": forward, "backward": backward,
+                      "weight": costs.weight[0], "update": update, "comm": comm},
+            "makespan": result.makespan,
+            "bubble_fraction": result.bubble_fraction,
+            "analytic_bubble_fraction": analytic,
+            "peak_activations": result.peak_activations,
+            "weight_copies": weight_copies,
+            "busy": result.busy,
+            "format": args.format,
+            "out": str(out) if out is not None else None,
+            "notes": notes,
+        }
+        print(json.dumps(report))
+        return 0
+
+    lines = [f"{name}: " + (f"method {name} on the {schedule_name} schedule" if method else "schedule")]
+    lines += [f"note: {n}" for n in notes]
+    lines.append(f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.2%}"
+                 + (f" (closed form {analytic:.2%})" if analytic is not None else "")
+                 + f", peak activations per stage {result.peak_activations}"
+                 + (f", weight versions per stage {weight_copies}" if weight_copies is not None else ""))
+    if args.format == "text" and out is None:
+        lines.append(render.to_text(result, width=width))
+    else:
+        lines.append(f"wrote {out}")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,37 @@
+"""Shared fixtures: small seeded models and data that every runtime test can use."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+# Tests run with one intra-op thread: deterministic, and fair to multi-process tests.
+torch.set_num_threads(1)
+os.environ.setdefault("PIPEOPTIM_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache"))
+
+
+def mlp(depth: int = 8, width: int = 12, classes: int = 4, dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """An MLP of ``depth`` Linear+Tanh blocks, one block per layer so any partition works."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(6, width)] + [nn.Sequential(nn.Tanh(), nn.Linear(width, width)) for _ in range(depth - 2)]
+    layers += [nn.Sequential(nn.Tanh(), nn.Linear(width, classes))]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def batches(count: int = 12, size: int = 8, classes: int = 4, dtype=torch.float64, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(count, size, 6, generator=g, dtype=dtype)
+    ys = torch.randint(0, classes, (count, size), generator=g)
+    return list(zip(xs, ys))
+
+
+@pytest.fixture
+def tiny_mlp():
+    return mlp()
+
+
+@pytest.fixture
+def tiny_batches():
+    return batches()
