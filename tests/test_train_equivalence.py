@@ -98,7 +98,7 @@ def test_partition_and_params_partitioner():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(method="nope", stages=2), "unknown method"),
-    (dict(method="pipeoptim", stages=9), "9 stages need at least 9 layers"),
+    (dict(method="pipeoptim", stages=9), "9 stages need at least 9 layers with parameters; the model has 8"),
     (dict(method="pipeoptim", partition=[3, 3]), "covers 6 layers but the model has 8"),
     (dict(method="pipeoptim", stages=2, steps="sometimes"), "steps must be one of"),
     (dict(method="gpipe", stages=2, vertical_sync=True), "takes no option vertical_sync"),

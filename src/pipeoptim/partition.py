@@ -52,23 +52,53 @@ def parameter_counts(model: nn.Sequential) -> List[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
 
+def weighted_units(model: nn.Sequential) -> List[int]:
+    """Layers grouped so that every group holds parameters: a parameter-free layer (an
+    activation, a pooling, a reshape) stays with the layer before it (the first group takes
+    any leading ones). Returns the number of layers in each group."""
+    counts = parameter_counts(model)
+    units: List[int] = []
+    for c in counts:
+        if c > 0 or not units:
+            units.append(1)
+        else:
+            units[-1] += 1
+    if len(units) > 1 and not any(counts[:units[0]]):
+        leading = units.pop(0)  # a leading parameter-free group joins the next one
+        units[0] += leading
+    return units
+
+
 def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
                    sizes: Optional[Sequence[int]] = None) -> List[int]:
-    """Layers per stage: ``sizes`` if given, else ``uniform`` or ``params`` (balanced by count)."""
+    """Layers per stage: ``sizes`` if given, else ``uniform`` (equal numbers of layers with
+    parameters) or ``params`` (balanced parameter counts). Parameter-free layers go with the
+    layer before them, so that every stage has weights to train."""
     num_layers = len(model)
     if sizes is not None:
         return validate_partition(sizes, num_layers)
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
-    if stages > num_layers:
-        raise ValueError(f"{stages} stages need at least {stages} layers; the model has {num_layers} "
-                         f"(use --stages {num_layers} or fewer)")
+    units = weighted_units(model)
+    if stages > len(units):
+        raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
+                         f"{len(units)} (of {num_layers} layers); use --stages {len(units)} or fewer")
     if how == "uniform":
-        return uniform(num_layers, stages)
-    if how == "params":
-        # +1 per layer so that parameter-free layers still count for something
-        return balanced([c + 1 for c in parameter_counts(model)], stages)
-    raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
+        per_stage = uniform(len(units), stages)
+    elif how == "params":
+        counts, start = parameter_counts(model), 0
+        unit_params = []
+        for size in units:
+            unit_params.append(sum(counts[start:start + size]))
+            start += size
+        per_stage = balanced(unit_params, stages)
+    else:
+        raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
+    result, start = [], 0
+    for count in per_stage:
+        result.append(sum(units[start:start + count]))
+        start += count
+    return result
 
 
 def split(model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Sequential]:

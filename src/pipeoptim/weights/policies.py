@@ -51,7 +51,7 @@ class WeightUse:
 
     weights: Dict[str, torch.Tensor]   #: parameter name -> tensor handed to functional_call
     version: int                       #: the weight version these values are (or are predicted from)
-    steps: float = 0.0                 #: prediction steps applied on top of ``version`` (0: none)
+    steps: float = 0                   #: prediction steps applied on top of ``version`` (0: none)
     restore: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     def done(self) -> None:

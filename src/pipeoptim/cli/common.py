@@ -1,0 +1,109 @@
+"""Options shared by `train`, `compare` and `bench`, and turning them into a RunConfig."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..experiment import RunConfig
+from ..methods import method_names
+from ..optimizers import optimizer_names
+from ..tasks import task_names
+
+
+def int_list(text: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The task, model, data, optimizer and pipeline options of a training run."""
+    g = parser.add_argument_group("task and data")
+    g.add_argument("--task", default="image", choices=task_names(), help="data set and models (default: image)")
+    g.add_argument("--model", help="model of the task (default: the task's; see `pipeoptim train --task T --model list`)")
+    g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
+    g.add_argument("--limit", type=int, help="use at most this many training examples (quick runs)")
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training data (default: 1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial weights")
+    g = parser.add_argument_group("pipeline")
+    g.add_argument("--stages", type=int, default=4, help="pipeline stages (default: 4; sequential uses 1)")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
+                   "pipedream-2bw, xpipe; default: the method's)")
+    g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
+    g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],
+                   help="how to split layers when --partition is not given (default: uniform)")
+    g.add_argument("--continuous", action="store_true", help="no drain between epochs (async methods)")
+    g.add_argument("--steps", choices=["exact", "paper", "code"],
+                   help="pipeoptim: prediction steps s (exact: updates before the backward; paper: "
+                        "N-1-k; code: N-k as the authors' code). Default exact")
+    g.add_argument("--backward", choices=["latest", "predicted"],
+                   help="pipeoptim: weights of the backward pass (default latest, as the paper)")
+    g.add_argument("--sgd-momentum", choices=["paper", "code"],
+                   help="pipeoptim with SGD momentum: Delta = m (paper) or mu*m + (1-dampening)*g (code)")
+    g.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses stage 0's version")
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum (SGD, 0.9)")
+    g.add_argument("--lr", type=float, help="learning rate (default: the task's for this optimizer)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default: 0)")
+    g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop)")
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", type=Path, help="run folder (default: runs/<task>-<method>-<time>)")
+    g.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout, nothing else")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def method_options(args: argparse.Namespace, method: str) -> Dict[str, Any]:
+    """The method-specific options the user set, checked against the method."""
+    given = {"steps": args.steps, "backward": args.backward, "sgd_momentum": args.sgd_momentum,
+             "vertical_sync": True if args.vertical_sync else None}
+    given = {k: v for k, v in given.items() if v is not None}
+    from ..methods import get_method
+
+    allowed = get_method(method).options
+    return {k: v for k, v in given.items() if k in allowed}
+
+
+def run_config(args: argparse.Namespace, method: str) -> RunConfig:
+    return RunConfig(task=args.task, model=args.model, method=method, stages=args.stages,
+                     micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
+                     optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                     momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
+                     limit=args.limit, seed=args.seed, continuous=args.continuous,
+                     method_options=method_options(args, method))
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Reject impossible numbers before loading anything."""
+    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+
+
+def output_dir(args: argparse.Namespace, label: str) -> Path:
+    out = args.out or Path("runs") / f"{args.task}-{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        if (out / "summary.json").exists() or (out / "compare.json").exists():
+            raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
+    return out
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+def known_methods(text: str) -> List[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in method_names()]
+    if unknown:
+        raise ValueError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(method_names())}")
+    if not names:
+        raise ValueError("--methods is empty")
+    return names

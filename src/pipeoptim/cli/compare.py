@@ -1,0 +1,67 @@
+"""`pipeoptim compare`: several methods on the same data, seed and initial weights; one table
+and one plot."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..experiment import run_experiment
+from ..plots import plot_runs
+from ..tasks import get_task
+from .common import add_run_options, check_numbers, known_methods, output_dir, print_json, run_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="compare methods on one task",
+                       description="Run each method on the same data, seed and initial weights; print "
+                                   "one table and write compare.png with all the curves.")
+    p.add_argument("--methods", default="sequential,gpipe,async-naive,pipedream,pipeoptim",
+                   help="comma-separated method names (default: %(default)s)")
+    add_run_options(p)
+    p.set_defaults(func=run)
+
+
+def format_table(rows, metric: str) -> str:
+    head = ["method", f"final {metric}", f"best {metric}", "final loss", "weight copies",
+            "samples/s", "predicted samples/s"]
+    lines = []
+    for r in rows:
+        copies = ",".join(f"{c:g}" for c in r["weight_copies"])
+        pred = r.get("predicted_samples_per_second")
+        lines.append([r["method"], f"{r['final_metric']:.4f}", f"{r['best_metric']:.4f}",
+                      f"{r['final_loss']:.4f}", copies, f"{r['samples_per_second']:.0f}",
+                      f"{pred:.0f}" if pred else "-"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
+
+
+def run(args: argparse.Namespace) -> int:
+    check_numbers(args)
+    methods = known_methods(args.methods)
+    configs = [run_config(args, m) for m in methods]  # validates options before any work
+    out = output_dir(args, "compare")
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    task = get_task(args.task)
+    first = configs[0].resolved(task)
+    data = task.load(batch_size=first.batch_size, limit=args.limit, seed=args.seed)
+    log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
+        f"{args.stages} stages, {args.optimizer} lr {first.lr}")
+    rows = []
+    for cfg in configs:
+        rows.append(run_experiment(cfg, out_dir=out / cfg.method, show_progress=not args.no_progress,
+                                   log=log, task=task, data=data))
+    plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
+                     out / "compare.png", metric=task.metric,
+                     title=f"{args.task} / {first.model}, {args.stages} stages, {args.optimizer}")
+    report = {"task": args.task, "model": first.model, "stages": args.stages, "metric": task.metric,
+              "runs": rows, "plot": str(plot)}
+    (out / "compare.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print_json(report)
+    else:
+        print()
+        print(format_table(rows, task.metric))
+        print(f"\nplot: {plot}\nrun folders: {out}/<method>/")
+    return 0

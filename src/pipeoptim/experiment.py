@@ -1,0 +1,160 @@
+"""One task, one method, one run folder: what `pipeoptim train` and `compare` do.
+
+Loads the task's data and a seeded model, trains it with :func:`pipeoptim.train` behind a
+progress bar, evaluates after every epoch, and writes the run folder:
+
+* ``metrics.jsonl``: one JSON object per mini-batch (``{"type": "batch", ...}``) and per epoch;
+* ``summary.json``: the settings and results (what ``--json`` prints);
+* ``curves.png``: training loss and test metric.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .methods import get_method
+from .optimizers import make_optimizer
+from .plots import plot_runs
+from .schedules import Costs, simulate
+from .tasks import Task, TaskData, get_task
+from .train import TrainResult, train
+
+
+@dataclass
+class RunConfig:
+    """Every setting of a run, as the command line takes them."""
+
+    task: str = "image"
+    model: Optional[str] = None
+    method: str = "pipeoptim"
+    stages: int = 4
+    micro_batches: Optional[int] = None
+    partition: Optional[List[int]] = None
+    partitioner: str = "uniform"
+    optimizer: str = "momentum"
+    lr: Optional[float] = None
+    weight_decay: float = 0.0
+    momentum: Optional[float] = None
+    epochs: int = 1
+    batch_size: Optional[int] = None
+    limit: Optional[int] = None
+    seed: int = 0
+    continuous: bool = False
+    method_options: Dict[str, Any] = field(default_factory=dict)
+
+    def resolved(self, task: Task) -> "RunConfig":
+        """Fill the task's defaults (model, batch size, learning rate)."""
+        cfg = RunConfig(**asdict(self))
+        cfg.model = cfg.model or task.default_model
+        if cfg.model not in task.model_names():
+            raise ValueError(f"task {task.name} has no model {cfg.model!r}; choose one of: "
+                             f"{', '.join(task.model_names())}")
+        cfg.batch_size = cfg.batch_size or task.default_batch_size
+        if cfg.lr is None:
+            cfg.lr = task.default_lr.get(cfg.optimizer, 1e-3)
+        return cfg
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", disable=not enabled, leave=False,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def predicted_throughput(result: TrainResult, batch_size: int, batches: int) -> Optional[float]:
+    """Samples per second the schedule simulator predicts from the measured per-stage times
+    (one device per stage, no transfer cost)."""
+    times = result.metrics["stage_seconds"]
+    method = get_method(result.metrics["method"])
+    n = result.metrics["stages"]
+    costs = Costs([t["F"] for t in times], [t["B"] for t in times], [0.0] * n,
+                  update=max(t["U"] for t in times))
+    schedule = method.build_schedule(n, result.metrics["microbatches"], batches)
+    makespan = simulate(schedule, costs).makespan
+    return batch_size * batches / makespan if makespan > 0 else None
+
+
+def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bool = True,
+                   log=print, task: Optional[Task] = None, data: Optional[TaskData] = None) -> Dict[str, Any]:
+    """Train one method on one task; write the run folder; return the summary."""
+    task = task or get_task(cfg.task)
+    cfg = cfg.resolved(task)
+    if data is None:
+        data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
+    model = task.build_model(cfg.model, data, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)  # dropout and other randomness during training
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
+    batches = data.train
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(out_dir / "metrics.jsonl", "w")
+    else:
+        log_file = None
+    bar = progress_bar(len(batches) * cfg.epochs, f"{cfg.method} ({cfg.stages} stages)", show_progress)
+    epoch_lines: List[Dict[str, Any]] = []
+
+    def on_batch(index: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if log_file:
+            log_file.write(json.dumps({"type": "batch", "batch": index, "loss": loss}) + "\n")
+
+    def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
+        epoch_lines.append(entry)
+        if log_file:
+            log_file.write(json.dumps({"type": "epoch", **entry}) + "\n")
+            log_file.flush()
+        bar.clear()
+        log(f"{cfg.method:>14} epoch {epoch + 1}/{cfg.epochs}: loss {entry['loss']:.4f}  "
+            f"{task.metric} {entry.get('metric', float('nan')):.4f}  "
+            f"{entry['samples_per_second']:.0f} samples/s")
+
+    started = time.time()
+    try:
+        result = train(model, batches, method=cfg.method, optimizer=optimizer, loss_fn=task.loss,
+                       stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
+                       epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
+                       evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch, on_epoch=on_epoch,
+                       **cfg.method_options)
+    finally:
+        bar.close()
+        if log_file:
+            log_file.close()
+    metrics = [e["metric"] for e in result.metrics["epochs"] if "metric" in e]
+    best = (max if task.higher_is_better else min)(metrics) if metrics else None
+    summary = {
+        "task": cfg.task, "model": cfg.model, "method": cfg.method, "stages": result.metrics["stages"],
+        "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
+        "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
+        "metric": task.metric, "final_metric": metrics[-1] if metrics else None, "best_metric": best,
+        "final_loss": result.metrics["epochs"][-1]["loss"], "losses": result.losses,
+        "samples_per_second": result.metrics["samples_per_second"],
+        "predicted_samples_per_second": predicted_throughput(result, cfg.batch_size, len(batches)),
+        "weight_copies": result.metrics["weight_versions"],
+        "weight_copies_design": result.metrics["weight_versions_design"],
+        "stage_seconds": result.metrics["stage_seconds"], "epochs_detail": result.metrics["epochs"],
+        "seconds": time.time() - started, "data": {k: v for k, v in data.info.items() if _jsonable(v)},
+    }
+    if out_dir is not None:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},
+                  out_dir / "curves.png", metric=task.metric,
+                  title=f"{cfg.task} / {cfg.model}: {cfg.method}, {summary['stages']} stages")
+        summary["out"] = str(out_dir)
+    return summary
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
