@@ -191,15 +191,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
 
-    lines = [f"{name}: " + (f"method {name} on the {schedule_name} schedule" if method else "schedule")]
+    lines = []
+    if method is not None:
+        lines.append(f"method {name}: the {schedule_name} schedule, weight versions per stage "
+                     f"{weight_copies}")
     lines += [f"note: {n}" for n in notes]
-    lines.append(f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.2%}"
-                 + (f" (closed form {analytic:.2%})" if analytic is not None else "")
-                 + f", peak activations per stage {result.peak_activations}"
-                 + (f", weight versions per stage {weight_copies}" if weight_copies is not None else ""))
+    lines.append(f"peak activations per stage (micro-batches held) {result.peak_activations}")
     if args.format == "text" and out is None:
-        lines.append(render.to_text(result, width=width))
+        lines.append(render.to_text(result, width=width))  # its first line is the summary
     else:
-        lines.append(f"wrote {out}")
+        lines += [render.summary(result), f"wrote {out}"]
     print("\n".join(lines))
     return 0

@@ -9,7 +9,7 @@ from .bidirectional import bidirectional
 from .flush_1f1b import one_f_one_b_flush
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b
-from .simulate import Costs
+from .simulate import Costs, gc_paused
 from .twobw import two_bw
 from .zero_bubble import zb_h1
 
@@ -45,4 +45,5 @@ def build_schedule(name: str, stages: int, microbatches: int = 1, batches: int =
     """Build the schedule ``name``. ``microbatches`` is per update (per mini-batch)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(_BUILDERS)}")
-    return _BUILDERS[name](stages, microbatches, batches, chunks, costs)
+    with gc_paused():
+        return _BUILDERS[name](stages, microbatches, batches, chunks, costs)

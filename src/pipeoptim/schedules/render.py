@@ -33,8 +33,8 @@ PathLike = Union[str, Path]
 TRACE_US_PER_UNIT = 1000.0
 
 KIND_NAMES: Dict[Kind, str] = {
-    Kind.F: "forward", Kind.B: "backward", Kind.I: "backward (input grad)",
-    Kind.W: "backward (weight grad)", Kind.U: "update",
+    Kind.F: "forward", Kind.B: "backward", Kind.I: "input-grad backward",
+    Kind.W: "weight-grad backward", Kind.U: "update",
 }
 
 #: Colours of the PNG: forward blue, backward orange, I and W lighter and darker orange.
@@ -83,7 +83,8 @@ def summary(result: SimResult) -> str:
     s = result.schedule
     placement = (f"{s.num_stages} stages" if s.num_stages == s.num_ranks
                  else f"{s.num_stages} stages on {s.num_ranks} ranks")
-    line = (f"{s.name}: {placement}, M={s.microbatches_per_update} {_plural(s.microbatches_per_update, 'micro-batch')} "
+    m = s.microbatches_per_update
+    line = (f"{s.name}: {placement}, M={m} {_plural(m, 'micro-batch')} "
             f"per update, {s.num_updates} {_plural(s.num_updates, 'update')} "
             f"({s.num_microbatches} {_plural(s.num_microbatches, 'micro-batch')}); "
             f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}")
@@ -235,7 +236,8 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
     ax.set_yticks(range(ranks))
     ax.set_yticklabels(labels)
     ax.tick_params(axis="y", length=0)
-    ax.set_xlabel("time (simulator units)", fontsize=9)
+    batch = "mini-batches" if schedule.microbatches_per_update == 1 else "micro-batches"
+    ax.set_xlabel(f"time (simulator units); numbers on the boxes are {batch}", fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -250,8 +252,8 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
     ax.set_title(stats, fontsize=9, pad=6)
 
     kinds = {t.action.kind for t in result.timeline}
-    handles = [Patch(facecolor=COLORS[k], label=KIND_NAMES[k]) for k in (Kind.F, Kind.B, Kind.I, Kind.W)
-               if k in kinds]
+    handles = [Patch(facecolor=COLORS[k], label=f"{KIND_NAMES[k]} ({k.value})")
+               for k in (Kind.F, Kind.B, Kind.I, Kind.W) if k in kinds]
     if Kind.U in kinds:
         handles.append(Line2D([], [], color=COLORS[Kind.U], linewidth=2.2, label="update (U)"))
     if any(position[st] for st in range(schedule.num_stages)):
@@ -292,7 +294,8 @@ def to_chrome_trace(result: SimResult, us_per_unit: float = TRACE_US_PER_UNIT) -
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"schedule": schedule.name, "stages": schedule.num_stages,
-                      "ranks": schedule.num_ranks, "microbatches_per_update": schedule.microbatches_per_update,
+                      "ranks": schedule.num_ranks,
+                      "microbatches_per_update": schedule.microbatches_per_update,
                       "makespan": result.makespan, "bubble_fraction": result.bubble_fraction,
                       "us_per_unit": us_per_unit},
     }
@@ -325,7 +328,8 @@ def to_csv_rows(schedule_or_result: Union[Schedule, SimResult], updates: bool = 
     ``SimResult`` was simulated with. Without ``updates``, ``U`` actions are left out (torch's
     format has none) and take no step.
     """
-    schedule = schedule_or_result.schedule if isinstance(schedule_or_result, SimResult) else schedule_or_result
+    schedule = (schedule_or_result.schedule if isinstance(schedule_or_result, SimResult)
+                else schedule_or_result)
     comm = next((a for order in schedule.orders for a in order if a.kind.is_comm), None)
     if comm is not None:
         raise ValueError(f"the compute_only CSV holds no communication; {schedule.name} has {comm}")

@@ -126,10 +126,10 @@ def peak_activations(schedule: Schedule) -> List[int]:
 
 
 @contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector: the simulator allocates hundreds of thousands of small
-    objects, none of them cyclic, and collections triggered by those allocations cost about as much
-    as the simulation itself."""
+def gc_paused():
+    """Pause the cyclic garbage collector. Generating and simulating a large schedule allocate
+    hundreds of thousands of small objects, none of them cyclic; the collections they trigger
+    traverse every object of the process (all of torch's too) and cost more than the work."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -160,12 +160,12 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
         raise ValueError(f"{schedule.name}: action {twice} appears twice")
 
     comm, cost = costs.comm, costs.by_kind()
-    with _gc_paused():
+    with gc_paused():
         while work:
             rank = work.popleft()
             order = schedule.orders[rank]
-            ptr, t_free = pointer[rank], free_at[rank]
-            while ptr < len(order):
+            ptr, t_free, length = pointer[rank], free_at[rank], len(order)
+            while ptr < length:
                 action = order[ptr]
                 start, missing = t_free, None
                 for d in deps_of(action):
@@ -186,7 +186,8 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
                 busy[rank] += t_free - start
                 timeline.append(Timed(rank, action, start, t_free))
                 ptr += 1
-                work.extend(waiting.pop(action, ()))
+                if action in waiting:
+                    work.extend(waiting.pop(action))
             pointer[rank], free_at[rank] = ptr, t_free
 
     blocked = {}
