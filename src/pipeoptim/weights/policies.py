@@ -121,6 +121,17 @@ class WeightPolicy:
     def after_update(self) -> None:
         self.version += 1
 
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        """The policy's state at a drained point of the pipeline (nothing in flight)."""
+        if self._forward_version:
+            raise RuntimeError(f"stage {self.stage}: cannot save a policy with micro-batches in flight")
+        return {"version": self.version, "copy_bytes_peak": self.copy_bytes_peak}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        self.version = int(state["version"])
+        self.copy_bytes_peak = int(state["copy_bytes_peak"])
+
     # -- memory -------------------------------------------------------------------------------
     def copy_bytes(self) -> int:
         """Bytes of weight copies held now, beyond the live weights."""
@@ -317,6 +328,13 @@ class _Predicting(WeightPolicy):
 
     def copy_bytes(self) -> int:
         return nbytes(self.cache) if self.cache is not None else 0
+
+    def state_dict(self) -> Dict[str, object]:
+        return {**super().state_dict(), "predictor": self.predictor.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        super().load_state_dict(state)
+        self.predictor.load_state_dict(state["predictor"])
 
 
 class PipeOptimPolicy(_Predicting):

@@ -140,6 +140,22 @@ class Predictor:
             handle.remove()
         self._handles = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the next prediction depends on besides the optimizer's own state: the step
+        count, the per-parameter tensors the hooks keep (by position in the optimizer's
+        parameter groups), and the lr of each group's last step."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"steps_taken": self.steps_taken,
+                "stored": {i: self._stored[p].clone() for i, p in enumerate(params) if p in self._stored},
+                "step_lr": [self._step_lr.get(id(g)) for g in self.optimizer.param_groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.steps_taken = int(state["steps_taken"])
+        self._stored = {params[int(i)]: t.clone() for i, t in state["stored"].items()}
+        self._step_lr = {id(g): lr for g, lr in zip(self.optimizer.param_groups, state["step_lr"])
+                         if lr is not None}
+
     def lr(self, param: Tensor) -> float:
         """Current lr of ``param``'s group (a tensor lr is converted to float)."""
         return float(self._group(param).get("lr", 1.0))

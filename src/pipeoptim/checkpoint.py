@@ -1,0 +1,151 @@
+"""Checkpoints of a pipeline run: written atomically, checked on load, refused with a reason.
+
+A checkpoint is taken at a drained point (no micro-batch in flight). Each stage writes one file,
+``stage-K.pt``, with its module and optimizer state, its policy state (weight version, the
+predictor's stored directions), its counters and the RNG states of its process. A
+``manifest.json`` written last records the method, stages, partition, options, the data position
+and the SHA-256 of every stage file; ``latest.json`` in the checkpoint folder names the newest
+complete checkpoint. Every file goes to a temporary name first and is renamed into place, so a
+crash leaves either the old checkpoint or the new one, never half of one.
+
+Loading uses ``torch.load(..., weights_only=True)``; a missing, truncated, corrupted or
+mismatched file is refused with :class:`CheckpointError` naming the file and the reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and why."""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": repr(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    import ast
+    version, internal, gauss = ast.literal_eval(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def stage_state(stage) -> Dict[str, Any]:
+    """Everything a stage needs to continue exactly where it stopped."""
+    if stage.in_flight:
+        raise RuntimeError(f"stage {stage.index} has {stage.in_flight} micro-batches in flight; "
+                           f"checkpoints are taken at drained points")
+    return {"format": FORMAT, "stage": stage.index, "module": stage.module.state_dict(),
+            "optimizer": stage.optimizer.state_dict(), "policy": stage.policy.state_dict(),
+            "counters": dict(stage.count), "rng": rng_state()}
+
+
+def save_stage(stage, folder: Path) -> str:
+    """Write ``stage-K.pt`` into ``folder``; return its SHA-256."""
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(stage_state(stage), buffer)
+    data = buffer.getvalue()
+    _atomic_write(folder / f"stage-{stage.index}.pt", data)
+    return sha256(data)
+
+
+def save_manifest(folder: Path, info: Dict[str, Any], checksums: Dict[int, str]) -> None:
+    """Write the manifest (last), then point ``latest.json`` at this checkpoint."""
+    manifest = {"format": FORMAT, **info, "files": {f"stage-{k}.pt": h for k, h in sorted(checksums.items())}}
+    _atomic_write(folder / "manifest.json", json.dumps(manifest, indent=2).encode())
+    _atomic_write(folder.parent / "latest.json", json.dumps({"checkpoint": folder.name}).encode())
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (a run's ``checkpoints`` folder), or None."""
+    pointer = root / "latest.json"
+    if not pointer.exists():
+        return None
+    try:
+        name = json.loads(pointer.read_text())["checkpoint"]
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(f"{pointer}: unreadable ({error})") from None
+    return root / name
+
+
+def read_manifest(folder: Path, expect: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Read and check a checkpoint's manifest; ``expect`` lists fields that must match."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (the checkpoint was not completed)")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT}")
+    for key, value in (expect or {}).items():
+        if manifest.get(key) != value:
+            raise CheckpointError(f"{path}: {key} is {manifest.get(key)!r} but this run has {value!r}")
+    return manifest
+
+
+def load_stage(folder: Path, manifest: Dict[str, Any], stage) -> Dict[str, Any]:
+    """Check ``stage-K.pt`` against the manifest and load it into ``stage``."""
+    name = f"stage-{stage.index}.pt"
+    path = folder / name
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{folder / 'manifest.json'}: lists no {name}")
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing")
+    data = path.read_bytes()
+    if sha256(data) != manifest["files"][name]:
+        raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted; "
+                              f"{len(data)} bytes)")
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
+    if state.get("stage") != stage.index:
+        raise CheckpointError(f"{path}: holds stage {state.get('stage')}, expected {stage.index}")
+    try:
+        stage.module.load_state_dict(state["module"])
+        stage.optimizer.load_state_dict(state["optimizer"])
+        stage.policy.load_state_dict(state["policy"])
+    except (RuntimeError, KeyError, ValueError) as error:
+        raise CheckpointError(f"{path}: does not fit this model or optimizer ({error})") from None
+    stage.count.update(state["counters"])
+    return state
+
+
+def checkpoint_name(epoch: int, batch: int) -> str:
+    return f"epoch{epoch:04d}-batch{batch:06d}"
+
+
+def list_files(folder: Path) -> List[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
