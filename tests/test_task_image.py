@@ -21,7 +21,6 @@ from pipeoptim.tasks.common import (
 )
 from pipeoptim.tasks.image import (
     DATA_DIR_ENV,
-    DEFAULT_DATA_DIR,
     FILES,
     IMAGE_MAGIC,
     LABEL_MAGIC,
@@ -35,8 +34,9 @@ from pipeoptim.tasks.image import (
 
 
 def _data_installed() -> bool:
+    """Whether Fashion-MNIST can be read (from $PIPEOPTIM_FASHION_MNIST_DIR or Debian's folder)."""
     try:
-        load_arrays(DEFAULT_DATA_DIR)
+        load_arrays()
     except MissingDataError:
         return False
     return True
@@ -46,12 +46,6 @@ needs_data = pytest.mark.skipif(
     not _data_installed(),
     reason="Fashion-MNIST is not installed: sudo apt-get install --no-install-recommends dataset-fashion-mnist",
 )
-
-
-@pytest.fixture
-def debian_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read the data from Debian's folder even if the environment points elsewhere."""
-    monkeypatch.setenv(DATA_DIR_ENV, DEFAULT_DATA_DIR)
 
 
 def write_idx(path: Path, array: np.ndarray, magic: int, compress: bool = True) -> None:
@@ -131,6 +125,13 @@ def test_load_from_a_tiny_dataset_in_the_env_folder(tmp_path: Path, monkeypatch:
     assert data.test[0][1].tolist() == [0, 1, 2, 3]
 
 
+def test_limit_below_one_batch_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tiny_dataset(tmp_path, n_train=10, n_test=4)
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="no full batch of 8"):
+        ImageTask().load(batch_size=8, limit=5, seed=0)
+
+
 def test_n_test_examples() -> None:
     assert n_test_examples(None, 64) == 10_000
     assert n_test_examples(2000, 64) == 1000
@@ -140,7 +141,7 @@ def test_n_test_examples() -> None:
 
 
 @needs_data
-def test_load_is_seeded(debian_data: None) -> None:
+def test_load_is_seeded() -> None:
     task = ImageTask()
     a = task.load(batch_size=32, limit=200, seed=1)
     b = task.load(batch_size=32, limit=200, seed=1)
@@ -158,7 +159,7 @@ def test_load_is_seeded(debian_data: None) -> None:
 
 
 @needs_data
-def test_full_dataset_sizes_and_normalisation(debian_data: None) -> None:
+def test_full_dataset_sizes_and_normalisation() -> None:
     data = ImageTask().load(batch_size=64, limit=None, seed=0)
     assert data.info["n_train_total"] == 60_000 and data.info["n_test"] == 10_000
     assert len(data.train) == 60_000 // 64 and len(data.test) == 157
@@ -204,7 +205,7 @@ def test_build_model_is_seeded_and_leaves_global_rng_alone(name: str) -> None:
 def test_parameter_counts() -> None:
     task = ImageTask()
     counts = {n: sum(p.numel() for p in task.build_model(n, None, seed=0).parameters()) for n in task.model_names()}
-    assert counts == {"vgg": 201_170, "vgg-bn": 201_482, "resnet": 313_594, "mlp": 335_114}
+    assert counts == {"vgg": 201_170, "vgg-bn": 201_482, "resnet": 170_298, "mlp": 335_114}
 
 
 def test_unknown_model_lists_choices() -> None:
@@ -297,9 +298,9 @@ def test_classification_accuracy_and_evaluation_mode() -> None:
 
 
 @needs_data
-@pytest.mark.parametrize("model_name, optimizer", [("vgg", "adam"), ("mlp", "momentum")])
-def test_short_training_learns(debian_data: None, model_name: str, optimizer: str) -> None:
-    """One epoch on 2,000 images (a few seconds) reaches test accuracy far above chance (0.1)."""
+@pytest.mark.parametrize("model_name, optimizer, epochs", [("vgg", "adam", 2), ("mlp", "momentum", 2)])
+def test_short_training_learns(model_name: str, optimizer: str, epochs: int) -> None:
+    """Two epochs on 2,000 images (a few seconds) reach test accuracy far above chance (0.1)."""
     torch.manual_seed(0)
     task = ImageTask()
     data = task.load(batch_size=64, limit=2000, seed=0)
@@ -310,10 +311,11 @@ def test_short_training_learns(debian_data: None, model_name: str, optimizer: st
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     model.train()
-    for x, y in data.train:
-        opt.zero_grad()
-        task.loss(model(x), y).backward()
-        opt.step()
+    for _ in range(epochs):
+        for x, y in data.train:
+            opt.zero_grad()
+            task.loss(model(x), y).backward()
+            opt.step()
     accuracy = task.evaluate(model, data)
     assert model.training
-    assert accuracy > 0.65, accuracy
+    assert accuracy > 0.6, accuracy

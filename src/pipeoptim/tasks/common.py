@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -115,7 +115,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__: Sequence[str] = [
+__all__ = [
     "Inputs",
     "batchify",
     "cache_dir",
