@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def smooth(values: Sequence[float], window: int) -> List[float]:
@@ -34,6 +35,7 @@ def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: st
             ax_metric.plot(epochs, values, marker="o", label=name)
     ax_loss.set(xlabel="mini-batch", ylabel="training loss (moving average)", title="Training loss")
     ax_metric.set(xlabel="epoch", ylabel=metric, title=f"Test {metric}")
+    ax_metric.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_loss, ax_metric):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
