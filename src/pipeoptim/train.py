@@ -8,14 +8,18 @@ on the chosen runtime. The caller's model is never modified; the trained copy co
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, read_manifest, save_manifest,
+                         save_stage, set_rng_state)
 from .methods import get_method
 from .partition import plan_partition
 from .runtime.build import OptimizerFactory, build_stages
@@ -79,6 +83,30 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     return RunSpec(method, options, n, sizes, micro)
 
 
+def save_checkpoint(store: Path, pipeline: Sequence, run_info: Dict[str, Any], *, epoch: int, batch: int,
+                    losses: List[float], epoch_metrics: List[Dict[str, Any]]) -> Path:
+    """Save every stage at a drained point; the manifest records where to continue."""
+    folder = store / checkpoint_name(epoch, batch)
+    sums = {stage.index: save_stage(stage, folder) for stage in pipeline}
+    save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": losses,
+                           "epoch_metrics": epoch_metrics}, sums)
+    return folder
+
+
+def resume_from(store: Path, pipeline: Sequence, run_info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Load the newest checkpoint in ``store`` into the stages; None if there is none yet."""
+    folder = latest_checkpoint(store)
+    if folder is None:
+        return None
+    manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
+    state = None
+    for stage in pipeline:
+        state = load_stage(folder, manifest, stage)
+    if state is not None:
+        set_rng_state(state["rng"])
+    return manifest
+
+
 def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimizer: OptimizerFactory,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], stages: Optional[int] = None,
           partition: Optional[Sequence[int]] = None, partitioner: str = "uniform", epochs: int = 1,
@@ -86,7 +114,8 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
           evaluate: Optional[Callable[[nn.Module], float]] = None,
           on_batch: Optional[Callable[[int, float], None]] = None,
           on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
-          **method_options: Any) -> TrainResult:
+          checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
+          resume: bool = False, **method_options: Any) -> TrainResult:
     """Train a copy of ``model`` on ``batches`` with a pipeline method.
 
     ``batches`` is one epoch of (input, target) mini-batches; ``optimizer`` is called with each
@@ -96,6 +125,11 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     after each epoch and its value recorded. ``continuous`` runs all epochs as one schedule with
     no drain between them. Method options (``steps``, ``backward``, ``sgd_momentum``,
     ``vertical_sync``) go in as keyword arguments.
+
+    With ``checkpoint_dir``, the pipeline drains and every stage is saved every
+    ``checkpoint_every`` mini-batches and at each epoch's end (:mod:`pipeoptim.checkpoint`);
+    ``resume=True`` continues from the newest checkpoint there, and the losses after it equal
+    those of an uninterrupted run with the same checkpoint interval, batch for batch.
     """
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
@@ -115,46 +149,80 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     for inputs, target in batches:
         micro += split_batch(inputs, target, spec.microbatches)
     samples = sum(batch_size(x) for x, _ in batches)
+    per_batch = spec.microbatches
+    num_batches = len(batches)
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+    if continuous and checkpoint_every:
+        raise ValueError("a continuous run never drains, so it cannot checkpoint every K batches; "
+                         "drop continuous or checkpoint_every")
+    segment = checkpoint_every or num_batches
+    store = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    run_info = {"method": method, "stages": spec.stages, "partition": spec.partition,
+                "microbatches": spec.microbatches, "options": spec.options,
+                "batches_per_epoch": num_batches, "segment": segment}
 
     losses: List[float] = []
     epoch_metrics: List[Dict[str, Any]] = []
+    start_epoch, start_batch = 0, 0
+    if resume:
+        if store is None:
+            raise ValueError("resume=True needs checkpoint_dir")
+        state = resume_from(store, pipeline, run_info)
+        if state is not None:
+            losses, epoch_metrics = state["losses"], state["epoch_metrics"]
+            start_epoch, start_batch = state["epoch"], state["batch"]
+
     start = time.perf_counter()
-    rounds = [(0, epochs)] if continuous else [(e, 1) for e in range(epochs)]
-    for first_epoch, count in rounds:
-        epoch_start = time.perf_counter()
-        schedule = meth.build_schedule(spec.stages, spec.microbatches, len(batches) * count)
-        data = micro * count
+    if continuous:
+        plan = [(0, 0, num_batches * epochs)]
+    else:
+        plan = [(e, b, min(segment, num_batches - b)) for e in range(epochs)
+                for b in range(0, num_batches, segment) if (e, b) >= (start_epoch, start_batch)]
+    trained_samples = 0
+    epoch_start = time.perf_counter()
+    for epoch, first, count in plan:
         base = len(losses)
 
-        def record(window: int, loss: float) -> None:
+        def record(window: int, loss: float, epoch=epoch, first=first, base=base) -> None:
             if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss became {loss} at mini-batch {window % len(batches)} of "
-                                    f"epoch {first_epoch + window // len(batches)}")
+                raise NonFiniteLoss(f"loss became {loss} at mini-batch {(first + window) % num_batches} "
+                                    f"of epoch {epoch + (first + window) // num_batches}")
             if on_batch is not None:
                 on_batch(base + window, loss)
 
+        schedule = meth.build_schedule(spec.stages, per_batch, count)
+        data = (micro * epochs) if continuous else micro[first * per_batch:(first + count) * per_batch]
         window_losses = run_schedule(pipeline, schedule, data, on_loss=record,
-                                     trace_offset=first_epoch * len(micro))
-        losses += [window_losses[w] for w in range(len(batches) * count)]
-        seconds = time.perf_counter() - epoch_start
-        for e in range(count):
-            chunk = losses[base + e * len(batches): base + (e + 1) * len(batches)]
-            entry: Dict[str, Any] = {"epoch": first_epoch + e, "loss": sum(chunk) / len(chunk),
-                                     "seconds": seconds / count,
-                                     "samples_per_second": samples * count / seconds}
-            epoch_metrics.append(entry)
-        if evaluate is not None:
-            epoch_metrics[-1]["metric"] = float(evaluate(trained))
-            trained.train()
-        if on_epoch is not None:
-            on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
+                                     trace_offset=(epoch * num_batches + first) * per_batch)
+        losses += [window_losses[w] for w in range(count)]
+        trained_samples += sum(batch_size(x) for x, _ in batches[first:first + count]) if not continuous \
+            else samples * epochs
+        ends_epoch = continuous or first + count == num_batches
+        if ends_epoch:
+            seconds = time.perf_counter() - epoch_start
+            for e in range(epochs if continuous else 1):
+                chunk = losses[(epoch + e) * num_batches:(epoch + e + 1) * num_batches]
+                epoch_metrics.append({"epoch": epoch + e, "loss": sum(chunk) / len(chunk),
+                                      "seconds": seconds / (epochs if continuous else 1),
+                                      "samples_per_second": samples * (epochs if continuous else 1) / seconds})
+            if evaluate is not None:
+                epoch_metrics[-1]["metric"] = float(evaluate(trained))
+                trained.train()
+            if on_epoch is not None:
+                on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
+            epoch_start = time.perf_counter()
+        if store is not None and not continuous:
+            next_epoch, next_batch = (epoch + 1, 0) if ends_epoch else (epoch, first + count)
+            save_checkpoint(store, pipeline, run_info, epoch=next_epoch, batch=next_batch,
+                            losses=losses, epoch_metrics=epoch_metrics)
     elapsed = time.perf_counter() - start
 
     trace = sorted((e for s in pipeline for e in s.trace), key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
     metrics = {
         "method": method, "options": spec.options, "stages": spec.stages, "partition": spec.partition,
         "microbatches": spec.microbatches, "epochs": epoch_metrics,
-        "samples_per_second": samples * epochs / elapsed, "seconds": elapsed,
+        "samples_per_second": trained_samples / elapsed if elapsed > 0 else 0.0, "seconds": elapsed,
         "weight_versions": [round(s.policy.versions_peak, 3) for s in pipeline],
         "weight_versions_design": meth.weight_versions(spec.stages, **spec.options),
         "stage_seconds": [{k: s.time[k] / max(1, s.count[k]) for k in s.time} for s in pipeline],
