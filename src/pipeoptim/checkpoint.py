@@ -143,6 +143,15 @@ def load_stage(folder: Path, manifest: Dict[str, Any], stage) -> Dict[str, Any]:
     return state
 
 
+def prune(root: Path, keep: int = 2) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``."""
+    import shutil
+
+    done = sorted(p for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists())
+    for old in done[:-keep] if keep > 0 else done:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def checkpoint_name(epoch: int, batch: int) -> str:
     return f"epoch{epoch:04d}-batch{batch:06d}"
 

@@ -46,6 +46,7 @@ class RunConfig:
     limit: Optional[int] = None
     seed: int = 0
     continuous: bool = False
+    checkpoint_every: Optional[int] = None
     method_options: Dict[str, Any] = field(default_factory=dict)
 
     def resolved(self, task: Task) -> "RunConfig":
@@ -82,8 +83,13 @@ def predicted_throughput(result: TrainResult, batch_size: int, batches: int) -> 
 
 
 def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bool = True,
-                   log=print, task: Optional[Task] = None, data: Optional[TaskData] = None) -> Dict[str, Any]:
-    """Train one method on one task; write the run folder; return the summary."""
+                   log=print, task: Optional[Task] = None, data: Optional[TaskData] = None,
+                   resume: bool = False) -> Dict[str, Any]:
+    """Train one method on one task; write the run folder; return the summary.
+
+    With a run folder, the settings go to ``config.json`` and every stage is checkpointed under
+    ``checkpoints/`` at each epoch's end (and every ``cfg.checkpoint_every`` mini-batches);
+    ``resume`` continues the run in ``out_dir`` from its newest checkpoint."""
     task = task or get_task(cfg.task)
     cfg = cfg.resolved(task)
     if data is None:
@@ -94,7 +100,9 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     batches = data.train
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(out_dir / "metrics.jsonl", "w")
+        if not resume:
+            (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        log_file = open(out_dir / "metrics.jsonl", "a" if resume else "w")
     else:
         log_file = None
     bar = progress_bar(len(batches) * cfg.epochs, f"{cfg.method} ({cfg.stages} stages)", show_progress)
@@ -122,11 +130,20 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
                        stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
                        epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
                        evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch, on_epoch=on_epoch,
-                       **cfg.method_options)
+                       checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
+                       checkpoint_every=cfg.checkpoint_every, resume=resume, **cfg.method_options)
     finally:
         bar.close()
         if log_file:
             log_file.close()
+    return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir)
+
+
+def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, started: float,
+                  out_dir: Optional[Path]) -> Dict[str, Any]:
+    """The summary of a finished run (``cfg`` resolved); writes summary.json and curves.png
+    into ``out_dir``. ``result`` is a TrainResult or a distributed run's writer-rank result."""
+    batches = data.train
     metrics = [e["metric"] for e in result.metrics["epochs"] if "metric" in e]
     best = (max if task.higher_is_better else min)(metrics) if metrics else None
     summary = {

@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, read_manifest, save_manifest,
-                         save_stage, set_rng_state)
+from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, prune, read_manifest,
+                         save_manifest, save_stage, set_rng_state)
 from .methods import get_method
 from .partition import plan_partition
 from .runtime.build import OptimizerFactory, build_stages
@@ -90,6 +90,7 @@ def save_checkpoint(store: Path, pipeline: Sequence, run_info: Dict[str, Any], *
     sums = {stage.index: save_stage(stage, folder) for stage in pipeline}
     save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": losses,
                            "epoch_metrics": epoch_metrics}, sums)
+    prune(store, keep=2)
     return folder
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..experiment import RunConfig
-from ..methods import method_names
+from ..methods import get_method, method_names
 from ..optimizers import optimizer_names
 from ..tasks import task_names
 
@@ -30,7 +30,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial weights")
     g = parser.add_argument_group("pipeline")
-    g.add_argument("--stages", type=int, default=4, help="pipeline stages (default: 4; sequential uses 1)")
+    g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
+                   "sequential uses 1)")
     g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
                    "pipedream-2bw, xpipe; default: the method's)")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
@@ -57,24 +58,41 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def method_options(args: argparse.Namespace, method: str) -> Dict[str, Any]:
-    """The method-specific options the user set, checked against the method."""
+def method_options(args: argparse.Namespace, method: str, strict: bool = True) -> Dict[str, Any]:
+    """The method-specific options the user set; one the method does not take is an error
+    (``strict``, for one method) or is left out (for a comparison of several)."""
+    from ..methods import get_method
+
     given = {"steps": args.steps, "backward": args.backward, "sgd_momentum": args.sgd_momentum,
              "vertical_sync": True if args.vertical_sync else None}
     given = {k: v for k, v in given.items() if v is not None}
-    from ..methods import get_method
+    meth = get_method(method)
+    if not strict:
+        return {k: v for k, v in given.items() if k in meth.options}
+    for key in given:
+        if key not in meth.options:
+            takers = [m for m in method_names() if key in get_method(m).options]
+            raise ValueError(f"--{key.replace('_', '-')} applies to {', '.join(takers)}, not {method}")
+    if getattr(args, "continuous", False) and meth.synchronous:
+        raise ValueError(f"--continuous applies to asynchronous methods; {method} flushes before every update")
+    return given
 
-    allowed = get_method(method).options
-    return {k: v for k, v in given.items() if k in allowed}
 
-
-def run_config(args: argparse.Namespace, method: str) -> RunConfig:
-    return RunConfig(task=args.task, model=args.model, method=method, stages=args.stages,
+def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> RunConfig:
+    options = method_options(args, method, strict)
+    continuous = args.continuous and not get_method(method).synchronous
+    return RunConfig(task=args.task, model=args.model, method=method, stages=stages_of(args),
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
                      optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                      momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
-                     limit=args.limit, seed=args.seed, continuous=args.continuous,
-                     method_options=method_options(args, method))
+                     limit=args.limit, seed=args.seed, continuous=continuous, method_options=options)
+
+
+def stages_of(args: argparse.Namespace) -> int:
+    """--stages, else the partition's length, else 4."""
+    if args.stages is not None:
+        return args.stages
+    return len(args.partition) if args.partition else 4
 
 
 def check_numbers(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..experiment import run_experiment
+from ..methods import get_method
 from ..plots import plot_runs
 from ..tasks import get_task
 from .common import add_run_options, check_numbers, known_methods, output_dir, print_json, run_config
@@ -40,22 +41,25 @@ def format_table(rows, metric: str) -> str:
 def run(args: argparse.Namespace) -> int:
     check_numbers(args)
     methods = known_methods(args.methods)
-    configs = [run_config(args, m) for m in methods]  # validates options before any work
+    configs = [run_config(args, m, strict=False) for m in methods]  # validates before any work
+    for option in ("steps", "backward", "sgd_momentum", "vertical_sync"):
+        if getattr(args, option) and not any(option in get_method(m).options for m in methods):
+            raise ValueError(f"--{option.replace('_', '-')} applies to none of {', '.join(methods)}")
     out = output_dir(args, "compare")
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     task = get_task(args.task)
     first = configs[0].resolved(task)
     data = task.load(batch_size=first.batch_size, limit=args.limit, seed=args.seed)
     log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
-        f"{args.stages} stages, {args.optimizer} lr {first.lr}")
+        f"{first.stages} stages, {args.optimizer} lr {first.lr}")
     rows = []
     for cfg in configs:
         rows.append(run_experiment(cfg, out_dir=out / cfg.method, show_progress=not args.no_progress,
                                    log=log, task=task, data=data))
     plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
                      out / "compare.png", metric=task.metric,
-                     title=f"{args.task} / {first.model}, {args.stages} stages, {args.optimizer}")
-    report = {"task": args.task, "model": first.model, "stages": args.stages, "metric": task.metric,
+                     title=f"{args.task} / {first.model}, {first.stages} stages, {args.optimizer}")
+    report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot)}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     if args.json:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from ..experiment import run_experiment
+from ..experiment import RunConfig, run_experiment
 from ..methods import method_names
 from .common import add_run_options, check_numbers, output_dir, print_json, run_config
 
@@ -17,20 +19,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runtime", default="local", choices=["local", "distributed"],
                    help="local: all stages in this process; distributed: one process per stage "
                         "(started with torchrun for you, or run under torchrun)")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="drain and checkpoint every K mini-batches (always at each epoch's end)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest checkpoint, with its settings")
     add_run_options(p)
     p.set_defaults(func=run)
 
 
+def resume_config(run_dir: Path) -> RunConfig:
+    config = run_dir / "config.json"
+    if not config.exists():
+        raise ValueError(f"{run_dir} is not a run folder of `pipeoptim train` (no config.json)")
+    try:
+        return RunConfig(**json.loads(config.read_text()))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{config}: unreadable ({error})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     check_numbers(args)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.resume is not None:
+        cfg = resume_config(args.resume)
+        if args.runtime == "distributed":
+            from ..runtime.launch import run_distributed_train
+
+            return run_distributed_train(args, cfg)
+        return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
+                                           log=_log(args), resume=True), args.resume)
     cfg = run_config(args, args.method)
+    cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
         from ..runtime.launch import run_distributed_train
 
         return run_distributed_train(args, cfg)
-    out = output_dir(args, f"{args.method}-N{args.stages}")
-    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=log)
+    out = output_dir(args, f"{args.method}-N{cfg.stages}")
+    summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args))
+    return report(args, summary, out)
+
+
+def _log(args: argparse.Namespace):
+    return (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+
+
+def report(args: argparse.Namespace, summary: dict, out: Path) -> int:
     if args.json:
         print_json(summary)
     else:

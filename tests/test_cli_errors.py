@@ -1,0 +1,103 @@
+"""Bad options, models and data end with exit code 2 and one line that says what is wrong,
+before any work starts; no traceback. Table-driven: each row is (arguments, expected text)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeoptim.cli import main
+
+QUICK = ["--task", "image", "--model", "mlp", "--limit", "640", "--no-progress"]
+
+CASES = [
+    (["train", "--stages", "0"], "--stages must be at least 1, got 0"),
+    (["train", "--stages", "-3"], "--stages must be at least 1, got -3"),
+    (["train", "--stages", "9", *QUICK], "9 stages need at least 9 layers with parameters"),
+    (["train", "--partition", "3,3", *QUICK], "covers 6 layers but the model has"),
+    (["train", "--partition", "0,8", *QUICK], "every stage needs at least one layer"),
+    (["train", "--partition", "1,x"], "expected comma-separated integers"),
+    (["train", "--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
+    (["train", "--method", "gpipe", "--micro-batches", "1000", "--stages", "2", *QUICK],
+     "cannot split a mini-batch of 64 samples into 1000 micro-batches"),
+    (["train", "--method", "pipedream-2bw", "--stages", "4", "--micro-batches", "2", *QUICK],
+     "needs micro-batches >= stages"),
+    (["train", "--method", "nope"], "invalid choice: 'nope'"),
+    (["train", "--optimizer", "lion"], "invalid choice: 'lion'"),
+    (["train", "--task", "speech"], "invalid choice: 'speech'"),
+    (["train", "--lr", "0"], "--lr must be positive, got 0.0"),
+    (["train", "--lr", "-0.1"], "--lr must be positive, got -0.1"),
+    (["train", "--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["train", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["train", "--limit", "0"], "--limit must be at least 1, got 0"),
+    (["train", "--task", "image", "--limit", "10", "--no-progress"], "10"),
+    (["train", "--model", "alexnet", *QUICK[:2], "--limit", "640"], "task image has no model 'alexnet'"),
+    (["train", "--method", "gpipe", "--steps", "code"], "--steps applies to pipeoptim, not gpipe"),
+    (["train", "--method", "pipeoptim", "--vertical-sync"], "--vertical-sync applies to pipedream, not pipeoptim"),
+    (["train", "--method", "gpipe", "--continuous"], "--continuous applies to asynchronous methods"),
+    (["train", "--optimizer", "adam", "--momentum", "0.9", *QUICK], "--momentum applies to momentum, nesterov and rmsprop"),
+    (["train", "--weight-decay", "-1", *QUICK], "weight decay must be >= 0"),
+    (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
+    (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
+    (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
+    (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
+    (["schedule", "nope"], "unknown schedule or method"),
+    (["schedule", "gpipe", "--stages", "0"], "must be"),
+    (["schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"], "multiple of the ranks"),
+    (["schedule", "2bw", "--stages", "4", "--microbatches", "2"], "m >= stages N"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_bad_input_exits_2_with_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) if "invalid choice" in expected or "comma-separated" in expected \
+            else _no_exit() as exc:
+        code = main(argv)
+    if exc is not None and hasattr(exc, "value"):
+        code = exc.value.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert expected in err, err
+    assert "Traceback" not in err
+    message_lines = [l for l in err.splitlines() if "error" in l]
+    assert len(message_lines) == 1, err
+
+
+class _no_exit:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_missing_data_set_names_the_install_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PIPEOPTIM_FASHION_MNIST_DIR", str(tmp_path))
+    from pipeoptim.tasks import image
+    image._load_arrays_cached.cache_clear()
+    assert main(["train", *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install --no-install-recommends dataset-fashion-mnist" in err
+    assert "Traceback" not in err
+
+
+def test_output_folder_of_another_run_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text("{}")
+    assert main(["train", *QUICK, "--out", str(tmp_path)]) == 2
+    assert "already holds a run; choose another --out or pass --overwrite" in capsys.readouterr().err
+
+
+def test_resume_continues_a_cli_run_to_the_same_losses(tmp_path, capsys):
+    common = ["train", *QUICK, "--method", "pipeoptim", "--stages", "2", "--epochs", "2",
+              "--checkpoint-every", "3", "--json"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    full = json.loads(capsys.readouterr().out)["losses"]
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    # roll the run back to its older checkpoint, as if it had died after it
+    store = tmp_path / "b" / "checkpoints"
+    older = sorted(p.name for p in store.iterdir() if p.is_dir())[0]
+    (store / "latest.json").write_text(json.dumps({"checkpoint": older}))
+    assert main(["train", "--resume", str(tmp_path / "b"), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["losses"] == full
