@@ -116,7 +116,7 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
           on_batch: Optional[Callable[[int, float], None]] = None,
           on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
           checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
-          resume: bool = False, **method_options: Any) -> TrainResult:
+          resume: bool = False, diagnose_every: int = 0, **method_options: Any) -> TrainResult:
     """Train a copy of ``model`` on ``batches`` with a pipeline method.
 
     ``batches`` is one epoch of (input, target) mini-batches; ``optimizer`` is called with each
@@ -131,6 +131,10 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     ``checkpoint_every`` mini-batches and at each epoch's end (:mod:`pipeoptim.checkpoint`);
     ``resume=True`` continues from the newest checkpoint there, and the losses after it equal
     those of an uninterrupted run with the same checkpoint interval, batch for batch.
+
+    ``diagnose_every=K`` measures, for every K-th micro-batch at every stage, how far the weights
+    its forward used were from the weights live at its backward, against how far the stale,
+    unpredicted weights were (``metrics["prediction_error"]``, per stage).
     """
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
@@ -145,6 +149,8 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     trained = copy.deepcopy(model)
     trained.train()
     pipeline = build_stages(trained, spec.partition, meth, spec.options, optimizer, loss_fn)
+    for stage in pipeline:
+        stage.diagnose_every = diagnose_every
 
     micro: List = []
     for inputs, target in batches:
@@ -227,5 +233,6 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
         "weight_versions": [round(s.policy.versions_peak, 3) for s in pipeline],
         "weight_versions_design": meth.weight_versions(spec.stages, **spec.options),
         "stage_seconds": [{k: s.time[k] / max(1, s.count[k]) for k in s.time} for s in pipeline],
+        "prediction_error": [s.diagnostics_summary() for s in pipeline] if diagnose_every else None,
     }
     return TrainResult(losses, trace, trained, metrics)

@@ -72,6 +72,10 @@ class Stage:
         self.count = {"F": 0, "B": 0, "U": 0}
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
         self._losses: Dict[int, float] = {}
+        #: Every how many micro-batches to measure the prediction error (0: never).
+        self.diagnose_every = 0
+        self.diagnostics: List[Dict[str, float]] = []
+        self._probes: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], int, float]] = {}
 
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
@@ -79,7 +83,13 @@ class Stage:
         """Forward of one micro-batch. The last stage also computes the (scaled) loss and
         returns its value as a float; other stages return the activation to send on."""
         start = time.perf_counter()
+        probe = self.diagnose_every and (self.trace_offset + microbatch) % self.diagnose_every == 0
+        if probe:
+            stale = [p.detach().clone() for _, p in self.policy.named]
         use = self.policy.forward_weights(microbatch)
+        if probe:
+            used = [w.detach().clone() for w in use.weights.values()]
+            self._probes[microbatch] = (stale, used, use.version, use.steps)
         leaves = _leaf_inputs(inputs) if not self.is_first else inputs
         try:
             with torch.enable_grad():
@@ -106,6 +116,8 @@ class Stage:
         None for entries that carry no gradient."""
         start = time.perf_counter()
         leaves, outputs, use = self._saved.pop(microbatch)
+        if microbatch in self._probes:
+            self._record_probe(microbatch)
         if self.is_last:
             tensors, grads = list(outputs), [None]
         else:
@@ -149,6 +161,29 @@ class Stage:
             else:
                 param.grad.add_(grad)
             tensor.grad = None
+
+    @torch.no_grad()
+    def _record_probe(self, microbatch: int) -> None:
+        """How far the forward's weights were from the weights live at this backward: the
+        prediction error ||W_used - W_b|| against the staleness error ||W_stale - W_b||, both
+        relative to ||W_b||, where W_stale is what the forward would have used unpredicted."""
+        stale, used, version, steps = self._probes.pop(microbatch)
+        now = [p.detach() for _, p in self.policy.named]
+        norm = torch.sqrt(sum((b.double() ** 2).sum() for b in now))
+        dist = lambda xs: float(torch.sqrt(sum(((x.double() - b.double()) ** 2).sum()  # noqa: E731
+                                               for x, b in zip(xs, now))) / norm)
+        self.diagnostics.append({"microbatch": self.trace_offset + microbatch, "steps": float(steps),
+                                 "updates": self.policy.version - version,
+                                 "prediction_error": dist(used), "staleness_error": dist(stale)})
+
+    def diagnostics_summary(self) -> Dict[str, float]:
+        """Means over the probed micro-batches that saw at least one update before their backward."""
+        rows = [d for d in self.diagnostics if d["updates"] > 0]
+        if not rows:
+            return {"probes": 0}
+        mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+        return {"probes": len(rows), "prediction_error": mean("prediction_error"),
+                "staleness_error": mean("staleness_error")}
 
     def pop_loss(self, microbatch: int) -> float:
         return self._losses.pop(microbatch)
