@@ -84,7 +84,7 @@ def predicted_throughput(result: TrainResult, batch_size: int, batches: int) -> 
 
 def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bool = True,
                    log=print, task: Optional[Task] = None, data: Optional[TaskData] = None,
-                   resume: bool = False) -> Dict[str, Any]:
+                   resume: bool = False, diagnose_every: int = 0) -> Dict[str, Any]:
     """Train one method on one task; write the run folder; return the summary.
 
     With a run folder, the settings go to ``config.json`` and every stage is checkpointed under
@@ -131,7 +131,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
                        epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
                        evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch, on_epoch=on_epoch,
                        checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
-                       checkpoint_every=cfg.checkpoint_every, resume=resume, **cfg.method_options)
+                       checkpoint_every=cfg.checkpoint_every, resume=resume, diagnose_every=diagnose_every,
+                       **cfg.method_options)
     finally:
         bar.close()
         if log_file:
@@ -158,6 +159,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "weight_copies": result.metrics["weight_versions"],
         "weight_copies_design": result.metrics["weight_versions_design"],
         "stage_seconds": result.metrics["stage_seconds"], "epochs_detail": result.metrics["epochs"],
+        "prediction_error": result.metrics.get("prediction_error"),
         "seconds": time.time() - started, "data": {k: v for k, v in data.info.items() if _jsonable(v)},
     }
     if out_dir is not None:

@@ -1,0 +1,134 @@
+"""The reproduction study: every method on each task, N = 4 and 8, momentum SGD and Adam, 3 seeds.
+
+Learning rates are chosen for the sequential baseline (a small sweep, best final metric) and then
+held fixed for every method. Each finished run is appended to ``runs.jsonl`` in the study folder;
+a second call skips what is done, so the study resumes where it stopped. ``make_results.py``
+turns the JSON into ``docs/results.md``.
+
+    .venv/bin/python benchmarks/study.py [--suite default|smoke] [--tasks image,sentiment]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from pipeoptim.experiment import RunConfig, run_experiment
+from pipeoptim.methods import method_names
+from pipeoptim.tasks import get_task
+
+SUITES: Dict[str, Dict[str, Any]] = {
+    # per task: model, training examples, epochs; lr candidates per optimizer for the sweep
+    "default": {
+        "tasks": {
+            "image": {"model": "vgg", "limit": 6000, "epochs": 3,
+                      "lr": {"momentum": [0.005, 0.01, 0.02], "adam": [5e-4, 1e-3, 2e-3]}},
+            "sentiment": {"model": "lstm", "limit": 4000, "epochs": 3,
+                          "lr": {"momentum": [0.05, 0.1, 0.2], "adam": [1e-3, 2e-3, 4e-3]}},
+            "translation": {"model": "transformer", "limit": 3000, "epochs": 3,
+                            "lr": {"momentum": [0.05, 0.1, 0.2], "adam": [5e-4, 1e-3, 2e-3]}},
+        },
+        "stages": [4, 8], "optimizers": ["momentum", "adam"], "seeds": [0, 1, 2],
+    },
+    "smoke": {
+        "tasks": {"image": {"model": "mlp", "limit": 1280, "epochs": 2,
+                            "lr": {"momentum": [0.01, 0.02], "adam": [1e-3]}}},
+        "stages": [4], "optimizers": ["momentum", "adam"], "seeds": [0, 1],
+    },
+}
+
+
+def key(row: Dict[str, Any]) -> str:
+    return "|".join(str(row[k]) for k in ("task", "optimizer", "stages", "method", "seed", "lr", "sweep"))
+
+
+def load_done(path: Path) -> Dict[str, Dict[str, Any]]:
+    if not path.exists():
+        return {}
+    done = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            done[key(row)] = row
+    return done
+
+
+def run_one(task_name: str, spec: Dict[str, Any], optimizer: str, lr: float, stages: int, method: str,
+            seed: int, data_cache: Dict) -> Dict[str, Any]:
+    task = get_task(task_name)
+    cfg = RunConfig(task=task_name, model=spec["model"], method=method, stages=stages, optimizer=optimizer,
+                    lr=lr, epochs=spec["epochs"], limit=spec["limit"], seed=seed)
+    cfg = cfg.resolved(task)
+    data_key = (task_name, seed)
+    if data_key not in data_cache:
+        data_cache.clear()
+        data_cache[data_key] = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=seed)
+    summary = run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a, **k: None, task=task,
+                             data=data_cache[data_key], diagnose_every=7)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default="default", choices=list(SUITES))
+    parser.add_argument("--tasks", help="comma-separated subset of the suite's tasks")
+    parser.add_argument("--methods", default=",".join(method_names()))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "study")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    suite = SUITES[args.suite]
+    tasks = args.tasks.split(",") if args.tasks else list(suite["tasks"])
+    methods = args.methods.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs_file = args.out / "runs.jsonl"
+    done = load_done(runs_file)
+    (args.out / "suite.json").write_text(json.dumps({"suite": args.suite, **suite}, indent=2))
+    started = time.time()
+    data_cache: Dict = {}
+
+    def record(row: Dict[str, Any]) -> Dict[str, Any]:
+        k = key(row)
+        if k in done:
+            return done[k]
+        t0 = time.time()
+        summary = run_one(row["task"], suite["tasks"][row["task"]], row["optimizer"], row["lr"],
+                          row["stages"], row["method"], row["seed"], data_cache)
+        keep = ("metric", "final_metric", "best_metric", "final_loss", "losses", "epochs_detail",
+                "samples_per_second", "predicted_samples_per_second", "weight_copies", "prediction_error",
+                "microbatches")
+        full = {**row, **{k2: summary.get(k2) for k2 in keep}, "seconds": time.time() - t0}
+        with open(runs_file, "a") as f:
+            f.write(json.dumps(full) + "\n")
+        done[k] = full
+        print(f"[{time.time() - started:7.0f}s] {row['task']:>11} {row['optimizer']:>8} N={row['stages']} "
+              f"{row['method']:>14} seed {row['seed']} lr {row['lr']:g}{' (sweep)' if row['sweep'] else ''}: "
+              f"{summary['metric']} {summary['final_metric']:.4f}", flush=True)
+        return full
+
+    for task in tasks:
+        spec = suite["tasks"][task]
+        higher = get_task(task).higher_is_better
+        for optimizer in suite["optimizers"]:
+            # the sweep: sequential, seed 0, each candidate lr; the best is then fixed
+            scores = {}
+            for lr in spec["lr"][optimizer]:
+                r = record({"task": task, "optimizer": optimizer, "stages": 1, "method": "sequential",
+                            "seed": 0, "lr": lr, "sweep": True})
+                scores[lr] = r["final_metric"]
+            best_lr = (max if higher else min)(scores, key=scores.get)
+            for stages in suite["stages"]:
+                for seed in suite["seeds"]:
+                    for method in methods:
+                        n = 1 if method == "sequential" else stages
+                        record({"task": task, "optimizer": optimizer, "stages": n, "method": method,
+                                "seed": seed, "lr": best_lr, "sweep": False, "study_stages": stages})
+    print(f"study complete in {time.time() - started:.0f} s; results in {runs_file}")
+
+
+if __name__ == "__main__":
+    main()
