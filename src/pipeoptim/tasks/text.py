@@ -10,6 +10,8 @@ Conventions used by both tasks:
   (``key_padding_mask`` semantics: ``True`` = ignore);
 * sequences are padded (at the end) or truncated to a fixed length, so that every batch of a
   task has the same shape apart from the batch dimension.
+
+``cache_dir`` and ``seeded_permutation`` come from :mod:`pipeoptim.tasks.common`.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
+from .common import cache_dir, seeded_permutation  # noqa: F401  (re-exported for the text tasks)
+
 PAD_ID = 0  #: id of the padding token in every vocabulary of these tasks
 UNK_ID = 1  #: id of the unknown-word token
 
@@ -32,13 +36,6 @@ _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 # files
 
 
-def cache_dir() -> Path:
-    """The cache folder: ``$PIPEOPTIM_CACHE`` or ``~/.cache/pipeoptim`` (created if missing)."""
-    path = Path(os.environ.get("PIPEOPTIM_CACHE") or Path.home() / ".cache" / "pipeoptim")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +43,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -113,12 +111,6 @@ def pad_mask(ids: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # order and batches
-
-
-def seeded_permutation(n: int, seed: int) -> List[int]:
-    """A permutation of ``range(n)`` that depends only on ``n`` and ``seed``."""
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randperm(n, generator=g).tolist()
 
 
 def batch_indices(n: int, batch_size: int, *, seed: int | None = None, drop_last: bool = False) -> List[List[int]]:
