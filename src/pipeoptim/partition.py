@@ -1,4 +1,5 @@
-"""Split an ``nn.Sequential`` into contiguous stages: uniform by layers, or balanced by parameters."""
+"""Split an ``nn.Sequential`` into contiguous stages: uniform by layers, balanced by parameters,
+or balanced by profiled time (:func:`time_partition`, heterogeneous devices and link costs)."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -110,3 +111,166 @@ def split(model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Sequential]:
         parts.append(nn.Sequential(*layers[start:start + size]))
         start += size
     return parts
+
+
+# -- the `time` partitioner: balance profiled forward+backward time ------------------------------
+
+def _check_time_inputs(layer_costs: Sequence[float], stages: int, speeds: Optional[Sequence[float]],
+                       boundary_bytes: Optional[Sequence[float]], bandwidth: Optional[float]):
+    """Validate the time partitioner's inputs; return (costs, speeds, per-cut link seconds)."""
+    costs = [float(c) for c in layer_costs]
+    n = len(costs)
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if n == 0:
+        raise ValueError("no layers to partition")
+    if stages > n:
+        raise ValueError(f"{stages} stages need at least {stages} layers; the model has {n}")
+    if any(not (c >= 0 and c < float("inf")) for c in costs):
+        raise ValueError(f"layer costs must be finite and non-negative, got {costs}")
+    if speeds is None:
+        speed = [1.0] * stages
+    else:
+        speed = [float(s) for s in speeds]
+        if len(speed) != stages:
+            raise ValueError(f"speeds has {len(speed)} values but there are {stages} stages (one per stage)")
+        if any(not (s > 0 and s < float("inf")) for s in speed):
+            raise ValueError(f"speeds must be positive and finite, got {speed}")
+    if bandwidth is not None:
+        if not (bandwidth > 0):
+            raise ValueError(f"bandwidth must be positive (bytes per second), got {bandwidth}")
+        if boundary_bytes is None:
+            raise ValueError("a bandwidth needs boundary_bytes (the activation bytes after each layer)")
+    link = [0.0] * max(0, n - 1)
+    if boundary_bytes is not None:
+        sizes = [float(b) for b in boundary_bytes]
+        if len(sizes) not in (n - 1, n):
+            raise ValueError(f"boundary_bytes needs one value per cut ({n - 1}) or per layer ({n}), "
+                             f"got {len(sizes)}")
+        if any(not (b >= 0 and b < float("inf")) for b in sizes):
+            raise ValueError(f"boundary bytes must be finite and non-negative, got {sizes}")
+        if bandwidth is not None:
+            link = [2.0 * b / bandwidth for b in sizes[:n - 1]]
+    return costs, speed, link
+
+
+def time_partition(layer_costs: Sequence[float], stages: int, speeds: Optional[Sequence[float]] = None,
+                   boundary_bytes: Optional[Sequence[float]] = None,
+                   bandwidth: Optional[float] = None) -> List[int]:
+    """The contiguous split of layers into ``stages`` stages that minimises the pipeline's cycle
+    time, exactly (dynamic programming, O(stages * layers^2)). Returns layers per stage.
+
+    The cycle time of a split is the largest of
+
+    * each stage's compute: the sum of its layers' ``layer_costs`` (forward + backward seconds
+      of one micro-batch) divided by ``speeds[k]``, the relative speed of the device that runs
+      stage k (default 1 for all; 2 means twice as fast), as HetPipe models heterogeneous
+      devices; stage k runs on device k, in the given order;
+    * each cut's link: ``2 * boundary_bytes[i] / bandwidth`` for a cut after layer i, the
+      activation sent forward plus its gradient sent back, per micro-batch (PipeDream's
+      ``2 a / B`` term). A link is modelled as its own pipeline resource that overlaps with the
+      stages' compute (asynchronous sends and receives posted ahead, as the distributed runtime
+      does), so it is charged to no stage: a cut whose transfer is slower than every stage is
+      the bottleneck itself.
+
+    ``boundary_bytes`` has one value per cut (``len - 1``) or per layer (its last value, the
+    model's output, is ignored). ``bandwidth`` is in bytes per second; None means an infinitely
+    fast link (no transfer cost). Ties between optimal splits go to the one with the earliest
+    cuts. Inputs that cannot work (more stages than layers, a wrong number of speeds, a
+    bandwidth that is not positive) raise ValueError.
+    """
+    costs, speed, link = _check_time_inputs(layer_costs, stages, speeds, boundary_bytes, bandwidth)
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[j][i]: the smallest cycle time of j stages covering layers [0, i)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, stages + 1):
+        s = speed[j - 1]
+        for i in range(j, n - (stages - j) + 1):
+            row_best, row_cut = inf, 0
+            for c in range(j - 1, i):
+                value = best[j - 1][c]
+                compute = (prefix[i] - prefix[c]) / s
+                if compute > value:
+                    value = compute
+                if c > 0 and link[c - 1] > value:
+                    value = link[c - 1]
+                if value < row_best:
+                    row_best, row_cut = value, c
+            best[j][i], cut[j][i] = row_best, row_cut
+    sizes, i = [], n
+    for j in range(stages, 0, -1):
+        sizes.append(i - cut[j][i])
+        i = cut[j][i]
+    return sizes[::-1]
+
+
+def stage_times(layer_costs: Sequence[float], sizes: Sequence[int],
+                speeds: Optional[Sequence[float]] = None) -> List[float]:
+    """Per stage of the split ``sizes``: its layers' total cost divided by its device's speed."""
+    sizes = validate_partition(sizes, len(layer_costs))
+    speed = [1.0] * len(sizes) if speeds is None else [float(s) for s in speeds]
+    if len(speed) != len(sizes):
+        raise ValueError(f"speeds has {len(speed)} values but there are {len(sizes)} stages (one per stage)")
+    out, start = [], 0
+    for k, size in enumerate(sizes):
+        out.append(sum(float(c) for c in layer_costs[start:start + size]) / speed[k])
+        start += size
+    return out
+
+
+def cut_seconds(sizes: Sequence[int], boundary_bytes: Optional[Sequence[float]],
+                bandwidth: Optional[float]) -> List[float]:
+    """Per cut of the split ``sizes`` (stage k to k+1): ``2 * bytes / bandwidth`` (0 without a
+    bandwidth), the link time :func:`time_partition` charges for one micro-batch."""
+    if bandwidth is None or boundary_bytes is None:
+        return [0.0] * (len(sizes) - 1)
+    ends = [sum(sizes[:k + 1]) for k in range(len(sizes) - 1)]
+    return [2.0 * float(boundary_bytes[e - 1]) / bandwidth for e in ends]
+
+
+def partition_cycle(layer_costs: Sequence[float], sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
+                    boundary_bytes: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None) -> float:
+    """The objective :func:`time_partition` minimises, for the split ``sizes``: the largest stage
+    compute time and cut transfer time."""
+    return max(stage_times(layer_costs, sizes, speeds) + cut_seconds(sizes, boundary_bytes, bandwidth))
+
+
+def plan_time_partition(model: nn.Sequential, stages: int, layer_costs: Sequence[float],
+                        speeds: Optional[Sequence[float]] = None,
+                        boundary_bytes: Optional[Sequence[float]] = None,
+                        bandwidth: Optional[float] = None) -> List[int]:
+    """Layers per stage for ``model`` by :func:`time_partition`, over the same units as
+    :func:`plan_partition` (a parameter-free layer stays with the layer before it, so every
+    stage has weights to train). ``layer_costs`` and ``boundary_bytes`` are per layer of
+    ``model`` (e.g. from :func:`pipeoptim.profile.profile_model`)."""
+    num_layers = len(model)
+    if len(layer_costs) != num_layers:
+        raise ValueError(f"layer_costs has {len(layer_costs)} values but the model has {num_layers} layers")
+    if boundary_bytes is not None and len(boundary_bytes) not in (num_layers - 1, num_layers):
+        raise ValueError(f"boundary_bytes needs {num_layers - 1} or {num_layers} values, got {len(boundary_bytes)}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
+    units = weighted_units(model)
+    if stages > len(units):
+        raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
+                         f"{len(units)} (of {num_layers} layers); use --stages {len(units)} or fewer")
+    unit_costs, unit_bytes, start = [], [], 0
+    for size in units:
+        unit_costs.append(sum(float(c) for c in layer_costs[start:start + size]))
+        end = start + size
+        if boundary_bytes is not None and end - 1 < len(boundary_bytes):
+            unit_bytes.append(float(boundary_bytes[end - 1]))
+        start = end
+    per_stage = time_partition(unit_costs, stages, speeds,
+                               unit_bytes[:len(units) - 1] if boundary_bytes is not None else None, bandwidth)
+    result, start = [], 0
+    for count in per_stage:
+        result.append(sum(units[start:start + count]))
+        start += count
+    return result

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drain and checkpoint every K mini-batches (always at each epoch's end)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint, with its settings")
+    p.add_argument("--plan", type=Path, metavar="FILE",
+                   help="a plan from `pipeoptim plan`: sets --task, --model, --batch-size, --stages, "
+                        "--partition, --method and --micro-batches (the plan's values win)")
     add_run_options(p)
     p.set_defaults(func=run)
 
@@ -38,6 +41,13 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan is not None:
+        if args.resume is not None:
+            raise ValueError("--plan and --resume cannot be combined")
+        from ..planner import load_plan
+
+        for key, value in load_plan(args.plan).items():
+            setattr(args, key, value)
     check_numbers(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")

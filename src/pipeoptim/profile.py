@@ -1,0 +1,437 @@
+"""Per-layer profile of an ``nn.Sequential``: what the ``time`` partitioner and the planner need.
+
+For every layer (every element of the ``nn.Sequential``, as :func:`pipeoptim.partition.split`
+sees them) :func:`profile_model` measures, on a real sample batch and on the chosen device:
+
+* ``forward``: seconds of the layer's forward with autograd recording (as in training);
+* ``backward``: seconds of the backward of that layer alone: the layer's forward runs on a
+  detached leaf copy of its input, then ``torch.autograd.backward`` is timed with a random
+  gradient of the output's shape (so input and weight gradients are both computed, as a
+  pipeline stage does; the first layer gets the data itself, whose gradient no stage computes);
+* ``update`` (when an optimizer is given): seconds of one optimizer step over the layer's
+  parameters, and ``optimizer_bytes``, the optimizer state it creates;
+* ``output_bytes``: the bytes of the layer's output (sum of ``numel * element_size`` over the
+  tensors of a tuple output): what crosses a stage boundary after this layer;
+* ``saved_bytes``: the bytes autograd keeps for the layer's backward (its saved tensors,
+  parameters excluded, each storage counted once): what one in-flight micro-batch holds;
+* ``parameter_bytes`` and ``parameters``: ``sum(numel * element_size)`` and ``sum(numel)``
+  over the layer's parameters.
+
+Each time is the median (or, asked for, the minimum) of ``repeats`` measurements after
+``warmup`` unmeasured runs; on CUDA
+the device is synchronised before and after each measured call. The model is profiled on a deep
+copy, so the caller's model (weights, gradients, BatchNorm statistics) is left untouched.
+Inputs may be tuples of tensors; a layer receives its predecessor's output as its one argument.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+Activation = Any  #: a tensor or a tuple of tensors
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class LayerProfile:
+    """One layer's measured costs (seconds, bytes)."""
+
+    index: int
+    name: str                     #: the layer's class name
+    forward: float                #: seconds, median
+    backward: float               #: seconds, median (0 for a layer with nothing to differentiate)
+    output_bytes: int             #: bytes of the output (sent to the next stage after this layer)
+    saved_bytes: int              #: bytes autograd saves for the backward (parameters excluded)
+    saved_input_bytes: int        #: of those, bytes sharing storage with the layer's input
+    saved_output_bytes: int       #: of those, bytes sharing storage with the layer's output
+    parameter_bytes: int          #: sum of numel * element_size over the parameters
+    parameters: int               #: sum of numel over the parameters
+    update: float = 0.0           #: seconds of one optimizer step (0 when not measured)
+    optimizer_bytes: int = 0      #: optimizer state bytes (0 when not measured)
+
+    @property
+    def compute(self) -> float:
+        """Forward + backward seconds: the cost the ``time`` partitioner balances."""
+        return self.forward + self.backward
+
+
+@dataclass
+class ModelProfile:
+    """A whole model's profile: one :class:`LayerProfile` per layer, plus how it was measured."""
+
+    layers: List[LayerProfile]
+    device: str
+    batch_size: int               #: samples in the profiled batch
+    input_bytes: int              #: bytes of the model's input batch
+    warmup: int
+    repeats: int
+    threads: int                  #: torch intra-op threads during the measurement
+    loss_forward: float = 0.0     #: seconds of the loss on the last layer's output (if measured)
+    loss_backward: float = 0.0
+    optimizer: Optional[str] = None
+    statistic: str = "median"     #: how the repeats were summarised: median or min
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    # -- totals --------------------------------------------------------------------------------
+    @property
+    def forward(self) -> float:
+        return sum(layer.forward for layer in self.layers) + self.loss_forward
+
+    @property
+    def backward(self) -> float:
+        return sum(layer.backward for layer in self.layers) + self.loss_backward
+
+    @property
+    def update(self) -> float:
+        return sum(layer.update for layer in self.layers)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+    @property
+    def parameters(self) -> int:
+        return sum(layer.parameters for layer in self.layers)
+
+    def layer_costs(self, include_loss: bool = True) -> List[float]:
+        """Forward + backward seconds per layer; the loss's cost is added to the last layer (it
+        always runs on the last stage)."""
+        costs = [layer.compute for layer in self.layers]
+        if include_loss and costs:
+            costs[-1] += self.loss_forward + self.loss_backward
+        return costs
+
+    def boundary_bytes(self) -> List[int]:
+        """Bytes sent across a cut after layer i, for i = 0 .. L-2."""
+        return [layer.output_bytes for layer in self.layers[:-1]]
+
+    def totals(self) -> Dict[str, float]:
+        return {"forward": self.forward, "backward": self.backward, "update": self.update,
+                "parameter_bytes": self.parameter_bytes, "parameters": self.parameters,
+                "saved_bytes": sum(layer.saved_bytes for layer in self.layers),
+                "optimizer_bytes": sum(layer.optimizer_bytes for layer in self.layers)}
+
+    # -- per stage -----------------------------------------------------------------------------
+    def stage_slices(self, sizes: List[int]) -> List[Tuple[int, int]]:
+        bounds, start = [], 0
+        for size in sizes:
+            bounds.append((start, start + size))
+            start += size
+        if start != len(self.layers):
+            raise ValueError(f"partition {sizes} covers {start} layers but the profile has {len(self.layers)}")
+        return bounds
+
+    def held_bytes(self, first: int, end: int) -> int:
+        """Bytes one in-flight micro-batch holds on a stage of layers ``[first, end)``: the
+        layers' saved tensors, a tensor shared by consecutive layers (one's saved output, the
+        next one's saved input) counted once, plus the stage's received input where its first
+        layer does not save it (the runtime keeps it until the backward)."""
+        layers = self.layers[first:end]
+        held = sum(layer.saved_bytes for layer in layers)
+        for a, b in zip(layers, layers[1:]):
+            held -= min(a.saved_output_bytes, b.saved_input_bytes)
+        if first > 0:
+            received = self.layers[first - 1].output_bytes
+            held += max(0, received - layers[0].saved_input_bytes)
+        return held
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["totals"] = self.totals()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "ModelProfile":
+        names = {f.name for f in fields(LayerProfile)}
+        layers = [LayerProfile(**{k: v for k, v in layer.items() if k in names}) for layer in data["layers"]]
+        own = {f.name for f in fields(cls)} - {"layers"}
+        return cls(layers=layers, **{k: v for k, v in data.items() if k in own})
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def tensors_of(value: Activation) -> List[torch.Tensor]:
+    """The tensors of an activation (a tensor, or a tuple/list of tensors and other things)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def nbytes(value: Activation) -> int:
+    """Bytes of the tensors of an activation: ``sum(numel * element_size)``."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _to_device(value: Activation, device: torch.device) -> Activation:
+    """A copy on ``device`` with storage of its own (a slice of a bigger tensor would make the
+    saved-bytes count see the whole storage)."""
+    if torch.is_tensor(value):
+        return value.detach().to(device).clone()
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value
+
+
+def _leaf(value: Activation) -> Activation:
+    """A detached copy of the activation whose floating tensors collect gradients."""
+    if torch.is_tensor(value):
+        v = value.detach()
+        return v.requires_grad_(True) if v.is_floating_point() else v
+    if isinstance(value, tuple):
+        return tuple(_leaf(v) for v in value)
+    if isinstance(value, list):
+        return [_leaf(v) for v in value]
+    return value
+
+
+def _detached(value: Activation) -> Activation:
+    if torch.is_tensor(value):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    return value
+
+
+def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class _Clock:
+    """Wall-clock timing that waits for the device (CUDA) before reading the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], Any]) -> Tuple[float, Any]:
+        self.sync()
+        start = time.perf_counter()
+        result = fn()
+        self.sync()
+        return time.perf_counter() - start, result
+
+
+def _saved_tensor_bytes(layer: nn.Module, inputs: Activation) -> Tuple[int, int, int, Activation]:
+    """Run ``layer`` on ``inputs`` recording what autograd saves; returns (saved bytes, bytes
+    shared with the input, bytes shared with the output, output). Parameters are excluded and
+    each storage is counted once (its full size: a saved view keeps its whole storage)."""
+    params = {_storage_key(p) for p in layer.parameters()}
+    saved: Dict[Tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key = _storage_key(t)
+            if key not in params and key[1] > 0:
+                saved[key] = key[1]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad():
+            output = layer(inputs)
+    in_keys = {_storage_key(t) for t in tensors_of(inputs)}
+    out_keys = {_storage_key(t) for t in tensors_of(output)}
+    total = sum(saved.values())
+    shared_in = sum(b for k, b in saved.items() if k in in_keys)
+    shared_out = sum(b for k, b in saved.items() if k in out_keys)
+    return total, shared_in, shared_out, output
+
+
+def _grad_pairs(output: Activation, generator: torch.Generator) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The output tensors that need a gradient and a random gradient for each."""
+    outs = [t for t in tensors_of(output) if t.requires_grad]
+    grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
+    return outs, grads
+
+
+STATISTICS = ("median", "min")
+
+
+def _summary(times: List[float], statistic: str = "median") -> float:
+    if not times:
+        return 0.0
+    return float(min(times)) if statistic == "min" else float(statistics.median(times))
+
+
+# -- the profiler ----------------------------------------------------------------------------------
+
+def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cpu", warmup: int = 2,
+                  repeats: int = 5, optimizer: Optional[OptimizerFactory] = None,
+                  optimizer_name: Optional[str] = None,
+                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
+                  target: Optional[torch.Tensor] = None, seed: int = 0,
+                  statistic: str = "median") -> ModelProfile:
+    """Profile every layer of ``model`` on the input batch ``sample`` (a tensor or a tuple of
+    tensors), on ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...).
+
+    ``optimizer`` (a factory ``params -> torch.optim.Optimizer``) adds each layer's update time
+    and optimizer state bytes; ``loss_fn`` with ``target`` adds the loss's forward and backward
+    time (charged to the last layer by :meth:`ModelProfile.layer_costs`). Times are medians of
+    ``repeats`` runs after ``warmup`` runs (``statistic="min"``: the fastest run, which on a
+    machine shared with other jobs is closer to what the device can do). The model is copied;
+    the caller's is not touched.
+    """
+    if not isinstance(model, nn.Sequential) or len(model) == 0:
+        raise ValueError("profile_model needs a non-empty nn.Sequential")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available")
+    clock = _Clock(dev)
+    generator = torch.Generator().manual_seed(seed)
+    work = copy.deepcopy(model).to(dev)
+    work.train()
+    x = _to_device(_detached(sample), dev)
+    first = tensors_of(x)
+    if not first:
+        raise ValueError("the sample batch holds no tensor")
+    batch = int(first[0].shape[0]) if first[0].dim() > 0 else 1
+    layers: List[LayerProfile] = []
+    runs = warmup + repeats
+    for index, layer in enumerate(work):
+        # the model's input needs no gradient (a first stage computes none for its data); every
+        # later layer's input is a leaf that collects one, as inside a stage or at its boundary
+        _leaf_or_data = _leaf if index > 0 else (lambda v: v)
+        leaf = _leaf_or_data(x)
+        saved, saved_in, saved_out, output = _saved_tensor_bytes(layer, leaf)
+
+        forward_times: List[float] = []
+        for r in range(runs):
+            inp = _leaf_or_data(x)
+            with torch.enable_grad():
+                seconds, _ = clock.time(lambda: layer(inp))
+            del _
+            if r >= warmup:
+                forward_times.append(seconds)
+
+        backward_times: List[float] = []
+        outs, grads = _grad_pairs(output, generator)
+        if outs:
+            for r in range(runs):
+                with torch.enable_grad():
+                    fresh = layer(_leaf_or_data(x))
+                fresh_outs = [t for t in tensors_of(fresh) if t.requires_grad]
+                seconds, _ = clock.time(lambda: torch.autograd.backward(fresh_outs, grads))
+                if r >= warmup:
+                    backward_times.append(seconds)
+
+        update_seconds, state_bytes = 0.0, 0
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if optimizer is not None and params:
+            opt = optimizer(params)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            update_times: List[float] = []
+            for r in range(runs):
+                seconds, _ = clock.time(opt.step)
+                if r >= warmup:
+                    update_times.append(seconds)
+            update_seconds = _summary(update_times, statistic)
+            state_bytes = sum(v.numel() * v.element_size() for state in opt.state.values()
+                              for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        for p in layer.parameters():
+            p.grad = None
+
+        layers.append(LayerProfile(
+            index=index, name=type(layer).__name__, forward=_summary(forward_times, statistic),
+            backward=_summary(backward_times, statistic), output_bytes=nbytes(output), saved_bytes=saved,
+            saved_input_bytes=saved_in, saved_output_bytes=saved_out,
+            parameter_bytes=parameter_bytes(layer), parameters=sum(p.numel() for p in layer.parameters()),
+            update=update_seconds, optimizer_bytes=state_bytes))
+        x = _detached(output)
+
+    loss_forward = loss_backward = 0.0
+    if loss_fn is not None and target is not None:
+        tgt = _to_device(target, dev)
+        fwd, bwd = [], []
+        for r in range(runs):
+            out = _leaf(x)
+            with torch.enable_grad():
+                seconds, loss = clock.time(lambda: loss_fn(out, tgt))
+            back, _ = clock.time(lambda: loss.backward())
+            if r >= warmup:
+                fwd.append(seconds)
+                bwd.append(back)
+        loss_forward, loss_backward = _summary(fwd, statistic), _summary(bwd, statistic)
+
+    return ModelProfile(layers=layers, device=str(dev), batch_size=batch, input_bytes=nbytes(sample),
+                        warmup=warmup, repeats=repeats, threads=torch.get_num_threads(),
+                        loss_forward=loss_forward, loss_backward=loss_backward, optimizer=optimizer_name,
+                        statistic=statistic)
+
+
+def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, target: torch.Tensor,
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
+                   optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
+                   statistic: str = "median") -> Dict[str, List[float]]:
+    """Seconds of each stage's forward, backward and update for the split ``sizes``, measured
+    as the runtime runs them: the model split into :class:`pipeoptim.runtime.stage.Stage` s (the
+    synchronous weight policy) and driven by the local executor through ``warmup + repeats``
+    mini-batches of ``sample`` (one micro-batch each), every call timed. Returns
+    ``{"forward": [...], "backward": [...], "update": [...]}`` per stage (median, or min).
+
+    Layers timed one by one add up to less than a whole stage (caches: a stage's weights and
+    activations do not all stay warm; the runtime's own work per pass), so the planner predicts
+    from these. The model is copied; the caller's is not touched."""
+    from .methods import get_method
+    from .runtime.build import build_stages
+    from .runtime.local import run_schedule
+
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    dev = torch.device(device)
+    clock = _Clock(dev)
+    work = copy.deepcopy(model).to(dev)
+    work.train()
+    factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0))
+    method = get_method("gpipe")
+    stages = build_stages(work, list(sizes), method, {}, factory, loss_fn)
+    log: List[Dict[str, List[float]]] = [{"forward": [], "backward": [], "update": []} for _ in stages]
+    for stage, record in zip(stages, log):
+        for name in ("forward", "backward", "update"):
+            def timed(*args: Any, _call=getattr(stage, name), _log=record[name], **kwargs: Any) -> Any:
+                seconds, out = clock.time(lambda: _call(*args, **kwargs))
+                _log.append(seconds)
+                return out
+            setattr(stage, name, timed)
+    runs = warmup + repeats
+    x, y = _to_device(_detached(sample), dev), _to_device(target, dev)
+    run_schedule(stages, method.build_schedule(len(stages), 1, runs), [(x, y, 1.0)] * runs)
+    return {name: [_summary(record[name][warmup:], statistic) for record in log]
+            for name in ("forward", "backward", "update")}
+
+
+def format_profile(profile: ModelProfile) -> str:
+    """A small text table of a profile (milliseconds and kilobytes)."""
+    head = ["layer", "name", "fwd ms", "bwd ms", "upd ms", "out KB", "saved KB", "params KB"]
+    rows = [[str(l.index), l.name, f"{l.forward * 1e3:.3f}", f"{l.backward * 1e3:.3f}",
+             f"{l.update * 1e3:.3f}", f"{l.output_bytes / 1024:.1f}", f"{l.saved_bytes / 1024:.1f}",
+             f"{l.parameter_bytes / 1024:.1f}"] for l in profile.layers]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

@@ -1,0 +1,297 @@
+"""The planner: predictions on synthetic profiles (exact numbers), the recommendation rule, the
+`plan` command's output and plan files (load_plan)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pipeoptim.planner import (
+    describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend, scaled_profile,
+    simulated_makespan, stage_costs, write_plan)
+from pipeoptim.profile import LayerProfile, ModelProfile
+from pipeoptim.schedules import Costs, simulate
+from pipeoptim.methods import get_method
+
+
+def synthetic(forward, backward, out_bytes=None, saved=None, params=None, update=None, loss=(0.0, 0.0)):
+    n = len(forward)
+    out_bytes = out_bytes or [100] * n
+    saved = saved or [0] * n
+    params = params or [1000] * n
+    update = update or [0.0] * n
+    layers = [LayerProfile(index=i, name="L", forward=forward[i], backward=backward[i], output_bytes=out_bytes[i],
+                           saved_bytes=saved[i], saved_input_bytes=0, saved_output_bytes=0,
+                           parameter_bytes=params[i], parameters=params[i] // 4, update=update[i],
+                           optimizer_bytes=params[i])
+              for i in range(n)]
+    return ModelProfile(layers=layers, device="cpu", batch_size=8, input_bytes=64, warmup=0, repeats=1,
+                        threads=1, loss_forward=loss[0], loss_backward=loss[1])
+
+
+def test_stage_costs_sum_layers_divide_by_speed_and_charge_the_loss_to_the_last_stage():
+    prof = synthetic([1, 2, 3, 4], [2, 4, 6, 8], out_bytes=[10, 50, 20, 5], loss=(0.5, 0.25),
+                     update=[0.1, 0.1, 0.3, 0.3])
+    costs = stage_costs(prof, [2, 2], speeds=[1.0, 2.0], bandwidth=10.0)
+    assert costs.forward == [3.0, (7 + 0.5) / 2]
+    assert costs.backward == [6.0, (14 + 0.25) / 2]
+    assert costs.update == pytest.approx(0.3)           # the slowest stage's step: max(0.2, 0.6 / 2)
+    assert costs.comm == 5.0                              # the cut after layer 1 sends 50 bytes at 10 B/s
+    described = describe_partition(prof, [2, 2], speeds=[1.0, 2.0], bandwidth=10.0)
+    assert described["stage_seconds"] == [9.0, (21 + 0.75) / 2]
+    assert described["cut_seconds"] == [10.0]             # 2 * 50 / 10: activation and gradient
+    assert described["cycle_seconds"] == pytest.approx(10.875)
+
+
+def test_gpipe_prediction_matches_the_closed_form():
+    # 2 equal stages, F = 1 ms, B = 2 ms per micro-batch; gpipe M = 4 over one mini-batch of 8:
+    # makespan (M + N - 1) * (F + B) = 5 * 3 ms; peak activations M on each stage
+    prof = synthetic([0.0005, 0.0005, 0.0005, 0.0005], [0.001] * 4, saved=[10, 20, 30, 40])
+    row = predict("gpipe", prof, [2, 2], microbatches=4, batches=1, batch_size=8)
+    assert row["makespan_seconds"] == pytest.approx(0.015)
+    assert row["samples_per_second"] == pytest.approx(8 / 0.015)
+    assert row["bubble_fraction"] == pytest.approx(1 / 5)
+    mem = row["memory"]
+    assert [m["in_flight_microbatches"] for m in mem] == [4, 4]
+    # stage 1 holds its saved bytes plus its received input (100 bytes, not saved by its first layer)
+    assert [m["activation_bytes_per_microbatch"] for m in mem] == [30, 70 + 100]
+    assert mem[0]["weights"] == 2000 and mem[0]["gradients"] == 2000 and mem[0]["optimizer"] == 2000
+    assert mem[1]["total"] == 2000 * 3 + 4 * 170
+    assert row["max_stage_memory"] == mem[1]["total"]
+
+
+def test_weight_versions_come_from_the_method():
+    prof = synthetic([1.0] * 4, [1.0] * 4, params=[100] * 4)
+    for method in ("pipedream", "pipeoptim", "gpipe"):
+        row = predict(method, prof, [1, 1, 1, 1], microbatches=1, batches=6, batch_size=8)
+        versions = get_method(method).weight_versions(4)
+        assert [m["weight_versions"] for m in row["memory"]] == versions
+        assert [m["weights"] for m in row["memory"]] == [v * 100 for v in versions]
+    # pipedream stage k keeps N - k versions and N - k micro-batches in flight
+    row = predict("pipedream", prof, [1, 1, 1, 1], microbatches=1, batches=6, batch_size=8)
+    assert [m["weight_versions"] for m in row["memory"]] == [4, 3, 2, 1]
+    assert [m["in_flight_microbatches"] for m in row["memory"]] == [4, 3, 2, 1]
+
+
+def test_an_unbalanced_split_predicts_the_slowest_stages_speed():
+    # async 1F1B in steady state runs at its slowest stage: 6 ms ([3, 1]) or 4.5 ms ([1, 3]) per
+    # mini-batch, so 30 more mini-batches cost 30 x that
+    prof = synthetic([0.001, 0.0005, 0.0005, 0.0005], [0.002, 0.001, 0.001, 0.001])
+
+    def per_batch(sizes):
+        a = predict("pipedream", prof, sizes, microbatches=1, batches=60, batch_size=8)["makespan_seconds"]
+        b = predict("pipedream", prof, sizes, microbatches=1, batches=30, batch_size=8)["makespan_seconds"]
+        return (a - b) / 30
+
+    assert per_batch([3, 1]) == pytest.approx(0.006, rel=1e-9)
+    assert per_batch([1, 3]) == pytest.approx(0.0045, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["pipedream", "1f1b-flush", "pipedream-2bw"])
+def test_long_runs_are_extrapolated_exactly(method):
+    costs = Costs([0.001, 0.003, 0.002], [0.002, 0.005, 0.004], [0.0] * 3, update=0.0005, comm=0.0002)
+    m = 4 if method != "pipedream" else 1
+    extrapolated, _, simulated = simulated_makespan(method, 3, m, 150, costs)
+    exact = simulate(get_method(method).build_schedule(3, m, 150), costs).makespan
+    assert simulated == 64
+    assert extrapolated == pytest.approx(exact, rel=1e-9)
+
+
+def test_a_slow_link_bounds_the_throughput():
+    prof = synthetic([0.001] * 2, [0.001] * 2, out_bytes=[1000, 8])
+    row = predict("pipedream", prof, [1, 1], microbatches=1, batches=10, batch_size=8, bandwidth=1000.0)
+    assert row["limited_by_link"] and row["makespan_seconds"] == pytest.approx(10 * 2.0)
+
+
+def test_linear_scaling_scales_times_and_activation_bytes():
+    prof = synthetic([2.0, 4.0], [4.0, 8.0], out_bytes=[100, 200], saved=[40, 80], loss=(1.0, 1.0))
+    half = scaled_profile(prof, 0.5)
+    assert [l.forward for l in half.layers] == [1.0, 2.0] and half.loss_backward == 0.5
+    assert [l.output_bytes for l in half.layers] == [50, 100] and [l.saved_bytes for l in half.layers] == [20, 40]
+    assert half.parameter_bytes == prof.parameter_bytes and half.batch_size == 4
+
+
+def row(method, mps, mem, m=1, sync=None):
+    return {"method": method, "samples_per_second": mps, "max_stage_memory": mem, "microbatches": m,
+            "synchronous": get_method(method).synchronous if sync is None else sync}
+
+
+def test_recommendation_rule():
+    rows = [row("pipeoptim", 1000, 50), row("gpipe", 985, 80, m=4), row("pipedream", 1000, 90)]
+    # gpipe is within 2% of the best: a tie, and synchronous wins ties
+    assert recommend(rows)["method"] == "gpipe"
+    assert recommend(rows, tie=0.0)["method"] == "pipeoptim"      # less memory than pipedream
+    assert recommend(rows, memory_limit=60)["method"] == "pipeoptim"
+    assert recommend(rows, memory_limit=85, tie=0.0)["method"] == "pipeoptim"
+    # far behind is no tie
+    assert recommend([row("pipeoptim", 1000, 50), row("gpipe", 900, 10, m=4)])["method"] == "pipeoptim"
+    # fewer micro-batches, then the earlier method, break the remaining ties
+    tied = [row("pipeoptim", 1000, 50, m=2), row("pipedream", 1000, 50, m=1), row("pipeoptim", 1000, 50, m=1)]
+    best = recommend(tied, order=["pipeoptim", "pipedream"])
+    assert (best["method"], best["microbatches"]) == ("pipeoptim", 1)
+    with pytest.raises(ValueError, match="no method fits --memory-limit 40 bytes per stage; the smallest, "
+                                         "pipeoptim with 1 micro-batches, needs 50 bytes"):
+        recommend(rows, memory_limit=40)
+
+
+def test_parsing_helpers():
+    assert parse_bytes("2GiB") == 2 * 1024 ** 3 and parse_bytes("500MB") == 5e8 and parse_bytes("1e9") == 1e9
+    assert parse_speeds("1,2.5", 2) == [1.0, 2.5] and parse_speeds(None, 3) is None
+    for bad, message in [(lambda: parse_bytes("-5", "--bandwidth"), "--bandwidth must be positive"),
+                         (lambda: parse_bytes("fast", "--bandwidth"), "must be a number of bytes"),
+                         (lambda: parse_speeds("1,2,3", 2), "--speeds has 3 values but --stages is 2"),
+                         (lambda: parse_speeds("1,x", 2), "comma-separated numbers"),
+                         (lambda: parse_speeds("1,0", 2), "must all be positive")]:
+        with pytest.raises(ValueError, match=message) as info:
+            bad()
+        assert "\n" not in str(info.value)
+
+
+# -- the command and plan files (the image task, a small MLP) ----------------------------------------
+
+def _image_data() -> bool:
+    try:
+        from pipeoptim.tasks.image import load_arrays
+
+        load_arrays()
+    except Exception:
+        return False
+    return True
+
+
+needs_data = pytest.mark.skipif(not _image_data(), reason="Fashion-MNIST is not installed")
+
+
+def plan_parser():
+    from pipeoptim.cli import plan
+
+    parser = argparse.ArgumentParser(prog="pipeoptim")
+    plan.register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def run_plan(argv):
+    args = plan_parser().parse_args(["plan", *argv])
+    return args.func(args)
+
+
+QUICK = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "32", "--warmup", "0",
+         "--repeats", "1", "--batches", "8", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory):
+    if not _image_data():
+        pytest.skip("Fashion-MNIST is not installed")
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = run_plan([*QUICK, "--stages", "2", "--microbatches", "1,2", "--speeds", "1,2",
+                         "--bandwidth", "1e9", "--methods", "gpipe,1f1b-flush,pipedream,pipeoptim",
+                         "--json", "--out", str(out)])
+    assert code == 0
+    return json.loads(buffer.getvalue()), out
+
+
+@needs_data
+def test_plan_json_has_the_fields_and_a_recommendation(plan_json):
+    plan, out = plan_json
+    for key in ("task", "model", "batch_size", "stages", "partition", "method", "microbatches", "predicted",
+                "memory", "recommendation", "partitions", "candidates", "profile", "settings", "reference"):
+        assert key in plan
+    assert (plan["task"], plan["model"], plan["batch_size"], plan["stages"]) == ("image", "mlp", 32, 2)
+    assert set(plan["partitions"]) == {"uniform", "params", "time"}
+    for p in plan["partitions"].values():
+        assert sum(p["sizes"]) == 4 and p["slowest_stage_seconds"] > 0
+    # the time split is never slower than the others (same profile, same objective)
+    assert plan["partitions"]["time"]["cycle_seconds"] <= min(
+        plan["partitions"][h]["cycle_seconds"] for h in ("uniform", "params")) + 1e-12
+    assert len(plan["candidates"]) == 8 and all(c["samples_per_second"] > 0 for c in plan["candidates"])
+    best = max(c["samples_per_second"] for c in plan["candidates"])
+    assert plan["predicted"]["samples_per_second"] >= 0.98 * best
+    assert plan["recommendation"]["method"] == plan["method"] and "synchronous" in plan["recommendation"]["rule"]
+    assert len(plan["memory"]["per_stage"]) == 2 and plan["memory"]["max_stage"] > 0
+    assert len(plan["profile"]["layers"]) == 4 and plan["settings"]["speeds"] == [1.0, 2.0]
+    assert json.loads(out.read_text()) == plan
+
+
+@needs_data
+def test_plan_file_round_trips_through_load_plan(plan_json, tmp_path):
+    plan, out = plan_json
+    fields = load_plan(out)
+    assert fields == {"task": "image", "model": "mlp", "batch_size": 32, "stages": 2,
+                      "partition": plan["partition"], "method": plan["method"],
+                      "micro_batches": plan["microbatches"]}
+    # the fields are `pipeoptim train` options: a run with them starts and finishes
+    from pipeoptim.cli import train as train_cli
+
+    parser = argparse.ArgumentParser(prog="pipeoptim")
+    train_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--limit", "64", "--no-progress", "--json", "--out", str(tmp_path / "run")])
+    for key, value in fields.items():
+        setattr(args, key, value)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as buffer, contextlib.redirect_stderr(io.StringIO()):
+        assert train_cli.run(args) == 0
+    summary = json.loads(buffer.getvalue())
+    assert summary["partition"] == plan["partition"] and summary["method"] == plan["method"]
+    assert summary["microbatches"] == plan["microbatches"]
+
+
+def test_load_plan_rejects_bad_files_in_one_line(tmp_path):
+    good = {"format": "pipeoptim-plan", "version": 1, "task": "image", "model": "mlp", "batch_size": 32,
+            "stages": 2, "partition": [3, 1], "method": "pipeoptim", "microbatches": 1}
+    path = write_plan(good, tmp_path / "good.json")
+    assert load_plan(path)["partition"] == [3, 1]
+    cases = [
+        ({"partition": [3, 0]}, "partition must be a list of positive layer counts"),
+        ({"partition": [2, 1, 1]}, r"partition \[2, 1, 1\] has 3 stages but stages is 2"),
+        ({"method": "magic"}, "method must be one of"),
+        ({"microbatches": 0}, "microbatches must be a positive integer"),
+        ({"method": "pipedream-2bw", "microbatches": 1}, "pipedream-2bw needs micro-batches >= stages"),
+        ({"format": "other"}, "is not a pipeoptim plan"),
+        ({"version": 9}, "has version 9"),
+        ({"task": "chess"}, "task must be one of"),
+    ]
+    for change, message in cases:
+        bad = write_plan({**good, **change}, tmp_path / "bad.json")
+        with pytest.raises(ValueError, match=message) as info:
+            load_plan(bad)
+        assert "\n" not in str(info.value)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_plan(tmp_path / "broken.json")
+    with pytest.raises(ValueError, match="cannot read plan"):
+        load_plan(tmp_path / "missing.json")
+    lacking = write_plan({k: v for k, v in good.items() if k != "method"}, tmp_path / "lacking.json")
+    with pytest.raises(ValueError, match="lacks method"):
+        load_plan(lacking)
+
+
+@needs_data
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "9"], "--stages 9 is more than the 4 layers of mlp"),
+    (["--stages", "2", "--speeds", "1,2,3"], "--speeds has 3 values but --stages is 2"),
+    (["--stages", "2", "--bandwidth", "-5"], "--bandwidth must be positive"),
+    (["--stages", "2", "--methods", "magic"], "unknown method magic"),
+    (["--stages", "2", "--microbatches", "0"], "--microbatches must be positive integers"),
+    (["--stages", "0"], "--stages must be at least 1"),
+])
+def test_plan_command_rejects_bad_input_in_one_line(argv, message, tmp_path):
+    with pytest.raises(ValueError, match=message) as info:
+        run_plan([*QUICK, *argv, "--out", str(tmp_path / "p.json")])
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "p.json").exists()
+
+
+@needs_data
+def test_memory_limit_that_nothing_fits_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no method fits --memory-limit 1000 bytes per stage"):
+        run_plan([*QUICK, "--stages", "2", "--microbatches", "1", "--memory-limit", "1000",
+                  "--out", str(tmp_path / "p.json")])
