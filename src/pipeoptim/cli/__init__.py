@@ -7,12 +7,20 @@ can fix (a bad option, a missing data set) print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
+from ..checkpoint import CheckpointError
+from ..tasks import MissingDataError
+from ..train import NonFiniteLoss
+from . import bench as _bench
+from . import compare as _compare
+from . import plan as _plan
 from . import schedule as _schedule
+from . import train as _train
 
-SUBCOMMANDS = [_schedule]
+SUBCOMMANDS = [_train, _compare, _schedule, _bench, _plan]
 
 
 class UserError(Exception):
@@ -36,9 +44,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError) as error:
+    except (UserError, ValueError, MissingDataError, CheckpointError) as error:
+        if os.environ.get("PIPEOPTIM_DEBUG"):
+            raise
         print(f"pipeoptim {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as error:
+        print(f"pipeoptim {args.command}: stopped: {error}; the last good checkpoint is kept "
+              f"(continue with --resume RUN_DIR after lowering --lr)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("pipeoptim: interrupted", file=sys.stderr)
         return 130

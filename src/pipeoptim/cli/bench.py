@@ -1,0 +1,372 @@
+"""`pipeoptim bench`: measured throughput of the methods on the distributed runtime.
+
+One run starts one process per stage (torchrun on this machine, one compute thread each) and
+times, inside the workers, every method in turn on the same model, data and partition, beside
+the single-process ``sequential`` run of the same model on one device (on CPU: one thread,
+``sequential-1dev``) and on all cores (``sequential-all``). Process start-up is not timed: each
+run first trains ``--warmup`` mini-batches, then ``--repeats`` rounds time every run on
+``--batches`` mini-batches in turn (from a barrier to the last stage's end; each includes the
+pipeline's fill and drain, and starts from fresh weights); the median round is reported. The
+runs take turns so that other work on the machine hits all of them alike; the CPU share of each
+process (its CPU time over the wall time) shows whether it had its core.
+
+The default model, ``blocks``, is built so that every stage does the same work: on the
+flattened image, four fully connected blocks (linear + ReLU, 512 wide) per stage and a linear
+head of 10 classes on the last stage. The first block maps the 784 pixels to 512 features;
+it computes no input gradient, and its larger input (784/512 ~ 3/2) makes its forward and
+weight gradient cost what another block's forward, input gradient and weight gradient cost
+(measured: stage times within 2-4% of each other). ``--model NAME`` benches one of the task's
+own models instead, split by ``--partitioner``.
+
+Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
+``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
+"ratios": {...}, "settings": {...}, ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from ..optimizers import optimizer_names
+from ..tasks import task_names
+from .common import known_methods
+
+DEFAULT_METHODS = "gpipe,1f1b-flush,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim"
+ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
+BLOCK_WIDTH = 512
+BLOCKS_PER_STAGE = 4
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # The distributed runtime's options (--timeout, --device, --threads) belong to `train`;
+    # they are added here until cli/train.py adds them itself (the call is idempotent).
+    if "train" in sub.choices:
+        from ..runtime.launch import add_distributed_options
+
+        add_distributed_options(sub.choices["train"])
+    p = sub.add_parser("bench", help="measure the methods' throughput on the distributed runtime",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--task", default="image", choices=task_names(), help="default: image")
+    p.add_argument("--model", default="blocks",
+                   help="blocks (default: identical blocks, balanced stages) or a model of the task")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default: 2)")
+    p.add_argument("--batches", type=int, default=32, help="timed mini-batches per run (default: 32)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed mini-batches first (default: 2)")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds, the runs taking turns; the median is reported (default: 1)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="mini-batch size (default: 512 for blocks, else the task's)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per mini-batch for the methods that split (default: the method's; "
+                        "gpipe and 1f1b-flush: the number of stages)")
+    p.add_argument("--partitioner", default="params", choices=["uniform", "params"],
+                   help="split of a task model's blocks (default: params, balanced by parameter "
+                        "count); the blocks model has its own balanced split")
+    p.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum")
+    p.add_argument("--lr", type=float, default=0.01, help="default: 0.01")
+    p.add_argument("--synthetic", action="store_true",
+                   help="random inputs of the image shape instead of the data set (speed does not "
+                        "depend on the values; for machines without the data)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the two sequential runs")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a stage waits for a peer")
+    p.add_argument("--out", type=Path, default=None, help="results file (default: benchmarks/results/bench-<time>.json)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout, nothing else")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> List[str]:
+    for name in ("stages", "batches", "repeats", "batch_size", "micro_batches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    methods = [m for m in known_methods(args.methods) if m != "sequential"]  # it is the baseline
+    if args.synthetic and args.task != "image":
+        raise ValueError("--synthetic makes random images: use it with --task image")
+    if args.model == "blocks" and args.task != "image":
+        raise ValueError("the blocks model reads images: use --task image, or --model NAME of the task")
+    return methods
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = _check(args)
+    from ..runtime.launch import torchrun_command, torchrun_env
+
+    if args.stages < 2 and methods:
+        raise ValueError("a pipeline needs --stages 2 or more")
+    batch = args.batch_size or (512 if args.model == "blocks" else None)
+    out = args.out or Path("benchmarks") / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="pipeoptim-bench-") as tmp:
+        spec = {"kind": "bench", "task": args.task, "model": args.model, "methods": methods,
+                "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
+                "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
+                "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
+                "synthetic": args.synthetic, "baselines": not args.no_baselines,
+                "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
+                "verbose": not args.json}
+        config = Path(tmp) / "bench.json"
+        config.write_text(json.dumps(spec))
+        log(f"bench: {args.stages} processes, methods {', '.join(methods)}; timing inside the workers")
+        busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
+        code = _call(torchrun_command(args.stages, "pipeoptim.runtime.launch", [str(config)]),
+                     torchrun_env(1))
+        busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
+        if code != 0:
+            print(f"pipeoptim bench: error: the workers failed (exit status {code}); see above",
+                  file=sys.stderr)
+            return 1
+        result = json.loads(Path(spec["result"]).read_text())
+    result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    if busy_before is not None and busy_after is not None:
+        # CPU time the whole machine spent busy during the bench, less this bench's own processes
+        other = max(0.0, (busy_after - busy_before) - (ours_after - ours_before))
+        result["other_work"] = {"cpu_seconds": round(other, 2), "wall_seconds": round(wall, 2),
+                                "cores_busy_on_average": round(other / wall, 2)}
+    result["ratios"] = ratios(result["samples_per_second"], methods)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result["out"] = str(out)
+    out.write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_report(result))
+    return 0
+
+
+def _machine_busy():
+    """Seconds of CPU time the machine has spent busy (all cores, all processes), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    """CPU seconds used by this process's finished (waited-for) descendants: the bench's."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def _call(command: List[str], env: Dict[str, str]) -> int:
+    import subprocess
+
+    return subprocess.call(command, env=env)
+
+
+def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
+    """The ratios worth reading: each method against the baselines, pipeoptim against
+    async-naive, and the asynchronous 1F1B methods against gpipe."""
+    out: Dict[str, float] = {}
+    for base in ("sequential-1dev", "sequential-all"):
+        if base in sps:
+            for m in methods:
+                out[f"{m}/{base}"] = sps[m] / sps[base]
+    if "pipeoptim" in sps and "async-naive" in sps:
+        out["pipeoptim/async-naive"] = sps["pipeoptim"] / sps["async-naive"]
+    if "gpipe" in sps:
+        for m in methods:
+            if m in ASYNC_1F1B:
+                out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
+    return out
+
+
+def format_report(result: Dict[str, Any]) -> str:
+    s = result["settings"]
+    sps = result["samples_per_second"]
+    lines = [f"{s['task']} / {s['model']} ({s['parameters'] / 1e6:.2f} M parameters), {s['stages']} stages "
+             f"{s['partition']}, batch {s['batch_size']}, {s['batches']} timed mini-batches per run, "
+             f"{s['repeats']} round(s) (after {s['warmup']} warm-up), {s['optimizer']} lr {s['lr']}, 1 thread per stage",
+             ""]
+    base = sps.get("sequential-1dev")
+    head = ["method", "micro-batches", "samples/s", "x sequential-1dev", "x sequential-all",
+            "CPU share per process"]
+    rows = []
+    for name, value in sps.items():
+        d = result["detail"][name]
+        shares = [statistics.median(col) for col in zip(*d["cpu_share"])]
+        rows.append([name, str(d["microbatches"]), f"{value:.0f}",
+                     f"{value / base:.2f}" if base else "-",
+                     f"{value / sps['sequential-all']:.2f}" if "sequential-all" in sps else "-",
+                     " / ".join(f"{x:.2f}" for x in shares)])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    extra = {k: v for k, v in result["ratios"].items() if "sequential" not in k}
+    if extra:
+        lines.append("")
+        lines += [f"{k}: {v:.2f}" for k, v in extra.items()]
+    la = result["load_average"]
+    lines.append("")
+    lines.append("CPU share: CPU time of each process over the wall time (1 thread: at most 1.00, less "
+                 "when it waits on its peer or other work takes the core)")
+    lines.append(f"load average (1/5/15 min) before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
+                 f"{', '.join(f'{x:.2f}' for x in la['after'])} on {os.cpu_count()} CPUs")
+    other = result.get("other_work")
+    if other is not None:
+        lines.append(f"other processes kept {other['cores_busy_on_average']:.2f} cores busy on average "
+                     f"during the bench ({other['cpu_seconds']:.1f} CPU-s in {other['wall_seconds']:.0f} s)"
+                     + ("; the figures are distorted, re-run on a quiet machine"
+                        if other["cores_busy_on_average"] > 0.1 else ""))
+    lines.append(f"wrote {result['out']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the workers (started by torchrun through pipeoptim.runtime.launch)
+
+
+def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage: int = BLOCKS_PER_STAGE):
+    """Fully connected blocks on the flattened 28x28 image, ``per_stage`` per stage, and a
+    linear head of 10 classes (see the module docstring for why the stages are balanced)."""
+    from torch import nn
+
+    from ..tasks.common import seeded
+
+    with seeded(seed):
+        blocks = [nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU())]
+        blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(per_stage * stages - 1)]
+        blocks.append(nn.Linear(width, 10))
+        return nn.Sequential(*blocks)
+
+
+def _data(spec: Dict[str, Any], count: int):
+    import torch
+
+    from ..tasks import get_task
+
+    task = get_task(spec["task"])
+    batch = spec["batch_size"] or task.default_batch_size
+    if spec["synthetic"]:
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
+                   for _ in range(count)]
+        return task, batch, batches, None
+    data = task.load(batch_size=batch, limit=batch * count, seed=0)
+    batches = list(data.train)
+    while len(batches) < count:  # fewer examples than asked: cycle
+        batches += data.train[: count - len(batches)]
+    return task, batch, batches[:count], data
+
+
+def bench_worker(spec: Dict[str, Any]) -> int:
+    """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
+    import torch
+    import torch.distributed as dist
+
+    from ..optimizers import make_optimizer
+    from ..partition import plan_partition
+    from ..runtime.distributed import PipeComm, init_process_group, train_distributed
+
+    init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and spec["verbose"] else (lambda *a: None)
+    try:
+        warm, timed = spec["warmup"], spec["batches"]
+        task, batch, batches, data = _data(spec, warm + timed)
+        if spec["model"] == "blocks":
+            model = blocks_model(world)
+            partition = [BLOCKS_PER_STAGE] * (world - 1) + [BLOCKS_PER_STAGE + 1]  # the head: last
+        else:
+            if spec["model"] not in task.model_names():
+                raise ValueError(f"task {task.name} has no model {spec['model']!r}; choose blocks or one "
+                                 f"of: {', '.join(task.model_names())}")
+            model = task.build_model(spec["model"], data, seed=0)
+            partition = plan_partition(model, world, spec["partitioner"])
+        optimizer = make_optimizer(spec["optimizer"], spec["lr"])
+        loss_fn = task.loss
+        solo = dist.new_group([0], timeout=datetime.timedelta(seconds=spec["timeout"]))
+        pipe = PipeComm(timeout=spec["timeout"])
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+        def run_once(method: str, comm: PipeComm, threads: int, chunk: List[Any]):
+            torch.set_num_threads(threads)
+            try:
+                kwargs = dict(method=method, optimizer=optimizer, loss_fn=loss_fn, comm=comm,
+                              micro_batches=spec["micro_batches"] if method != "sequential" else None)
+                if method != "sequential":
+                    kwargs["partition"] = partition
+                return train_distributed(model, chunk, **kwargs)
+            finally:
+                torch.set_num_threads(1)
+
+        def summary(rounds: List[Any], threads: int) -> Dict[str, Any]:
+            """The median round's figures (and every round's throughput)."""
+            sps = [r.metrics["samples_per_second"] for r in rounds]
+            res = sorted(rounds, key=lambda r: r.metrics["samples_per_second"])[(len(rounds) - 1) // 2]
+            m = res.metrics["microbatches"]
+            profile = []  # per stage, ms per mini-batch: computing, and blocked on a peer
+            for st, links in zip(res.metrics.get("stage_seconds", []), res.metrics.get("comm", [])):
+                profile.append({
+                    "compute": round(1e3 * (m * (st["F"] + st["B"]) + st["U"]), 3),
+                    "waiting": {k: round(1e3 * v["wait_seconds"] / timed, 3) for k, v in links.items()},
+                    "bytes_per_batch": {k: v["bytes"] // timed for k, v in links.items()},
+                })
+            return {"samples_per_second": statistics.median(sps), "rounds_samples_per_second": sps,
+                    "threads": threads, "cpu_share": [r.metrics["epochs"][0]["cpu_share"] for r in rounds],
+                    "microbatches": m, "partition": res.metrics["partition"],
+                    "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()}
+                                 for st in res.metrics.get("stage_seconds", [])],
+                    "ms_per_batch": round(1e3 * res.metrics["seconds"] / timed, 3),
+                    "profile_ms_per_batch": profile, "final_loss": res.losses[-1]}
+
+        # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
+        # burst of other work on the machine hits all of them alike rather than one.
+        solo_comm = PipeComm(solo, timeout=spec["timeout"]) if rank == 0 else None
+        baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
+        runs = [(name, "sequential", threads) for name, threads in baselines] + \
+               [(m, m, 1) for m in spec["methods"]]
+        rounds: Dict[str, List[Any]] = {name: [] for name, _, _ in runs}
+
+        def record(r: int, name: str, res) -> None:
+            if r >= 0:
+                rounds[name].append(res)
+                say(f"  round {r + 1}: {name:>16}: {res.metrics['samples_per_second']:.0f} samples/s")
+
+        for r in range(-1 if warm else 0, spec["repeats"]):  # round -1: the warm-up
+            chunk = batches[:warm] if r < 0 else batches[warm:]
+            if baselines:  # one process; the others wait at the barrier
+                if rank == 0:
+                    for name, threads in baselines:
+                        record(r, name, run_once("sequential", solo_comm, threads, chunk))
+                dist.barrier()
+            for method in spec["methods"]:
+                record(r, method, run_once(method, pipe, 1, chunk))
+        detail = {name: summary(rounds[name], threads) for name, _, threads in runs if rounds[name]}
+        if rank == 0:
+            result = {
+                "benchmark": "distributed_throughput",
+                "samples_per_second": {k: v["samples_per_second"] for k, v in detail.items()},
+                "settings": {"task": spec["task"], "model": spec["model"], "stages": world,
+                             "partition": partition, "batch_size": batch, "batches": timed,
+                             "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
+                             "lr": spec["lr"], "micro_batches": spec["micro_batches"],
+                             "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
+                             "parameters": sum(p.numel() for p in model.parameters()),
+                             "backend": "gloo", "torch": torch.__version__},
+                "detail": detail,
+            }
+            Path(spec["result"]).write_text(json.dumps(result))
+        dist.barrier()
+        return 0
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+

@@ -1,0 +1,687 @@
+"""The distributed executor: one process per stage, the same Stage and the same action lists.
+
+Every process of a pipeline group runs :func:`run_schedule_distributed` with its own
+:class:`~pipeoptim.runtime.stage.Stage` and the *same* schedule. The schedule is lowered with
+:func:`~pipeoptim.schedules.lower.lower`, which puts ``RECV_F``/``SEND_F`` around forwards and
+``RECV_B``/``SEND_B`` around backwards whose neighbour lives on another rank; the executor walks
+its rank's lowered list in order. Nothing else is sent: targets are read by the last stage from
+the same seeded data that every rank holds, and the loss never leaves it until the end of an
+epoch.
+
+Transport (``torch.distributed`` point to point, nothing home-made):
+
+* gloo on CPU, NCCL on GPU (one device per stage). Each direction of each neighbour pair is
+  its own link (activations ``k -> k+1``, gradients ``k+1 -> k``) carrying one ordered stream
+  of messages: on gloo a tag of the pipeline's group, on NCCL a process group of its own, so
+  that a send and an opposite receive of the same pair never queue on one communicator stream
+  (where they could wait on each other). A gloo group of all stages (the pipeline's own group
+  on CPU) carries the control messages (losses, timings, state dicts at the end of an epoch).
+* Sends are ``dist.isend``; each handle is kept, with its tensors, until it is waited on (polled
+  after every action, all waited at the end of the schedule). gloo's send is a rendezvous, so a
+  blocking send in a 1F1B loop deadlocks; with ``isend`` it cannot.
+* Receives are ``dist.irecv`` posted ahead (two per link by default, into buffers allocated for
+  them) and waited on when the action comes, so a message lands while the stage computes.
+* Shapes and dtypes are agreed once per *micro-batch signature* (the shapes of its inputs) and
+  link: the first message of a signature is preceded by a small metadata message (tuple
+  structure, dtype and shape of each entry; for gradients also which entries carry none). Later
+  messages of that signature are raw tensors into pre-allocated buffers. Every rank computes
+  the signature of every micro-batch from its copy of the data, so uneven splits (a last
+  micro-batch smaller than the others) and batches of different sequence lengths just add
+  signatures. A tensor whose shape differs from its signature's agreed one is an error that
+  says so.
+* Every wait on a peer has a timeout (``PipeComm(timeout=...)``, ``--timeout``), and so has
+  every process group: a peer that hangs or dies makes the waiting rank raise
+  :class:`PipelineCommError` (naming the message it waited for) instead of hanging.
+
+:func:`train_distributed` is a whole training run in one process of a distributed job, the
+counterpart of :func:`pipeoptim.train`: every rank calls it with the same model, data and
+settings (all deterministic), builds only its own stage, and at the end of each epoch the
+losses, timings and (to evaluate) the stages' weights are gathered on one rank, the *writer*
+(rank 0 of the pipeline group), which evaluates the assembled model. Evaluation therefore runs
+on one whole model, not as a pipelined forward.
+
+Randomness inside the model (dropout) is drawn from each process's own generator, so a model
+with dropout does not give the local runtime's numbers step for step (the local executor
+interleaves all stages' draws on one generator); models without randomness give the same
+losses as the local runtime.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..methods import get_method
+from ..partition import split
+from ..schedules.actions import Kind, Schedule
+from ..schedules.lower import lower
+from ..train import NonFiniteLoss, resolve
+from .build import OptimizerFactory, build_stages
+from .local import MicroBatch, check_runnable
+from .microbatch import batch_size, split_batch
+from .stage import Stage, TraceEntry, as_tuple
+
+DEFAULT_TIMEOUT = 300.0  #: seconds a rank waits for a peer before the run fails
+
+# dtype <-> code for the metadata messages
+_DTYPES: List[torch.dtype] = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+Signature = Tuple[Tuple[int, ...], ...]
+#: Agreed layout of one kind of message: is it a tuple, and per entry (dtype, shape) or None.
+Layout = Tuple[bool, Tuple[Optional[Tuple[torch.dtype, Tuple[int, ...]]], ...]]
+
+
+class PipelineCommError(RuntimeError):
+    """A message between stages did not arrive or could not be sent (peer hung, died, or
+    disagreed on what to send)."""
+
+
+def signature(microbatch: MicroBatch) -> Signature:
+    """The key under which a micro-batch's message layouts are agreed: its input shapes."""
+    inputs = microbatch[0]
+    if inputs is None:
+        raise ValueError("every rank needs the micro-batches' inputs (at least their shapes): load "
+                         "the same data on every rank")
+    return tuple(tuple(t.shape) for t in as_tuple(inputs))
+
+
+def _layout_of(value: Any, what: str) -> Layout:
+    entries = []
+    for v in as_tuple(value):
+        if v is None:
+            entries.append(None)
+        elif torch.is_tensor(v):
+            if v.dtype not in _CODE:
+                raise TypeError(f"cannot send a {v.dtype} {what} between stages")
+            entries.append((v.dtype, tuple(v.shape)))
+        else:
+            raise TypeError(f"a {what} crossing a stage boundary must be a tensor or a tuple of "
+                            f"tensors, got {type(v).__name__}")
+    return isinstance(value, tuple), tuple(entries)
+
+
+def _encode(layout: Layout) -> torch.Tensor:
+    is_tuple, entries = layout
+    codes = [int(is_tuple), len(entries)]
+    for e in entries:
+        if e is None:
+            codes.append(-1)
+        else:
+            dtype, shape = e
+            codes += [_CODE[dtype], len(shape), *shape]
+    return torch.tensor(codes, dtype=torch.int64)
+
+
+def _decode(codes: List[int]) -> Layout:
+    is_tuple, count = bool(codes[0]), codes[1]
+    pos, entries = 2, []
+    for _ in range(count):
+        if codes[pos] == -1:
+            entries.append(None)
+            pos += 1
+        else:
+            dtype, ndim = _DTYPES[codes[pos]], codes[pos + 1]
+            entries.append((dtype, tuple(codes[pos + 2: pos + 2 + ndim])))
+            pos += 2 + ndim
+    return is_tuple, tuple(entries)
+
+
+class _Link:
+    """One direction of traffic between two neighbouring stages (a process group and a tag)."""
+
+    def __init__(self, what: str, peer: int, group, tag: int, device: torch.device, timeout: float,
+                 prefetch: int) -> None:
+        self.what = what          # "activation" or "gradient"
+        self.peer = peer          # global rank of the other end
+        self.group = group
+        self.tag = tag
+        self.wait_timeout = datetime.timedelta(seconds=timeout)
+        self.device = device
+        self.timeout = timeout
+        self.prefetch = prefetch
+        self.layouts: Dict[Signature, Layout] = {}
+        self.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
+        self.expected: Deque[Tuple[int, Signature]] = deque()
+        self.posted: Deque[Tuple[int, Signature, List[Optional[torch.Tensor]], List[Any]]] = deque()
+
+    # -- errors ------------------------------------------------------------------------------
+    def _fail(self, doing: str, microbatch: int, error: BaseException) -> PipelineCommError:
+        return PipelineCommError(
+            f"{doing} the {self.what} of micro-batch {microbatch} (peer: rank {self.peer}) failed: "
+            f"{str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__}. "
+            f"A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); see its "
+            f"own error, or raise --timeout if stages are merely slow")
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, microbatch: int, key: Signature, value: Any, pending: List) -> None:
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = _layout_of(value, self.what)
+            self.layouts[key] = layout
+            meta = _encode(layout).to(self.device)
+            size = torch.tensor([meta.numel()], dtype=torch.int64, device=self.device)
+            for t in (size, meta):
+                pending.append((self._isend(t), t, self, microbatch))
+        is_tuple, entries = layout
+        values = as_tuple(value)
+        if len(values) != len(entries) or isinstance(value, tuple) != is_tuple:
+            raise PipelineCommError(f"{self.what} of micro-batch {microbatch} has {len(values)} "
+                                    f"entries, but {len(entries)} were agreed for its input shapes")
+        for v, e in zip(values, entries):
+            if e is None:
+                if v is not None:
+                    raise PipelineCommError(
+                        f"{self.what} of micro-batch {microbatch} carries a tensor where the first "
+                        f"micro-batch of its shape had none")
+                continue
+            dtype, shape = e
+            if v is None:  # a gradient that did not reach this input this time: it is zero
+                v = torch.zeros(shape, dtype=dtype, device=self.device)
+            elif tuple(v.shape) != shape or v.dtype != dtype:
+                raise PipelineCommError(
+                    f"{self.what} of micro-batch {microbatch} is {v.dtype} {tuple(v.shape)}, but "
+                    f"{dtype} {shape} was agreed for micro-batches of input shapes {key}: the "
+                    f"stage's output shape must depend only on its input shapes")
+            t = v.detach().contiguous()
+            pending.append((self._isend(t), t, self, microbatch))
+            self.stats["bytes"] += t.numel() * t.element_size()
+        self.stats["messages"] += 1
+
+    def _isend(self, tensor: torch.Tensor):
+        return dist.isend(tensor, dst=self.peer, group=self.group, tag=self.tag)
+
+    def _irecv(self, tensor: torch.Tensor):
+        return dist.irecv(tensor, src=self.peer, group=self.group, tag=self.tag)
+
+    def wait(self, work) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait(timeout=self.wait_timeout)
+        finally:
+            self.stats["wait_seconds"] += time.perf_counter() - start
+
+    # -- receiving ---------------------------------------------------------------------------
+    def expect(self, items: Sequence[Tuple[int, Signature]]) -> None:
+        if self.expected or self.posted:
+            raise RuntimeError(f"{self.what} link: messages of the last schedule were never received")
+        self.expected.extend(items)
+
+    def _post(self) -> None:
+        """Post receives for the next expected messages whose layout is known."""
+        while self.expected and len(self.posted) < self.prefetch:
+            i, key = self.expected[0]
+            layout = self.layouts.get(key)
+            if layout is None:  # its metadata comes first on the wire: receive it when due
+                return
+            self.expected.popleft()
+            buffers: List[Optional[torch.Tensor]] = []
+            works = []
+            for e in layout[1]:
+                if e is None:
+                    buffers.append(None)
+                    continue
+                buf = torch.empty(e[1], dtype=e[0], device=self.device)
+                buffers.append(buf)
+                works.append(self._irecv(buf))
+            self.posted.append((i, key, buffers, works))
+
+    def recv(self, microbatch: int, key: Signature) -> Any:
+        try:
+            if not self.posted:
+                self._post()
+            if not self.posted:
+                if not self.expected or self.expected[0] != (microbatch, key):
+                    raise PipelineCommError(f"{self.what} link: micro-batch {microbatch} was not expected now")
+                # first message of a new signature: its metadata precedes it
+                size = torch.empty(1, dtype=torch.int64, device=self.device)
+                self.wait(self._irecv(size))
+                meta = torch.empty(int(size.item()), dtype=torch.int64, device=self.device)
+                self.wait(self._irecv(meta))
+                self.layouts[key] = _decode(meta.tolist())
+                self._post()
+            i, got_key, buffers, works = self.posted.popleft()
+            if (i, got_key) != (microbatch, key):
+                raise PipelineCommError(f"{self.what} link: expected micro-batch {i} next, the "
+                                        f"schedule asks for {microbatch}")
+            for w in works:
+                self.wait(w)
+            self.stats["messages"] += 1
+            self.stats["bytes"] += sum(b.numel() * b.element_size() for b in buffers if b is not None)
+            self._post()
+        except PipelineCommError:
+            raise
+        except RuntimeError as error:
+            raise self._fail("receiving", microbatch, error) from error
+        is_tuple, _ = self.layouts[key]
+        return tuple(buffers) if is_tuple else buffers[0]
+
+
+class PipeComm:
+    """The communication of one stage of a straight pipeline over a process group.
+
+    Stage k is rank k of ``group`` (default: the whole job). On gloo the links are tags of
+    ``group`` (any sub-group works, nothing is created). On NCCL each direction of each pair
+    gets its own process group, created over the whole job: every rank of the job creates the
+    PipeComm, in the same order as any other groups, and ``group`` must be the whole job.
+    ``timeout`` bounds every wait on a peer (the group's own timeout bounds the control
+    collectives).
+    """
+
+    def __init__(self, group=None, *, device: Optional[torch.device] = None,
+                 timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2) -> None:
+        self.group = group or dist.group.WORLD
+        self.stage = dist.get_rank(self.group)
+        self.num_stages = dist.get_world_size(self.group)
+        self.ranks = [dist.get_global_rank(self.group, k) for k in range(self.num_stages)]
+        self.timeout = float(timeout)
+        self.backend = dist.get_backend(self.group)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(self.backend)
+                      else torch.device("cpu"))
+        self.device = torch.device(device)
+        delta = datetime.timedelta(seconds=self.timeout)
+        gloo = "gloo" in str(self.backend)
+        if not gloo and self.group is not dist.group.WORLD:
+            raise ValueError(f"a {self.backend} pipeline runs on the whole job (group=None): its links "
+                             f"are process groups that every rank creates")
+        # Control messages (losses, timings, weights): gloo over the pipeline's ranks.
+        self.control = self.group if gloo else dist.new_group(self.ranks, timeout=delta, backend="gloo")
+        self._links: Dict[Tuple[str, int], _Link] = {}
+        k = self.stage
+        for j in range(self.num_stages - 1):
+            for tag, what in ((1, "activation"), (2, "gradient")):
+                # gloo: a tag of the pipeline group; NCCL: a group per direction (one stream each,
+                # so that a send and an opposite receive of the pair never queue behind each other)
+                g = self.group if gloo else dist.new_group([self.ranks[j], self.ranks[j + 1]], timeout=delta)
+                if not gloo and k in (j, j + 1):
+                    # NCCL creates a communicator at its first point-to-point use, blocking until
+                    # both ends join: do that here, one message per link in pipeline order on
+                    # every rank, not at a first receive posted while the peer is blocked in its
+                    # first use of the opposite link (a deadlock).
+                    probe = torch.zeros(1, device=self.device)
+                    if k == j:
+                        dist.isend(probe, dst=self.ranks[j + 1], group=g).wait()
+                    else:
+                        dist.irecv(probe, src=self.ranks[j], group=g).wait()
+                    torch.cuda.synchronize(self.device)
+                if k in (j, j + 1):
+                    peer = self.ranks[j + 1] if k == j else self.ranks[j]
+                    self._links[(what, j)] = _Link(what, peer, g, tag if gloo else 0, self.device,
+                                                   self.timeout, prefetch)
+        self._pending: Deque[Tuple[Any, torch.Tensor, _Link, int]] = deque()
+
+    def reset(self) -> None:
+        """Forget the agreed message layouts (a new model may send other shapes); every rank
+        of the pipeline must reset at the same point, e.g. at the start of a run."""
+        self.flush()
+        for link in self._links.values():
+            if link.expected or link.posted:
+                raise RuntimeError(f"{link.what} link: messages of the last schedule were never received")
+            link.layouts.clear()
+            link.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
+
+    def stats(self) -> Dict[str, Dict[str, float]]:
+        """Per link ("send activation", "recv gradient", ...): messages, bytes, and seconds this
+        process spent blocked waiting on them (receives: the peer was late; sends: at the end of
+        a schedule, for the peer to take them)."""
+        out = {}
+        for (what, pair), link in self._links.items():
+            sending = (what == "activation") == (pair == self.stage)
+            out[f"{'send' if sending else 'recv'} {what}"] = dict(link.stats)
+        return out
+
+    def _link(self, what: str, pair: int) -> _Link:
+        return self._links[(what, pair)]
+
+    # activations flow k -> k+1 on pair k; gradients k+1 -> k on pair k
+    def send_activation(self, microbatch: int, key: Signature, value: Any) -> None:
+        self._send(self._link("activation", self.stage), microbatch, key, value)
+
+    def recv_activation(self, microbatch: int, key: Signature) -> Any:
+        return self._link("activation", self.stage - 1).recv(microbatch, key)
+
+    def send_gradient(self, microbatch: int, key: Signature, value: Any) -> None:
+        self._send(self._link("gradient", self.stage - 1), microbatch, key, value)
+
+    def recv_gradient(self, microbatch: int, key: Signature) -> Any:
+        return self._link("gradient", self.stage).recv(microbatch, key)
+
+    def _send(self, link: _Link, microbatch: int, key: Signature, value: Any) -> None:
+        try:
+            link.send(microbatch, key, value, self._pending)
+        except PipelineCommError:
+            raise
+        except RuntimeError as error:
+            raise link._fail("sending", microbatch, error) from error
+
+    def expect(self, activations: Sequence[Tuple[int, Signature]],
+               gradients: Sequence[Tuple[int, Signature]]) -> None:
+        """The receives the next schedule will make, in order, and post the first ones."""
+        if activations:
+            self._link("activation", self.stage - 1).expect(activations)
+        if gradients:
+            self._link("gradient", self.stage).expect(gradients)
+        for link in self._links.values():
+            if link.expected:
+                try:
+                    link._post()
+                except RuntimeError as error:
+                    raise link._fail("receiving", link.expected[0][0], error) from error
+
+    def poll(self) -> None:
+        """Forget the sends that have completed (their tensors may then be freed)."""
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.popleft()
+
+    def flush(self) -> None:
+        """Wait for every send still in flight."""
+        while self._pending:
+            work, _, link, microbatch = self._pending[0]
+            try:
+                link.wait(work)
+            except RuntimeError as error:
+                raise link._fail("sending", microbatch, error) from error
+            self._pending.popleft()
+
+
+def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Sequence[MicroBatch],
+                             comm: PipeComm, *, on_loss: Optional[Callable[[int, float], None]] = None,
+                             on_update: Optional[Callable[[int], None]] = None,
+                             trace_offset: int = 0) -> Dict[int, float]:
+    """Run this rank's part of ``schedule`` (compute-only, as for :func:`run_schedule`).
+
+    Every rank of the pipeline calls it with its own stage, the same schedule and the same
+    ``microbatches`` (stage 0 uses the inputs, the last stage the targets and loss shares, every
+    stage the input shapes as message keys). Returns, on the last stage, the loss of each update
+    window (empty elsewhere); ``on_loss(window, loss)`` is called there as each completes.
+    ``on_update(u)`` is called after each of this stage's updates.
+    """
+    n = schedule.num_stages
+    check_runnable(schedule, n)
+    if comm.num_stages != n or comm.stage != stage.index or stage.num_stages != n:
+        raise ValueError(f"stage {stage.index} of {stage.num_stages} on pipeline rank {comm.stage} of "
+                         f"{comm.num_stages}, schedule for {n} stages: they must agree")
+    k = stage.index
+    order = lower(schedule).orders[k]
+    m = schedule.microbatches_per_update
+    keys = [signature(mb) for mb in microbatches]
+    stage.policy.begin_epoch(schedule.orders[k], schedule.orders)
+    stage.trace_offset = trace_offset
+    comm.expect([(a.index, keys[a.index]) for a in order if a.kind is Kind.RECV_F],
+                [(a.index, keys[a.index]) for a in order if a.kind is Kind.RECV_B])
+    received: Dict[int, Any] = {}
+    grads: Dict[int, Any] = {}
+    outgoing: Dict[int, Any] = {}
+    window_loss: Dict[int, float] = {}
+    window_left: Dict[int, int] = {}
+    for action in order:
+        i, kind = action.index, action.kind
+        if kind is Kind.RECV_F:
+            received[i] = comm.recv_activation(i, keys[i])
+        elif kind is Kind.F:
+            inputs = microbatches[i][0] if stage.is_first else received.pop(i)
+            _, target, share = microbatches[i]
+            out = stage.forward(i, inputs, target if stage.is_last else None, share)
+            if stage.is_last:
+                w = i // m
+                window_loss[w] = window_loss.get(w, 0.0) + out
+                window_left[w] = window_left.get(w, m) - 1
+                if window_left[w] == 0 and on_loss is not None:
+                    on_loss(w, window_loss[w])
+            else:
+                outgoing[i] = out
+        elif kind is Kind.SEND_F:
+            comm.send_activation(i, keys[i], outgoing.pop(i))
+        elif kind is Kind.RECV_B:
+            grads[i] = comm.recv_gradient(i, keys[i])
+        elif kind is Kind.B:
+            grad_in = stage.backward(i, None if stage.is_last else grads.pop(i))
+            if not stage.is_first:
+                outgoing[i] = grad_in
+        elif kind is Kind.SEND_B:
+            comm.send_gradient(i, keys[i], outgoing.pop(i))
+        elif kind is Kind.U:
+            stage.update()
+            if on_update is not None:
+                on_update(i)
+        else:
+            raise ValueError(f"the distributed executor cannot run {action}")
+        comm.poll()
+    comm.flush()
+    return window_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole training run in one process of a distributed job
+
+
+def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
+                       init_method: Optional[str] = None, rank: Optional[int] = None,
+                       world_size: Optional[int] = None, threads: Optional[int] = 1) -> torch.device:
+    """Join the job's default process group (gloo on CPU, NCCL on GPU) with a timeout; return
+    this process's device (``cuda:LOCAL_RANK`` on GPU). Without ``init_method`` the torchrun
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
+
+    ``threads``: intra-op threads of this process (default 1: one compute thread per stage,
+    so that N stages on N cores do not oversubscribe them); None leaves torch's setting."""
+    import os
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank or 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                             f"start at most one process per GPU on each node")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    elif device == "cpu":
+        dev, backend = torch.device("cpu"), "gloo"
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    kwargs: Dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    if not dist.is_initialized():
+        dist.init_process_group(**kwargs)
+    return dev
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value.to(device, non_blocking=False) if torch.is_tensor(value) else value
+
+
+def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
+    """Run a collective of the control group; a timeout or a dead peer becomes a
+    PipelineCommError that says what the stages were doing."""
+    try:
+        return fn()
+    except RuntimeError as error:
+        last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise PipelineCommError(
+            f"stage {comm.stage}: {what} failed: {last}. A peer stage hung, died or is slower than "
+            f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
+
+
+def _gather(obj: Any, comm: PipeComm, what: str, dst: int = 0) -> Optional[List[Any]]:
+    """Gather one object per stage on pipeline rank ``dst`` (None elsewhere)."""
+    out = [None] * comm.num_stages if comm.stage == dst else None
+    _control(comm, what, lambda: dist.gather_object(obj, out, dst=comm.ranks[dst], group=comm.control))
+    return out
+
+
+def _broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
+    box = [obj]
+    _control(comm, what, lambda: dist.broadcast_object_list(box, src=comm.ranks[src], group=comm.control))
+    return box[0]
+
+
+def _gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
+    out: List[Any] = [None] * comm.num_stages
+    _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
+    return out
+
+
+@dataclass
+class DistributedResult:
+    """What one rank of a distributed run returns (losses and metrics on every rank)."""
+
+    losses: List[float]               #: one per mini-batch, all epochs (every rank)
+    version_trace: List[TraceEntry]   #: all stages' traces on the writer rank, own stage elsewhere
+    model: nn.Sequential              #: writer rank: the assembled trained model (on the CPU);
+                                      #: elsewhere this rank's copy, only its own stage trained
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    stage: Optional[Stage] = None     #: this rank's stage
+    is_writer: bool = False
+
+
+def assemble(model: nn.Sequential, sizes: Sequence[int], states: Sequence[Dict[str, torch.Tensor]]) -> nn.Sequential:
+    """Load each stage's state dict into the matching slice of ``model`` (in place)."""
+    for part, state in zip(split(model, sizes), states):
+        part.load_state_dict(state)
+    return model
+
+
+def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.Tensor]], *, method: str,
+                      optimizer: OptimizerFactory, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                      stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
+                      partitioner: str = "uniform", epochs: int = 1, micro_batches: Optional[int] = None,
+                      continuous: bool = False, comm: Optional[PipeComm] = None,
+                      device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT,
+                      evaluate: Optional[Callable[[nn.Module], float]] = None,
+                      on_batch: Optional[Callable[[int, float], None]] = None,
+                      on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+                      on_update: Optional[Callable[[int], None]] = None,
+                      **method_options: Any) -> DistributedResult:
+    """:func:`pipeoptim.train` for one process of a pipeline group (one stage per process).
+
+    Every rank of the group (default: the whole job, already initialised) calls it with the
+    same arguments; the number of stages must equal the group's size. Rank 0 of the group is
+    the *writer*: after each epoch it receives the losses, and, with ``evaluate``, every
+    stage's weights, assembles the model and calls ``evaluate(model)``; ``on_batch`` and
+    ``on_epoch`` are called there (batches at the end of their epoch). ``on_update(u)`` is called
+    on every rank after its stage's updates (a progress bar). Returns the losses and metrics on
+    every rank and the assembled model on the writer.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    if not batches:
+        raise ValueError("no mini-batches to train on")
+    spec = resolve(model, method=method, stages=stages, partition=partition, partitioner=partitioner,
+                   micro_batches=micro_batches, method_options=method_options)
+    comm = comm or PipeComm(device=device, timeout=timeout)
+    comm.reset()  # layouts are agreed once per run
+    device = comm.device
+    if spec.stages != comm.num_stages:
+        raise ValueError(f"{method} runs {spec.stages} stage(s) but the pipeline group has "
+                         f"{comm.num_stages} process(es); start one process per stage")
+    meth = get_method(method)
+    k, n = comm.stage, comm.num_stages
+    writer = k == 0
+    trained = copy.deepcopy(model)
+    trained.train()
+    split(trained, spec.partition)[k].to(device)
+    stage = build_stages(trained, spec.partition, meth, spec.options, optimizer, loss_fn, only=k)[0]
+    # The writer assembles the whole model on the CPU: its own copy when the stages run there,
+    # a separate one when its own stage lives on a GPU.
+    whole = trained if device.type == "cpu" else copy.deepcopy(model)
+
+    micro: List[MicroBatch] = []
+    for inputs, target in batches:
+        for x, y, share in split_batch(inputs, target, spec.microbatches):
+            micro.append((_to(x, device) if stage.is_first else x,
+                          _to(y, device) if stage.is_last else y, share))
+    samples = sum(batch_size(x) for x, _ in batches)
+
+    losses: List[float] = []
+    epoch_metrics: List[Dict[str, Any]] = []
+    total_seconds = 0.0
+    rounds = [(0, epochs)] if continuous else [(e, 1) for e in range(epochs)]
+    for first_epoch, count in rounds:
+        schedule = meth.build_schedule(spec.stages, spec.microbatches, len(batches) * count)
+        data = micro * count
+        _control(comm, f"waiting for every stage before epoch {first_epoch}",
+                 lambda: dist.barrier(group=comm.control))
+        start, cpu_start = time.perf_counter(), time.process_time()
+        window_losses = run_schedule_distributed(stage, schedule, data, comm, on_update=on_update,
+                                                 trace_offset=first_epoch * len(micro))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        mine = [window_losses[w] for w in range(len(batches) * count)] if stage.is_last else None
+        # the losses and the slowest stage's time, to every rank
+        report = _broadcast(mine, comm, n - 1, "collecting the losses from the last stage")
+        times = _gather_all((seconds, cpu), comm, "collecting the stages' times")
+        seconds = max(t[0] for t in times)
+        # the CPU time each stage's process got over the epoch's wall time: well below 1 when
+        # other work shares the cores (or the stage waits on its peers)
+        cpu_share = [round(t[1] / seconds, 3) for t in times]
+        total_seconds += seconds
+        base = len(losses)
+        for w, loss in enumerate(report):
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"loss became {loss} at mini-batch {w % len(batches)} of "
+                                    f"epoch {first_epoch + w // len(batches)}")
+        losses += report
+        if writer and on_batch is not None:
+            for w, loss in enumerate(report):
+                on_batch(base + w, loss)
+        for e in range(count):
+            chunk = losses[base + e * len(batches): base + (e + 1) * len(batches)]
+            epoch_metrics.append({"epoch": first_epoch + e, "loss": sum(chunk) / len(chunk),
+                                  "seconds": seconds / count,
+                                  "samples_per_second": samples * count / seconds,
+                                  "cpu_share": cpu_share})
+        if evaluate is not None:
+            states = _gather(_cpu_state(stage.module), comm, "collecting the weights to evaluate")
+            if writer:
+                assemble(whole, spec.partition, states)
+                epoch_metrics[-1]["metric"] = float(evaluate(whole))
+                whole.train()
+        if writer and on_epoch is not None:
+            on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
+
+    # the trained weights, traces and per-stage measurements, to the writer
+    info = {"trace": stage.trace, "state": _cpu_state(stage.module),
+            "stage_seconds": {key: stage.time[key] / max(1, stage.count[key]) for key in stage.time},
+            "weight_versions": round(stage.policy.versions_peak, 3), "comm": comm.stats()}
+    gathered = _gather(info, comm, "collecting the trained stages")
+    metrics: Dict[str, Any] = {
+        "method": method, "options": spec.options, "stages": spec.stages, "partition": spec.partition,
+        "microbatches": spec.microbatches, "epochs": epoch_metrics,
+        "samples_per_second": samples * epochs / total_seconds, "seconds": total_seconds,
+        "weight_versions_design": meth.weight_versions(spec.stages, **spec.options),
+        "runtime": "distributed", "backend": str(comm.backend), "device": str(device),
+    }
+    trace = stage.trace
+    if writer:
+        trained = assemble(whole, spec.partition, [g["state"] for g in gathered])
+        trace = sorted((e for g in gathered for e in g["trace"]),
+                       key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
+        metrics["weight_versions"] = [g["weight_versions"] for g in gathered]
+        metrics["stage_seconds"] = [g["stage_seconds"] for g in gathered]
+        metrics["comm"] = [g["comm"] for g in gathered]
+    return DistributedResult(losses, trace, trained, metrics, stage, writer)
+
+
+def _cpu_state(module: nn.Module) -> Dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}

@@ -1,0 +1,428 @@
+"""The distributed runtime (one process per stage, gloo on CPU) against the local runtime.
+
+DESIGN.md section 5, invariant 4: for every method the per-batch losses of a distributed run
+equal the local runtime's. One spawn of 4 processes (file store in tmp_path, one thread each)
+runs every method on 4 stages, and on 2 stages in two 2-process sub-groups at once, plus
+tuple activations, uneven micro-batches and the 1-stage `sequential` path; the tests below read
+its results. Separate runs check a hung peer (the run fails within the timeout), two "nodes"
+under torchrun, and `pipeoptim train --runtime distributed` starting torchrun itself.
+
+Every test has a pytest-timeout mark and every process group a timeout, so a deadlock fails
+in seconds instead of hanging.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import pipeoptim
+from conftest import batches, mlp
+from pipeoptim.runtime.distributed import (PipeComm, PipelineCommError, _decode, _encode, _layout_of,
+                                           init_process_group, signature, train_distributed)
+
+LOSS = nn.functional.cross_entropy
+PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"]
+GROUP_TIMEOUT = 60  # seconds; the spawns finish far sooner
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sgdm(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# a model whose blocks pass (float tensor, int tensor) tuples
+
+
+class TupleIn(nn.Module):
+    """(x, bucket) -> (h, bucket): a linear layer plus a learned embedding of an integer input."""
+
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, width)
+        self.embed = nn.Embedding(3, width)
+
+    def forward(self, inputs):
+        x, bucket = inputs
+        return torch.tanh(self.linear(x) + self.embed(bucket)), bucket
+
+
+class TupleBlock(nn.Module):
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.embed = nn.Embedding(3, width)
+
+    def forward(self, inputs):
+        h, bucket = inputs
+        return torch.tanh(self.linear(h) + self.embed(bucket)), bucket
+
+
+class TupleHead(nn.Module):
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, 4)
+
+    def forward(self, inputs):
+        h, _ = inputs
+        return self.linear(h)
+
+
+def tuple_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(TupleIn(), TupleBlock(), TupleBlock(), TupleHead()).double()
+
+
+def tuple_batches(count: int = 4, size: int = 10):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(count):
+        x = torch.randn(size, 6, generator=g, dtype=torch.float64)
+        bucket = torch.randint(0, 3, (size,), generator=g)
+        out.append(((x, bucket), torch.randint(0, 4, (size,), generator=g)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# spawning
+
+
+def spawn(fn, world: int, tmp_path: Path, *args, deadline: float = 100.0) -> None:
+    """Run ``fn(rank, world, init_method, out_dir, *args)`` in ``world`` fresh processes; fail
+    if any exits non-zero or is still running after ``deadline`` seconds (then killed)."""
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=fn, args=(r, world, init, str(tmp_path), *args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    try:
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not alive, f"ranks {alive} still running after {deadline} s (deadlock?)"
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        assert not failed, f"ranks exited with status {failed} (their errors are in the captured stderr)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _train(model, data, method, comm, **kw):
+    res = train_distributed(model, data, method=method, optimizer=kw.pop("optimizer", sgdm), loss_fn=LOSS,
+                            comm=comm, **kw)
+    return {"losses": res.losses, "trace": res.version_trace if res.is_writer else None,
+            "state": {k: v.clone() for k, v in res.model.state_dict().items()} if res.is_writer else None}
+
+
+def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
+    init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    single = dist.new_group([0])
+    results = {}
+    comm = PipeComm(timeout=GROUP_TIMEOUT)
+    for method in PIPELINED:  # 4 stages, all processes
+        results[("mlp", method, 4)] = _train(mlp(), batches(5), method, comm, stages=4)
+    # 2 stages: half the methods on ranks 0-1, the other half on ranks 2-3, at the same time
+    pair = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT)
+    for method in PIPELINED[rank // 2::2]:
+        results[("mlp", method, 2)] = _train(mlp(), batches(5), method, pair, stages=2)
+    if rank < 2:  # tuple activations, with uneven micro-batches (10 samples in 4: 3, 3, 2, 2)
+        for method in ("1f1b-flush", "pipeoptim"):
+            results[("tuple", method, 2)] = _train(tuple_model(), tuple_batches(), method, pair, stages=2,
+                                                   micro_batches=4 if method == "1f1b-flush" else None)
+    else:  # uneven micro-batches of a plain tensor model, Adam
+        for method in ("gpipe", "pipedream-2bw"):
+            results[("uneven", method, 2)] = _train(mlp(), batches(4), method, pair, stages=2,
+                                                    micro_batches=3, optimizer=adam)
+    if rank == 0:  # sequential is one stage: a 1-process pipeline
+        results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential",
+                                                   PipeComm(single, timeout=GROUP_TIMEOUT))
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Results of the 4-process spawn: {(model, method, stages): {losses, trace, state}}."""
+    tmp = tmp_path_factory.mktemp("spawn4")
+    start = time.perf_counter()
+    spawn(_equivalence_worker, 4, tmp)
+    results = {}
+    for rank in (3, 2, 1, 0):  # writer ranks (0 and 2) last: they hold traces and models
+        for key, value in torch.load(tmp / f"rank{rank}.pt", weights_only=False).items():
+            if value["trace"] is not None or key not in results:
+                results[key] = value
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+def _local(model, data, method, stages, **kw):
+    return pipeoptim.train(model, data, method=method, stages=stages, optimizer=kw.pop("optimizer", sgdm),
+                           loss_fn=LOSS, **kw)
+
+
+def _close(got, expected, rel=1e-5):
+    assert len(got) == len(expected)
+    assert got == pytest.approx(expected, rel=rel)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stages", [4, 2])
+@pytest.mark.parametrize("method", PIPELINED)
+def test_distributed_losses_equal_local(spawned, method, stages):
+    got = spawned[("mlp", method, stages)]
+    local = _local(mlp(), batches(5), method, stages)
+    _close(got["losses"], local.losses)
+    if stages == 4:  # the writer also gathered the version trace and the trained model
+        assert got["trace"] == local.version_trace
+        for name, value in local.model.state_dict().items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.timeout(150)
+def test_sequential_runs_as_a_one_process_pipeline(spawned):
+    got = spawned[("mlp", "sequential", 1)]
+    local = pipeoptim.train(mlp(), batches(5), method="sequential", optimizer=sgdm, loss_fn=LOSS)
+    _close(got["losses"], local.losses)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim"])
+def test_tuple_activations_cross_stages(spawned, method):
+    """Blocks pass (float, int) tuples; the int entry carries no gradient back."""
+    got = spawned[("tuple", method, 2)]
+    local = _local(tuple_model(), tuple_batches(), method, 2,
+                   micro_batches=4 if method == "1f1b-flush" else None)
+    _close(got["losses"], local.losses)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("method", ["gpipe", "pipedream-2bw"])
+def test_uneven_micro_batches(spawned, method):
+    """8 samples in 3 micro-batches (3, 3, 2): two message shapes, each agreed once."""
+    got = spawned[("uneven", method, 2)]
+    local = _local(mlp(), batches(4), method, 2, micro_batches=3, optimizer=adam)
+    _close(got["losses"], local.losses)
+
+
+# ---------------------------------------------------------------------------------------------
+# a hung peer
+
+
+class HangAfter(nn.Module):
+    """Passes its input through; its ``after``-th call sleeps (the stage stops answering)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.after:
+            time.sleep(120)
+        return x
+
+
+def _hang_worker(rank: int, world: int, init: str, out: str, timeout: float) -> None:
+    init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    comm = PipeComm(timeout=timeout)  # the stage-to-stage links time out after `timeout`
+    model = nn.Sequential(*mlp(depth=4), HangAfter(2))  # stage 1 holds the last block and HangAfter
+    start = time.perf_counter()
+    try:
+        train_distributed(model, batches(6), method="pipeoptim", stages=2, optimizer=sgdm, loss_fn=LOSS,
+                          comm=comm)
+        outcome = {"error": None}
+    except PipelineCommError as error:
+        outcome = {"error": str(error)}
+    outcome["seconds"] = time.perf_counter() - start
+    (Path(out) / f"hang{rank}.json").write_text(json.dumps(outcome))
+    os._exit(0)  # do not wait on the hung peer while tearing down
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_peer_fails_the_run_within_the_timeout(tmp_path):
+    timeout = 3.0
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_hang_worker, args=(r, 2, init, str(tmp_path), timeout), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(45)
+        assert not procs[0].is_alive(), "stage 0 kept waiting for its hung peer"
+        assert procs[1].is_alive()  # stage 1 is still asleep in its forward
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    outcome = json.loads((tmp_path / "hang0.json").read_text())
+    assert outcome["error"] is not None
+    assert "gradient of micro-batch" in outcome["error"] and "timeout (3 s)" in outcome["error"]
+    assert timeout <= outcome["seconds"] < timeout + 15
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: two "nodes", and `pipeoptim train --runtime distributed` launching it
+
+
+def _image_data_or_skip():
+    from pipeoptim.tasks import MissingDataError, get_task
+
+    try:
+        get_task("image").load(batch_size=32, limit=256, seed=0)
+    except MissingDataError as error:
+        pytest.skip(f"needs Fashion-MNIST: {error}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+TRAIN_ARGS = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "32", "--stages", "2",
+              "--no-progress", "--json", "--timeout", "60"]
+
+
+def _local_summary(method: str):
+    from pipeoptim.experiment import RunConfig, run_experiment
+
+    cfg = RunConfig(task="image", model="mlp", method=method, stages=2, batch_size=32, limit=256)
+    return run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a, **k: None)
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_under_torchrun_match_local(tmp_path):
+    _image_data_or_skip()
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "pipeoptim", "train", "--runtime", "distributed", "--method", "pipedream",
+                   "--out", str(tmp_path / "run"), *TRAIN_ARGS]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=_env(), cwd=tmp_path))
+    try:
+        outs = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    summary = json.loads(outs[0][0])  # node 0 holds rank 0, which prints the summary
+    assert outs[1][0].strip() == ""   # and only it
+    local = _local_summary("pipedream")
+    _close(summary["losses"], local["losses"])
+    assert summary["final_metric"] == pytest.approx(local["final_metric"], abs=0.01)
+    assert {k for k in local if k != "out"} <= set(summary)
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
+    """`pipeoptim train --runtime distributed` (here called in-process) runs torchrun with one
+    process per stage; rank 0 prints the summary once and writes the run folder."""
+    from pipeoptim.cli import main
+
+    _image_data_or_skip()
+    out = tmp_path / "run"
+    assert main(["train", "--runtime", "distributed", "--method", "1f1b-flush", "--out", str(out),
+                 *TRAIN_ARGS]) == 0
+    summary = json.loads(capfd.readouterr().out)  # one JSON object, printed once
+    assert summary["runtime"] == "distributed" and summary["stages"] == 2
+    for name in ("metrics.jsonl", "summary.json", "curves.png"):
+        assert (out / name).exists(), name
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in lines if x["type"] == "batch"] == summary["losses"]
+    local = _local_summary("1f1b-flush")
+    _close(summary["losses"], local["losses"])
+    assert set(local) | {"out"} == set(summary) - {"runtime", "device"}  # local ran without a folder
+
+
+# ---------------------------------------------------------------------------------------------
+# no processes
+
+
+def test_message_layouts_round_trip():
+    value = (torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), None)
+    layout = _layout_of(value, "activation")
+    assert _decode(_encode(layout).tolist()) == layout
+    single = _layout_of(torch.zeros(2, 5, dtype=torch.bfloat16), "activation")
+    assert _decode(_encode(single).tolist()) == single == (False, ((torch.bfloat16, (2, 5)),))
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        _layout_of((torch.zeros(1), 3), "activation")
+
+
+def test_signature_keys_by_input_shapes():
+    (x, bucket), y = tuple_batches(1)[0]
+    assert signature(((x, bucket), y, 1.0)) == ((10, 6), (10,))
+    assert signature((x[:3], y[:3], 0.3)) == ((3, 6),)
+
+
+def test_distributed_options_and_launch_command():
+    from pipeoptim.cli import build_parser
+    from pipeoptim.runtime.launch import torchrun_command
+
+    args = build_parser().parse_args(["train", "--runtime", "distributed", "--timeout", "7", "--device", "cpu"])
+    assert args.timeout == 7 and args.device == "cpu" and args.threads == 1
+    command = torchrun_command(3, "pipeoptim.runtime.launch", ["run.json"])
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node" in command and command[command.index("--nproc-per-node") + 1] == "3"
+    assert "127.0.0.1:0" in command
+
+
+def test_world_size_must_match_the_stages(monkeypatch, capsys):
+    from pipeoptim.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(sys, "argv", ["pipeoptim", "train", "--stages", "2"])
+    assert main(["train", "--runtime", "distributed", "--stages", "2", "--model", "mlp"]) == 2
+    assert "world size is 3" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
+    from pipeoptim.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
+                 "--methods", "gpipe,pipeoptim", "--json", "--out", str(out), "--timeout", "60"]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert set(result["samples_per_second"]) == {"sequential-1dev", "sequential-all", "gpipe", "pipeoptim"}
+    assert all(v > 0 for v in result["samples_per_second"].values())
+    assert {"pipeoptim/sequential-1dev", "pipeoptim/gpipe"} <= set(result["ratios"])
+    assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
+    assert json.loads(out.read_text())["samples_per_second"] == result["samples_per_second"]
