@@ -362,7 +362,7 @@ def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
                  *TRAIN_ARGS]) == 0
     summary = json.loads(capfd.readouterr().out)  # one JSON object, printed once
     assert summary["runtime"] == "distributed" and summary["stages"] == 2
-    for name in ("metrics.jsonl", "summary.json", "curves.png"):
+    for name in ("metrics.jsonl", "summary.json", "curves.png", "config.json"):
         assert (out / name).exists(), name
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["loss"] for x in lines if x["type"] == "batch"] == summary["losses"]
@@ -426,3 +426,10 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     assert {"pipeoptim/sequential-1dev", "pipeoptim/gpipe"} <= set(result["ratios"])
     assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
     assert json.loads(out.read_text())["samples_per_second"] == result["samples_per_second"]
+
+
+def test_checkpointing_is_refused_with_a_message(capsys):
+    from pipeoptim.cli import main
+
+    assert main(["train", "--runtime", "distributed", "--checkpoint-every", "2", "--model", "mlp"]) == 2
+    assert "does not checkpoint yet" in capsys.readouterr().err

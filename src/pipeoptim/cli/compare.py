@@ -38,6 +38,14 @@ def format_table(rows, metric: str) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
 
 
+def warm_up(task, cfg, data) -> None:
+    """One untimed forward and backward, so that the first method measured does not pay for the
+    process's first kernels and allocations (which made it look up to 5x slower)."""
+    model = task.build_model(cfg.model, data, seed=cfg.seed)
+    inputs, target = data.train[0]
+    task.loss(model(inputs), target).backward()
+
+
 def run(args: argparse.Namespace) -> int:
     check_numbers(args)
     methods = known_methods(args.methods)
@@ -52,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     data = task.load(batch_size=first.batch_size, limit=args.limit, seed=args.seed)
     log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
         f"{first.stages} stages, {args.optimizer} lr {first.lr}")
+    warm_up(task, first, data)
     rows = []
     for cfg in configs:
         rows.append(run_experiment(cfg, out_dir=out / cfg.method, show_progress=not args.no_progress,

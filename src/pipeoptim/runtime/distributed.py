@@ -67,7 +67,7 @@ from ..train import NonFiniteLoss, resolve
 from .build import OptimizerFactory, build_stages
 from .local import MicroBatch, check_runnable
 from .microbatch import batch_size, split_batch
-from .stage import Stage, TraceEntry, as_tuple
+from .stage import Stage, TraceEntry, WindowLosses, as_tuple
 
 DEFAULT_TIMEOUT = 300.0  #: seconds a rank waits for a peer before the run fails
 
@@ -424,8 +424,7 @@ def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Seq
     received: Dict[int, Any] = {}
     grads: Dict[int, Any] = {}
     outgoing: Dict[int, Any] = {}
-    window_loss: Dict[int, float] = {}
-    window_left: Dict[int, int] = {}
+    window_loss = WindowLosses(m, on_loss)
     for action in order:
         i, kind = action.index, action.kind
         if kind is Kind.RECV_F:
@@ -435,11 +434,7 @@ def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Seq
             _, target, share = microbatches[i]
             out = stage.forward(i, inputs, target if stage.is_last else None, share)
             if stage.is_last:
-                w = i // m
-                window_loss[w] = window_loss.get(w, 0.0) + out
-                window_left[w] = window_left.get(w, m) - 1
-                if window_left[w] == 0 and on_loss is not None:
-                    on_loss(w, window_loss[w])
+                window_loss.add(i, out)
             else:
                 outgoing[i] = out
         elif kind is Kind.SEND_F:

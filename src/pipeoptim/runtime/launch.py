@@ -92,6 +92,9 @@ def run_distributed_train(args: argparse.Namespace, cfg) -> int:
     """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun."""
     from ..cli.common import output_dir
 
+    if getattr(args, "resume", None) is not None or getattr(cfg, "checkpoint_every", None) is not None:
+        raise ValueError("--checkpoint-every and --resume work with --runtime local; the distributed "
+                         "runtime does not checkpoint yet")
     opts = _options(args)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -193,6 +196,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         log_file = None
         if writer and out is not None:
             out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(_dumps(dataclasses.asdict(cfg), indent=2))  # as local runs
             log_file = open(out / "metrics.jsonl", "w")
         bar = progress_bar(len(data.train) * cfg.epochs,
                            f"{cfg.method} ({comm.num_stages} processes)", progress and writer)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..schedules.actions import Kind, Schedule
-from .stage import Stage
+from .stage import Stage, WindowLosses
 
 MicroBatch = Tuple[Any, torch.Tensor, float]  # inputs, target, share of the mini-batch loss
 
@@ -46,8 +46,7 @@ def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequ
         stage.trace_offset = trace_offset
     activations: Dict[Tuple[int, int], Any] = {}
     gradients: Dict[Tuple[int, int], Any] = {}
-    window_loss: Dict[int, float] = {}
-    window_left: Dict[int, int] = {}
+    window_loss = WindowLosses(m, on_loss)
     pointer = [0] * n
     remaining = sum(len(o) for o in schedule.orders)
     while remaining:
@@ -67,11 +66,7 @@ def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequ
                     _, target, share = microbatches[i]
                     out = stage.forward(i, inputs, target if stage.is_last else None, share)
                     if stage.is_last:
-                        w = i // m
-                        window_loss[w] = window_loss.get(w, 0.0) + out
-                        window_left[w] = window_left.get(w, m) - 1
-                        if window_left[w] == 0 and on_loss is not None:
-                            on_loss(w, window_loss[w])
+                        window_loss.add(i, out)
                     else:
                         activations[(k + 1, i)] = out
                 elif action.kind is Kind.B:

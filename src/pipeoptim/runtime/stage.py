@@ -51,6 +51,24 @@ def _leaf_inputs(value: Activation) -> Activation:
     return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
 
 
+class WindowLosses(dict):
+    """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
+    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in."""
+
+    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+        super().__init__()
+        self.microbatches = microbatches
+        self.on_loss = on_loss
+        self._left: Dict[int, int] = {}
+
+    def add(self, microbatch: int, loss: float) -> None:
+        window = microbatch // self.microbatches
+        self[window] = self.get(window, 0.0) + loss
+        self._left[window] = self._left.get(window, self.microbatches) - 1
+        if self._left[window] == 0 and self.on_loss is not None:
+            self.on_loss(window, self[window])
+
+
 class Stage:
     """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module."""
 
