@@ -40,7 +40,7 @@ CASES = [
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
-    (["train", "--runtime", "distributed", "--checkpoint-every", "5"], "work with the local runtime only"),
+    (["train", "--runtime", "distributed", "--checkpoint-every", "5"], "the distributed runtime does not checkpoint yet"),
     (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
     (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
     (["schedule", "nope"], "unknown schedule or method"),

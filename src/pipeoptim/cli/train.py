@@ -51,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
-    if args.runtime == "distributed" and (args.resume is not None or args.checkpoint_every is not None):
-        raise ValueError("checkpoints and --resume work with the local runtime only so far; "
-                         "drop --runtime distributed or the checkpoint options")
     if args.resume is not None:
         cfg = resume_config(args.resume)
+        if args.runtime == "distributed":
+            from ..runtime.launch import run_distributed_train
+
+            return run_distributed_train(args, cfg)  # refuses: no distributed checkpoints yet
         return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
                                            log=_log(args), resume=True), args.resume)
     cfg = run_config(args, args.method)
