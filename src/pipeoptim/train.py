@@ -56,8 +56,13 @@ class RunSpec:
 
 
 def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
-            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any]) -> RunSpec:
+            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
+            epochs: int = 1, batches: Sequence = (None,)) -> RunSpec:
     """Check a run's settings before any work starts; errors are ValueErrors that say the fix."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    if not batches:
+        raise ValueError("no mini-batches to train on")
     m = get_method(method)
     options = m.resolve_options(method_options)
     if not isinstance(model, nn.Sequential):
@@ -139,12 +144,9 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
                          f"(pipeoptim train --runtime distributed); the Python API runs 'local'")
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}")
-    if not batches:
-        raise ValueError("no mini-batches to train on")
     spec = resolve(model, method=method, stages=stages, partition=partition, partitioner=partitioner,
-                   micro_batches=micro_batches, method_options=method_options)
+                   micro_batches=micro_batches, method_options=method_options, epochs=epochs,
+                   batches=batches)
     meth = get_method(method)
     trained = copy.deepcopy(model)
     trained.train()

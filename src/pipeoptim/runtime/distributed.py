@@ -577,12 +577,9 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
     on every rank after its stage's updates (a progress bar). Returns the losses and metrics on
     every rank and the assembled model on the writer.
     """
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}")
-    if not batches:
-        raise ValueError("no mini-batches to train on")
     spec = resolve(model, method=method, stages=stages, partition=partition, partitioner=partitioner,
-                   micro_batches=micro_batches, method_options=method_options)
+                   micro_batches=micro_batches, method_options=method_options, epochs=epochs,
+                   batches=batches)
     comm = comm or PipeComm(device=device, timeout=timeout)
     comm.reset()  # layouts are agreed once per run
     device = comm.device
