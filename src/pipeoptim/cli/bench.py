@@ -46,12 +46,6 @@ BLOCKS_PER_STAGE = 4
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    # The distributed runtime's options (--timeout, --device, --threads) belong to `train`;
-    # they are added here until cli/train.py adds them itself (the call is idempotent).
-    if "train" in sub.choices:
-        from ..runtime.launch import add_distributed_options
-
-        add_distributed_options(sub.choices["train"])
     p = sub.add_parser("bench", help="measure the methods' throughput on the distributed runtime",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--task", default="image", choices=task_names(), help="default: image")

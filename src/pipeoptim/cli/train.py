@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..experiment import RunConfig, run_experiment
 from ..methods import method_names
+from ..runtime.launch import add_distributed_options
 from .common import add_run_options, check_numbers, output_dir, print_json, run_config
 
 
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a plan from `pipeoptim plan`: sets --task, --model, --batch-size, --stages, "
                         "--partition, --method and --micro-batches (the plan's values win)")
     add_run_options(p)
+    add_distributed_options(p)
     p.set_defaults(func=run)
 
 
