@@ -26,27 +26,9 @@ def uniform(num_layers: int, stages: int) -> List[int]:
 
 
 def balanced(weights: Sequence[float], stages: int) -> List[int]:
-    """The contiguous split minimising the largest stage total (exact, dynamic programming)."""
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[j][i]: the smallest possible maximum over j stages covering layers [0, i)
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for j in range(1, stages + 1):
-        for i in range(j, n - (stages - j) + 1):
-            for c in range(j - 1, i):
-                value = max(best[j - 1][c], prefix[i] - prefix[c])
-                if value < best[j][i]:
-                    best[j][i], cut[j][i] = value, c
-    sizes, i = [], n
-    for j in range(stages, 0, -1):
-        sizes.append(i - cut[j][i])
-        i = cut[j][i]
-    return sizes[::-1]
+    """The contiguous split minimising the largest stage total (exact): :func:`time_partition`
+    with equal devices and free links."""
+    return time_partition(weights, stages)
 
 
 def parameter_counts(model: nn.Sequential) -> List[int]:
