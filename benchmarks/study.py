@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -20,17 +21,20 @@ import torch
 from pipeoptim.experiment import RunConfig, run_experiment
 from pipeoptim.methods import method_names
 from pipeoptim.tasks import get_task
+from pipeoptim.train import NonFiniteLoss
 
 SUITES: Dict[str, Dict[str, Any]] = {
     # per task: model, training examples, epochs; lr candidates per optimizer for the sweep
     "default": {
         "tasks": {
-            "image": {"model": "vgg", "limit": 6000, "epochs": 3,
+            # sized so that the whole suite (324 runs) finishes in about 80 minutes on two cores
+            # (two study processes of one thread each); the models have at least 8 blocks
+            "image": {"model": "vgg", "limit": 4000, "epochs": 3,
                       "lr": {"momentum": [0.005, 0.01, 0.02], "adam": [5e-4, 1e-3, 2e-3]}},
-            "sentiment": {"model": "lstm", "limit": 4000, "epochs": 3,
-                          "lr": {"momentum": [0.05, 0.1, 0.2], "adam": [1e-3, 2e-3, 4e-3]}},
-            "translation": {"model": "transformer", "limit": 3000, "epochs": 3,
-                            "lr": {"momentum": [0.05, 0.1, 0.2], "adam": [5e-4, 1e-3, 2e-3]}},
+            "sentiment": {"model": "transformer-deep", "limit": 2000, "epochs": 3,
+                          "lr": {"momentum": [0.02, 0.05, 0.1], "adam": [5e-4, 1e-3, 2e-3]}},
+            "translation": {"model": "transformer-deep", "limit": 1500, "epochs": 3, "eval_limit": 100,
+                            "lr": {"momentum": [0.1, 0.2, 0.4], "adam": [1e-3, 2e-3, 4e-3]}},
         },
         "stages": [4, 8], "optimizers": ["momentum", "adam"], "seeds": [0, 1, 2],
     },
@@ -67,6 +71,8 @@ def run_one(task_name: str, spec: Dict[str, Any], optimizer: str, lr: float, sta
     if data_key not in data_cache:
         data_cache.clear()
         data_cache[data_key] = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=seed)
+        if "eval_limit" in spec:  # translation: decode fewer test sentences per evaluation
+            data_cache[data_key].info["eval_limit"] = spec["eval_limit"]
     summary = run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a, **k: None, task=task,
                              data=data_cache[data_key], diagnose_every=7)
     return summary
@@ -96,18 +102,28 @@ def main() -> None:
         if k in done:
             return done[k]
         t0 = time.time()
-        summary = run_one(row["task"], suite["tasks"][row["task"]], row["optimizer"], row["lr"],
-                          row["stages"], row["method"], row["seed"], data_cache)
-        keep = ("metric", "final_metric", "best_metric", "final_loss", "losses", "epochs_detail",
+        try:
+            summary = run_one(row["task"], suite["tasks"][row["task"]], row["optimizer"], row["lr"],
+                              row["stages"], row["method"], row["seed"], data_cache)
+        except NonFiniteLoss as error:  # a diverged run is a result, not a failure of the study
+            summary = {"diverged": str(error), "metric": get_task(row["task"]).metric,
+                       "final_metric": None}
+        keep = ("diverged", "metric", "final_metric", "best_metric", "final_loss", "losses", "epochs_detail",
                 "samples_per_second", "predicted_samples_per_second", "weight_copies", "prediction_error",
                 "microbatches")
         full = {**row, **{k2: summary.get(k2) for k2 in keep}, "seconds": time.time() - t0}
-        with open(runs_file, "a") as f:
-            f.write(json.dumps(full) + "\n")
+        # one write() of the whole line on an O_APPEND file: study processes running other
+        # tasks (--tasks) may share the file without interleaving their lines
+        fd = os.open(runs_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(full) + "\n").encode())
+        finally:
+            os.close(fd)
         done[k] = full
         print(f"[{time.time() - started:7.0f}s] {row['task']:>11} {row['optimizer']:>8} N={row['stages']} "
               f"{row['method']:>14} seed {row['seed']} lr {row['lr']:g}{' (sweep)' if row['sweep'] else ''}: "
-              f"{summary['metric']} {summary['final_metric']:.4f}", flush=True)
+              f"{summary['metric']} " + (f"{summary['final_metric']:.4f}" if summary["final_metric"] is not None
+                                    else f"diverged ({summary['diverged']})"), flush=True)
         return full
 
     for task in tasks:
@@ -119,8 +135,10 @@ def main() -> None:
             for lr in spec["lr"][optimizer]:
                 r = record({"task": task, "optimizer": optimizer, "stages": 1, "method": "sequential",
                             "seed": 0, "lr": lr, "sweep": True})
-                scores[lr] = r["final_metric"]
-            best_lr = (max if higher else min)(scores, key=scores.get)
+                # the final metric; ties (e.g. BLEU 0 everywhere) go to the lower final loss
+                sign = 1 if higher else -1
+                scores[lr] = ((0, 0.0, 0.0) if r.get("diverged") else (1, sign * r["final_metric"], -r["final_loss"]))
+            best_lr = max(scores, key=scores.get)
             for stages in suite["stages"]:
                 for seed in suite["seeds"]:
                     for method in methods:

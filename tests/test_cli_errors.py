@@ -40,7 +40,7 @@ CASES = [
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
-    (["train", "--runtime", "distributed", "--checkpoint-every", "5"], "the distributed runtime does not checkpoint yet"),
+    (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
     (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
     (["schedule", "nope"], "unknown schedule or method"),
@@ -59,10 +59,12 @@ def exit_code(argv):
 
 
 @pytest.mark.parametrize("argv,expected", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
-def test_bad_input_exits_2_with_one_line(argv, expected, capsys):
+def test_bad_input_exits_2_with_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a default run folder (runs/...) would go
     code = exit_code(argv)
     err = capsys.readouterr().err
     assert code == 2
+    assert not (tmp_path / "runs").exists(), "bad input must be refused before a run folder is made"
     assert expected in err, err
     assert "Traceback" not in err
     message_lines = [l for l in err.splitlines() if "error" in l]

@@ -391,16 +391,33 @@ def test_signature_keys_by_input_shapes():
     assert signature((x[:3], y[:3], 0.3)) == ((3, 6),)
 
 
-def test_distributed_options_and_launch_command():
+def test_distributed_options():
     from pipeoptim.cli import build_parser
-    from pipeoptim.runtime.launch import torchrun_command
 
     args = build_parser().parse_args(["train", "--runtime", "distributed", "--timeout", "7", "--device", "cpu"])
     assert args.timeout == 7 and args.device == "cpu" and args.threads == 1
-    command = torchrun_command(3, "pipeoptim.runtime.launch", ["run.json"])
-    assert command[1:3] == ["-m", "torch.distributed.run"]
-    assert "--nproc-per-node" in command and command[command.index("--nproc-per-node") + 1] == "3"
-    assert "127.0.0.1:0" in command
+
+
+def test_failure_report_names_the_lost_stage_not_those_stopped_or_cut_off(tmp_path):
+    from pipeoptim.checkpoint import save_manifest
+    from pipeoptim.runtime.launch import failure_report, write_status
+
+    run = tmp_path / "run"
+    write_status(run, 0, state="failed", kind="comm", message="lost contact with rank 2")
+    write_status(run, 2, state="running")
+    # stage 2 died by SIGKILL, stage 0 lost contact with it, stages 1 and 3 were stopped
+    text, lost = failure_report({0: (1, ""), 1: (-15, "SIGTERM"), 2: (-9, "SIGKILL"), 3: (-15, "SIGTERM")}, run)
+    assert lost == [2]
+    assert text.startswith(f"stage 2 (rank 2, pid {os.getpid()}) was lost: killed by SIGKILL")
+    assert text.endswith("No checkpoint was written yet")
+    (run / "checkpoints" / "epoch0001-batch000000").mkdir(parents=True)
+    save_manifest(run / "checkpoints" / "epoch0001-batch000000", {}, {})
+    # no signal death: the stage that failed on its own, not the one cut off from it
+    write_status(run, 1, state="failed", kind="error", message="RuntimeError: out of memory")
+    text, lost = failure_report({0: (1, ""), 1: (1, "")}, run)
+    assert lost == [1] and "failed (exit status 1): RuntimeError: out of memory" in text
+    assert text.endswith(f"Last checkpoint: {run / 'checkpoints' / 'epoch0001-batch000000'}; continue "
+                         f"with: pipeoptim train --runtime distributed --resume {run}")
 
 
 def test_world_size_must_match_the_stages(monkeypatch, capsys):
@@ -426,10 +443,3 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     assert {"pipeoptim/sequential-1dev", "pipeoptim/gpipe"} <= set(result["ratios"])
     assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
     assert json.loads(out.read_text())["samples_per_second"] == result["samples_per_second"]
-
-
-def test_checkpointing_is_refused_with_a_message(capsys):
-    from pipeoptim.cli import main
-
-    assert main(["train", "--runtime", "distributed", "--checkpoint-every", "2", "--model", "mlp"]) == 2
-    assert "does not checkpoint yet" in capsys.readouterr().err

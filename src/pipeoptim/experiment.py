@@ -21,9 +21,10 @@ import torch
 from .methods import get_method
 from .optimizers import make_optimizer
 from .plots import plot_runs
+from .runtime.microbatch import split_batch
 from .schedules import Costs, simulate
 from .tasks import Task, TaskData, get_task
-from .train import TrainResult, train
+from .train import TrainResult, checkpoint_settings, resolve, train
 
 
 @dataclass
@@ -62,6 +63,16 @@ class RunConfig:
         return cfg
 
 
+def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) -> None:
+    """Refuse settings that cannot run (ValueError saying the fix) before anything is written."""
+    spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
+                   partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
+                   method_options=cfg.method_options, epochs=cfg.epochs, batches=batches)
+    checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous)
+    for inputs, target in batches:  # views only: cheap, and every mini-batch must split
+        split_batch(inputs, target, spec.microbatches)
+
+
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -98,6 +109,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     torch.manual_seed(cfg.seed)  # dropout and other randomness during training
     optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
     batches = data.train
+    check_run(cfg, model, batches)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resume:

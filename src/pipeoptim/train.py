@@ -88,6 +88,32 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     return RunSpec(method, options, n, sizes, micro)
 
 
+def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
+                        continuous: bool) -> Tuple[int, Dict[str, Any]]:
+    """The drain interval in mini-batches and the facts a checkpoint's manifest must match to be
+    resumed (method, stages, partition, micro-batches, options, batches per epoch, interval)."""
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+    if continuous and checkpoint_every:
+        raise ValueError("a continuous run never drains, so it cannot checkpoint every K batches; "
+                         "drop continuous or checkpoint_every")
+    segment = checkpoint_every or num_batches
+    return segment, {"method": spec.method, "stages": spec.stages, "partition": spec.partition,
+                     "microbatches": spec.microbatches, "options": spec.options,
+                     "batches_per_epoch": num_batches, "segment": segment}
+
+
+def segments(epochs: int, num_batches: int, segment: int, continuous: bool,
+             start: Tuple[int, int] = (0, 0)) -> List[Tuple[int, int, int]]:
+    """The schedules a run is cut into, as (epoch, first mini-batch, mini-batches), from the
+    position ``start`` (epoch, batch) on: one per ``segment`` mini-batches (the pipeline
+    drains, and may checkpoint, after each), or a single one over all epochs if ``continuous``."""
+    if continuous:
+        return [(0, 0, num_batches * epochs)]
+    return [(e, b, min(segment, num_batches - b)) for e in range(epochs)
+            for b in range(0, num_batches, segment) if (e, b) >= start]
+
+
 def save_checkpoint(store: Path, pipeline: Sequence, run_info: Dict[str, Any], *, epoch: int, batch: int,
                     losses: List[float], epoch_metrics: List[Dict[str, Any]]) -> Path:
     """Save every stage at a drained point; the manifest records where to continue."""
@@ -160,16 +186,8 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     samples = sum(batch_size(x) for x, _ in batches)
     per_batch = spec.microbatches
     num_batches = len(batches)
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
-    if continuous and checkpoint_every:
-        raise ValueError("a continuous run never drains, so it cannot checkpoint every K batches; "
-                         "drop continuous or checkpoint_every")
-    segment = checkpoint_every or num_batches
+    segment, run_info = checkpoint_settings(spec, num_batches, checkpoint_every, continuous)
     store = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    run_info = {"method": method, "stages": spec.stages, "partition": spec.partition,
-                "microbatches": spec.microbatches, "options": spec.options,
-                "batches_per_epoch": num_batches, "segment": segment}
 
     losses: List[float] = []
     epoch_metrics: List[Dict[str, Any]] = []
@@ -183,11 +201,7 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
             start_epoch, start_batch = state["epoch"], state["batch"]
 
     start = time.perf_counter()
-    if continuous:
-        plan = [(0, 0, num_batches * epochs)]
-    else:
-        plan = [(e, b, min(segment, num_batches - b)) for e in range(epochs)
-                for b in range(0, num_batches, segment) if (e, b) >= (start_epoch, start_batch)]
+    plan = segments(epochs, num_batches, segment, continuous, start=(start_epoch, start_batch))
     trained_samples = 0
     epoch_start = time.perf_counter()
     for epoch, first, count in plan:

@@ -95,7 +95,7 @@ def _check(args: argparse.Namespace) -> List[str]:
 
 def run(args: argparse.Namespace) -> int:
     methods = _check(args)
-    from ..runtime.launch import torchrun_command, torchrun_env
+    from ..runtime.launch import run_workers, torchrun_env
 
     if args.stages < 2 and methods:
         raise ValueError("a pipeline needs --stages 2 or more")
@@ -115,12 +115,11 @@ def run(args: argparse.Namespace) -> int:
         config.write_text(json.dumps(spec))
         log(f"bench: {args.stages} processes, methods {', '.join(methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
-        code = _call(torchrun_command(args.stages, "pipeoptim.runtime.launch", [str(config)]),
-                     torchrun_env(1))
+        failures = run_workers(args.stages, "pipeoptim.runtime.launch", [str(config)], torchrun_env(1))
         busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
-        if code != 0:
-            print(f"pipeoptim bench: error: the workers failed (exit status {code}); see above",
-                  file=sys.stderr)
+        if failures:
+            how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
+            print(f"pipeoptim bench: error: the workers failed ({how}); see above", file=sys.stderr)
             return 1
         result = json.loads(Path(spec["result"]).read_text())
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
@@ -154,12 +153,6 @@ def _children_cpu() -> float:
     """CPU seconds used by this process's finished (waited-for) descendants: the bench's."""
     t = os.times()
     return t.children_user + t.children_system
-
-
-def _call(command: List[str], env: Dict[str, str]) -> int:
-    import subprocess
-
-    return subprocess.call(command, env=env)
 
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:

@@ -49,10 +49,13 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,7 +66,9 @@ from ..methods import get_method
 from ..partition import split
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
-from ..train import NonFiniteLoss, resolve
+from ..checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, load_stage, prune,
+                          read_manifest, save_manifest, save_stage, set_rng_state)
+from ..train import NonFiniteLoss, checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .local import MicroBatch, check_runnable
 from .microbatch import batch_size, split_batch
@@ -138,6 +143,16 @@ def _decode(codes: List[int]) -> Layout:
     return is_tuple, tuple(entries)
 
 
+def reason(error: BaseException) -> str:
+    """The gist of a communication error: its last line, without gloo's source location
+    ("[.../pair.cc:537] ") and boilerplate advice."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[-1])
+    return re.split(r"\.?\s+This is typically caused by", last)[0].rstrip(". ")
+
+
 class _Link:
     """One direction of traffic between two neighbouring stages (a process group and a tag)."""
 
@@ -160,7 +175,7 @@ class _Link:
     def _fail(self, doing: str, microbatch: int, error: BaseException) -> PipelineCommError:
         return PipelineCommError(
             f"{doing} the {self.what} of micro-batch {microbatch} (peer: rank {self.peer}) failed: "
-            f"{str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__}. "
+            f"{reason(error)}. "
             f"A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); see its "
             f"own error, or raise --timeout if stages are merely slow")
 
@@ -511,9 +526,8 @@ def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except RuntimeError as error:
-        last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise PipelineCommError(
-            f"stage {comm.stage}: {what} failed: {last}. A peer stage hung, died or is slower than "
+            f"stage {comm.stage}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
             f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
 
 
@@ -566,7 +580,8 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
                       on_batch: Optional[Callable[[int, float], None]] = None,
                       on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
                       on_update: Optional[Callable[[int], None]] = None,
-                      **method_options: Any) -> DistributedResult:
+                      checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
+                      resume: bool = False, **method_options: Any) -> DistributedResult:
     """:func:`pipeoptim.train` for one process of a pipeline group (one stage per process).
 
     Every rank of the group (default: the whole job, already initialised) calls it with the
@@ -576,6 +591,12 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
     ``on_epoch`` are called there (batches at the end of their epoch). ``on_update(u)`` is called
     on every rank after its stage's updates (a progress bar). Returns the losses and metrics on
     every rank and the assembled model on the writer.
+
+    ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` work as in :func:`pipeoptim.train`:
+    after every ``checkpoint_every`` mini-batches (and each epoch) the pipeline drains, every
+    rank writes its own ``stage-K.pt`` into the checkpoint folder and the writer, having
+    gathered their checksums, writes the manifest. The folder must be one every rank can reach
+    (one machine, or a shared file system).
     """
     spec = resolve(model, method=method, stages=stages, partition=partition, partitioner=partitioner,
                    micro_batches=micro_batches, method_options=method_options, epochs=epochs,
@@ -604,53 +625,77 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
                           _to(y, device) if stage.is_last else y, share))
     samples = sum(batch_size(x) for x, _ in batches)
 
+    num_batches = len(batches)
+    segment, run_info = checkpoint_settings(spec, num_batches, checkpoint_every, continuous)
+    store = Path(checkpoint_dir) if checkpoint_dir is not None else None
     losses: List[float] = []
     epoch_metrics: List[Dict[str, Any]] = []
+    position = (0, 0)
+    if resume:
+        if store is None:
+            raise ValueError("resume=True needs checkpoint_dir")
+        manifest = _resume(store, stage, comm, run_info)
+        if manifest is not None:
+            losses, epoch_metrics = manifest["losses"], manifest["epoch_metrics"]
+            position = (manifest["epoch"], manifest["batch"])
     total_seconds = 0.0
-    rounds = [(0, epochs)] if continuous else [(e, 1) for e in range(epochs)]
-    for first_epoch, count in rounds:
-        schedule = meth.build_schedule(spec.stages, spec.microbatches, len(batches) * count)
-        data = micro * count
-        _control(comm, f"waiting for every stage before epoch {first_epoch}",
+    trained_samples = 0
+    epoch_seconds, epoch_cpu = 0.0, [0.0] * n
+    m = spec.microbatches
+    for epoch, first, count in segments(epochs, num_batches, segment, continuous, start=position):
+        schedule = meth.build_schedule(spec.stages, m, count)
+        data = micro * epochs if continuous else micro[first * m:(first + count) * m]
+        _control(comm, f"waiting for every stage before mini-batch {first} of epoch {epoch}",
                  lambda: dist.barrier(group=comm.control))
         start, cpu_start = time.perf_counter(), time.process_time()
         window_losses = run_schedule_distributed(stage, schedule, data, comm, on_update=on_update,
-                                                 trace_offset=first_epoch * len(micro))
+                                                 trace_offset=(epoch * num_batches + first) * m)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        mine = [window_losses[w] for w in range(len(batches) * count)] if stage.is_last else None
+        mine = [window_losses[w] for w in range(count)] if stage.is_last else None
         # the losses and the slowest stage's time, to every rank
         report = _broadcast(mine, comm, n - 1, "collecting the losses from the last stage")
         times = _gather_all((seconds, cpu), comm, "collecting the stages' times")
         seconds = max(t[0] for t in times)
-        # the CPU time each stage's process got over the epoch's wall time: well below 1 when
-        # other work shares the cores (or the stage waits on its peers)
-        cpu_share = [round(t[1] / seconds, 3) for t in times]
         total_seconds += seconds
+        epoch_seconds += seconds
+        epoch_cpu = [c + t[1] for c, t in zip(epoch_cpu, times)]
         base = len(losses)
         for w, loss in enumerate(report):
             if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss became {loss} at mini-batch {w % len(batches)} of "
-                                    f"epoch {first_epoch + w // len(batches)}")
+                raise NonFiniteLoss(f"loss became {loss} at mini-batch {(first + w) % num_batches} of "
+                                    f"epoch {epoch + (first + w) // num_batches}")
         losses += report
+        trained_samples += (samples * epochs if continuous
+                            else sum(batch_size(x) for x, _ in batches[first:first + count]))
         if writer and on_batch is not None:
             for w, loss in enumerate(report):
                 on_batch(base + w, loss)
-        for e in range(count):
-            chunk = losses[base + e * len(batches): base + (e + 1) * len(batches)]
-            epoch_metrics.append({"epoch": first_epoch + e, "loss": sum(chunk) / len(chunk),
-                                  "seconds": seconds / count,
-                                  "samples_per_second": samples * count / seconds,
-                                  "cpu_share": cpu_share})
-        if evaluate is not None:
-            states = _gather(_cpu_state(stage.module), comm, "collecting the weights to evaluate")
-            if writer:
-                assemble(whole, spec.partition, states)
-                epoch_metrics[-1]["metric"] = float(evaluate(whole))
-                whole.train()
-        if writer and on_epoch is not None:
-            on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
+        ends_epoch = continuous or first + count == num_batches
+        if ends_epoch:
+            covered = epochs if continuous else 1
+            # the CPU time each stage's process got over the epoch's wall time: well below 1
+            # when other work shares the cores (or the stage waits on its peers)
+            cpu_share = [round(c / epoch_seconds, 3) for c in epoch_cpu]
+            for e in range(covered):
+                chunk = losses[(epoch + e) * num_batches:(epoch + e + 1) * num_batches]
+                epoch_metrics.append({"epoch": epoch + e, "loss": sum(chunk) / len(chunk),
+                                      "seconds": epoch_seconds / covered,
+                                      "samples_per_second": samples * covered / epoch_seconds,
+                                      "cpu_share": cpu_share})
+            epoch_seconds, epoch_cpu = 0.0, [0.0] * n
+            if evaluate is not None:
+                states = _gather(_cpu_state(stage.module), comm, "collecting the weights to evaluate")
+                if writer:
+                    assemble(whole, spec.partition, states)
+                    epoch_metrics[-1]["metric"] = float(evaluate(whole))
+                    whole.train()
+            if writer and on_epoch is not None:
+                on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
+        if store is not None and not continuous:
+            after = (epoch + 1, 0) if ends_epoch else (epoch, first + count)
+            _save(store, stage, comm, run_info, after, losses, epoch_metrics)
 
     # the trained weights, traces and per-stage measurements, to the writer
     info = {"trace": stage.trace, "state": _cpu_state(stage.module),
@@ -660,7 +705,8 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
     metrics: Dict[str, Any] = {
         "method": method, "options": spec.options, "stages": spec.stages, "partition": spec.partition,
         "microbatches": spec.microbatches, "epochs": epoch_metrics,
-        "samples_per_second": samples * epochs / total_seconds, "seconds": total_seconds,
+        "samples_per_second": trained_samples / total_seconds if total_seconds > 0 else 0.0,
+        "seconds": total_seconds,
         "weight_versions_design": meth.weight_versions(spec.stages, **spec.options),
         "runtime": "distributed", "backend": str(comm.backend), "device": str(device),
     }
@@ -673,6 +719,56 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
         metrics["stage_seconds"] = [g["stage_seconds"] for g in gathered]
         metrics["comm"] = [g["comm"] for g in gathered]
     return DistributedResult(losses, trace, trained, metrics, stage, writer)
+
+
+def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], position: Tuple[int, int],
+          losses: List[float], epoch_metrics: List[Dict[str, Any]]) -> None:
+    """A checkpoint at a drained point: each rank writes its stage, the writer the manifest
+    (only once every stage file is complete) and prunes the old ones."""
+    epoch, batch = position
+    folder = store / checkpoint_name(epoch, batch)
+    try:
+        digest: Any = save_stage(stage, folder)
+    except OSError as error:  # every rank must hear of it, or the others wait at the gather
+        digest = error
+    digests = _gather_all((stage.index, digest if isinstance(digest, str) else str(digest)),
+                          comm, "collecting the checkpoint's checksums")
+    if not isinstance(digest, str):
+        raise CheckpointError(f"{folder / f'stage-{stage.index}.pt'}: cannot be written ({digest})")
+    if comm.stage == 0:
+        save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": losses,
+                               "epoch_metrics": epoch_metrics}, dict(digests))
+        prune(store, keep=2)
+    # nobody goes on (and may die) before the manifest names this checkpoint as the latest
+    _control(comm, "waiting for the checkpoint's manifest", lambda: dist.barrier(group=comm.control))
+
+
+def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Load every rank's stage from the newest checkpoint (the writer picks it); None if the run
+    has none yet. A file refused on any rank is refused on all, with that rank's reason."""
+    choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
+    if comm.stage == 0:
+        try:
+            folder = latest_checkpoint(store)
+            choice = (folder.name if folder is not None else None, None)
+        except CheckpointError as error:
+            choice = (None, str(error))
+    name, problem = _broadcast(choice, comm, 0, "agreeing on the checkpoint to resume from")
+    if problem:
+        raise CheckpointError(problem)
+    if name is None:
+        return None
+    folder = store / name
+    manifest, problem = None, None
+    try:
+        manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
+        set_rng_state(load_stage(folder, manifest, stage)["rng"])
+    except CheckpointError as error:
+        problem = str(error)
+    problems = [p for p in _gather_all(problem, comm, "loading the checkpoint") if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return manifest
 
 
 def _cpu_state(module: nn.Module) -> Dict[str, torch.Tensor]:

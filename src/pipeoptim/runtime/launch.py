@@ -4,9 +4,17 @@ One machine, started for you (the processes bind to 127.0.0.1)::
 
     pipeoptim train --runtime distributed --stages 4 --method pipeoptim ...
 
-runs ``python -m torch.distributed.run --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d
---rdzv-endpoint 127.0.0.1:0 -m pipeoptim.runtime.launch RUN.json`` (the run's settings in a
-temporary file) and returns its exit status.
+runs torchrun's elastic agent in this process (``torch.distributed.launcher.api.elastic_launch``,
+as ``torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
+--max-restarts 0 -m pipeoptim.runtime.launch RUN.json`` would, the run's settings in a temporary
+file). If a stage fails or is killed, the agent stops the others within a tenth of a second and
+the command says which stage was lost and how (each stage keeps ``RUN/status/stage-K.json`` up to
+date, so that a stage killed outright is told apart from those cut off from it), names the last
+checkpoint, and exits with status 1 (2 for bad input found by the workers).
+
+Checkpoints and ``--resume RUN`` work as in the local runtime: every rank writes its own stage
+file into ``RUN/checkpoints/...`` and rank 0 the manifest, so the run folder must be reachable
+from every rank (one machine, or a shared file system).
 
 Under torchrun yourself, as with any PyTorch job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT come from torchrun; the world size is the number of stages)::
@@ -36,12 +44,11 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .distributed import DEFAULT_TIMEOUT
 
@@ -92,10 +99,9 @@ def run_distributed_train(args: argparse.Namespace, cfg) -> int:
     """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun."""
     from ..cli.common import output_dir
 
-    if getattr(args, "resume", None) is not None or getattr(cfg, "checkpoint_every", None) is not None:
-        raise ValueError("--checkpoint-every and --resume work with --runtime local; the distributed "
-                         "runtime does not checkpoint yet")
     opts = _options(args)
+    resume = getattr(args, "resume", None)
+    opts["resume"] = resume is not None
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if cfg.method == "sequential":
@@ -112,11 +118,11 @@ def run_distributed_train(args: argparse.Namespace, cfg) -> int:
                                  f"process per stage (torchrun --nproc-per-node {cfg.stages}) or "
                                  f"pass --stages {world}")
             cfg = dataclasses.replace(cfg, stages=world)
-        out = None
-        if int(os.environ["RANK"]) == 0:
+        out = resume
+        if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(args, f"{cfg.method}-N{world}")
         return worker(cfg, out=out, **opts)
-    out = output_dir(args, f"{cfg.method}-N{cfg.stages}")
+    out = resume if resume is not None else output_dir(args, f"{cfg.method}-N{cfg.stages}")
     return launch(cfg, out=out, **opts)
 
 
@@ -124,13 +130,6 @@ def stage_count(cfg) -> int:
     if cfg.method == "sequential":
         return 1
     return len(cfg.partition) if cfg.partition is not None else cfg.stages
-
-
-def torchrun_command(nproc: int, module: str, module_args: List[str]) -> List[str]:
-    """The command that starts ``nproc`` processes of ``python -m module`` on this machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "0",
-            "-m", module, *module_args]
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
@@ -145,8 +144,11 @@ def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
 
 
 def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-           json: bool, progress: bool) -> int:
-    """Start torchrun with one process per stage on this machine; return its exit status."""
+           json: bool, progress: bool, resume: bool = False) -> int:
+    """Start one process per stage on this machine (torchrun's agent, in this process) and wait
+    for them. If a stage fails, the others are stopped at once and the reply names the stage
+    that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
+    for a lost stage or a failed run, 2 for bad input found by the workers)."""
     import json as _json
 
     nproc = stage_count(cfg)
@@ -161,28 +163,140 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         config.write_text(_json.dumps({
             "kind": "train", "config": dataclasses.asdict(cfg), "out": str(out) if out is not None else None,
             "timeout": timeout, "device": device, "threads": threads, "json": json, "progress": progress,
+            "resume": resume,
         }))
-        command = torchrun_command(nproc, "pipeoptim.runtime.launch", [str(config)])
         if not json:
-            print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage) under torchrun "
-                  f"--nproc-per-node {nproc}", flush=True)
-        return subprocess.call(command, env=torchrun_env(threads))
+            print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
+                  f"--nproc-per-node {nproc} would", flush=True)
+        failures = run_workers(nproc, "pipeoptim.runtime.launch", [str(config)], torchrun_env(threads))
+    if not failures:
+        return 0
+    text, lost = failure_report(failures, out)
+    print(f"pipeoptim train: error: {text}", file=sys.stderr, flush=True)
+    return 2 if all(failures[r][0] == 2 for r in lost) else 1  # 2: bad input, found by a worker
+
+
+def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, str]) -> Dict[int, Tuple[int, str]]:
+    """Run ``python -m module *module_args`` as ``nproc`` ranks on this machine under torchrun's
+    elastic agent (no restarts; the rendezvous on 127.0.0.1); return the failed ranks as
+    ``{rank: (exit code, signal name or "")}``, empty if all succeeded. When one rank fails
+    the agent stops the others (SIGTERM) within its monitor interval (0.1 s)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeoptim-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          monitor_interval=0.1, local_addr="127.0.0.1")
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # the agent hands its own environment to the workers
+    try:
+        elastic_launch(config, sys.executable)("-m", module, *module_args)
+        return {}
+    except ChildFailedError as error:
+        return {rank: (f.exitcode, f.signal_name() if f.exitcode < 0 else "")
+                for rank, f in sorted(error.failures.items())}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
+    """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
+    last checkpoint (stage k is rank k); and the stages it names."""
+    from ..checkpoint import CheckpointError, latest_checkpoint
+
+    statuses = read_statuses(out)
+    # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
+    # was lost; otherwise the stages that failed on their own, not for want of a peer.
+    lost = [r for r, (code, sig) in failures.items() if code < 0 and sig != "SIGTERM"]
+    if not lost:
+        lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"]
+    if not lost:
+        lost = sorted(failures)[:1]
+    parts = []
+    for r in lost:
+        code, sig = failures.get(r, (1, ""))
+        status = statuses.get(r, {})
+        pid = f", pid {status['pid']}" if status.get("pid") else ""
+        if code < 0:
+            how = {"SIGKILL": "killed by SIGKILL (kill -9, or the out-of-memory killer)",
+                   "SIGABRT": "aborted (SIGABRT)", "SIGSEGV": "crashed (SIGSEGV)"}.get(sig, f"killed by {sig}")
+            parts.append(f"stage {r} (rank {r}{pid}) was lost: {how}")
+        else:
+            parts.append(f"stage {r} (rank {r}{pid}) failed (exit status {code})"
+                         + (f": {status['message']}" if status.get("message") else ""))
+    text = "; ".join(parts) + ". The other stages were stopped"
+    try:
+        last = latest_checkpoint(out / "checkpoints") if out is not None else None
+    except CheckpointError:
+        last = None
+    if last is not None:
+        text += f". Last checkpoint: {last}; continue with: pipeoptim train --runtime distributed --resume {out}"
+    else:
+        text += ". No checkpoint was written yet"
+    return text, lost
+
+
+def write_status(out: Optional[Path], stage: int, **fields: Any) -> None:
+    """Record this stage's state in ``RUN/status/stage-K.json`` (running, finished, failed), so
+    that the launcher can tell the stage that was lost from those that lost contact with it."""
+    if out is None:
+        return
+    folder = out / "status"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".stage-{stage}.json.tmp"
+        tmp.write_text(_dumps({"stage": stage, "pid": os.getpid(), "time": time.time(), **fields}))
+        os.replace(tmp, folder / f"stage-{stage}.json")
+    except OSError:  # a status is advice; never fail a run over it
+        pass
+
+
+def read_statuses(out: Optional[Path]) -> Dict[int, Dict[str, Any]]:
+    """The stages' status files of a run folder, by stage."""
+    found: Dict[int, Dict[str, Any]] = {}
+    if out is None or not (out / "status").is_dir():
+        return found
+    for path in (out / "status").glob("stage-*.json"):
+        try:
+            entry = json.loads(path.read_text())
+            found[int(entry["stage"])] = entry
+        except (ValueError, KeyError, OSError):
+            continue
+    return found
 
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-           json: bool, progress: bool) -> int:
-    """One process of a distributed `pipeoptim train`: train its stage; rank 0 writes the run."""
+           json: bool, progress: bool, resume: bool = False) -> int:
+    """One process of a distributed `pipeoptim train`: train its stage; rank 0 writes the run
+    folder (which every rank learns from rank 0) and the checkpoints' manifests."""
     import torch
     import torch.distributed as dist
 
-    from ..experiment import progress_bar, summarize_run
+    from ..checkpoint import CheckpointError, latest_checkpoint
+    from ..experiment import check_run, progress_bar, summarize_run
     from ..optimizers import make_optimizer
     from ..tasks import get_task
-    from .distributed import PipeComm, PipelineCommError, init_process_group, train_distributed
+    from ..train import NonFiniteLoss
+    from .distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
 
     dev = init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
+    stage_index = rank
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
+
+    def fail(kind: str, error: BaseException, code: int) -> int:
+        try:
+            last = latest_checkpoint(out / "checkpoints") if out is not None else None
+        except CheckpointError:
+            last = None
+        write_status(out, stage_index, state="failed", kind=kind, message=str(error))
+        where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
+        print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
+              file=sys.stderr, flush=True)
+        return code
+
     try:
         started = time.time()
         task = get_task(cfg.task)
@@ -191,13 +305,19 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         model = task.build_model(cfg.model, data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)  # as the local runtime (each process draws its own, see distributed.py)
         optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
+        check_run(cfg, model, data.train)
         comm = PipeComm(device=dev, timeout=timeout)
+        stage_index = comm.stage
         writer = comm.stage == 0
+        folder = _broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
+        out = Path(folder) if folder is not None else None
+        write_status(out, stage_index, state="running", rank=rank)
         log_file = None
         if writer and out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(_dumps(dataclasses.asdict(cfg), indent=2))  # as local runs
-            log_file = open(out / "metrics.jsonl", "w")
+            if not resume:
+                (out / "config.json").write_text(_dumps(dataclasses.asdict(cfg), indent=2))  # as local runs
+            log_file = open(out / "metrics.jsonl", "a" if resume else "w")
         bar = progress_bar(len(data.train) * cfg.epochs,
                            f"{cfg.method} ({comm.num_stages} processes)", progress and writer)
 
@@ -223,7 +343,9 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
                 stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
                 epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
                 comm=comm, evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch,
-                on_epoch=on_epoch, on_update=on_update, **cfg.method_options)
+                on_epoch=on_epoch, on_update=on_update,
+                checkpoint_dir=out / "checkpoints" if out is not None else None,
+                checkpoint_every=cfg.checkpoint_every, resume=resume, **cfg.method_options)
         finally:
             bar.close()
             if log_file:
@@ -243,10 +365,17 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
                       f"{summary['weight_copies']}", flush=True)
                 print(f"run folder: {out}", flush=True)
         dist.barrier(group=comm.control)
+        write_status(out, stage_index, state="finished")
         return 0
     except PipelineCommError as error:
-        print(f"pipeoptim train: rank {rank}: error: {error}", file=sys.stderr, flush=True)
-        return 1
+        return fail("comm", error, 1)
+    except NonFiniteLoss as error:
+        return fail("nonfinite", error, 1)
+    except CheckpointError as error:
+        return fail("checkpoint", error, 2)
+    except BaseException as error:
+        write_status(out, stage_index, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
+        raise
     finally:
         try:
             dist.destroy_process_group()
@@ -279,7 +408,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return worker(cfg, out=Path(spec["out"]) if spec["out"] else None, timeout=spec["timeout"],
                       device=spec["device"], threads=spec["threads"], json=spec["json"],
-                      progress=spec["progress"])
+                      progress=spec["progress"], resume=spec.get("resume", False))
     except (ValueError, MissingDataError) as error:
         if os.environ.get("PIPEOPTIM_DEBUG"):
             raise
@@ -288,4 +417,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter finalization: gloo's worker threads can still hold work objects
+    # whose tensors reference Python, and tearing those down during finalization aborts the
+    # process (SIGABRT, "terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

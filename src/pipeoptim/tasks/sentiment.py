@@ -14,6 +14,7 @@ Models, each an ``nn.Sequential`` whose blocks take and return one value (tensor
   | ``PoolClassify`` -> logits (B, 2). Unidirectional LSTMs with padding at the end, so the
   outputs at real tokens never see padding; pooling (mean and max) ignores pad positions.
 * ``transformer``: ``Embed`` with positions | 2 ``EncoderBlock`` | ``PoolClassify``.
+* ``transformer-deep``: 6 ``EncoderBlock`` of width 64 (ff 128), 8 blocks: enough for 8 stages.
 
 The pad mask is an ``int64`` tensor (1 = padding) that travels along with the activations.
 
@@ -239,7 +240,8 @@ class SentimentTask(Task):
     min_count = 2
 
     def model_names(self) -> Sequence[str]:
-        return ("lstm", "transformer")
+        # transformer-deep: six encoder blocks (8 blocks in all), deep enough for 8 stages
+        return ("lstm", "transformer", "transformer-deep")
 
     def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
         """Training batches shuffled with ``seed`` (an incomplete last batch is dropped);
@@ -269,7 +271,10 @@ class SentimentTask(Task):
         with seeded(seed):
             if name == "lstm":
                 return build_lstm(vocab_size)
-            if name == "transformer":
+            if name in ("transformer", "transformer-deep"):
+                if name == "transformer-deep":  # narrower, so that its 8 blocks cost about 2's
+                    return build_transformer(vocab_size, int(data.info.get("seq_len", self.seq_len)),
+                                             d_model=64, d_ff=128, layers=6)
                 return build_transformer(vocab_size, int(data.info.get("seq_len", self.seq_len)))
         raise ValueError(f"unknown sentiment model {name!r}; choose one of: {', '.join(self.model_names())}")
 

@@ -31,6 +31,8 @@ Models (``nn.Sequential``; every block takes one tuple and returns one tuple or 
   | ``TgtEmbed``: -> (memory, src_pad, tgt_states, tgt_pad)
   | 2 x ``DecoderLayerBlock``: same tuple (the last one returns ``tgt_states`` only)
   | ``Generator``: -> logits (B, T, V).
+* ``transformer-deep``: 3 encoder and 3 decoder layers of width 64 (ff 256), 9 blocks: enough
+  for 8 stages.
 * ``gnmt`` (GNMT scaled down to 256 units): ``GNMTEmbed`` | ``BiLSTMBlock`` | ``EncLSTMBlock``
   | ``EncLSTMBlock`` (residual) | ``AttentionDecoderBlock`` (target embedding, bottom decoder
   LSTM, attention over the encoder states) -> (h, context) | ``DecLSTMBlock`` |
@@ -533,7 +535,8 @@ class TranslationTask(Task):
         self._sp_cache: Dict[str, Any] = {}
 
     def model_names(self) -> Sequence[str]:
-        return ("transformer", "gnmt")
+        # transformer-deep: 3 + 3 layers (9 blocks in all), deep enough for 8 stages
+        return ("transformer", "transformer-deep", "gnmt")
 
     def sentencepiece(self, data: TaskData) -> Any:
         path = str(data.info["spm_model"])
@@ -589,6 +592,9 @@ class TranslationTask(Task):
         with seeded(seed):
             if name == "transformer":
                 return build_transformer(vocab_size)
+            if name == "transformer-deep":
+                # narrower, so that its 9 blocks cost about what 2 + 2 of width 128 do
+                return build_transformer(vocab_size, d_model=64, d_ff=256, enc_layers=3, dec_layers=3)
             if name == "gnmt":
                 return build_gnmt(vocab_size)
         raise ValueError(f"unknown translation model {name!r}; choose one of: {', '.join(self.model_names())}")
