@@ -131,3 +131,19 @@ def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, damage, wh
     errors = [line for line in done.stderr.splitlines() if "error:" in line and str(named) in line]
     assert errors and why in errors[-1], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_nan_loss_stops_every_stage_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run(_cli("train", "--runtime", "distributed", "--task", "image", "--model", "mlp",
+                               "--stages", "2", "--epochs", "1", "--limit", "1280", "--checkpoint-every", "3",
+                               "--lr", "5", "--no-progress", "--out", str(run)),
+                          env=_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["checkpoint"]
+    line = done.stderr.splitlines()[-1]
+    assert line.startswith("pipeoptim train: error: loss became nan at mini-batch 5 of epoch 0 (every stage stopped)")
+    assert f"Last good checkpoint: {last}" in line
+    manifest = json.loads((last / "manifest.json").read_text())
+    assert manifest["batch"] == 3 and len(manifest["losses"]) == 3
+    assert all(loss == loss and abs(loss) < float("inf") for loss in manifest["losses"])

@@ -214,6 +214,18 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
         lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"]
     if not lost:
         lost = sorted(failures)[:1]
+    messages = {statuses.get(r, {}).get("message") for r in lost}
+    try:
+        last = latest_checkpoint(out / "checkpoints") if out is not None else None
+    except CheckpointError:
+        last = None
+    if all(statuses.get(r, {}).get("kind") == "nonfinite" for r in lost) and len(messages) == 1:
+        # every stage saw the same loss; resuming would repeat the same steps
+        text = f"{messages.pop()} (every stage stopped)"
+        if last is not None:
+            text += f". Last good checkpoint: {last}; resuming repeats the same steps, so start again " \
+                    f"with other settings (a lower --lr)"
+        return text, lost
     parts = []
     for r in lost:
         code, sig = failures.get(r, (1, ""))
@@ -227,10 +239,6 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
             parts.append(f"stage {r} (rank {r}{pid}) failed (exit status {code})"
                          + (f": {status['message']}" if status.get("message") else ""))
     text = "; ".join(parts) + ". The other stages were stopped"
-    try:
-        last = latest_checkpoint(out / "checkpoints") if out is not None else None
-    except CheckpointError:
-        last = None
     if last is not None:
         text += f". Last checkpoint: {last}; continue with: pipeoptim train --runtime distributed --resume {out}"
     else:
@@ -286,15 +294,16 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     stage_index = rank
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
 
-    def fail(kind: str, error: BaseException, code: int) -> int:
+    def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
         try:
             last = latest_checkpoint(out / "checkpoints") if out is not None else None
         except CheckpointError:
             last = None
         write_status(out, stage_index, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
-        print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
-              file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
+                  file=sys.stderr, flush=True)
         return code
 
     try:
@@ -369,8 +378,8 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         return 0
     except PipelineCommError as error:
         return fail("comm", error, 1)
-    except NonFiniteLoss as error:
-        return fail("nonfinite", error, 1)
+    except NonFiniteLoss as error:  # every rank sees it: one of them says so
+        return fail("nonfinite", error, 1, quiet=stage_index != 0)
     except CheckpointError as error:
         return fail("checkpoint", error, 2)
     except BaseException as error:
