@@ -38,6 +38,8 @@ CASES = [
     (["train", "--optimizer", "adam", "--momentum", "0.9", *QUICK], "--momentum applies to momentum, nesterov and rmsprop"),
     (["train", "--weight-decay", "-1", *QUICK], "weight decay must be >= 0"),
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),
+    (["train", "--runtime", "distributed", "--diagnose-every", "3"], "--diagnose-every works with --runtime local"),
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),

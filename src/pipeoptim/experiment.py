@@ -73,6 +73,20 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
         split_batch(inputs, target, spec.microbatches)
 
 
+def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
+    """One line: per stage, how far the weights a forward used were from those its backward used
+    (prediction error) against how far the stale weights were (staleness error), and the ratio:
+    below 1, the prediction helps; 1, no prediction; above 1, it hurts."""
+    parts = []
+    for k, d in enumerate(per_stage):
+        if not d.get("probes"):
+            parts.append(f"{k}: -")
+            continue
+        ratio = d["prediction_error"] / d["staleness_error"] if d["staleness_error"] > 0 else float("nan")
+        parts.append(f"{k}: {d['prediction_error']:.2e}/{d['staleness_error']:.2e} ({ratio:.2f})")
+    return "prediction/staleness error per stage: " + " | ".join(parts)
+
+
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -135,6 +149,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
         log(f"{cfg.method:>14} epoch {epoch + 1}/{cfg.epochs}: loss {entry['loss']:.4f}  "
             f"{task.metric} {entry.get('metric', float('nan')):.4f}  "
             f"{entry['samples_per_second']:.0f} samples/s")
+        if any(d.get("probes") for d in entry.get("prediction_error") or []):
+            log(f"{'':>14} {format_prediction_error(entry['prediction_error'])}")
 
     started = time.time()
     try:

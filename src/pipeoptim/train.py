@@ -165,7 +165,8 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
 
     ``diagnose_every=K`` measures, for every K-th micro-batch at every stage, how far the weights
     its forward used were from the weights live at its backward, against how far the stale,
-    unpredicted weights were (``metrics["prediction_error"]``, per stage).
+    unpredicted weights were (``metrics["prediction_error"]``, per stage, over the run; and each
+    epoch's own in ``metrics["epochs"][e]["prediction_error"]``).
     """
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
@@ -204,6 +205,7 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
     plan = segments(epochs, num_batches, segment, continuous, start=(start_epoch, start_batch))
     trained_samples = 0
     epoch_start = time.perf_counter()
+    probes_seen = [0] * len(pipeline)  # the diagnostics of each epoch are its own probes
     for epoch, first, count in plan:
         base = len(losses)
 
@@ -229,6 +231,9 @@ def train(model: nn.Sequential, batches: Sequence[Batch], *, method: str, optimi
                 epoch_metrics.append({"epoch": epoch + e, "loss": sum(chunk) / len(chunk),
                                       "seconds": seconds / (epochs if continuous else 1),
                                       "samples_per_second": samples * (epochs if continuous else 1) / seconds})
+            if diagnose_every:
+                epoch_metrics[-1]["prediction_error"] = [s.diagnostics_summary(i) for s, i in zip(pipeline, probes_seen)]
+                probes_seen = [len(s.diagnostics) for s in pipeline]
             if evaluate is not None:
                 epoch_metrics[-1]["metric"] = float(evaluate(trained))
                 trained.train()

@@ -24,6 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drain and checkpoint every K mini-batches (always at each epoch's end)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint, with its settings")
+    p.add_argument("--diagnose-every", type=int, default=0, metavar="K",
+                   help="every K-th micro-batch, measure per stage how far the weights its forward "
+                        "used were from those of its backward, against the stale weights' distance; "
+                        "printed each epoch and saved (prediction_error) in the run folder. "
+                        "Local runtime; default 0: off")
     p.add_argument("--plan", type=Path, metavar="FILE",
                    help="a plan from `pipeoptim plan`: sets --task, --model, --batch-size, --stages, "
                         "--partition, --method and --micro-batches (the plan's values win)")
@@ -53,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.diagnose_every < 0:
+        raise ValueError(f"--diagnose-every must be 0 (off) or more, got {args.diagnose_every}")
+    if args.diagnose_every and args.runtime != "local":
+        raise ValueError("--diagnose-every works with --runtime local")
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
@@ -60,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
             return run_distributed_train(args, cfg)  # refuses: no distributed checkpoints yet
         return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
-                                           log=_log(args), resume=True), args.resume)
+                                           log=_log(args), resume=True,
+                                           diagnose_every=args.diagnose_every), args.resume)
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
@@ -68,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_distributed_train(args, cfg)
     out = output_dir(args, f"{args.method}-N{cfg.stages}")
-    summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args))
+    summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
+                             diagnose_every=args.diagnose_every)
     return report(args, summary, out)
 
 

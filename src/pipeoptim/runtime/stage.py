@@ -194,9 +194,10 @@ class Stage:
                                  "updates": self.policy.version - version,
                                  "prediction_error": dist(used), "staleness_error": dist(stale)})
 
-    def diagnostics_summary(self) -> Dict[str, float]:
-        """Means over the probed micro-batches that saw at least one update before their backward."""
-        rows = [d for d in self.diagnostics if d["updates"] > 0]
+    def diagnostics_summary(self, start: int = 0) -> Dict[str, float]:
+        """Means over the probed micro-batches (from the ``start``-th probe on) that saw at least
+        one update before their backward."""
+        rows = [d for d in self.diagnostics[start:] if d["updates"] > 0]
         if not rows:
             return {"probes": 0}
         mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
