@@ -6,6 +6,10 @@ a second call skips what is done, so the study resumes where it stopped. ``make_
 turns the JSON into ``docs/results.md``.
 
     .venv/bin/python benchmarks/study.py [--suite default|smoke] [--tasks image,sentiment]
+        [--optimizers adam] [--threads 1]
+
+On two cores, two processes of one thread each (e.g. ``--tasks translation`` beside ``--tasks
+image,sentiment``) finish about twice as fast as one; they may share the study folder.
 """
 from __future__ import annotations
 
@@ -78,13 +82,56 @@ def run_one(task_name: str, spec: Dict[str, Any], optimizer: str, lr: float, sta
     return summary
 
 
+def write_plans(suite: Dict[str, Any], tasks: List[str], optimizers: List[str], methods: List[str],
+                path: Path) -> None:
+    """One plan per task, optimizer and N, on the study's uniform split, with the micro-batch
+    counts the study's runs use; a plan already in ``path`` is kept. The plans predict every
+    method's throughput from the same profile, so they compare schedules, not noisy runs."""
+    from pipeoptim.methods import get_method
+    from pipeoptim.planner import make_plan
+
+    have = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            have.add((row["task"], row["optimizer"], row["stages"]))
+    for task in tasks:
+        spec = suite["tasks"][task]
+        for optimizer in optimizers:
+            for stages in suite["stages"]:
+                if (task, optimizer, stages) in have:
+                    continue
+                t0 = time.time()
+                pipelined = [m for m in methods if m != "sequential"]
+                counts = sorted({get_method(m).microbatches(stages, None) for m in pipelined})
+                # one profile at the full micro-batch size, scaled linearly to the others, and
+                # stages costed from the layer profile: the same costs for every method
+                plan = make_plan(task=task, model=spec["model"], stages=stages, optimizer=optimizer,
+                                 limit=spec["limit"], partitioner="uniform", methods=pipelined,
+                                 microbatches=counts, scaling="linear", stage_timing="profile")
+                row = {"task": task, "optimizer": optimizer, "stages": stages, "plan": plan,
+                       "seconds": time.time() - t0}
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, (json.dumps(row) + "\n").encode())
+                finally:
+                    os.close(fd)
+                print(f"plan {task} {optimizer} N={stages}: {time.time() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="default", choices=list(SUITES))
     parser.add_argument("--tasks", help="comma-separated subset of the suite's tasks")
     parser.add_argument("--methods", default=",".join(method_names()))
+    parser.add_argument("--optimizers", help="comma-separated subset of the suite's optimizers (to split "
+                                             "the study over processes, one per optimizer or task)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "study")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--plans", action="store_true",
+                        help="instead of training: profile each task's model once per optimizer and N and "
+                             "predict every method's throughput and memory with the same costs "
+                             "(`pipeoptim plan`), into plans.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     suite = SUITES[args.suite]
@@ -96,9 +143,15 @@ def main() -> None:
     (args.out / "suite.json").write_text(json.dumps({"suite": args.suite, **suite}, indent=2))
     started = time.time()
     data_cache: Dict = {}
+    if args.plans:
+        write_plans(suite, tasks, args.optimizers.split(",") if args.optimizers else suite["optimizers"],
+                    methods, args.out / "plans.jsonl")
+        return
 
     def record(row: Dict[str, Any]) -> Dict[str, Any]:
         k = key(row)
+        if k not in done:  # another study process on the same file may have run it meanwhile
+            done.update(load_done(runs_file))
         if k in done:
             return done[k]
         t0 = time.time()
@@ -129,7 +182,7 @@ def main() -> None:
     for task in tasks:
         spec = suite["tasks"][task]
         higher = get_task(task).higher_is_better
-        for optimizer in suite["optimizers"]:
+        for optimizer in (args.optimizers.split(",") if args.optimizers else suite["optimizers"]):
             # the sweep: sequential, seed 0, each candidate lr; the best is then fixed
             scores = {}
             for lr in spec["lr"][optimizer]:
