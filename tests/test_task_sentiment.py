@@ -83,7 +83,7 @@ def _tiny_data(n: int = 32, seq_len: int = 12) -> TaskData:
     return TaskData(train=batches, test=batches, info={"vocab_size": len(vocab), "seq_len": seq_len})
 
 
-@pytest.mark.parametrize("name", ["lstm", "transformer"])
+@pytest.mark.parametrize("name", ["lstm", "transformer", "lstm-deep"])
 def test_model_shapes_and_blocks(name):
     task = get_task("sentiment")
     data = _tiny_data()
@@ -182,7 +182,7 @@ def test_missing_package_names_the_fix(monkeypatch):
         SentimentTask().load(batch_size=8, limit=10, seed=0)
 
 
-@pytest.mark.parametrize("name", ["lstm", "transformer"])
+@pytest.mark.parametrize("name", ["lstm", "transformer", "lstm-deep"])
 def test_pipeline_with_micro_batches_equals_sequential(name):
     """Cut into stages and split into micro-batches (gpipe), the model trains as in one piece."""
     train = pytest.importorskip("pipeoptim.train").train
@@ -199,3 +199,15 @@ def test_pipeline_with_micro_batches_equals_sequential(name):
     pipe = train(model, data.train, method="gpipe", optimizer=opt, loss_fn=task.loss, stages=2, micro_batches=4)
     assert len(seq.losses) == 2
     assert seq.losses == pytest.approx(pipe.losses, abs=1e-5)
+
+
+def test_deep_models_have_enough_blocks_for_eight_stages():
+    from pipeoptim.tasks.translation import TranslationTask
+
+    data = _tiny_data()
+    assert len(SentimentTask().build_model("lstm-deep", data, seed=0)) == 8
+    assert len(TranslationTask().build_model("transformer-deep", TaskData(train=[], test=[], info={"vocab_size": 50}),
+                                              seed=0)) == 9
+    with pytest.raises(ValueError, match="needs d_in == hidden"):
+        from pipeoptim.tasks.sentiment import LSTMBlock
+        LSTMBlock(8, 16, residual=True)

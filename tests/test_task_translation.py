@@ -134,7 +134,7 @@ def _toy_batches(n: int = 16, length: int = 6, seed: int = 0):
     return make_batches(encoded, length, batch_size=n)
 
 
-@pytest.mark.parametrize("name", ["transformer", "gnmt"])
+@pytest.mark.parametrize("name", ["transformer", "transformer-deep", "gnmt"])
 def test_model_shapes_and_blocks(name):
     task = get_task("translation")
     data = TaskData(train=_toy_batches(), test=[], info={"vocab_size": V})
