@@ -35,11 +35,12 @@ SUITES: Dict[str, Dict[str, Any]] = {
             # (two or three study processes of one thread each); the models have at least 8 blocks
             "image": {"model": "vgg", "limit": 4000, "epochs": 3,
                       "lr": {"momentum": [0.005, 0.01, 0.02], "adam": [5e-4, 1e-3, 2e-3]}},
-            # batch 16: four times the updates of the default 64 on these few examples
+            # batch 16 (text tasks): four times the updates of the default 64 on these few examples
             "sentiment": {"model": "lstm-deep", "limit": 2000, "epochs": 3, "batch_size": 16,
                           "lr": {"momentum": [0.01, 0.02, 0.05], "adam": [1e-3, 2e-3, 4e-3]}},
-            "translation": {"model": "transformer-deep", "limit": 1500, "epochs": 3, "eval_limit": 100,
-                            "lr": {"momentum": [0.1, 0.2, 0.4], "adam": [1e-3, 2e-3, 4e-3]}},
+            "translation": {"model": "transformer-deep", "limit": 2000, "epochs": 3, "batch_size": 16,
+                            "eval_limit": 100,
+                            "lr": {"momentum": [0.05, 0.1, 0.2], "adam": [1e-3, 2e-3, 4e-3]}},
         },
         "stages": [4, 8], "optimizers": ["momentum", "adam"], "seeds": [0, 1, 2],
     },
