@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "docs")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.study / "runs.jsonl").read_text().splitlines() if line.strip()]
+    # one row per run: study processes sharing the file may both have run one (the last wins)
+    rows = list({(r["task"], r["optimizer"], r["stages"], r["method"], r["seed"], r["lr"], r["sweep"]): r
+                 for r in rows}.values())
     plans = {}
     if (args.study / "plans.jsonl").exists():
         for line in (args.study / "plans.jsonl").read_text().splitlines():
