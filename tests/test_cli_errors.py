@@ -43,6 +43,7 @@ CASES = [
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
+    (["train", "--runtime", "distributed", "--stages", "9", *QUICK], "9 stages need at least 9 layers with parameters"),
     (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
     (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
     (["schedule", "nope"], "unknown schedule or method"),

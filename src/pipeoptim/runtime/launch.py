@@ -151,6 +151,7 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     for a lost stage or a failed run, 2 for bad input found by the workers)."""
     import json as _json
 
+    check_before_launch(cfg)
     nproc = stage_count(cfg)
     if device == "cuda":
         import torch
@@ -174,6 +175,18 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     text, lost = failure_report(failures, out)
     print(f"pipeoptim train: error: {text}", file=sys.stderr, flush=True)
     return 2 if all(failures[r][0] == 2 for r in lost) else 1  # 2: bad input, found by a worker
+
+
+def check_before_launch(cfg) -> None:
+    """Refuse settings the workers would refuse (stages against layers, micro-batches against
+    the batch size, ...) here, once, before any process starts: one line, exit status 2."""
+    from ..experiment import check_run
+    from ..tasks import get_task
+
+    task = get_task(cfg.task)
+    cfg = cfg.resolved(task)
+    data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
+    check_run(cfg, task.build_model(cfg.model, data, seed=cfg.seed), data.train)
 
 
 def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, str]) -> Dict[int, Tuple[int, str]]:
