@@ -62,12 +62,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, load_stage, prune,
+                          read_manifest, save_manifest, save_stage, set_rng_state)
 from ..methods import get_method
 from ..partition import split
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
-from ..checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, load_stage, prune,
-                          read_manifest, save_manifest, save_stage, set_rng_state)
 from ..train import NonFiniteLoss, checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .local import MicroBatch, check_runnable
