@@ -217,6 +217,30 @@ def conclusions(settings: List[Setting]) -> List[str]:
                           f"{max(pd_copies) if pd_copies else float('nan'):g})")
     n = len(synchronous)
     seq_t = tally["sequential"]
+
+    def holds(t: Dict[str, int]) -> str:
+        total = sum(t.values())
+        if not total:
+            return "untested"
+        if t["loses"] * 2 >= total:
+            return "does not hold"
+        return "holds" if (t["wins"] + t["ties"]) * 4 >= 3 * total else "holds in part"
+
+    rival_totals = {r: dict(tally[r]) for r in RIVALS}
+    better = [r for r in RIVALS if holds(tally[r]) == "holds"]
+    worse = [r for r in RIVALS if holds(tally[r]) == "does not hold"]
+    pd_ratio = measured_ratio("pipeoptim/async-naive")
+    out += ["**In short** (the verdicts below, counted: 'holds' when PipeOptim wins or ties in at "
+            "least three quarters of the settings, 'does not hold' when it loses in half or more): "
+            f"trains as well as sequential: {holds(seq_t)} ({seq_t['wins'] + seq_t['ties']} of {n}); "
+            + "at least as good as " + ", ".join(f"{r}: {holds(tally[r])} (wins or ties in "
+                                       f"{rival_totals[r].get('wins', 0) + rival_totals[r].get('ties', 0)} of "
+                                       f"{sum(rival_totals[r].values())})" for r in RIVALS)
+            + (f"; keeps asynchronous 1F1B's throughput: {'holds' if pd_ratio >= 0.95 else 'does not hold'} "
+               f"(measured {pd_ratio:.2f}x)" if pd_ratio == pd_ratio else "") + ". "
+            + (f"It does as well or better than {', '.join(better)}; " if better else "")
+            + (f"{', '.join(worse)} train{'s' if len(worse) == 1 else ''} better than it at the same "
+               f"learning rate." if worse else ""), ""]
     out += ["**Claim 1: PipeOptim trains as well as synchronous training.** Against `sequential` with "
             f"the same learning rate, PipeOptim wins in {seq_t['wins']}, ties in {seq_t['ties']} and "
             f"loses in {seq_t['loses']} of {n} settings (difference of the mean final metric; accuracy "
@@ -236,6 +260,14 @@ def conclusions(settings: List[Setting]) -> List[str]:
                 "prediction-error diagnostic per stage (ratio of prediction to staleness error):", ""] \
             + shortfalls + [""]
     return out
+
+
+def measured_ratio(name: str) -> float:
+    """A throughput ratio from the committed distributed benchmark (nan if absent)."""
+    bench = Path(__file__).parent / "results" / "distributed_throughput.json"
+    if not bench.exists():
+        return float("nan")
+    return json.loads(bench.read_text())["ratios"].get(name, float("nan"))
 
 
 def measured_throughput() -> str:
@@ -300,8 +332,9 @@ def main() -> None:
         for optimizer in suite["optimizers"]:
             sweep = {r["lr"]: r for r in rows if r["sweep"] and r["task"] == task and r["optimizer"] == optimizer}
             for stages in suite["stages"]:
+                # sequential (one stage) is run once per seed and is the reference for every N
                 group = [r for r in runs if r["task"] == task and r["optimizer"] == optimizer
-                         and r.get("study_stages", r["stages"]) == stages]
+                         and (r["method"] == "sequential" or r.get("study_stages", r["stages"]) == stages)]
                 if not group:
                     continue
                 st = Setting(task, optimizer, stages, group, spec, plans.get((task, optimizer, stages)))
