@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--optimizers", help="comma-separated subset of the suite's optimizers (to split "
                                              "the study over processes, one per optimizer or task)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "study")
+    parser.add_argument("--seeds", help="comma-separated subset of the suite's seeds (another way to split)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--plans", action="store_true",
                         help="instead of training: profile each task's model once per optimizer and N and "
@@ -196,7 +197,7 @@ def main() -> None:
                 scores[lr] = ((0, 0.0, 0.0) if r.get("diverged") else (1, sign * r["final_metric"], -r["final_loss"]))
             best_lr = max(scores, key=scores.get)
             for stages in suite["stages"]:
-                for seed in suite["seeds"]:
+                for seed in ([int(x) for x in args.seeds.split(",")] if args.seeds else suite["seeds"]):
                     for method in methods:
                         n = 1 if method == "sequential" else stages
                         record({"task": task, "optimizer": optimizer, "stages": n, "method": method,
