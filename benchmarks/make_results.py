@@ -133,7 +133,8 @@ def table(st: Setting) -> List[str]:
         ttt = ", ".join("-" if t is None else str(t) for t in (time_to_target(r, target, st.higher) for r in rs))
         copies = ",".join(f"{c:g}" for c in ok[0]["weight_copies"]) if ok else "-"
         pred = st.predicted(method)
-        lines.append(f"| {method} | {final} | {best} | {loss} | {ttt} | {copies} | {rs[0]['microbatches']} | "
+        micro = get_method(method).microbatches(st.stages, None) if method != "sequential" else 1
+        lines.append(f"| {method} | {final} | {best} | {loss} | {ttt} | {copies} | {micro} | "
                      f"{'-' if pred is None else f'{pred:.0f}'} |")
     return lines
 
@@ -162,8 +163,8 @@ def curves(st: Setting, folder: Path) -> str:
         if ok:
             seed0 = min(ok, key=lambda r: r["seed"])
             ax.plot(smooth(seed0["losses"], max(1, len(seed0["losses"]) // 40)), label=method, linewidth=1.2)
-    ax.set(xlabel="mini-batch", ylabel="training loss (first seed that did not diverge; moving average)",
-           title=st.name())
+    ax.set(xlabel="mini-batch", ylabel="training loss (moving average)",
+           title=f"{st.name()} (first seed that did not diverge)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     name = f"{st.task}-{st.optimizer}-N{st.stages}.png"
@@ -203,7 +204,9 @@ def conclusions(settings: List[Setting]) -> List[str]:
             if rival in st.by_method:
                 w, d, s = verdict(po, st.final(rival), st.higher)
                 tally[rival][w] += 1
-                parts.append(f"{rival} {w} ({d * st.scale:+.2f})")
+                div_r = st.diverged(rival)
+                parts.append(f"{rival} {w} ({d * st.scale:+.2f}"
+                             + (f"; {rival} diverged in {div_r} of {len(st.by_method[rival])}" if div_r else "") + ")")
         rivals.append(f"  - {st.name()}: " + ", ".join(parts))
         # measured in the runs; where every seed diverged, the design's count
         copies = [c for r in st.by_method["pipeoptim"] if not r.get("diverged") for c in r["weight_copies"]] \
@@ -241,9 +244,10 @@ def conclusions(settings: List[Setting]) -> List[str]:
                                        f"{sum(rival_totals[r].values())})" for r in RIVALS)
             + (f"; keeps asynchronous 1F1B's throughput: {'holds' if pd_ratio >= 0.95 else 'does not hold'} "
                f"(measured {pd_ratio:.2f}x)" if pd_ratio == pd_ratio else "") + ". "
-            + (f"It does as well or better than {', '.join(better)}; " if better else "")
-            + (f"{', '.join(worse)} train{'s' if len(worse) == 1 else ''} better than it at the same "
-               f"learning rate." if worse else ""), ""]
+            + " ".join(([f"It does as well or better than {', '.join(better)} in three quarters of the "
+                         f"settings or more."] if better else [])
+                       + ([f"{', '.join(worse)} train{'s' if len(worse) == 1 else ''} better than it in "
+                           f"half the settings or more, at the same learning rate."] if worse else [])), ""]
     out += ["**Claim 1: PipeOptim trains as well as synchronous training.** Against `sequential` with "
             f"the same learning rate, PipeOptim wins in {seq_t['wins']}, ties in {seq_t['ties']} and "
             f"loses in {seq_t['loses']} of {n} settings (difference of the mean final metric; accuracy "
