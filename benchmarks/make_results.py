@@ -293,30 +293,35 @@ def caveats(settings: List[Setting], suite: Dict[str, Any]) -> List[str]:
             + ", ".join(f"{m} {d}/{n}" for m, (d, n) in diverged.items()) + ".", ""]
 
 
+RESULTS = Path(__file__).parent / "results"
+
+
+def benchmark(name: str) -> Optional[Dict[str, Any]]:
+    """A committed benchmark result (``benchmarks/results/NAME.json``), or None."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def measured_ratio(name: str) -> float:
     """A throughput ratio from the committed distributed benchmark (nan if absent)."""
-    bench = Path(__file__).parent / "results" / "distributed_throughput.json"
-    if not bench.exists():
-        return float("nan")
-    return json.loads(bench.read_text())["ratios"].get(name, float("nan"))
+    d = benchmark("distributed_throughput")
+    return d["ratios"].get(name, float("nan")) if d else float("nan")
 
 
 def measured_throughput() -> str:
     """The measured cost of the prediction, from the committed throughput benchmarks."""
-    results = Path(__file__).parent / "results"
     parts = []
-    bench = results / "distributed_throughput.json"
-    if bench.exists():
-        d = json.loads(bench.read_text())
+    d = benchmark("distributed_throughput")
+    if d:
         r, n = d["ratios"], d["settings"]["stages"]
         sps = d["samples_per_second"]
-        parts.append(f"Measured on the distributed runtime ({n} processes, `{bench.relative_to(results.parent.parent)}`): "
+        parts.append(f"Measured on the distributed runtime ({n} processes, "
+                     f"`benchmarks/results/distributed_throughput.json`): "
                      f"PipeOptim runs at {r['pipeoptim/async-naive']:.2f}x the throughput of the unpredicted "
                      f"asynchronous 1F1B, {sps['pipeoptim'] / sps['1f1b-flush']:.2f}x 1f1b-flush's and "
                      f"{r['pipeoptim/gpipe']:.2f}x gpipe's.")
-    local = results / "local_overhead.json"
-    if local.exists():
-        d = json.loads(local.read_text())
+    d = benchmark("local_overhead")
+    if d:
         med = d["median_seconds"]
         parts.append(f"On the local runtime (all {d['stages']} stages in one process, `{d['model']}`), an "
                      f"epoch of PipeOptim takes {med['pipeoptim'] / med['async-naive']:.3f}x the time of "

@@ -56,6 +56,16 @@ def key(row: Dict[str, Any]) -> str:
     return "|".join(str(row[k]) for k in ("task", "optimizer", "stages", "method", "seed", "lr", "sweep"))
 
 
+def append_line(path: Path, row: Dict[str, Any]) -> None:
+    """Append ``row`` as one JSON line with a single write() on an O_APPEND file, so that study
+    processes sharing the file (split with --tasks, --optimizers, --seeds) never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def load_done(path: Path) -> Dict[str, Dict[str, Any]]:
     if not path.exists():
         return {}
@@ -114,11 +124,7 @@ def write_plans(suite: Dict[str, Any], tasks: List[str], optimizers: List[str], 
                                  microbatches=counts, scaling="linear", stage_timing="profile")
                 row = {"task": task, "optimizer": optimizer, "stages": stages, "plan": plan,
                        "seconds": time.time() - t0}
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    os.write(fd, (json.dumps(row) + "\n").encode())
-                finally:
-                    os.close(fd)
+                append_line(path, row)
                 print(f"plan {task} {optimizer} N={stages}: {time.time() - t0:.0f} s", flush=True)
 
 
@@ -169,13 +175,7 @@ def main() -> None:
                 "samples_per_second", "predicted_samples_per_second", "weight_copies", "prediction_error",
                 "microbatches")
         full = {**row, **{k2: summary.get(k2) for k2 in keep}, "seconds": time.time() - t0}
-        # one write() of the whole line on an O_APPEND file: study processes running other
-        # tasks (--tasks) may share the file without interleaving their lines
-        fd = os.open(runs_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(full) + "\n").encode())
-        finally:
-            os.close(fd)
+        append_line(runs_file, full)
         done[k] = full
         print(f"[{time.time() - started:7.0f}s] {row['task']:>11} {row['optimizer']:>8} N={row['stages']} "
               f"{row['method']:>14} seed {row['seed']} lr {row['lr']:g}{' (sweep)' if row['sweep'] else ''}: "

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if args.runtime == "distributed":
             from ..runtime.launch import run_distributed_train
 
-            return run_distributed_train(args, cfg)  # refuses: no distributed checkpoints yet
+            return run_distributed_train(args, cfg)
         return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
                                            log=_log(args), resume=True,
                                            diagnose_every=args.diagnose_every), args.resume)

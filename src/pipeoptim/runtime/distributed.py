@@ -35,9 +35,10 @@ Transport (``torch.distributed`` point to point, nothing home-made):
 
 :func:`train_distributed` is a whole training run in one process of a distributed job, the
 counterpart of :func:`pipeoptim.train`: every rank calls it with the same model, data and
-settings (all deterministic), builds only its own stage, and at the end of each epoch the
-losses, timings and (to evaluate) the stages' weights are gathered on one rank, the *writer*
-(rank 0 of the pipeline group), which evaluates the assembled model. Evaluation therefore runs
+settings (all deterministic), builds only its own stage, and after each segment (an epoch,
+or ``checkpoint_every`` mini-batches) the losses and timings, and at each epoch's end (to
+evaluate) the stages' weights, are gathered on one rank, the *writer* (rank 0 of the pipeline
+group), which evaluates the assembled model. Evaluation therefore runs
 on one whole model, not as a pipelined forward.
 
 Randomness inside the model (dropout) is drawn from each process's own generator, so a model
