@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .errors import NonFiniteLoss
 from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, prune, read_manifest,
                          save_manifest, save_stage, set_rng_state)
 from .methods import get_method
@@ -28,10 +29,6 @@ from .runtime.microbatch import batch_size, split_batch
 from .runtime.stage import TraceEntry
 
 Batch = Tuple[Any, torch.Tensor]
-
-
-class NonFiniteLoss(RuntimeError):
-    """Training produced a NaN or infinite loss."""
 
 
 @dataclass
