@@ -87,10 +87,11 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
 def split(model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Sequential]:
     """Stage modules sharing ``model``'s layers (no copy): training them trains ``model``."""
     validate_partition(sizes, len(model))
-    layers = list(model)
     parts, start = [], 0
     for size in sizes:
-        parts.append(nn.Sequential(*layers[start:start + size]))
+        # slicing an nn.Sequential keeps its layers' names, so stage k's parameters carry the
+        # model's own names ("3.weight", not "0.weight"): checkpoints and state dicts by name
+        parts.append(model[start:start + size])
         start += size
     return parts
 

@@ -1,4 +1,4 @@
-"""Assemble the stages of a run: split the model, one optimizer and one weight policy per stage."""
+"""Assemble the stages of a run: split the model, one optimizer, scheduler and weight policy per stage."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -12,24 +12,65 @@ from ..weights.policies import make_policy
 from .stage import Stage
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+try:  # torch >= 2.0 names the base class LRScheduler; older 2.x releases only _LRScheduler
+    _SCHEDULER_BASE = torch.optim.lr_scheduler.LRScheduler
+except AttributeError:  # pragma: no cover
+    _SCHEDULER_BASE = torch.optim.lr_scheduler._LRScheduler
+
+
+def make_optimizer(factory: OptimizerFactory, params: List[nn.Parameter], stage: int) -> torch.optim.Optimizer:
+    """Call the user's optimizer factory for one stage's parameters and check what it returns."""
+    optimizer = factory(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
+                         f"lambda params: torch.optim.AdamW(params, lr=1e-3); it returned "
+                         f"{type(optimizer).__name__} for stage {stage}")
+    return optimizer
+
+
+def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, stage: int) -> Any:
+    """Call the user's scheduler factory for one stage's optimizer and check what it returns."""
+    scheduler = factory(optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("ReduceLROnPlateau steps on a metric, not after every update; step it "
+                         "yourself from on_epoch, or use a schedule such as LambdaLR or CosineAnnealingLR")
+    if not isinstance(scheduler, _SCHEDULER_BASE):
+        raise ValueError(f"lr_scheduler must be a factory optimizer -> torch.optim.lr_scheduler."
+                         f"LRScheduler, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f); "
+                         f"it returned {type(scheduler).__name__} for stage {stage}")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(f"lr_scheduler's factory must build the scheduler on the optimizer it is "
+                         f"given; for stage {stage} it used another one")
+    return scheduler
 
 
 def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
-                 only: Optional[int] = None) -> List[Stage]:
+                 only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
+                 clip_grad_norm: Optional[float] = None, precision: str = "fp32",
+                 devices: Optional[Sequence[torch.device]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage (one
-    process of a distributed run); the others are left out of the list."""
+    process of a distributed run); the others are left out of the list. Stage k's layers are
+    moved to ``devices[k]`` before its optimizer is made."""
     parts = split(model, sizes)
     n = len(parts)
     stages = []
     for k, part in enumerate(parts):
         if only is not None and k != only:
             continue
+        device = torch.device(devices[k]) if devices is not None else None
+        if device is not None:
+            part.to(device)
         params = [p for p in part.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters; choose another partition")
-        opt = optimizer(params)
+        opt = make_optimizer(optimizer, params, k)
+        scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         policy = make_policy(method.policy, part, opt, stage=k, num_stages=n, **options)
-        stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None))
+        stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,
+                            scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision,
+                            device=device))
     return stages

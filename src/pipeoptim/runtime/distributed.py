@@ -69,7 +69,8 @@ from ..methods import get_method
 from ..partition import split
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
-from ..train import NonFiniteLoss, checkpoint_settings, resolve, segments
+from ..errors import NonFiniteLoss
+from .spec import checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .local import MicroBatch, check_runnable
 from .microbatch import batch_size, split_batch

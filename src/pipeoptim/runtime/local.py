@@ -3,9 +3,19 @@
 Each stage follows its own list; the executor only moves activations and gradients between
 stages through mailboxes and runs whichever stage's next action is ready. Since a stage's
 results depend only on its own order, any valid interleaving gives the same numbers.
+
+Data is *streamed*: mini-batches are fed one at a time (:meth:`LocalExecutor.feed`) and every
+action whose inputs exist runs at once. A forward of a micro-batch that has not been fed yet
+waits, which is what makes streaming exact: every runnable schedule (gpipe, 1f1b-flush,
+async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
+to each stage's first forward of a micro-batch beyond ``T`` (tested for every schedule). So the
+executor runs the orders of a schedule built for a *horizon* of mini-batches beyond those fed,
+stops at the first forward it has no data for, and when the data ends (:meth:`finish`) continues
+with the orders built for exactly the mini-batches fed: the drain.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +24,7 @@ from ..schedules.actions import Kind, Schedule
 from .stage import Stage, WindowLosses
 
 MicroBatch = Tuple[Any, torch.Tensor, float]  # inputs, target, share of the mini-batch loss
+ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's schedule
 
 
 class ScheduleStuck(RuntimeError):
@@ -29,64 +40,197 @@ def check_runnable(schedule: Schedule, num_stages: int) -> None:
         raise ValueError(f"schedule {schedule.name} splits the backward; the runtimes run full backwards")
 
 
+def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient for the norm over all ``norms`` (each a
+    0-dim tensor, possibly on different devices): min(1, max_norm / (total + 1e-6))."""
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+class LocalExecutor:
+    """Runs one schedule (a segment: the mini-batches between two drains) over all stages.
+
+    ``schedule_for(T)`` builds the segment's schedule for T mini-batches. ``expected`` is the
+    segment's length when known (then the schedule is built once, for exactly that many);
+    otherwise the horizon doubles as data comes. ``clip_global`` clips the gradient norm over
+    all stages before each update (synchronous schedules only: every stage's update waits for
+    the others'). ``on_loss(window, loss)`` is called as each mini-batch's loss completes
+    (windows counted from 0 in this segment); :meth:`take_completed` returns them too.
+    """
+
+    def __init__(self, stages: Sequence[Stage], schedule_for: ScheduleFor, *,
+                 expected: Optional[int] = None, trace_offset: int = 0,
+                 clip_global: Optional[float] = None,
+                 on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+        self.stages = list(stages)
+        self.schedule_for = schedule_for
+        self.expected = expected
+        self.trace_offset = trace_offset
+        self.clip_global = clip_global
+        self.on_loss = on_loss
+        self.schedule: Optional[Schedule] = None
+        self.horizon = 0          #: mini-batches the current orders are built for
+        self.fed_batches = 0
+        self.fed_micro = 0
+        self.finished = False
+        self._data: Dict[int, MicroBatch] = {}
+        self._activations: Dict[Tuple[int, int], Any] = {}
+        self._gradients: Dict[Tuple[int, int], Any] = {}
+        self._pointer = [0] * len(self.stages)
+        self._window_loss: Optional[WindowLosses] = None
+
+    # -- feeding ------------------------------------------------------------------------------
+    def feed(self, microbatches: Sequence[MicroBatch]) -> None:
+        """Add one mini-batch (its micro-batches, in order) and run everything now runnable."""
+        if self.finished:
+            raise RuntimeError("this segment has finished; start a new one")
+        for mb in microbatches:
+            self._data[self.fed_micro] = mb
+            self.fed_micro += 1
+        self.fed_batches += 1
+        if self.expected is not None and self.fed_batches > self.expected:
+            raise ValueError(f"this segment was to hold {self.expected} mini-batches and has drained; "
+                             f"got one more (does the loader yield more than its len() says?)")
+        if self.schedule is None or (self.fed_batches >= self.horizon and self.fed_batches != self.expected):
+            # the orders must reach past the data fed, so that the drain is never run early
+            if self.expected is not None and self.expected >= self.fed_batches:
+                self._use(self.schedule_for(self.expected), open_ended=False)
+            else:
+                self._use(self.schedule_for(max(self.fed_batches + 1, 2 * self.horizon, 4)), open_ended=True)
+        if len(microbatches) != self.schedule.microbatches_per_update:
+            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
+                             f"micro-batches, got {len(microbatches)}")
+        self._run()
+
+    def finish(self) -> None:
+        """The data has ended: run the rest of the schedule for exactly the mini-batches fed."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.fed_batches == 0:
+            return
+        if self.horizon != self.fed_batches:
+            final = self.schedule_for(self.fed_batches)
+            for k, order in enumerate(final.orders):
+                done = self.schedule.orders[k][:self._pointer[k]]
+                if order[:len(done)] != done:  # the streaming property every schedule must have
+                    raise RuntimeError(f"schedule {final.name}: stage {k} ran {len(done)} actions "
+                                       f"that its final orders do not start with")
+            self._use(final, open_ended=False)
+        self._run()
+        left = [str(self.schedule.orders[k][p]) for k, p in enumerate(self._pointer)
+                if p < len(self.schedule.orders[k])]
+        if left:
+            raise ScheduleStuck(f"no stage can proceed; waiting: {', '.join(left)}")
+
+    def take_completed(self) -> List[Tuple[int, float]]:
+        """(window, loss) of the mini-batches completed since the last call, in order."""
+        return self._window_loss.take_completed() if self._window_loss is not None else []
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches fed whose work is not finished at every stage."""
+        return self.fed_micro - (min(self._done_backwards()) if self.stages else 0)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _done_backwards(self) -> List[int]:
+        return [sum(1 for a in self.schedule.orders[k][:p] if a.kind is Kind.B)
+                if self.schedule is not None else 0 for k, p in enumerate(self._pointer)]
+
+    def _use(self, schedule: Schedule, open_ended: bool) -> None:
+        check_runnable(schedule, len(self.stages))
+        first = self.schedule is None
+        self.schedule, self.horizon = schedule, schedule.num_updates
+        for stage in self.stages:
+            if first:
+                stage.policy.begin_epoch(schedule.orders[stage.index], schedule.orders,
+                                         open_ended=open_ended)
+                stage.trace_offset = self.trace_offset
+            else:
+                stage.policy.extend_epoch(schedule.orders[stage.index], schedule.orders,
+                                          open_ended=open_ended)
+        if first:
+            self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
+
+    def _run(self) -> None:
+        stages, orders, pointer = self.stages, self.schedule.orders, self._pointer
+        data, activations, gradients = self._data, self._activations, self._gradients
+        progressed = True
+        while progressed:
+            progressed = False
+            for k, stage in enumerate(stages):
+                order = orders[k]
+                while pointer[k] < len(order):
+                    action = order[pointer[k]]
+                    i = action.index
+                    if action.kind is Kind.F:
+                        if i >= self.fed_micro:
+                            break  # not fed yet: the schedule may still end before it
+                        if stage.is_first:
+                            inputs = data[i][0]
+                        elif (k, i) in activations:
+                            inputs = activations.pop((k, i))
+                        else:
+                            break
+                        _, target, share = data[i]
+                        out = stage.forward(i, inputs, target if stage.is_last else None, share)
+                        if stage.is_last:
+                            del data[i]  # every stage has run this micro-batch's forward
+                            self._window_loss.add(i, out)
+                        else:
+                            activations[(k + 1, i)] = out
+                    elif action.kind is Kind.B:
+                        if stage.is_last:
+                            grad = None
+                        elif (k, i) in gradients:
+                            grad = gradients.pop((k, i))
+                        else:
+                            break
+                        grad_in = stage.backward(i, grad)
+                        if not stage.is_first:
+                            gradients[(k - 1, i)] = grad_in
+                    elif action.kind is Kind.U:
+                        if self.clip_global is not None and len(stages) > 1:
+                            if not self._update_all(k, i):
+                                break
+                        else:
+                            stage.update()
+                    else:
+                        raise ValueError(f"the local executor runs compute actions, not {action}")
+                    pointer[k] += 1
+                    progressed = True
+
+    def _update_all(self, k: int, update: int) -> bool:
+        """Global clipping: when every stage's next action is update ``update``, clip their
+        gradients by the norm over all of them and run all the updates (advancing the other
+        stages past theirs; stage ``k``'s caller advances its own); else wait."""
+        orders, pointer = self.schedule.orders, self._pointer
+        for j in range(len(self.stages)):
+            if pointer[j] >= len(orders[j]) or orders[j][pointer[j]] != (j, Kind.U, update):
+                return False
+        scale = clip_coefficient([s.grad_norm() for s in self.stages], self.clip_global)
+        for j, stage in enumerate(self.stages):
+            stage.update(grad_scale=scale)
+            if j != k:
+                pointer[j] += 1
+        return True
+
+
 def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequence[MicroBatch],
                  on_loss: Optional[Callable[[int, float], None]] = None,
                  trace_offset: int = 0) -> Dict[int, float]:
-    """Run one schedule over ``microbatches`` (indexed as the schedule's micro-batches).
+    """Run one whole schedule over ``microbatches`` (indexed as the schedule's micro-batches).
 
     Returns the loss of each update window (mini-batch): the sum of its micro-batches' scaled
     losses. ``on_loss(window, loss)`` is called as soon as a window's loss is complete.
     ``trace_offset`` numbers this schedule's micro-batches after earlier epochs' in the traces.
     """
-    n = len(stages)
-    check_runnable(schedule, n)
     m = schedule.microbatches_per_update
-    for stage in stages:
-        stage.policy.begin_epoch(schedule.orders[stage.index], schedule.orders)
-        stage.trace_offset = trace_offset
-    activations: Dict[Tuple[int, int], Any] = {}
-    gradients: Dict[Tuple[int, int], Any] = {}
-    window_loss = WindowLosses(m, on_loss)
-    pointer = [0] * n
-    remaining = sum(len(o) for o in schedule.orders)
-    while remaining:
-        progressed = False
-        for k, stage in enumerate(stages):
-            order = schedule.orders[k]
-            while pointer[k] < len(order):
-                action = order[pointer[k]]
-                i = action.index
-                if action.kind is Kind.F:
-                    if stage.is_first:
-                        inputs = microbatches[i][0]
-                    elif (k, i) in activations:
-                        inputs = activations.pop((k, i))
-                    else:
-                        break
-                    _, target, share = microbatches[i]
-                    out = stage.forward(i, inputs, target if stage.is_last else None, share)
-                    if stage.is_last:
-                        window_loss.add(i, out)
-                    else:
-                        activations[(k + 1, i)] = out
-                elif action.kind is Kind.B:
-                    if stage.is_last:
-                        grad = None
-                    elif (k, i) in gradients:
-                        grad = gradients.pop((k, i))
-                    else:
-                        break
-                    grad_in = stage.backward(i, grad)
-                    if not stage.is_first:
-                        gradients[(k - 1, i)] = grad_in
-                elif action.kind is Kind.U:
-                    stage.update()
-                else:
-                    raise ValueError(f"the local executor runs compute actions, not {action}")
-                pointer[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            heads = [str(schedule.orders[k][pointer[k]]) for k in range(n) if pointer[k] < len(schedule.orders[k])]
-            raise ScheduleStuck(f"no stage can proceed; waiting: {', '.join(heads)}")
-    return window_loss
+    windows = schedule.num_updates
+    executor = LocalExecutor(stages, lambda batches: schedule, expected=windows,
+                             trace_offset=trace_offset, on_loss=on_loss)
+    for w in range(windows):
+        executor.feed(microbatches[w * m:(w + 1) * m])
+    executor.finish()
+    return dict(executor._window_loss)

@@ -7,6 +7,7 @@ never sends anything itself.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,6 +32,28 @@ class TraceEntry:
     steps: float     #: prediction steps applied on top of ``version`` (0: none)
 
 
+@dataclass(frozen=True)
+class UpdateEntry:
+    """The learning rates one update of one stage applied (one per parameter group)."""
+
+    stage: int
+    update: int      #: the update's number at this stage (version before it)
+    lrs: Tuple[float, ...]
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def to_device(value: Activation, device: torch.device) -> Activation:
+    """``value`` (a tensor, a tuple of them, or anything else) with its tensors on ``device``;
+    tensors already there are returned as they are (no copy)."""
+    if torch.is_tensor(value):
+        return value if value.device == device else value.to(device, non_blocking=True)
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    return value
+
+
 def as_tuple(value: Activation) -> Tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
@@ -53,20 +76,45 @@ def _leaf_inputs(value: Activation) -> Activation:
 
 class WindowLosses(dict):
     """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
-    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in."""
+    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
+
+    Losses may arrive as floats or as 0-dim tensors (still on the device, so that a GPU run does
+    not wait for them); a window's loss is the float sum of its micro-batch losses in micro-batch
+    order, computed when the window is complete. ``completed`` lists the windows completed and
+    not yet taken (:meth:`take_completed`)."""
 
     def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
         super().__init__()
         self.microbatches = microbatches
         self.on_loss = on_loss
-        self._left: Dict[int, int] = {}
+        self._parts: Dict[int, List[Any]] = {}
+        self.completed: List[int] = []
 
-    def add(self, microbatch: int, loss: float) -> None:
+    def add(self, microbatch: int, loss: Any) -> None:
         window = microbatch // self.microbatches
-        self[window] = self.get(window, 0.0) + loss
-        self._left[window] = self._left.get(window, self.microbatches) - 1
-        if self._left[window] == 0 and self.on_loss is not None:
-            self.on_loss(window, self[window])
+        parts = self._parts.setdefault(window, [])
+        parts.append(loss)
+        if len(parts) == self.microbatches:
+            total = 0.0
+            for part in self._parts.pop(window):
+                total += float(part)
+            self[window] = total
+            self.completed.append(window)
+            if self.on_loss is not None:
+                self.on_loss(window, total)
+
+    def take_completed(self) -> List[Tuple[int, float]]:
+        """The windows completed since the last call, with their losses, in completion order."""
+        done = [(w, self[w]) for w in self.completed]
+        self.completed = []
+        return done
+
+
+def _check_scalar(loss: Any) -> None:
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor (e.g. a mean over the batch), got "
+                         f"{shape}; reduce it, e.g. with reduction='mean'")
 
 
 class Stage:
@@ -74,13 +122,26 @@ class Stage:
 
     def __init__(self, index: int, num_stages: int, module: nn.Module,
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
-                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None) -> None:
+                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
+                 scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
+                 precision: str = "fp32", device: Optional[torch.device] = None) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.index = index
         self.num_stages = num_stages
         self.module = module
         self.optimizer = optimizer
         self.policy = policy
         self.loss_fn = loss_fn
+        #: stepped right after every update, so that update j has the same lr on every stage
+        self.scheduler = scheduler
+        #: per-stage gradient clipping (max norm) before each update; None: no clipping
+        self.clip_grad_norm = clip_grad_norm
+        self.precision = precision
+        #: where this stage's parameters live and its passes run; inputs are moved here
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        #: per update: the learning rates it applied (the scheduler's effect, checkable)
+        self.updates: List[UpdateEntry] = []
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.trace: List[TraceEntry] = []
@@ -108,12 +169,14 @@ class Stage:
         if probe:
             used = [w.detach().clone() for w in use.weights.values()]
             self._probes[microbatch] = (stale, used, use.version, use.steps)
+        inputs = to_device(inputs, self.device)
         leaves = _leaf_inputs(inputs) if not self.is_first else inputs
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self.autocast():
                 output = functional_call(self.module, use.weights, (leaves,))
                 if self.is_last:
-                    loss = self.loss_fn(output, target) * loss_scale
+                    loss = self.loss_fn(output, to_device(target, self.device)) * loss_scale
+                    _check_scalar(loss)
                     output = loss
         finally:
             use.done()
@@ -123,10 +186,19 @@ class Stage:
         self.time["F"] += time.perf_counter() - start
         self.count["F"] += 1
         if self.is_last:
-            value = float(output.detach())
+            # A float on the CPU; on an accelerator the 0-dim tensor, read when its mini-batch's
+            # loss is complete, so that queuing work never waits for the device.
+            value = float(output.detach()) if self.device.type == "cpu" else output.detach()
             self._losses[microbatch] = value
             return value
         return detach_for_send(output)
+
+    def autocast(self):
+        """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;
+        parameters, gradients, optimizer state and the prediction stay fp32)."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def backward(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
         """Backward of one micro-batch; returns the gradient to send to the previous stage
@@ -139,6 +211,7 @@ class Stage:
         if self.is_last:
             tensors, grads = list(outputs), [None]
         else:
+            grad_output = to_device(grad_output, self.device)
             pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
                      if torch.is_tensor(o) and o.requires_grad and g is not None]
             tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
@@ -155,17 +228,42 @@ class Stage:
                          for v in as_tuple(leaves))
         return grads_in if isinstance(leaves, tuple) else grads_in[0]
 
-    def update(self) -> None:
-        """One optimizer step from the gradients accumulated since the last one."""
+    def update(self, grad_scale: Optional[torch.Tensor] = None) -> None:
+        """One optimizer step from the gradients accumulated since the last one, then the
+        scheduler's step. ``grad_scale`` multiplies the gradients first (a clipping coefficient
+        computed over several stages); without it, ``clip_grad_norm`` clips this stage's own."""
         start = time.perf_counter()
+        if grad_scale is not None:
+            grads = self.grads()
+            if grads:
+                torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+        elif self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad_norm)
         self.policy.before_update()
+        self.updates.append(UpdateEntry(self.index, self.policy.version,
+                                        tuple(float(g["lr"]) for g in self.optimizer.param_groups)))
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.after_update()
         self.time["U"] += time.perf_counter() - start
         self.count["U"] += 1
 
     # -- helpers ------------------------------------------------------------------------------
+    def parameters(self) -> List[nn.Parameter]:
+        return [p for _, p in self.policy.named]
+
+    def grads(self) -> List[torch.Tensor]:
+        return [p.grad for _, p in self.policy.named if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of this stage's accumulated gradients (a 0-dim tensor on its device)."""
+        grads = self.grads()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
     def _collect_weight_grads(self, use: WeightUse) -> None:
         """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""
         params = dict(self.policy.named)

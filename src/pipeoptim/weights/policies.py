@@ -83,9 +83,26 @@ class WeightPolicy:
         self._order: List[Action] = []
 
     # -- schedule knowledge -----------------------------------------------------------------
-    def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = ()) -> None:
-        """The actions this stage will run next (and, for policies that need it, every rank's)."""
+    def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
+                    *, open_ended: bool = False) -> None:
+        """The actions this stage will run next (and, for policies that need it, every rank's):
+        the start of a schedule (a segment), at a drained point. ``open_ended``: the orders
+        were built for a horizon and more mini-batches may follow the ones they list."""
         self.epoch_start_version = self.version
+        self._consumed: Counter = Counter()  # forwards run so far in this schedule, per window
+        self.open_ended = open_ended
+        self.learn_orders(stage_actions, full_orders)
+
+    def extend_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
+                     *, open_ended: bool = False) -> None:
+        """The same schedule, now known further (or ending sooner): a streamed segment's orders
+        regenerated for more mini-batches, or its final orders once the data ends. The actions
+        already run are a prefix of the new orders; what they consumed is kept."""
+        self.open_ended = open_ended
+        self.learn_orders(stage_actions, full_orders)
+
+    def learn_orders(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]]) -> None:
+        """Read what this policy needs from the orders of the current schedule."""
         self._order = list(stage_actions)
         self._updates_before: Dict[tuple, int] = {}
         count = 0
@@ -180,6 +197,10 @@ class _VersionStore(WeightPolicy):
         self.kept: Dict[int, List[torch.Tensor]] = {}
         self.users: Counter = Counter()
 
+    def extend_epoch(self, stage_actions, full_orders=(), *, open_ended: bool = False) -> None:
+        super().extend_epoch(stage_actions, full_orders, open_ended=open_ended)
+        self._drop_unneeded()  # versions kept for forwards the final orders no longer hold
+
     def target_version(self, microbatch: int) -> int:
         """The version micro-batch's forward must use."""
         return self.version
@@ -243,8 +264,8 @@ class StashingPolicy(_VersionStore):
         self.vertical_sync = vertical_sync
         self._stage0_version: Dict[int, int] = {}
 
-    def begin_epoch(self, stage_actions, full_orders=()) -> None:
-        super().begin_epoch(stage_actions, full_orders)
+    def learn_orders(self, stage_actions, full_orders) -> None:
+        super().learn_orders(stage_actions, full_orders)
         if self.vertical_sync:
             if not full_orders:
                 raise ValueError("vertical sync needs stage 0's order")
@@ -257,16 +278,22 @@ class StashingPolicy(_VersionStore):
                     count += 1
                 elif a.kind is Kind.F:
                     self._stage0_version[a.index] = self.epoch_start_version + count
-            self._pending = sorted(self._stage0_version)
+            self._pending = [i for i in sorted(self._stage0_version) if not self._consumed[i]]
 
     def target_version(self, microbatch: int) -> int:
         if not self.vertical_sync:
             return self.version
         self._pending.remove(microbatch)
+        self._consumed[microbatch] += 1
         return self._stage0_version[microbatch]
 
     def future_needs(self, version: int) -> bool:
-        return self.vertical_sync and any(self._stage0_version[i] == version for i in self._pending)
+        if not self.vertical_sync:
+            return False
+        # beyond open-ended orders, stage 0's forwards use its last listed version or later
+        if self.open_ended and self._stage0_version and version >= max(self._stage0_version.values()):
+            return True
+        return any(self._stage0_version[i] == version for i in self._pending)
 
 
 class DoubleBufferPolicy(_VersionStore):
@@ -275,8 +302,8 @@ class DoubleBufferPolicy(_VersionStore):
 
     description = "older of two buffers for a whole update window"
 
-    def begin_epoch(self, stage_actions, full_orders=()) -> None:
-        super().begin_epoch(stage_actions, full_orders)
+    def learn_orders(self, stage_actions, full_orders) -> None:
+        super().learn_orders(stage_actions, full_orders)
         m = max(1, sum(1 for a in stage_actions if a.kind is Kind.F) //
                 max(1, sum(1 for a in stage_actions if a.kind is Kind.U)))
         self.window = m
@@ -286,14 +313,18 @@ class DoubleBufferPolicy(_VersionStore):
                 count += 1
             elif a.kind is Kind.F and a.index % m == 0:
                 self._window_version[a.index // m] = self.epoch_start_version + count
-        self._pending_windows = Counter({w: m for w in self._window_version})
+        self._pending_windows = Counter({w: m - self._consumed[w] for w in self._window_version})
 
     def target_version(self, microbatch: int) -> int:
         window = microbatch // self.window
         self._pending_windows[window] -= 1
+        self._consumed[window] += 1
         return self._window_version[window]
 
     def future_needs(self, version: int) -> bool:
+        # beyond open-ended orders, later windows use the last listed window's version or later
+        if self.open_ended and self._window_version and version >= max(self._window_version.values()):
+            return True
         return any(self._window_version[w] == version for w, left in self._pending_windows.items() if left > 0)
 
 

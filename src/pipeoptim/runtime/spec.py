@@ -1,0 +1,89 @@
+"""A run resolved before any work starts, and the segments it is cut into.
+
+Both executors (``local.py``, ``distributed.py``) and the Pipeline above them use these: the
+method's options checked, the stage count and partition fixed, the micro-batch count chosen
+(:func:`resolve`); the drain interval and the facts a checkpoint must match
+(:func:`checkpoint_settings`); and the schedules a run over known data is cut into
+(:func:`segments`). Nothing here imports the API, the tasks or the command line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ..methods import get_method
+from ..partition import plan_partition
+
+
+@dataclass
+class RunSpec:
+    """A resolved run: method, options, stage count, partition and micro-batches."""
+
+    method: str
+    options: Dict[str, Any]
+    stages: int
+    partition: List[int]
+    microbatches: int
+
+
+def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
+            epochs: int = 1, batches: Sequence = (None,)) -> RunSpec:
+    """Check a run's settings before any work starts; errors are ValueErrors that say the fix."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    if not batches:
+        raise ValueError("no mini-batches to train on")
+    m = get_method(method)
+    options = m.resolve_options(method_options)
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got {type(model).__name__}")
+    if method == "sequential":
+        n, sizes = 1, [len(model)]
+    else:
+        if partition is not None:
+            n = len(partition)
+            if stages is not None and stages != n:
+                raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages")
+        elif stages is None:
+            raise ValueError("give stages=N or partition=[layers per stage]")
+        else:
+            n = stages
+        sizes = plan_partition(model, n, partitioner, partition)
+    micro = m.microbatches(n, micro_batches)
+    if micro < 1:
+        raise ValueError(f"micro-batches must be at least 1, got {micro}")
+    if m.schedule == "2bw" and micro < n:
+        raise ValueError(f"pipedream-2bw needs micro-batches >= stages ({micro} < {n}); "
+                         f"use micro_batches={n}")
+    return RunSpec(method, options, n, sizes, micro)
+
+
+def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
+                        continuous: bool) -> Tuple[int, Dict[str, Any]]:
+    """The drain interval in mini-batches and the facts a checkpoint's manifest must match to be
+    resumed (method, stages, partition, micro-batches, options, batches per epoch, interval)."""
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+    if continuous and checkpoint_every:
+        raise ValueError("a continuous run never drains, so it cannot checkpoint every K batches; "
+                         "drop continuous or checkpoint_every")
+    segment = checkpoint_every or num_batches
+    return segment, {"method": spec.method, "stages": spec.stages, "partition": spec.partition,
+                     "microbatches": spec.microbatches, "options": spec.options,
+                     "batches_per_epoch": num_batches, "segment": segment}
+
+
+def segments(epochs: int, num_batches: int, segment: int, continuous: bool,
+             start: Tuple[int, int] = (0, 0)) -> List[Tuple[int, int, int]]:
+    """The schedules a run is cut into, as (epoch, first mini-batch, mini-batches), from the
+    position ``start`` (epoch, batch) on: one per ``segment`` mini-batches (the pipeline
+    drains, and may checkpoint, after each), or a single one over all epochs if ``continuous``."""
+    if continuous:
+        return [(0, 0, num_batches * epochs)]
+    return [(e, b, min(segment, num_batches - b)) for e in range(epochs)
+            for b in range(0, num_batches, segment) if (e, b) >= start]
+
+
