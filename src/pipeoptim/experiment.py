@@ -18,7 +18,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .lr_schedules import make_lr_schedule
 from .methods import get_method
+from .pipeline import resolve_devices
 from .optimizers import make_optimizer
 from .plots import plot_runs
 from .runtime.microbatch import split_batch
@@ -49,6 +51,15 @@ class RunConfig:
     continuous: bool = False
     checkpoint_every: Optional[int] = None
     method_options: Dict[str, Any] = field(default_factory=dict)
+    lr_schedule: str = "constant"      #: constant, warmup-cosine or step (pipeoptim.lr_schedules)
+    warmup_steps: Optional[int] = None
+    clip_grad: Optional[float] = None  #: max gradient norm per stage
+    precision: str = "fp32"
+    device: str = "auto"               #: auto, one device, or one per stage separated by commas
+
+    def devices(self) -> Any:
+        """``device`` as Pipeline takes it: a name, or a list with one per stage."""
+        return self.device.split(",") if "," in self.device else self.device
 
     def resolved(self, task: Task) -> "RunConfig":
         """Fill the task's defaults (model, batch size, learning rate)."""
@@ -71,6 +82,10 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
     checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
+    make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps)
+    resolve_devices(cfg.devices(), spec.stages)
+    if cfg.clip_grad is not None and not cfg.clip_grad > 0:
+        raise ValueError(f"--clip-grad must be a positive max norm, got {cfg.clip_grad}")
 
 
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
@@ -160,6 +175,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
                        evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch, on_epoch=on_epoch,
                        checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
                        checkpoint_every=cfg.checkpoint_every, resume=resume, diagnose_every=diagnose_every,
+                       lr_scheduler=make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps),
+                       clip_grad_norm=cfg.clip_grad, precision=cfg.precision, devices=cfg.devices(),
                        **cfg.method_options)
     finally:
         bar.close()

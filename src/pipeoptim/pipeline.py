@@ -65,6 +65,24 @@ class TrainResult:
     update_trace: List[UpdateEntry] = field(default_factory=list)
 
 
+class OnStageDevices(nn.Module):
+    """The trained model as one module whose forward runs each stage's layers on that stage's
+    device, moving the activations between them, and returns the output on the CPU: what a
+    task's evaluation (written for a model on one device) can call when the stages are spread.
+    ``train()``/``eval()`` reach the model inside."""
+
+    def __init__(self, model: nn.Sequential, stages: Sequence[Stage]) -> None:
+        super().__init__()
+        self.model = model
+        self._parts = [(stage.module, stage.device) for stage in stages]
+
+    def forward(self, inputs: Any) -> Any:
+        value = inputs
+        for module, device in self._parts:
+            value = module(to_device(value, device))
+        return to_device(value, torch.device("cpu"))
+
+
 def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
     """One device per stage. ``"auto"``: ``cuda:0..N-1`` when N GPUs are visible, the GPUs in
     contiguous blocks when fewer are (stage k on ``cuda:k*G//N``), else the CPU. One device
@@ -474,7 +492,8 @@ class Pipeline:
 
     def _epoch_metric(self, evaluate, eval_loader, metric) -> Optional[float]:
         if evaluate is not None:
-            value = float(evaluate(self._model))
+            on_cpu = all(d.type == "cpu" for d in self.devices)
+            value = float(evaluate(self._model if on_cpu else OnStageDevices(self._model, self.stages)))
             self._model.train()
             return value
         if eval_loader is not None:

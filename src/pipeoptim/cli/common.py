@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 from ..experiment import RunConfig
 from ..methods import get_method, method_names
 from ..optimizers import optimizer_names
+from ..lr_schedules import LR_SCHEDULES
 from ..tasks import task_names
 
 
@@ -51,6 +52,20 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="learning rate (default: the task's for this optimizer)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default: 0)")
     g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop)")
+    g.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                   help="constant (default); warmup-cosine: linear warm-up, then cosine decay to 10%% "
+                        "of --lr; step: x0.1 at half of the updates, x0.01 at three quarters")
+    g.add_argument("--warmup-steps", type=int, metavar="W",
+                   help="updates of linear warm-up (default: 5%% of the updates for warmup-cosine, 0 for step)")
+    g.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
+                   help="clip each stage's gradient norm to MAX_NORM before its update")
+    g = parser.add_argument_group("precision and devices")
+    g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: forwards and backwards under torch.autocast; weights, optimizer state "
+                        "and prediction stay fp32 (default: fp32)")
+    g.add_argument("--device", default="auto", metavar="DEV",
+                   help="auto (default: one GPU per stage when there are enough, else the CPU), one "
+                        "device for all stages (cpu, cuda, cuda:1), or one per stage: cuda:0,cuda:1")
     g = parser.add_argument_group("output")
     g.add_argument("--out", type=Path, help="run folder (default: runs/<task>-<method>-<time>)")
     g.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")
@@ -85,7 +100,9 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
                      optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                      momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
-                     limit=args.limit, seed=args.seed, continuous=continuous, method_options=options)
+                     limit=args.limit, seed=args.seed, continuous=continuous, method_options=options,
+                     lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad=args.clip_grad,
+                     precision=args.precision, device=args.device)
 
 
 def stages_of(args: argparse.Namespace) -> int:
@@ -103,6 +120,10 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    if getattr(args, "clip_grad", None) is not None and not args.clip_grad > 0:
+        raise ValueError(f"--clip-grad must be a positive max norm, got {args.clip_grad}")
+    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
 
 
 def output_dir(args: argparse.Namespace, label: str) -> Path:

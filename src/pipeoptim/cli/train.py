@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
+        check_distributed_options(cfg)
         from ..runtime.launch import run_distributed_train
 
         return run_distributed_train(args, cfg)
@@ -81,6 +82,18 @@ def run(args: argparse.Namespace) -> int:
     summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
                              diagnose_every=args.diagnose_every)
     return report(args, summary, out)
+
+
+def check_distributed_options(cfg: RunConfig) -> None:
+    """The distributed runtime does not take the local engine's newer options yet: refuse them
+    rather than ignore them."""
+    given = [flag for flag, on in (("--lr-schedule", cfg.lr_schedule != "constant"),
+                                   ("--warmup-steps", cfg.warmup_steps is not None),
+                                   ("--clip-grad", cfg.clip_grad is not None),
+                                   ("--precision", cfg.precision != "fp32")) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} work with --runtime local; the distributed runtime "
+                         f"does not take them yet")
 
 
 def _log(args: argparse.Namespace):

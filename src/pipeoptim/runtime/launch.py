@@ -58,7 +58,7 @@ _DISTRIBUTED_OPTIONS = ("--timeout", "--device", "--threads")
 def add_distributed_options(parser: argparse.ArgumentParser) -> None:
     """The options of the distributed runtime (idempotent: a parser that has them is left as is)."""
     existing = {s for a in parser._actions for s in a.option_strings}
-    if any(o in existing for o in _DISTRIBUTED_OPTIONS):
+    if "--timeout" in existing:
         return
     g = parser.add_argument_group(
         "distributed runtime (--runtime distributed)",
@@ -69,8 +69,9 @@ def add_distributed_options(parser: argparse.ArgumentParser) -> None:
         "--rdzv-endpoint HOST:PORT). See `python -m pydoc pipeoptim.runtime.launch`.")
     g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds a stage waits for a peer before the run fails (default: %(default)g)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: gloo; cuda: NCCL, one GPU per stage (cuda:LOCAL_RANK). Default cpu")
+    if "--device" not in existing:  # `train` and `compare` have it among the run options
+        g.add_argument("--device", default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per stage "
+                       "(cuda:LOCAL_RANK). Default cpu")
     g.add_argument("--threads", type=int, default=1,
                    help="compute threads per stage process on CPU (default: 1)")
 
@@ -87,8 +88,22 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
         raise ValueError(f"--timeout must be positive, got {timeout}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
-    return {"timeout": float(timeout), "device": getattr(args, "device", "cpu"), "threads": threads,
+    return {"timeout": float(timeout), "device": distributed_device(getattr(args, "device", "cpu")),
+            "threads": threads,
             "json": bool(args.json), "progress": not args.no_progress}
+
+
+def distributed_device(device: str) -> str:
+    """``--device`` for one process per stage: ``cpu`` (gloo) or ``cuda`` (NCCL, each stage on
+    cuda:LOCAL_RANK); ``auto`` picks cuda when a GPU is visible."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or device.startswith("cuda") and "," not in device:
+        return "cpu" if device == "cpu" else "cuda"
+    raise ValueError(f"--device {device} with --runtime distributed: give cpu, cuda or auto (each "
+                     f"stage process takes cuda:LOCAL_RANK)")
 
 
 def _stages_given() -> bool:
