@@ -17,11 +17,9 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..errors import MissingDataError  # defined there so that the command line can catch it without torch
+
 Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
-
-
-class MissingDataError(RuntimeError):
-    """A data set or a package it comes from is not installed; the message names the fix."""
 
 
 @dataclass
