@@ -3,6 +3,10 @@
 Every subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` to a function taking the parsed arguments and returning the exit code. Errors the user
 can fix (a bad option, a missing data set) print one line and exit with code 2.
+
+Building the parsers imports neither torch nor matplotlib (schedules are pure data, and
+``--help`` needs only names and defaults): the subcommand modules import what trains, profiles
+or plots inside their ``run`` functions.
 """
 from __future__ import annotations
 
@@ -11,9 +15,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..checkpoint import CheckpointError
-from ..tasks import MissingDataError
-from ..train import NonFiniteLoss
+from ..errors import CheckpointError, MissingDataError
 from . import bench as _bench
 from . import compare as _compare
 from . import plan as _plan
@@ -49,13 +51,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"pipeoptim {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except NonFiniteLoss as error:
+    except RuntimeError as error:
+        if not _is_non_finite_loss(error):
+            raise
         print(f"pipeoptim {args.command}: stopped: {error}; the last good checkpoint is kept "
               f"(continue with --resume RUN_DIR after lowering --lr)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("pipeoptim: interrupted", file=sys.stderr)
         return 130
+
+
+def _is_non_finite_loss(error: BaseException) -> bool:
+    """Whether ``error`` is a :class:`pipeoptim.NonFiniteLoss` (training diverged). The class
+    comes from the trainer, which imports torch, so it is looked up only here, once a
+    RuntimeError has reached the command line."""
+    from .. import NonFiniteLoss
+
+    return isinstance(error, NonFiniteLoss)
 
 
 if __name__ == "__main__":
