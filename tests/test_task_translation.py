@@ -272,8 +272,8 @@ def test_real_data(tmp_path_factory):
     (src, tgt_in), tgt_out = data.train[0]
     assert src.shape == (64, 32) and tgt_in.shape == tgt_out.shape == (64, 33)
     # no verse in two splits; test keys really are test keys
-    assert all(split_of(k) == "test" for k in data.info["test_keys"])
-    assert len(data.info["test_refs"]) == sizes["test"]
+    assert all(split_of(k) == "test" for k in data.extra["test_keys"])
+    assert len(data.extra["test_refs"]) == sizes["test"]
     # evaluation of an untrained model on a few sentences runs and scores near zero
     model = task.build_model("transformer", data, seed=0)
     scores = task.scores(model, data, limit=8)

@@ -23,11 +23,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .errors import CheckpointError  # defined there so that the command line can catch it without torch
+
 FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and why."""
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -205,7 +205,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "weight_copies_design": result.metrics["weight_versions_design"],
         "stage_seconds": result.metrics["stage_seconds"], "epochs_detail": result.metrics["epochs"],
         "prediction_error": result.metrics.get("prediction_error"),
-        "seconds": time.time() - started, "data": {k: v for k, v in data.info.items() if _jsonable(v)},
+        "seconds": time.time() - started, "data": data.describe(),
     }
     if out_dir is not None:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -214,11 +214,3 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
                   title=f"{cfg.task} / {cfg.model}: {cfg.method}, {summary['stages']} stages")
         summary["out"] = str(out_dir)
     return summary
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except TypeError:
-        return False

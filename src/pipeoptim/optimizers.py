@@ -1,28 +1,35 @@
 """Optimizers by name, for the command line: each name maps to a ``torch.optim`` class and the
-keyword arguments it needs. The Python API takes any factory instead."""
+keyword arguments it needs. The Python API takes any factory instead.
+
+The table names the classes rather than holding them, so that :func:`optimizer_names` (the
+choices of ``--optimizer``) is available without importing torch; :func:`make_optimizer`
+imports it."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Iterable, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Tuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_OPTIMIZERS: Dict[str, Tuple[type, Dict]] = {
-    "sgd": (torch.optim.SGD, {}),
-    "momentum": (torch.optim.SGD, {"momentum": 0.9}),
-    "nesterov": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
-    "adam": (torch.optim.Adam, {}),
-    "adamw": (torch.optim.AdamW, {}),
-    "rmsprop": (torch.optim.RMSprop, {}),
-    "adagrad": (torch.optim.Adagrad, {}),
-    "adadelta": (torch.optim.Adadelta, {}),
-    "adamax": (torch.optim.Adamax, {}),
-    "nadam": (torch.optim.NAdam, {}),
-    "radam": (torch.optim.RAdam, {}),
+#: name -> (class name in torch.optim, keyword arguments besides lr)
+_OPTIMIZERS: Dict[str, Tuple[str, Dict]] = {
+    "sgd": ("SGD", {}),
+    "momentum": ("SGD", {"momentum": 0.9}),
+    "nesterov": ("SGD", {"momentum": 0.9, "nesterov": True}),
+    "adam": ("Adam", {}),
+    "adamw": ("AdamW", {}),
+    "rmsprop": ("RMSprop", {}),
+    "adagrad": ("Adagrad", {}),
+    "adadelta": ("Adadelta", {}),
+    "adamax": ("Adamax", {}),
+    "nadam": ("NAdam", {}),
+    "radam": ("RAdam", {}),
 }
 
 
 def optimizer_names() -> list[str]:
+    """The names ``--optimizer`` accepts, in the table's order."""
     return list(_OPTIMIZERS)
 
 
@@ -39,7 +46,10 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0,
         raise ValueError(f"the learning rate must be positive, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
-    cls, kwargs = _OPTIMIZERS[name]
+    import torch
+
+    class_name, kwargs = _OPTIMIZERS[name]
+    cls = getattr(torch.optim, class_name)
     kwargs = dict(kwargs, lr=lr)
     if weight_decay:
         kwargs["weight_decay"] = weight_decay

@@ -53,14 +53,12 @@ from torch import nn
 
 from .methods import get_method, method_names
 from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
+from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .profile import ModelProfile, measure_stages, profile_model
 from .schedules import Costs, simulate
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-PARTITIONERS = ("uniform", "params", "time")
-DEFAULT_METHODS = ("gpipe", "1f1b-flush", "pipedream", "pipedream-2bw", "pipeoptim")
-DEFAULT_MICROBATCHES = (1, 2, 4, 8)
 EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
 RECOMMENDATION_RULE = ("highest predicted throughput among candidates whose largest stage memory fits "
                        "the memory limit; within {tie:.0%} of the best counts as a tie, and ties go to a "

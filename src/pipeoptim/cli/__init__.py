@@ -3,6 +3,10 @@
 Every subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` to a function taking the parsed arguments and returning the exit code. Errors the user
 can fix (a bad option, a missing data set) print one line and exit with code 2.
+
+Building the parsers imports neither torch nor matplotlib (schedules are pure data, and
+``--help`` needs only names and defaults): the subcommand modules import what trains, profiles
+or plots inside their ``run`` functions.
 """
 from __future__ import annotations
 
@@ -11,9 +15,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..checkpoint import CheckpointError
-from ..tasks import MissingDataError
-from ..train import NonFiniteLoss
+from ..errors import CheckpointError, MissingDataError, NonFiniteLoss
 from . import bench as _bench
 from . import compare as _compare
 from . import plan as _plan

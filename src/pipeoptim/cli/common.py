@@ -1,17 +1,24 @@
-"""Options shared by `train`, `compare` and `bench`, and turning them into a RunConfig."""
+"""Options shared by `train`, `compare` and `bench`, and turning them into a RunConfig.
+
+Like every module of the command line, this one imports no torch: building the parsers (and so
+`pipeoptim --help`) needs only names and defaults; what trains is imported when a command runs.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from ..experiment import RunConfig
 from ..methods import get_method, method_names
 from ..optimizers import optimizer_names
 from ..lr_schedules import LR_SCHEDULES
+from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..tasks import task_names
+
+if TYPE_CHECKING:
+    from ..experiment import RunConfig
 
 
 def int_list(text: str) -> List[int]:
@@ -73,6 +80,28 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def add_distributed_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the distributed runtime, read by :mod:`pipeoptim.runtime.launch`
+    (idempotent: a parser that has them is left as is)."""
+    existing = {s for a in parser._actions for s in a.option_strings}
+    if "--timeout" in existing:
+        return
+    g = parser.add_argument_group(
+        "distributed runtime (--runtime distributed)",
+        "One process per stage. Without torchrun, torchrun is started for you on this machine; "
+        "under torchrun (torchrun --nproc-per-node N -m pipeoptim train --runtime distributed ...) "
+        "the world size is the number of stages. Several machines: run torchrun on each with "
+        "--nnodes, --node-rank, --master-addr/--master-port (or --rdzv-backend c10d "
+        "--rdzv-endpoint HOST:PORT). See `python -m pydoc pipeoptim.runtime.launch`.")
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help="seconds a stage waits for a peer before the run fails (default: %(default)g)")
+    if "--device" not in existing:  # `train` and `compare` have it among the run options
+        g.add_argument("--device", default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per stage "
+                       "(cuda:LOCAL_RANK). Default cpu")
+    g.add_argument("--threads", type=int, default=1,
+                   help="compute threads per stage process on CPU (default: 1)")
+
+
 def method_options(args: argparse.Namespace, method: str, strict: bool = True) -> Dict[str, Any]:
     """The method-specific options the user set; one the method does not take is an error
     (``strict``, for one method) or is left out (for a comparison of several)."""
@@ -94,6 +123,9 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
 
 
 def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> RunConfig:
+    """The RunConfig of ``method`` from the parsed options (see :func:`method_options`)."""
+    from ..experiment import RunConfig
+
     options = method_options(args, method, strict)
     continuous = args.continuous and not get_method(method).synchronous
     return RunConfig(task=args.task, model=args.model, method=method, stages=stages_of(args),

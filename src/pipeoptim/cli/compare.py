@@ -6,9 +6,7 @@ import argparse
 import json
 import sys
 
-from ..experiment import run_experiment
 from ..methods import get_method
-from ..plots import plot_runs
 from ..tasks import get_task
 from .common import add_run_options, check_numbers, known_methods, output_dir, print_json, run_config
 
@@ -47,6 +45,9 @@ def warm_up(task, cfg, data) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..experiment import run_experiment
+    from ..plots import plot_runs
+
     check_numbers(args)
     methods = known_methods(args.methods)
     configs = [run_config(args, m, strict=False) for m in methods]  # validates before any work

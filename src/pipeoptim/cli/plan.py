@@ -6,11 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from ..optimizers import optimizer_names
-from ..planner import (DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS, format_plan, make_plan,
-                       parse_bytes, parse_int_list, parse_speeds, write_plan)
+from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from ..tasks import task_names
 from .common import known_methods, print_json
 
@@ -83,6 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..planner import format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, write_plan
+
     for name in ("stages", "batch_size", "limit", "batches", "threads", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:

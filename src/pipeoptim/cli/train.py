@@ -5,11 +5,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..experiment import RunConfig, run_experiment
 from ..methods import method_names
-from ..runtime.launch import add_distributed_options
-from .common import add_run_options, check_numbers, output_dir, print_json, run_config
+from .common import add_distributed_options, add_run_options, check_numbers, output_dir, print_json, run_config
+
+if TYPE_CHECKING:
+    from ..experiment import RunConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def resume_config(run_dir: Path) -> RunConfig:
+    from ..experiment import RunConfig
+
     config = run_dir / "config.json"
     if not config.exists():
         raise ValueError(f"{run_dir} is not a run folder of `pipeoptim train` (no config.json)")
@@ -48,6 +52,8 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..experiment import run_experiment
+
     if args.plan is not None:
         if args.resume is not None:
             raise ValueError("--plan and --resume cannot be combined")

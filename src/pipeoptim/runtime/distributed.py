@@ -72,11 +72,11 @@ from ..schedules.lower import lower
 from ..errors import NonFiniteLoss
 from .spec import checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
+from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
 from .local import MicroBatch, check_runnable
 from .microbatch import batch_size, split_batch
 from .stage import Stage, TraceEntry, WindowLosses, as_tuple
 
-DEFAULT_TIMEOUT = 300.0  #: seconds a rank waits for a peer before the run fails
 
 # dtype <-> code for the metadata messages
 _DTYPES: List[torch.dtype] = [

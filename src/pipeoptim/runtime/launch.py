@@ -50,30 +50,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .distributed import DEFAULT_TIMEOUT
-
-_DISTRIBUTED_OPTIONS = ("--timeout", "--device", "--threads")
-
-
-def add_distributed_options(parser: argparse.ArgumentParser) -> None:
-    """The options of the distributed runtime (idempotent: a parser that has them is left as is)."""
-    existing = {s for a in parser._actions for s in a.option_strings}
-    if "--timeout" in existing:
-        return
-    g = parser.add_argument_group(
-        "distributed runtime (--runtime distributed)",
-        "One process per stage. Without torchrun, torchrun is started for you on this machine; "
-        "under torchrun (torchrun --nproc-per-node N -m pipeoptim train --runtime distributed ...) "
-        "the world size is the number of stages. Several machines: run torchrun on each with "
-        "--nnodes, --node-rank, --master-addr/--master-port (or --rdzv-backend c10d "
-        "--rdzv-endpoint HOST:PORT). See `python -m pydoc pipeoptim.runtime.launch`.")
-    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help="seconds a stage waits for a peer before the run fails (default: %(default)g)")
-    if "--device" not in existing:  # `train` and `compare` have it among the run options
-        g.add_argument("--device", default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per stage "
-                       "(cuda:LOCAL_RANK). Default cpu")
-    g.add_argument("--threads", type=int, default=1,
-                   help="compute threads per stage process on CPU (default: 1)")
+from .defaults import DEFAULT_TIMEOUT
 
 
 def under_torchrun() -> bool:

@@ -11,26 +11,47 @@ target go to :meth:`Task.loss`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from ..errors import MissingDataError  # defined there so that the command line can catch it without torch
+
 Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
-
-
-class MissingDataError(RuntimeError):
-    """A data set or a package it comes from is not installed; the message names the fix."""
 
 
 @dataclass
 class TaskData:
-    """One task's data, already batched."""
+    """One task's data, already batched.
+
+    ``info`` describes the data and is what a run's summary reports (:meth:`describe`): where it
+    comes from, its sizes, the vocabulary size and other settings, as short JSON values, never
+    lists of examples or sentences. What the task keeps for its own use beside the batches
+    (validation batches, reference translations, the vocabulary itself) goes in ``extra``.
+    """
 
     train: List[Batch]             #: training mini-batches for one epoch, in order
     test: List[Batch]              #: evaluation mini-batches
-    info: Dict[str, Any] = field(default_factory=dict)  #: sizes, vocabulary, source, ...
+    info: Dict[str, Any] = field(default_factory=dict)   #: description: source, sizes, vocabulary size, ...
+    extra: Dict[str, Any] = field(default_factory=dict)  #: bulky data the task reads back, not described
+
+    def describe(self) -> Dict[str, Any]:
+        """The description of the data in a run's summary: the entries of ``info`` that are JSON
+        values, and the number of training and test mini-batches (``batches``)."""
+        described = {k: v for k, v in self.info.items() if _jsonable(v)}
+        described["batches"] = {"train": len(self.train), "test": len(self.test)}
+        return described
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 class Task:

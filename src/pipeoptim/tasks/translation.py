@@ -548,8 +548,11 @@ class TranslationTask(Task):
         """Training batches shuffled with ``seed`` (an incomplete last batch is dropped).
         ``limit`` keeps the first ``limit`` filtered training pairs in a fixed (seed-0) order,
         the same subset for every seed; the vocabulary is always trained on the full training
-        split. Test (and ``info['valid']``) pairs are in a fixed shuffled order, so the first
-        ``eval_limit`` test sentences are a random sample of the test split."""
+        split. Test (and ``extra['valid']``) pairs are in a fixed shuffled order, so the first
+        ``eval_limit`` test sentences are a random sample of the test split. ``extra`` also
+        holds, in the order of the test (validation) batches, the test source sentences
+        (``test_src``), their references (``test_refs``, which :meth:`scores` reads) and verse
+        keys (``test_keys``), and the validation references (``valid_refs``)."""
         pairs = read_pairs()
         by_split: Dict[str, List[Pair]] = {"train": [], "valid": [], "test": []}
         for p in pairs:
@@ -574,17 +577,20 @@ class TranslationTask(Task):
             "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
             "sizes": {"pairs": len(pairs), "train": len(train), "train_filtered_all": len(enc["train"]),
                       "valid": len(enc["valid"]), "test": len(test)},
+            "eval_limit": self.eval_limit,
+        }
+        extra: Dict[str, Any] = {
             "valid": make_batches(enc["valid"], self.max_tokens, batch_size),
             "valid_refs": [p[2] for p, _, _ in enc["valid"]],
             "test_src": [p[1] for p, _, _ in test],
             "test_refs": [p[2] for p, _, _ in test],
             "test_keys": [p[0] for p, _, _ in test],
-            "eval_limit": self.eval_limit,
         }
         return TaskData(
             train=make_batches(train, self.max_tokens, batch_size, seed=seed, drop_last=True),
             test=make_batches(test, self.max_tokens, batch_size),
             info=info,
+            extra=extra,
         )
 
     def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
@@ -620,12 +626,12 @@ class TranslationTask(Task):
 
     def scores(self, model: nn.Module, data: TaskData, limit: int | None = None) -> Dict[str, float]:
         """``{"bleu", "chrf", "sentences"}`` on the first ``limit`` (default ``eval_limit``) test pairs."""
-        n = min(limit or int(data.info.get("eval_limit", self.eval_limit)), len(data.info["test_refs"]))
+        n = min(limit or int(data.info.get("eval_limit", self.eval_limit)), len(data.extra["test_refs"]))
         src = torch.cat([x[0] for x, _ in data.test])[:n]
         hyps: List[str] = []
         for i in range(0, n, self.eval_batch_size):
             hyps += self.translate(model, data, src[i : i + self.eval_batch_size])
-        result = bleu_chrf(hyps, data.info["test_refs"][:n])
+        result = bleu_chrf(hyps, data.extra["test_refs"][:n])
         result["sentences"] = float(n)
         return result
 

@@ -1,0 +1,7 @@
+"""The planner's choices that `pipeoptim plan` lists in its options, importable without torch
+(:mod:`pipeoptim.planner`, which profiles models, imports it and re-exports these)."""
+from __future__ import annotations
+
+PARTITIONERS = ("uniform", "params", "time")  #: the splits a plan compares (see pipeoptim.partition)
+DEFAULT_METHODS = ("gpipe", "1f1b-flush", "pipedream", "pipedream-2bw", "pipeoptim")  #: methods predicted
+DEFAULT_MICROBATCHES = (1, 2, 4, 8)  #: micro-batch counts predicted
