@@ -309,6 +309,22 @@ def test_cuda_pipeline_equals_cpu_pipeline():
     assert gpu.metrics["devices"] == ["cuda:0", "cuda:0"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steps_on_cuda_never_wait_for_the_device():
+    """No host synchronisation on the hot path: the losses come back through pinned memory."""
+    pipe = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=adam, devices="cuda",
+                    clip_grad_norm=1.0, precision="bf16")
+    batches = [(x.pin_memory(), y.pin_memory()) for x, y in data(10)]
+    losses = [loss for x, y in batches[:3] for loss in pipe.step(x, y)]  # optimizer state is made
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses += [loss for x, y in batches[3:] for loss in pipe.step(x, y)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    losses += pipe.flush()
+    assert len(losses) == 10 and losses == pipe.losses
+
+
 # -- state by name -------------------------------------------------------------------------------
 
 def test_a_state_taken_with_one_partition_resumes_with_another():
@@ -398,3 +414,29 @@ def test_an_empty_loader_is_refused_and_nothing_is_written(tmp_path):
     with pytest.raises(ValueError, match="yielded no mini-batches"):
         pipe.fit((b for b in []), checkpoint_dir=tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_resume_with_a_shuffling_dataloader_gives_the_uninterrupted_losses(tmp_path):
+    """The loader's shuffle comes from torch's global generator: a resumed run re-creates the
+    epoch's order from the state saved with the checkpoint, then skips what was trained."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(3)
+    dataset = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g))
+
+    def fit(store, stop_at=None, resume=False, seed=5):
+        pipe = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgdm)
+        torch.manual_seed(seed)
+
+        def on_batch(index, loss):
+            if index == stop_at:
+                raise KeyboardInterrupt
+        return pipe.fit(DataLoader(dataset, batch_size=4, shuffle=True), epochs=2, checkpoint_dir=store,
+                        checkpoint_every=3, resume=resume, on_batch=on_batch)
+
+    full = fit(tmp_path / "a").losses
+    with pytest.raises(KeyboardInterrupt):
+        fit(tmp_path / "b", stop_at=14)              # dies in epoch 1, after the checkpoint at batch 3
+    resumed = fit(tmp_path / "b", resume=True, seed=99)  # another RNG state, as in a new process
+    assert resumed.losses == full
+    assert len(full) == 20

@@ -233,7 +233,7 @@ class Pipeline:
             return []
         try:
             self._executor.finish()
-            return self._collect()
+            return self._collect(wait=True)
         finally:
             self._executor = None
             self._expected = None
@@ -245,9 +245,9 @@ class Pipeline:
     def _schedule_for(self, batches: int):
         return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches)
 
-    def _collect(self) -> List[float]:
+    def _collect(self, wait: bool = False) -> List[float]:
         done = []
-        for window, loss in self._executor.take_completed():
+        for window, loss in self._executor.take_completed(wait):
             index = self._segment_start + window
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"loss became {loss} at {self._label(index)}")

@@ -124,9 +124,10 @@ class LocalExecutor:
         if left:
             raise ScheduleStuck(f"no stage can proceed; waiting: {', '.join(left)}")
 
-    def take_completed(self) -> List[Tuple[int, float]]:
-        """(window, loss) of the mini-batches completed since the last call, in order."""
-        return self._window_loss.take_completed() if self._window_loss is not None else []
+    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
+        """(window, loss) of the mini-batches completed since the last call, in order (on an
+        accelerator, those whose loss has reached the host; ``wait`` waits for all)."""
+        return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
     @property
     def in_flight(self) -> int:
@@ -233,4 +234,5 @@ def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequ
     for w in range(windows):
         executor.feed(microbatches[w * m:(w + 1) * m])
     executor.finish()
+    executor.take_completed(wait=True)
     return dict(executor._window_loss)

@@ -78,36 +78,65 @@ class WindowLosses(dict):
     """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
     window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
 
-    Losses may arrive as floats or as 0-dim tensors (still on the device, so that a GPU run does
-    not wait for them); a window's loss is the float sum of its micro-batch losses in micro-batch
-    order, computed when the window is complete. ``completed`` lists the windows completed and
-    not yet taken (:meth:`take_completed`)."""
+    Losses arrive as floats, or as 0-dim tensors still on an accelerator, so that the host never
+    waits for the device to queue more work: without ``on_loss``, a complete window's losses are
+    copied to pinned host memory without blocking and taken once the copy is done
+    (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
+    losses in micro-batch order."""
 
     def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
         super().__init__()
         self.microbatches = microbatches
         self.on_loss = on_loss
         self._parts: Dict[int, List[Any]] = {}
-        self.completed: List[int] = []
+        self._ready: List[Tuple[int, Any, Any]] = []  # (window, floats or a pinned tensor, event)
 
     def add(self, microbatch: int, loss: Any) -> None:
         window = microbatch // self.microbatches
         parts = self._parts.setdefault(window, [])
         parts.append(loss)
-        if len(parts) == self.microbatches:
-            total = 0.0
-            for part in self._parts.pop(window):
-                total += float(part)
-            self[window] = total
-            self.completed.append(window)
-            if self.on_loss is not None:
-                self.on_loss(window, total)
+        if len(parts) < self.microbatches:
+            return
+        parts = self._parts.pop(window)
+        on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
+        if self.on_loss is None and on_device:
+            device = on_device[0].device
+            with torch.cuda.device(device):
+                values = torch.stack([torch.as_tensor(p, device=device).reshape(()) for p in parts])
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self._ready.append((window, host, event))
+            return
+        total = _float_sum(parts)
+        self[window] = total
+        self._ready.append((window, None, None))
+        if self.on_loss is not None:
+            self.on_loss(window, total)
 
-    def take_completed(self) -> List[Tuple[int, float]]:
-        """The windows completed since the last call, with their losses, in completion order."""
-        done = [(w, self[w]) for w in self.completed]
-        self.completed = []
+    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
+        """The windows completed since the last call, with their losses, in window order; a
+        window whose losses are still on their way from the device waits for the next call (or,
+        with ``wait``, is waited for)."""
+        done = []
+        while self._ready:
+            window, host, event = self._ready[0]
+            if event is not None:
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+                self[window] = _float_sum(host.tolist())
+            self._ready.pop(0)
+            done.append((window, self[window]))
         return done
+
+
+def _float_sum(values: List[Any]) -> float:
+    total = 0.0
+    for value in values:
+        total += float(value)
+    return total
 
 
 def _check_scalar(loss: Any) -> None:
