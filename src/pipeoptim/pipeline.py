@@ -391,8 +391,7 @@ class Pipeline:
                 epoch_metrics = manifest["epoch_metrics"]
                 start_epoch, start_batch = manifest["epoch"], manifest["batch"]
                 epoch_rng = _decode_rng(manifest.get("epoch_rng"))
-        if start_epoch == 0 and start_batch == 0 and not self.losses:
-            self.batches_done = 0
+        base = 0 if resume and start_epoch + start_batch else len(self.losses)  # this run's first loss
 
         self._on_batch = on_batch
         started = time.perf_counter()
@@ -402,8 +401,8 @@ class Pipeline:
 
         def label(index: int) -> str:
             if num_batches is None:
-                return f"mini-batch {index}"
-            return f"mini-batch {index % num_batches} of epoch {index // num_batches}"
+                return f"mini-batch {index - base}"
+            return f"mini-batch {(index - base) % num_batches} of epoch {(index - base) // num_batches}"
         self._label = label
 
         def close_epoch(epoch: int, seconds: float, samples: int, losses: List[float]) -> None:
