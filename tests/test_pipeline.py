@@ -440,3 +440,21 @@ def test_resume_with_a_shuffling_dataloader_gives_the_uninterrupted_losses(tmp_p
     resumed = fit(tmp_path / "b", resume=True, seed=99)  # another RNG state, as in a new process
     assert resumed.losses == full
     assert len(full) == 20
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b-flush", "pipeoptim", "pipedream-2bw", "xpipe"])
+def test_after_each_mini_batch_every_stage_has_run_all_it_can(method):
+    """After a feed, each stage stands at its first forward of a micro-batch not fed yet: what it
+    ran needs nothing beyond the data fed, so one process per stage can stream without waiting
+    on a peer that has not been fed."""
+    from pipeoptim.runtime.local import LocalExecutor
+
+    pipe = Pipeline(mlp(), method=method, stages=4, loss_fn=LOSS, optimizer=sgdm)
+    m = pipe.microbatches
+    executor = LocalExecutor(pipe.stages, pipe._schedule_for)
+    for t, (x, y) in enumerate(data(7)):
+        executor.feed(split_batch(x, y, m))
+        for k, order in enumerate(executor.schedule.orders):
+            action = order[executor._pointer[k]]
+            assert action.kind is Kind.F and action.index == (t + 1) * m, (t, k, action)
+    executor.finish()
