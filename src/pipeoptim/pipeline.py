@@ -42,10 +42,13 @@ from .errors import NonFiniteLoss
 from .methods import get_method
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
+from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.distributed import DistributedExecutor
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec, checkpoint_settings, resolve
 from .runtime.stage import PRECISIONS, Stage, TraceEntry, UpdateEntry, to_device
+from .torchrun import Torchrun, check_stages
 
 Batch = Tuple[Any, torch.Tensor]
 Metric = Callable[[Any, torch.Tensor], Any]
@@ -145,6 +148,13 @@ class Pipeline:
             last's, activations and gradients between the stages' devices.
         diagnose_every: every K-th micro-batch, measure how far the weights its forward used
             were from those live at its backward (``metrics["prediction_error"]``); 0: off.
+        timeout: under torchrun, seconds a stage waits for a peer before the run fails.
+        threads: under torchrun on the CPU, compute threads per stage process (default 1, so
+            that N processes on N cores do not oversubscribe them); None leaves torch's.
+
+    Under ``torchrun --nproc-per-node N`` each process runs one stage (see
+    :mod:`pipeoptim.torchrun`): every rank builds the Pipeline and iterates the same loader;
+    ``stages`` defaults to the number of processes.
         **method_options: the method's own options (``steps``, ``backward``, ``sgd_momentum``
             for pipeoptim; ``vertical_sync`` for pipedream).
     """
@@ -156,6 +166,7 @@ class Pipeline:
                  lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
                  precision: str = "fp32", devices: DeviceSpec = "auto", diagnose_every: int = 0,
+                 timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  **method_options: Any) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got "
@@ -176,6 +187,9 @@ class Pipeline:
             raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
         if diagnose_every < 0:
             raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+        self._torchrun = Torchrun.join(devices, timeout, threads)
+        if self._torchrun is not None:
+            stages = check_stages(self._torchrun.world, method, stages, partition)
         self.spec: RunSpec = resolve(model, method=method, stages=stages, partition=partition,
                                      partitioner=partitioner, micro_batches=micro_batches,
                                      method_options=method_options)
@@ -184,7 +198,10 @@ class Pipeline:
             raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                              f"gradients when it updates, which only synchronous methods do; "
                              f"{method} updates each stage at its own time: use clip_scope='stage'")
-        self.devices = resolve_devices(devices, self.spec.stages)
+        if self._torchrun is None:
+            self.devices = resolve_devices(devices, self.spec.stages)
+        else:  # this process's stage on this process's device; the others are elsewhere
+            self.devices = [self._torchrun.device] * self.spec.stages
         self.precision = precision
         self._model = copy.deepcopy(model)
         self._model.train()
@@ -192,7 +209,10 @@ class Pipeline:
         self.stages: List[Stage] = build_stages(
             self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
             lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
-            precision=precision, devices=self.devices)
+            precision=precision, devices=self.devices,
+            only=self._torchrun.rank if self._torchrun is not None else None)
+        if self._torchrun is not None:
+            self._torchrun.connect()
         for stage in self.stages:
             stage.diagnose_every = diagnose_every
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
@@ -217,9 +237,14 @@ class Pipeline:
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
-            self._executor = LocalExecutor(
-                self.stages, self._schedule_for, expected=self._expected,
-                trace_offset=self.batches_done * self.spec.microbatches, clip_global=self.clip_global)
+            offset = self.batches_done * self.spec.microbatches
+            if self._torchrun is None:
+                self._executor = LocalExecutor(self.stages, self._schedule_for, expected=self._expected,
+                                               trace_offset=offset, clip_global=self.clip_global)
+            else:
+                self._executor = DistributedExecutor(self.stages[0], self._torchrun.comm, self._schedule_for,
+                                                     expected=self._expected, trace_offset=offset,
+                                                     clip_global=self.clip_global)
             self._segment_start = self.batches_done
         self.batches_done += 1
         self.samples_done += size
@@ -233,10 +258,23 @@ class Pipeline:
             return []
         try:
             self._executor.finish()
-            return self._collect(wait=True)
+            done = self._collect(wait=True)
+            if self._torchrun is not None:  # every rank gets the last stage's losses, and checks them
+                segment = self._torchrun.share_losses(self.losses[self._segment_start:])
+                if not self._torchrun.is_last:
+                    self.losses += segment
+                    done = segment
+                for index, loss in enumerate(segment, start=self._segment_start):
+                    self._record(index, loss)
+            return done
         finally:
             self._executor = None
             self._expected = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank under torchrun (its stage); 0 in a single process."""
+        return self._torchrun.rank if self._torchrun is not None else 0
 
     @property
     def drained(self) -> bool:
@@ -246,17 +284,23 @@ class Pipeline:
         return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches)
 
     def _collect(self, wait: bool = False) -> List[float]:
+        """The losses completed in this process. Under torchrun they are checked and reported
+        at the drain, on every rank at once (so that all stop at the same mini-batch)."""
         done = []
         for window, loss in self._executor.take_completed(wait):
             index = self._segment_start + window
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss became {loss} at {self._label(index)}")
             assert index == len(self.losses), "losses complete in mini-batch order"
             self.losses.append(loss)
             done.append(loss)
-            if self._on_batch is not None:
-                self._on_batch(index, loss)
+            if self._torchrun is None:
+                self._record(index, loss)
         return done
+
+    def _record(self, index: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"loss became {loss} at {self._label(index)}")
+        if self._on_batch is not None:
+            self._on_batch(index, loss)
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,6 +313,12 @@ class Pipeline:
         self._require_drained("evaluate")
         score = metric or self.stages[-1].loss_fn
         was_training = self._model.training
+        if self._torchrun is not None:
+            self._model.eval()
+            try:
+                return self._torchrun.evaluate(self.stages[0], loader, score)
+            finally:
+                self._model.train(was_training)
         self._model.eval()
         total, count = 0.0, 0
         values = []
@@ -290,7 +340,11 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
         """The model's output for ``inputs``, through every stage on its device (no gradients,
-        the live weights, the current train/eval mode)."""
+        the live weights, the current train/eval mode). One process only: under torchrun use
+        :meth:`evaluate`, or :meth:`model` for the whole model."""
+        if self._torchrun is not None:
+            raise RuntimeError("forward() runs the stages of one process; under torchrun use "
+                               "evaluate(loader, metric) or model()")
         value = inputs
         for stage in self.stages:
             with stage.autocast():
@@ -300,7 +354,14 @@ class Pipeline:
     def model(self) -> nn.Sequential:
         """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
         the original parameter names. Call :meth:`flush` first for weights every mini-batch fed
-        has updated."""
+        has updated. Under torchrun every rank must call it: each stage's weights are gathered
+        into every rank's copy."""
+        if self._torchrun is not None:
+            own = {k: v.detach().to("cpu", copy=True) for k, v in self.stages[0].module.state_dict().items()}
+            merged: Dict[str, torch.Tensor] = {}
+            for part in self._torchrun.gather(own, "gathering the model's weights"):
+                merged.update(part)
+            self._model.load_state_dict(merged)
         return self._model
 
     # -- state --------------------------------------------------------------------------------
@@ -314,9 +375,12 @@ class Pipeline:
         the synchronous methods; an asynchronous one resumes as after a drain, its optimizer and
         predictor state carried over by name). The pipeline must be drained."""
         self._require_drained("state_dict")
+        stages = [named_state.stage_state(stage) for stage in self.stages]
+        if self._torchrun is not None:
+            stages = self._torchrun.gather(stages[0], "gathering the stages' state")
         return {"format": 1, "method": self.spec.method, "partition": list(self.spec.partition),
-                "model": {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()},
-                "stages": [named_state.stage_state(stage) for stage in self.stages],
+                "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model().state_dict().items()},
+                "stages": stages,
                 "losses": list(self.losses), "batches_done": self.batches_done,
                 "samples_done": self.samples_done}
 
@@ -416,6 +480,9 @@ class Pipeline:
             if any(s.diagnose_every for s in self.stages):
                 entry["prediction_error"] = [s.diagnostics_summary(i) for s, i in zip(self.stages, probes_seen)]
                 probes_seen = [len(s.diagnostics) for s in self.stages]
+                if self._torchrun is not None:
+                    entry["prediction_error"] = [part for parts in self._torchrun.gather(
+                        entry["prediction_error"], "gathering the diagnostic") for part in parts]
             value = self._epoch_metric(evaluate, eval_loader, metric)
             if value is not None:
                 entry["metric"] = value
@@ -490,6 +557,14 @@ class Pipeline:
         return min(segment or num_batches, num_batches - batch)
 
     def _epoch_metric(self, evaluate, eval_loader, metric) -> Optional[float]:
+        if evaluate is not None and self._torchrun is not None:
+            model = self.model()  # every rank gathers; the first evaluates, on the CPU
+            value = None
+            if self._torchrun.rank == 0:
+                cpu = model if self._torchrun.device.type == "cpu" else copy.deepcopy(model).cpu()
+                value = float(evaluate(cpu))
+                model.train()
+            return float(self._torchrun.share(value, 0, "sharing the evaluation"))
         if evaluate is not None:
             on_cpu = all(d.type == "cpu" for d in self.devices)
             value = float(evaluate(self._model if on_cpu else OnStageDevices(self._model, self.stages)))
@@ -503,6 +578,10 @@ class Pipeline:
     def _save(self, store: Path, run_info: Dict[str, Any], epoch: int, batch: int,
               epoch_metrics: List[Dict[str, Any]], epoch_rng: Optional[torch.Tensor]) -> Path:
         folder = store / checkpoint_name(epoch, batch)
+        if self._torchrun is not None:  # every rank its stage file, the first rank the manifest
+            self._torchrun.save(store, self.stages[0], run_info, (epoch, batch), self.losses, epoch_metrics,
+                                {"samples_done": self.samples_done, "epoch_rng": _encode_rng(epoch_rng)})
+            return folder
         sums = {stage.index: save_stage(stage, folder) for stage in self.stages}
         save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": self.losses,
                                "epoch_metrics": epoch_metrics, "samples_done": self.samples_done,
@@ -513,35 +592,54 @@ class Pipeline:
     def _resume_from(self, store: Path, run_info: Dict[str, Any]):
         """Load the newest checkpoint in ``store``; its manifest and RNG state (applied once
         the loader is positioned), or None if there is none yet."""
-        folder = latest_checkpoint(store)
-        if folder is None:
-            return None
-        manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
-        state = None
-        for stage in self.stages:
-            state = load_stage(folder, manifest, stage)
+        if self._torchrun is not None:
+            found = self._torchrun.resume(store, self.stages[0], run_info)
+            if found is None:
+                return None
+            manifest, rng = found
+            state = {"rng": rng}
+        else:
+            folder = latest_checkpoint(store)
+            if folder is None:
+                return None
+            manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
+            state = None
+            for stage in self.stages:
+                state = load_stage(folder, manifest, stage)
         self.losses = list(manifest["losses"])
         batches = manifest["batch"] + manifest["epoch"] * (run_info["batches_per_epoch"] or 0)
         self.batches_done = batches if run_info["batches_per_epoch"] else len(self.losses)
         self.samples_done = int(manifest.get("samples_done", 0))
         return manifest, state["rng"] if state is not None else None
 
+    def _stage_reports(self) -> List[Dict[str, Any]]:
+        """What each stage measured, in stage order (gathered from every process under torchrun)."""
+        reports = [{"versions": round(s.policy.versions_peak, 3), "trace": s.trace, "updates": s.updates,
+                    "seconds": {k: s.time[k] / max(1, s.count[k]) for k in s.time},
+                    "diagnostics": s.diagnostics_summary() if s.diagnose_every else None,
+                    "device": str(s.device)} for s in self.stages]
+        if self._torchrun is not None:
+            reports = self._torchrun.gather(reports[0], "gathering the stages' measurements")
+        return reports
+
     def _result(self, epoch_metrics: List[Dict[str, Any]], samples: int, elapsed: float) -> TrainResult:
-        trace = sorted((e for s in self.stages for e in s.trace),
+        reports = self._stage_reports()
+        trace = sorted((e for r in reports for e in r["trace"]),
                        key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
-        diagnosing = any(s.diagnose_every for s in self.stages)
+        diagnosing = any(r["diagnostics"] is not None for r in reports)
         spec = self.spec
         metrics = {
             "method": spec.method, "options": spec.options, "stages": spec.stages,
             "partition": spec.partition, "microbatches": spec.microbatches, "epochs": epoch_metrics,
             "samples_per_second": samples / elapsed if elapsed > 0 else 0.0, "seconds": elapsed,
-            "weight_versions": [round(s.policy.versions_peak, 3) for s in self.stages],
+            "weight_versions": [r["versions"] for r in reports],
             "weight_versions_design": self.method.weight_versions(spec.stages, **spec.options),
-            "stage_seconds": [{k: s.time[k] / max(1, s.count[k]) for k in s.time} for s in self.stages],
-            "prediction_error": [s.diagnostics_summary() for s in self.stages] if diagnosing else None,
-            "devices": [str(d) for d in self.devices], "precision": self.precision,
+            "stage_seconds": [r["seconds"] for r in reports],
+            "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
+            "devices": [r["device"] for r in reports], "precision": self.precision,
+            "processes": self._torchrun.world if self._torchrun is not None else 1,
         }
-        updates = [u for s in self.stages for u in s.updates]
+        updates = [u for r in reports for u in r["updates"]]
         return TrainResult(list(self.losses), trace, self._model, metrics, updates)
 
 

@@ -73,7 +73,7 @@ from ..errors import NonFiniteLoss
 from .spec import checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
-from .local import MicroBatch, check_runnable
+from .local import MicroBatch, check_runnable, clip_coefficient, next_horizon
 from .microbatch import batch_size, split_batch
 from .stage import Stage, TraceEntry, WindowLosses, as_tuple
 
@@ -397,6 +397,20 @@ class PipeComm:
                 except RuntimeError as error:
                     raise link._fail("receiving", link.expected[0][0], error) from error
 
+    def expect_more(self, activations: Sequence[Tuple[int, Signature]],
+                    gradients: Sequence[Tuple[int, Signature]]) -> None:
+        """More receives of the running schedule (a streamed segment learns its micro-batches as
+        they are fed), appended in order, and posted as far as the prefetch allows."""
+        for what, pair, items in (("activation", self.stage - 1, activations),
+                                  ("gradient", self.stage, gradients)):
+            if items and (what, pair) in self._links:
+                link = self._links[(what, pair)]
+                link.expected.extend(items)
+                try:
+                    link._post()
+                except RuntimeError as error:
+                    raise link._fail("receiving", link.expected[0][0], error) from error
+
     def poll(self) -> None:
         """Forget the sends that have completed (their tensors may then be freed)."""
         while self._pending and self._pending[0][0].is_completed():
@@ -411,6 +425,147 @@ class PipeComm:
             except RuntimeError as error:
                 raise link._fail("sending", microbatch, error) from error
             self._pending.popleft()
+
+
+class DistributedExecutor:
+    """This process's stage of a pipeline whose other stages run in other processes: the
+    streaming counterpart of :class:`~pipeoptim.runtime.local.LocalExecutor`, with the same
+    ``feed`` / ``finish`` / ``take_completed``.
+
+    Every rank feeds the same mini-batches (stage 0 uses the inputs, the last stage the targets,
+    every stage the input shapes as message keys). After a feed, this rank runs its lowered
+    orders up to its first forward (or receive of an activation) of a micro-batch not fed yet:
+    everything before that needs only data fed so far on every rank (tested on the local
+    executor), so waiting on a peer there never waits for a feed that has not happened.
+    ``clip_global`` clips by the norm over all stages, gathered before each update.
+    """
+
+    def __init__(self, stage: Stage, comm: "PipeComm", schedule_for: Callable[[int], Schedule], *,
+                 expected: Optional[int] = None, trace_offset: int = 0,
+                 clip_global: Optional[float] = None,
+                 on_update: Optional[Callable[[int], None]] = None) -> None:
+        n = stage.num_stages
+        if comm.num_stages != n or comm.stage != stage.index:
+            raise ValueError(f"stage {stage.index} of {n} on pipeline rank {comm.stage} of "
+                             f"{comm.num_stages}: they must agree")
+        self.stage, self.comm = stage, comm
+        self.schedule_for = schedule_for
+        self.expected = expected
+        self.trace_offset = trace_offset
+        self.clip_global = clip_global
+        self.on_update = on_update
+        self.schedule: Optional[Schedule] = None
+        self.order: List[Any] = []
+        self.horizon = 0
+        self.fed_batches = 0
+        self.fed_micro = 0
+        self.finished = False
+        self._pointer = 0
+        self._data: Dict[int, Tuple[Any, Any, float]] = {}
+        self._keys: Dict[int, Signature] = {}
+        self._received: Dict[int, Any] = {}
+        self._grads: Dict[int, Any] = {}
+        self._outgoing: Dict[int, Any] = {}
+        self._window_loss: Optional[WindowLosses] = None
+
+    def feed(self, microbatches: Sequence[MicroBatch]) -> None:
+        if self.finished:
+            raise RuntimeError("this segment has finished; start a new one")
+        stage, first = self.stage, self.fed_micro
+        for inputs, target, share in microbatches:
+            i = self.fed_micro
+            self._keys[i] = signature((inputs, target, share))
+            self._data[i] = (inputs if stage.is_first else None, target if stage.is_last else None, share)
+            self.fed_micro += 1
+        self.fed_batches += 1
+        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
+        if rebuild is not None:
+            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
+        if len(microbatches) != self.schedule.microbatches_per_update:
+            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
+                             f"micro-batches, got {len(microbatches)}")
+        new = [(i, self._keys[i]) for i in range(first, self.fed_micro)]
+        self.comm.expect_more(new if not stage.is_first else [], new if not stage.is_last else [])
+        self._run()
+
+    def finish(self) -> None:
+        """The data has ended: run the rest of this rank's orders for the mini-batches fed, and
+        wait for every send."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.fed_batches:
+            if self.horizon != self.fed_batches:
+                final = self.schedule_for(self.fed_batches)
+                done = self.order[:self._pointer]
+                self._use(final, open_ended=False)
+                if self.order[:len(done)] != done:
+                    raise RuntimeError(f"schedule {final.name}: stage {self.stage.index} ran "
+                                       f"{len(done)} actions its final orders do not start with")
+            self._run()
+        self.comm.flush()
+
+    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
+        """(window, loss) completed since the last call: on the last stage; elsewhere none."""
+        return self._window_loss.take_completed(wait) if self._window_loss is not None else []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._data)
+
+    def _use(self, schedule: Schedule, open_ended: bool) -> None:
+        check_runnable(schedule, self.stage.num_stages)
+        k = self.stage.index
+        if self.schedule is None:
+            self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
+            self.stage.trace_offset = self.trace_offset
+            self._window_loss = WindowLosses(schedule.microbatches_per_update)
+        else:
+            self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
+        self.schedule, self.horizon = schedule, schedule.num_updates
+        self.order = lower(schedule).orders[k]
+
+    def _run(self) -> None:
+        stage, comm, order, keys = self.stage, self.comm, self.order, self._keys
+        while self._pointer < len(order):
+            action = order[self._pointer]
+            i, kind = action.index, action.kind
+            if kind in (Kind.F, Kind.RECV_F) and i >= self.fed_micro:
+                break  # not fed yet: the schedule may still end before it
+            if kind is Kind.RECV_F:
+                self._received[i] = comm.recv_activation(i, keys[i])
+            elif kind is Kind.F:
+                inputs = self._data[i][0] if stage.is_first else self._received.pop(i)
+                _, target, share = self._data.pop(i)
+                out = stage.forward(i, inputs, target, share)
+                if stage.is_last:
+                    self._window_loss.add(i, out)
+                else:
+                    self._outgoing[i] = out
+            elif kind is Kind.SEND_F:
+                comm.send_activation(i, keys[i], self._outgoing.pop(i))
+            elif kind is Kind.RECV_B:
+                self._grads[i] = comm.recv_gradient(i, keys[i])
+            elif kind is Kind.B:
+                grad_in = stage.backward(i, None if stage.is_last else self._grads.pop(i))
+                if not stage.is_first:
+                    self._outgoing[i] = grad_in
+            elif kind is Kind.SEND_B:
+                comm.send_gradient(i, keys.pop(i), self._outgoing.pop(i))
+            elif kind is Kind.U:
+                if self.clip_global is not None and stage.num_stages > 1:
+                    norms = _gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
+                    stage.update(grad_scale=clip_coefficient(norms, self.clip_global))
+                else:
+                    stage.update()
+                if self.on_update is not None:
+                    self.on_update(i)
+            else:
+                raise ValueError(f"the distributed executor cannot run {action}")
+            if kind is Kind.B and stage.is_first:
+                keys.pop(i, None)
+            self._pointer += 1
+            comm.poll()
 
 
 def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Sequence[MicroBatch],
@@ -724,7 +879,8 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
 
 
 def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], position: Tuple[int, int],
-          losses: List[float], epoch_metrics: List[Dict[str, Any]]) -> None:
+          losses: List[float], epoch_metrics: List[Dict[str, Any]],
+          extra: Optional[Dict[str, Any]] = None) -> None:
     """A checkpoint at a drained point: each rank writes its stage, the writer the manifest
     (only once every stage file is complete) and prunes the old ones."""
     epoch, batch = position
@@ -739,15 +895,28 @@ def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], p
         raise CheckpointError(f"{folder / f'stage-{stage.index}.pt'}: cannot be written ({digest})")
     if comm.stage == 0:
         save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": losses,
-                               "epoch_metrics": epoch_metrics}, dict(digests))
+                               "epoch_metrics": epoch_metrics, **(extra or {})}, dict(digests))
         prune(store, keep=2)
     # nobody goes on (and may die) before the manifest names this checkpoint as the latest
     _control(comm, "waiting for the checkpoint's manifest", lambda: dist.barrier(group=comm.control))
 
 
 def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Load every rank's stage from the newest checkpoint (the writer picks it); None if the run
-    has none yet. A file refused on any rank is refused on all, with that rank's reason."""
+    """Load every rank's stage and RNG state from the newest checkpoint; its manifest, or None
+    if the run has none yet."""
+    found = _resume_stage(store, stage, comm, run_info)
+    if found is None:
+        return None
+    manifest, rng = found
+    set_rng_state(rng)
+    return manifest
+
+
+def _resume_stage(store: Path, stage: Stage, comm: PipeComm,
+                  run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """Load every rank's stage from the newest checkpoint (the writer picks it): its manifest and
+    this rank's saved RNG state (not applied), or None if the run has none yet. A file refused
+    on any rank is refused on all, with that rank's reason."""
     choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
     if comm.stage == 0:
         try:
@@ -761,16 +930,16 @@ def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any])
     if name is None:
         return None
     folder = store / name
-    manifest, problem = None, None
+    manifest, problem, rng = None, None, None
     try:
         manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
-        set_rng_state(load_stage(folder, manifest, stage)["rng"])
+        rng = load_stage(folder, manifest, stage)["rng"]
     except CheckpointError as error:
         problem = str(error)
     problems = [p for p in _gather_all(problem, comm, "loading the checkpoint") if p]
     if problems:
         raise CheckpointError(problems[0])
-    return manifest
+    return manifest, rng
 
 
 def _cpu_state(module: nn.Module) -> Dict[str, torch.Tensor]:

@@ -48,6 +48,21 @@ def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Te
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
+def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -> Optional[Tuple[int, bool]]:
+    """After ``fed`` mini-batches of a segment: None if the orders built for ``horizon`` still
+    do, else (mini-batches to build them for, whether more may follow). The orders must reach
+    past the data fed, so that the drain never runs early; a segment of known length
+    (``expected``) is built once, for exactly that many; otherwise the horizon doubles."""
+    if expected is not None and fed > expected:
+        raise ValueError(f"this segment was to hold {expected} mini-batches and has drained; got one "
+                         f"more (does the loader yield more than its len() says?)")
+    if built and (fed < horizon or fed == expected):
+        return None
+    if expected is not None:
+        return expected, False
+    return max(fed + 1, 2 * horizon, 4), True
+
+
 class LocalExecutor:
     """Runs one schedule (a segment: the mini-batches between two drains) over all stages.
 
@@ -89,15 +104,9 @@ class LocalExecutor:
             self._data[self.fed_micro] = mb
             self.fed_micro += 1
         self.fed_batches += 1
-        if self.expected is not None and self.fed_batches > self.expected:
-            raise ValueError(f"this segment was to hold {self.expected} mini-batches and has drained; "
-                             f"got one more (does the loader yield more than its len() says?)")
-        if self.schedule is None or (self.fed_batches >= self.horizon and self.fed_batches != self.expected):
-            # the orders must reach past the data fed, so that the drain is never run early
-            if self.expected is not None and self.expected >= self.fed_batches:
-                self._use(self.schedule_for(self.expected), open_ended=False)
-            else:
-                self._use(self.schedule_for(max(self.fed_batches + 1, 2 * self.horizon, 4)), open_ended=True)
+        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
+        if rebuild is not None:
+            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
         if len(microbatches) != self.schedule.microbatches_per_update:
             raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
                              f"micro-batches, got {len(microbatches)}")

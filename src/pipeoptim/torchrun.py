@@ -1,0 +1,146 @@
+"""The Pipeline under torchrun: one stage per process.
+
+When a script that builds a :class:`~pipeoptim.pipeline.Pipeline` is started with ``torchrun
+--nproc-per-node N script.py`` (``WORLD_SIZE`` > 1 in the environment, or a process group already
+initialised), each process runs one stage: stage k on rank k, gloo on the CPU, NCCL on
+``cuda:LOCAL_RANK``, a timeout on every group and every wait, one compute thread per process on
+the CPU unless the user says otherwise. The same script runs unchanged with ``python script.py``
+(all stages in one process).
+
+Every rank iterates the same loader (seeded the same way): stage 0 uses the inputs, the last
+stage the targets, every stage the input shapes (to agree on message layouts). What the user
+reads is the same on every rank: ``fit`` and ``flush`` give every rank the losses (broadcast
+from the last stage at each drain), ``evaluate`` returns the metric on every rank, ``model()``
+and ``state_dict()`` gather every stage's part.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.distributed import (PipeComm, _broadcast, _gather_all, _resume_stage, _save,
+                                  init_process_group, signature)
+from .runtime.microbatch import batch_size
+from .runtime.stage import Stage, to_device
+
+
+def world_size() -> int:
+    """Processes of the job this process belongs to (1 outside torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def process_device(devices: Any) -> str:
+    """``devices`` of a Pipeline under torchrun, as the kind of device of this process."""
+    if isinstance(devices, (list, tuple)):
+        raise ValueError("under torchrun each process runs one stage on its own device: give "
+                         "devices='auto', 'cpu' or 'cuda' (stage k takes cuda:LOCAL_RANK), not a list")
+    name = str(devices)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu" or name.startswith("cuda"):
+        return "cpu" if name == "cpu" else "cuda"
+    raise ValueError(f"devices={name!r} under torchrun: give 'auto', 'cpu' or 'cuda'")
+
+
+@dataclass
+class Torchrun:
+    """This process's place in a torchrun job running one Pipeline: its stage and the links."""
+
+    rank: int
+    world: int
+    device: torch.device
+    timeout: float
+    comm: Optional[PipeComm] = None
+
+    @classmethod
+    def join(cls, devices: Any, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1) -> Optional["Torchrun"]:
+        """Join the job's process group (initialising it if needed); None outside torchrun."""
+        world = world_size()
+        if world <= 1:
+            return None
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        kind = process_device(devices)
+        device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
+        return cls(dist.get_rank(), world, device, float(timeout))
+
+    def connect(self) -> None:
+        """Create the links between neighbouring stages (every rank, at the same point)."""
+        self.comm = PipeComm(device=self.device, timeout=self.timeout)
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+    # -- what every rank must see -------------------------------------------------------------
+    def share_losses(self, losses: List[float]) -> List[float]:
+        """The last stage's ``losses`` of a segment, on every rank."""
+        return _broadcast(losses if self.is_last else None, self.comm, self.world - 1,
+                          "sharing the losses of the segment")
+
+    def share(self, value: Any, src: int, what: str) -> Any:
+        return _broadcast(value, self.comm, src, what)
+
+    def gather(self, value: Any, what: str) -> List[Any]:
+        return _gather_all(value, self.comm, what)
+
+    # -- a pipelined forward ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, stage: Stage, loader: Iterable, score: Callable) -> float:
+        """Forward only, stage by stage across the processes; the mean of ``score`` over the
+        samples, on every rank."""
+        comm, total, count, values = self.comm, 0.0, 0, []
+        for j, (inputs, target) in enumerate(loader):
+            ident = -1 - j  # evaluation messages: their own numbers on the links
+            key = signature((inputs, target, 1.0))
+            if stage.is_first:
+                value = inputs
+            else:
+                comm.expect_more([(ident, key)], [])
+                value = comm.recv_activation(ident, key)
+            with stage.autocast():
+                out = stage.module(to_device(value, stage.device))
+                if stage.is_last:
+                    values.append((score(out, to_device(target, stage.device)), batch_size(inputs)))
+            if not stage.is_last:
+                comm.send_activation(ident, key, out)
+            comm.poll()
+            count += batch_size(inputs)
+        comm.flush()
+        if count == 0:
+            raise ValueError("the evaluation loader yielded no mini-batches")
+        if self.is_last:
+            total = sum(float(v) * n for v, n in values) / count
+        return float(self.share(total, self.world - 1, "sharing the evaluation"))
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self, store: Path, stage: Stage, run_info: Dict[str, Any], position: Tuple[int, int],
+             losses: List[float], epoch_metrics: List[Dict[str, Any]], extra: Dict[str, Any]) -> None:
+        _save(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
+
+    def resume(self, store: Path, stage: Stage, run_info: Dict[str, Any]):
+        return _resume_stage(store, stage, self.comm, run_info)
+
+
+def check_stages(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]]) -> Optional[int]:
+    """The stage count under torchrun: one stage per process. Refuses, the same way on every
+    rank, settings that would need another number of processes."""
+    if method == "sequential":
+        raise ValueError("sequential runs the whole model as one stage: start it with python, not "
+                         f"torchrun ({world} processes)")
+    n = len(partition) if partition is not None else stages
+    if n is None:
+        return world
+    if n != world:
+        raise ValueError(f"under torchrun each process runs one stage: WORLD_SIZE is {world} but the "
+                         f"pipeline has {n} stages; start torchrun --nproc-per-node {n} (or give "
+                         f"stages={world})")
+    return n

@@ -1,0 +1,96 @@
+"""The same script under `python` (all stages in one process) and under `torchrun` (one stage
+per process, gloo): the same losses, weights and metrics, to the last bit (one compute thread
+each, so the float reductions are the same)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.methods import method_names
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SCRIPT = HERE / "torchrun_methods.py"
+EXAMPLE = REPO / "examples" / "fashion_mnist_pipeline.py"
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def run(args, nproc: int = 0, timeout: float = 240) -> str:
+    """stdout of ``python args`` (nproc 0) or of ``torchrun --nproc-per-node nproc args``."""
+    launcher = [] if not nproc else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run([sys.executable, *launcher, *map(str, args)], capture_output=True, text=True,
+                          env=_env(), cwd=REPO, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def rows(text: str) -> dict:
+    return {r["method"]: r for r in map(json.loads, text.strip().splitlines())}
+
+
+PIPELINED = [m for m in method_names() if m != "sequential"]
+
+
+@pytest.fixture(scope="module")
+def both():
+    methods = ",".join(PIPELINED)
+    return rows(run([SCRIPT, methods, 2])), rows(run([SCRIPT, methods, 2], nproc=2))
+
+
+@pytest.mark.parametrize("method", PIPELINED)
+def test_every_method_under_torchrun_equals_one_process(both, method):
+    local, spread = both[0][method], both[1][method]
+    assert (local["processes"], spread["processes"]) == (1, 2)
+    assert spread["stepped"] == local["stepped"]          # step()/flush() by hand
+    assert spread["losses"] == local["losses"]            # fit(), two epochs
+    assert spread["metric"] == local["metric"]            # evaluate(), pipelined across processes
+    assert spread["weights"] == local["weights"]          # model(), gathered on every rank
+    assert spread["weight_versions"] == local["weight_versions"]
+    assert len(local["losses"]) == 9
+
+
+def test_global_clipping_under_torchrun_equals_one_process():
+    methods = "gpipe,1f1b-flush"
+    local, spread = rows(run([SCRIPT, methods, 2, 0.05])), rows(run([SCRIPT, methods, 2, 0.05], nproc=2))
+    unclipped = rows(run([SCRIPT, "gpipe", 2]))
+    for m in methods.split(","):
+        assert spread[m]["losses"] == local[m]["losses"]
+        assert spread[m]["weights"] == local[m]["weights"]
+    assert local["gpipe"]["losses"][4:] != unclipped["gpipe"]["losses"][4:]
+
+
+def test_the_example_under_torchrun_prints_what_it_prints_under_python():
+    args = [EXAMPLE, "--limit", 384, "--epochs", 2, "--stages", 2]
+    alone, spread = run(args), run(args, nproc=2)
+    strip = lambda text: [line.split(", ")[0] for line in text.strip().splitlines()]  # noqa: E731 (drop samples/s)
+    assert strip(spread) == strip(alone)
+    assert len(spread.strip().splitlines()) == 3            # printed once, by rank 0
+    assert spread.strip().splitlines()[-1].endswith("weight copies per stage [2.0, 1.0]")
+
+
+def test_a_stage_count_other_than_the_processes_is_refused_on_every_rank():
+    code = ("import torch, pipeoptim; from torch import nn\n"
+            "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))\n"
+            "pipeoptim.Pipeline(m, method='pipeoptim', stages=3, loss_fn=nn.functional.cross_entropy,\n"
+            "                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--no-python", sys.executable, "-c", code],
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
+    assert done.returncode != 0
+    message = ("under torchrun each process runs one stage: WORLD_SIZE is 2 but the pipeline has 3 "
+               "stages; start torchrun --nproc-per-node 3 (or give stages=2)")
+    assert done.stderr.count(message) == 2                  # the same line on both ranks, no hang
