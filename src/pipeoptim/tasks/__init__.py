@@ -7,6 +7,7 @@ from .base import MissingDataError, Task, TaskData
 
 _TASKS: Dict[str, str] = {
     "image": "pipeoptim.tasks.image:ImageTask",
+    "lm": "pipeoptim.tasks.lm:LanguageModelTask",
     "sentiment": "pipeoptim.tasks.sentiment:SentimentTask",
     "translation": "pipeoptim.tasks.translation:TranslationTask",
 }
