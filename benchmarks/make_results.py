@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/make_results.py [--study benchmarks/results/study] [--out docs]
 
-Scoring: a run whose loss became NaN or infinite ("diverged") scores 0 on the task's metric
-(it is useless), and the tables say how many seeds diverged. Verdicts compare means over seeds:
+Scoring: a run whose loss became NaN or infinite ("diverged") scores the worst value of the
+task's metric (it is useless): 0, or an infinite perplexity where lower is better; the tables say
+how many seeds diverged. Verdicts compare means over seeds:
 within the larger of the two standard deviations is a tie.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pipeoptim.methods import get_method, method_names  # noqa: E402
 from pipeoptim.plots import smooth  # noqa: E402
+from pipeoptim.tasks import get_task  # noqa: E402
 
 RIVALS = ["pipedream", "pipedream-2bw", "spectrain", "xpipe"]
 SYNCHRONOUS = ["sequential", "gpipe", "1f1b-flush"]
@@ -29,15 +32,19 @@ PREDICTING = ["pipeoptim", "spectrain", "xpipe"]
 SCALE = {"accuracy": 100.0}  # accuracy in percent; BLEU is already 0-100
 
 
-def score(run: Dict[str, Any]) -> float:
-    """The final metric; a diverged run scores 0."""
-    return 0.0 if run.get("diverged") else run["final_metric"]
+def score(run: Dict[str, Any], higher: bool = True) -> float:
+    """The final metric; a diverged run scores the worst: 0, or infinity where lower is better."""
+    if run.get("diverged"):
+        return 0.0 if higher else math.inf
+    return run["final_metric"]
 
 
 def mean_sd(values: List[float]) -> Tuple[float, float]:
     values = [v for v in values if v is not None]
     if not values:
         return (float("nan"), float("nan"))
+    if any(math.isinf(v) for v in values):  # a diverged seed of a lower-is-better metric
+        return (math.inf, 0.0)
     return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -50,7 +57,7 @@ def verdict(a: Tuple[float, float], b: Tuple[float, float], higher: bool) -> Tup
     """Does a win, tie or lose against b: (word, difference a - b, spread)."""
     diff = a[0] - b[0]
     spread = max(a[1], b[1])
-    if abs(diff) <= spread:
+    if a[0] == b[0] or abs(diff) <= spread:  # equal: also both infinite (both diverged)
         return "ties", diff, spread
     return ("wins" if (diff > 0) == higher else "loses"), diff, spread
 
@@ -89,7 +96,7 @@ class Setting:
                  plan: Optional[Dict[str, Any]] = None):
         self.task, self.optimizer, self.stages, self.spec, self.plan = task, optimizer, stages, spec, plan
         self.metric = runs[0]["metric"]
-        self.higher = self.metric != "loss"
+        self.higher = get_task(task).higher_is_better
         self.scale = SCALE.get(self.metric, 1.0)
         self.lr = runs[0]["lr"]
         self.by_method: Dict[str, List[Dict]] = defaultdict(list)
@@ -97,7 +104,7 @@ class Setting:
             self.by_method[r["method"]].append(r)
 
     def final(self, method: str) -> Tuple[float, float]:
-        return mean_sd([score(r) for r in self.by_method.get(method, [])])
+        return mean_sd([score(r, self.higher) for r in self.by_method.get(method, [])])
 
     def diverged(self, method: str) -> int:
         return sum(1 for r in self.by_method.get(method, []) if r.get("diverged"))
@@ -360,7 +367,8 @@ def main() -> None:
              f"{' and '.join(suite['optimizers'])}, seeds {suite['seeds']}, on the local runtime. "
              f"Learning rates are chosen for `sequential` by a sweep (seed 0, best final metric) and held "
              f"fixed for every method. Mean ± standard deviation over seeds; a run whose loss became "
-             f"NaN or infinite scores 0 and is counted as diverged.", ""]
+             f"NaN or infinite scores 0 (an infinite perplexity where lower is better) and is counted as "
+             f"diverged.", ""]
     settings: List[Setting] = []
     body: List[str] = []
     for task, spec in suite["tasks"].items():

@@ -27,6 +27,20 @@ def test_a_diverged_run_scores_zero_and_is_counted():
     assert st.diverged("pipeoptim") == 1
 
 
+def test_lower_is_better_a_diverged_run_scores_infinity_and_loses():
+    def ppl(method, seed, value, diverged=False):
+        return {**run(method, seed, value, diverged=diverged), "task": "lm", "metric": "perplexity"}
+
+    st = make_results.Setting("lm", "adam", 4, [ppl("sequential", 0, 50.0), ppl("sequential", 1, 52.0),
+                                                ppl("pipeoptim", 0, 40.0), ppl("pipeoptim", 1, 0.0, diverged=True),
+                                                ppl("pipedream", 0, 0.0, diverged=True)], {})
+    assert not st.higher
+    assert st.final("pipeoptim") == (float("inf"), 0.0) and st.diverged("pipeoptim") == 1
+    assert make_results.verdict(st.final("pipeoptim"), st.final("sequential"), st.higher)[0] == "loses"
+    assert make_results.verdict(st.final("pipeoptim"), st.final("pipedream"), st.higher)[0] == "ties"
+    assert make_results.verdict((40.0, 1.0), (50.0, 1.0), st.higher)[0] == "wins"
+
+
 def test_verdicts_tie_within_the_larger_spread():
     assert make_results.verdict((0.80, 0.01), (0.79, 0.02), True)[0] == "ties"
     assert make_results.verdict((0.80, 0.01), (0.75, 0.02), True)[0] == "wins"

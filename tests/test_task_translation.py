@@ -281,11 +281,12 @@ def test_real_data(tmp_path_factory):
 
 
 def test_missing_mod2imp_names_the_fix(tmp_path, monkeypatch):
+    import pipeoptim.tasks.bible as bible
     import pipeoptim.tasks.translation as tr
     from pipeoptim.tasks.base import MissingDataError
 
     monkeypatch.setenv("PIPEOPTIM_CACHE", str(tmp_path))
-    monkeypatch.setattr(tr.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bible.shutil, "which", lambda name: None)
     with pytest.raises(MissingDataError, match="apt-get install --no-install-recommends sword-text-web"):
         tr.dump_module("engWEB2015eb")
 
@@ -298,7 +299,7 @@ def test_missing_module_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEOPTIM_CACHE", str(tmp_path))
     with pytest.raises(MissingDataError, match="NoSuchModule.*sword-text-sparv"):
         tr.dump_module("NoSuchModule")
-    assert not (tmp_path / "translation" / "NoSuchModule.imp").exists()
+    assert not (tmp_path / "sword" / "NoSuchModule.imp").exists()
 
 
 @pytest.mark.parametrize("name", ["transformer", "gnmt"])

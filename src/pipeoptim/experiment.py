@@ -197,7 +197,8 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
         "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
         "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
-        "metric": task.metric, "final_metric": metrics[-1] if metrics else None, "best_metric": best,
+        "metric": task.metric, "higher_is_better": task.higher_is_better,
+        "final_metric": metrics[-1] if metrics else None, "best_metric": best,
         "final_loss": result.metrics["epochs"][-1]["loss"], "losses": result.losses,
         "samples_per_second": result.metrics["samples_per_second"],
         "predicted_samples_per_second": predicted_throughput(result, cfg.batch_size, len(batches)),
@@ -210,7 +211,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
     if out_dir is not None:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},
-                  out_dir / "curves.png", metric=task.metric,
+                  out_dir / "curves.png", metric=task.metric, higher_is_better=task.higher_is_better,
                   title=f"{cfg.task} / {cfg.model}: {cfg.method}, {summary['stages']} stages")
         summary["out"] = str(out_dir)
     return summary

@@ -22,8 +22,10 @@ def smooth(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: str) -> Path:
-    """Loss per mini-batch (smoothed) and the metric per epoch, one line per run."""
+def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: str,
+              higher_is_better: bool = True) -> Path:
+    """Loss per mini-batch (smoothed) and the metric per epoch, one line per run; the metric's
+    axis says so when lower is better (perplexity)."""
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in runs.items():
         losses = run["losses"]
@@ -34,7 +36,8 @@ def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: st
         if values:
             ax_metric.plot(epochs, values, marker="o", label=name)
     ax_loss.set(xlabel="mini-batch", ylabel="training loss (moving average)", title="Training loss")
-    ax_metric.set(xlabel="epoch", ylabel=metric, title=f"Test {metric}")
+    ax_metric.set(xlabel="epoch", ylabel=metric if higher_is_better else f"{metric} (lower is better)",
+                  title=f"Test {metric}")
     ax_metric.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_loss, ax_metric):
         ax.grid(alpha=0.3)

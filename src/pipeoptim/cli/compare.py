@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def format_table(rows, metric: str) -> str:
-    head = ["method", f"final {metric}", f"best {metric}", "final loss", "weight copies",
+def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
+    best = f"best {metric}" + ("" if higher_is_better else " (lowest)")
+    head = ["method", f"final {metric}", best, "final loss", "weight copies",
             "samples/s", "predicted samples/s"]
     lines = []
     for r in rows:
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(run_experiment(cfg, out_dir=out / cfg.method, show_progress=not args.no_progress,
                                    log=log, task=task, data=data))
     plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
-                     out / "compare.png", metric=task.metric,
+                     out / "compare.png", metric=task.metric, higher_is_better=task.higher_is_better,
                      title=f"{args.task} / {first.model}, {first.stages} stages, {args.optimizer}")
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot)}
@@ -76,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
         print_json(report)
     else:
         print()
-        print(format_table(rows, task.metric))
+        print(format_table(rows, task.metric, task.higher_is_better))
         print(f"\nplot: {plot}\nrun folders: {out}/<method>/")
     return 0

@@ -12,6 +12,7 @@ from ..errors import MissingDataError
 
 _TASKS: Dict[str, str] = {
     "image": "pipeoptim.tasks.image:ImageTask",
+    "lm": "pipeoptim.tasks.lm:LanguageModelTask",
     "sentiment": "pipeoptim.tasks.sentiment:SentimentTask",
     "translation": "pipeoptim.tasks.translation:TranslationTask",
 }

@@ -58,8 +58,8 @@ class Task:
     """Base class of a task. Subclasses set the class attributes and implement the methods."""
 
     name: str = ""
-    metric: str = ""                   #: "accuracy" or "bleu"
-    higher_is_better: bool = True
+    metric: str = ""                   #: "accuracy", "bleu" or "perplexity"
+    higher_is_better: bool = True      #: False for perplexity: the best value is the lowest
     default_model: str = ""
     default_batch_size: int = 64
     default_lr: Dict[str, float] = {}  #: per optimizer name, a learning rate that trains well
@@ -79,7 +79,8 @@ class Task:
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, data: TaskData) -> float:
-        """The task's metric of ``model`` on ``data.test`` (accuracy in [0, 1], BLEU in [0, 100])."""
+        """The task's metric of ``model`` on ``data.test`` (accuracy in [0, 1], BLEU in [0, 100],
+        perplexity >= 1)."""
         raise NotImplementedError
 
     @property

@@ -1,9 +1,10 @@
-"""Shared helpers of the two text tasks (sentiment, translation): tokenisation, vocabulary,
-padding, batching, masks and a per-user cache folder.
+"""Shared helpers of the text tasks (sentiment, translation, lm): tokenisation, vocabulary,
+sentencepiece models, padding, batching, masks, hashed splits and a per-user cache folder.
 
-Conventions used by both tasks:
+Conventions used by the tasks:
 
-* token id 0 is padding (``PAD_ID``), 1 is the unknown token (``UNK_ID``);
+* token id 0 is padding (``PAD_ID``), 1 is the unknown token (``UNK_ID``); sentencepiece models
+  add 2 = beginning (``BOS_ID``) and 3 = end of a sequence (``EOS_ID``);
 * a *pad mask* is an ``int64`` tensor of the same shape as the token ids that is 1 at padding
   positions and 0 at real tokens. Masks travel between pipeline stages as integer tensors (they
   get no gradient); a block turns them into ``bool`` where PyTorch wants that
@@ -16,6 +17,9 @@ Conventions used by both tasks:
 from __future__ import annotations
 
 import collections
+import hashlib
+import io
+import json
 import os
 import re
 import tempfile
@@ -24,10 +28,14 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
+from .base import MissingDataError
 from .common import cache_dir, seeded_permutation  # noqa: F401  (re-exported for the text tasks)
 
 PAD_ID = 0  #: id of the padding token in every vocabulary of these tasks
 UNK_ID = 1  #: id of the unknown-word token
+BOS_ID = 2  #: id of the beginning-of-sequence piece (sentencepiece models)
+EOS_ID = 3  #: id of the end-of-sequence piece (sentencepiece models)
+SPM_HINT = "pip install sentencepiece   (or: make setup)"
 
 _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
@@ -110,7 +118,50 @@ def pad_mask(ids: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# order and batches
+# subword vocabulary (sentencepiece)
+
+
+def _import_sentencepiece():
+    try:
+        import sentencepiece as spm
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise MissingDataError(f"subword tokenisation needs sentencepiece: {SPM_HINT}") from e
+    return spm
+
+
+def train_sentencepiece(sentences: Sequence[str], vocab_size: int = 4000, cache: Path | None = None) -> Path:
+    """Train (or reuse) a BPE model on ``sentences``; returns the ``.model`` path.
+
+    The file name is keyed by the parameters and an MD5 of the sentences, so a change of data
+    or settings never reuses a stale model. ``cache`` defaults to ``cache_dir()/sentencepiece``.
+    """
+    spm = _import_sentencepiece()
+    params = dict(vocab_size=vocab_size, model_type="bpe", character_coverage=1.0,
+                  pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)
+    digest = hashlib.md5(json.dumps(params, sort_keys=True).encode())
+    for s in sentences:
+        digest.update(s.encode("utf-8") + b"\n")
+    path = (cache or cache_dir("sentencepiece")) / f"spm_bpe{vocab_size}_{digest.hexdigest()[:12]}.model"
+    if not path.exists():
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=buf,
+                                       num_threads=1, minloglevel=2, **params)
+        atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def load_sentencepiece(path: str | Path):
+    return _import_sentencepiece().SentencePieceProcessor(model_file=str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# order, splits and batches
+
+
+def hash_bucket(key: str, buckets: int = 100) -> int:
+    """A bucket in ``0 .. buckets-1`` from an MD5 hash of ``key``: the same on every run, machine
+    and Python version (unlike the salted ``hash()``), so a hashed split never moves an item."""
+    return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) % buckets
 
 
 def batch_indices(n: int, batch_size: int, *, seed: int | None = None, drop_last: bool = False) -> List[List[int]]:

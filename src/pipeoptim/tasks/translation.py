@@ -2,16 +2,17 @@
 
 Data: the SWORD modules ``engWEB2015eb`` (World English Bible) and ``spaRV1909eb`` (Reina-Valera
 1909), both public domain, from Debian's ``sword-text-web`` / ``sword-text-sparv``, dumped with
-``mod2imp`` (``libsword-utils``). The dumps and the parsed verse pairs are cached under
-``cache_dir()/translation/``.
+``mod2imp`` (``libsword-utils``). The dumps are cached under ``cache_dir()/sword/``, the parsed
+verse pairs and the sentencepiece model under ``cache_dir()/translation/``.
 
-Parsing (see :func:`clean_osis`): blocks ``$$$Book Chapter:Verse``; chapter or verse 0 (book and
-chapter introductions) are skipped; footnotes and cross references (``<note>``), section
-headings (``<title>`` not marked ``canonical="true"``; the canonical psalm superscriptions are
-verse text in both Bibles and are kept), speaker labels (Song of Solomon) and anything after a
-book's end marker (the WEB glossary that follows Revelation 22:21) are dropped; the remaining
-tags are stripped, spaces squeezed and the space before punctuation removed. Verses present and
-non-empty in both Bibles are aligned by key: 31,077 pairs.
+Parsing (:mod:`pipeoptim.tasks.bible`, shared with the lm task): blocks ``$$$Book
+Chapter:Verse``; chapter or verse 0 (book and chapter introductions) are skipped; footnotes and
+cross references (``<note>``), section headings (``<title>`` not marked ``canonical="true"``;
+the canonical psalm superscriptions are verse text in both Bibles and are kept), speaker labels
+(Song of Solomon) and anything after a book's end marker (the WEB glossary that follows
+Revelation 22:21) are dropped; the remaining tags are stripped, spaces squeezed and the space
+before punctuation removed. Verses present and non-empty in both Bibles are aligned by key:
+31,077 pairs.
 
 Split: by an MD5 hash of the verse key (:func:`split_of`), about 90/5/5 train/valid/test, so a
 verse never moves between splits whatever the data size or seed. Valid/test pairs whose English
@@ -59,14 +60,8 @@ of 15-20 after 5-10 epochs is a reasonable target; above 20 needs more epochs or
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import math
-import re
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -74,61 +69,17 @@ from torch import nn
 import torch.nn.functional as F
 
 from .base import MissingDataError, Task, TaskData
+from .bible import EN_MODULE, ES_MODULE, PARSER_VERSION, clean_osis, dump_module, parse_mod2imp  # noqa: F401
 from .common import evaluation_mode, seeded
-from .text import PAD_ID, UNK_ID, atomic_write_bytes, batch_indices, cache_dir, pad_batch, pad_mask, seeded_permutation
+from .text import (BOS_ID, EOS_ID, PAD_ID, atomic_write_bytes, batch_indices, cache_dir, hash_bucket,  # noqa: F401
+                   load_sentencepiece, pad_batch, pad_mask, seeded_permutation, train_sentencepiece)
 
-BOS_ID = 2
-EOS_ID = 3
-EN_MODULE = "engWEB2015eb"
-ES_MODULE = "spaRV1909eb"
-APT_HINT = "sudo apt-get install --no-install-recommends sword-text-web sword-text-sparv libsword-utils   (or: make setup)"
 PIP_HINT = "pip install sentencepiece sacrebleu   (or: make setup)"
-PARSER_VERSION = 1  #: bump when the parsing changes, so cached pairs are rebuilt
 
 Pair = Tuple[str, str, str]  #: (verse key, English text, Spanish text)
 
 # --------------------------------------------------------------------------------------------
-# parsing mod2imp output
-
-_HEADER_RE = re.compile(r"^\$\$\$(.*)$", re.M)
-_VERSE_KEY_RE = re.compile(r"^(.+) (\d+):(\d+)$")
-_BOOK_END_RE = re.compile(r'<div\b[^>]*\beID="[^"]*"[^>]*\btype="book"[^>]*/>')
-_DROP_ELEMENT_RES = (
-    re.compile(r"<note\b.*?</note>", re.S),                                   # footnotes, cross references
-    re.compile(r'<title\b(?![^>]*canonical="true")[^>]*>.*?</title>', re.S),  # section headings
-    re.compile(r"<speaker\b.*?</speaker>", re.S),                              # "Beloved", "Friends"
-)
-_TAG_RE = re.compile(r"<[^>]*>")
-_SPACE_BEFORE_PUNCT_RE = re.compile(r" +(?=[.,;:!?)\]”’»])")
-
-
-def clean_osis(markup: str) -> str:
-    """The plain text of one verse of OSIS markup (see the module docstring for the rules)."""
-    text = _BOOK_END_RE.split(markup, maxsplit=1)[0]
-    for pattern in _DROP_ELEMENT_RES:
-        text = pattern.sub(" ", text)  # a space: notes often sit between two words
-    text = _TAG_RE.sub("", text)
-    text = " ".join(text.split())
-    return _SPACE_BEFORE_PUNCT_RE.sub("", text)
-
-
-def parse_mod2imp(text: str) -> Dict[str, str]:
-    """``{"Book C:V": verse text}`` from ``mod2imp`` output, in file order.
-
-    Headers that are not ``Book Chapter:Verse`` (module/testament headings), chapter 0 and
-    verse 0 (introductions) and verses that are empty after cleaning are skipped.
-    """
-    parts = _HEADER_RE.split(text)
-    verses: Dict[str, str] = {}
-    for key, body in zip(parts[1::2], parts[2::2]):
-        key = key.strip()
-        m = _VERSE_KEY_RE.match(key)
-        if not m or int(m.group(2)) == 0 or int(m.group(3)) == 0:
-            continue
-        verse = clean_osis(body)
-        if verse:
-            verses[key] = verse
-    return verses
+# verse pairs (reading and cleaning the Bibles: :mod:`pipeoptim.tasks.bible`)
 
 
 def align(en: Dict[str, str], es: Dict[str, str]) -> List[Pair]:
@@ -139,25 +90,8 @@ def align(en: Dict[str, str], es: Dict[str, str]) -> List[Pair]:
 def split_of(key: str) -> str:
     """``"train"`` (90 %), ``"valid"`` (5 %) or ``"test"`` (5 %) from an MD5 hash of the key:
     stable across runs, machines and Python versions."""
-    bucket = int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) % 100
+    bucket = hash_bucket(key)
     return "train" if bucket < 90 else "valid" if bucket < 95 else "test"
-
-
-def dump_module(module: str) -> str:
-    """The ``mod2imp`` dump of a SWORD module (cached as ``cache_dir()/translation/MODULE.imp``)."""
-    path = cache_dir() / "translation" / f"{module}.imp"
-    if path.exists():
-        return path.read_text(encoding="utf-8")
-    exe = shutil.which("mod2imp")
-    if exe is None:
-        raise MissingDataError(f"the translation task needs `mod2imp` and the Bible modules: {APT_HINT}")
-    proc = subprocess.run([exe, module], capture_output=True)
-    out = proc.stdout.decode("utf-8", errors="replace")
-    if proc.returncode != 0 or "$$$" not in out:
-        detail = (proc.stderr.decode("utf-8", errors="replace") or out).strip().splitlines()[:1]
-        raise MissingDataError(f"SWORD module {module} not found ({'; '.join(detail)}): {APT_HINT}")
-    atomic_write_bytes(path, out.encode("utf-8"))
-    return out
 
 
 def read_pairs() -> List[Pair]:
@@ -168,43 +102,6 @@ def read_pairs() -> List[Pair]:
     pairs = align(parse_mod2imp(dump_module(EN_MODULE)), parse_mod2imp(dump_module(ES_MODULE)))
     atomic_write_bytes(path, json.dumps(pairs, ensure_ascii=False).encode("utf-8"))
     return pairs
-
-
-# --------------------------------------------------------------------------------------------
-# subword vocabulary
-
-
-def _import_sentencepiece():
-    try:
-        import sentencepiece as spm
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise MissingDataError(f"the translation task needs sentencepiece: {PIP_HINT}") from e
-    return spm
-
-
-def train_sentencepiece(sentences: Sequence[str], vocab_size: int = 4000, cache: Path | None = None) -> Path:
-    """Train (or reuse) a BPE model on ``sentences``; returns the ``.model`` path.
-
-    The file name is keyed by the parameters and an MD5 of the sentences, so a change of data
-    or settings never reuses a stale model. ``cache`` defaults to ``cache_dir()/translation``.
-    """
-    spm = _import_sentencepiece()
-    params = dict(vocab_size=vocab_size, model_type="bpe", character_coverage=1.0,
-                  pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)
-    digest = hashlib.md5(json.dumps(params, sort_keys=True).encode())
-    for s in sentences:
-        digest.update(s.encode("utf-8") + b"\n")
-    path = (cache or cache_dir() / "translation") / f"spm_bpe{vocab_size}_{digest.hexdigest()[:12]}.model"
-    if not path.exists():
-        buf = io.BytesIO()
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=buf,
-                                       num_threads=1, minloglevel=2, **params)
-        atomic_write_bytes(path, buf.getvalue())
-    return path
-
-
-def load_sentencepiece(path: str | Path):
-    return _import_sentencepiece().SentencePieceProcessor(model_file=str(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +457,8 @@ class TranslationTask(Task):
         train_sources = {p[1] for p in by_split["train"]}
         for name in ("valid", "test"):
             by_split[name] = [p for p in by_split[name] if p[1] not in train_sources]
-        sp_path = train_sentencepiece([s for p in by_split["train"] for s in (p[1], p[2])], self.vocab_size)
+        sp_path = train_sentencepiece([s for p in by_split["train"] for s in (p[1], p[2])], self.vocab_size,
+                                      cache=cache_dir("translation"))
         sp = load_sentencepiece(sp_path)
         self._sp_cache[str(sp_path)] = sp
 
