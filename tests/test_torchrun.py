@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeoptim.methods import method_names
@@ -82,15 +83,40 @@ def test_the_example_under_torchrun_prints_what_it_prints_under_python():
     assert spread.strip().splitlines()[-1].endswith("weight copies per stage [2.0, 1.0]")
 
 
-def test_a_stage_count_other_than_the_processes_is_refused_on_every_rank():
-    code = ("import torch, pipeoptim; from torch import nn\n"
-            "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))\n"
-            "pipeoptim.Pipeline(m, method='pipeoptim', stages=3, loss_fn=nn.functional.cross_entropy,\n"
-            "                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--no-python", sys.executable, "-c", code],
+DP_SCRIPT = HERE / "torchrun_data_parallel.py"
+
+
+def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatenated_shards():
+    """N = 2, D = 2 (four processes): gradients averaged over the replicas before every update
+    make a synchronous method equal one replica on the concatenated shards, and pipeoptim its
+    single-replica run on the same concatenated micro-batches (float sums in another order)."""
+    methods = "gpipe,1f1b-flush,pipeoptim,pipedream"
+    one = rows(run([DP_SCRIPT, methods, 2, 2, 2]))
+    two = rows(run([DP_SCRIPT, methods, 2, 2, 2], nproc=4, timeout=300))
+    for m in methods.split(","):
+        assert (one[m]["replicas"], two[m]["replicas"]) == (1, 2)
+        assert two[m]["losses"] == pytest.approx(one[m]["losses"], abs=1e-6)
+        assert two[m]["metric"] == pytest.approx(one[m]["metric"], abs=1e-6)
+        for name, values in one[m]["weights"].items():
+            np.testing.assert_allclose(two[m]["weights"][name], values, rtol=0, atol=1e-6)
+        assert len(one[m]["losses"]) == 12
+
+
+TINY = ("import torch, pipeoptim; from torch import nn\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))\n"
+        "pipeoptim.Pipeline(m, method='pipeoptim', loss_fn=nn.functional.cross_entropy,\n"
+        "                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), {})\n")
+
+
+@pytest.mark.parametrize("nproc,settings,message", [
+    (2, "stages=3", "WORLD_SIZE 2 is not a multiple of the 3 stages: start N x D processes"),
+    (4, "stages=2, data_parallel=3", "data_parallel=3, but WORLD_SIZE 4 with 2 stages makes 2 replicas; "
+                                     "start 6 processes or drop data_parallel"),
+    (4, "stages=4", "4 stages need at least 4 layers with parameters; the model has 3"),
+])
+def test_a_layout_the_processes_cannot_hold_is_refused_on_every_rank(nproc, settings, message):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "--no-python", sys.executable, "-c", TINY.format(settings)],
                           capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
     assert done.returncode != 0
-    message = ("under torchrun each process runs one stage: WORLD_SIZE is 2 but the pipeline has 3 "
-               "stages; start torchrun --nproc-per-node 3 (or give stages=2)")
-    assert done.stderr.count(message) == 2                  # the same line on both ranks, no hang
+    assert done.stderr.count(message) == nproc, done.stderr[-3000:]   # the same line on every rank, no hang

@@ -48,7 +48,7 @@ from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec, checkpoint_settings, resolve
 from .runtime.stage import PRECISIONS, Stage, TraceEntry, UpdateEntry, to_device
-from .torchrun import Torchrun, check_stages
+from .torchrun import Torchrun, layout
 
 Batch = Tuple[Any, torch.Tensor]
 Metric = Callable[[Any, torch.Tensor], Any]
@@ -151,6 +151,13 @@ class Pipeline:
         timeout: under torchrun, seconds a stage waits for a peer before the run fails.
         threads: under torchrun on the CPU, compute threads per stage process (default 1, so
             that N processes on N cores do not oversubscribe them); None leaves torch's.
+        data_parallel: under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D;
+            default: inferred from WORLD_SIZE and the stages). Each replica reads its own shard
+            of the data (give the loader a ``DistributedSampler(dataset, num_replicas=
+            pipe.data_parallel_size, rank=pipe.data_parallel_rank)``; every stage of a replica
+            iterates the same shard); before every update each stage averages its gradients over
+            its replicas, so weights, optimizer state and predictions stay identical. Losses
+            and metrics are the means over the replicas.
 
     Under ``torchrun --nproc-per-node N`` each process runs one stage (see
     :mod:`pipeoptim.torchrun`): every rank builds the Pipeline and iterates the same loader;
@@ -167,7 +174,7 @@ class Pipeline:
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
                  precision: str = "fp32", devices: DeviceSpec = "auto", diagnose_every: int = 0,
                  timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
-                 **method_options: Any) -> None:
+                 data_parallel: Optional[int] = None, **method_options: Any) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got "
                              f"{type(model).__name__}; wrap its layers, e.g. nn.Sequential(*blocks)")
@@ -188,8 +195,14 @@ class Pipeline:
         if diagnose_every < 0:
             raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
         self._torchrun = Torchrun.join(devices, timeout, threads)
+        replicas = 1
+        if self._torchrun is None and data_parallel not in (None, 1):
+            raise ValueError(f"data_parallel={data_parallel} needs torchrun with N x {data_parallel} "
+                             f"processes (one per stage of each replica)")
         if self._torchrun is not None:
-            stages = check_stages(self._torchrun.world, method, stages, partition)
+            n, replicas = layout(self._torchrun.world, method, stages, partition, data_parallel)
+            if partition is None and method != "sequential":
+                stages = n
         self.spec: RunSpec = resolve(model, method=method, stages=stages, partition=partition,
                                      partitioner=partitioner, micro_batches=micro_batches,
                                      method_options=method_options)
@@ -210,9 +223,10 @@ class Pipeline:
             self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
             lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
             precision=precision, devices=self.devices,
-            only=self._torchrun.rank if self._torchrun is not None else None)
+            only=self._torchrun.rank % self.spec.stages if self._torchrun is not None else None)
         if self._torchrun is not None:
-            self._torchrun.connect()
+            self._torchrun.connect(self.spec.stages, replicas)
+            self.stages[0].grad_sync = self._torchrun.gradient_averager()
         for stage in self.stages:
             stage.diagnose_every = diagnose_every
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
@@ -273,8 +287,18 @@ class Pipeline:
 
     @property
     def rank(self) -> int:
-        """This process's rank under torchrun (its stage); 0 in a single process."""
+        """This process's rank under torchrun; 0 in a single process (print on rank 0)."""
         return self._torchrun.rank if self._torchrun is not None else 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica of the pipeline this process belongs to (its data shard)."""
+        return self._torchrun.replica if self._torchrun is not None else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the pipeline (1 without data parallelism)."""
+        return self._torchrun.replicas if self._torchrun is not None else 1
 
     @property
     def drained(self) -> bool:
@@ -558,9 +582,9 @@ class Pipeline:
 
     def _epoch_metric(self, evaluate, eval_loader, metric) -> Optional[float]:
         if evaluate is not None and self._torchrun is not None:
-            model = self.model()  # every rank gathers; the first evaluates, on the CPU
+            model = self.model()  # every rank gathers; each replica's first stage evaluates, on the CPU
             value = None
-            if self._torchrun.rank == 0:
+            if self._torchrun.stage == 0:
                 cpu = model if self._torchrun.device.type == "cpu" else copy.deepcopy(model).cpu()
                 value = float(evaluate(cpu))
                 model.train()

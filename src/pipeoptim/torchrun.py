@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.distributed import (PipeComm, _broadcast, _gather_all, _resume_stage, _save,
-                                  init_process_group, signature)
+from .runtime.distributed import (GradientAverager, PipeComm, PipelineCommError, _broadcast, _gather_all,
+                                  _resume_stage, _save, init_process_group, reason, signature)
 from .runtime.microbatch import batch_size
 from .runtime.stage import Stage, to_device
 
@@ -52,13 +52,23 @@ def process_device(devices: Any) -> str:
 
 @dataclass
 class Torchrun:
-    """This process's place in a torchrun job running one Pipeline: its stage and the links."""
+    """This process's place in a torchrun job running one Pipeline: its stage, its replica and
+    the links.
+
+    With N stages and D replicas (pipeline x data parallel, WORLD_SIZE = N x D), rank r runs
+    stage ``r % N`` of replica ``r // N``: replica d's stages are ranks ``d*N .. d*N+N-1`` (its
+    pipeline group), stage k's replicas are ranks ``k, N+k, ...`` (the group that averages its
+    gradients).
+    """
 
     rank: int
     world: int
     device: torch.device
     timeout: float
+    stages: int = 0
+    replicas: int = 1
     comm: Optional[PipeComm] = None
+    stage_group: Any = None
 
     @classmethod
     def join(cls, devices: Any, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1) -> Optional["Torchrun"]:
@@ -72,18 +82,62 @@ class Torchrun:
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
         return cls(dist.get_rank(), world, device, float(timeout))
 
-    def connect(self) -> None:
-        """Create the links between neighbouring stages (every rank, at the same point)."""
-        self.comm = PipeComm(device=self.device, timeout=self.timeout)
+    def connect(self, stages: int, replicas: int) -> None:
+        """Create the groups and the links between neighbouring stages (every rank, at the same
+        point, in the same order)."""
+        self.stages, self.replicas = stages, replicas
+        if replicas == 1:
+            self.comm = PipeComm(device=self.device, timeout=self.timeout)
+            return
+        import datetime
+
+        delta = datetime.timedelta(seconds=self.timeout)
+        pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
+        own = None
+        for ranks in pipelines:
+            made = dist.new_group(ranks, timeout=delta)
+            if self.rank in ranks:
+                own = made
+        for k in range(stages):
+            made = dist.new_group([d * stages + k for d in range(replicas)], timeout=delta)
+            if k == self.stage:
+                self.stage_group = made
+        self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.world - 1
+        return self.stage == self.stages - 1
+
+    def gradient_averager(self) -> Optional[GradientAverager]:
+        """What averages this stage's gradients over its replicas (None with one replica)."""
+        return GradientAverager(self.stage_group, self.replicas, self.timeout) if self.replicas > 1 else None
+
+    def _replica_mean(self, values: List[float], what: str) -> List[float]:
+        """The mean over this stage's replicas of each value (floats, in float64)."""
+        if self.replicas == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        try:
+            dist.all_reduce(t, group=self.stage_group)
+        except RuntimeError as error:
+            raise PipelineCommError(f"stage {self.stage}: {what} failed: {reason(error)}. A replica "
+                                    f"hung, died or is slower than the timeout ({self.timeout:g} s)") from error
+        return (t / self.replicas).tolist()
 
     # -- what every rank must see -------------------------------------------------------------
     def share_losses(self, losses: List[float]) -> List[float]:
-        """The last stage's ``losses`` of a segment, on every rank."""
-        return _broadcast(losses if self.is_last else None, self.comm, self.world - 1,
+        """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
+        if self.is_last:
+            losses = self._replica_mean(losses, "averaging the losses over the replicas")
+        return _broadcast(losses if self.is_last else None, self.comm, self.stages - 1,
                           "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
@@ -118,29 +172,37 @@ class Torchrun:
         if count == 0:
             raise ValueError("the evaluation loader yielded no mini-batches")
         if self.is_last:
-            total = sum(float(v) * n for v, n in values) / count
-        return float(self.share(total, self.world - 1, "sharing the evaluation"))
+            summed, count = self._replica_mean([sum(float(v) * n for v, n in values), float(count)],
+                                               "averaging the evaluation over the replicas")
+            total = summed / count
+        return float(self.share(total, self.stages - 1, "sharing the evaluation"))
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, store: Path, stage: Stage, run_info: Dict[str, Any], position: Tuple[int, int],
              losses: List[float], epoch_metrics: List[Dict[str, Any]], extra: Dict[str, Any]) -> None:
-        _save(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
+        """Every stage writes its file once: the first replica writes, the others do not."""
+        if self.replica == 0:
+            _save(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
 
     def resume(self, store: Path, stage: Stage, run_info: Dict[str, Any]):
         return _resume_stage(store, stage, self.comm, run_info)
 
 
-def check_stages(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]]) -> Optional[int]:
-    """The stage count under torchrun: one stage per process. Refuses, the same way on every
-    rank, settings that would need another number of processes."""
-    if method == "sequential":
-        raise ValueError("sequential runs the whole model as one stage: start it with python, not "
-                         f"torchrun ({world} processes)")
-    n = len(partition) if partition is not None else stages
+def layout(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+           data_parallel: Optional[int]) -> Tuple[int, int]:
+    """(stages N, replicas D) of a torchrun job of ``world`` processes, N x D = world. Refuses,
+    the same way on every rank, settings that would need another number of processes."""
+    if data_parallel is not None and data_parallel < 1:
+        raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
+    n = 1 if method == "sequential" else len(partition) if partition is not None else stages
     if n is None:
-        return world
-    if n != world:
-        raise ValueError(f"under torchrun each process runs one stage: WORLD_SIZE is {world} but the "
-                         f"pipeline has {n} stages; start torchrun --nproc-per-node {n} (or give "
-                         f"stages={world})")
-    return n
+        n = world // data_parallel if data_parallel else world
+    if n < 1 or world % n:
+        raise ValueError(f"WORLD_SIZE {world} is not a multiple of the {n} stages: start N x D "
+                         f"processes (e.g. torchrun --nproc-per-node {n * max(1, world // max(n, 1))}), "
+                         f"one per stage of each replica")
+    d = world // n
+    if data_parallel is not None and data_parallel != d:
+        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {world} with {n} stages makes "
+                         f"{d} replicas; start {n * data_parallel} processes or drop data_parallel")
+    return n, d

@@ -297,7 +297,11 @@ class PipeComm:
     """
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
-                 timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2,
+                 pipelines: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
+        global ranks of every replica's stages; each rank passes its own replica's group as
+        ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
         self.group = group or dist.group.WORLD
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
@@ -310,33 +314,49 @@ class PipeComm:
         self.device = torch.device(device)
         delta = datetime.timedelta(seconds=self.timeout)
         gloo = "gloo" in str(self.backend)
-        if not gloo and self.group is not dist.group.WORLD:
-            raise ValueError(f"a {self.backend} pipeline runs on the whole job (group=None): its links "
-                             f"are process groups that every rank creates")
+        replicas = [list(p) for p in pipelines] if pipelines is not None else [self.ranks]
+        if self.ranks not in replicas:
+            raise ValueError(f"pipelines {replicas} do not include this pipeline's ranks {self.ranks}")
+        if not gloo and pipelines is None and self.group is not dist.group.WORLD:
+            raise ValueError(f"a {self.backend} pipeline on part of the job needs pipelines=[the ranks "
+                             f"of every replica]: its links are process groups that every rank creates")
         # Control messages (losses, timings, weights): gloo over the pipeline's ranks.
-        self.control = self.group if gloo else dist.new_group(self.ranks, timeout=delta, backend="gloo")
+        if gloo:
+            self.control = self.group
+        else:
+            for ranks in replicas:
+                made = dist.new_group(ranks, timeout=delta, backend="gloo")
+                if ranks == self.ranks:
+                    self.control = made
         self._links: Dict[Tuple[str, int], _Link] = {}
         k = self.stage
-        for j in range(self.num_stages - 1):
-            for tag, what in ((1, "activation"), (2, "gradient")):
-                # gloo: a tag of the pipeline group; NCCL: a group per direction (one stream each,
-                # so that a send and an opposite receive of the pair never queue behind each other)
-                g = self.group if gloo else dist.new_group([self.ranks[j], self.ranks[j + 1]], timeout=delta)
-                if not gloo and k in (j, j + 1):
-                    # NCCL creates a communicator at its first point-to-point use, blocking until
-                    # both ends join: do that here, one message per link in pipeline order on
-                    # every rank, not at a first receive posted while the peer is blocked in its
-                    # first use of the opposite link (a deadlock).
-                    probe = torch.zeros(1, device=self.device)
-                    if k == j:
-                        dist.isend(probe, dst=self.ranks[j + 1], group=g).wait()
-                    else:
-                        dist.irecv(probe, src=self.ranks[j], group=g).wait()
-                    torch.cuda.synchronize(self.device)
-                if k in (j, j + 1):
-                    peer = self.ranks[j + 1] if k == j else self.ranks[j]
-                    self._links[(what, j)] = _Link(what, peer, g, tag if gloo else 0, self.device,
-                                                   self.timeout, prefetch)
+        for pipeline in replicas:
+            mine = pipeline == self.ranks
+            for j in range(self.num_stages - 1):
+                for tag, what in ((1, "activation"), (2, "gradient")):
+                    # gloo: a tag of the pipeline group; NCCL: a group per direction (one stream
+                    # each, so that a send and an opposite receive of the pair never queue behind
+                    # each other), created by every rank for every replica, in the same order
+                    if gloo and not mine:
+                        continue
+                    g = self.group if gloo else dist.new_group([pipeline[j], pipeline[j + 1]], timeout=delta)
+                    if not mine:
+                        continue
+                    if not gloo and k in (j, j + 1):
+                        # NCCL creates a communicator at its first point-to-point use, blocking until
+                        # both ends join: do that here, one message per link in pipeline order on
+                        # every rank, not at a first receive posted while the peer is blocked in its
+                        # first use of the opposite link (a deadlock).
+                        probe = torch.zeros(1, device=self.device)
+                        if k == j:
+                            dist.isend(probe, dst=self.ranks[j + 1], group=g).wait()
+                        else:
+                            dist.irecv(probe, src=self.ranks[j], group=g).wait()
+                        torch.cuda.synchronize(self.device)
+                    if k in (j, j + 1):
+                        peer = self.ranks[j + 1] if k == j else self.ranks[j]
+                        self._links[(what, j)] = _Link(what, peer, g, tag if gloo else 0, self.device,
+                                                       self.timeout, prefetch)
         self._pending: Deque[Tuple[Any, torch.Tensor, _Link, int]] = deque()
 
     def reset(self) -> None:
@@ -425,6 +445,30 @@ class PipeComm:
             except RuntimeError as error:
                 raise link._fail("sending", microbatch, error) from error
             self._pending.popleft()
+
+
+class GradientAverager:
+    """Averages one stage's gradients over the replicas of the pipeline (pipeline x data
+    parallel): one flat bucket, ``all_reduce`` on the group of that stage's ranks, divided by the
+    number of replicas, before every update; so weights, optimizer state, weight versions and
+    predictions stay identical across replicas."""
+
+    def __init__(self, group, replicas: int, timeout: float) -> None:
+        self.group, self.replicas, self.timeout = group, replicas, timeout
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        try:
+            dist.all_reduce(flat, group=self.group)
+        except RuntimeError as error:
+            raise PipelineCommError(
+                f"averaging gradients over the {self.replicas} replicas of this stage failed: "
+                f"{reason(error)}. A replica hung, died or is slower than the timeout "
+                f"({self.timeout:g} s)") from error
+        flat.div_(self.replicas)
+        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            p.grad = g
 
 
 class DistributedExecutor:
@@ -554,6 +598,7 @@ class DistributedExecutor:
                 comm.send_gradient(i, keys.pop(i), self._outgoing.pop(i))
             elif kind is Kind.U:
                 if self.clip_global is not None and stage.num_stages > 1:
+                    stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
                     norms = _gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
                     stage.update(grad_scale=clip_coefficient(norms, self.clip_global))
                 else:

@@ -171,6 +171,10 @@ class Stage:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         #: per update: the learning rates it applied (the scheduler's effect, checkable)
         self.updates: List[UpdateEntry] = []
+        #: called with the parameters before each update to average their gradients over the
+        #: stage's replicas (pipeline x data parallel); None: one replica
+        self.grad_sync: Optional[Callable[[List[nn.Parameter]], None]] = None
+        self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.trace: List[TraceEntry] = []
@@ -262,6 +266,8 @@ class Stage:
         scheduler's step. ``grad_scale`` multiplies the gradients first (a clipping coefficient
         computed over several stages); without it, ``clip_grad_norm`` clips this stage's own."""
         start = time.perf_counter()
+        self.sync_gradients()
+        self._synced = False
         if grad_scale is not None:
             grads = self.grads()
             if grads:
@@ -285,6 +291,13 @@ class Stage:
 
     def grads(self) -> List[torch.Tensor]:
         return [p.grad for _, p in self.policy.named if p.grad is not None]
+
+    def sync_gradients(self) -> None:
+        """Average the gradients over the stage's replicas, once per update (before its norm is
+        taken for global clipping, or by the update itself)."""
+        if self.grad_sync is not None and not self._synced:
+            self.grad_sync(self.parameters())
+            self._synced = True
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of this stage's accumulated gradients (a 0-dim tensor on its device)."""
