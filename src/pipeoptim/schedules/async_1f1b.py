@@ -8,7 +8,7 @@ its backward: the staleness that weight stashing and weight prediction deal with
 """
 from __future__ import annotations
 
-from .actions import B, F, Schedule, U, check_positive, straight
+from .actions import Kind, Schedule, actions_of, check_positive, straight
 
 
 def async_1f1b(num_stages: int, batches: int, microbatches_per_update: int = 1,
@@ -23,19 +23,16 @@ def async_1f1b(num_stages: int, batches: int, microbatches_per_update: int = 1,
     orders = []
     for stage in range(num_stages):
         warmup = min(num_stages - 1 - stage, total)
-        order = [F(stage, i) for i in range(warmup)]
-
-        def backward(j: int) -> list:
-            actions = [B(stage, j)]
+        forwards = actions_of(stage, Kind.F, range(total))
+        backwards = actions_of(stage, Kind.B, range(total))
+        updates = actions_of(stage, Kind.U, range(batches))
+        order = forwards[:warmup]
+        for j in range(total):  # F(warmup + j) while forwards remain, B(j), U when a window ends
+            if warmup + j < total:
+                order.append(forwards[warmup + j])
+            order.append(backwards[j])
             if (j + 1) % m == 0:
-                actions.append(U(stage, j // m))
-            return actions
-
-        for j in range(total - warmup):
-            order.append(F(stage, warmup + j))
-            order += backward(j)
-        for j in range(total - warmup, total):
-            order += backward(j)
+                order.append(updates[j // m])
         orders.append(order)
     return Schedule(name, num_stages, num_stages, total, m, orders, synchronous=False,
                     options={"microbatches_per_update": m}, **straight(num_stages))

@@ -11,11 +11,14 @@ from __future__ import annotations
 import gc
 from collections import Counter, defaultdict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Union
 
-from .actions import Action, Kind, Schedule
-from .deps import schedule_dependencies
+from .actions import COMPUTE_KINDS, Action, Kind, Schedule
+from .deps import dependency_rules, schedule_dependencies
 
 Number = Union[int, float]
 
@@ -93,7 +96,12 @@ class SimResult:
     makespan: float
     busy: List[float]                 #: busy time per rank
     peak_activations: List[int]       #: per model stage, micro-batches whose activations are held
-    end_of: Dict[Action, float] = field(repr=False, default_factory=dict)
+
+    @cached_property
+    def end_of(self) -> Dict[Action, float]:
+        """When each action ends. Built on first use: no caller in pipeoptim reads it, and a dict
+        keyed by every action is a sizeable share of simulating a large schedule."""
+        return {t.action: t.end for t in self.timeline}
 
     @property
     def bubble_fraction(self) -> float:
@@ -107,21 +115,30 @@ class SimResult:
         return self.schedule.num_microbatches * samples_per_microbatch / self.makespan
 
 
-def peak_activations(schedule: Schedule) -> List[int]:
+def peak_activations(schedule: Schedule, split: Optional[bool] = None) -> List[int]:
     """Per stage, the most micro-batches whose forward ran and whose backward has not freed them.
 
-    A full backward frees its micro-batch; with a split backward only ``W`` does.
+    A full backward frees its micro-batch; with a split backward only ``W`` does. ``split`` is
+    read off the schedule when not given.
     """
-    release = Kind.W if schedule.split_backward else Kind.B
-    peaks = [0] * schedule.num_stages
-    live = [0] * schedule.num_stages
+    if split is None:
+        split = schedule.split_backward
+    # +1 per forward, -1 per release, in the order the ranks' lists give (rank 0's first): the
+    # peak is the largest running sum, or 0. map and accumulate walk the actions in C, and most
+    # ranks hold one stage, whose kinds need no sorting out: the large asynchronous schedules
+    # have hundreds of thousands of actions.
+    kinds_of: Dict[int, List[Kind]] = defaultdict(list)
     for order in schedule.orders:
-        for a in order:
-            if a.kind is Kind.F:
-                live[a.stage] += 1
-                peaks[a.stage] = max(peaks[a.stage], live[a.stage])
-            elif a.kind is release:
-                live[a.stage] -= 1
+        present = set(map(attrgetter("stage"), order))
+        if len(present) == 1:
+            kinds_of[present.pop()].extend(map(attrgetter("kind"), order))
+        else:
+            for stage, kind, _ in order:
+                kinds_of[stage].append(kind)
+    change = {Kind.F: 1, Kind.W if split else Kind.B: -1}
+    peaks = [0] * schedule.num_stages
+    for stage, kinds in kinds_of.items():
+        peaks[stage] = max(0, max(accumulate(map(change.get, kinds, repeat(0)))))
     return peaks
 
 
@@ -140,65 +157,96 @@ def gc_paused():
 
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
-    """Run ``schedule`` against ``costs`` (default: F = B = 1 on every stage, no transfer cost)."""
+    """Run ``schedule`` against ``costs`` (default: F = B = 1 on every stage, no transfer cost).
+
+    Each rank runs its list in order until an action's dependency has not finished yet; the rank
+    then waits for that one action, and resumes (checking all the dependencies again) when it ends.
+    """
     if costs is None:
         costs = Costs.uniform(schedule.num_stages)
     if len(costs.forward) != schedule.num_stages:
         raise ValueError(f"costs given for {len(costs.forward)} stages, schedule has {schedule.num_stages}")
-    deps_of = schedule_dependencies(schedule)
-    rank_of = schedule.stage_to_rank
-    end: Dict[Action, float] = {}
-    pointer = [0] * schedule.num_ranks
-    free_at = [0.0] * schedule.num_ranks
-    busy = [0.0] * schedule.num_ranks
-    timeline: List[Timed] = []
-    waiting: Dict[Action, List[int]] = defaultdict(list)
-    work = deque(range(schedule.num_ranks))
+    num_ranks, stages, rank_of = schedule.num_ranks, range(schedule.num_stages), schedule.stage_to_rank
     every = [a for order in schedule.orders for a in order]
     if len(set(every)) != len(every):
         twice = next(a for a, count in Counter(every).items() if count > 1)
         raise ValueError(f"{schedule.name}: action {twice} appears twice")
+    split = schedule.split_backward
+    rules = dependency_rules(schedule, split)
 
-    comm, cost = costs.comm, costs.by_kind()
+    # The rules as tables, so that the loop below calls no function and builds no tuple for an
+    # action that can run. For each kind and stage, ``ends[kind][stage]`` maps an index to the end
+    # time of that action, and ``waiters[kind][stage]`` an index not run yet to the ranks waiting
+    # for it: dicts keyed by int are cheaper to probe than dicts keyed by Action. Running an action
+    # takes ``steps[kind][stage]``: its duration, its ends and waiters, and its same-index
+    # dependencies as (their ends, their waiters, the transfer delay) triples.
+    ends = {kind: [{} for _ in stages] for kind in COMPUTE_KINDS}
+    waiters = {kind: [{} for _ in stages] for kind in COMPUTE_KINDS}
+    cost = costs.by_kind()
+    steps = {kind: [(cost[kind][s], ends[kind][s], waiters[kind][s],
+                     [(ends[k][d], waiters[k][d], costs.comm if rank_of[d] != rank_of[s] else 0.0)
+                      for d, k in rules.same_index[kind][s]] if kind in rules.same_index else [])
+                    for s in stages]
+             for kind in COMPUTE_KINDS}
+    _U, window_kind = Kind.U, rules.window_kind
+    walk_windows = _U not in rules.same_index  # several micro-batches per update
+
+    pointer = [0] * num_ranks
+    free_at = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    timeline: List[Timed] = []
+    record = timeline.append
+    work = deque(range(num_ranks))
     with gc_paused():
         while work:
             rank = work.popleft()
             order = schedule.orders[rank]
-            ptr, t_free, length = pointer[rank], free_at[rank], len(order)
+            ptr, t_free, spent, length = pointer[rank], free_at[rank], busy[rank], len(order)
             while ptr < length:
                 action = order[ptr]
-                start, missing = t_free, None
-                for d in deps_of(action):
-                    done = end.get(d)
+                stage, kind, index = action
+                try:
+                    duration, own_ends, own_waiters, needs = steps[kind][stage]
+                except KeyError:
+                    raise ValueError(f"no dependency rule for {action} "
+                                     "(simulate before lowering communication)") from None
+                start, wait_list, wait_for = t_free, None, None
+                for dep_ends, dep_waiters, delay in needs:
+                    done = dep_ends.get(index)
                     if done is None:
-                        missing = d
+                        wait_list, wait_for = dep_waiters, index
                         break
-                    if rank_of[d[0]] != rank:
-                        done += comm
+                    done += delay
                     if done > start:
                         start = done
-                if missing is not None:  # resume this rank when `missing` finishes
-                    waiting[missing].append(rank)
+                if kind is _U and walk_windows and wait_list is None:
+                    dep_ends = ends[window_kind][stage]  # same stage, so same rank: no transfer
+                    for j in rules.window(stage, index):
+                        done = dep_ends.get(j)
+                        if done is None:
+                            wait_list, wait_for = waiters[window_kind][stage], j
+                            break
+                        if done > start:
+                            start = done
+                if wait_list is not None:  # resume this rank when the missing action has run
+                    wait_list.setdefault(wait_for, []).append(rank)
                     break
-                stage, kind, _ = action
-                t_free = start + cost[kind][stage]
-                end[action] = t_free
-                busy[rank] += t_free - start
-                timeline.append(Timed(rank, action, start, t_free))
+                t_free = start + duration
+                own_ends[index] = t_free
+                spent += t_free - start
+                record(Timed(rank, action, start, t_free))
                 ptr += 1
-                if action in waiting:
-                    work.extend(waiting.pop(action))
-            pointer[rank], free_at[rank] = ptr, t_free
+                if own_waiters and index in own_waiters:
+                    work.extend(own_waiters.pop(index))
+            pointer[rank], free_at[rank], busy[rank] = ptr, t_free, spent
 
-    blocked = {}
-    for rank, order in enumerate(schedule.orders):
-        if pointer[rank] < len(order):
-            head = order[pointer[rank]]
-            blocked[head] = [d for d in deps_of(head) if d not in end]
-    if blocked:
-        raise DeadlockError(blocked)
-    makespan = max((t.end for t in timeline), default=0.0)
-    return SimResult(schedule, costs, timeline, makespan, busy, peak_activations(schedule), end)
+    heads = [order[ptr] for order, ptr in zip(schedule.orders, pointer) if ptr < len(order)]
+    if heads:
+        deps_of = schedule_dependencies(schedule)
+        raise DeadlockError({head: [(s, k, i) for s, k, i in deps_of(head) if i not in ends[k][s]]
+                             for head in heads})
+    makespan = max(map(attrgetter("end"), timeline), default=0.0)
+    return SimResult(schedule, costs, timeline, makespan, busy, peak_activations(schedule, split))
 
 
 def analytic_bubble_fraction(schedule: Schedule, costs: Costs) -> Optional[float]:
