@@ -458,3 +458,20 @@ def test_after_each_mini_batch_every_stage_has_run_all_it_can(method):
             action = order[executor._pointer[k]]
             assert action.kind is Kind.F and action.index == (t + 1) * m, (t, k, action)
     executor.finish()
+
+
+def test_an_interrupted_scheduled_run_resumes_with_its_scheduler_where_it_was(tmp_path):
+    step = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)  # noqa: E731
+    settings = dict(method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=adam, lr_scheduler=step)
+    whole = pipeoptim.train(mlp(), data(12), checkpoint_dir=tmp_path / "a", checkpoint_every=3, **settings)
+
+    def stop(index, loss):
+        if index == 7:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        pipeoptim.train(mlp(), data(12), checkpoint_dir=tmp_path / "b", checkpoint_every=3, on_batch=stop, **settings)
+    resumed = pipeoptim.train(mlp(), data(12), checkpoint_dir=tmp_path / "b", checkpoint_every=3, resume=True,
+                              **settings)
+    assert resumed.losses == whole.losses
+    lrs = [u.lrs[0] for u in resumed.update_trace if u.stage == 0]
+    assert lrs == [0.005, 0.005, 0.0025, 0.0025, 0.0025, 0.0025]   # updates 6..11, after the resume

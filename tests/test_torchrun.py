@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +122,59 @@ def test_a_layout_the_processes_cannot_hold_is_refused_on_every_rank(nproc, sett
                           capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
     assert done.returncode != 0
     assert done.stderr.count(message) == nproc, done.stderr[-3000:]   # the same line on every rank, no hang
+
+
+CHECKPOINT_SCRIPT = HERE / "torchrun_checkpoint.py"
+
+
+def children(pid: int) -> list:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def start(run_dir: Path, delay: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(CHECKPOINT_SCRIPT), str(run_dir), "40", "2", str(delay)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+
+
+def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp_path):
+    """kill -9 of one stage process after the first checkpoint: the job ends, the newest
+    checkpoint is complete, and running the script again resumes to the same losses and weights."""
+    from pipeoptim.checkpoint import latest_checkpoint, read_manifest
+
+    run([CHECKPOINT_SCRIPT, tmp_path / "whole", 40, 2])
+    whole = json.loads((tmp_path / "whole" / "result.json").read_text())
+    job = start(tmp_path / "cut", delay=0.05)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "cut" / "checkpoints" / "latest.json").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        workers = []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = sorted(c for agent in [job.pid] + children(job.pid) for c in children(agent))
+        os.kill(workers[-1], signal.SIGKILL)
+        job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert not (tmp_path / "cut" / "result.json").exists()
+    folder = latest_checkpoint(tmp_path / "cut" / "checkpoints")
+    manifest = read_manifest(folder)
+    assert sorted(manifest["files"]) == ["stage-0.pt", "stage-1.pt"]
+    run([CHECKPOINT_SCRIPT, tmp_path / "cut", 40, 2], nproc=2)
+    resumed = json.loads((tmp_path / "cut" / "result.json").read_text())
+    assert resumed["losses"] == whole["losses"]
+    assert resumed["weights"] == whole["weights"]

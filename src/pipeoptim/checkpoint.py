@@ -1,7 +1,7 @@
 """Checkpoints of a pipeline run: written atomically, checked on load, refused with a reason.
 
 A checkpoint is taken at a drained point (no micro-batch in flight). Each stage writes one file,
-``stage-K.pt``, with its module and optimizer state, its policy state (weight version, the
+``stage-K.pt``, with its module, optimizer and scheduler state, its policy state (weight version, the
 predictor's stored directions), its counters and the RNG states of its process. A
 ``manifest.json`` written last records the method, stages, partition, options, the data position
 and the SHA-256 of every stage file; ``latest.json`` in the checkpoint folder names the newest
@@ -62,8 +62,10 @@ def stage_state(stage) -> Dict[str, Any]:
     if stage.in_flight:
         raise RuntimeError(f"stage {stage.index} has {stage.in_flight} micro-batches in flight; "
                            f"checkpoints are taken at drained points")
+    scheduler = getattr(stage, "scheduler", None)
     return {"format": FORMAT, "stage": stage.index, "module": stage.module.state_dict(),
             "optimizer": stage.optimizer.state_dict(), "policy": stage.policy.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "counters": dict(stage.count), "rng": rng_state()}
 
 
@@ -135,6 +137,12 @@ def load_stage(folder: Path, manifest: Dict[str, Any], stage) -> Dict[str, Any]:
         stage.module.load_state_dict(state["module"])
         stage.optimizer.load_state_dict(state["optimizer"])
         stage.policy.load_state_dict(state["policy"])
+        scheduler = getattr(stage, "scheduler", None)
+        if (scheduler is None) != (state.get("scheduler") is None):
+            raise ValueError("the run has " + ("no" if scheduler is None else "a") + " learning-rate "
+                             "scheduler but the checkpoint " + ("has one" if scheduler is None else "has none"))
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
     except (RuntimeError, KeyError, ValueError) as error:
         raise CheckpointError(f"{path}: does not fit this model or optimizer ({error})") from None
     stage.count.update(state["counters"])
