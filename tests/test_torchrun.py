@@ -178,3 +178,32 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     resumed = json.loads((tmp_path / "cut" / "result.json").read_text())
     assert resumed["losses"] == whole["losses"]
     assert resumed["weights"] == whole["weights"]
+
+
+def test_two_nodes_give_what_one_node_gives(tmp_path):
+    """Two torchrun agents on this machine (--nnodes 2, one process each, a c10d rendezvous)
+    give the one-node job's numbers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                                str(SCRIPT), "pipeoptim,1f1b-flush", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+              for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), [err[-2000:] for _, err in outs]
+    printed = [out for out, _ in outs if out.strip()]
+    assert len(printed) == 1                       # rank 0 lives on one of the nodes
+    two_nodes = rows(printed[0])
+    one_node = rows(run([SCRIPT, "pipeoptim,1f1b-flush", 2], nproc=2))
+    for method in ("pipeoptim", "1f1b-flush"):
+        assert two_nodes[method]["losses"] == one_node[method]["losses"]
+        assert two_nodes[method]["weights"] == one_node[method]["weights"]
