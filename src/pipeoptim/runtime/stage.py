@@ -199,12 +199,12 @@ class Stage:
         if probe:
             stale = [p.detach().clone() for _, p in self.policy.named]
         use = self.policy.forward_weights(microbatch)
-        if probe:
-            used = [w.detach().clone() for w in use.weights.values()]
-            self._probes[microbatch] = (stale, used, use.version, use.steps)
-        inputs = to_device(inputs, self.device)
-        leaves = _leaf_inputs(inputs) if not self.is_first else inputs
-        try:
+        try:  # from here on the live storage may hold predicted weights until use.done()
+            if probe:
+                used = [w.detach().clone() for w in use.weights.values()]
+                self._probes[microbatch] = (stale, used, use.version, use.steps)
+            inputs = to_device(inputs, self.device)
+            leaves = _leaf_inputs(inputs) if not self.is_first else inputs
             with torch.enable_grad(), self.autocast():
                 output = functional_call(self.module, use.weights, (leaves,))
                 if self.is_last:

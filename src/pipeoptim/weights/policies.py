@@ -17,8 +17,10 @@ backward reads whatever the storage holds when it runs:
 * an older version, if the policy moved the parameter to fresh storage before the update and
   left the old storage to the in-flight micro-batches (weight stashing, 2BW): a stash costs one
   copy per *update that in-flight work still needs*, never one per micro-batch;
-* predicted values written into the live storage for the duration of a pass and restored from a
-  single cache afterwards (PipeOptim, SpecTrain, XPipe): two versions per stage, whatever N.
+* predicted values held by the live storage for the duration of a pass, W put back afterwards
+  (PipeOptim, SpecTrain, XPipe): the prediction is computed into a single cache whose memory is
+  swapped with the live storage's and swapped back, or written into the live storage and
+  restored from the cache; two versions per stage, whatever N.
 
 Versions count the stage's updates: version v is the weights after v optimizer steps.
 """
@@ -328,33 +330,127 @@ class DoubleBufferPolicy(_VersionStore):
         return any(self._window_version[w] == version for w, left in self._pending_windows.items() if left > 0)
 
 
+#: Whether this torch can swap the memory of two storages (``UntypedStorage._swap_data_ptr_``).
+CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:  # pragma: no cover - torch < 2.1
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class _Predicting(WeightPolicy):
-    """Writes predicted weights into the live storage for a pass and restores them from a cache."""
+    """Runs a pass on predicted weights held in the live storage, with one cache per stage.
+
+    Each pass that predicts reads ``W_hat = W - lr*s*Delta`` through the live parameters' own
+    storage, so that the autograd graph of a forward keeps aliases of the live storage and its
+    backward reads whatever is live then (DESIGN.md section 4). Two ways, the same numbers:
+
+    * swap (the default where the parameters own their storage and torch has
+      ``UntypedStorage._swap_data_ptr_``): ``W_hat`` is computed into the cache in one pass
+      (``torch.add(W, Delta, alpha=-lr*s, out=cache)``), then the memory of each parameter's
+      storage and of its cache are swapped, which every alias sees at once; after the pass they
+      are swapped back. No copy of W, no restore pass, nothing allocated per pass.
+    * write and restore (otherwise): the cache saves W (one multi-tensor copy), ``W_hat`` is
+      written into the live storage (``torch.add(W, Delta, alpha=-lr*s, out=W)``), and the cache
+      is copied back after the pass.
+
+    Delta comes from :meth:`Predictor.directions`, computed once per update.
+    """
+
+    #: Private switch (tests, benchmarks): False forces the write-and-restore path.
+    _swap_storage = CAN_SWAP_STORAGE
 
     def __init__(self, *args, sgd_momentum: str = "paper", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.predictor = Predictor(self.optimizer, sgd_momentum=sgd_momentum)
         self.cache: Optional[List[torch.Tensor]] = None
+        self._index = {p: i for i, (_, p) in enumerate(self.named)}
+        self._homes: List[int] = []      # each parameter's data_ptr when the cache was made
+        self._swap = False               # whether the cache is used by swapping
+        self._plan_seen: object = None   # the predictor's plan the work lists were made for
+        self._work: List[tuple] = []     # per group: (group, [(W, Delta, cache)])
+        self._storages: List[tuple] = []  # (live storage, cache storage) of the predicted params
 
     def forward_steps(self, microbatch: int) -> float:
         raise NotImplementedError
 
+    def _prepare(self) -> None:
+        """The cache (allocated once, again only if a parameter moved to other memory) and the
+        per-update work lists."""
+        homes = [p.data_ptr() for _, p in self.named]
+        if self.cache is None or homes != self._homes:
+            self.cache = [torch.empty_like(p) for _, p in self.named]
+            self._homes = homes
+            self._swap = self._swap_storage and self._swappable()
+            self._plan_seen = None
+            self.note_memory()
+        plan = self.predictor.directions()
+        if plan is self._plan_seen:
+            return
+        self._work, self._storages = [], []
+        for group, params, deltas in plan:
+            items = []
+            for p, delta in zip(params, deltas):
+                i = self._index.get(p)
+                if i is None:
+                    continue
+                # p.data: its own version counter, so writing W_hat through it (write and
+                # restore) does not count as a change of the parameter (the Predictor's key)
+                items.append((p.data, delta, self.cache[i]))
+                if self._swap and p.numel():
+                    self._storages.append((p.untyped_storage(), self.cache[i].untyped_storage()))
+            self._work.append((group, items))
+        self._plan_seen = plan
+
+    def _swappable(self) -> bool:
+        """Whether each parameter owns its whole storage (nothing else lives there, so swapping
+        the storage's memory swaps exactly the parameter) and its cache has the same layout."""
+        seen = set()
+        for (_, p), c in zip(self.named, self.cache):
+            if p.numel() == 0:
+                continue
+            storage = p.untyped_storage()
+            if (p.storage_offset() != 0 or c.stride() != p.stride() or c.device != p.device
+                    or storage.nbytes() != p.numel() * p.element_size()
+                    or c.untyped_storage().nbytes() != storage.nbytes()
+                    or storage.data_ptr() in seen):
+                return False
+            seen.add(storage.data_ptr())
+        return True
+
     @torch.no_grad()
     def _write_prediction(self, steps: float) -> Optional[Callable[[], None]]:
-        """Overwrite the live weights with W - lr*steps*Delta; return how to put W back."""
+        """Make the live storage hold W - lr*steps*Delta; return how to put W back."""
         if steps == 0 or not self.predictor.has_direction:
             return None
-        if self.cache is None:
-            self.cache = [torch.empty_like(p) for _, p in self.named]
-            self.note_memory()
-        for (_, p), saved in zip(self.named, self.cache):
-            saved.copy_(p.data)
-            self.predictor.predict_into(p, steps, out=p.data)
+        self._prepare()
+        if self._swap:
+            for group, items in self._work:
+                alpha = -float(group.get("lr", 1.0)) * steps
+                for w, delta, buf in items:
+                    torch.add(w, delta, alpha=alpha, out=buf)
+            storages = self._storages
+            for live, buf in storages:
+                live._swap_data_ptr_(buf)
+
+            def swap_back() -> None:
+                for live, buf in storages:
+                    live._swap_data_ptr_(buf)
+            return swap_back
+        live = [p.data for _, p in self.named]
+        _copy_all(self.cache, live)
+        for group, items in self._work:
+            alpha = -float(group.get("lr", 1.0)) * steps
+            for w, delta, _ in items:
+                torch.add(w, delta, alpha=alpha, out=w)
 
         def restore() -> None:
             with torch.no_grad():
-                for (_, p), saved in zip(self.named, self.cache):
-                    p.data.copy_(saved)
+                _copy_all(live, self.cache)
         return restore
 
     def copy_bytes(self) -> int:

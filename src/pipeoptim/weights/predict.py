@@ -35,8 +35,18 @@ Delta, ``a + wd * W_before``, is recovered without storing ``W_before`` as
 Any other optimizer (including subclasses of the above that override ``step``) uses the
 fallback ``Delta = (W_before - W_after) / lr_step`` recorded by the hooks, with a warning.
 
-Memory: formulas read from the optimizer state need nothing extra; those that need the
-step's gradient keep one tensor per parameter (reused across steps); the fallback keeps one
+Delta is computed at most once per update: :meth:`Predictor.directions` builds it at the first
+prediction after a step (lazily, so that a scheduler's change to a setting it reads, e.g.
+OneCycleLR's betas, is seen as before) and hands the same tensors to every later prediction until
+the optimizer steps again, loads a state, or a setting Delta depends on changes. Predictions are
+then one ``torch.add(W, Delta, alpha=-lr*s)`` per parameter, the arithmetic of the per-forward
+formula before this cache, so the predicted values are the same bits.
+
+Memory: formulas read from the optimizer state (SGD momentum, RMSprop momentum) need nothing
+extra; those that need the step's gradient (SGD plain/Nesterov/``code``, NAdam, RMSprop without
+momentum, Adagrad, Adadelta) keep one tensor per parameter, reused across steps, which becomes
+Delta; the adaptive formulas computed from the state (Adam, AdamW, Adamax, RAdam) keep Delta in
+one tensor per parameter, allocated at the first prediction and reused; the fallback keeps one
 snapshot per parameter. Complex parameters are not supported by the exact formulas.
 """
 
@@ -89,6 +99,22 @@ def _betas(group: dict[str, Any]) -> tuple[float, float]:
     return float(b1), float(b2)
 
 
+#: The group settings a Delta formula reads (besides the lr of the last step): a change to any
+#: of them between two predictions rebuilds Delta.
+_DELTA_SETTINGS = ("betas", "eps", "amsgrad", "weight_decay", "decoupled_weight_decay", "momentum",
+                   "nesterov", "dampening", "centered", "lr_decay", "maximize", "momentum_decay")
+
+
+def _setting(value: Any) -> Any:
+    """A hashable, comparable form of one group setting; a tensor by identity and version (read
+    without waiting for its device)."""
+    if torch.is_tensor(value):
+        return id(value), value._version
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(v) for v in value)
+    return value
+
+
 class Predictor:
     """Predicts weights from an optimizer's own update rule (see the module docstring).
 
@@ -116,6 +142,14 @@ class Predictor:
         self._pending: list[tuple[dict[str, Any], Tensor]] = []
         self._step_lr: dict[int, float] = {}  # id(group) -> lr used by the last step
         self._group_of: dict[Tensor, dict[str, Any]] = {}
+        # Delta of the current update (see directions()): per group (group, params, deltas), the
+        # same list by parameter, the tensors computed for the adaptive formulas, and the key
+        # that says whether they are still the current Delta.
+        self._plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
+        self._delta_of: dict[Tensor, Tensor] = {}
+        self._computed: dict[Tensor, Tensor] = {}
+        self._plan_key: Any = None
+        self._generation = 0  # bumped when a state is loaded (the optimizer's or ours)
         if self.uses_fallback:
             warnings.warn(
                 f"Predictor: no exact update-direction formula for {type(optimizer).__name__}; "
@@ -127,6 +161,10 @@ class Predictor:
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
         ]
+        if hasattr(optimizer, "register_load_state_dict_post_hook"):  # torch >= 2.2
+            self._handles += [optimizer.register_load_state_dict_pre_hook(self._loading),
+                              optimizer.register_load_state_dict_post_hook(self._loaded)]
+        self._loading_lrs: list[float | None] = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -155,6 +193,19 @@ class Predictor:
         self._stored = {params[int(i)]: t.clone() for i, t in state["stored"].items()}
         self._step_lr = {id(g): lr for g, lr in zip(self.optimizer.param_groups, state["step_lr"])
                          if lr is not None}
+        self._group_of = {}
+        self._generation += 1
+
+    def _loading(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        self._loading_lrs = [self._step_lr.get(id(g)) for g in optimizer.param_groups]
+
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer loaded a state: its groups are new dicts (the last step's lrs follow
+        them by position) and its tensors new, so Delta is rebuilt."""
+        self._step_lr = {id(g): lr for g, lr in zip(optimizer.param_groups, self._loading_lrs)
+                         if lr is not None}
+        self._group_of = {}
+        self._generation += 1
 
     def lr(self, param: Tensor) -> float:
         """Current lr of ``param``'s group (a tensor lr is converted to float)."""
@@ -162,12 +213,27 @@ class Predictor:
 
     def direction(self, param: Tensor) -> Tensor | None:
         """Delta of ``param`` (a new tensor), or None before its first update."""
-        with torch.no_grad():
-            scratch = torch.empty_like(param)
-            delta = self._delta(param, scratch)
-        if delta is None:
-            return None
-        return delta if delta is scratch else delta.clone()
+        self._group(param)  # KeyError for a parameter this optimizer does not manage
+        delta = self._directions_by_param().get(param)
+        return None if delta is None else delta.clone()
+
+    def directions(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]:
+        """Delta of the current update, per parameter group: ``(group, params, deltas)`` for
+        the parameters that have one (none before the first step; a parameter the optimizer has
+        not updated yet has none).
+
+        Built at most once per update: the first call after a step computes it (the adaptive
+        formulas into tensors kept from one update to the next, so nothing is allocated after
+        the first time), later calls return the same lists until the optimizer steps again,
+        loads a state, a setting Delta depends on changes or a parameter is modified in place
+        (its version counter moves). The tensors are Delta itself, some of them the optimizer's
+        own state: read them, never write them.
+        """
+        key = self._key()
+        if key != self._plan_key:
+            self._build_plan()
+            self._plan_key = key
+        return self._plan
 
     def predict(self, steps: float) -> dict[Tensor, Tensor]:
         """Map every parameter of the optimizer to ``W - lr * steps * Delta`` (new tensors).
@@ -175,13 +241,13 @@ class Predictor:
         Parameters without a direction yet (before the first step) map to a clone of W.
         The live parameters are not modified.
         """
+        by_param = self._directions_by_param()
         out: dict[Tensor, Tensor] = {}
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 alpha = -float(group.get("lr", 1.0)) * steps
                 for p in group["params"]:
-                    self._group_of[p] = group
-                    delta = self._delta(p, None)
+                    delta = by_param.get(p)
                     w = p.detach()
                     out[p] = w.clone() if delta is None else torch.add(w, delta, alpha=alpha)
         return out
@@ -189,22 +255,59 @@ class Predictor:
     def predict_into(self, param: Tensor, steps: float, out: Tensor) -> bool:
         """Write ``W - lr * steps * Delta`` into ``out``; False (``out`` untouched) if no Delta.
 
-        ``out`` must have ``param``'s shape; it may be ``param`` itself. When it does not
-        share storage with ``param`` it is also used as scratch space, so adaptive formulas
-        allocate nothing.
+        ``out`` must have ``param``'s shape; it may be ``param`` itself. Nothing is allocated.
         """
+        self._group(param)
+        delta = self._directions_by_param().get(param)
+        if delta is None:
+            return False
         with torch.no_grad():
-            w = param.detach()
-            aliased = out.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
-            delta = self._delta(param, None if aliased else out)
-            if delta is None:
-                return False
-            alpha = -self.lr(param) * steps
-            if delta is out:
-                out.mul_(alpha).add_(w)
-            else:
-                torch.add(w, delta, alpha=alpha, out=out)
+            torch.add(param.detach(), delta, alpha=-self.lr(param) * steps, out=out)
         return True
+
+    def _directions_by_param(self) -> dict[Tensor, Tensor]:
+        self.directions()
+        return self._delta_of
+
+    def _key(self) -> Any:
+        """What the current Delta depends on besides the optimizer's state (which only a step or
+        a load changes): the step count, loads, each group's settings, the parameters' versions
+        (for the formulas that read W: decoupled decay)."""
+        groups = tuple(
+            (id(g), tuple(_setting(g.get(name)) for name in _DELTA_SETTINGS),
+             tuple(p._version for p in g["params"]))
+            for g in self.optimizer.param_groups)
+        return self.steps_taken, self._generation, groups
+
+    def _build_plan(self) -> None:
+        plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
+        by_param: dict[Tensor, Tensor] = {}
+        if self.steps_taken > 0:
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    params, deltas = [], []
+                    for p in group["params"]:
+                        self._group_of[p] = group
+                        delta = self._delta(p, self._scratch(group, p))
+                        if delta is not None:
+                            params.append(p)
+                            deltas.append(delta)
+                            by_param[p] = delta
+                    plan.append((group, params, deltas))
+        self._plan, self._delta_of = plan, by_param
+
+    def _scratch(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
+        """The tensor an adaptive formula computes ``p``'s Delta into (kept across updates);
+        None for the formulas that return a tensor they already have."""
+        kind = self._kind
+        if (self.uses_fallback or self._needs_grad(group) or kind in ("sgd", "rmsprop")
+                or not self.optimizer.state.get(p)):
+            return None
+        buf = self._computed.get(p)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+            buf = torch.empty_like(p)
+            self._computed[p] = buf
+        return buf
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
