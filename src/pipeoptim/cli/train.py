@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
-            from ..runtime.launch import run_distributed_train
+            from ..launcher import run_distributed_train
 
-            return run_distributed_train(args, cfg)
+            return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
         return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
                                            log=_log(args), resume=True,
                                            diagnose_every=args.diagnose_every), args.resume)
@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
         check_distributed_options(cfg)
-        from ..runtime.launch import run_distributed_train
+        from ..launcher import run_distributed_train
 
-        return run_distributed_train(args, cfg)
+        return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
     out = output_dir(args, f"{args.method}-N{cfg.stages}")
     summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
                              diagnose_every=args.diagnose_every)

@@ -6,7 +6,7 @@ One machine, started for you (the processes bind to 127.0.0.1)::
 
 runs torchrun's elastic agent in this process (``torch.distributed.launcher.api.elastic_launch``,
 as ``torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
---max-restarts 0 -m pipeoptim.runtime.launch RUN.json`` would, the run's settings in a temporary
+--max-restarts 0 -m pipeoptim.launcher RUN.json`` would, the run's settings in a temporary
 file). If a stage fails or is killed, the agent stops the others within a tenth of a second and
 the command says which stage was lost and how (each stage keeps ``RUN/status/stage-K.json`` up to
 date, so that a stage killed outright is told apart from those cut off from it), names the last
@@ -48,9 +48,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .defaults import DEFAULT_TIMEOUT
+from .run_folder import read_statuses, write_status
+from .runtime.defaults import DEFAULT_TIMEOUT
 
 
 def under_torchrun() -> bool:
@@ -87,10 +88,9 @@ def _stages_given() -> bool:
     return any(a == "--stages" or a.startswith("--stages=") for a in sys.argv[1:])
 
 
-def run_distributed_train(args: argparse.Namespace, cfg) -> int:
-    """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun."""
-    from ..cli.common import output_dir
-
+def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[str], Path]) -> int:
+    """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun.
+    ``output_dir(label)`` names a new run folder (called on the rank that names it)."""
     opts = _options(args)
     resume = getattr(args, "resume", None)
     opts["resume"] = resume is not None
@@ -112,9 +112,9 @@ def run_distributed_train(args: argparse.Namespace, cfg) -> int:
             cfg = dataclasses.replace(cfg, stages=world)
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
-            out = output_dir(args, f"{cfg.method}-N{world}")
+            out = output_dir(f"{cfg.method}-N{world}")
         return worker(cfg, out=out, **opts)
-    out = resume if resume is not None else output_dir(args, f"{cfg.method}-N{cfg.stages}")
+    out = resume if resume is not None else output_dir(f"{cfg.method}-N{cfg.stages}")
     return launch(cfg, out=out, **opts)
 
 
@@ -130,7 +130,7 @@ def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", str(threads or 1))  # (also quiets torchrun's banner)
-    src = str(Path(__file__).resolve().parents[2])  # the package importable in the workers
+    src = str(Path(__file__).resolve().parents[1])  # the package importable in the workers
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -161,7 +161,7 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         if not json:
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
-        failures = run_workers(nproc, "pipeoptim.runtime.launch", [str(config)], torchrun_env(threads))
+        failures = run_workers(nproc, "pipeoptim.launcher", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
     text, lost = failure_report(failures, out)
@@ -172,8 +172,8 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 def check_before_launch(cfg) -> None:
     """Refuse settings the workers would refuse (stages against layers, micro-batches against
     the batch size, ...) here, once, before any process starts: one line, exit status 2."""
-    from ..experiment import check_run
-    from ..tasks import get_task
+    from .experiment import check_run
+    from .tasks import get_task
 
     task = get_task(cfg.task)
     cfg = cfg.resolved(task)
@@ -209,7 +209,7 @@ def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, 
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
     last checkpoint (stage k is rank k); and the stages it names."""
-    from ..checkpoint import CheckpointError, latest_checkpoint
+    from .checkpoint import CheckpointError, latest_checkpoint
 
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
@@ -251,35 +251,6 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     return text, lost
 
 
-def write_status(out: Optional[Path], stage: int, **fields: Any) -> None:
-    """Record this stage's state in ``RUN/status/stage-K.json`` (running, finished, failed), so
-    that the launcher can tell the stage that was lost from those that lost contact with it."""
-    if out is None:
-        return
-    folder = out / "status"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".stage-{stage}.json.tmp"
-        tmp.write_text(_dumps({"stage": stage, "pid": os.getpid(), "time": time.time(), **fields}))
-        os.replace(tmp, folder / f"stage-{stage}.json")
-    except OSError:  # a status is advice; never fail a run over it
-        pass
-
-
-def read_statuses(out: Optional[Path]) -> Dict[int, Dict[str, Any]]:
-    """The stages' status files of a run folder, by stage."""
-    found: Dict[int, Dict[str, Any]] = {}
-    if out is None or not (out / "status").is_dir():
-        return found
-    for path in (out / "status").glob("stage-*.json"):
-        try:
-            entry = json.loads(path.read_text())
-            found[int(entry["stage"])] = entry
-        except (ValueError, KeyError, OSError):
-            continue
-    return found
-
-
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False) -> int:
     """One process of a distributed `pipeoptim train`: train its stage; rank 0 writes the run
@@ -287,12 +258,12 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     import torch
     import torch.distributed as dist
 
-    from ..checkpoint import CheckpointError, latest_checkpoint
-    from ..experiment import check_run, progress_bar, summarize_run
-    from ..optimizers import make_optimizer
-    from ..tasks import get_task
-    from ..train import NonFiniteLoss
-    from .distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
+    from .checkpoint import CheckpointError, latest_checkpoint
+    from .errors import NonFiniteLoss
+    from .experiment import check_run, progress_bar, summarize_run
+    from .optimizers import make_optimizer
+    from .runtime.distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
+    from .tasks import get_task
 
     dev = init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
@@ -404,18 +375,18 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Worker entry of a local launch: ``python -m pipeoptim.runtime.launch RUN.json``."""
-    from ..experiment import RunConfig
-    from ..tasks import MissingDataError
+    """Worker entry of a local launch: ``python -m pipeoptim.launcher RUN.json``."""
+    from .errors import MissingDataError
+    from .experiment import RunConfig
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pipeoptim.runtime.launch RUN.json (started by `pipeoptim train "
+        print("usage: python -m pipeoptim.launcher RUN.json (started by `pipeoptim train "
               "--runtime distributed`)", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     if spec.get("kind") == "bench":
-        from ..cli.bench import bench_worker
+        from .bench_worker import bench_worker
 
         return bench_worker(spec)
     cfg = RunConfig(**spec["config"])
