@@ -12,6 +12,12 @@ the command says which stage was lost and how (each stage keeps ``RUN/status/sta
 date, so that a stage killed outright is told apart from those cut off from it), names the last
 checkpoint, and exits with status 1 (2 for bad input found by the workers).
 
+Ctrl-C (SIGINT), SIGTERM or SIGHUP of the command, or of one stage, stops every process of the
+run within a fraction of a second and prints one line: the signal (and the stage, if one was signalled),
+the last checkpoint and the command that resumes; the exit status is 128 + the signal (130, 143,
+129). A stage whose launcher is killed outright (SIGKILL) ends by itself (Linux's parent-death
+signal), leaving the last complete checkpoint as it was (see :mod:`pipeoptim.runtime.lifecycle`).
+
 Checkpoints and ``--resume RUN`` work as in the local runtime: every rank writes its own stage
 file into ``RUN/checkpoints/...`` and rank 0 the manifest, so the run folder must be reachable
 from every rank (one machine, or a shared file system).
@@ -43,20 +49,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .run_folder import read_statuses, write_status
+from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
+from .run_folder import read_statuses, resume_hint, write_status
+from .runtime import lifecycle
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.lifecycle import Stop, under_torchrun
 
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+#: set in the stage processes of a local launch: the launcher's pid (it reports for them)
+LAUNCHER_PID = "PIPEOPTIM_LAUNCHER_PID"
+#: seconds the agent gives a stage to end on a forwarded signal before SIGKILL (they take ms)
+SHUTDOWN_SECONDS = 3
+RESUME_COMMAND = "pipeoptim train --runtime distributed --resume {out}"
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -113,6 +125,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(f"{cfg.method}-N{world}")
+        guard_stage(int(os.environ["RANK"]), out)
         return worker(cfg, out=out, **opts)
     out = resume if resume is not None else output_dir(f"{cfg.method}-N{cfg.stages}")
     return launch(cfg, out=out, **opts)
@@ -125,13 +138,15 @@ def stage_count(cfg) -> int:
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
-    """The environment of a local launch: loopback for gloo, one compute thread per process."""
+    """The environment of a local launch: loopback for gloo, one compute thread per process,
+    the package importable, and this process's pid (``PIPEOPTIM_LAUNCHER_PID``)."""
     env = dict(os.environ)
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", str(threads or 1))  # (also quiets torchrun's banner)
     src = str(Path(__file__).resolve().parents[1])  # the package importable in the workers
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[LAUNCHER_PID] = str(os.getpid())  # the workers watch this process, and leave reporting to it
     return env
 
 
@@ -140,7 +155,28 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     """Start one process per stage on this machine (torchrun's agent, in this process) and wait
     for them. If a stage fails, the others are stopped at once and the reply names the stage
     that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
-    for a lost stage or a failed run, 2 for bad input found by the workers)."""
+    for a lost stage or a failed run, 2 for bad input found by the workers).
+
+    SIGINT (Ctrl-C), SIGTERM or SIGHUP of this process, or of one stage, stops every stage
+    (the agent forwards this process's signal; each stage ends at once, see
+    :mod:`pipeoptim.runtime.lifecycle`) and raises :class:`Interrupted`, whose message (the
+    command line's one line) names the signal, the last checkpoint and the command that
+    resumes; the command exits with 128 + the signal (130, 143, 129). A stage whose launcher is
+    killed outright (SIGKILL) ends by itself."""
+    with interrupt_on_signals():
+        try:
+            return _launch(cfg, out=out, timeout=timeout, device=device, threads=threads, json=json,
+                           progress=progress, resume=resume)
+        except Interrupted as stop:
+            if str(stop):  # a stage was signalled: already said
+                raise
+            hint = resume_hint(out, RESUME_COMMAND.format(out=out))
+            raise Interrupted(stop.signum, f"interrupted by {stop.signal_name}; every stage was stopped"
+                                           + (f". {hint}" if hint else "")) from None
+
+
+def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
+            json: bool, progress: bool, resume: bool) -> int:
     import json as _json
 
     check_before_launch(cfg)
@@ -164,6 +200,13 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         failures = run_workers(nproc, "pipeoptim.launcher", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
+    signalled = interrupted_stages(failures, out)
+    if signalled:
+        stage, status = signalled[0]
+        hint = resume_hint(out, RESUME_COMMAND.format(out=out))
+        raise Interrupted(getattr(signal, status["signal"], signal.SIGTERM),
+                          f"stage {stage} (rank {stage}, pid {status.get('pid')}) got {status['signal']}; "
+                          f"every stage was stopped" + (f". {hint}" if hint else ""))
     text, lost = failure_report(failures, out)
     print(f"pipeoptim train: error: {text}", file=sys.stderr, flush=True)
     return 2 if all(failures[r][0] == 2 for r in lost) else 1  # 2: bad input, found by a worker
@@ -185,14 +228,25 @@ def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, 
     """Run ``python -m module *module_args`` as ``nproc`` ranks on this machine under torchrun's
     elastic agent (no restarts; the rendezvous on 127.0.0.1); return the failed ranks as
     ``{rank: (exit code, signal name or "")}``, empty if all succeeded. When one rank fails
-    the agent stops the others (SIGTERM) within its monitor interval (0.1 s)."""
+    the agent stops the others (SIGTERM) within its monitor interval (0.1 s).
+
+    A SIGINT, SIGTERM or SIGHUP of this process is forwarded to the ranks by the agent, which
+    waits for them (at most ``SHUTDOWN_SECONDS``, then SIGKILL); then :class:`Interrupted`
+    is raised. The agent's own log lines (the signal it forwards, the rank that failed) are
+    silenced: the caller reports (``PIPEOPTIM_DEBUG=1`` keeps them)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeoptim-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, local_addr="127.0.0.1")
+    settings = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeoptim-{os.getpid()}",
+                    rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                    monitor_interval=0.1, local_addr="127.0.0.1")
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.8 or so
+        settings["shutdown_timeout"] = SHUTDOWN_SECONDS
+    config = LaunchConfig(**settings)
     saved = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}  # the agent replaces them
+    quiet = _quiet_agent_logs() if not os.environ.get("PIPEOPTIM_DEBUG") else {}
     os.environ.clear()
     os.environ.update(env)  # the agent hands its own environment to the workers
     try:
@@ -201,9 +255,39 @@ def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, 
     except ChildFailedError as error:
         return {rank: (f.exitcode, f.signal_name() if f.exitcode < 0 else "")
                 for rank, f in sorted(error.failures.items())}
+    except SignalException as error:  # the agent has stopped the ranks with the same signal
+        raise Interrupted(int(error.sigval)) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        for logger, level in quiet.items():
+            logger.setLevel(level)
+
+
+def _quiet_agent_logs() -> Dict[logging.Logger, int]:
+    """Raise torch's elastic agent's loggers to CRITICAL; return their previous levels."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (create the loggers)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+
+    saved = {}
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logger = logging.getLogger(name)
+            saved[logger] = logger.level
+            logger.setLevel(logging.CRITICAL)
+    return saved
+
+
+def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> List[Tuple[int, Dict[str, Any]]]:
+    """The failed stages that ended on a signal someone other than the launcher sent them
+    (``kill -TERM`` of a stage), by the time they recorded it; with their status."""
+    statuses = read_statuses(out)
+    found = [(r, statuses[r]) for r in failures
+             if statuses.get(r, {}).get("state") == "interrupted" and statuses[r].get("cause") == "signal"]
+    return sorted(found, key=lambda item: item[1].get("time", 0.0))
 
 
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
@@ -214,9 +298,11 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
     # was lost; otherwise the stages that failed on their own, not for want of a peer.
+    # (A stage the agent stopped says so in its status: interrupted, by the launcher.)
     lost = [r for r, (code, sig) in failures.items() if code < 0 and sig != "SIGTERM"]
     if not lost:
-        lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"]
+        lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"
+                and statuses.get(r, {}).get("state") != "interrupted"]
     if not lost:
         lost = sorted(failures)[:1]
     messages = {statuses.get(r, {}).get("message") for r in lost}
@@ -251,6 +337,43 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     return text, lost
 
 
+#: this stage process, for its signal watcher: its stage and run folder once known
+_this_stage: Dict[str, Any] = {"stage": None, "out": None}
+
+
+def guard_stage(stage: Optional[int], out: Optional[Path]) -> str:
+    """Install this stage process's guards (:func:`pipeoptim.runtime.lifecycle.guard`): it ends
+    at once on SIGINT, SIGTERM or SIGHUP and when its launcher dies, after recording why in its
+    status file. Under a user's torchrun (no launcher of ours to report) the stage that got the
+    signal, or rank 0 when torchrun forwarded it, also says so in one line on stderr."""
+    _this_stage.update(stage=stage, out=Path(out) if out is not None else None)
+    parent = os.environ.get(LAUNCHER_PID)
+    return lifecycle.guard(_on_stop, parent=int(parent) if parent else None)
+
+
+def _on_stop(stop: Stop) -> None:
+    """(In the watcher thread, just before the process ends: no imports, no locks of the main
+    thread's.)"""
+    stage, out = _this_stage["stage"], _this_stage["out"]
+    if stage is None:
+        return
+    how = {"launcher": f"stopped by {stop.signal_name} from its launcher (pid {stop.sender})",
+           "signal": f"got {stop.signal_name}" + (f" from pid {stop.sender}" if stop.sender else ""),
+           "parent-died": "its launcher died"}.get(stop.cause, f"got {stop.signal_name}")
+    write_status(out, stage, state="interrupted", signal=stop.signal_name, cause=stop.cause,
+                 sender=stop.sender, message=how)
+    if os.environ.get(LAUNCHER_PID) is None and (stop.cause == "signal" or stage == 0):
+        hint = resume_hint(out, "torchrun (the same flags) -m " + RESUME_COMMAND.format(out=out))
+        line = f"pipeoptim train: stage {stage} (pid {os.getpid()}) {how}; the run stops" + \
+               (f". {hint}" if hint else "") + "\n"
+        os.write(2, line.encode())
+
+
+def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
+    """Did another stage stop on a signal (so that this one's lost contact is no news)?"""
+    return any(r != stage and st.get("state") == "interrupted" for r, st in read_statuses(out).items())
+
+
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False) -> int:
     """One process of a distributed `pipeoptim train`: train its stage; rank 0 writes the run
@@ -277,7 +400,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
             last = None
         write_status(out, stage_index, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
-        if not quiet:
+        if not quiet and not (kind == "comm" and _peer_interrupted(out, stage_index)):
             print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
@@ -296,6 +419,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         writer = comm.stage == 0
         folder = _broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
         out = Path(folder) if folder is not None else None
+        _this_stage.update(stage=stage_index, out=out)
         write_status(out, stage_index, state="running", rank=rank)
         log_file = None
         if writer and out is not None:
@@ -360,6 +484,8 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         return fail("checkpoint", error, 2)
     except BaseException as error:
         write_status(out, stage_index, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
+        if isinstance(error, Exception) and _peer_interrupted(out, stage_index):
+            return 1  # cut off by a stage that was stopped: that one is the news, not this traceback
         raise
     finally:
         try:
@@ -375,20 +501,23 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Worker entry of a local launch: ``python -m pipeoptim.launcher RUN.json``."""
-    from .errors import MissingDataError
-    from .experiment import RunConfig
-
+    """Worker entry of a local launch: ``python -m pipeoptim.launcher RUN.json``. The stage's
+    guards (signals, the launcher's death) go in first, before torch starts any thread."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m pipeoptim.launcher RUN.json (started by `pipeoptim train "
               "--runtime distributed`)", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
-    if spec.get("kind") == "bench":
+    train = spec.get("kind") != "bench"
+    guard_stage(int(os.environ.get("RANK", "0")) if train else None, spec.get("out") if train else None)
+    if not train:
         from .bench_worker import bench_worker
 
         return bench_worker(spec)
+    from .errors import MissingDataError
+    from .experiment import RunConfig
+
     cfg = RunConfig(**spec["config"])
     try:
         return worker(cfg, out=Path(spec["out"]) if spec["out"] else None, timeout=spec["timeout"],

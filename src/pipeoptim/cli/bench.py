@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from ..errors import interrupt_on_signals
 from ..optimizers import optimizer_names
 from ..tasks import task_names
 from .common import known_methods
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         config.write_text(json.dumps(spec))
         log(f"bench: {args.stages} processes, methods {', '.join(methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
-        failures = run_workers(args.stages, "pipeoptim.launcher", [str(config)], torchrun_env(1))
+        with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
+            failures = run_workers(args.stages, "pipeoptim.launcher", [str(config)], torchrun_env(1))
         busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
         if failures:
             how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
