@@ -1,8 +1,9 @@
 """Signals end a run, every process of it, cleanly (issue 13, item 4).
 
 Real processes, as a user meets them: `pipeoptim train --runtime distributed` (two stage
-processes under torchrun's agent, in the launcher's process), `pipeoptim bench`, the local
-runtime, and a bare process guarded by :mod:`pipeoptim.runtime.lifecycle`. For each signal:
+processes under torchrun's agent, in the launcher's process), the same under a user's
+`torchrun`, `pipeoptim bench`, the local runtime, and a bare process guarded by
+:mod:`pipeoptim.runtime.lifecycle`. For each signal:
 every process of the run (the launcher and every descendant it had when the signal was sent) is
 gone within ``BOUND`` seconds, checked by pid; the output holds no traceback and one line naming
 the signal, the last checkpoint and the command that resumes; the exit status is 128 + the signal
@@ -209,6 +210,40 @@ def test_sigkill_of_the_launcher_stops_its_stages_and_keeps_the_last_checkpoint(
         status = json.loads((run / "status" / f"stage-{k}.json").read_text())
         assert (status["state"], status["cause"]) == ("interrupted", "parent-died"), status
     latest = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["checkpoint"]
+    _checkpoint_intact(latest)
+
+
+def test_sigterm_of_a_users_torchrun_ends_its_stages_with_one_line_from_rank_0(tmp_path):
+    """Under a user's torchrun the agent is torchrun's: it forwards the signal; the stages end
+    at once and rank 0 says so (torchrun's own traceback of its SignalException is torchrun's)."""
+    run = tmp_path / "run"
+    env = dict(_env(), OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 "-m", "pipeoptim", *DISTRIBUTED, "--out", str(run)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for((run / "checkpoints" / "latest.json").exists, torchrun, 120, "the first checkpoint")
+        processes = [torchrun.pid] + _descendants(torchrun.pid)
+        assert len(processes) == 3
+        os.kill(torchrun.pid, signal.SIGTERM)
+        took = _gone_within(processes, torchrun, BOUND)
+        _, stderr = torchrun.communicate(timeout=10)
+    finally:
+        if torchrun.poll() is None:
+            torchrun.kill()
+    print(f"torchrun SIGTERM: every process gone {took:.2f} s after the signal")
+    latest = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["checkpoint"]
+    ours = [line for line in stderr.splitlines() if line.startswith("pipeoptim train:")]
+    assert len(ours) == 1, stderr[-3000:]
+    assert ours[0].startswith("pipeoptim train: stage 0 (pid ") and "stopped by SIGTERM from its launcher" in ours[0]
+    assert ours[0].endswith(f"Last checkpoint: {latest}; continue with: torchrun (the same flags) -m pipeoptim "
+                            f"train --runtime distributed --resume {run}")
+    assert [line for line in stderr.splitlines() if 'File "' in line and "pipeoptim" in line] == []  # no traceback of ours
+    for k in (0, 1):
+        status = json.loads((run / "status" / f"stage-{k}.json").read_text())
+        assert (status["state"], status["signal"], status["cause"]) == ("interrupted", "SIGTERM", "launcher")
     _checkpoint_intact(latest)
 
 
