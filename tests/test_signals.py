@@ -367,3 +367,27 @@ def test_a_guarded_process_ends_at_once_on_sigterm_and_knows_who_sent_it(sender,
     assert stop["cause"] == ("launcher" if sender == "parent" else "signal")
     if sender == "parent":
         assert stop["sender"] == os.getpid()
+
+
+# ---------------------------------------------------------------------------------------------
+# the launcher's reading of the status files (no processes)
+
+
+def test_the_report_tells_a_signalled_stage_from_those_stopped_and_forgets_an_earlier_run(tmp_path):
+    from pipeoptim.launcher import failure_report, interrupted_stages
+    from pipeoptim.run_folder import clear_statuses, write_status
+
+    run = tmp_path / "run"
+    write_status(run, 0, state="interrupted", signal="SIGTERM", cause="launcher")  # stopped by the agent
+    write_status(run, 1, state="interrupted", signal="SIGINT", cause="signal")    # `kill -INT` of stage 1
+    assert [k for k, _ in interrupted_stages({0: (143, ""), 1: (130, "")}, run)] == [1]
+    # a stage stopped by the agent (exit 143, says so) is not the one that failed
+    write_status(run, 1, state="failed", kind="error", message="RuntimeError: boom")
+    assert interrupted_stages({0: (143, ""), 1: (1, "")}, run) == []
+    text, lost = failure_report({0: (143, ""), 1: (1, "")}, run)
+    assert lost == [1] and "stage 1 (rank 1" in text and "RuntimeError: boom" in text
+    # the statuses of an earlier run in the same folder (a resume) are cleared before the launch
+    write_status(run, 1, state="interrupted", signal="SIGTERM", cause="signal")
+    clear_statuses(run)
+    assert interrupted_stages({0: (1, ""), 1: (1, "")}, run) == []
+    assert list((run / "status").iterdir()) == []

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
-from .run_folder import read_statuses, resume_hint, write_status
+from .run_folder import clear_statuses, read_statuses, resume_hint, write_status
 from .runtime import lifecycle
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.lifecycle import Stop, under_torchrun
@@ -197,6 +197,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
         if not json:
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
+        clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
         failures = run_workers(nproc, "pipeoptim.launcher", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
@@ -369,9 +370,14 @@ def _on_stop(stop: Stop) -> None:
         os.write(2, line.encode())
 
 
+_STARTED = time.time()  # (a peer's status from before this process began is an earlier run's)
+
+
 def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
-    """Did another stage stop on a signal (so that this one's lost contact is no news)?"""
-    return any(r != stage and st.get("state") == "interrupted" for r, st in read_statuses(out).items())
+    """Did another stage of this run stop on a signal (so that this one's lost contact is no
+    news)?"""
+    return any(r != stage and st.get("state") == "interrupted" and st.get("time", 0.0) >= _STARTED
+               for r, st in read_statuses(out).items())
 
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],

@@ -57,6 +57,17 @@ def read_statuses(out: Optional[Path]) -> Dict[int, Dict[str, Any]]:
     return found
 
 
+def clear_statuses(out: Optional[Path]) -> None:
+    """Remove the stages' status files (before a run starts in the folder, e.g. a resumed one)."""
+    if out is None or not (Path(out) / "status").is_dir():
+        return
+    for path in (Path(out) / "status").glob("stage-*.json"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
 def last_checkpoint(out: Optional[Path]) -> Optional[Path]:
     """The newest complete checkpoint of the run in ``out`` (what ``checkpoints/latest.json``
     names), or None: no run folder, no checkpoint yet, or an unreadable pointer."""
