@@ -400,7 +400,8 @@ def test_distributed_options():
 
 def test_failure_report_names_the_lost_stage_not_those_stopped_or_cut_off(tmp_path):
     from pipeoptim.checkpoint import save_manifest
-    from pipeoptim.runtime.launch import failure_report, write_status
+    from pipeoptim.launcher import failure_report
+    from pipeoptim.run_folder import write_status
 
     run = tmp_path / "run"
     write_status(run, 0, state="failed", kind="comm", message="lost contact with rank 2")

@@ -3,11 +3,20 @@
 The command line catches these to print one line instead of a traceback, and it parses its
 options without importing torch; so they live here, in a module that imports nothing, and are
 re-exported from the modules that raise them (:mod:`pipeoptim.checkpoint`,
-:mod:`pipeoptim.tasks`, :mod:`pipeoptim.train`).
+:mod:`pipeoptim.tasks`, :mod:`pipeoptim.train`). :class:`Interrupted` is a signal that stopped
+a run, with what to say about it.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "MissingDataError", "NonFiniteLoss"]
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+__all__ = ["CheckpointError", "MissingDataError", "NonFiniteLoss", "Interrupted", "interrupt_on_signals"]
+
+#: the signals that stop a run: Ctrl-C, kill's default, a closed terminal
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class CheckpointError(ValueError):
@@ -20,3 +29,43 @@ class MissingDataError(RuntimeError):
 
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN or infinite loss."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal stopped the run: SIGINT (Ctrl-C), SIGTERM or SIGHUP. The message, if any, says
+    what was stopped and how to resume; the command line prints it as one line and exits with
+    128 + the signal's number (130, 143, 129). A KeyboardInterrupt, so that ``except Exception``
+    on the way up lets it through and code that handles Ctrl-C handles it."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main
+    thread (SIGTERM would otherwise end the process with no word, and SIGINT raise a bare
+    KeyboardInterrupt); the previous handlers come back after. Outside the main thread it does
+    nothing (only the main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    saved = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, previous in saved.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)

@@ -11,11 +11,14 @@ or plots inside their ``run`` functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from typing import List, Optional
+import threading
+from typing import Iterator, List, Optional
 
-from ..errors import CheckpointError, MissingDataError, NonFiniteLoss
+from ..errors import STOP_SIGNALS, CheckpointError, Interrupted, MissingDataError, NonFiniteLoss
 from . import bench as _bench
 from . import compare as _compare
 from . import plan as _plan
@@ -55,9 +58,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"pipeoptim {args.command}: stopped: {error}; the last good checkpoint is kept "
               f"(continue with --resume RUN_DIR after lowering --lr)", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("pipeoptim: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as error:  # Ctrl-C; Interrupted: also SIGTERM, SIGHUP, with what to resume
+        signum = error.signum if isinstance(error, Interrupted) else signal.SIGINT
+        text = str(error) or f"interrupted by {signal.Signals(signum).name}"
+        with _signals_ignored():  # a second Ctrl-C while this is said: no traceback
+            print(f"pipeoptim {args.command}: {text}", file=sys.stderr)
+            if argv is None:  # the program itself, not a call from Python: end now, as its stages
+                sys.stdout.flush()  # do, rather than spend a second or more tearing down
+                sys.stderr.flush()
+                os._exit(128 + signum)
+        return 128 + signum
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_options(parser: argparse.ArgumentParser) -> None:
-    """The options of the distributed runtime, read by :mod:`pipeoptim.runtime.launch`
+    """The options of the distributed runtime, read by :mod:`pipeoptim.launcher`
     (idempotent: a parser that has them is left as is)."""
     existing = {s for a in parser._actions for s in a.option_strings}
     if "--timeout" in existing:
@@ -92,7 +92,7 @@ def add_distributed_options(parser: argparse.ArgumentParser) -> None:
         "under torchrun (torchrun --nproc-per-node N -m pipeoptim train --runtime distributed ...) "
         "the world size is the number of stages. Several machines: run torchrun on each with "
         "--nnodes, --node-rank, --master-addr/--master-port (or --rdzv-backend c10d "
-        "--rdzv-endpoint HOST:PORT). See `python -m pydoc pipeoptim.runtime.launch`.")
+        "--rdzv-endpoint HOST:PORT). See `python -m pydoc pipeoptim.launcher`.")
     g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds a stage waits for a peer before the run fails (default: %(default)g)")
     if "--device" not in existing:  # `train` and `compare` have it among the run options

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
+from ..errors import Interrupted, interrupt_on_signals
 from ..methods import method_names
 from .common import add_distributed_options, add_run_options, check_numbers, output_dir, print_json, run_config
 
@@ -71,23 +74,41 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
-            from ..runtime.launch import run_distributed_train
+            from ..launcher import run_distributed_train
 
-            return run_distributed_train(args, cfg)
-        return report(args, run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
-                                           log=_log(args), resume=True,
-                                           diagnose_every=args.diagnose_every), args.resume)
+            return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
+        with _interrupts_name_the_checkpoint(args.resume):
+            summary = run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
+                                     log=_log(args), resume=True, diagnose_every=args.diagnose_every)
+        return report(args, summary, args.resume)
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
         check_distributed_options(cfg)
-        from ..runtime.launch import run_distributed_train
+        from ..launcher import run_distributed_train
 
-        return run_distributed_train(args, cfg)
+        return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
     out = output_dir(args, f"{args.method}-N{cfg.stages}")
-    summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
-                             diagnose_every=args.diagnose_every)
+    with _interrupts_name_the_checkpoint(out):
+        summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
+                                 diagnose_every=args.diagnose_every)
     return report(args, summary, out)
+
+
+@contextlib.contextmanager
+def _interrupts_name_the_checkpoint(out: Path) -> Iterator[None]:
+    """Ctrl-C, SIGTERM or SIGHUP during a local run: one line with the signal, the last
+    checkpoint and the command that resumes (exit status 128 + the signal, from main)."""
+    from ..run_folder import resume_hint
+
+    with interrupt_on_signals():
+        try:
+            yield
+        except KeyboardInterrupt as error:
+            signum = error.signum if isinstance(error, Interrupted) else signal.SIGINT
+            hint = resume_hint(out, f"pipeoptim train --resume {out}")
+            raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}"
+                                      + (f". {hint}" if hint else "")) from None
 
 
 def check_distributed_options(cfg: RunConfig) -> None:

@@ -6,11 +6,17 @@ One machine, started for you (the processes bind to 127.0.0.1)::
 
 runs torchrun's elastic agent in this process (``torch.distributed.launcher.api.elastic_launch``,
 as ``torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
---max-restarts 0 -m pipeoptim.runtime.launch RUN.json`` would, the run's settings in a temporary
+--max-restarts 0 -m pipeoptim.launcher RUN.json`` would, the run's settings in a temporary
 file). If a stage fails or is killed, the agent stops the others within a tenth of a second and
 the command says which stage was lost and how (each stage keeps ``RUN/status/stage-K.json`` up to
 date, so that a stage killed outright is told apart from those cut off from it), names the last
 checkpoint, and exits with status 1 (2 for bad input found by the workers).
+
+Ctrl-C (SIGINT), SIGTERM or SIGHUP of the command, or of one stage, stops every process of the
+run within a fraction of a second and prints one line: the signal (and the stage, if one was signalled),
+the last checkpoint and the command that resumes; the exit status is 128 + the signal (130, 143,
+129). A stage whose launcher is killed outright (SIGKILL) ends by itself (Linux's parent-death
+signal), leaving the last complete checkpoint as it was (see :mod:`pipeoptim.runtime.lifecycle`).
 
 Checkpoints and ``--resume RUN`` work as in the local runtime: every rank writes its own stage
 file into ``RUN/checkpoints/...`` and rank 0 the manifest, so the run folder must be reachable
@@ -43,19 +49,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .defaults import DEFAULT_TIMEOUT
+from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
+from .run_folder import clear_statuses, read_statuses, resume_hint, write_status
+from .runtime import lifecycle
+from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.lifecycle import Stop, under_torchrun
 
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+#: set in the stage processes of a local launch: the launcher's pid (it reports for them)
+LAUNCHER_PID = "PIPEOPTIM_LAUNCHER_PID"
+#: seconds the agent gives a stage to end on a forwarded signal before SIGKILL (they take ms)
+SHUTDOWN_SECONDS = 3
+RESUME_COMMAND = "pipeoptim train --runtime distributed --resume {out}"
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -87,10 +100,9 @@ def _stages_given() -> bool:
     return any(a == "--stages" or a.startswith("--stages=") for a in sys.argv[1:])
 
 
-def run_distributed_train(args: argparse.Namespace, cfg) -> int:
-    """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun."""
-    from ..cli.common import output_dir
-
+def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[str], Path]) -> int:
+    """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun.
+    ``output_dir(label)`` names a new run folder (called on the rank that names it)."""
     opts = _options(args)
     resume = getattr(args, "resume", None)
     opts["resume"] = resume is not None
@@ -112,9 +124,10 @@ def run_distributed_train(args: argparse.Namespace, cfg) -> int:
             cfg = dataclasses.replace(cfg, stages=world)
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
-            out = output_dir(args, f"{cfg.method}-N{world}")
+            out = output_dir(f"{cfg.method}-N{world}")
+        guard_stage(int(os.environ["RANK"]), out)
         return worker(cfg, out=out, **opts)
-    out = resume if resume is not None else output_dir(args, f"{cfg.method}-N{cfg.stages}")
+    out = resume if resume is not None else output_dir(f"{cfg.method}-N{cfg.stages}")
     return launch(cfg, out=out, **opts)
 
 
@@ -125,13 +138,15 @@ def stage_count(cfg) -> int:
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
-    """The environment of a local launch: loopback for gloo, one compute thread per process."""
+    """The environment of a local launch: loopback for gloo, one compute thread per process,
+    the package importable, and this process's pid (``PIPEOPTIM_LAUNCHER_PID``)."""
     env = dict(os.environ)
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", str(threads or 1))  # (also quiets torchrun's banner)
-    src = str(Path(__file__).resolve().parents[2])  # the package importable in the workers
+    src = str(Path(__file__).resolve().parents[1])  # the package importable in the workers
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[LAUNCHER_PID] = str(os.getpid())  # the workers watch this process, and leave reporting to it
     return env
 
 
@@ -140,7 +155,28 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     """Start one process per stage on this machine (torchrun's agent, in this process) and wait
     for them. If a stage fails, the others are stopped at once and the reply names the stage
     that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
-    for a lost stage or a failed run, 2 for bad input found by the workers)."""
+    for a lost stage or a failed run, 2 for bad input found by the workers).
+
+    SIGINT (Ctrl-C), SIGTERM or SIGHUP of this process, or of one stage, stops every stage
+    (the agent forwards this process's signal; each stage ends at once, see
+    :mod:`pipeoptim.runtime.lifecycle`) and raises :class:`Interrupted`, whose message (the
+    command line's one line) names the signal, the last checkpoint and the command that
+    resumes; the command exits with 128 + the signal (130, 143, 129). A stage whose launcher is
+    killed outright (SIGKILL) ends by itself."""
+    with interrupt_on_signals():
+        try:
+            return _launch(cfg, out=out, timeout=timeout, device=device, threads=threads, json=json,
+                           progress=progress, resume=resume)
+        except Interrupted as stop:
+            if str(stop):  # a stage was signalled: already said
+                raise
+            hint = resume_hint(out, RESUME_COMMAND.format(out=out))
+            raise Interrupted(stop.signum, f"interrupted by {stop.signal_name}; every stage was stopped"
+                                           + (f". {hint}" if hint else "")) from None
+
+
+def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
+            json: bool, progress: bool, resume: bool) -> int:
     import json as _json
 
     check_before_launch(cfg)
@@ -161,9 +197,17 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         if not json:
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
-        failures = run_workers(nproc, "pipeoptim.runtime.launch", [str(config)], torchrun_env(threads))
+        clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
+        failures = run_workers(nproc, "pipeoptim.launcher", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
+    signalled = interrupted_stages(failures, out)
+    if signalled:
+        stage, status = signalled[0]
+        hint = resume_hint(out, RESUME_COMMAND.format(out=out))
+        raise Interrupted(getattr(signal, status["signal"], signal.SIGTERM),
+                          f"stage {stage} (rank {stage}, pid {status.get('pid')}) got {status['signal']}; "
+                          f"every stage was stopped" + (f". {hint}" if hint else ""))
     text, lost = failure_report(failures, out)
     print(f"pipeoptim train: error: {text}", file=sys.stderr, flush=True)
     return 2 if all(failures[r][0] == 2 for r in lost) else 1  # 2: bad input, found by a worker
@@ -172,8 +216,8 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 def check_before_launch(cfg) -> None:
     """Refuse settings the workers would refuse (stages against layers, micro-batches against
     the batch size, ...) here, once, before any process starts: one line, exit status 2."""
-    from ..experiment import check_run
-    from ..tasks import get_task
+    from .experiment import check_run
+    from .tasks import get_task
 
     task = get_task(cfg.task)
     cfg = cfg.resolved(task)
@@ -185,14 +229,25 @@ def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, 
     """Run ``python -m module *module_args`` as ``nproc`` ranks on this machine under torchrun's
     elastic agent (no restarts; the rendezvous on 127.0.0.1); return the failed ranks as
     ``{rank: (exit code, signal name or "")}``, empty if all succeeded. When one rank fails
-    the agent stops the others (SIGTERM) within its monitor interval (0.1 s)."""
+    the agent stops the others (SIGTERM) within its monitor interval (0.1 s).
+
+    A SIGINT, SIGTERM or SIGHUP of this process is forwarded to the ranks by the agent, which
+    waits for them (at most ``SHUTDOWN_SECONDS``, then SIGKILL); then :class:`Interrupted`
+    is raised. The agent's own log lines (the signal it forwards, the rank that failed) are
+    silenced: the caller reports (``PIPEOPTIM_DEBUG=1`` keeps them)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeoptim-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, local_addr="127.0.0.1")
+    settings = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipeoptim-{os.getpid()}",
+                    rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                    monitor_interval=0.1, local_addr="127.0.0.1")
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.8 or so
+        settings["shutdown_timeout"] = SHUTDOWN_SECONDS
+    config = LaunchConfig(**settings)
     saved = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}  # the agent replaces them
+    quiet = _quiet_agent_logs() if not os.environ.get("PIPEOPTIM_DEBUG") else {}
     os.environ.clear()
     os.environ.update(env)  # the agent hands its own environment to the workers
     try:
@@ -201,22 +256,54 @@ def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, 
     except ChildFailedError as error:
         return {rank: (f.exitcode, f.signal_name() if f.exitcode < 0 else "")
                 for rank, f in sorted(error.failures.items())}
+    except SignalException as error:  # the agent has stopped the ranks with the same signal
+        raise Interrupted(int(error.sigval)) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        for logger, level in quiet.items():
+            logger.setLevel(level)
+
+
+def _quiet_agent_logs() -> Dict[logging.Logger, int]:
+    """Raise torch's elastic agent's loggers to CRITICAL; return their previous levels."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (create the loggers)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+
+    saved = {}
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logger = logging.getLogger(name)
+            saved[logger] = logger.level
+            logger.setLevel(logging.CRITICAL)
+    return saved
+
+
+def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> List[Tuple[int, Dict[str, Any]]]:
+    """The failed stages that ended on a signal someone other than the launcher sent them
+    (``kill -TERM`` of a stage), by the time they recorded it; with their status."""
+    statuses = read_statuses(out)
+    found = [(r, statuses[r]) for r in failures
+             if statuses.get(r, {}).get("state") == "interrupted" and statuses[r].get("cause") == "signal"]
+    return sorted(found, key=lambda item: item[1].get("time", 0.0))
 
 
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
     last checkpoint (stage k is rank k); and the stages it names."""
-    from ..checkpoint import CheckpointError, latest_checkpoint
+    from .checkpoint import CheckpointError, latest_checkpoint
 
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
     # was lost; otherwise the stages that failed on their own, not for want of a peer.
+    # (A stage the agent stopped says so in its status: interrupted, by the launcher.)
     lost = [r for r, (code, sig) in failures.items() if code < 0 and sig != "SIGTERM"]
     if not lost:
-        lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"]
+        lost = [r for r, (code, _) in failures.items() if code > 0 and statuses.get(r, {}).get("kind") != "comm"
+                and statuses.get(r, {}).get("state") != "interrupted"]
     if not lost:
         lost = sorted(failures)[:1]
     messages = {statuses.get(r, {}).get("message") for r in lost}
@@ -251,33 +338,46 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     return text, lost
 
 
-def write_status(out: Optional[Path], stage: int, **fields: Any) -> None:
-    """Record this stage's state in ``RUN/status/stage-K.json`` (running, finished, failed), so
-    that the launcher can tell the stage that was lost from those that lost contact with it."""
-    if out is None:
+#: this stage process, for its signal watcher: its stage and run folder once known
+_this_stage: Dict[str, Any] = {"stage": None, "out": None}
+
+
+def guard_stage(stage: Optional[int], out: Optional[Path]) -> str:
+    """Install this stage process's guards (:func:`pipeoptim.runtime.lifecycle.guard`): it ends
+    at once on SIGINT, SIGTERM or SIGHUP and when its launcher dies, after recording why in its
+    status file. Under a user's torchrun (no launcher of ours to report) the stage that got the
+    signal, or rank 0 when torchrun forwarded it, also says so in one line on stderr."""
+    _this_stage.update(stage=stage, out=Path(out) if out is not None else None)
+    parent = os.environ.get(LAUNCHER_PID)
+    return lifecycle.guard(_on_stop, parent=int(parent) if parent else None)
+
+
+def _on_stop(stop: Stop) -> None:
+    """(In the watcher thread, just before the process ends: no imports, no locks of the main
+    thread's.)"""
+    stage, out = _this_stage["stage"], _this_stage["out"]
+    if stage is None:
         return
-    folder = out / "status"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".stage-{stage}.json.tmp"
-        tmp.write_text(_dumps({"stage": stage, "pid": os.getpid(), "time": time.time(), **fields}))
-        os.replace(tmp, folder / f"stage-{stage}.json")
-    except OSError:  # a status is advice; never fail a run over it
-        pass
+    how = {"launcher": f"stopped by {stop.signal_name} from its launcher (pid {stop.sender})",
+           "signal": f"got {stop.signal_name}" + (f" from pid {stop.sender}" if stop.sender else ""),
+           "parent-died": "its launcher died"}.get(stop.cause, f"got {stop.signal_name}")
+    write_status(out, stage, state="interrupted", signal=stop.signal_name, cause=stop.cause,
+                 sender=stop.sender, message=how)
+    if os.environ.get(LAUNCHER_PID) is None and (stop.cause == "signal" or stage == 0):
+        hint = resume_hint(out, "torchrun (the same flags) -m " + RESUME_COMMAND.format(out=out))
+        line = f"pipeoptim train: stage {stage} (pid {os.getpid()}) {how}; the run stops" + \
+               (f". {hint}" if hint else "") + "\n"
+        os.write(2, line.encode())
 
 
-def read_statuses(out: Optional[Path]) -> Dict[int, Dict[str, Any]]:
-    """The stages' status files of a run folder, by stage."""
-    found: Dict[int, Dict[str, Any]] = {}
-    if out is None or not (out / "status").is_dir():
-        return found
-    for path in (out / "status").glob("stage-*.json"):
-        try:
-            entry = json.loads(path.read_text())
-            found[int(entry["stage"])] = entry
-        except (ValueError, KeyError, OSError):
-            continue
-    return found
+_STARTED = time.time()  # (a peer's status from before this process began is an earlier run's)
+
+
+def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
+    """Did another stage of this run stop on a signal (so that this one's lost contact is no
+    news)?"""
+    return any(r != stage and st.get("state") == "interrupted" and st.get("time", 0.0) >= _STARTED
+               for r, st in read_statuses(out).items())
 
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
@@ -287,12 +387,12 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     import torch
     import torch.distributed as dist
 
-    from ..checkpoint import CheckpointError, latest_checkpoint
-    from ..experiment import check_run, progress_bar, summarize_run
-    from ..optimizers import make_optimizer
-    from ..tasks import get_task
-    from ..train import NonFiniteLoss
-    from .distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
+    from .checkpoint import CheckpointError, latest_checkpoint
+    from .errors import NonFiniteLoss
+    from .experiment import check_run, progress_bar, summarize_run
+    from .optimizers import make_optimizer
+    from .runtime.distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
+    from .tasks import get_task
 
     dev = init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
@@ -306,7 +406,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
             last = None
         write_status(out, stage_index, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
-        if not quiet:
+        if not quiet and not (kind == "comm" and _peer_interrupted(out, stage_index)):
             print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
@@ -325,6 +425,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         writer = comm.stage == 0
         folder = _broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
         out = Path(folder) if folder is not None else None
+        _this_stage.update(stage=stage_index, out=out)
         write_status(out, stage_index, state="running", rank=rank)
         log_file = None
         if writer and out is not None:
@@ -389,6 +490,8 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         return fail("checkpoint", error, 2)
     except BaseException as error:
         write_status(out, stage_index, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
+        if isinstance(error, Exception) and _peer_interrupted(out, stage_index):
+            return 1  # cut off by a stage that was stopped: that one is the news, not this traceback
         raise
     finally:
         try:
@@ -404,20 +507,23 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Worker entry of a local launch: ``python -m pipeoptim.runtime.launch RUN.json``."""
-    from ..experiment import RunConfig
-    from ..tasks import MissingDataError
-
+    """Worker entry of a local launch: ``python -m pipeoptim.launcher RUN.json``. The stage's
+    guards (signals, the launcher's death) go in first, before torch starts any thread."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pipeoptim.runtime.launch RUN.json (started by `pipeoptim train "
+        print("usage: python -m pipeoptim.launcher RUN.json (started by `pipeoptim train "
               "--runtime distributed`)", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
-    if spec.get("kind") == "bench":
-        from ..cli.bench import bench_worker
+    train = spec.get("kind") != "bench"
+    guard_stage(int(os.environ.get("RANK", "0")) if train else None, spec.get("out") if train else None)
+    if not train:
+        from .bench_worker import bench_worker
 
         return bench_worker(spec)
+    from .errors import MissingDataError
+    from .experiment import RunConfig
+
     cfg = RunConfig(**spec["config"])
     try:
         return worker(cfg, out=Path(spec["out"]) if spec["out"] else None, timeout=spec["timeout"],

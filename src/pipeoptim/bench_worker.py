@@ -1,0 +1,161 @@
+"""What `pipeoptim bench` runs inside its worker processes (one per stage, started by
+:func:`pipeoptim.launcher.run_workers`): the ``blocks`` model, the data, and every method timed in
+turn beside the single-process ``sequential`` baselines; rank 0 writes the results file that the
+command (:mod:`pipeoptim.cli.bench`) reads and prints.
+
+The default model, ``blocks``, is built so that every stage does the same work: on the flattened
+image, four fully connected blocks (linear + ReLU, 512 wide) per stage and a linear head of 10
+classes on the last stage (see :mod:`pipeoptim.cli.bench` for why the stages are balanced).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+BLOCK_WIDTH = 512
+BLOCKS_PER_STAGE = 4
+
+
+def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage: int = BLOCKS_PER_STAGE):
+    """Fully connected blocks on the flattened 28x28 image, ``per_stage`` per stage, and a
+    linear head of 10 classes (see :mod:`pipeoptim.cli.bench` for why the stages are balanced)."""
+    from torch import nn
+
+    from .tasks.common import seeded
+
+    with seeded(seed):
+        blocks = [nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU())]
+        blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(per_stage * stages - 1)]
+        blocks.append(nn.Linear(width, 10))
+        return nn.Sequential(*blocks)
+
+
+def _data(spec: Dict[str, Any], count: int):
+    import torch
+
+    from .tasks import get_task
+
+    task = get_task(spec["task"])
+    batch = spec["batch_size"] or task.default_batch_size
+    if spec["synthetic"]:
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
+                   for _ in range(count)]
+        return task, batch, batches, None
+    data = task.load(batch_size=batch, limit=batch * count, seed=0)
+    batches = list(data.train)
+    while len(batches) < count:  # fewer examples than asked: cycle
+        batches += data.train[: count - len(batches)]
+    return task, batch, batches[:count], data
+
+
+def bench_worker(spec: Dict[str, Any]) -> int:
+    """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
+    import torch
+    import torch.distributed as dist
+
+    from .optimizers import make_optimizer
+    from .partition import plan_partition
+    from .runtime.distributed import PipeComm, init_process_group, train_distributed
+
+    init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and spec["verbose"] else (lambda *a: None)
+    try:
+        warm, timed = spec["warmup"], spec["batches"]
+        task, batch, batches, data = _data(spec, warm + timed)
+        if spec["model"] == "blocks":
+            model = blocks_model(world)
+            partition = [BLOCKS_PER_STAGE] * (world - 1) + [BLOCKS_PER_STAGE + 1]  # the head: last
+        else:
+            if spec["model"] not in task.model_names():
+                raise ValueError(f"task {task.name} has no model {spec['model']!r}; choose blocks or one "
+                                 f"of: {', '.join(task.model_names())}")
+            model = task.build_model(spec["model"], data, seed=0)
+            partition = plan_partition(model, world, spec["partitioner"])
+        optimizer = make_optimizer(spec["optimizer"], spec["lr"])
+        loss_fn = task.loss
+        solo = dist.new_group([0], timeout=datetime.timedelta(seconds=spec["timeout"]))
+        pipe = PipeComm(timeout=spec["timeout"])
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+        def run_once(method: str, comm: PipeComm, threads: int, chunk: List[Any]):
+            torch.set_num_threads(threads)
+            try:
+                kwargs = dict(method=method, optimizer=optimizer, loss_fn=loss_fn, comm=comm,
+                              micro_batches=spec["micro_batches"] if method != "sequential" else None)
+                if method != "sequential":
+                    kwargs["partition"] = partition
+                return train_distributed(model, chunk, **kwargs)
+            finally:
+                torch.set_num_threads(1)
+
+        def summary(rounds: List[Any], threads: int) -> Dict[str, Any]:
+            """The median round's figures (and every round's throughput)."""
+            sps = [r.metrics["samples_per_second"] for r in rounds]
+            res = sorted(rounds, key=lambda r: r.metrics["samples_per_second"])[(len(rounds) - 1) // 2]
+            m = res.metrics["microbatches"]
+            profile = []  # per stage, ms per mini-batch: computing, and blocked on a peer
+            for st, links in zip(res.metrics.get("stage_seconds", []), res.metrics.get("comm", [])):
+                profile.append({
+                    "compute": round(1e3 * (m * (st["F"] + st["B"]) + st["U"]), 3),
+                    "waiting": {k: round(1e3 * v["wait_seconds"] / timed, 3) for k, v in links.items()},
+                    "bytes_per_batch": {k: v["bytes"] // timed for k, v in links.items()},
+                })
+            return {"samples_per_second": statistics.median(sps), "rounds_samples_per_second": sps,
+                    "threads": threads, "cpu_share": [r.metrics["epochs"][0]["cpu_share"] for r in rounds],
+                    "microbatches": m, "partition": res.metrics["partition"],
+                    "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()}
+                                 for st in res.metrics.get("stage_seconds", [])],
+                    "ms_per_batch": round(1e3 * res.metrics["seconds"] / timed, 3),
+                    "profile_ms_per_batch": profile, "final_loss": res.losses[-1]}
+
+        # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
+        # burst of other work on the machine hits all of them alike rather than one.
+        solo_comm = PipeComm(solo, timeout=spec["timeout"]) if rank == 0 else None
+        baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
+        runs = [(name, "sequential", threads) for name, threads in baselines] + \
+               [(m, m, 1) for m in spec["methods"]]
+        rounds: Dict[str, List[Any]] = {name: [] for name, _, _ in runs}
+
+        def record(r: int, name: str, res) -> None:
+            if r >= 0:
+                rounds[name].append(res)
+                say(f"  round {r + 1}: {name:>16}: {res.metrics['samples_per_second']:.0f} samples/s")
+
+        for r in range(-1 if warm else 0, spec["repeats"]):  # round -1: the warm-up
+            chunk = batches[:warm] if r < 0 else batches[warm:]
+            if baselines:  # one process; the others wait at the barrier
+                if rank == 0:
+                    for name, threads in baselines:
+                        record(r, name, run_once("sequential", solo_comm, threads, chunk))
+                dist.barrier()
+            for method in spec["methods"]:
+                record(r, method, run_once(method, pipe, 1, chunk))
+        detail = {name: summary(rounds[name], threads) for name, _, threads in runs if rounds[name]}
+        if rank == 0:
+            result = {
+                "benchmark": "distributed_throughput",
+                "samples_per_second": {k: v["samples_per_second"] for k, v in detail.items()},
+                "settings": {"task": spec["task"], "model": spec["model"], "stages": world,
+                             "partition": partition, "batch_size": batch, "batches": timed,
+                             "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
+                             "lr": spec["lr"], "micro_batches": spec["micro_batches"],
+                             "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
+                             "parameters": sum(p.numel() for p in model.parameters()),
+                             "backend": "gloo", "torch": torch.__version__},
+                "detail": detail,
+            }
+            Path(spec["result"]).write_text(json.dumps(result))
+        dist.barrier()
+        return 0
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,172 @@
+"""How a process of a distributed run ends: at once on a signal, and by itself when the process
+that started it dies.
+
+A stage process is started by torchrun's agent (``torchrun``, or ``pipeoptim train --runtime
+distributed``, which runs that agent in-process) in a session of its own: a terminal's Ctrl-C
+reaches only the launcher, which forwards it to the stages; and a launcher killed outright
+(SIGKILL, the out-of-memory killer) forwards nothing. :func:`guard` installs two guards, first
+thing in the process, before any other thread starts:
+
+* **Signals.** SIGINT, SIGTERM and SIGHUP are blocked in every thread and taken by one watcher
+  thread (``sigwaitinfo``), so they act at once even while the main thread waits inside gloo or
+  NCCL or runs a long kernel (a Python signal handler would run only when the main thread comes
+  back to the interpreter, which a wait on a peer may not do for minutes). The watcher tells who
+  sent the signal: the process that started this one (a launcher forwarding a stop), someone else
+  (``kill``, a scheduler), or the kernel because that parent died; it calls ``on_stop`` with a
+  :class:`Stop` (to record it) and ends the process with ``os._exit(128 + signal)``: no traceback,
+  no interpreter teardown (gloo's threads can abort it), the last complete checkpoint untouched
+  (checkpoints are written to temporary names and renamed, the manifest and the pointer last).
+* **The parent's death.** Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``,
+  through ctypes): when the parent dies the kernel sends SIGTERM, which the watcher takes as
+  above. Where prctl is not available a daemon thread checks every 0.25 s whether the parent is
+  still the process that started this one.
+
+Where ``sigwaitinfo`` is missing (not Linux), ordinary handlers in the main thread stop the
+process instead (they run when the main thread next runs Python code).
+
+Imports nothing of pipeoptim: the launcher (experiment layer) and any script under torchrun can
+use it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+#: the signals that stop a stage: Ctrl-C (forwarded by the launcher), kill's default, a lost terminal
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+#: the signal the kernel sends a stage when its parent dies (prctl)
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+POLL_SECONDS = 0.25
+_PR_SET_PDEATHSIG = 1
+_PF_EXITING = 0x4  #: a task's flag in /proc/PID/stat while it exits
+
+#: what :func:`guard` installed in this process (None: nothing yet)
+installed: Optional[str] = None
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why this process is stopping.
+
+    ``cause`` is ``"launcher"`` (the parent sent the signal: a launcher forwarding Ctrl-C or
+    SIGTERM, or stopping the run because another stage failed), ``"signal"`` (someone else sent it)
+    or ``"parent-died"`` (the process that started this one is gone)."""
+
+    signum: int
+    cause: str
+    sender: Optional[int] = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def set_parent_death_signal(signum: int = PARENT_DEATH_SIGNAL) -> bool:
+    """Ask Linux to send ``signum`` to this process when its parent dies; False where that is
+    not available (not Linux, no libc, prctl refused)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def parent_gone(parent: int) -> bool:
+    """Has the process ``parent`` died, or begun to (this process was handed to another, or
+    ``parent`` is a zombie, gone, or exiting)?"""
+    if os.getppid() != parent:
+        return True
+    try:
+        fields = open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return os.path.isdir("/proc/self")  # no such process; without /proc, only the test above
+    return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
+def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Optional[int] = None,
+          use_prctl: bool = True) -> str:
+    """Install both guards in this process (call it from the main thread, before other threads
+    start: only threads started afterwards inherit the blocked signals; a second call does
+    nothing; from another thread only the parent is watched). ``parent`` is
+    the pid of the process that started this one (default: the current parent; a launcher that
+    knows better passes its own pid, so that a parent already gone is noticed). ``on_stop`` runs
+    in the watcher thread just before the process ends; keep it short (write a status, print a
+    line) and free of imports. Returns how the parent is watched, ``"prctl"`` or ``"poll"``."""
+    global installed
+    if installed is not None:
+        return installed.split("+")[1]
+    parent = os.getppid() if parent is None else parent
+    once = threading.Lock()
+
+    def stop(reason: Stop) -> None:
+        if not once.acquire(blocking=False):  # another thread is already ending the process
+            while True:
+                time.sleep(60)
+        try:
+            on_stop(reason)
+        except BaseException:  # noqa: BLE001 - the process ends regardless
+            pass
+        finally:
+            os._exit(reason.exit_code)
+
+    def cause_of(sender: Optional[int]) -> str:
+        if sender != parent:
+            return "parent-died" if parent_gone(parent) else "signal"
+        # The parent's pid on the signal: forwarded by a live launcher, or the kernel's
+        # parent-death signal (sent as from the dying parent, while it still has that pid).
+        deadline = time.monotonic() + 0.05
+        while not parent_gone(parent):
+            if time.monotonic() > deadline:
+                return "launcher"
+            time.sleep(0.005)
+        return "parent-died"
+
+    how_signals = "none"  # (only the main thread may set handlers and block signals for the rest)
+    if threading.current_thread() is threading.main_thread():
+        # Handlers first: where signals cannot be waited for, and for a signal that lands on a
+        # thread started before the guard (not blocked there), they stop the process when the
+        # main thread next runs Python code; the sender is not known there.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda s, frame: stop(Stop(s, cause_of(None))))
+        how_signals = "handler"
+        if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread and those it starts
+
+            def watch_signals() -> None:
+                while True:
+                    info = signal.sigwaitinfo(STOP_SIGNALS)
+                    sender = info.si_pid or None
+                    stop(Stop(info.si_signo, cause_of(sender), sender))
+
+            threading.Thread(target=watch_signals, name="pipeoptim-signals", daemon=True).start()
+            how_signals = "sigwait"
+
+    how = "prctl" if use_prctl and set_parent_death_signal() else "poll"
+    if os.getppid() != parent:  # gone before the guard was set: nobody will signal us
+        stop(Stop(PARENT_DEATH_SIGNAL, "parent-died"))
+    if how == "poll":
+        def watch_parent() -> None:
+            while os.getppid() == parent:
+                time.sleep(POLL_SECONDS)
+            stop(Stop(PARENT_DEATH_SIGNAL, "parent-died"))
+
+        threading.Thread(target=watch_parent, name="pipeoptim-parent", daemon=True).start()
+    installed = f"{how_signals}+{how}"
+    return how

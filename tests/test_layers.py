@@ -1,0 +1,267 @@
+"""The layers of the package (DESIGN.md section 6, docs/architecture.md "Layers"): each module
+imports only modules of its own layer or of the layers below it, and no two modules import each
+other, directly or around a circle.
+
+The imports are read from the source with ``ast``, not by importing anything: every ``import``
+and ``from ... import`` anywhere in a module (at the top, inside functions, under
+``if TYPE_CHECKING``), relative or absolute; ``importlib.import_module("pipeoptim.x")`` with a
+literal name; and the ``_LAZY`` tables of package ``__init__`` files (name -> submodule, served
+on first use). ``from package import name`` counts as an import of the submodule
+``package.name`` where that is a module, else of the package. Importing ``a.b.c`` also runs the
+``__init__`` of ``a`` and ``a.b``; those implicit imports are Python's, not the module's, and are
+not counted (else every module would import the package's top).
+
+The table, lowest layer first (a module not in it fails the test: a new module gets a layer when
+it is added):
+
+====================  =========================================================================
+layer                 modules
+====================  =========================================================================
+leaves                errors, checkpoint, partition, lr_schedules, plan_defaults
+schedules, weights    schedules/ (schedules as data, simulator, renderers), weights/ (policies,
+                      prediction)
+methods               methods (the registry: name -> schedule, policy, options)
+runtime               runtime/ (stage, the local and distributed executors, the resolved run,
+                      building stages, the process lifecycle of a stage)
+API                   pipeline (pipeoptim.Pipeline), train (pipeoptim.train), profile
+experiment            experiment (task + method + run folder), tasks/, planner, plots,
+                      optimizers (by name), launcher (torchrun's agent, the stage worker),
+                      run_folder (status files, last checkpoint), bench_worker
+command line          cli/, __main__, the package's __init__
+====================  =========================================================================
+"""
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+from typing import Dict, Iterable, List, Set, Tuple
+
+PACKAGE = "pipeoptim"
+SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+#: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
+LAYERS: List[Tuple[str, List[str]]] = [
+    ("leaves", ["errors", "checkpoint", "partition", "lr_schedules", "plan_defaults"]),
+    ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
+    ("methods", ["methods"]),
+    ("runtime", ["runtime", "runtime.*"]),
+    ("API", ["pipeline", "train", "profile"]),
+    ("experiment", ["experiment", "tasks", "tasks.*", "planner", "plots", "optimizers", "launcher",
+                    "run_folder", "bench_worker"]),
+    ("command line", ["cli", "cli.*", "__main__", ""]),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the checker
+
+
+def find_modules(root: Path, package: str) -> Dict[str, Path]:
+    """Every module of the package under ``root``: dotted name -> file (a package's name maps
+    to its ``__init__.py``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join([package] + parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, modules: Iterable[str]) -> Set[str]:
+    """The modules of the package that module ``name`` (file ``path``) imports."""
+    modules = set(modules)
+    root = name.split(".")[0]
+    is_package = path.name == "__init__.py"
+    here = name if is_package else name.rpartition(".")[0]  # the package relative imports start in
+    targets: Set[str] = set()
+
+    def add(dotted: str) -> None:
+        while dotted and dotted not in modules:  # `import a.b.C` (C not a module) is a.b
+            dotted = dotted.rpartition(".")[0]
+        if dotted and dotted.split(".")[0] == root:
+            targets.add(dotted)
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            for alias in node.names:
+                sub = f"{base_name}.{alias.name}"
+                add(sub if sub in modules else base_name)
+        elif isinstance(node, ast.Call) and _is_import_module(node.func) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            add(node.args[0].value)
+        elif is_package and isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) \
+                and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    add(f"{name}.{value.value}")
+    targets.discard(name)
+    return targets
+
+
+def _is_import_module(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or \
+           (isinstance(func, ast.Name) and func.id in ("import_module", "__import__"))
+
+
+def import_graph(root: Path, package: str) -> Dict[str, Set[str]]:
+    modules = find_modules(root, package)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def layer_of(module: str, package: str, layers: List[Tuple[str, List[str]]]) -> int:
+    """The index of the module's layer in ``layers`` (-1: not in the table)."""
+    relative = module[len(package) + 1:] if module != package else ""
+    for index, (_, patterns) in enumerate(layers):
+        if any(relative == p if p in ("", "__main__") else fnmatch.fnmatchcase(relative, p) for p in patterns):
+            return index
+    return -1
+
+
+def upward_imports(graph: Dict[str, Set[str]], package: str,
+                   layers: List[Tuple[str, List[str]]]) -> List[str]:
+    """One line per import of a higher layer: 'a (layer) imports b (higher layer)'."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        mine = layer_of(module, package, layers)
+        for target in sorted(targets):
+            theirs = layer_of(target, package, layers)
+            if theirs > mine:
+                found.append(f"{module} ({layers[mine][0]}) imports {target} ({layers[theirs][0]})")
+    return found
+
+
+def import_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    cycles: List[List[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the number of modules (~100)
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+# ---------------------------------------------------------------------------------------------
+# the package
+
+
+def test_every_module_has_a_layer():
+    graph = import_graph(SRC, PACKAGE)
+    assert len(graph) > 50  # the walk found the package
+    unmapped = [m for m in graph if layer_of(m, PACKAGE, LAYERS) < 0]
+    assert unmapped == [], f"give these modules a layer in LAYERS (and docs/architecture.md): {unmapped}"
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(import_graph(SRC, PACKAGE), PACKAGE, LAYERS) == []
+
+
+def test_no_import_cycles():
+    assert import_cycles(import_graph(SRC, PACKAGE)) == []
+
+
+def test_the_runtime_reaches_nothing_above_it():
+    """Issue 13 item 3, stated directly: runtime/, schedules/ and weights/ import only the
+    leaves, schedules/weights, methods and the runtime itself."""
+    graph = import_graph(SRC, PACKAGE)
+    allowed = {"errors", "checkpoint", "partition", "lr_schedules", "plan_defaults", "methods"}
+    for module, targets in graph.items():
+        if module.startswith((f"{PACKAGE}.runtime", f"{PACKAGE}.schedules", f"{PACKAGE}.weights")):
+            for target in targets:
+                rel = target[len(PACKAGE) + 1:]
+                assert rel in allowed or rel.split(".")[0] in ("runtime", "schedules", "weights"), \
+                    f"{module} imports {target}"
+    # and the imports that used to be there are seen where they are now (the walk sees inside functions)
+    assert f"{PACKAGE}.cli.common" not in graph[f"{PACKAGE}.launcher"]
+    assert {f"{PACKAGE}.experiment", f"{PACKAGE}.tasks", f"{PACKAGE}.optimizers",
+            f"{PACKAGE}.bench_worker", f"{PACKAGE}.runtime.distributed"} <= graph[f"{PACKAGE}.launcher"]
+    assert f"{PACKAGE}.launcher" in graph[f"{PACKAGE}.cli.bench"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the checker can fail: a small package with an upward import (inside a function) and a cycle
+
+
+def _write(root: Path, files: Dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+SYNTHETIC_LAYERS = [("low", ["low", "sub", "sub.*"]), ("high", ["high", "top", ""])]
+
+
+def test_the_checker_finds_an_upward_import_inside_a_function_and_a_cycle(tmp_path):
+    _write(tmp_path / "pkg", {
+        "__init__.py": "_LAZY = {'Thing': 'top'}\n",
+        "low.py": "def later():\n    from .high import x  # upward, and a cycle with high\n    return x\n",
+        "high.py": "from . import low\nx = 1\n",
+        "top.py": "import pkg.high\n",
+        "sub/__init__.py": "",
+        "sub/deep.py": "from ..low import later\nfrom .. import top  # upward, two levels of package\n",
+        "sub/ok.py": "from pkg.sub import deep\nimport importlib\nm = importlib.import_module('pkg.low')\n",
+    })
+    graph = import_graph(tmp_path / "pkg", "pkg")
+    assert graph == {
+        "pkg": {"pkg.top"}, "pkg.low": {"pkg.high"}, "pkg.high": {"pkg.low"}, "pkg.top": {"pkg.high"},
+        "pkg.sub": set(), "pkg.sub.deep": {"pkg.low", "pkg.top"}, "pkg.sub.ok": {"pkg.sub.deep", "pkg.low"},
+    }
+    assert upward_imports(graph, "pkg", SYNTHETIC_LAYERS) == [
+        "pkg.low (low) imports pkg.high (high)",
+        "pkg.sub.deep (low) imports pkg.top (high)",
+    ]
+    assert import_cycles(graph) == [["pkg.high", "pkg.low"]]
+
+
+def test_the_checker_passes_a_clean_package_and_names_an_unmapped_module(tmp_path):
+    _write(tmp_path / "pkg", {
+        "__init__.py": "from .high import x\n",
+        "low.py": "import os\nimport json as j\nfrom typing import Any\n",
+        "high.py": "from .low import j\nfrom pkg.sub.deep import y\nx = 1\n",
+        "sub/__init__.py": "",
+        "sub/deep.py": "from .. import low\ny = 2\n",
+        "stray.py": "",
+    })
+    graph = import_graph(tmp_path / "pkg", "pkg")
+    assert upward_imports(graph, "pkg", SYNTHETIC_LAYERS) == []
+    assert import_cycles(graph) == []
+    assert [m for m in graph if layer_of(m, "pkg", SYNTHETIC_LAYERS) < 0] == ["pkg.stray"]
