@@ -46,7 +46,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "train", "profile"]),
+    ("API", ["pipeline", "train", "profile", "torchrun"]),
     ("experiment", ["experiment", "tasks", "tasks.*", "planner", "plots", "optimizers", "launcher",
                     "run_folder", "bench_worker"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),
