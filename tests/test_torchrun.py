@@ -207,3 +207,21 @@ def test_two_nodes_give_what_one_node_gives(tmp_path):
     for method in ("pipeoptim", "1f1b-flush"):
         assert two_nodes[method]["losses"] == one_node[method]["losses"]
         assert two_nodes[method]["weights"] == one_node[method]["weights"]
+
+
+@pytest.mark.parametrize("stages,replicas,expected", [
+    (1, 2, {"sequential-1dev", "sequential-all", "sequential x2"}),
+    (2, 1, {"sequential-1dev", "sequential-all", "pipeoptim", "pipeoptim (Pipeline)"}),
+])
+def test_bench_times_data_parallel_layouts_beside_the_baselines(tmp_path, capfd, stages, replicas, expected):
+    from pipeoptim.cli import main
+
+    assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
+                 "--methods", "pipeoptim", "--stages", str(stages), "--data-parallel", str(replicas),
+                 "--json", "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert set(result["samples_per_second"]) == expected
+    assert (result["settings"]["stages"], result["settings"]["data_parallel"]) == (stages, replicas)
+    assert all(v > 0 for v in result["samples_per_second"].values())
+    pipelined = [name for name in expected if "x2" in name or "Pipeline" in name][0]
+    assert len(result["detail"][pipelined]["cpu_share"][0]) == 2          # a share per process

@@ -54,6 +54,16 @@ def _data(spec: Dict[str, Any], count: int):
     return task, batch, batches[:count], data
 
 
+class PipelineRun:
+    """One timed run through pipeoptim.Pipeline (on every rank)."""
+
+    def __init__(self, samples_per_second: float, seconds: float, cpu_share: List[float], result: Any,
+                 microbatches: int) -> None:
+        self.samples_per_second, self.seconds, self.cpu_share = samples_per_second, seconds, cpu_share
+        self.result, self.microbatches = result, microbatches
+        self.metrics = {"samples_per_second": samples_per_second}  # what record() prints
+
+
 def bench_worker(spec: Dict[str, Any]) -> int:
     """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
     import torch
@@ -65,23 +75,25 @@ def bench_worker(spec: Dict[str, Any]) -> int:
 
     init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = spec.get("data_parallel", 1)
+    stages = world // replicas  # the pipeline's stages; world = stages x replicas
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and spec["verbose"] else (lambda *a: None)
     try:
         warm, timed = spec["warmup"], spec["batches"]
         task, batch, batches, data = _data(spec, warm + timed)
         if spec["model"] == "blocks":
-            model = blocks_model(world)
-            partition = [BLOCKS_PER_STAGE] * (world - 1) + [BLOCKS_PER_STAGE + 1]  # the head: last
+            model = blocks_model(stages)
+            partition = [BLOCKS_PER_STAGE] * (stages - 1) + [BLOCKS_PER_STAGE + 1]  # the head: last
         else:
             if spec["model"] not in task.model_names():
                 raise ValueError(f"task {task.name} has no model {spec['model']!r}; choose blocks or one "
                                  f"of: {', '.join(task.model_names())}")
             model = task.build_model(spec["model"], data, seed=0)
-            partition = plan_partition(model, world, spec["partitioner"])
+            partition = plan_partition(model, stages, spec["partitioner"])
         optimizer = make_optimizer(spec["optimizer"], spec["lr"])
         loss_fn = task.loss
         solo = dist.new_group([0], timeout=datetime.timedelta(seconds=spec["timeout"]))
-        pipe = PipeComm(timeout=spec["timeout"])
+        pipe = PipeComm(timeout=spec["timeout"]) if replicas == 1 else None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
         def run_once(method: str, comm: PipeComm, threads: int, chunk: List[Any]):
@@ -95,8 +107,39 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             finally:
                 torch.set_num_threads(1)
 
+        def run_pipeline(method: str, chunk: List[Any]):
+            """The same run through pipeoptim.Pipeline on all processes: stages x replicas, each
+            replica on its shard of every mini-batch; timed from a barrier to the last process's end."""
+            import time
+
+            from .pipeline import Pipeline
+
+            pipeline = Pipeline(model, method=method, loss_fn=loss_fn, optimizer=optimizer,
+                                stages=None if method == "sequential" else stages,
+                                partition=None if method == "sequential" else partition,
+                                micro_batches=spec["micro_batches"] if method != "sequential" else None,
+                                data_parallel=replicas, timeout=spec["timeout"], threads=1)
+            d = pipeline.data_parallel_rank
+            shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            result = pipeline.fit(shard)
+            dist.barrier()
+            wall = time.perf_counter() - start
+            share = [None] * world
+            dist.all_gather_object(share, round((time.process_time() - cpu) / wall, 3))
+            return PipelineRun(batch * len(chunk) / wall, wall, share, result, pipeline.microbatches)
+
         def summary(rounds: List[Any], threads: int) -> Dict[str, Any]:
             """The median round's figures (and every round's throughput)."""
+            if isinstance(rounds[0], PipelineRun):
+                sps = [r.samples_per_second for r in rounds]
+                res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
+                return {"samples_per_second": statistics.median(sps), "rounds_samples_per_second": sps,
+                        "threads": threads, "cpu_share": [r.cpu_share for r in rounds],
+                        "microbatches": res.microbatches, "partition": res.result.metrics["partition"],
+                        "processes": world, "replicas": replicas,
+                        "ms_per_batch": round(1e3 * res.seconds / timed, 3), "final_loss": res.result.losses[-1]}
             sps = [r.metrics["samples_per_second"] for r in rounds]
             res = sorted(rounds, key=lambda r: r.metrics["samples_per_second"])[(len(rounds) - 1) // 2]
             m = res.metrics["microbatches"]
@@ -119,8 +162,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         # burst of other work on the machine hits all of them alike rather than one.
         solo_comm = PipeComm(solo, timeout=spec["timeout"]) if rank == 0 else None
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
+        # today's runtime (train_distributed) for a single pipeline; pipeoptim.Pipeline for
+        # every layout, named "method (Pipeline)" beside it, or "method xD" with D replicas
+        label = (lambda m: f"{m} (Pipeline)") if replicas == 1 else (lambda m: f"{m} x{replicas}")
         runs = [(name, "sequential", threads) for name, threads in baselines] + \
-               [(m, m, 1) for m in spec["methods"]]
+               ([(m, m, 1) for m in spec["methods"]] if replicas == 1 else []) + \
+               [(label(m), m, 1) for m in spec["pipeline_methods"]]
         rounds: Dict[str, List[Any]] = {name: [] for name, _, _ in runs}
 
         def record(r: int, name: str, res) -> None:
@@ -135,14 +182,18 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     for name, threads in baselines:
                         record(r, name, run_once("sequential", solo_comm, threads, chunk))
                 dist.barrier()
-            for method in spec["methods"]:
-                record(r, method, run_once(method, pipe, 1, chunk))
+            if replicas == 1:
+                for method in spec["methods"]:
+                    record(r, method, run_once(method, pipe, 1, chunk))
+            for method in spec["pipeline_methods"]:
+                record(r, label(method), run_pipeline(method, chunk))
         detail = {name: summary(rounds[name], threads) for name, _, threads in runs if rounds[name]}
         if rank == 0:
             result = {
                 "benchmark": "distributed_throughput",
                 "samples_per_second": {k: v["samples_per_second"] for k, v in detail.items()},
-                "settings": {"task": spec["task"], "model": spec["model"], "stages": world,
+                "settings": {"task": spec["task"], "model": spec["model"], "stages": stages,
+                             "data_parallel": replicas, "processes": world,
                              "partition": partition, "batch_size": batch, "batches": timed,
                              "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],

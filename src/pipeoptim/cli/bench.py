@@ -51,7 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="blocks",
                    help="blocks (default: identical blocks, balanced stages) or a model of the task")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default: 2)")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (default: 2)")
+    p.add_argument("--data-parallel", type=int, default=None, metavar="D",
+                   help="run the methods through pipeoptim.Pipeline with D replicas of the pipeline "
+                        "(stages x D processes), each on its shard of every mini-batch; with --stages 1, "
+                        "the whole model data parallel. D = 1 runs each method on today's runtime and "
+                        "through Pipeline side by side")
     p.add_argument("--batches", type=int, default=32, help="timed mini-batches per run (default: 32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed mini-batches first (default: 2)")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds, the runs taking turns; the median is reported (default: 1)")
@@ -76,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> List[str]:
-    for name in ("stages", "batches", "repeats", "batch_size", "micro_batches"):
+    for name in ("stages", "batches", "repeats", "batch_size", "micro_batches", "data_parallel"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -96,14 +101,23 @@ def run(args: argparse.Namespace) -> int:
     methods = _check(args)
     from ..launcher import run_workers, torchrun_env
 
-    if args.stages < 2 and methods:
-        raise ValueError("a pipeline needs --stages 2 or more")
+    replicas = args.data_parallel or 1
+    if args.stages < 2 and replicas < 2:
+        raise ValueError("a pipeline needs --stages 2 or more (or --stages 1 --data-parallel D)")
+    if args.stages == 1:
+        methods = []  # the replicas of the whole model: sequential, data parallel
+    # --data-parallel D: the methods through pipeoptim.Pipeline on stages x D processes (with D = 1
+    # beside the same methods on today's runtime); without it, today's runtime alone
+    pipeline_methods = [] if args.data_parallel is None else ["sequential"] if args.stages == 1 else methods
+    if args.batch_size is not None and args.batch_size % replicas:
+        raise ValueError(f"--batch-size {args.batch_size} does not split into {replicas} equal shards")
     batch = args.batch_size or (512 if args.model == "blocks" else None)
     out = args.out or Path("benchmarks") / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pipeoptim-bench-") as tmp:
         spec = {"kind": "bench", "task": args.task, "model": args.model, "methods": methods,
+                "pipeline_methods": pipeline_methods, "data_parallel": replicas,
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
@@ -112,10 +126,12 @@ def run(args: argparse.Namespace) -> int:
                 "verbose": not args.json}
         config = Path(tmp) / "bench.json"
         config.write_text(json.dumps(spec))
-        log(f"bench: {args.stages} processes, methods {', '.join(methods)}; timing inside the workers")
+        processes = args.stages * replicas
+        log(f"bench: {processes} processes ({args.stages} stages x {replicas} replicas), methods "
+            f"{', '.join(methods or pipeline_methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
         with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
-            failures = run_workers(args.stages, "pipeoptim.launcher", [str(config)], torchrun_env(1))
+            failures = run_workers(processes, "pipeoptim.launcher", [str(config)], torchrun_env(1))
         busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
         if failures:
             how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
@@ -156,19 +172,24 @@ def _children_cpu() -> float:
 
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
-    """The ratios worth reading: each method against the baselines, pipeoptim against
-    async-naive, and the asynchronous 1F1B methods against gpipe."""
+    """The ratios worth reading: each run against the baselines, pipeoptim against async-naive,
+    the asynchronous 1F1B methods against gpipe, and each method through pipeoptim.Pipeline
+    against the same method on today's runtime."""
     out: Dict[str, float] = {}
+    runs = [name for name in sps if not name.startswith("sequential-")]
     for base in ("sequential-1dev", "sequential-all"):
         if base in sps:
-            for m in methods:
+            for m in runs:
                 out[f"{m}/{base}"] = sps[m] / sps[base]
     if "pipeoptim" in sps and "async-naive" in sps:
         out["pipeoptim/async-naive"] = sps["pipeoptim"] / sps["async-naive"]
     if "gpipe" in sps:
         for m in methods:
-            if m in ASYNC_1F1B:
+            if m in ASYNC_1F1B and m in sps:
                 out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
+    for m in methods:
+        if f"{m} (Pipeline)" in sps and m in sps:
+            out[f"{m} (Pipeline)/{m}"] = sps[f"{m} (Pipeline)"] / sps[m]
     return out
 
 
@@ -176,6 +197,7 @@ def format_report(result: Dict[str, Any]) -> str:
     s = result["settings"]
     sps = result["samples_per_second"]
     lines = [f"{s['task']} / {s['model']} ({s['parameters'] / 1e6:.2f} M parameters), {s['stages']} stages "
+             f"x {s.get('data_parallel', 1)} replica(s) "
              f"{s['partition']}, batch {s['batch_size']}, {s['batches']} timed mini-batches per run, "
              f"{s['repeats']} round(s) (after {s['warmup']} warm-up), {s['optimizer']} lr {s['lr']}, 1 thread per stage",
              ""]
