@@ -225,3 +225,32 @@ def test_bench_times_data_parallel_layouts_beside_the_baselines(tmp_path, capfd,
     assert all(v > 0 for v in result["samples_per_second"].values())
     pipelined = [name for name in expected if "x2" in name or "Pipeline" in name][0]
     assert len(result["detail"][pipelined]["cpu_share"][0]) == 2          # a share per process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_torchrun_ends_every_stage_of_a_pipeline_script(tmp_path, signum):
+    """Ctrl-C or SIGTERM of the user's torchrun: every process of the run is gone within 5 s,
+    each stage says so in one line, and the newest checkpoint is whole."""
+    from pipeoptim.checkpoint import latest_checkpoint, read_manifest
+
+    job = start(tmp_path / "run", delay=0.05)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "checkpoints" / "latest.json").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        stages = [c for agent in [job.pid] + children(job.pid) for c in children(agent)]
+        job.send_signal(signum)
+        _, err = job.communicate(timeout=30)
+        gone_by = time.monotonic() + 5
+        while any(os.path.exists(f"/proc/{p}") for p in stages) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert not any(os.path.exists(f"/proc/{p}") for p in stages)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    lines = [line for line in err.splitlines() if line.startswith("pipeoptim: rank")]
+    assert sorted(lines)[0].startswith("pipeoptim: rank 0 stopped by " + signal.Signals(signum).name)
+    assert len(lines) == 2
+    assert "Traceback" not in "\n".join(l for l in err.splitlines() if "pipeoptim" in l)
+    read_manifest(latest_checkpoint(tmp_path / "run" / "checkpoints"))

@@ -12,10 +12,16 @@ stage the targets, every stage the input shapes (to agree on message layouts). W
 reads is the same on every rank: ``fit`` and ``flush`` give every rank the losses (broadcast
 from the last stage at each drain), ``evaluate`` returns the metric on every rank, ``model()``
 and ``state_dict()`` gather every stage's part.
+
+Each process takes SIGINT, SIGTERM and SIGHUP in a watcher thread (:mod:`pipeoptim.runtime.
+lifecycle`, installed when the Pipeline starts the process group) and ends at once with one line,
+also while it waits on a peer; it also ends when torchrun's agent dies. A Pipeline made where the
+process group already exists leaves the process's signals as they are.
 """
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.lifecycle import guard
 from .runtime.distributed import (GradientAverager, PipeComm, PipelineCommError, _broadcast, _gather_all,
                                   _resume_stage, _save, init_process_group, reason, signature)
 from .runtime.microbatch import batch_size
@@ -79,6 +86,14 @@ class Torchrun:
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         kind = process_device(devices)
+        if not dist.is_initialized():
+            # before the process group starts its threads, so that they inherit the blocked
+            # signals: Ctrl-C / SIGTERM (forwarded by torchrun) and the launcher's death end this
+            # stage at once, even inside a wait on a peer, with one line and no traceback
+            rank = os.environ.get("RANK", "?")
+            guard(lambda stop: print(f"pipeoptim: rank {rank} stopped by {stop.signal_name} ({stop.cause}); "
+                                     f"resume from the last checkpoint with fit(..., resume=True)",
+                                     file=sys.stderr, flush=True))
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
         return cls(dist.get_rank(), world, device, float(timeout))
 
