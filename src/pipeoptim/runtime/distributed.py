@@ -73,7 +73,7 @@ from ..errors import NonFiniteLoss
 from .spec import checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
-from .local import MicroBatch, check_runnable, clip_coefficient, next_horizon
+from .local import MicroBatch, StreamedSegment, check_runnable, clip_coefficient
 from .microbatch import batch_size, split_batch
 from .stage import Stage, TraceEntry, WindowLosses, as_tuple
 
@@ -471,7 +471,7 @@ class GradientAverager:
             p.grad = g
 
 
-class DistributedExecutor:
+class DistributedExecutor(StreamedSegment):
     """This process's stage of a pipeline whose other stages run in other processes: the
     streaming counterpart of :class:`~pipeoptim.runtime.local.LocalExecutor`, with the same
     ``feed`` / ``finish`` / ``take_completed``.
@@ -492,18 +492,13 @@ class DistributedExecutor:
         if comm.num_stages != n or comm.stage != stage.index:
             raise ValueError(f"stage {stage.index} of {n} on pipeline rank {comm.stage} of "
                              f"{comm.num_stages}: they must agree")
+        super().__init__(schedule_for, expected)
         self.stage, self.comm = stage, comm
-        self.schedule_for = schedule_for
-        self.expected = expected
         self.trace_offset = trace_offset
         self.clip_global = clip_global
         self.on_update = on_update
-        self.schedule: Optional[Schedule] = None
         self.order: List[Any] = []
-        self.horizon = 0
-        self.fed_batches = 0
         self.fed_micro = 0
-        self.finished = False
         self._pointer = 0
         self._data: Dict[int, Tuple[Any, Any, float]] = {}
         self._keys: Dict[int, Signature] = {}
@@ -513,21 +508,13 @@ class DistributedExecutor:
         self._window_loss: Optional[WindowLosses] = None
 
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
+        self._add_batch(len(microbatches))
         stage, first = self.stage, self.fed_micro
         for inputs, target, share in microbatches:
             i = self.fed_micro
             self._keys[i] = signature((inputs, target, share))
             self._data[i] = (inputs if stage.is_first else None, target if stage.is_last else None, share)
             self.fed_micro += 1
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
-        if len(microbatches) != self.schedule.microbatches_per_update:
-            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
-                             f"micro-batches, got {len(microbatches)}")
         new = [(i, self._keys[i]) for i in range(first, self.fed_micro)]
         self.comm.expect_more(new if not stage.is_first else [], new if not stage.is_last else [])
         self._run()
@@ -537,15 +524,12 @@ class DistributedExecutor:
         wait for every send."""
         if self.finished:
             return
-        self.finished = True
+        final = self._final_orders()
         if self.fed_batches:
-            if self.horizon != self.fed_batches:
-                final = self.schedule_for(self.fed_batches)
+            if final is not None:
                 done = self.order[:self._pointer]
                 self._use(final, open_ended=False)
-                if self.order[:len(done)] != done:
-                    raise RuntimeError(f"schedule {final.name}: stage {self.stage.index} ran "
-                                       f"{len(done)} actions its final orders do not start with")
+                self._check_prefix(final.name, f"stage {self.stage.index}", self.order, done)
             self._run()
         self.comm.flush()
 

@@ -63,7 +63,52 @@ def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -
     return max(fed + 1, 2 * horizon, 4), True
 
 
-class LocalExecutor:
+class StreamedSegment:
+    """What both executors share: a segment's orders, built for a horizon past the mini-batches
+    fed and rebuilt as more come (:func:`next_horizon`), then for exactly those fed when the
+    data ends. Subclasses run the orders (``_use`` takes a new schedule)."""
+
+    def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
+        self.schedule_for = schedule_for
+        self.expected = expected
+        self.schedule: Optional[Schedule] = None
+        self.horizon = 0          #: mini-batches the current orders are built for
+        self.fed_batches = 0
+        self.finished = False
+
+    def _use(self, schedule: Schedule, open_ended: bool) -> None:
+        raise NotImplementedError
+
+    def _add_batch(self, microbatches: int) -> None:
+        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they no longer
+        reach past the data."""
+        if self.finished:
+            raise RuntimeError("this segment has finished; start a new one")
+        self.fed_batches += 1
+        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
+        if rebuild is not None:
+            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
+        if microbatches != self.schedule.microbatches_per_update:
+            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
+                             f"micro-batches, got {microbatches}")
+
+    def _final_orders(self) -> Optional[Schedule]:
+        """End the feeding; the orders for exactly the mini-batches fed, if the current ones
+        were built for more (None: keep them)."""
+        self.finished = True
+        if self.fed_batches and self.horizon != self.fed_batches:
+            return self.schedule_for(self.fed_batches)
+        return None
+
+    @staticmethod
+    def _check_prefix(name: str, who: str, order: Sequence[Any], done: Sequence[Any]) -> None:
+        """The streaming property every schedule must have: what ran starts the final orders."""
+        if list(order[:len(done)]) != list(done):
+            raise RuntimeError(f"schedule {name}: {who} ran {len(done)} actions that its final "
+                               f"orders do not start with")
+
+
+class LocalExecutor(StreamedSegment):
     """Runs one schedule (a segment: the mini-batches between two drains) over all stages.
 
     ``schedule_for(T)`` builds the segment's schedule for T mini-batches. ``expected`` is the
@@ -78,17 +123,12 @@ class LocalExecutor:
                  expected: Optional[int] = None, trace_offset: int = 0,
                  clip_global: Optional[float] = None,
                  on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+        super().__init__(schedule_for, expected)
         self.stages = list(stages)
-        self.schedule_for = schedule_for
-        self.expected = expected
         self.trace_offset = trace_offset
         self.clip_global = clip_global
         self.on_loss = on_loss
-        self.schedule: Optional[Schedule] = None
-        self.horizon = 0          #: mini-batches the current orders are built for
-        self.fed_batches = 0
         self.fed_micro = 0
-        self.finished = False
         self._data: Dict[int, MicroBatch] = {}
         self._activations: Dict[Tuple[int, int], Any] = {}
         self._gradients: Dict[Tuple[int, int], Any] = {}
@@ -98,34 +138,22 @@ class LocalExecutor:
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         """Add one mini-batch (its micro-batches, in order) and run everything now runnable."""
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
+        self._add_batch(len(microbatches))
         for mb in microbatches:
             self._data[self.fed_micro] = mb
             self.fed_micro += 1
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
-        if len(microbatches) != self.schedule.microbatches_per_update:
-            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
-                             f"micro-batches, got {len(microbatches)}")
         self._run()
 
     def finish(self) -> None:
         """The data has ended: run the rest of the schedule for exactly the mini-batches fed."""
         if self.finished:
             return
-        self.finished = True
+        final = self._final_orders()
         if self.fed_batches == 0:
             return
-        if self.horizon != self.fed_batches:
-            final = self.schedule_for(self.fed_batches)
+        if final is not None:
             for k, order in enumerate(final.orders):
-                done = self.schedule.orders[k][:self._pointer[k]]
-                if order[:len(done)] != done:  # the streaming property every schedule must have
-                    raise RuntimeError(f"schedule {final.name}: stage {k} ran {len(done)} actions "
-                                       f"that its final orders do not start with")
+                self._check_prefix(final.name, f"stage {k}", order, self.schedule.orders[k][:self._pointer[k]])
             self._use(final, open_ended=False)
         self._run()
         left = [str(self.schedule.orders[k][p]) for k, p in enumerate(self._pointer)
