@@ -201,12 +201,13 @@ class Stage:
         use = self.policy.forward_weights(microbatch)
         try:  # from here on the live storage may hold predicted weights until use.done()
             if probe:
-                used = [w.detach().clone() for w in use.weights.values()]
+                used = [w.detach().clone() for w in (
+                    [p for _, p in self.policy.named] if use.direct else use.weights.values())]
                 self._probes[microbatch] = (stale, used, use.version, use.steps)
             inputs = to_device(inputs, self.device)
             leaves = _leaf_inputs(inputs) if not self.is_first else inputs
             with torch.enable_grad(), self.autocast():
-                output = functional_call(self.module, use.weights, (leaves,))
+                output = self.module(leaves) if use.direct else functional_call(self.module, use.weights, (leaves,))
                 if self.is_last:
                     loss = self.loss_fn(output, to_device(target, self.device)) * loss_scale
                     _check_scalar(loss)
@@ -308,6 +309,8 @@ class Stage:
 
     def _collect_weight_grads(self, use: WeightUse) -> None:
         """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""
+        if use.direct:
+            return  # autograd accumulated into the parameters' own .grad
         params = dict(self.policy.named)
         for name, tensor in use.weights.items():
             grad = tensor.grad

@@ -55,6 +55,9 @@ class WeightUse:
     version: int                       #: the weight version these values are (or are predicted from)
     steps: float = 0                   #: prediction steps applied on top of ``version`` (0: none)
     restore: Optional[Callable[[], None]] = field(default=None, repr=False)
+    #: the pass runs the module's own parameters (``weights`` unused): only where no update can
+    #: come between a forward and its backward, so autograd may accumulate into ``param.grad``
+    direct: bool = False
 
     def done(self) -> None:
         """Called right after the pass: undo any temporary change to the live weights."""
@@ -169,6 +172,13 @@ class SynchronousPolicy(WeightPolicy):
     """GPipe, 1F1B-flush, sequential: one version per mini-batch; no update between F and B."""
 
     description = "W(t) in both passes (one version per mini-batch)"
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        # No update comes between a forward and its backward here (a flush before each), so the
+        # module runs on its own parameters, as plain PyTorch does: no aliases, and gradients
+        # accumulate into param.grad in autograd, as a plain loop's do (the same additions).
+        self._forward_version[microbatch] = self.version
+        return WeightUse({}, self.version, direct=True)
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
