@@ -94,7 +94,7 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatena
     single-replica run on the same concatenated micro-batches (float sums in another order)."""
     methods = "gpipe,1f1b-flush,pipeoptim,pipedream"
     one = rows(run([DP_SCRIPT, methods, 2, 2, 2]))
-    two = rows(run([DP_SCRIPT, methods, 2, 2, 2], nproc=4, timeout=300))
+    two = rows(run([DP_SCRIPT, methods, 2, 2, 2, 256], nproc=4, timeout=300))  # 256-byte buckets: overlapped
     for m in methods.split(","):
         assert (one[m]["replicas"], two[m]["replicas"]) == (1, 2)
         assert two[m]["losses"] == pytest.approx(one[m]["losses"], abs=1e-6)

@@ -4,7 +4,7 @@ D replicas, every replica on its shard of each mini-batch (a contiguous chunk); 
 micro-batches of the same position (what they run side by side). Rank 0 prints one JSON line
 per method.
 
-    script METHODS STAGES MICRO_BATCHES REPLICAS
+    script METHODS STAGES MICRO_BATCHES REPLICAS [BUCKET_BYTES]
 """
 import json
 import sys
@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 import pipeoptim
+from pipeoptim.runtime.distributed import GradientAverager
 
 methods, stages, micro, reference = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if len(sys.argv) > 5:  # small buckets: the reduction overlaps the backward, a bucket per few parameters
+    GradientAverager.bucket_bytes = int(sys.argv[5])
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
 for method in methods:

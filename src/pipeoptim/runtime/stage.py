@@ -249,9 +249,14 @@ class Stage:
             pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
                      if torch.is_tensor(o) and o.requires_grad and g is not None]
             tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        with self.policy.backward_pass(microbatch, use) as used:
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+        hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
+        try:
+            with self.policy.backward_pass(microbatch, use) as used:
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+        finally:
+            for hook in hooks:
+                hook.remove()
         self._collect_weight_grads(use)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
@@ -306,6 +311,27 @@ class Stage:
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def _announce_final_grads(self, use: WeightUse) -> List[Any]:
+        """Hooks that hand each parameter to ``grad_sync.ready`` as soon as autograd has its final
+        gradient in this backward (the last before an update), so that the replicas' reduction
+        overlaps the rest of the backward."""
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):  # torch < 2.1
+            return []
+        ready = self.grad_sync.ready
+        if use.direct:
+            return [p.register_post_accumulate_grad_hook(ready) for p in self.parameters()]
+        params = dict(self.policy.named)
+
+        def collect(name: str):
+            def hook(alias: torch.Tensor) -> None:  # what _collect_weight_grads does, for one
+                param = params[name]
+                param.grad = alias.grad if param.grad is None else param.grad.add_(alias.grad)
+                alias.grad = None
+                ready(param)
+            return hook
+        return [t.register_post_accumulate_grad_hook(collect(n)) for n, t in use.weights.items()
+                if t.requires_grad]
 
     def _collect_weight_grads(self, use: WeightUse) -> None:
         """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""
