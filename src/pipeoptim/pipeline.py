@@ -156,7 +156,8 @@ class Pipeline:
             of the data (give the loader a ``DistributedSampler(dataset, num_replicas=
             pipe.data_parallel_size, rank=pipe.data_parallel_rank)``; every stage of a replica
             iterates the same shard); before every update each stage averages its gradients over
-            its replicas, so weights, optimizer state and predictions stay identical. Losses
+            its replicas (buckets sent during the last backward), so weights, optimizer state and
+            predictions stay identical. Losses
             and metrics are the means over the replicas.
 
     Under ``torchrun --nproc-per-node N`` each process runs one stage (see
