@@ -21,7 +21,6 @@ process group already exists leaves the process's signals as they are.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -91,9 +90,11 @@ class Torchrun:
             # signals: Ctrl-C / SIGTERM (forwarded by torchrun) and the launcher's death end this
             # stage at once, even inside a wait on a peer, with one line and no traceback
             rank = os.environ.get("RANK", "?")
-            guard(lambda stop: print(f"pipeoptim: rank {rank} stopped by {stop.signal_name} ({stop.cause}); "
-                                     f"resume from the last checkpoint with fit(..., resume=True)",
-                                     file=sys.stderr, flush=True))
+            # one write() of the whole line: the stages share torchrun's stderr, and a short
+            # write to a pipe is never interleaved with another process's
+            guard(lambda stop: os.write(2, (f"pipeoptim: rank {rank} stopped by {stop.signal_name} "
+                                            f"({stop.cause}); resume from the last checkpoint with "
+                                            f"fit(..., resume=True)\n").encode()))
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
         return cls(dist.get_rank(), world, device, float(timeout))
 
