@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import io
 import json
 import math
 import time

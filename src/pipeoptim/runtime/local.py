@@ -15,7 +15,6 @@ with the orders built for exactly the mini-batches fed: the drain.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
