@@ -461,14 +461,9 @@ class Pipeline:
             raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
                              "larger than the data set with drop_last=True?)")
         segment, run_info = checkpoint_settings(self.spec, num_batches, checkpoint_every, continuous)
-        if num_batches is None:
-            run_info["segment"] = checkpoint_every
         store = Path(checkpoint_dir) if checkpoint_dir is not None else None
         if resume and store is None:
             raise ValueError("resume=True needs checkpoint_dir")
-        if continuous and store is not None and checkpoint_every:
-            raise ValueError("a continuous run never drains, so it cannot checkpoint every K "
-                             "batches; drop continuous or checkpoint_every")
 
         epoch_metrics: List[Dict[str, Any]] = []
         start_epoch, start_batch, resume_rng, epoch_rng = 0, 0, None, None
@@ -514,7 +509,7 @@ class Pipeline:
                 on_epoch(entry["epoch"], entry)
 
         try:
-            epoch_sizes: List[Tuple[int, int, int]] = []  # (epoch, first loss index, samples) in continuous runs
+            epoch_sizes: List[Tuple[int, int, int]] = []  # continuous runs: (epoch, mini-batches, samples)
             for epoch in range(start_epoch, epochs):
                 skip = start_batch if epoch == start_epoch else 0
                 if resume_rng is not None and not skip:
