@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 BLOCK_WIDTH = 512
 BLOCKS_PER_STAGE = 4
@@ -33,6 +33,28 @@ def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage
         blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(per_stage * stages - 1)]
         blocks.append(nn.Linear(width, 10))
         return nn.Sequential(*blocks)
+
+
+def quartiles(values: Sequence[float]) -> List[float]:
+    """First quartile, median and third quartile of ``values`` (linear interpolation between
+    order statistics, as numpy's default ``percentile``); one value gives it three times."""
+    if not values:
+        raise ValueError("quartiles of no values")
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return [at(0.25), statistics.median(xs), at(0.75)]
+
+
+def iqr(values: Sequence[float]) -> float:
+    """The interquartile range of ``values`` (0 for one value)."""
+    q1, _, q3 = quartiles(values)
+    return q3 - q1
 
 
 def _data(spec: Dict[str, Any], count: int):
@@ -131,11 +153,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             return PipelineRun(batch * len(chunk) / wall, wall, share, result, pipeline.microbatches)
 
         def summary(rounds: List[Any], threads: int) -> Dict[str, Any]:
-            """The median round's figures (and every round's throughput)."""
+            """The median round's figures (and every round's throughput, and its interquartile range)."""
             if isinstance(rounds[0], PipelineRun):
                 sps = [r.samples_per_second for r in rounds]
                 res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
-                return {"samples_per_second": statistics.median(sps), "rounds_samples_per_second": sps,
+                return {"samples_per_second": statistics.median(sps), "iqr_samples_per_second": iqr(sps),
+                        "rounds_samples_per_second": sps,
                         "threads": threads, "cpu_share": [r.cpu_share for r in rounds],
                         "microbatches": res.microbatches, "partition": res.result.metrics["partition"],
                         "processes": world, "replicas": replicas,
@@ -150,7 +173,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     "waiting": {k: round(1e3 * v["wait_seconds"] / timed, 3) for k, v in links.items()},
                     "bytes_per_batch": {k: v["bytes"] // timed for k, v in links.items()},
                 })
-            return {"samples_per_second": statistics.median(sps), "rounds_samples_per_second": sps,
+            return {"samples_per_second": statistics.median(sps), "iqr_samples_per_second": iqr(sps),
+                    "rounds_samples_per_second": sps,
                     "threads": threads, "cpu_share": [r.metrics["epochs"][0]["cpu_share"] for r in rounds],
                     "microbatches": m, "partition": res.metrics["partition"],
                     "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()}

@@ -6,7 +6,8 @@ the single-process ``sequential`` run of the same model on one device (on CPU: o
 ``sequential-1dev``) and on all cores (``sequential-all``). Process start-up is not timed: each
 run first trains ``--warmup`` mini-batches, then ``--repeats`` rounds time every run on
 ``--batches`` mini-batches in turn (from a barrier to the last stage's end; each includes the
-pipeline's fill and drain, and starts from fresh weights); the median round is reported. The
+pipeline's fill and drain, and starts from fresh weights); the median round is reported, with
+the interquartile range of the rounds' throughput. The
 runs take turns so that other work on the machine hits all of them alike; the CPU share of each
 process (its CPU time over the wall time) shows whether it had its core.
 
@@ -59,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "through Pipeline side by side")
     p.add_argument("--batches", type=int, default=32, help="timed mini-batches per run (default: 32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed mini-batches first (default: 2)")
-    p.add_argument("--repeats", type=int, default=1, help="timed rounds, the runs taking turns; the median is reported (default: 1)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed rounds, the runs taking turns; the median is reported with the "
+                        "interquartile range (default: 5)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="mini-batch size (default: 512 for blocks, else the task's)")
     p.add_argument("--micro-batches", type=int, default=None,
@@ -202,13 +205,15 @@ def format_report(result: Dict[str, Any]) -> str:
              f"{s['repeats']} round(s) (after {s['warmup']} warm-up), {s['optimizer']} lr {s['lr']}, 1 thread per stage",
              ""]
     base = sps.get("sequential-1dev")
-    head = ["method", "micro-batches", "samples/s", "x sequential-1dev", "x sequential-all",
+    head = ["method", "micro-batches", "samples/s", "IQR", "x sequential-1dev", "x sequential-all",
             "CPU share per process"]
     rows = []
     for name, value in sps.items():
         d = result["detail"][name]
         shares = [statistics.median(col) for col in zip(*d["cpu_share"])]
+        spread = d.get("iqr_samples_per_second")
         rows.append([name, str(d["microbatches"]), f"{value:.0f}",
+                     f"{spread:.0f} ({100 * spread / value:.0f}%)" if spread is not None and value else "-",
                      f"{value / base:.2f}" if base else "-",
                      f"{value / sps['sequential-all']:.2f}" if "sequential-all" in sps else "-",
                      " / ".join(f"{x:.2f}" for x in shares)])
@@ -221,6 +226,8 @@ def format_report(result: Dict[str, Any]) -> str:
         lines += [f"{k}: {v:.2f}" for k, v in extra.items()]
     la = result["load_average"]
     lines.append("")
+    lines.append("samples/s: the median round; IQR: the interquartile range of the rounds' samples/s "
+                 "(and as a share of the median)")
     lines.append("CPU share: CPU time of each process over the wall time (1 thread: at most 1.00, less "
                  "when it waits on its peer or other work takes the core)")
     lines.append(f"load average (1/5/15 min) before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
