@@ -169,6 +169,7 @@ class _Link:
         self.timeout = timeout
         self.prefetch = prefetch
         self.layouts: Dict[Signature, Layout] = {}
+        self._nbytes: Dict[Signature, int] = {}  # payload bytes per agreed layout (stats)
         self.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
         self.expected: Deque[Tuple[int, Signature]] = deque()
         self.posted: Deque[Tuple[int, Signature, List[Optional[torch.Tensor]], List[Any]]] = deque()
@@ -274,8 +275,12 @@ class _Link:
                                         f"schedule asks for {microbatch}")
             for w in works:
                 self.wait(w)
-            self.stats["messages"] += 1
-            self.stats["bytes"] += sum(b.numel() * b.element_size() for b in buffers if b is not None)
+            stats = self.stats
+            stats["messages"] += 1
+            nbytes = self._nbytes.get(key)
+            if nbytes is None:
+                nbytes = self._nbytes[key] = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+            stats["bytes"] += nbytes
             self._post()
         except PipelineCommError:
             raise
@@ -367,6 +372,7 @@ class PipeComm:
             if link.expected or link.posted:
                 raise RuntimeError(f"{link.what} link: messages of the last schedule were never received")
             link.layouts.clear()
+            link._nbytes.clear()
             link.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
 
     def stats(self) -> Dict[str, Dict[str, float]]:
@@ -613,6 +619,7 @@ class DistributedExecutor(StreamedSegment):
 
     def _run(self) -> None:
         stage, comm, order, keys = self.stage, self.comm, self.order, self._keys
+        pending = comm._pending
         while self._pointer < len(order):
             action = order[self._pointer]
             i, kind = action.index, action.kind
@@ -654,7 +661,8 @@ class DistributedExecutor(StreamedSegment):
             if kind is Kind.B and stage.is_first:
                 keys.pop(i, None)
             self._pointer += 1
-            comm.poll()
+            if pending:  # forget the sends that have completed (nothing to do without any)
+                comm.poll()
 
 
 def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Sequence[MicroBatch],
@@ -714,7 +722,8 @@ def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Seq
                 on_update(i)
         else:
             raise ValueError(f"the distributed executor cannot run {action}")
-        comm.poll()
+        if comm._pending:
+            comm.poll()
     comm.flush()
     return window_loss
 
