@@ -281,9 +281,7 @@ class _Link:
             if nbytes is None:
                 nbytes = self._nbytes[key] = sum(b.numel() * b.element_size() for b in buffers if b is not None)
             stats["bytes"] += nbytes
-            # the next receives are posted before this stage's next send (PipeComm._send), not
-            # now: on gloo both directions of a pair share one connection, and posting a receive
-            # here, right after a send, waits while that send is still being written
+            self._post()
         except PipelineCommError:
             raise
         except RuntimeError as error:
@@ -365,8 +363,6 @@ class PipeComm:
                         self._links[(what, j)] = _Link(what, peer, g, tag if gloo else 0, self.device,
                                                        self.timeout, prefetch)
         self._pending: Deque[Tuple[Any, torch.Tensor, _Link, int]] = deque()
-        self._receiving = [link for key, link in self._links.items()
-                           if key in (("activation", k - 1), ("gradient", k))]
 
     def reset(self) -> None:
         """Forget the agreed message layouts (a new model may send other shapes); every rank
@@ -405,17 +401,7 @@ class PipeComm:
     def recv_gradient(self, microbatch: int, key: Signature) -> Any:
         return self._link("gradient", self.stage).recv(microbatch, key)
 
-    def _top_up(self) -> None:
-        """Post the receives the prefetch allows, before a send (see _Link.recv)."""
-        for link in self._receiving:
-            if link.expected and len(link.posted) < link.prefetch:
-                try:
-                    link._post()
-                except RuntimeError as error:
-                    raise link._fail("receiving", link.expected[0][0], error) from error
-
     def _send(self, link: _Link, microbatch: int, key: Signature, value: Any) -> None:
-        self._top_up()
         try:
             link.send(microbatch, key, value, self._pending)
         except PipelineCommError:
