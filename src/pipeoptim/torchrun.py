@@ -20,6 +20,7 @@ process group already exists leaves the process's signals as they are.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,24 @@ class Torchrun:
             guard(lambda stop: os.write(2, (f"pipeoptim: rank {rank} stopped by {stop.signal_name} "
                                             f"({stop.cause}); resume from the last checkpoint with "
                                             f"fit(..., resume=True)\n").encode()))
+        ours = not dist.is_initialized()
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
-        return cls(dist.get_rank(), world, device, float(timeout))
+        joined = cls(dist.get_rank(), world, device, float(timeout))
+        if ours:
+            atexit.register(joined.leave)
+        return joined
+
+    def leave(self) -> None:
+        """At the script's exit: wait for the sends still in flight and tear the process group
+        down while the interpreter is whole. Left to finalization, gloo's threads can abort the
+        process after a clean run ("terminate called without an active exception")."""
+        try:
+            if self.comm is not None:
+                self.comm.flush()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+            pass
 
     def connect(self, stages: int, replicas: int) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
