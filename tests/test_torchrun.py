@@ -142,6 +142,21 @@ def children(pid: int) -> list:
     return found
 
 
+def stages_after_first_checkpoint(job: subprocess.Popen, run_dir: Path) -> list:
+    """Wait until the run in ``run_dir`` has a checkpoint; the pids of its two stage processes
+    (the children of torchrun's agent)."""
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest.json").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    stages = []
+    while len(stages) < 2:
+        assert time.monotonic() < deadline, "the stage processes were not found"
+        stages = sorted(c for agent in [job.pid] + children(job.pid) for c in children(agent))
+        time.sleep(0.01)
+    return stages
+
+
 def start(run_dir: Path, delay: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(CHECKPOINT_SCRIPT), str(run_dir), "40", "2", str(delay)],
@@ -157,14 +172,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     whole = json.loads((tmp_path / "whole" / "result.json").read_text())
     job = start(tmp_path / "cut", delay=0.05)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "cut" / "checkpoints" / "latest.json").exists():
-            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
-        workers = []
-        while len(workers) < 2 and time.monotonic() < deadline:
-            workers = sorted(c for agent in [job.pid] + children(job.pid) for c in children(agent))
-        os.kill(workers[-1], signal.SIGKILL)
+        os.kill(stages_after_first_checkpoint(job, tmp_path / "cut")[-1], signal.SIGKILL)
         job.communicate(timeout=90)
     finally:
         if job.poll() is None:
@@ -235,11 +243,7 @@ def test_a_signal_to_torchrun_ends_every_stage_of_a_pipeline_script(tmp_path, si
 
     job = start(tmp_path / "run", delay=0.05)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "run" / "checkpoints" / "latest.json").exists():
-            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
-        stages = [c for agent in [job.pid] + children(job.pid) for c in children(agent)]
+        stages = stages_after_first_checkpoint(job, tmp_path / "run")
         job.send_signal(signum)
         _, err = job.communicate(timeout=30)
         gone_by = time.monotonic() + 5

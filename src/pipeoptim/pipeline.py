@@ -302,7 +302,8 @@ class Pipeline:
 
     @property
     def drained(self) -> bool:
-        return self._executor is None
+        """No mini-batch fed since the last :meth:`flush` (every stage holds one set of weights)."""
+        return self._executor is None or not self._executor.fed_batches
 
     def _schedule_for(self, batches: int):
         return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches)
@@ -390,7 +391,7 @@ class Pipeline:
 
     # -- state --------------------------------------------------------------------------------
     def _require_drained(self, what: str) -> None:
-        if self._executor is not None and self._executor.fed_batches:
+        if not self.drained:
             raise RuntimeError(f"{what} needs a drained pipeline: call flush() first")
 
     def state_dict(self) -> Dict[str, Any]:

@@ -594,10 +594,6 @@ class DistributedExecutor(StreamedSegment):
         """(window, loss) completed since the last call: on the last stage; elsewhere none."""
         return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._data)
-
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, self.stage.num_stages)
         k = self.stage.index

@@ -165,16 +165,7 @@ class LocalExecutor(StreamedSegment):
         accelerator, those whose loss has reached the host; ``wait`` waits for all)."""
         return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
-    @property
-    def in_flight(self) -> int:
-        """Micro-batches fed whose work is not finished at every stage."""
-        return self.fed_micro - (min(self._done_backwards()) if self.stages else 0)
-
     # -- internals ----------------------------------------------------------------------------
-    def _done_backwards(self) -> List[int]:
-        return [sum(1 for a in self.schedule.orders[k][:p] if a.kind is Kind.B)
-                if self.schedule is not None else 0 for k, p in enumerate(self._pointer)]
-
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, len(self.stages))
         first = self.schedule is None
