@@ -538,13 +538,16 @@ class DistributedExecutor(StreamedSegment):
     orders up to its first forward (or receive of an activation) of a micro-batch not fed yet:
     everything before that needs only data fed so far on every rank (tested on the local
     executor), so waiting on a peer there never waits for a feed that has not happened.
-    ``clip_global`` clips by the norm over all stages, gathered before each update.
+    ``clip_global`` clips by the norm over all stages, gathered before each update;
+    ``on_update(u)`` runs after each update, ``on_loss(window, loss)`` on the last stage as each
+    mini-batch's loss completes.
     """
 
     def __init__(self, stage: Stage, comm: "PipeComm", schedule_for: Callable[[int], Schedule], *,
                  expected: Optional[int] = None, trace_offset: int = 0,
                  clip_global: Optional[float] = None,
-                 on_update: Optional[Callable[[int], None]] = None) -> None:
+                 on_update: Optional[Callable[[int], None]] = None,
+                 on_loss: Optional[Callable[[int, float], None]] = None) -> None:
         n = stage.num_stages
         if comm.num_stages != n or comm.stage != stage.index:
             raise ValueError(f"stage {stage.index} of {n} on pipeline rank {comm.stage} of "
@@ -554,6 +557,7 @@ class DistributedExecutor(StreamedSegment):
         self.trace_offset = trace_offset
         self.clip_global = clip_global
         self.on_update = on_update
+        self.on_loss = on_loss
         self.order: List[Any] = []
         self.fed_micro = 0
         self._pointer = 0
@@ -600,7 +604,7 @@ class DistributedExecutor(StreamedSegment):
         if self.schedule is None:
             self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
             self.stage.trace_offset = self.trace_offset
-            self._window_loss = WindowLosses(schedule.microbatches_per_update)
+            self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
         else:
             self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
         self.schedule, self.horizon = schedule, schedule.num_updates
@@ -674,54 +678,16 @@ def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Seq
     ``on_update(u)`` is called after each of this stage's updates.
     """
     n = schedule.num_stages
-    check_runnable(schedule, n)
-    if comm.num_stages != n or comm.stage != stage.index or stage.num_stages != n:
-        raise ValueError(f"stage {stage.index} of {stage.num_stages} on pipeline rank {comm.stage} of "
-                         f"{comm.num_stages}, schedule for {n} stages: they must agree")
-    k = stage.index
-    order = lower(schedule).orders[k]
-    m = schedule.microbatches_per_update
-    keys = [signature(mb) for mb in microbatches]
-    stage.policy.begin_epoch(schedule.orders[k], schedule.orders)
-    stage.trace_offset = trace_offset
-    comm.expect([(a.index, keys[a.index]) for a in order if a.kind is Kind.RECV_F],
-                [(a.index, keys[a.index]) for a in order if a.kind is Kind.RECV_B])
-    received: Dict[int, Any] = {}
-    grads: Dict[int, Any] = {}
-    outgoing: Dict[int, Any] = {}
-    window_loss = WindowLosses(m, on_loss)
-    for action in order:
-        i, kind = action.index, action.kind
-        if kind is Kind.RECV_F:
-            received[i] = comm.recv_activation(i, keys[i])
-        elif kind is Kind.F:
-            inputs = microbatches[i][0] if stage.is_first else received.pop(i)
-            _, target, share = microbatches[i]
-            out = stage.forward(i, inputs, target if stage.is_last else None, share)
-            if stage.is_last:
-                window_loss.add(i, out)
-            else:
-                outgoing[i] = out
-        elif kind is Kind.SEND_F:
-            comm.send_activation(i, keys[i], outgoing.pop(i))
-        elif kind is Kind.RECV_B:
-            grads[i] = comm.recv_gradient(i, keys[i])
-        elif kind is Kind.B:
-            grad_in = stage.backward(i, None if stage.is_last else grads.pop(i))
-            if not stage.is_first:
-                outgoing[i] = grad_in
-        elif kind is Kind.SEND_B:
-            comm.send_gradient(i, keys[i], outgoing.pop(i))
-        elif kind is Kind.U:
-            stage.update()
-            if on_update is not None:
-                on_update(i)
-        else:
-            raise ValueError(f"the distributed executor cannot run {action}")
-        if comm._pending:
-            comm.poll()
-    comm.flush()
-    return window_loss
+    if stage.num_stages != n:
+        raise ValueError(f"stage {stage.index} of {stage.num_stages}, schedule for {n} stages: they must agree")
+    m, windows = schedule.microbatches_per_update, schedule.num_updates
+    executor = DistributedExecutor(stage, comm, lambda batches: schedule, expected=windows,
+                                   trace_offset=trace_offset, on_update=on_update, on_loss=on_loss)
+    for w in range(windows):
+        executor.feed(microbatches[w * m:(w + 1) * m])
+    executor.finish()
+    executor.take_completed(wait=True)
+    return dict(executor._window_loss) if executor._window_loss is not None else {}
 
 
 # ---------------------------------------------------------------------------------------------
