@@ -141,6 +141,8 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
     comm = PipeComm(timeout=GROUP_TIMEOUT)
     for method in PIPELINED:  # 4 stages, all processes
         results[("mlp", method, 4)] = _train(mlp(), batches(5), method, comm, stages=4)
+    results[("mlp", "pipeoptim+corrections", 4)] = _train(mlp(), batches(6), "pipeoptim", comm, stages=4,
+                                                           **CORRECTIONS)
     # 2 stages: half the methods on ranks 0-1, the other half on ranks 2-3, at the same time
     pair = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT)
     for method in PIPELINED[rank // 2::2]:
@@ -184,6 +186,19 @@ def _local(model, data, method, stages, **kw):
 def _close(got, expected, rel=1e-5):
     assert len(got) == len(expected)
     assert got == pytest.approx(expected, rel=rel)
+
+
+#: every delay correction at once (sync warm-up, PipeMare lr, EMA direction, ramp), checked below
+CORRECTIONS = dict(sync_warmup=2, lr_correction="delay", lr_correction_steps=3, delta="ema",
+                   prediction_warmup=2)
+
+
+@pytest.mark.timeout(150)
+def test_delay_corrections_run_the_same_distributed_as_local(spawned):
+    got = spawned[("mlp", "pipeoptim+corrections", 4)]
+    local = _local(mlp(), batches(6), "pipeoptim", 4, **CORRECTIONS)
+    _close(got["losses"], local.losses)
+    assert got["trace"] == local.version_trace
 
 
 @pytest.mark.timeout(150)

@@ -475,3 +475,24 @@ def test_an_interrupted_scheduled_run_resumes_with_its_scheduler_where_it_was(tm
     assert resumed.losses == whole.losses
     lrs = [u.lrs[0] for u in resumed.update_trace if u.stage == 0]
     assert lrs == [0.005, 0.005, 0.0025, 0.0025, 0.0025, 0.0025]   # updates 6..11, after the resume
+
+
+def test_a_state_dict_is_a_snapshot_that_later_training_does_not_change():
+    """torch's optimizer state_dict hands out its live tensors (momentum buffers); the Pipeline's
+    state must be a copy, or a Pipeline loaded from it trains on the saver's later buffers."""
+    kw = dict(method="1f1b-flush", stages=3, loss_fn=LOSS, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = data(8)
+    first = pipeoptim.Pipeline(mlp(), **kw)
+    for x, y in batches[:4]:
+        first.step(x, y)
+    first.flush()
+    state = first.state_dict()
+    for x, y in batches[4:]:
+        first.step(x, y)
+    first.flush()
+    second = pipeoptim.Pipeline(mlp(), **kw)
+    second.load_state_dict(state)
+    for x, y in batches[4:]:
+        second.step(x, y)
+    second.flush()
+    assert second.losses[4:] == first.losses[4:]

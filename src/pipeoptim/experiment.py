@@ -74,8 +74,17 @@ class RunConfig:
         return cfg
 
 
+#: --lr-correction delay without --lr-correction-steps anneals over this share of the run's updates
+DEFAULT_LR_CORRECTION_SHARE = 0.3
+
+
 def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) -> None:
-    """Refuse settings that cannot run (ValueError saying the fix) before anything is written."""
+    """Refuse settings that cannot run (ValueError saying the fix) before anything is written,
+    and fill in the defaults that depend on the run's length (``lr_correction_steps``)."""
+    options = cfg.method_options
+    if options.get("lr_correction") == "delay" and options.get("lr_correction_steps") is None:
+        updates = len(batches) * cfg.epochs
+        cfg.method_options = {**options, "lr_correction_steps": max(1, round(DEFAULT_LR_CORRECTION_SHARE * updates))}
     spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
                    partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
                    method_options=cfg.method_options, epochs=cfg.epochs, batches=batches)
@@ -91,14 +100,19 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
     """One line: per stage, how far the weights a forward used were from those its backward used
     (prediction error) against how far the stale weights were (staleness error), and the ratio:
-    below 1, the prediction helps; 1, no prediction; above 1, it hurts."""
+    below 1, the prediction helps; 1, no prediction; above 1, it hurts. With delay corrections
+    on, the ratio the same probes would have had with no correction, and without each one."""
     parts = []
     for k, d in enumerate(per_stage):
         if not d.get("probes"):
             parts.append(f"{k}: -")
             continue
-        ratio = d["prediction_error"] / d["staleness_error"] if d["staleness_error"] > 0 else float("nan")
-        parts.append(f"{k}: {d['prediction_error']:.2e}/{d['staleness_error']:.2e} ({ratio:.2f})")
+        stale = d["staleness_error"]
+        ratio = d["prediction_error"] / stale if stale > 0 else float("nan")
+        text = f"{k}: {d['prediction_error']:.2e}/{stale:.2e} ({ratio:.2f}"
+        for name, error in d.get("variants", {}).items():  # the same probes, other predictions
+            text += f"; {name} {error / stale if stale > 0 else float('nan'):.2f}"
+        parts.append(text + ")")
     return "prediction/staleness error per stage: " + " | ".join(parts)
 
 

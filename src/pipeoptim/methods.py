@@ -6,10 +6,12 @@ DESIGN.md section 4 says stage k holds (the simulator reports it; the runtime me
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .schedules import Schedule, build_schedule
+from .schedules.concat import concatenate
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,21 @@ class Method:
             return requested
         return self.default_microbatches(stages) if self.default_microbatches else 1
 
-    def build_schedule(self, stages: int, microbatches: int, batches: int) -> Schedule:
-        return build_schedule(self.schedule, stages, microbatches, batches)
+    def build_schedule(self, stages: int, microbatches: int, batches: int, *, first_batch: int = 0,
+                       options: Optional[Dict[str, Any]] = None) -> Schedule:
+        """The schedule of ``batches`` mini-batches starting at the run's mini-batch number
+        ``first_batch``. With ``sync_warmup=K`` among ``options``, those of the run's first K
+        mini-batches that fall in this span run with 1F1B and a flush, before the method's own
+        schedule takes over (two concatenated schedules)."""
+        warmup = int((options or {}).get("sync_warmup") or 0)
+        sync = min(batches, max(0, warmup - first_batch))
+        if not sync:
+            return build_schedule(self.schedule, stages, microbatches, batches)
+        flush = build_schedule("1f1b-flush", stages, microbatches, sync)
+        if sync == batches:  # the whole span is warm-up
+            return dataclasses.replace(flush, options={**flush.options, "synchronous_updates": sync})
+        return concatenate(flush, build_schedule(self.schedule, stages, microbatches, batches - sync),
+                           name=f"1f1b-flush+{self.schedule}")
 
     def weight_versions(self, stages: int, **options: Any) -> List[int]:
         """Per stage, the weight versions (live included) the design table says it holds."""
@@ -43,24 +58,71 @@ class Method:
         unknown = sorted(set(given) - set(self.options))
         if unknown:
             allowed = ", ".join(self.options) or "none"
+            takers = [m.name for m in METHODS.values() if set(unknown) <= set(m.options)]
+            hint = f"; {', '.join(unknown)} applies to {', '.join(takers)}" if takers else ""
             raise ValueError(f"method {self.name!r} takes no option {', '.join(unknown)} "
-                             f"(its options: {allowed})")
+                             f"(its options: {allowed}){hint}")
         merged = {**self.options, **given}
         for key, allowed in self.choices.items():
             if merged[key] not in allowed:
                 raise ValueError(f"{self.name}: {key} must be one of {', '.join(map(str, allowed))}, "
                                  f"got {merged[key]!r}")
+        _check_corrections(self.name, merged, given)
         return merged
+
+
+#: The delay corrections (weights/corrections.py has their formulas), all off by default.
+#: Every asynchronous method of the async-1F1B schedule takes these: they act on the learning
+#: rate and the schedule, not on how weights are chosen.
+DELAY_OPTIONS: Dict[str, Any] = {"lr_correction": "none", "lr_correction_steps": None, "sync_warmup": 0}
+#: ... and the methods that predict weights take these too: they shape the prediction.
+PREDICTION_OPTIONS: Dict[str, Any] = {"horizon": "constant", "delta": "optimizer", "ema_decay": None,
+                                      "prediction_warmup": 0}
+CORRECTION_CHOICES: Dict[str, tuple] = {"lr_correction": ("none", "delay"),
+                                        "horizon": ("constant", "scheduled"),
+                                        "delta": ("optimizer", "ema")}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_corrections(method: str, merged: Dict[str, Any], given: Dict[str, Any]) -> None:
+    """The numeric correction options and the ones that only mean something together."""
+    if "lr_correction_steps" in merged:
+        steps = merged["lr_correction_steps"]
+        if steps is not None and (not _is_int(steps) or steps < 1):
+            raise ValueError(f"{method}: lr_correction_steps must be a number of updates >= 1, got {steps!r}")
+        if merged["lr_correction"] == "delay" and steps is None:
+            raise ValueError(f"{method}: lr_correction='delay' needs lr_correction_steps=T, the updates "
+                             f"over which each stage's lr anneals from lr/delay to lr")
+        if "lr_correction_steps" in given and merged["lr_correction"] != "delay":
+            raise ValueError(f"{method}: lr_correction_steps applies with lr_correction='delay'")
+    for key in ("sync_warmup", "prediction_warmup"):
+        if key in merged and (not _is_int(merged[key]) or merged[key] < 0):
+            raise ValueError(f"{method}: {key} must be 0 (off) or a number of "
+                             f"{'mini-batches' if key == 'sync_warmup' else 'updates'}, got {merged[key]!r}")
+    if "ema_decay" in merged and merged["ema_decay"] is not None:
+        decay = merged["ema_decay"]
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise ValueError(f"{method}: ema_decay must lie strictly between 0 and 1, got {decay!r}")
+        if merged["delta"] != "ema":
+            raise ValueError(f"{method}: ema_decay applies with delta='ema'")
 
 
 def _pipedream_versions(k: int, n: int, vertical_sync: bool = False, **_: Any) -> int:
     return n if vertical_sync else n - k
 
 
-def _pipeoptim_versions(k: int, n: int, backward: str = "latest", **_: Any) -> int:
+def _ema(delta: str) -> int:
+    return 1 if delta == "ema" else 0
+
+
+def _pipeoptim_versions(k: int, n: int, backward: str = "latest", delta: str = "optimizer", **_: Any) -> int:
     # latest: the live weights and one cache. predicted: each in-flight mini-batch keeps its own
     # predicted copy for its backward, up to N-1-k of them beside the live weights and cache.
-    return 2 if backward == "latest" else 2 + (n - 1 - k)
+    # delta="ema": one more buffer, the average of the updates.
+    return (2 if backward == "latest" else 2 + (n - 1 - k)) + _ema(delta)
 
 
 METHODS: Dict[str, Method] = {m.name: m for m in [
@@ -73,25 +135,30 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            "1F1B with a flush before each update (DAPPLE, PipeDream-Flush)", True,
            default_microbatches=lambda n: n),
     Method("async-naive", "async-1f1b", "LatestPolicy",
-           "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False),
+           "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
+           options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),
     Method("pipedream", "async-1f1b", "StashingPolicy",
            "asynchronous 1F1B with weight stashing (PipeDream)", False,
-           options={"vertical_sync": False}, choices={"vertical_sync": (False, True)},
+           options={"vertical_sync": False, **DELAY_OPTIONS},
+           choices={"vertical_sync": (False, True), "lr_correction": CORRECTION_CHOICES["lr_correction"]},
            versions=_pipedream_versions),
     Method("pipedream-2bw", "2bw", "DoubleBufferPolicy",
            "async 1F1B over micro-batches, an update every m >= N, two buffers (PipeDream-2BW)", False,
            default_microbatches=lambda n: n, versions=lambda k, n, **o: 1 if n == 1 else 2),
     Method("spectrain", "async-1f1b", "SpecTrainPolicy",
            "momentum-based prediction in both passes (SpecTrain)", False,
-           versions=lambda k, n, **o: 2 if (k // 2 + n - k - 1) or k // 2 else 1),
+           options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),
+           versions=lambda k, n, delta="optimizer", **o: (2 + _ema(delta)) if (k // 2 + n - k - 1) or k // 2 else 1),
     Method("xpipe", "async-1f1b", "XPipePolicy",
            "micro-batched async pipeline with Adam-direction prediction (XPipe)", False,
-           default_microbatches=lambda n: 2, versions=lambda k, n, **o: 2),
+           options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),
+           default_microbatches=lambda n: 2, versions=lambda k, n, delta="optimizer", **o: 2 + _ema(delta)),
     Method("pipeoptim", "async-1f1b", "PipeOptimPolicy",
            "async 1F1B, forwards on optimizer-dependent predicted weights (PipeOptim)", False,
-           options={"steps": "exact", "backward": "latest", "sgd_momentum": "paper"},
+           options={"steps": "exact", "backward": "latest", "sgd_momentum": "paper",
+                    **DELAY_OPTIONS, **PREDICTION_OPTIONS},
            choices={"steps": ("exact", "paper", "code"), "backward": ("latest", "predicted"),
-                    "sgd_momentum": ("paper", "code")},
+                    "sgd_momentum": ("paper", "code"), **CORRECTION_CHOICES},
            versions=_pipeoptim_versions),
 ]}
 

@@ -156,14 +156,25 @@ class Pipeline:
             pipe.data_parallel_size, rank=pipe.data_parallel_rank)``; every stage of a replica
             iterates the same shard); before every update each stage averages its gradients over
             its replicas (buckets sent during the last backward), so weights, optimizer state and
-            predictions stay identical. Losses
-            and metrics are the means over the replicas.
+            predictions stay identical. Losses and metrics are the means over the replicas.
+        **method_options: the method's own options: ``steps``, ``backward``, ``sgd_momentum``
+            for pipeoptim; ``vertical_sync`` for pipedream; and the delay corrections, all off
+            by default (formulas and costs in :mod:`pipeoptim.weights.corrections`):
+
+            * ``lr_correction="delay"`` with ``lr_correction_steps=T`` (async-naive, pipedream,
+              spectrain, xpipe, pipeoptim): PipeMare's lr(t) / tau_k ** (1 - min(t/T, 1)) at
+              stage k, tau_k = N-1-k; the prediction uses the corrected lr.
+            * ``sync_warmup=K`` (the same methods): the run's first K mini-batches with 1F1B and
+              a flush, then the method's asynchronous schedule.
+            * ``horizon="scheduled"`` (spectrain, xpipe, pipeoptim): predict over the
+              scheduler's lrs of the next s updates instead of s * lr(t).
+            * ``delta="ema"`` with ``ema_decay`` (default 0.9) (the same three): Delta is the
+              moving average of the updates applied, per unit lr; one more weight copy.
+            * ``prediction_warmup=T`` (the same three): the step count ramps as s * min(1, t/T).
 
     Under ``torchrun --nproc-per-node N`` each process runs one stage (see
     :mod:`pipeoptim.torchrun`): every rank builds the Pipeline and iterates the same loader;
     ``stages`` defaults to the number of processes.
-        **method_options: the method's own options (``steps``, ``backward``, ``sgd_momentum``
-            for pipeoptim; ``vertical_sync`` for pipedream).
     """
 
     def __init__(self, model: nn.Sequential, *, method: str = "pipeoptim",
@@ -306,7 +317,8 @@ class Pipeline:
         return self._executor is None or not self._executor.fed_batches
 
     def _schedule_for(self, batches: int):
-        return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches)
+        return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches,
+                                          first_batch=self._segment_start, options=self.spec.options)
 
     def _collect(self, wait: bool = False) -> List[float]:
         """The losses completed in this process. Under torchrun they are checked and reported

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -54,6 +55,29 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sgd-momentum", choices=["paper", "code"],
                    help="pipeoptim with SGD momentum: Delta = m (paper) or mu*m + (1-dampening)*g (code)")
     g.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses stage 0's version")
+    g = parser.add_argument_group(
+        "delay corrections (asynchronous methods; all off by default)",
+        "Options of async-naive, pipedream, spectrain, xpipe and pipeoptim; the last four also "
+        "shape the prediction of spectrain, xpipe and pipeoptim. Formulas and costs: "
+        "`python -m pydoc pipeoptim.weights.corrections`.")
+    g.add_argument("--lr-correction", choices=["none", "delay"],
+                   help="delay (PipeMare): stage k with delay tau = N-1-k applies lr(t) / tau^(1 - min(t/T, 1)); "
+                        "no weight copy")
+    g.add_argument("--lr-correction-steps", type=int, metavar="T",
+                   help="updates over which the delay correction anneals to the scheduled lr "
+                        "(default: 30%% of the run's updates)")
+    g.add_argument("--horizon", choices=["constant", "scheduled"],
+                   help="scheduled: the prediction spans the scheduler's lrs of the next s updates, "
+                        "not s * lr(t) (equal under a constant lr); no weight copy")
+    g.add_argument("--delta", choices=["optimizer", "ema"],
+                   help="ema: Delta is a moving average of the updates applied, per unit lr (sees weight "
+                        "decay, clipping, schedules; any optimizer); one more weight copy per stage")
+    g.add_argument("--ema-decay", type=float, metavar="G", help="decay of --delta ema (default 0.9)")
+    g.add_argument("--prediction-warmup", type=int, metavar="T",
+                   help="the prediction's step count ramps as s * min(1, t/T) over the first T updates")
+    g.add_argument("--sync-warmup", type=int, metavar="K",
+                   help="the first K mini-batches run 1F1B with a flush (no staleness), then the "
+                        "asynchronous schedule")
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum (SGD, 0.9)")
     g.add_argument("--lr", type=float, help="learning rate (default: the task's for this optimizer)")
@@ -102,6 +126,11 @@ def add_distributed_options(parser: argparse.ArgumentParser) -> None:
                    help="compute threads per stage process on CPU (default: 1)")
 
 
+#: The delay-correction flags, by option name (pipeoptim.methods.DELAY_OPTIONS, PREDICTION_OPTIONS).
+CORRECTION_FLAGS = ("lr_correction", "lr_correction_steps", "horizon", "delta", "ema_decay",
+                    "prediction_warmup", "sync_warmup")
+
+
 def method_options(args: argparse.Namespace, method: str, strict: bool = True) -> Dict[str, Any]:
     """The method-specific options the user set; one the method does not take is an error
     (``strict``, for one method) or is left out (for a comparison of several)."""
@@ -109,6 +138,7 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
 
     given = {"steps": args.steps, "backward": args.backward, "sgd_momentum": args.sgd_momentum,
              "vertical_sync": True if args.vertical_sync else None}
+    given.update({key: getattr(args, key, None) for key in CORRECTION_FLAGS})
     given = {k: v for k, v in given.items() if v is not None}
     meth = get_method(method)
     if not strict:
@@ -119,6 +149,16 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
             raise ValueError(f"--{key.replace('_', '-')} applies to {', '.join(takers)}, not {method}")
     if getattr(args, "continuous", False) and meth.synchronous:
         raise ValueError(f"--continuous applies to asynchronous methods; {method} flushes before every update")
+    check = dict(given)  # the values, checked now (the default T is only known with the data)
+    if check.get("lr_correction") == "delay" and "lr_correction_steps" not in check:
+        check["lr_correction_steps"] = 1
+    try:
+        meth.resolve_options(check)
+    except ValueError as error:  # name the flag, not the option
+        message = str(error)
+        for key in sorted(CORRECTION_FLAGS, key=len, reverse=True):
+            message = re.sub(rf"\b{key}\b(=)?", lambda m, key=key: "--" + key.replace("_", "-") + (" " if m.group(1) else ""), message)
+        raise ValueError(message) from None
     return given
 
 

@@ -68,8 +68,9 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
             raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters; choose another partition")
         opt = make_optimizer(optimizer, params, k)
-        scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         policy = make_policy(method.policy, part, opt, stage=k, num_stages=n, **options)
+        policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
+        scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,
                             scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision,
                             device=device))

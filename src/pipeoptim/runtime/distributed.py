@@ -601,12 +601,15 @@ class DistributedExecutor(StreamedSegment):
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, self.stage.num_stages)
         k = self.stage.index
+        sync = schedule.options.get("synchronous_updates", 0)
         if self.schedule is None:
-            self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
+            self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
+                                          synchronous_updates=sync)
             self.stage.trace_offset = self.trace_offset
             self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
         else:
-            self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended)
+            self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
+                                           synchronous_updates=sync)
         self.schedule, self.horizon = schedule, schedule.num_updates
         self.order = lower(schedule).orders[k]
 
@@ -860,7 +863,8 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
     epoch_seconds, epoch_cpu = 0.0, [0.0] * n
     m = spec.microbatches
     for epoch, first, count in segments(epochs, num_batches, segment, continuous, start=position):
-        schedule = meth.build_schedule(spec.stages, m, count)
+        schedule = meth.build_schedule(spec.stages, m, count, first_batch=epoch * num_batches + first,
+                                       options=spec.options)
         data = micro * epochs if continuous else micro[first * m:(first + count) * m]
         _control(comm, f"waiting for every stage before mini-batch {first} of epoch {epoch}",
                  lambda: dist.barrier(group=comm.control))

@@ -171,13 +171,14 @@ class LocalExecutor(StreamedSegment):
         first = self.schedule is None
         self.schedule, self.horizon = schedule, schedule.num_updates
         for stage in self.stages:
+            sync = schedule.options.get("synchronous_updates", 0)
             if first:
                 stage.policy.begin_epoch(schedule.orders[stage.index], schedule.orders,
-                                         open_ended=open_ended)
+                                         open_ended=open_ended, synchronous_updates=sync)
                 stage.trace_offset = self.trace_offset
             else:
                 stage.policy.extend_epoch(schedule.orders[stage.index], schedule.orders,
-                                          open_ended=open_ended)
+                                          open_ended=open_ended, synchronous_updates=sync)
         if first:
             self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
 

@@ -2,8 +2,8 @@
 
 ``torch.optim`` keys optimizer state by a parameter's position in the optimizer; a stage's
 position depends on the partition. Here every per-parameter entry (optimizer state, the
-predictor's stored directions) is keyed by the parameter's name in the whole model, and every
-per-group entry (hyper-parameters, the scheduler's base and last learning rates, the lr of the
+predictor's stored directions, ``delta="ema"``'s averages) is keyed by the parameter's name in
+the whole model, and every per-group entry (hyper-parameters, the scheduler's base and last learning rates, the lr of the
 predictor's last step) by the name of the group's first parameter. Loading looks each of the new
 stages' parameters and groups up by those names, wherever they were before.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
 
 from .stage import Stage
 
@@ -38,7 +40,11 @@ def stage_state(stage: Stage) -> Dict[str, Any]:
     order = [name for group in groups for name in group]
     torch_state = stage.optimizer.state_dict()
     optimizer = {
-        "state": {order[i]: s for i, s in torch_state["state"].items()},
+        # copies: torch's optimizer state_dict hands out its live tensors, and a load whose
+        # tensors already fit keeps them, so without a copy a Pipeline loaded from this state
+        # would share momentum buffers with the one that saved it (and see its later updates)
+        "state": {order[i]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                  for i, s in torch_state["state"].items()},
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
                          for g, names in zip(torch_state["param_groups"], groups)],
     }
@@ -104,6 +110,11 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
                 "steps_taken": pred["steps_taken"],
                 "stored": {i: stored[name] for i, name in enumerate(order) if name in stored},
                 "step_lr": [step_lr.get(names[0]) for names in groups]}
+        if "ema" in policy:  # averages are keyed by parameter name already: gather every stage's
+            average = {}
+            for s_entry in saved:
+                average.update(s_entry["policy"].get("ema", {}).get("average", {}))
+            policy["ema"] = {**policy["ema"], "average": average}
         stage.policy.load_state_dict(policy)
         if first["stage"] == stage.index and len(saved) == len(stages):
             stage.count.update(first["counters"])

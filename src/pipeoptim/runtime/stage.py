@@ -187,7 +187,7 @@ class Stage:
         #: Every how many micro-batches to measure the prediction error (0: never).
         self.diagnose_every = 0
         self.diagnostics: List[Dict[str, float]] = []
-        self._probes: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], int, float]] = {}
+        self._probes: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], int, float, Dict]] = {}
 
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
@@ -198,12 +198,13 @@ class Stage:
         probe = self.diagnose_every and (self.trace_offset + microbatch) % self.diagnose_every == 0
         if probe:
             stale = [p.detach().clone() for _, p in self.policy.named]
+            variants = getattr(self.policy, "prediction_variants", lambda _: {})(microbatch)
         use = self.policy.forward_weights(microbatch)
         try:  # from here on the live storage may hold predicted weights until use.done()
             if probe:
                 used = [w.detach().clone() for w in (
                     [p for _, p in self.policy.named] if use.direct else use.weights.values())]
-                self._probes[microbatch] = (stale, used, use.version, use.steps)
+                self._probes[microbatch] = (stale, used, use.version, use.steps, variants)
             inputs = to_device(inputs, self.device)
             leaves = _leaf_inputs(inputs) if not self.is_first else inputs
             with torch.enable_grad(), self.autocast():
@@ -281,9 +282,17 @@ class Stage:
         elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad_norm)
         self.policy.before_update()
+        divisor = self.policy.lr_divisor()
+        if divisor != 1.0:  # a delay correction: this update only, the scheduler's lr put back after
+            scheduled = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] / divisor
         self.updates.append(UpdateEntry(self.index, self.policy.version,
                                         tuple(float(g["lr"]) for g in self.optimizer.param_groups)))
         self.optimizer.step()
+        if divisor != 1.0:
+            for g, lr in zip(self.optimizer.param_groups, scheduled):
+                g["lr"] = lr
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -353,15 +362,20 @@ class Stage:
     def _record_probe(self, microbatch: int) -> None:
         """How far the forward's weights were from the weights live at this backward: the
         prediction error ||W_used - W_b|| against the staleness error ||W_stale - W_b||, both
-        relative to ||W_b||, where W_stale is what the forward would have used unpredicted."""
-        stale, used, version, steps = self._probes.pop(microbatch)
+        relative to ||W_b||, where W_stale is what the forward would have used unpredicted. With
+        delay corrections on, also the prediction error of the weights the forward would have used
+        with none of them, and without each (``variants``): what each correction changed."""
+        stale, used, version, steps, variants = self._probes.pop(microbatch)
         now = [p.detach() for _, p in self.policy.named]
         norm = torch.sqrt(sum((b.double() ** 2).sum() for b in now))
         dist = lambda xs: float(torch.sqrt(sum(((x.double() - b.double()) ** 2).sum()  # noqa: E731
                                                for x, b in zip(xs, now))) / norm)
-        self.diagnostics.append({"microbatch": self.trace_offset + microbatch, "steps": float(steps),
-                                 "updates": self.policy.version - version,
-                                 "prediction_error": dist(used), "staleness_error": dist(stale)})
+        row = {"microbatch": self.trace_offset + microbatch, "steps": float(steps),
+               "updates": self.policy.version - version,
+               "prediction_error": dist(used), "staleness_error": dist(stale)}
+        if variants:
+            row["variants"] = {name: dist(weights) for name, weights in variants.items()}
+        self.diagnostics.append(row)
 
     def diagnostics_summary(self, start: int = 0) -> Dict[str, float]:
         """Means over the probed micro-batches (from the ``start``-th probe on) that saw at least
@@ -370,8 +384,12 @@ class Stage:
         if not rows:
             return {"probes": 0}
         mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-        return {"probes": len(rows), "prediction_error": mean("prediction_error"),
-                "staleness_error": mean("staleness_error")}
+        summary = {"probes": len(rows), "prediction_error": mean("prediction_error"),
+                   "staleness_error": mean("staleness_error")}
+        names = [name for name in rows[-1].get("variants", {}) if all(name in r.get("variants", {}) for r in rows)]
+        if names:  # the same probes, predicted with none of the corrections / without one
+            summary["variants"] = {name: sum(r["variants"][name] for r in rows) / len(rows) for name in names}
+        return summary
 
     def pop_loss(self, microbatch: int) -> float:
         return self._losses.pop(microbatch)

@@ -26,6 +26,7 @@ Versions count the stage's updates: version v is the weights after v optimizer s
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ import torch
 from torch import nn
 
 from ..schedules.actions import Action, Kind
+from .corrections import (DELTAS, HORIZONS, LR_CORRECTIONS, PREDICTION_CORRECTIONS, LrLookahead,
+                          UpdateAverage, delay_divisor, horizon_rate)
 from .predict import Predictor
 
 
@@ -73,12 +76,25 @@ class WeightPolicy:
     description = "live weights in both passes"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
-                 num_stages: int, **options) -> None:
+                 num_stages: int, lr_correction: str = "none", lr_correction_steps: Optional[int] = None,
+                 **options) -> None:
         if options:
             raise ValueError(f"{type(self).__name__} takes no options, got {', '.join(options)}")
+        if lr_correction not in LR_CORRECTIONS:
+            raise ValueError(f"lr_correction must be one of {', '.join(LR_CORRECTIONS)}, got {lr_correction!r}")
+        if lr_correction == "delay" and (lr_correction_steps is None or lr_correction_steps < 1):
+            raise ValueError(f"lr_correction='delay' needs lr_correction_steps=T >= 1 (the updates over "
+                             f"which the lr anneals from lr/delay to lr), got {lr_correction_steps!r}")
         self.stage = stage
         self.num_stages = num_stages
         self.optimizer = optimizer
+        #: PipeMare's delay-scaled lr (weights/corrections.py): "none" or "delay"
+        self.lr_correction = lr_correction
+        self.lr_correction_steps = lr_correction_steps
+        #: updates between a forward and its backward in the steady state (the correction's tau)
+        self.delay = num_stages - 1 - stage
+        self._sync_updates_end = 0         # versions below this are updates of a synchronous warm-up
+        self._sync_micro: frozenset = frozenset()
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.param_bytes = nbytes([p for _, p in self.named])
         self.version = 0                   #: live version: updates applied so far
@@ -89,33 +105,58 @@ class WeightPolicy:
 
     # -- schedule knowledge -----------------------------------------------------------------
     def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
-                    *, open_ended: bool = False) -> None:
+                    *, open_ended: bool = False, synchronous_updates: int = 0) -> None:
         """The actions this stage will run next (and, for policies that need it, every rank's):
         the start of a schedule (a segment), at a drained point. ``open_ended``: the orders
-        were built for a horizon and more mini-batches may follow the ones they list."""
+        were built for a horizon and more mini-batches may follow the ones they list.
+        ``synchronous_updates``: the schedule's first so many updates are a synchronous warm-up
+        (``sync_warmup``): no prediction and no lr correction for them."""
         self.epoch_start_version = self.version
         self._consumed: Counter = Counter()  # forwards run so far in this schedule, per window
         self.open_ended = open_ended
-        self.learn_orders(stage_actions, full_orders)
+        self.learn_orders(stage_actions, full_orders, synchronous_updates)
 
     def extend_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
-                     *, open_ended: bool = False) -> None:
+                     *, open_ended: bool = False, synchronous_updates: int = 0) -> None:
         """The same schedule, now known further (or ending sooner): a streamed segment's orders
         regenerated for more mini-batches, or its final orders once the data ends. The actions
         already run are a prefix of the new orders; what they consumed is kept."""
         self.open_ended = open_ended
-        self.learn_orders(stage_actions, full_orders)
+        self.learn_orders(stage_actions, full_orders, synchronous_updates)
 
-    def learn_orders(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]]) -> None:
+    def learn_orders(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]],
+                     synchronous_updates: int = 0) -> None:
         """Read what this policy needs from the orders of the current schedule."""
         self._order = list(stage_actions)
         self._updates_before: Dict[tuple, int] = {}
         count = 0
+        sync_micro = []
         for a in self._order:
             if a.kind is Kind.U:
                 count += 1
             else:
                 self._updates_before[(a.kind, a.index)] = count
+                if a.kind is Kind.F and count < synchronous_updates:
+                    sync_micro.append(a.index)
+        self._sync_updates_end = self.epoch_start_version + synchronous_updates
+        self._sync_micro = frozenset(sync_micro)
+
+    def in_sync_warmup(self, microbatch: int) -> bool:
+        """Whether ``microbatch`` belongs to a synchronous warm-up (``sync_warmup``)."""
+        return microbatch in self._sync_micro
+
+    def lr_divisor(self, update: Optional[int] = None, *, corrected: bool = True) -> float:
+        """What update ``update``'s lr (default: the next update's) is divided by at this stage:
+        PipeMare's ``delay ** (1 - min(t / T, 1))`` under ``lr_correction="delay"`` outside a
+        synchronous warm-up, else 1."""
+        update = self.version if update is None else update
+        if not corrected or self.lr_correction != "delay" or update < self._sync_updates_end:
+            return 1.0
+        return delay_divisor(self.delay, update, self.lr_correction_steps)
+
+    def use_lr_schedule(self, factory: Optional[Callable[[torch.optim.Optimizer], object]]) -> None:
+        """The stage's scheduler factory, told before the real scheduler is made (the
+        optimizer's groups still as the user built them); policies that look ahead keep it."""
 
     def updates_between(self, microbatch: int) -> int:
         """Updates this stage applies between micro-batch's forward and its backward."""
@@ -209,8 +250,10 @@ class _VersionStore(WeightPolicy):
         self.kept: Dict[int, List[torch.Tensor]] = {}
         self.users: Counter = Counter()
 
-    def extend_epoch(self, stage_actions, full_orders=(), *, open_ended: bool = False) -> None:
-        super().extend_epoch(stage_actions, full_orders, open_ended=open_ended)
+    def extend_epoch(self, stage_actions, full_orders=(), *, open_ended: bool = False,
+                     synchronous_updates: int = 0) -> None:
+        super().extend_epoch(stage_actions, full_orders, open_ended=open_ended,
+                             synchronous_updates=synchronous_updates)
         self._drop_unneeded()  # versions kept for forwards the final orders no longer hold
 
     def target_version(self, microbatch: int) -> int:
@@ -276,8 +319,8 @@ class StashingPolicy(_VersionStore):
         self.vertical_sync = vertical_sync
         self._stage0_version: Dict[int, int] = {}
 
-    def learn_orders(self, stage_actions, full_orders) -> None:
-        super().learn_orders(stage_actions, full_orders)
+    def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
+        super().learn_orders(stage_actions, full_orders, synchronous_updates)
         if self.vertical_sync:
             if not full_orders:
                 raise ValueError("vertical sync needs stage 0's order")
@@ -314,8 +357,8 @@ class DoubleBufferPolicy(_VersionStore):
 
     description = "older of two buffers for a whole update window"
 
-    def learn_orders(self, stage_actions, full_orders) -> None:
-        super().learn_orders(stage_actions, full_orders)
+    def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
+        super().learn_orders(stage_actions, full_orders, synchronous_updates)
         m = max(1, sum(1 for a in stage_actions if a.kind is Kind.F) //
                 max(1, sum(1 for a in stage_actions if a.kind is Kind.U)))
         self.window = m
@@ -374,9 +417,29 @@ class _Predicting(WeightPolicy):
     #: Private switch (tests, benchmarks): False forces the write-and-restore path.
     _swap_storage = CAN_SWAP_STORAGE
 
-    def __init__(self, *args, sgd_momentum: str = "paper", **kwargs) -> None:
+    def __init__(self, *args, sgd_momentum: str = "paper", horizon: str = "constant",
+                 delta: str = "optimizer", ema_decay: Optional[float] = None, prediction_warmup: int = 0,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if horizon not in HORIZONS:
+            raise ValueError(f"horizon must be one of {', '.join(HORIZONS)}, got {horizon!r}")
+        if delta not in DELTAS:
+            raise ValueError(f"delta must be one of {', '.join(DELTAS)}, got {delta!r}")
+        if ema_decay is not None and delta != "ema":
+            raise ValueError("ema_decay applies with delta='ema'")
+        if prediction_warmup is None or prediction_warmup < 0:
+            raise ValueError(f"prediction_warmup must be 0 (off) or a number of updates, got {prediction_warmup!r}")
+        #: the optimizer's own next direction (DESIGN.md section 4); also the diagnostic's baseline
         self.predictor = Predictor(self.optimizer, sgd_momentum=sgd_momentum)
+        self.horizon = horizon
+        self.delta = delta
+        self.prediction_warmup = prediction_warmup
+        #: delta="ema": the average of the updates applied (weights/corrections.py)
+        self.average = UpdateAverage(self.optimizer, self.named, 0.9 if ema_decay is None else ema_decay) \
+            if delta == "ema" else None
+        #: horizon="scheduled": the scheduler's lrs for the updates to come (None: constant lr)
+        self.lookahead: Optional[LrLookahead] = None
+        self._applied_lrs: List[float] = []
         self.cache: Optional[List[torch.Tensor]] = None
         self._index = {p: i for i, (_, p) in enumerate(self.named)}
         self._homes: List[int] = []      # each parameter's data_ptr when the cache was made
@@ -386,11 +449,98 @@ class _Predicting(WeightPolicy):
         self._storages: List[tuple] = []  # (live storage, cache storage) of the predicted params
 
     def forward_steps(self, microbatch: int) -> float:
+        """The prediction steps of ``microbatch``'s forward, corrections applied."""
+        if self.in_sync_warmup(microbatch):
+            return 0
+        return self.ramp(self.base_forward_steps(microbatch))
+
+    def base_forward_steps(self, microbatch: int) -> float:
+        """The method's own step count for ``microbatch``'s forward (no correction)."""
         raise NotImplementedError
 
-    def _prepare(self) -> None:
-        """The cache (allocated once, again only if a parameter moved to other memory) and the
-        per-update work lists."""
+    # -- corrections --------------------------------------------------------------------------
+    @property
+    def source(self):
+        """Where Delta comes from: the optimizer (:class:`Predictor`) or ``delta="ema"``'s average."""
+        return self.average if self.average is not None else self.predictor
+
+    def use_lr_schedule(self, factory) -> None:
+        if self.horizon == "scheduled" and factory is not None:
+            self.lookahead = LrLookahead(self.optimizer, factory)
+
+    def active_corrections(self) -> List[str]:
+        """The corrections on that change this stage's predictions."""
+        on = {"lr_correction": self.lr_correction != "none" and self.delay >= 1,
+              "horizon": self.horizon != "constant", "delta": self.delta != "optimizer",
+              "prediction_warmup": self.prediction_warmup > 0}
+        return [name for name in PREDICTION_CORRECTIONS if on[name]]
+
+    def ramp(self, steps: float, *, corrected: bool = True) -> float:
+        """``prediction_warmup``: s * min(1, t / T) over the first T updates."""
+        if corrected and self.prediction_warmup and self.version < self.prediction_warmup:
+            return steps * (self.version / self.prediction_warmup)
+        return steps
+
+    def horizon_lr(self, index: int, group: dict, steps: float, disable: Sequence[str] = ()) -> float:
+        """The lr mass W_hat moves along Delta for group number ``index``: ``lr * steps`` (the
+        paper), or the scheduled lrs of the next ``steps`` updates (``horizon="scheduled"``),
+        each divided by the delay correction's divisor."""
+        corrected = "lr_correction" not in disable
+        if self.lookahead is not None and "horizon" not in disable:
+            count = int(math.ceil(steps))
+            rates = self.lookahead.rates(index, self.version, count)
+            rates = [lr / self.lr_divisor(self.version + j, corrected=corrected) for j, lr in enumerate(rates)]
+            return horizon_rate(rates, steps)
+        lr = float(group.get("lr", 1.0))
+        divisor = self.lr_divisor(corrected=corrected)
+        return (lr if divisor == 1.0 else lr / divisor) * steps
+
+    @torch.no_grad()
+    def predicted(self, steps: float, disable: Sequence[str] = ()) -> List[torch.Tensor]:
+        """New tensors (in ``named`` order): the weights predicted ``steps`` (before the ramp)
+        ahead with the corrections in ``disable`` off; W itself where there is no Delta."""
+        source = self.predictor if "delta" in disable else self.source
+        steps = self.ramp(steps, corrected="prediction_warmup" not in disable)
+        out = {}
+        if source.has_direction and steps:
+            for index, (group, params, deltas) in enumerate(source.directions()):
+                alpha = -self.horizon_lr(index, group, steps, disable)
+                for p, delta in zip(params, deltas):
+                    out[p] = torch.add(p.detach(), delta, alpha=alpha)
+        return [out[p] if p in out else p.detach().clone() for _, p in self.named]
+
+    def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
+        """For the diagnostic, before ``microbatch``'s forward: the weights it would use with no
+        correction, and (when several are on) without each one."""
+        active = self.active_corrections()
+        if not active or self.in_sync_warmup(microbatch):
+            return {}
+        base = self.base_forward_steps(microbatch)
+        variants = {"no correction": self.predicted(base, active)}
+        if len(active) > 1:
+            for name in active:
+                variants[f"without {name}"] = self.predicted(base, [name])
+        return variants
+
+    def ever_predicts(self) -> bool:
+        """Whether any pass of this stage may run on predicted weights (else no average is kept)."""
+        return True
+
+    def before_update(self) -> None:
+        super().before_update()
+        if self.average is not None and not self.ever_predicts():
+            self.average = None  # e.g. the last stage of PipeOptim: nothing to predict, no buffer
+        if self.average is not None:  # W before the update, into the cache (free between passes)
+            self._ensure_cache()
+            _copy_all(self.cache, [p.data for _, p in self.named])
+            self._applied_lrs = [float(g["lr"]) / self.lr_divisor() for g in self.optimizer.param_groups]
+
+    def after_update(self) -> None:
+        super().after_update()
+        if self.average is not None:
+            self.average.observe(self.cache, self._applied_lrs)
+
+    def _ensure_cache(self) -> None:
         homes = [p.data_ptr() for _, p in self.named]
         if self.cache is None or homes != self._homes:
             self.cache = [torch.empty_like(p) for _, p in self.named]
@@ -398,7 +548,12 @@ class _Predicting(WeightPolicy):
             self._swap = self._swap_storage and self._swappable()
             self._plan_seen = None
             self.note_memory()
-        plan = self.predictor.directions()
+
+    def _prepare(self) -> None:
+        """The cache (allocated once, again only if a parameter moved to other memory) and the
+        per-update work lists."""
+        self._ensure_cache()
+        plan = self.source.directions()
         if plan is self._plan_seen:
             return
         self._work, self._storages = [], []
@@ -435,12 +590,12 @@ class _Predicting(WeightPolicy):
     @torch.no_grad()
     def _write_prediction(self, steps: float) -> Optional[Callable[[], None]]:
         """Make the live storage hold W - lr*steps*Delta; return how to put W back."""
-        if steps == 0 or not self.predictor.has_direction:
+        if steps == 0 or not self.source.has_direction:
             return None
         self._prepare()
         if self._swap:
-            for group, items in self._work:
-                alpha = -float(group.get("lr", 1.0)) * steps
+            for index, (group, items) in enumerate(self._work):
+                alpha = -self.horizon_lr(index, group, steps)
                 for w, delta, buf in items:
                     torch.add(w, delta, alpha=alpha, out=buf)
             storages = self._storages
@@ -453,8 +608,8 @@ class _Predicting(WeightPolicy):
             return swap_back
         live = [p.data for _, p in self.named]
         _copy_all(self.cache, live)
-        for group, items in self._work:
-            alpha = -float(group.get("lr", 1.0)) * steps
+        for index, (group, items) in enumerate(self._work):
+            alpha = -self.horizon_lr(index, group, steps)
             for w, delta, _ in items:
                 torch.add(w, delta, alpha=alpha, out=w)
 
@@ -464,14 +619,25 @@ class _Predicting(WeightPolicy):
         return restore
 
     def copy_bytes(self) -> int:
-        return nbytes(self.cache) if self.cache is not None else 0
+        ema = nbytes(list(self.average.average.values())) if self.average is not None else 0
+        return (nbytes(self.cache) if self.cache is not None else 0) + ema
 
     def state_dict(self) -> Dict[str, object]:
-        return {**super().state_dict(), "predictor": self.predictor.state_dict()}
+        state = {**super().state_dict(), "predictor": self.predictor.state_dict()}
+        if self.average is not None:
+            state["ema"] = self.average.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         super().load_state_dict(state)
         self.predictor.load_state_dict(state["predictor"])
+        if self.average is not None and "ema" not in state and not self.ever_predicts():
+            self.average = None  # saved by a stage that never predicts, as this one
+        if self.average is not None:
+            if "ema" not in state:
+                raise ValueError("the saved state has no average of updates (it was saved without "
+                                 "delta='ema'); resume with the options it was saved with")
+            self.average.load_state_dict(state["ema"])
 
 
 class PipeOptimPolicy(_Predicting):
@@ -497,18 +663,20 @@ class PipeOptimPolicy(_Predicting):
         self.backward_weights = backward
         self._held: Dict[int, List[torch.Tensor]] = {}
 
-    def forward_steps(self, microbatch: int) -> float:
+    def ever_predicts(self) -> bool:
+        return self.delay > 0 or self.steps_policy == "code"
+
+    def base_forward_steps(self, microbatch: int) -> float:
         if self.steps_policy == "exact":
             return self.updates_between(microbatch)
         depth = self.num_stages - 1 - self.stage
         return depth if self.steps_policy == "paper" else depth + 1
 
     def forward_weights(self, microbatch: int) -> WeightUse:
-        steps = self.forward_steps(microbatch) if self.predictor.has_direction else 0
+        steps = self.forward_steps(microbatch) if self.source.has_direction else 0
         self._forward_version[microbatch] = self.version
         if self.backward_weights == "predicted" and steps:
-            predicted = self.predictor.predict(steps)
-            tensors = [predicted[p] for _, p in self.named]
+            tensors = self.predicted(self.base_forward_steps(microbatch))
             self._held[microbatch] = tensors
             self.note_memory()
             return WeightUse({n: t.requires_grad_(True) for (n, _), t in zip(self.named, tensors)},
@@ -550,7 +718,10 @@ class SpecTrainPolicy(_Predicting):
     def backward_steps(self) -> int:
         return self.stage // 2
 
-    def forward_steps(self, microbatch: int) -> float:
+    def ever_predicts(self) -> bool:
+        return bool(self.base_forward_steps(0) or self.backward_steps)
+
+    def base_forward_steps(self, microbatch: int) -> float:
         return self.stage // 2 + self.num_stages - self.stage - 1
 
     def forward_weights(self, microbatch: int) -> WeightUse:
@@ -561,9 +732,10 @@ class SpecTrainPolicy(_Predicting):
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
-        restore = self._write_prediction(self.backward_steps)
+        steps = 0 if self.in_sync_warmup(microbatch) else self.ramp(self.backward_steps)
+        restore = self._write_prediction(steps)
         try:
-            yield WeightUse(use.weights, self.version, self.backward_steps if restore else 0)
+            yield WeightUse(use.weights, self.version, steps if restore else 0)
         finally:
             if restore is not None:
                 restore()
@@ -575,7 +747,13 @@ POLICIES = {cls.__name__: cls for cls in (SynchronousPolicy, LatestPolicy, Stash
                                           SpecTrainPolicy)}
 
 
+#: Method options that shape the schedule, not a policy (:meth:`pipeoptim.methods.Method.build_schedule`).
+SCHEDULE_OPTIONS = ("sync_warmup",)
+
+
 def make_policy(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
                 num_stages: int, **options) -> WeightPolicy:
-    """Instantiate the policy class called ``name`` for one stage."""
+    """Instantiate the policy class called ``name`` for one stage (options that shape the
+    schedule instead are left out)."""
+    options = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
     return POLICIES[name](module, optimizer, stage=stage, num_stages=num_stages, **options)
