@@ -45,7 +45,7 @@ from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size, split_batch
-from .runtime.spec import RunSpec, checkpoint_settings, resolve
+from .runtime.spec import RunSpec, checkpoint_settings, next_drain, resolve
 from .runtime.stage import PRECISIONS, Stage, TraceEntry, UpdateEntry, to_device
 from .torchrun import Torchrun, layout
 
@@ -440,8 +440,10 @@ class Pipeline:
     def fit(self, loader: Iterable[Batch], epochs: int = 1, *,
             eval_loader: Optional[Iterable[Batch]] = None, metric: Optional[Metric] = None,
             evaluate: Optional[Callable[[nn.Sequential], float]] = None,
+            eval_every: Optional[int] = None,
             on_batch: Optional[Callable[[int, float], None]] = None,
             on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+            on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
             checkpoint_dir: Optional[Union[str, Path]] = None, checkpoint_every: Optional[int] = None,
             resume: bool = False, continuous: bool = False) -> TrainResult:
         """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)``,
@@ -453,9 +455,25 @@ class Pipeline:
         ``on_epoch(epoch, entry)`` after each epoch. ``continuous`` runs every epoch in one
         schedule, with no drain between epochs (evaluation only at the end).
 
+        ``eval_every=K`` also drains and evaluates every K mini-batches of an epoch (counted
+        from the epoch's start, as ``checkpoint_every``), for curves of the metric against
+        updates and time. Every evaluation, the epoch-end ones included, is recorded in
+        ``TrainResult.metrics["evaluations"]`` and passed to ``on_eval(entry)`` as
+        ``{"epoch", "batch", "updates", "metric", "seconds"}``: the epoch (0-based), the
+        mini-batches trained so far in the run, the optimizer updates applied so far (each
+        stage's weight version), the value, and the training wall time so far (fit's time less
+        the time spent evaluating and writing checkpoints). An evaluation needs one set of
+        weights, so the pipeline drains there, as at a checkpoint: a synchronous method
+        (``sequential``, ``gpipe``, ``1f1b-flush``) trains exactly as without ``eval_every``, but
+        an asynchronous one restarts its warm-up after each drain, so its losses and metrics
+        depend on K (a smaller K means fewer stale updates). ``eval_every`` needs ``evaluate``
+        or ``eval_loader`` and cannot be combined with ``continuous``.
+
         With ``checkpoint_dir`` the pipeline drains and every stage is saved every
         ``checkpoint_every`` mini-batches and at each epoch's end; ``resume=True`` continues
-        from the newest checkpoint there, to the same losses as an uninterrupted run. The
+        from the newest checkpoint there, to the same losses as an uninterrupted run (the
+        run must have the same ``checkpoint_every`` and ``eval_every``, so that it drains at
+        the same points; the evaluations made before the checkpoint are carried over). The
         loader must then give the same mini-batches in the same order: a list, or a
         ``DataLoader`` that shuffles with torch's global generator (its state at the start of
         the epoch is restored before the loader is iterated again; the mini-batches already
@@ -465,6 +483,9 @@ class Pipeline:
             raise ValueError(f"epochs must be at least 1, got {epochs}")
         if eval_loader is not None and evaluate is not None:
             raise ValueError("give evaluate=fn(model) or eval_loader (with metric), not both")
+        if eval_every is not None and evaluate is None and eval_loader is None:
+            raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
+                             "eval_loader (with metric)")
         self._require_drained("fit")
         try:
             num_batches: Optional[int] = len(loader)  # type: ignore[arg-type]
@@ -473,20 +494,27 @@ class Pipeline:
         if num_batches == 0:
             raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
                              "larger than the data set with drop_last=True?)")
-        segment, run_info = checkpoint_settings(self.spec, num_batches, checkpoint_every, continuous)
+        segment, run_info = checkpoint_settings(self.spec, num_batches, checkpoint_every, continuous,
+                                                eval_every)
         store = Path(checkpoint_dir) if checkpoint_dir is not None else None
         if resume and store is None:
             raise ValueError("resume=True needs checkpoint_dir")
 
         epoch_metrics: List[Dict[str, Any]] = []
+        evaluations: List[Dict[str, Any]] = []
+        seconds_before = 0.0  # training time of the run before its checkpoint (after a resume)
         start_epoch, start_batch, resume_rng, epoch_rng = 0, 0, None, None
+        batch_base = self.batches_done  # mini-batches fed before this run
         if resume:
             found = self._resume_from(store, run_info)
             if found is not None:
                 manifest, resume_rng = found
                 epoch_metrics = manifest["epoch_metrics"]
+                evaluations = list(manifest.get("evaluations", []))
+                seconds_before = float(manifest.get("train_seconds", 0.0))
                 start_epoch, start_batch = manifest["epoch"], manifest["batch"]
                 epoch_rng = _decode_rng(manifest.get("epoch_rng"))
+                batch_base = 0
         base = 0 if resume and start_epoch + start_batch else len(self.losses)  # this run's first loss
 
         self._on_batch = on_batch
@@ -494,12 +522,44 @@ class Pipeline:
         samples_at_start = self.samples_done
         epoch_start = time.perf_counter()
         probes_seen = [0] * len(self.stages)
+        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations
+        # within an epoch (which the epochs' and the run's throughput leave out; as before
+        # eval_every, they include the epoch-end evaluations and the checkpoint writes)
+        paused = {"eval": 0.0, "save": 0.0, "mid_eval": 0.0, "mid_eval_epoch": 0.0}
 
         def label(index: int) -> str:
             if num_batches is None:
                 return f"mini-batch {index - base}"
             return f"mini-batch {(index - base) % num_batches} of epoch {(index - base) // num_batches}"
         self._label = label
+
+        def train_seconds() -> float:
+            return seconds_before + time.perf_counter() - started - paused["eval"] - paused["save"]
+
+        def evaluation(epoch: int, value: Optional[float] = None) -> Optional[float]:
+            """Evaluate the drained pipeline (or take ``value``, already measured) and record it."""
+            trained = self.batches_done - batch_base
+            if evaluations and evaluations[-1]["batch"] == trained:
+                return evaluations[-1]["metric"]  # a drain at the epoch's end already evaluated
+            seconds = train_seconds()
+            if value is None:
+                began = time.perf_counter()
+                value = self._epoch_metric(evaluate, eval_loader, metric)
+                paused["eval"] += time.perf_counter() - began
+            if value is None:
+                return None
+            entry = {"epoch": epoch, "batch": trained, "updates": int(self.stages[0].policy.version),
+                     "metric": value, "seconds": seconds}
+            evaluations.append(entry)
+            if on_eval is not None:
+                on_eval(entry)
+            return value
+
+        def save(epoch: int, batch: int, rng: Optional[torch.Tensor]) -> None:
+            began = time.perf_counter()
+            self._save(store, run_info, epoch, batch, epoch_metrics, rng,
+                       {"evaluations": evaluations, "train_seconds": train_seconds()})
+            paused["save"] += time.perf_counter() - began
 
         def close_epoch(epoch: int, seconds: float, samples: int, losses: List[float]) -> None:
             entry = {"epoch": epoch, "loss": sum(losses) / len(losses), "seconds": seconds,
@@ -515,7 +575,7 @@ class Pipeline:
                 if self._torchrun is not None:
                     entry["prediction_error"] = [part for parts in self._torchrun.gather(
                         entry["prediction_error"], "gathering the diagnostic") for part in parts]
-            value = self._epoch_metric(evaluate, eval_loader, metric)
+            value = evaluation(epoch)
             if value is not None:
                 entry["metric"] = value
             if on_epoch is not None:
@@ -540,16 +600,23 @@ class Pipeline:
                         set_rng_state(resume_rng)  # the loader is positioned: continue the checkpoint's RNG
                         resume_rng = None
                     if self._executor is None:
-                        self._expected = self._segment_length(batch, num_batches, segment, continuous,
-                                                              epoch, epochs)
+                        self._expected = self._segment_length(batch, num_batches, (segment, eval_every),
+                                                              continuous, epoch, epochs)
                     self.step(inputs, target)
                     samples += batch_size(inputs)
                     batch += 1
-                    if (checkpoint_every and not continuous and batch % checkpoint_every == 0
-                            and batch != num_batches):
-                        self.flush()  # a segment ends every checkpoint_every mini-batches
-                        if store is not None:
-                            self._save(store, run_info, epoch, batch, epoch_metrics, epoch_rng_now)
+                    if continuous or batch == num_batches:
+                        continue
+                    checkpoint_due = bool(checkpoint_every) and batch % checkpoint_every == 0
+                    eval_due = bool(eval_every) and batch % eval_every == 0
+                    if checkpoint_due or eval_due:
+                        self.flush()  # a segment ends at every checkpoint and every evaluation
+                        if eval_due:
+                            began = time.perf_counter()
+                            evaluation(epoch)
+                            paused["mid_eval_epoch"] += time.perf_counter() - began
+                        if checkpoint_due and store is not None:
+                            save(epoch, batch, epoch_rng_now)
                 if batch == 0:
                     raise ValueError(f"the loader yielded no mini-batches in epoch {epoch}")
                 if num_batches is not None and batch != num_batches:
@@ -559,12 +626,14 @@ class Pipeline:
                     epoch_sizes.append((epoch, batch, samples))
                     continue
                 self.flush()
-                close_epoch(epoch, time.perf_counter() - epoch_start, samples,
+                close_epoch(epoch, time.perf_counter() - epoch_start - paused["mid_eval_epoch"], samples,
                             self.losses[len(self.losses) - batch:])
                 finish_epoch_entry(epoch)
                 if store is not None:
-                    self._save(store, run_info, epoch + 1, 0, epoch_metrics, None)
+                    save(epoch + 1, 0, None)
                 epoch_start = time.perf_counter()
+                paused["mid_eval"] += paused["mid_eval_epoch"]
+                paused["mid_eval_epoch"] = 0.0
             if continuous:
                 self.flush()
                 seconds = time.perf_counter() - epoch_start
@@ -576,17 +645,20 @@ class Pipeline:
                 finish_epoch_entry(epoch_sizes[-1][0])
         finally:
             self._on_batch = None
-        elapsed = time.perf_counter() - started
-        return self._result(epoch_metrics, self.samples_done - samples_at_start, elapsed)
+        elapsed = time.perf_counter() - started - paused["mid_eval"]
+        result = self._result(epoch_metrics, self.samples_done - samples_at_start, elapsed)
+        result.metrics["evaluations"] = evaluations
+        return result
 
-    def _segment_length(self, batch: int, num_batches: Optional[int], segment: Optional[int],
+    def _segment_length(self, batch: int, num_batches: Optional[int], intervals: Sequence[Optional[int]],
                         continuous: bool, epoch: int, epochs: int) -> Optional[int]:
-        """How many mini-batches the segment starting now holds, if known."""
+        """How many mini-batches the segment starting now holds, if known: up to the next
+        checkpoint or evaluation (``intervals``), or the epoch's end."""
         if num_batches is None:
             return None
         if continuous:
             return num_batches * (epochs - epoch) - batch
-        return min(segment or num_batches, num_batches - batch)
+        return next_drain(batch, num_batches, intervals) - batch
 
     def _epoch_metric(self, evaluate, eval_loader, metric) -> Optional[float]:
         if evaluate is not None and self._torchrun is not None:
@@ -608,16 +680,18 @@ class Pipeline:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _save(self, store: Path, run_info: Dict[str, Any], epoch: int, batch: int,
-              epoch_metrics: List[Dict[str, Any]], epoch_rng: Optional[torch.Tensor]) -> Path:
+              epoch_metrics: List[Dict[str, Any]], epoch_rng: Optional[torch.Tensor],
+              extra: Optional[Dict[str, Any]] = None) -> Path:
+        """Checkpoint every stage at (epoch, batch); ``extra`` goes into the manifest as is."""
         folder = store / checkpoint_name(epoch, batch)
+        more = {"samples_done": self.samples_done, "epoch_rng": _encode_rng(epoch_rng), **(extra or {})}
         if self._torchrun is not None:  # every rank its stage file, the first rank the manifest
             self._torchrun.save(store, self.stages[0], run_info, (epoch, batch), self.losses, epoch_metrics,
-                                {"samples_done": self.samples_done, "epoch_rng": _encode_rng(epoch_rng)})
+                                more)
             return folder
         sums = {stage.index: save_stage(stage, folder) for stage in self.stages}
         save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": self.losses,
-                               "epoch_metrics": epoch_metrics, "samples_done": self.samples_done,
-                               "epoch_rng": _encode_rng(epoch_rng)}, sums)
+                               "epoch_metrics": epoch_metrics, **more}, sums)
         prune(store, keep=2)
         return folder
 

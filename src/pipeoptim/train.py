@@ -16,19 +16,20 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .pipeline import Batch, Pipeline, TrainResult
 from .runtime.build import OptimizerFactory, SchedulerFactory
-from .runtime.spec import RunSpec, checkpoint_settings, resolve, segments
+from .runtime.spec import RunSpec, checkpoint_settings, next_drain, resolve, segments
 
 __all__ = ["train", "TrainResult", "NonFiniteLoss", "RunSpec", "resolve", "checkpoint_settings",
-           "segments"]
+           "next_drain", "segments"]
 
 
 def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimizer: OptimizerFactory,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], stages: Optional[int] = None,
           partition: Optional[Sequence[int]] = None, partitioner: str = "uniform", epochs: int = 1,
           micro_batches: Optional[int] = None, runtime: str = "local", continuous: bool = False,
-          evaluate: Optional[Callable[[nn.Module], float]] = None,
+          evaluate: Optional[Callable[[nn.Module], float]] = None, eval_every: Optional[int] = None,
           on_batch: Optional[Callable[[int, float], None]] = None,
           on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+          on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
           checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
           resume: bool = False, diagnose_every: int = 0,
           lr_scheduler: Optional[SchedulerFactory] = None, clip_grad_norm: Optional[float] = None,
@@ -41,8 +42,11 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
     ``optimizer``, ``loss_fn``, ``stages``/``partition``/``partitioner``, ``micro_batches``,
     ``lr_scheduler``, ``clip_grad_norm``, ``clip_scope``, ``precision``, ``devices``,
     ``diagnose_every``, the method's options) or :meth:`~pipeoptim.pipeline.Pipeline.fit`'s
-    (``epochs``, ``evaluate(model)``, ``on_batch``, ``on_epoch``, ``checkpoint_dir``,
-    ``checkpoint_every``, ``resume``, ``continuous``).
+    (``epochs``, ``evaluate(model)``, ``eval_every``, ``on_batch``, ``on_epoch``, ``on_eval``,
+    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``continuous``). With ``eval_every``
+    the result's ``metrics["evaluations"]`` holds the curve of ``evaluate`` against mini-batches,
+    updates and training time (an asynchronous method drains at each evaluation, so its numbers
+    depend on ``eval_every``; see :meth:`~pipeoptim.pipeline.Pipeline.fit`).
     """
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
@@ -52,6 +56,6 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
                     lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm, clip_scope=clip_scope,
                     precision=precision, devices=devices, diagnose_every=diagnose_every,
                     **method_options)
-    return pipe.fit(batches, epochs, evaluate=evaluate, on_batch=on_batch, on_epoch=on_epoch,
-                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                    continuous=continuous)
+    return pipe.fit(batches, epochs, evaluate=evaluate, eval_every=eval_every, on_batch=on_batch,
+                    on_epoch=on_epoch, on_eval=on_eval, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every, resume=resume, continuous=continuous)

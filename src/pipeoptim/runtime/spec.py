@@ -2,9 +2,10 @@
 
 Both executors (``local.py``, ``distributed.py``) and the Pipeline above them use these: the
 method's options checked, the stage count and partition fixed, the micro-batch count chosen
-(:func:`resolve`); the drain interval and the facts a checkpoint must match
-(:func:`checkpoint_settings`); and the schedules a run over known data is cut into
-(:func:`segments`). Nothing here imports the API, the tasks or the command line.
+(:func:`resolve`); the checkpoint interval and the facts a checkpoint must match
+(:func:`checkpoint_settings`); and where a run drains (every checkpoint and every evaluation
+interval, each epoch's end): the schedules a run over known data is cut into (:func:`segments`,
+:func:`next_drain`). Nothing here imports the API, the tasks or the command line.
 """
 from __future__ import annotations
 
@@ -62,28 +63,53 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
 
 
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
-                        continuous: bool) -> Tuple[int, Dict[str, Any]]:
-    """The drain interval in mini-batches and the facts a checkpoint's manifest must match to be
-    resumed (method, stages, partition, micro-batches, options, batches per epoch, interval)."""
+                        continuous: bool, eval_every: Optional[int] = None) -> Tuple[int, Dict[str, Any]]:
+    """The checkpoint interval in mini-batches and the facts a checkpoint's manifest must match to
+    be resumed (method, stages, partition, micro-batches, options, batches per epoch, interval,
+    evaluation interval: a resumed run must cut its segments where the first one did).
+
+    The pipeline also drains every ``eval_every`` mini-batches (to evaluate one set of weights);
+    :func:`segments` and :func:`next_drain` cut at both kinds of points."""
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"eval_every must be at least 1, got {eval_every}")
     if continuous and checkpoint_every:
         raise ValueError("a continuous run never drains, so it cannot checkpoint every K batches; "
                          "drop continuous or checkpoint_every")
+    if continuous and eval_every:
+        raise ValueError("a continuous run never drains, so it cannot evaluate every K batches; "
+                         "drop continuous or eval_every")
     segment = checkpoint_every or num_batches
     return segment, {"method": spec.method, "stages": spec.stages, "partition": spec.partition,
                      "microbatches": spec.microbatches, "options": spec.options,
-                     "batches_per_epoch": num_batches, "segment": segment}
+                     "batches_per_epoch": num_batches, "segment": segment, "eval_every": eval_every}
+
+
+def next_drain(batch: int, num_batches: Optional[int], intervals: Sequence[Optional[int]]) -> Optional[int]:
+    """Where the segment that starts at mini-batch ``batch`` of an epoch ends: the first multiple
+    of any of ``intervals`` (None: no such interval) after ``batch``, or the epoch's end
+    (``num_batches``; None: unknown, when no interval comes first)."""
+    ends = [(batch // k + 1) * k for k in intervals if k]
+    if num_batches is not None:
+        ends.append(num_batches)
+    return min(ends) if ends else None
 
 
 def segments(epochs: int, num_batches: int, segment: int, continuous: bool,
-             start: Tuple[int, int] = (0, 0)) -> List[Tuple[int, int, int]]:
+             start: Tuple[int, int] = (0, 0), eval_every: Optional[int] = None) -> List[Tuple[int, int, int]]:
     """The schedules a run is cut into, as (epoch, first mini-batch, mini-batches), from the
-    position ``start`` (epoch, batch) on: one per ``segment`` mini-batches (the pipeline
-    drains, and may checkpoint, after each), or a single one over all epochs if ``continuous``."""
+    position ``start`` (epoch, batch) on: a segment ends after every ``segment`` mini-batches
+    (the pipeline drains, and may checkpoint, there), after every ``eval_every`` (it drains
+    to evaluate) and at each epoch's end; or a single one over all epochs if ``continuous``."""
     if continuous:
         return [(0, 0, num_batches * epochs)]
-    return [(e, b, min(segment, num_batches - b)) for e in range(epochs)
-            for b in range(0, num_batches, segment) if (e, b) >= start]
-
-
+    out: List[Tuple[int, int, int]] = []
+    for e in range(epochs):
+        b = 0
+        while b < num_batches:
+            end = next_drain(b, num_batches, (segment, eval_every))
+            if (e, b) >= start:
+                out.append((e, b, end - b))
+            b = end
+    return out
