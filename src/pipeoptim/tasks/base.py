@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,6 +21,10 @@ from torch import nn
 from ..errors import MissingDataError  # defined there so that the command line can catch it without torch
 
 Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
+
+#: The evaluation splits: ``test`` (what a run reports) and ``validation`` (what tuning reads:
+#: examples held out of the training data, never the test set; see :meth:`Task.load`).
+SPLITS = ("test", "validation")
 
 
 @dataclass
@@ -30,20 +34,49 @@ class TaskData:
     ``info`` describes the data and is what a run's summary reports (:meth:`describe`): where it
     comes from, its sizes, the vocabulary size and other settings, as short JSON values, never
     lists of examples or sentences. What the task keeps for its own use beside the batches
-    (validation batches, reference translations, the vocabulary itself) goes in ``extra``.
+    (reference translations, the vocabulary itself) goes in ``extra``.
     """
 
     train: List[Batch]             #: training mini-batches for one epoch, in order
     test: List[Batch]              #: evaluation mini-batches
     info: Dict[str, Any] = field(default_factory=dict)   #: description: source, sizes, vocabulary size, ...
     extra: Dict[str, Any] = field(default_factory=dict)  #: bulky data the task reads back, not described
+    #: validation mini-batches, for tuning (learning rates, corrections): examples that are in
+    #: neither ``train`` nor ``test``; empty unless the task was loaded with ``holdout``
+    validation: List[Batch] = field(default_factory=list)
 
     def describe(self) -> Dict[str, Any]:
         """The description of the data in a run's summary: the entries of ``info`` that are JSON
-        values, and the number of training and test mini-batches (``batches``)."""
+        values, and the number of training, test and (if any) validation mini-batches
+        (``batches``)."""
         described = {k: v for k, v in self.info.items() if _jsonable(v)}
         described["batches"] = {"train": len(self.train), "test": len(self.test)}
+        if self.validation:
+            described["batches"]["validation"] = len(self.validation)
         return described
+
+    def split(self, name: str, task: str = "this task") -> List[Batch]:
+        """The evaluation batches of split ``name`` (one of :data:`SPLITS`); a ValueError that
+        says the fix for an unknown split or an empty validation split."""
+        if name not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {name!r}")
+        if name == "test":
+            return self.test
+        if not self.validation:
+            raise ValueError(f"the data of {task} has no validation split: load it with holdout=N "
+                             f"(--holdout N) to hold N training examples out for validation")
+        return self.validation
+
+
+def check_holdout(holdout: Optional[int], most: Optional[int], what: str) -> None:
+    """Refuse a ``holdout`` outside 1 .. ``most`` (None: no upper bound known yet), naming the
+    range; ``what`` says what is held out."""
+    if holdout is None:
+        return
+    if most is None and holdout < 1:
+        raise ValueError(f"holdout must be at least 1 ({what}), got {holdout}")
+    if most is not None and not 1 <= holdout <= most:
+        raise ValueError(f"holdout must be between 1 and {most} ({what}), got {holdout}")
 
 
 def _jsonable(value: Any) -> bool:
@@ -67,8 +100,14 @@ class Task:
     def model_names(self) -> Sequence[str]:
         raise NotImplementedError
 
-    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
-        """Read (and cache) the data set; ``limit`` caps the number of training examples."""
+    def load(self, *, batch_size: int, limit: int | None, seed: int,
+             holdout: Optional[int] = None) -> TaskData:
+        """Read (and cache) the data set; ``limit`` caps the number of training examples.
+
+        ``holdout=N`` fills :attr:`TaskData.validation` with N examples that are neither
+        trained on nor in the test set, the same ones whatever ``limit`` and ``seed`` (each task
+        says where they come from); without it (the default) the data is as it always was. A
+        task that cannot hold examples out raises a ValueError."""
         raise NotImplementedError
 
     def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
@@ -78,9 +117,9 @@ class Task:
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def evaluate(self, model: nn.Module, data: TaskData) -> float:
-        """The task's metric of ``model`` on ``data.test`` (accuracy in [0, 1], BLEU in [0, 100],
-        perplexity >= 1)."""
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
+        """The task's metric of ``model`` on ``data.test``, or on ``data.validation`` with
+        ``split="validation"`` (accuracy in [0, 1], BLEU in [0, 100], perplexity >= 1)."""
         raise NotImplementedError
 
     @property

@@ -9,7 +9,11 @@ standard deviation of the whole training set (independent of ``limit`` and ``see
 
 Batches. :meth:`ImageTask.load` shuffles the 60,000 training images once with a generator seeded
 by ``seed``; ``limit`` keeps the first ``limit`` of that order; the last incomplete batch is
-dropped, so every training mini-batch has exactly ``batch_size`` examples. The test set keeps the
+dropped, so every training mini-batch has exactly ``batch_size`` examples. ``holdout=N`` (off by
+default) holds the last N images of the training file out as the validation split, before the
+shuffle and ``limit`` apply to the rest: the validation images are the same for every ``limit``
+and ``seed``, in file order, and the other images keep their order (the shuffled order without
+the held-out ones). The test set keeps the
 file order (seed-independent, roughly class-balanced at any prefix): all 10,000 images without
 ``limit``, otherwise the first ``min(10000, max(limit // 5, 1000, batch_size))`` of them, a fixed
 set large enough for a steady accuracy but cheap to evaluate. Test batches keep the last partial
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MissingDataError, Task, TaskData
+from .base import MissingDataError, Task, TaskData, check_holdout
 from .common import classification_accuracy, seeded, seeded_permutation
 
 DATA_DIR_ENV = "PIPEOPTIM_FASHION_MNIST_DIR"
@@ -389,13 +393,22 @@ class ImageTask(Task):
     def model_names(self) -> Sequence[str]:
         return list(MODELS)
 
-    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
-        """Fashion-MNIST as mini-batches; see the module docstring for what ``limit`` keeps."""
+    def load(self, *, batch_size: int, limit: int | None, seed: int,
+             holdout: Optional[int] = None) -> TaskData:
+        """Fashion-MNIST as mini-batches; see the module docstring for what ``limit`` keeps and
+        what ``holdout`` holds out (the last ``holdout`` images of the training file)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         arrays = load_arrays()
         n_total = arrays.train_labels.shape[0]
+        check_holdout(holdout, n_total - 1, f"the {n_total} training images, one left to train on")
         order = np.asarray(seeded_permutation(n_total, seed), dtype=np.int64)
+        validation: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        if holdout is not None:
+            first_held = n_total - holdout
+            order = order[order < first_held]
+            validation = _batches(arrays.train_images[first_held:], arrays.train_labels[first_held:],
+                                  batch_size, drop_last=False, mean=arrays.mean, std=arrays.std)
         if limit is not None:
             order = order[:limit]
         train = _batches(arrays.train_images[order], arrays.train_labels[order], batch_size,
@@ -421,7 +434,9 @@ class ImageTask(Task):
             "mean": arrays.mean,
             "std": arrays.std,
         }
-        return TaskData(train=train, test=test, info=info)
+        if holdout is not None:
+            info["n_validation"] = holdout  # the last images of the training file
+        return TaskData(train=train, test=test, info=info, validation=validation)
 
     def build_model(self, name: str, data: TaskData | None = None, *, seed: int) -> nn.Sequential:
         """Model ``name`` (see :data:`MODELS`), seeded; ``data`` is not needed and may be None."""
@@ -431,6 +446,7 @@ class ImageTask(Task):
         """Cross-entropy of the logits, averaged over the batch."""
         return F.cross_entropy(output, target)
 
-    def evaluate(self, model: nn.Module, data: TaskData) -> float:
-        """Accuracy on ``data.test`` (eval mode, no gradients; training flags restored)."""
-        return classification_accuracy(model, data.test)
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
+        """Accuracy on ``data.test``, or ``data.validation`` with ``split="validation"`` (eval
+        mode, no gradients; training flags restored)."""
+        return classification_accuracy(model, data.split(split, f"task {self.name}"))

@@ -10,6 +10,14 @@ about 95 % of the chapters train, 5 % validate, so validation text is never seen
 the split does not depend on the data size or the seed. (Parallel passages such as Kings and
 Chronicles share sentences across chapters; that is the text, not a leak of the split.)
 
+Validation for tuning (``holdout=N``, off by default): whole training chapters are held out, in
+the order of the MD5 hash of their key (:func:`chapter_hash_order`, :func:`holdout_count`), until their text makes N
+blocks; the validation split is the first N blocks of their stream, and the other training
+chapters train. It is the same for every ``limit`` and ``seed``, and never touches the test
+chapters. The tokenizer stays the one trained on all training chapters (so the vocabulary, and
+a model's size, do not change with N): it has seen the held-out chapters' piece statistics, not
+their next-token targets.
+
 Tokens: a sentencepiece BPE model of 2,000 pieces (pad = 0, unk = 1, bos = 2, eos = 3; the
 helper of :mod:`pipeoptim.tasks.text`) trained on the training chapters only and cached under
 ``cache_dir()/lm/``. Each split becomes one stream: the chapters in canonical order, each the
@@ -51,14 +59,15 @@ about 2,000 at the start, 503 after (``tests/test_task_lm.py``).
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .base import Task, TaskData
+from .base import Task, TaskData, check_holdout
 from .bible import EN_MODULE, read_verses
 from .common import batchify, cache_dir, evaluation_mode, seeded, seeded_permutation
 from .text import EOS_ID, hash_bucket, load_sentencepiece, train_sentencepiece
@@ -92,6 +101,26 @@ def chapters_by_split(verses: Dict[str, str]) -> Dict[str, List[Chapter]]:
     for key, texts in chapters.items():
         out[split_of_chapter(key)].append((key, texts))
     return out
+
+
+def holdout_count(lengths: Sequence[int], blocks: int, seq_len: int) -> int:
+    """How many chapters, taken in order, to hold out for ``blocks`` validation blocks: the
+    fewest whose ``lengths`` (tokens, ``eos`` included) make a stream of at least ``blocks``
+    blocks of ``seq_len`` (L tokens make ``(L - 1) // seq_len``). One chapter at least must be
+    left to train on: otherwise a ValueError names the most blocks there can be."""
+    tokens = 0
+    for count, length in enumerate(lengths[:-1], start=1):
+        tokens += length
+        if (tokens - 1) // seq_len >= blocks:
+            return count
+    raise ValueError(f"holdout {blocks} blocks would take every training chapter; hold out at most "
+                     f"{max(0, (tokens - 1) // seq_len)}")
+
+
+def chapter_hash_order(keys: Sequence[str]) -> List[int]:
+    """The indices of ``keys`` sorted by the MD5 hash of ``"holdout " + key``: a fixed order,
+    independent of the seed, the data size and the canonical order of the books."""
+    return sorted(range(len(keys)), key=lambda i: hashlib.md5(f"holdout {keys[i]}".encode("utf-8")).hexdigest())
 
 
 def token_stream(sp: Any, chapters: Sequence[Chapter]) -> torch.Tensor:
@@ -271,14 +300,28 @@ class LanguageModelTask(Task):
     def model_names(self) -> Sequence[str]:
         return tuple(MODELS)
 
-    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
+    def load(self, *, batch_size: int, limit: int | None, seed: int, holdout: Optional[int] = None) -> TaskData:
         """Training blocks shuffled with ``seed`` (an incomplete last batch is dropped); ``limit``
         keeps that many training blocks, a fixed random subset; the tokenizer is always trained
-        on all training chapters. ``test`` holds every validation block, in text order."""
+        on all training chapters. ``test`` holds every block of the held-out (``valid``)
+        chapters, in text order. ``holdout=N``: ``validation`` holds N blocks of further
+        training chapters, which then do not train (module docstring)."""
+        check_holdout(holdout, None, "blocks of held-out training chapters")
         chapters = chapters_by_split(read_verses(EN_MODULE))
         sp_path = train_sentencepiece([t for _, texts in chapters["train"] for t in texts], self.vocab_size,
                                       cache=cache_dir("lm"))
         sp = load_sentencepiece(sp_path)
+        n_train_chapters = len(chapters["train"])
+        validation: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        if holdout is not None:
+            per_chapter = [token_stream(sp, [chapter]) for chapter in chapters["train"]]
+            order = chapter_hash_order([key for key, _ in chapters["train"]])
+            count = holdout_count([per_chapter[i].numel() for i in order], holdout, self.seq_len)
+            held = sorted(order[:count])  # in canonical order
+            held_set = set(held)
+            x_held, y_held = make_blocks(torch.cat([per_chapter[i] for i in held]), self.seq_len)
+            validation = batchify(x_held[:holdout], y_held[:holdout], batch_size, drop_last=False)
+            chapters["train"] = [c for i, c in enumerate(chapters["train"]) if i not in held_set]
         streams = {name: token_stream(sp, chs) for name, chs in chapters.items()}
         x_train, y_train = make_blocks(streams["train"], self.seq_len)
         x_valid, y_valid = make_blocks(streams["valid"], self.seq_len)
@@ -296,8 +339,12 @@ class LanguageModelTask(Task):
                       "train": x_train.shape[0], "valid": x_valid.shape[0]},
             "unigram_perplexity": unigram_perplexity(streams["train"], y_valid, vocab_size),
         }
+        if holdout is not None:
+            info["sizes"]["chapters_holdout"] = n_train_chapters - len(chapters["train"])
+            info["sizes"]["holdout"] = holdout
         return TaskData(train=shuffled_batches(x_train, y_train, batch_size, seed),
-                        test=batchify(x_valid, y_valid, batch_size, drop_last=False), info=info)
+                        test=batchify(x_valid, y_valid, batch_size, drop_last=False), info=info,
+                        validation=validation)
 
     def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
         if name not in MODELS:
@@ -309,6 +356,7 @@ class LanguageModelTask(Task):
         """Mean token cross-entropy of logits (B, T, V) against targets (B, T)."""
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
-    def evaluate(self, model: nn.Module, data: TaskData) -> float:
-        """Validation perplexity (lower is better) over all of ``data.test``."""
-        return perplexity(model, data.test)
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
+        """Perplexity (lower is better) over all of ``data.test`` (the held-out chapters), or of
+        ``data.validation`` with ``split="validation"``."""
+        return perplexity(model, data.split(split, f"task {self.name}"))

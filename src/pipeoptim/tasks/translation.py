@@ -441,7 +441,7 @@ class TranslationTask(Task):
             self._sp_cache[path] = load_sentencepiece(path)
         return self._sp_cache[path]
 
-    def load(self, *, batch_size: int, limit: int | None, seed: int) -> TaskData:
+    def load(self, *, batch_size: int, limit: int | None, seed: int, holdout: int | None = None) -> TaskData:
         """Training batches shuffled with ``seed`` (an incomplete last batch is dropped).
         ``limit`` keeps the first ``limit`` filtered training pairs in a fixed (seed-0) order,
         the same subset for every seed; the vocabulary is always trained on the full training
@@ -449,7 +449,11 @@ class TranslationTask(Task):
         ``eval_limit`` test sentences are a random sample of the test split. ``extra`` also
         holds, in the order of the test (validation) batches, the test source sentences
         (``test_src``), their references (``test_refs``, which :meth:`scores` reads) and verse
-        keys (``test_keys``), and the validation references (``valid_refs``)."""
+        keys (``test_keys``), and the validation references (``valid_refs``). ``holdout`` is not
+        taken yet (its validation split is not scored by :meth:`evaluate`)."""
+        if holdout is not None:
+            raise ValueError("the translation task takes no holdout yet (its validation split is "
+                             "not scored); tune on the image, lm or sentiment task, or drop --holdout")
         pairs = read_pairs()
         by_split: Dict[str, List[Pair]] = {"train": [], "valid": [], "test": []}
         for p in pairs:
@@ -533,6 +537,8 @@ class TranslationTask(Task):
         result["sentences"] = float(n)
         return result
 
-    def evaluate(self, model: nn.Module, data: TaskData) -> float:
-        """Corpus BLEU (0-100) of greedy translations of the first ``eval_limit`` test sentences."""
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
+        """Corpus BLEU (0-100) of greedy translations of the first ``eval_limit`` test sentences
+        (``split="validation"`` is refused: this task has no scored validation split yet)."""
+        data.split(split, f"task {self.name}")  # names the fix for a split it does not have
         return self.scores(model, data)["bleu"]
