@@ -66,6 +66,15 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
     assert len(local["losses"]) == 9
 
 
+def test_evaluations_every_k_under_torchrun_equal_one_process():
+    """Every rank drains and evaluates at the same mini-batches; the evaluations agree."""
+    local = rows(run([SCRIPT, "pipeoptim", 2, "-", 2]))["pipeoptim"]
+    spread = rows(run([SCRIPT, "pipeoptim", 2, "-", 2], nproc=2))["pipeoptim"]
+    assert spread["losses"] == local["losses"] and spread["evaluations"] == local["evaluations"]
+    assert [e["batch"] for e in local["evaluations"]] == [2, 3, 5, 6]  # 3 mini-batches per epoch
+    assert [e["updates"] for e in local["evaluations"]] == [5, 6, 8, 9]  # after 3 stepped by hand
+
+
 def test_global_clipping_under_torchrun_equals_one_process():
     methods = "gpipe,1f1b-flush"
     local, spread = rows(run([SCRIPT, methods, 2, 0.05])), rows(run([SCRIPT, methods, 2, 0.05], nproc=2))

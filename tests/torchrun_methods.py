@@ -1,5 +1,7 @@
 """Run under torchrun by tests/test_torchrun.py: every method through Pipeline, one stage per
-process; rank 0 prints one JSON line per method with its losses and weight copies."""
+process; rank 0 prints one JSON line per method with its losses and weight copies.
+Arguments: methods (comma-separated), stages, then optionally the global clipping norm ("-": none)
+and eval_every for fit."""
 import json
 import sys
 
@@ -9,7 +11,8 @@ from torch import nn
 import pipeoptim
 
 methods, stages = sys.argv[1].split(","), int(sys.argv[2])
-clip = float(sys.argv[3]) if len(sys.argv) > 3 else None
+clip = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+eval_every = int(sys.argv[4]) if len(sys.argv) > 4 else None
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
@@ -21,11 +24,13 @@ for method in methods:
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                               clip_grad_norm=clip, clip_scope="global" if clip else "stage")
     stepped = [loss for x, y in batches[:3] for loss in pipe.step(x, y)] + pipe.flush()
-    result = pipe.fit(batches[3:], epochs=2,
+    result = pipe.fit(batches[3:], epochs=2, eval_every=eval_every,
                       eval_loader=batches[:2], metric=lambda out, y: (out.argmax(-1) == y).float().mean())
     weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
     if pipe.rank == 0:
         print(json.dumps({"method": method, "stepped": stepped, "losses": result.losses,
                           "metric": result.metrics["epochs"][-1]["metric"],
                           "weight_versions": result.metrics["weight_versions"],
-                          "processes": result.metrics["processes"], "weights": weights}), flush=True)
+                          "processes": result.metrics["processes"], "weights": weights,
+                          "evaluations": [{k: v for k, v in e.items() if k != "seconds"}
+                                          for e in result.metrics["evaluations"]]}), flush=True)

@@ -1,11 +1,19 @@
 """One task, one method, one run folder: what `pipeoptim train` and `compare` do.
 
 Loads the task's data and a seeded model, trains it with :func:`pipeoptim.train` behind a
-progress bar, evaluates after every epoch, and writes the run folder:
+progress bar, evaluates after every epoch (and every ``eval_every`` mini-batches), and writes the
+run folder:
 
-* ``metrics.jsonl``: one JSON object per mini-batch (``{"type": "batch", ...}``) and per epoch;
+* ``metrics.jsonl``: one JSON object per mini-batch (``{"type": "batch", ...}``), per evaluation
+  (``{"type": "eval", "epoch", "batch", "updates", "metric", "seconds"}``) and per epoch;
 * ``summary.json``: the settings and results (what ``--json`` prints);
-* ``curves.png``: training loss and test metric.
+* ``curves.png``: training loss and the evaluated metric.
+
+Which split is evaluated during training: the test split; with ``holdout`` the validation split
+(what tuning may read), and then the test split once, on the final model. The summary's
+``final_metric`` is always the test split's; ``validation_metric`` (with ``holdout``) is the final
+validation value; ``best_metric``, the epochs' ``metric`` and ``evaluations`` are on the split
+evaluated during training (``eval_split``).
 """
 from __future__ import annotations
 
@@ -56,10 +64,19 @@ class RunConfig:
     clip_grad: Optional[float] = None  #: max gradient norm per stage
     precision: str = "fp32"
     device: str = "auto"               #: auto, one device, or one per stage separated by commas
+    #: also drain and evaluate every K mini-batches (Pipeline.fit's eval_every); None: epoch ends only
+    eval_every: Optional[int] = None
+    #: hold N training examples out as the validation split (Task.load's holdout); None: no split
+    holdout: Optional[int] = None
 
     def devices(self) -> Any:
         """``device`` as Pipeline takes it: a name, or a list with one per stage."""
         return self.device.split(",") if "," in self.device else self.device
+
+    @property
+    def eval_split(self) -> str:
+        """The split evaluated during training: ``validation`` with ``holdout``, else ``test``."""
+        return "validation" if self.holdout is not None else "test"
 
     def resolved(self, task: Task) -> "RunConfig":
         """Fill the task's defaults (model, batch size, learning rate)."""
@@ -78,6 +95,12 @@ class RunConfig:
 DEFAULT_LR_CORRECTION_SHARE = 0.3
 
 
+def load_data(task: Task, cfg: RunConfig) -> TaskData:
+    """The task's data for ``cfg`` (resolved): its batch size, limit, seed and holdout."""
+    held = {"holdout": cfg.holdout} if cfg.holdout is not None else {}
+    return task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed, **held)
+
+
 def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) -> None:
     """Refuse settings that cannot run (ValueError saying the fix) before anything is written,
     and fill in the defaults that depend on the run's length (``lr_correction_steps``)."""
@@ -88,7 +111,7 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
     spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
                    partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
                    method_options=cfg.method_options, epochs=cfg.epochs, batches=batches)
-    checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous)
+    checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous, cfg.eval_every)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
     make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps)
@@ -143,11 +166,14 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
 
     With a run folder, the settings go to ``config.json`` and every stage is checkpointed under
     ``checkpoints/`` at each epoch's end (and every ``cfg.checkpoint_every`` mini-batches);
-    ``resume`` continues the run in ``out_dir`` from its newest checkpoint."""
+    ``resume`` continues the run in ``out_dir`` from its newest checkpoint. ``data``, if given,
+    must have been loaded with ``cfg``'s holdout (see :func:`load_data`)."""
     task = task or get_task(cfg.task)
     cfg = cfg.resolved(task)
     if data is None:
-        data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
+        data = load_data(task, cfg)
+    split = cfg.eval_split
+    data.split(split, f"task {task.name}")  # the split exists, before anything is written
     model = task.build_model(cfg.model, data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout and other randomness during training
     optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
@@ -169,6 +195,17 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
         if log_file:
             log_file.write(json.dumps({"type": "batch", "batch": index, "loss": loss}) + "\n")
 
+    def on_eval(entry: Dict[str, Any]) -> None:
+        if log_file:
+            log_file.write(json.dumps({"type": "eval", "split": split, **entry}) + "\n")
+            log_file.flush()
+
+    evaluated: List[Any] = [None]  # the model the last evaluation saw (its stages' live weights)
+
+    def evaluate(model: Any) -> float:
+        evaluated[0] = model
+        return task.evaluate(model, data, split="validation") if split == "validation" else task.evaluate(model, data)
+
     def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
         epoch_lines.append(entry)
         if log_file:
@@ -186,33 +223,44 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
         result = train(model, batches, method=cfg.method, optimizer=optimizer, loss_fn=task.loss,
                        stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
                        epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
-                       evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch, on_epoch=on_epoch,
+                       evaluate=evaluate, eval_every=cfg.eval_every, on_batch=on_batch, on_epoch=on_epoch,
+                       on_eval=on_eval,
                        checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
                        checkpoint_every=cfg.checkpoint_every, resume=resume, diagnose_every=diagnose_every,
                        lr_scheduler=make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps),
                        clip_grad_norm=cfg.clip_grad, precision=cfg.precision, devices=cfg.devices(),
                        **cfg.method_options)
+        test_metric = None
+        if split != "test":  # the test split, once, on the final weights
+            test_metric = task.evaluate(evaluated[0], data)
+            if log_file:
+                log_file.write(json.dumps({"type": "test", "metric": test_metric}) + "\n")
     finally:
         bar.close()
         if log_file:
             log_file.close()
-    return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir)
+    return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir, test_metric=test_metric)
 
 
 def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, started: float,
-                  out_dir: Optional[Path]) -> Dict[str, Any]:
+                  out_dir: Optional[Path], test_metric: Optional[float] = None) -> Dict[str, Any]:
     """The summary of a finished run (``cfg`` resolved); writes summary.json and curves.png
-    into ``out_dir``. ``result`` is a TrainResult or a distributed run's writer-rank result."""
+    into ``out_dir``. ``result`` is a TrainResult or a distributed run's writer-rank result.
+    ``test_metric``: with ``cfg.holdout``, the final model's test metric (the epochs' metrics
+    are then validation values, reported as ``validation_metric`` and ``best_metric``)."""
     batches = data.train
     metrics = [e["metric"] for e in result.metrics["epochs"] if "metric" in e]
     best = (max if task.higher_is_better else min)(metrics) if metrics else None
+    final = metrics[-1] if metrics else None
     summary = {
         "task": cfg.task, "model": cfg.model, "method": cfg.method, "stages": result.metrics["stages"],
         "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
         "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
         "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
         "metric": task.metric, "higher_is_better": task.higher_is_better,
-        "final_metric": metrics[-1] if metrics else None, "best_metric": best,
+        "final_metric": final if cfg.holdout is None else test_metric, "best_metric": best,
+        "eval_split": cfg.eval_split, "eval_every": cfg.eval_every, "holdout": cfg.holdout,
+        "evaluations": result.metrics.get("evaluations", []),
         "final_loss": result.metrics["epochs"][-1]["loss"], "losses": result.losses,
         "samples_per_second": result.metrics["samples_per_second"],
         "predicted_samples_per_second": predicted_throughput(result, cfg.batch_size, len(batches)),
@@ -222,6 +270,8 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "prediction_error": result.metrics.get("prediction_error"),
         "seconds": time.time() - started, "data": data.describe(),
     }
+    if cfg.holdout is not None:
+        summary["validation_metric"] = final
     if out_dir is not None:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},

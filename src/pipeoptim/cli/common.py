@@ -38,6 +38,19 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, help="use at most this many training examples (quick runs)")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial weights")
+    g = parser.add_argument_group("evaluation during training")
+    g.add_argument("--eval-every", type=int, metavar="K",
+                   help="also evaluate every K mini-batches of an epoch (default: at each epoch's end "
+                        "only), for curves of the metric against updates and time (metrics.jsonl lines "
+                        "of type eval; evaluations in the summary). The pipeline drains there, as at a "
+                        "checkpoint: synchronous methods train the same whatever K, asynchronous ones "
+                        "restart their warm-up after each drain, so their results depend on K")
+    g.add_argument("--holdout", type=int, metavar="N",
+                   help="hold N training examples out as a validation split, evaluated during training "
+                        "instead of the test split, which is evaluated once at the end (summary: "
+                        "validation_metric and the test final_metric). image: the last N images of the "
+                        "training file; lm: N blocks of further training chapters; sentiment: the first "
+                        "N of its fixed validation split. Default: no validation split")
     g = parser.add_argument_group("pipeline")
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
@@ -174,7 +187,8 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
                      limit=args.limit, seed=args.seed, continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad=args.clip_grad,
-                     precision=args.precision, device=args.device)
+                     precision=args.precision, device=args.device, eval_every=args.eval_every,
+                     holdout=args.holdout)
 
 
 def stages_of(args: argparse.Namespace) -> int:
@@ -186,10 +200,13 @@ def stages_of(args: argparse.Namespace) -> int:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Reject impossible numbers before loading anything."""
-    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches"):
+    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if getattr(args, "continuous", False) and getattr(args, "eval_every", None):
+        raise ValueError("--continuous never drains, so it cannot evaluate every K mini-batches; "
+                         "drop --continuous or --eval-every")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
     if getattr(args, "clip_grad", None) is not None and not args.clip_grad > 0:

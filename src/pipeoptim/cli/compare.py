@@ -22,16 +22,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
-    best = f"best {metric}" + ("" if higher_is_better else " (lowest)")
-    head = ["method", f"final {metric}", best, "final loss", "weight copies",
-            "samples/s", "predicted samples/s"]
+    """One line per run. With a validation split (``--holdout``) the final test metric, the final
+    validation metric and the best validation metric; else the final and best test metric."""
+    validated = any(r.get("validation_metric") is not None for r in rows)
+    best = f"best {'validation ' if validated else ''}{metric}" + ("" if higher_is_better else " (lowest)")
+    head = ["method", f"final {'test ' if validated else ''}{metric}"]
+    head += [f"validation {metric}"] if validated else []
+    head += [best, "final loss", "weight copies", "samples/s", "predicted samples/s"]
     lines = []
     for r in rows:
         copies = ",".join(f"{c:g}" for c in r["weight_copies"])
         pred = r.get("predicted_samples_per_second")
-        lines.append([r["method"], f"{r['final_metric']:.4f}", f"{r['best_metric']:.4f}",
-                      f"{r['final_loss']:.4f}", copies, f"{r['samples_per_second']:.0f}",
-                      f"{pred:.0f}" if pred else "-"])
+        cells = [r["method"], f"{r['final_metric']:.4f}"]
+        cells += [f"{r['validation_metric']:.4f}"] if validated else []
+        lines.append(cells + [f"{r['best_metric']:.4f}", f"{r['final_loss']:.4f}", copies,
+                              f"{r['samples_per_second']:.0f}", f"{pred:.0f}" if pred else "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
@@ -46,7 +51,7 @@ def warm_up(task, cfg, data) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experiment import run_experiment
+    from ..experiment import load_data, run_experiment
     from ..plots import plot_runs
 
     check_numbers(args)
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     task = get_task(args.task)
     first = configs[0].resolved(task)
-    data = task.load(batch_size=first.batch_size, limit=args.limit, seed=args.seed)
+    data = load_data(task, first)
     log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
         f"{first.stages} stages, {args.optimizer} lr {first.lr}")
     warm_up(task, first, data)

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
+            check_distributed_options(cfg)
             from ..launcher import run_distributed_train
 
             return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
@@ -117,7 +118,9 @@ def check_distributed_options(cfg: RunConfig) -> None:
     given = [flag for flag, on in (("--lr-schedule", cfg.lr_schedule != "constant"),
                                    ("--warmup-steps", cfg.warmup_steps is not None),
                                    ("--clip-grad", cfg.clip_grad is not None),
-                                   ("--precision", cfg.precision != "fp32")) if on]
+                                   ("--precision", cfg.precision != "fp32"),
+                                   ("--eval-every", cfg.eval_every is not None),
+                                   ("--holdout", cfg.holdout is not None)) if on]
     if given:
         raise ValueError(f"{', '.join(given)} work with --runtime local; the distributed runtime "
                          f"does not take them yet")
@@ -131,8 +134,14 @@ def report(args: argparse.Namespace, summary: dict, out: Path) -> int:
     if args.json:
         print_json(summary)
     else:
-        print(f"final {summary['metric']}: {summary['final_metric']:.4f} (best {summary['best_metric']:.4f}), "
-              f"final loss {summary['final_loss']:.4f}, {summary['samples_per_second']:.0f} samples/s, "
-              f"weight copies per stage {summary['weight_copies']}")
+        if summary.get("validation_metric") is not None:
+            print(f"final test {summary['metric']}: {summary['final_metric']:.4f}, validation "
+                  f"{summary['validation_metric']:.4f} (best {summary['best_metric']:.4f}), "
+                  f"final loss {summary['final_loss']:.4f}, {summary['samples_per_second']:.0f} samples/s, "
+                  f"weight copies per stage {summary['weight_copies']}")
+        else:
+            print(f"final {summary['metric']}: {summary['final_metric']:.4f} (best {summary['best_metric']:.4f}), "
+                  f"final loss {summary['final_loss']:.4f}, {summary['samples_per_second']:.0f} samples/s, "
+                  f"weight copies per stage {summary['weight_copies']}")
         print(f"run folder: {out}")
     return 0

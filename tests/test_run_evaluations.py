@@ -1,0 +1,79 @@
+"""A run's evaluations during training and its validation split, through the experiment layer
+and the command line: the summary's evaluations, metrics.jsonl's eval lines, the validation and
+test metrics, the compare table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeoptim.cli import main
+from pipeoptim.experiment import RunConfig, load_data, run_experiment
+from pipeoptim.tasks import get_task
+from pipeoptim.tasks.image import load_arrays
+
+QUICK = ["--task", "image", "--model", "mlp", "--limit", "640", "--no-progress"]
+
+
+def _has_image_data() -> bool:
+    try:
+        load_arrays()
+        return True
+    except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _has_image_data(),
+                                reason="needs Fashion-MNIST (apt-get install dataset-fashion-mnist)")
+QUIET = dict(show_progress=False, log=lambda *a, **k: None)
+
+
+def test_a_run_with_holdout_evaluates_validation_during_training_and_test_at_the_end(tmp_path):
+    task = get_task("image")
+    cfg = RunConfig(task="image", model="mlp", method="sequential", limit=640, epochs=2, eval_every=4,
+                    holdout=1000).resolved(task)
+    data = load_data(task, cfg)
+    assert sum(y.shape[0] for _, y in data.validation) == 1000
+    held = run_experiment(cfg, out_dir=tmp_path / "held", task=task, data=data, **QUIET)
+    # the same training on the same data, evaluated on the test split as runs without holdout are
+    on_test = run_experiment(RunConfig(**{**cfg.__dict__, "holdout": None}), out_dir=None, task=task,
+                             data=data, **QUIET)
+    assert held["losses"] == on_test["losses"]
+    assert held["eval_split"] == "validation" and on_test["eval_split"] == "test"
+    assert held["final_metric"] == on_test["final_metric"]  # the test metric of the final model
+    evaluations = held["evaluations"]
+    assert [e["batch"] for e in evaluations] == [4, 8, 10, 14, 18, 20]
+    assert [e["updates"] for e in evaluations] == [4, 8, 10, 14, 18, 20]
+    assert held["validation_metric"] == evaluations[-1]["metric"] == held["epochs_detail"][-1]["metric"]
+    assert held["best_metric"] == max(evaluations[2]["metric"], evaluations[5]["metric"])
+    assert "validation_metric" not in on_test and held["holdout"] == 1000 and held["eval_every"] == 4
+    lines = [json.loads(line) for line in (tmp_path / "held" / "metrics.jsonl").read_text().splitlines()]
+    evals = [line for line in lines if line["type"] == "eval"]
+    assert [(e["batch"], e["split"]) for e in evals] == [(b, "validation") for b in (4, 8, 10, 14, 18, 20)]
+    assert [e["metric"] for e in evals] == [e["metric"] for e in evaluations]
+    assert [line["metric"] for line in lines if line["type"] == "test"] == [held["final_metric"]]
+    assert json.loads((tmp_path / "held" / "config.json").read_text())["holdout"] == 1000
+
+
+def test_cli_train_with_eval_every_and_holdout(tmp_path, capsys):
+    assert main(["train", *QUICK, "--method", "gpipe", "--stages", "2", "--eval-every", "3",
+                 "--holdout", "500", "--json", "--out", str(tmp_path / "run")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [e["batch"] for e in summary["evaluations"]] == [3, 6, 9, 10]
+    assert summary["eval_split"] == "validation" and summary["data"]["n_validation"] == 500
+    assert summary["data"]["batches"]["validation"] == 8  # 500 images in batches of 64
+    assert 0 <= summary["validation_metric"] <= 1 and 0 <= summary["final_metric"] <= 1
+    assert main(["train", *QUICK, "--method", "gpipe", "--stages", "2", "--holdout", "500",
+                 "--out", str(tmp_path / "printed")]) == 0
+    assert "final test accuracy: " in capsys.readouterr().out
+
+
+def test_cli_compare_reports_test_and_validation_columns(tmp_path, capsys):
+    assert main(["compare", *QUICK, "--methods", "sequential,gpipe", "--stages", "2", "--holdout", "500",
+                 "--eval-every", "5", "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "final test accuracy" in out and "validation accuracy" in out and "best validation accuracy" in out
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    sequential, gpipe = report["runs"]
+    assert sequential["losses"] == pytest.approx(gpipe["losses"], rel=1e-5)  # gpipe: sequential's arithmetic
+    assert [e["batch"] for e in gpipe["evaluations"]] == [5, 10]
