@@ -26,7 +26,8 @@ runtime               runtime/ (stage, the local and distributed executors, the 
 API                   pipeline (pipeoptim.Pipeline), train (pipeoptim.train), profile
 experiment            experiment (task + method + run folder), tasks/, planner, plots,
                       optimizers (by name), launcher (torchrun's agent, the stage worker),
-                      run_folder (status files, last checkpoint), bench_worker
+                      run_folder (status files, last checkpoint), bench_worker,
+                      time_to_target (the study's arithmetic)
 command line          cli/, __main__, the package's __init__
 ====================  =========================================================================
 """
@@ -48,7 +49,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("runtime", ["runtime", "runtime.*"]),
     ("API", ["pipeline", "train", "profile", "torchrun"]),
     ("experiment", ["experiment", "tasks", "tasks.*", "planner", "plots", "optimizers", "launcher",
-                    "run_folder", "bench_worker"]),
+                    "run_folder", "bench_worker", "time_to_target"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),
 ]
 
