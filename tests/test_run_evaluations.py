@@ -77,3 +77,23 @@ def test_cli_compare_reports_test_and_validation_columns(tmp_path, capsys):
     sequential, gpipe = report["runs"]
     assert sequential["losses"] == pytest.approx(gpipe["losses"], rel=1e-5)  # gpipe: sequential's arithmetic
     assert [e["batch"] for e in gpipe["evaluations"]] == [5, 10]
+
+
+def test_cli_resume_of_a_run_with_eval_every_and_holdout_gives_the_same_curve(tmp_path, capsys):
+    common = ["train", *QUICK, "--method", "pipeoptim", "--stages", "2", "--epochs", "2",
+              "--checkpoint-every", "4", "--eval-every", "3", "--holdout", "500", "--json"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    # roll the run back to its older checkpoint, as if it had died after it
+    store = tmp_path / "b" / "checkpoints"
+    older = sorted(p.name for p in store.iterdir() if p.is_dir())[0]
+    (store / "latest.json").write_text(json.dumps({"checkpoint": older}))
+    assert main(["train", "--resume", str(tmp_path / "b"), "--json", "--no-progress"]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    strip = lambda evals: [{k: v for k, v in e.items() if k != "seconds"} for e in evals]  # noqa: E731
+    assert resumed["losses"] == full["losses"]
+    assert strip(resumed["evaluations"]) == strip(full["evaluations"])
+    assert [e["batch"] for e in full["evaluations"]] == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert (resumed["final_metric"], resumed["validation_metric"]) == (full["final_metric"], full["validation_metric"])

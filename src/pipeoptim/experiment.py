@@ -204,7 +204,9 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
 
     def evaluate(model: Any) -> float:
         evaluated[0] = model
-        return task.evaluate(model, data, split="validation") if split == "validation" else task.evaluate(model, data)
+        if split == "validation":
+            return task.evaluate(model, data, split="validation")
+        return task.evaluate(model, data)
 
     def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
         epoch_lines.append(entry)
@@ -213,7 +215,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
             log_file.flush()
         bar.clear()
         log(f"{cfg.method:>14} epoch {epoch + 1}/{cfg.epochs}: loss {entry['loss']:.4f}  "
-            f"{task.metric} {entry.get('metric', float('nan')):.4f}  "
+            f"{'validation ' if split == 'validation' else ''}{task.metric} {entry.get('metric', float('nan')):.4f}  "
             f"{entry['samples_per_second']:.0f} samples/s")
         if any(d.get("probes") for d in entry.get("prediction_error") or []):
             log(f"{'':>14} {format_prediction_error(entry['prediction_error'])}")
@@ -232,7 +234,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
                        **cfg.method_options)
         test_metric = None
         if split != "test":  # the test split, once, on the final weights
-            test_metric = task.evaluate(evaluated[0], data)
+            final_model = evaluated[0] if evaluated[0] is not None else result.model  # (a finished run resumed)
+            test_metric = task.evaluate(final_model, data)
             if log_file:
                 log_file.write(json.dumps({"type": "test", "metric": test_metric}) + "\n")
     finally:
@@ -276,6 +279,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},
                   out_dir / "curves.png", metric=task.metric, higher_is_better=task.higher_is_better,
+                  split=cfg.eval_split,
                   title=f"{cfg.task} / {cfg.model}: {cfg.method}, {summary['stages']} stages")
         summary["out"] = str(out_dir)
     return summary

@@ -23,9 +23,10 @@ def smooth(values: Sequence[float], window: int) -> List[float]:
 
 
 def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: str,
-              higher_is_better: bool = True) -> Path:
+              higher_is_better: bool = True, split: str = "test") -> Path:
     """Loss per mini-batch (smoothed) and the metric per epoch, one line per run; the metric's
-    axis says so when lower is better (perplexity)."""
+    axis says so when lower is better (perplexity). ``split``: the split the epochs' metric was
+    measured on (``test``, or ``validation`` for a run with a held-out split)."""
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in runs.items():
         losses = run["losses"]
@@ -37,7 +38,7 @@ def plot_runs(runs: Dict[str, Dict], path: str | Path, *, metric: str, title: st
             ax_metric.plot(epochs, values, marker="o", label=name)
     ax_loss.set(xlabel="mini-batch", ylabel="training loss (moving average)", title="Training loss")
     ax_metric.set(xlabel="epoch", ylabel=metric if higher_is_better else f"{metric} (lower is better)",
-                  title=f"Test {metric}")
+                  title=f"{split.capitalize()} {metric}")
     ax_metric.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_loss, ax_metric):
         ax.grid(alpha=0.3)

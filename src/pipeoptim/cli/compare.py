@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                                    log=log, task=task, data=data))
     plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
                      out / "compare.png", metric=task.metric, higher_is_better=task.higher_is_better,
+                     split=first.eval_split,
                      title=f"{args.task} / {first.model}, {first.stages} stages, {args.optimizer}")
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot)}

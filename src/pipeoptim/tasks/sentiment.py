@@ -268,7 +268,7 @@ class SentimentTask(Task):
         ``holdout`` snippets (at most its size; the training data is the same either way).
         ``extra`` holds the vocabulary (``vocab``) and the whole validation split (``valid``)."""
         splits = split_examples(read_examples())
-        check_holdout(holdout, len(splits["valid"]), f"the snippets of the fixed validation split")
+        check_holdout(holdout, len(splits["valid"]), "the snippets of the fixed validation split")
         train = splits["train"][:limit] if limit else splits["train"]
         vocab = Vocab.build((tokenize_words(t) for t, _ in train), self.vocab_size, self.min_count)
         info: Dict[str, Any] = {
