@@ -155,6 +155,17 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
         for method in ("gpipe", "pipedream-2bw"):
             results[("uneven", method, 2)] = _train(mlp(), batches(4), method, pair, stages=2,
                                                     micro_batches=3, optimizer=adam)
+    # the same sub-group pipelines, told of each other (pipelines=): every rank creates both
+    # pipelines' link groups, so their links are groups of their own, not tags of the pair
+    told = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT, pipelines=[[0, 1], [2, 3]])
+    results[("mlp", "pipeoptim", "2 told")] = _train(mlp(), batches(5), "pipeoptim", told, stages=2)
+    links = {}
+    for name, c in (("whole", comm), ("pair", pair), ("told", told)):
+        groups = [link.group for link in c._links.values()]
+        links[name] = {"own": c.link_groups, "links": len(groups),
+                       "distinct": len({id(g) for g in groups} | {id(c.group)}) == len(groups) + 1,
+                       "sizes": sorted(dist.get_world_size(g) for g in groups)}
+    results[("links", rank)] = {"trace": None, **links}
     if rank == 0:  # sequential is one stage: a 1-process pipeline
         results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential",
                                                    PipeComm(single, timeout=GROUP_TIMEOUT))
@@ -212,6 +223,25 @@ def test_distributed_losses_equal_local(spawned, method, stages):
         assert got["trace"] == local.version_trace
         for name, value in local.model.state_dict().items():
             torch.testing.assert_close(got["state"][name], value, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.timeout(150)
+def test_each_direction_of_a_pair_has_its_own_group(spawned):
+    """gloo: a pipeline over the whole job (or sub-group pipelines given pipelines= naming every
+    rank) gets a 2-rank process group per direction of each pair; sub-group pipelines that do
+    not know of each other fall back to tags of their group."""
+    ends = {0: 2, 1: 4, 2: 4, 3: 2}  # links of a rank in the 4-stage pipeline (both directions)
+    for rank in range(4):
+        links = spawned[("links", rank)]
+        assert links["whole"] == {"own": True, "links": ends[rank], "distinct": True,
+                                  "sizes": [2] * ends[rank]}
+        assert links["told"] == {"own": True, "links": 2, "distinct": True, "sizes": [2, 2]}
+        assert links["pair"]["own"] is False and links["pair"]["links"] == 2
+        assert links["pair"]["distinct"] is False  # the pair's own group, with tags
+    got = spawned[("mlp", "pipeoptim", "2 told")]
+    local = _local(mlp(), batches(5), "pipeoptim", 2)
+    _close(got["losses"], local.losses)
+    assert got["trace"] == local.version_trace
 
 
 @pytest.mark.timeout(150)

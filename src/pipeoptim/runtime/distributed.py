@@ -12,10 +12,13 @@ Transport (``torch.distributed`` point to point, nothing home-made):
 
 * gloo on CPU, NCCL on GPU (one device per stage). Each direction of each neighbour pair is
   its own link (activations ``k -> k+1``, gradients ``k+1 -> k``) carrying one ordered stream
-  of messages: on gloo a tag of the pipeline's group, on NCCL a process group of its own, so
-  that a send and an opposite receive of the same pair never queue on one communicator stream
-  (where they could wait on each other). A gloo group of all stages (the pipeline's own group
-  on CPU) carries the control messages (losses, timings, state dicts at the end of an epoch).
+  of messages in a process group of its own, so that a send and an opposite receive of the same
+  pair never queue on one communicator stream or one gloo connection (where a large send being
+  written could delay the receive behind it). On gloo, a pipeline on part of the job (no
+  ``pipelines=`` naming every rank) cannot create groups safely and its links are instead tags
+  of the pipeline's group (see :class:`PipeComm`). A gloo group of all stages (the pipeline's
+  own group on CPU) carries the control messages (losses, timings, state dicts at the end of an
+  epoch).
 * Sends are ``dist.isend``; each handle is kept, with its tensors, until it is waited on (polled
   after every action, all waited at the end of the schedule). gloo's send is a rendezvous, so a
   blocking send in a 1F1B loop deadlocks; with ``isend`` it cannot.
@@ -293,12 +296,17 @@ class _Link:
 class PipeComm:
     """The communication of one stage of a straight pipeline over a process group.
 
-    Stage k is rank k of ``group`` (default: the whole job). On gloo the links are tags of
-    ``group`` (any sub-group works, nothing is created). On NCCL each direction of each pair
-    gets its own process group, created over the whole job: every rank of the job creates the
-    PipeComm, in the same order as any other groups, and ``group`` must be the whole job.
-    ``timeout`` bounds every wait on a peer (the group's own timeout bounds the control
-    collectives).
+    Stage k is rank k of ``group`` (default: the whole job). Each direction of each pair gets
+    its own process group (2 ranks), created with ``dist.new_group`` over the whole job: every
+    rank of the job creates the PipeComm, at the same point and in the same order as any other
+    groups. That holds when ``group`` is the whole job, or when ``pipelines`` names every rank of
+    the job (a data-parallel layout: every rank creates every replica's link groups). On NCCL it
+    is required. On gloo, a pipeline over part of the job without such ``pipelines`` (e.g. two
+    pipelines on two sub-groups, each PipeComm made by its own members only) falls back to tags
+    of ``group`` for its links: nothing is created, any sub-group works, but both directions of
+    a pair share one gloo connection.
+    ``timeout`` bounds every wait on a peer and every created group (the group's own timeout
+    bounds the control collectives).
     """
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
@@ -306,7 +314,8 @@ class PipeComm:
                  pipelines: Optional[Sequence[Sequence[int]]] = None) -> None:
         """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
         global ranks of every replica's stages; each rank passes its own replica's group as
-        ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
+        ``group``. Every rank creates every replica's link groups, in the same order (on gloo,
+        only when ``pipelines`` names every rank of the job; otherwise the links are tags)."""
         self.group = group or dist.group.WORLD
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
@@ -333,25 +342,43 @@ class PipeComm:
                 made = dist.new_group(ranks, timeout=delta, backend="gloo")
                 if ranks == self.ranks:
                     self.control = made
+        # Links: a process group per direction per pair where every rank of the job builds this
+        # PipeComm at the same point (dist.new_group must be called by every rank of the job, in
+        # the same order). The pipeline(s) covering the whole job is how we know that: then every
+        # rank creates every replica's link groups, in pipeline order. use_local_synchronization
+        # (only the members call new_group) is not safe here: torch names such a group by hashing
+        # its ranks with the number of groups this process already holds, which differs between
+        # ranks (a rank in more sub-groups than its peer), and two members with different names
+        # never meet. So on gloo, a pipeline over part of the job (sub-groups whose members alone
+        # build their PipeComm) keeps today's links: tags 1 and 2 of the pipeline's group, one
+        # connection for both directions of a pair. NCCL requires the whole job (checked above).
+        whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
+        own_groups = whole_job or not gloo
+        link_backend = "gloo" if gloo else None  # NCCL: the job's default backend
+        self.link_groups = own_groups  # whether the links have process groups of their own
         self._links: Dict[Tuple[str, int], _Link] = {}
         k = self.stage
         for pipeline in replicas:
             mine = pipeline == self.ranks
             for j in range(self.num_stages - 1):
                 for tag, what in ((1, "activation"), (2, "gradient")):
-                    # gloo: a tag of the pipeline group; NCCL: a group per direction (one stream
-                    # each, so that a send and an opposite receive of the pair never queue behind
-                    # each other), created by every rank for every replica, in the same order
-                    if gloo and not mine:
+                    # a group per direction (one stream / one gloo connection each, so that a send
+                    # and an opposite receive of the pair never queue behind each other), created
+                    # by every rank for every replica, in the same order
+                    if not own_groups and not mine:
                         continue
-                    g = self.group if gloo else dist.new_group([pipeline[j], pipeline[j + 1]], timeout=delta)
+                    if own_groups:
+                        g = self._link_group(pipeline[j], pipeline[j + 1], what, delta, link_backend)
+                    else:
+                        g = self.group
                     if not mine:
                         continue
                     if not gloo and k in (j, j + 1):
                         # NCCL creates a communicator at its first point-to-point use, blocking until
                         # both ends join: do that here, one message per link in pipeline order on
                         # every rank, not at a first receive posted while the peer is blocked in its
-                        # first use of the opposite link (a deadlock).
+                        # first use of the opposite link (a deadlock). (gloo connects both ends
+                        # when the group is created.)
                         probe = torch.zeros(1, device=self.device)
                         if k == j:
                             dist.isend(probe, dst=self.ranks[j + 1], group=g).wait()
@@ -360,9 +387,21 @@ class PipeComm:
                         torch.cuda.synchronize(self.device)
                     if k in (j, j + 1):
                         peer = self.ranks[j + 1] if k == j else self.ranks[j]
-                        self._links[(what, j)] = _Link(what, peer, g, tag if gloo else 0, self.device,
+                        self._links[(what, j)] = _Link(what, peer, g, 0 if own_groups else tag, self.device,
                                                        self.timeout, prefetch)
         self._pending: Deque[Tuple[Any, torch.Tensor, _Link, int]] = deque()
+
+    def _link_group(self, a: int, b: int, what: str, timeout: datetime.timedelta, backend: Optional[str]):
+        """The process group of one link between global ranks ``a`` and ``b`` (every rank of the
+        job calls this, members or not; a gloo member blocks until the other end joins, bounded
+        by ``timeout``)."""
+        try:
+            return dist.new_group([a, b], timeout=timeout, backend=backend)
+        except RuntimeError as error:
+            raise PipelineCommError(
+                f"creating the {what} link between ranks {a} and {b} failed: {reason(error)}. A peer "
+                f"stage hung, died or is slower than the timeout ({self.timeout:g} s); see its own "
+                f"error") from error
 
     def reset(self) -> None:
         """Forget the agreed message layouts (a new model may send other shapes); every rank
