@@ -27,6 +27,27 @@ def batches(count: int = 12, size: int = 8, classes: int = 4, dtype=torch.float6
     return list(zip(xs, ys))
 
 
+def has_image_data() -> bool:
+    """Whether Fashion-MNIST is installed (tests that train on it skip without it)."""
+    try:
+        from pipeoptim.tasks.image import load_arrays
+
+        load_arrays()
+    except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip
+        return False
+    return True
+
+
+def roll_back_to_older_checkpoint(run_dir) -> None:
+    """Point a run folder's ``latest.json`` at its oldest checkpoint, as if the run had died
+    right after writing it."""
+    import json
+
+    store = run_dir / "checkpoints"
+    older = sorted(p.name for p in store.iterdir() if p.is_dir())[0]
+    (store / "latest.json").write_text(json.dumps({"checkpoint": older}))
+
+
 @pytest.fixture
 def tiny_mlp():
     return mlp()

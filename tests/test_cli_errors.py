@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import roll_back_to_older_checkpoint
 from pipeoptim.cli import main
 
 QUICK = ["--task", "image", "--model", "mlp", "--limit", "640", "--no-progress"]
@@ -131,9 +132,6 @@ def test_resume_continues_a_cli_run_to_the_same_losses(tmp_path, capsys):
     full = json.loads(capsys.readouterr().out)["losses"]
     assert main([*common, "--out", str(tmp_path / "b")]) == 0
     capsys.readouterr()
-    # roll the run back to its older checkpoint, as if it had died after it
-    store = tmp_path / "b" / "checkpoints"
-    older = sorted(p.name for p in store.iterdir() if p.is_dir())[0]
-    (store / "latest.json").write_text(json.dumps({"checkpoint": older}))
+    roll_back_to_older_checkpoint(tmp_path / "b")  # as if the run had died after its first one
     assert main(["train", "--resume", str(tmp_path / "b"), "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["losses"] == full

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import has_image_data
 from pipeoptim.planner import (
     describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend, scaled_profile,
     simulated_makespan, stage_costs, write_plan)
@@ -150,17 +151,9 @@ def test_parsing_helpers():
 
 # -- the command and plan files (the image task, a small MLP) ----------------------------------------
 
-def _image_data() -> bool:
-    try:
-        from pipeoptim.tasks.image import load_arrays
-
-        load_arrays()
-    except Exception:
-        return False
-    return True
 
 
-needs_data = pytest.mark.skipif(not _image_data(), reason="Fashion-MNIST is not installed")
+needs_data = pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
 
 
 def plan_parser():
@@ -182,7 +175,7 @@ QUICK = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", 
 
 @pytest.fixture(scope="module")
 def plan_json(tmp_path_factory):
-    if not _image_data():
+    if not has_image_data():
         pytest.skip("Fashion-MNIST is not installed")
     import contextlib
     import io

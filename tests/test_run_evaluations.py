@@ -7,23 +7,17 @@ import json
 
 import pytest
 
+from conftest import has_image_data, roll_back_to_older_checkpoint
 from pipeoptim.cli import main
 from pipeoptim.experiment import RunConfig, load_data, run_experiment
 from pipeoptim.tasks import get_task
-from pipeoptim.tasks.image import load_arrays
 
 QUICK = ["--task", "image", "--model", "mlp", "--limit", "640", "--no-progress"]
 
 
-def _has_image_data() -> bool:
-    try:
-        load_arrays()
-        return True
-    except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip
-        return False
 
 
-pytestmark = pytest.mark.skipif(not _has_image_data(),
+pytestmark = pytest.mark.skipif(not has_image_data(),
                                 reason="needs Fashion-MNIST (apt-get install dataset-fashion-mnist)")
 QUIET = dict(show_progress=False, log=lambda *a, **k: None)
 
@@ -86,10 +80,7 @@ def test_cli_resume_of_a_run_with_eval_every_and_holdout_gives_the_same_curve(tm
     full = json.loads(capsys.readouterr().out)
     assert main([*common, "--out", str(tmp_path / "b")]) == 0
     capsys.readouterr()
-    # roll the run back to its older checkpoint, as if it had died after it
-    store = tmp_path / "b" / "checkpoints"
-    older = sorted(p.name for p in store.iterdir() if p.is_dir())[0]
-    (store / "latest.json").write_text(json.dumps({"checkpoint": older}))
+    roll_back_to_older_checkpoint(tmp_path / "b")  # as if the run had died after its first one
     assert main(["train", "--resume", str(tmp_path / "b"), "--json", "--no-progress"]) == 0
     resumed = json.loads(capsys.readouterr().out)
     strip = lambda evals: [{k: v for k, v in e.items() if k != "seconds"} for e in evals]  # noqa: E731

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import has_image_data
 from pipeoptim.cli import main
 from pipeoptim.tasks.base import TaskData
 from pipeoptim.tasks.image import load_arrays
@@ -19,12 +20,6 @@ SUMMARY_BOUND = 4096  #: bytes of the whole --json summary of a short run
 DATA_BOUND = 1024     #: bytes of its "data" entry
 
 
-def _has_image_data() -> bool:
-    try:
-        load_arrays()
-        return True
-    except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip
-        return False
 
 
 def run_json(argv, capsys) -> dict:
@@ -45,7 +40,7 @@ def test_describe_keeps_json_values_and_counts_batches():
                                "batches": {"train": 5, "test": 2}}
 
 
-@pytest.mark.skipif(not _has_image_data(), reason="needs Fashion-MNIST (apt-get install dataset-fashion-mnist)")
+@pytest.mark.skipif(not has_image_data(), reason="needs Fashion-MNIST (apt-get install dataset-fashion-mnist)")
 def test_image_summary_describes_the_data(tmp_path, capsys):
     summary = run_json(["train", "--task", "image", "--model", "mlp", "--limit", "640", "--stages", "2",
                         "--no-progress", "--json", "--out", str(tmp_path / "run")], capsys)

@@ -10,7 +10,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from ..methods import get_method, method_names
 from ..optimizers import optimizer_names
