@@ -103,7 +103,7 @@ def test_task_attributes():
         task.build_model("nope", _data(), seed=0)
 
 
-@pytest.mark.parametrize("name,min_blocks", [("gpt", 9), ("gpt-small", 3)])
+@pytest.mark.parametrize("name,min_blocks", [("gpt", 9), ("gpt-small", 3), ("gpt-narrow", 9)])
 def test_model_is_a_sequential_of_one_argument_blocks(name, min_blocks):
     task = LanguageModelTask()
     data = _data()

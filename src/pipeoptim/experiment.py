@@ -61,7 +61,8 @@ class RunConfig:
     method_options: Dict[str, Any] = field(default_factory=dict)
     lr_schedule: str = "constant"      #: constant, warmup-cosine or step (pipeoptim.lr_schedules)
     warmup_steps: Optional[int] = None
-    clip_grad: Optional[float] = None  #: max gradient norm per stage
+    clip_grad: Optional[float] = None  #: max gradient norm
+    clip_scope: str = "stage"          #: stage (each stage's own norm) or global (synchronous methods)
     precision: str = "fp32"
     device: str = "auto"               #: auto, one device, or one per stage separated by commas
     #: also drain and evaluate every K mini-batches (Pipeline.fit's eval_every); None: epoch ends only
@@ -230,7 +231,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
                        checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
                        checkpoint_every=cfg.checkpoint_every, resume=resume, diagnose_every=diagnose_every,
                        lr_scheduler=make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps),
-                       clip_grad_norm=cfg.clip_grad, precision=cfg.precision, devices=cfg.devices(),
+                       clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope,
+                       precision=cfg.precision, devices=cfg.devices(),
                        **cfg.method_options)
         test_metric = None
         if split != "test":  # the test split, once, on the final weights

@@ -102,7 +102,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, metavar="W",
                    help="updates of linear warm-up (default: 5%% of the updates for warmup-cosine, 0 for step)")
     g.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
-                   help="clip each stage's gradient norm to MAX_NORM before its update")
+                   help="clip the gradient norm to MAX_NORM before each update (see --clip-scope)")
+    g.add_argument("--clip-scope", default="stage", choices=["stage", "global"],
+                   help="stage (default): each stage clips its own gradient; global: by the norm over "
+                        "all stages, as a plain loop clips the whole model (synchronous methods only; "
+                        "`compare` clips the asynchronous ones per stage)")
     g = parser.add_argument_group("precision and devices")
     g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: forwards and backwards under torch.autocast; weights, optimizer state "
@@ -187,8 +191,22 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
                      limit=args.limit, seed=args.seed, continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad=args.clip_grad,
+                     clip_scope=clip_scope_of(args, method, strict),
                      precision=args.precision, device=args.device, eval_every=args.eval_every,
                      holdout=args.holdout)
+
+
+def clip_scope_of(args: argparse.Namespace, method: str, strict: bool) -> str:
+    """--clip-scope for ``method``: global clipping needs a synchronous method (an error for one
+    method; per stage for the asynchronous ones of a comparison)."""
+    scope = getattr(args, "clip_scope", "stage")
+    if scope == "global" and not get_method(method).synchronous:
+        if strict:
+            raise ValueError(f"--clip-scope global needs every stage to update the same mini-batch at "
+                             f"once, which only synchronous methods do; {method} updates each stage at "
+                             f"its own time: use --clip-scope stage")
+        return "stage"
+    return scope
 
 
 def stages_of(args: argparse.Namespace) -> int:
@@ -211,6 +229,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be positive, got {args.lr}")
     if getattr(args, "clip_grad", None) is not None and not args.clip_grad > 0:
         raise ValueError(f"--clip-grad must be a positive max norm, got {args.clip_grad}")
+    if getattr(args, "clip_scope", "stage") != "stage" and getattr(args, "clip_grad", None) is None:
+        raise ValueError("--clip-scope applies with --clip-grad MAX_NORM")
     if getattr(args, "warmup_steps", None) is not None and args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
 

@@ -43,6 +43,9 @@ one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual projection
   stages; 2.1 M parameters (0.5 M of them in the embedding and the head).
 * ``gpt-small``: d 64, 2 heads, MLP 256, 2 layers, no dropout: 4 blocks, 0.36 M parameters, for
   tests and smoke runs.
+* ``gpt-narrow``: d 64, 2 heads, MLP 256, 8 layers, dropout 0.1: 10 blocks (8 stages fit), about
+  0.66 M parameters; several times cheaper per step than ``gpt``, for studies that need thousands
+  of updates per run on a CPU (issue 16's plan, ``docs/study_plan.md``).
 
 Measured (2-core machine shared with other jobs, load average about 5; one thread): 1,314
 training and 74 validation chapters; 1,262,092 and 69,286 tokens; 19,720 training blocks and
@@ -246,6 +249,7 @@ def build_gpt(vocab_size: int, seq_len: int, d_model: int = 128, layers: int = 8
 MODELS: Dict[str, Dict[str, Any]] = {
     "gpt": dict(d_model=128, layers=8, nhead=4, d_ff=512, dropout=0.1),
     "gpt-small": dict(d_model=64, layers=2, nhead=2, d_ff=256, dropout=0.0),
+    "gpt-narrow": dict(d_model=64, layers=8, nhead=2, d_ff=256, dropout=0.1),
 }
 
 
