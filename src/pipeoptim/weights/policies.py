@@ -491,9 +491,8 @@ class _Predicting(WeightPolicy):
             rates = self.lookahead.rates(index, self.version, count)
             rates = [lr / self.lr_divisor(self.version + j, corrected=corrected) for j, lr in enumerate(rates)]
             return horizon_rate(rates, steps)
-        lr = float(group.get("lr", 1.0))
-        divisor = self.lr_divisor(corrected=corrected)
-        return (lr if divisor == 1.0 else lr / divisor) * steps
+        # lr / 1.0 is lr exactly: without a correction this is the paper's lr * s, bit for bit
+        return float(group.get("lr", 1.0)) / self.lr_divisor(corrected=corrected) * steps
 
     @torch.no_grad()
     def predicted(self, steps: float, disable: Sequence[str] = ()) -> List[torch.Tensor]:
