@@ -1,4 +1,4 @@
-"""Generate docs/results.md (and its PNG curves) from the study's JSON. No number is typed by hand.
+"""Generate docs/results-v1.md (the first study's report, and its PNG curves) from the study's JSON. No number is typed by hand.
 
     .venv/bin/python benchmarks/make_results.py [--study benchmarks/results/study] [--out docs]
 
@@ -400,8 +400,9 @@ def main() -> None:
     lines += conclusions(settings)
     lines += caveats(settings, suite)
     lines += body
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"written: {args.out / 'results.md'} ({len(settings)} settings, {len(done)} runs)")
+    # the first study's report; docs/results.md is the second study's (benchmarks/make_results2.py)
+    (args.out / "results-v1.md").write_text("\n".join(lines) + "\n")
+    print(f"written: {args.out / 'results-v1.md'} ({len(settings)} settings, {len(done)} runs)")
 
 
 if __name__ == "__main__":

@@ -368,16 +368,21 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> List[Ru
         for variant in confirm["methods"]:
             add(Run("confirm", task, confirm["optimizer"], variant, sweep_stages, 0, lr), status,
                 why and f"sequential's best lr: {why}")
-    for stages in suite["stages"]:  # seeds: the sweep's N first (seed 0 is in), then the others
-        for task, optimizer in suite["cells"]:
-            for variant in variants:
-                if variant == "sequential" and stages != sweep_stages:
-                    continue  # no stages: once per cell
-                lr, status, why = best_lr(suite, rows, task, optimizer, variant)
-                n = 1 if variant == "sequential" else stages
-                for seed in suite["seeds"]:
-                    if stages == sweep_stages and seed == suite["seeds"][0]:
-                        continue  # the sweep's run at the best lr
+    # seeds in rounds: each (variant, N) gets its next seed before any gets its third, so that an
+    # interrupted study has N = 4 and a second seed everywhere before a third seed anywhere
+    per_stages = {stages: suite["seeds"][1:] if stages == sweep_stages else list(suite["seeds"])
+                  for stages in suite["stages"]}
+    for round_ in range(max(len(seeds) for seeds in per_stages.values())):
+        for stages in suite["stages"]:
+            if round_ >= len(per_stages[stages]):
+                continue
+            seed = per_stages[stages][round_]
+            for task, optimizer in suite["cells"]:
+                for variant in variants:
+                    if variant == "sequential" and stages != sweep_stages:
+                        continue  # no stages: once per cell
+                    lr, status, why = best_lr(suite, rows, task, optimizer, variant)
+                    n = 1 if variant == "sequential" else stages
                     add(Run("seeds", task, optimizer, variant, n, seed, lr), status, why)
     return runs
 

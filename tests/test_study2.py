@@ -55,13 +55,14 @@ def test_smoke_plan_is_exactly_the_runs_asked_for(study2):
         ("sweep", "end", "pipeoptim", 4, 0, None, "waiting"),
         ("sweep", "end", "pipeoptim+lr_correction", 4, 0, None, "waiting"),
         ("confirm", None, "gpipe", 4, 0, None, "waiting"),
-        # seed 0 at N = 4 is the sweep's run; sequential once; N = 2 all seeds
+        # seed 0 at N = 4 is the sweep's run; sequential once; N = 2 all seeds; in rounds:
+        # every setting's next seed before any setting's last
         ("seeds", None, "sequential", 1, 1, None, "waiting"),
         ("seeds", None, "pipeoptim", 4, 1, None, "waiting"),
         ("seeds", None, "pipeoptim+lr_correction", 4, 1, None, "waiting"),
         ("seeds", None, "pipeoptim", 2, 0, None, "waiting"),
-        ("seeds", None, "pipeoptim", 2, 1, None, "waiting"),
         ("seeds", None, "pipeoptim+lr_correction", 2, 0, None, "waiting"),
+        ("seeds", None, "pipeoptim", 2, 1, None, "waiting"),
         ("seeds", None, "pipeoptim+lr_correction", 2, 1, None, "waiting"),
     ]
     corrected = [r for r in runs if r.variant == "pipeoptim+lr_correction"]
@@ -147,8 +148,8 @@ def test_halving_keeps_the_two_best_on_validation(study2, tmp_path):
     seeds = [r for r in runs if r.phase == "seeds" and r.task == "image" and r.optimizer == "momentum"
              and r.variant == "pipeoptim"]
     assert [(r.stages, r.seed, r.lr, r.status) for r in seeds] == [
-        (8, 1, 0.02, "ready"), (8, 2, 0.02, "ready"),
-        (4, 0, 0.02, "ready"), (4, 1, 0.02, "ready"), (4, 2, 0.02, "ready")]
+        (8, 1, 0.02, "ready"), (4, 0, 0.02, "ready"),
+        (8, 2, 0.02, "ready"), (4, 1, 0.02, "ready"), (4, 2, 0.02, "ready")]
     # the confirmations wait for sequential's best lr with AdamW
     assert {r.status for r in runs if r.phase == "confirm"} == {"waiting"}
 
