@@ -50,6 +50,10 @@ from pipeoptim.time_to_target import target_from_reference, updates_to_target  #
 
 SCALE = {"accuracy": 100.0}  #: accuracy in percent; perplexity as is
 HEADLINE = ["pipeoptim", "pipeoptim+lr_correction"]
+#: the level the issue asks sequential to reach on each task, for the comparison to be worth making:
+#: (bar, how it reads); perplexity's bar is "well below the unigram's 470.1" (README), read as half of it
+LEVELS = {"image": (0.90, "at or above 90 % test accuracy"), "sentiment": (0.72, "at or above 72 %"),
+          "lm": (235.0, "well below the unigram's perplexity of 470.1 (here: at most half of it)")}
 RIVALS = ["pipedream", "pipedream-2bw", "spectrain", "xpipe"]
 SYNCHRONOUS_PIPELINES = ["gpipe", "1f1b-flush"]
 
@@ -638,6 +642,18 @@ def confirmations(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], settin
             "gradients may show):", ""] + out + [""]
 
 
+def level_lines(st: Setting) -> List[str]:
+    """Whether sequential reached the level the issue asks of the task."""
+    seq = st.methods["sequential"]
+    if not seq.rows or st.task not in LEVELS:
+        return ["`sequential`'s level: not in yet."]
+    bar, reads = LEVELS[st.task]
+    mean, _ = st.final("sequential")
+    met = mean >= bar if st.higher else mean <= bar
+    return [f"`sequential`'s level: a final test {st.metric} of {value(mean, st.scale, digits_of(st))} "
+            f"({seeds_text(len(seq.rows))}); the issue asks for {reads}: {'met' if met else 'not met'}."]
+
+
 def status_line(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> str:
     runs = study2.plan_runs(suite, rows)
     states: Dict[str, int] = defaultdict(int)
@@ -762,6 +778,7 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
         name = sensitivity_plot(suite, rows, task, optimizer, st.metric, st.higher, st.scale,
                                 figures if plots else None)
         lines += [f"![sensitivity](results2/{name})", ""]
+        lines += level_lines(st) + [""]
         for st in cell:
             reference, target = st.reference(), st.target()
             level = "" if reference is None else \

@@ -29,8 +29,9 @@ a few per cent at N = 8).
 Other jobs on the machine inflate the times, long calls (a whole model's forward, the sequential
 reference) more than short ones (a stage's), since the minimum of the repeats escapes a
 preemption only if some call ran without one: on a shared machine, run part 1 at a higher
-priority (``nice -n -10``, as root; one thread still, and for a minute or two), as the committed
-times were; each cell records the load average and the niceness it was measured at.
+priority (``nice -n -10``, as root; one thread still, and for a minute or two), or pause the
+other jobs (the committed times and check were measured with the study's shards stopped by
+SIGSTOP); each cell records the load average and the niceness it was measured at.
 
 ``--check-n2`` runs the check the study needs instead: for the image task (vgg, batch 64,
 momentum) and the LM (gpt-narrow, batch 16, AdamW), the prediction at N = 2 of gpipe,
