@@ -44,6 +44,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:  # the study's scripts sit beside this file, also when a test imports it
     sys.path.insert(0, str(BENCHMARKS))
 import study2  # noqa: E402
+from study2_times import seconds_per_batch as lookup_seconds  # noqa: E402
 from make_results import fmt, mean_sd, verdict  # noqa: E402  (the first study's arithmetic, tested there)
 
 from pipeoptim.time_to_target import target_from_reference, updates_to_target  # noqa: E402
@@ -107,8 +108,7 @@ def seconds_per_batch(times: Optional[Dict[str, Any]], task: str, optimizer: str
     if not times:
         return None
     try:
-        from study2_times import seconds_per_batch as lookup
-        return lookup(times, task, optimizer, stages, method)
+        return lookup_seconds(times, task, optimizer, stages, method)
     except (KeyError, ValueError):
         return None
 

@@ -1,7 +1,11 @@
 """Shared fixtures: small seeded models and data that every runtime test can use."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -10,6 +14,17 @@ from torch import nn
 # Tests run with one intra-op thread: deterministic, and fair to multi-process tests.
 torch.set_num_threads(1)
 os.environ.setdefault("PIPEOPTIM_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache"))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ (``name`` without .py) imported by path, registered under its name
+    (dataclasses look their module up while a class is built; scripts import each other by name)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def mlp(depth: int = 8, width: int = 12, classes: int = 4, dtype=torch.float64, seed: int = 0) -> nn.Sequential:

@@ -4,24 +4,20 @@ of the smoke suite whose every number is known, the same file on a second run, a
 docs/results.md being exactly what the committed rows give."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("make_results2", ROOT / "benchmarks" / "make_results2.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_results2"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("make_results2")
 
 
 # the hand-made study: validation curves at the smoke suite's evaluations (4, 8, 12 updates)

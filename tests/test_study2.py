@@ -5,26 +5,18 @@ a halved run resumed from its first third equal to an uninterrupted run, and a s
 runs nothing."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from pipeoptim.tasks import MissingDataError
 from pipeoptim.tasks.image import load_arrays
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "study2.py"
 
 
 @pytest.fixture(scope="module")
 def study2():
-    spec = importlib.util.spec_from_file_location("study2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study2"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("study2")
 
 
 def _image_data_installed() -> bool:

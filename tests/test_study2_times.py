@@ -4,20 +4,17 @@ on a made-up profile (exact) and on a real profile of a tiny model, and the file
 (part 1 keeps the check at N = 2, the check keeps part 1), with the bench stubbed."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import has_image_data, mlp
+from conftest import has_image_data, load_benchmark, mlp
 from pipeoptim.planner import profile_sizes, scaled_profile
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.runtime.spec import resolve
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "study2_times.py"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one schedule, one micro-batch, no flush
 ALL = ["sequential", "gpipe", "1f1b-flush", "async-naive", "pipedream", "pipedream-2bw", "spectrain", "xpipe",
        "pipeoptim"]
@@ -25,11 +22,7 @@ ALL = ["sequential", "gpipe", "1f1b-flush", "async-naive", "pipedream", "pipedre
 
 @pytest.fixture(scope="module")
 def times_mod():
-    spec = importlib.util.spec_from_file_location("study2_times", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study2_times"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("study2_times")
 
 
 def _times():
