@@ -22,6 +22,10 @@ How the numbers are made:
 * Verdicts compare means over seeds; a difference within the larger of the two standard deviations
   is a tie (with one seed there is no spread: any difference decides, and the report says how many
   seeds each comparison rests on).
+* Two readings of the shortfalls: per setting, Spearman's rank correlation across the asynchronous
+  methods between the forward's weight error (the diagnostic, mean over stages) and how far each
+  ends behind ``sequential``; and per cell, each method's gap to ``sequential`` at N = 8 beside
+  N = 4 (less staleness, the same lr).
 """
 from __future__ import annotations
 
@@ -191,13 +195,24 @@ class Setting:
             return []
         return [run_updates_to_target(r, target, self.higher) for r in method.rows]
 
-    def time_to_target(self, variant: str) -> Optional[Tuple[float, float]]:
+    def time_to_target(self, variant: str, every_seed: bool = True) -> Optional[Tuple[float, float]]:
         """(mean, sd) seconds to target on N devices over the seeds, None unless every seed
-        reached it and the time per mini-batch is known."""
+        reached it (``every_seed``; else at least one, the mean over those) and the time per
+        mini-batch is known."""
         updates, seconds = self.updates_to_target(variant), self.seconds(variant)
-        if not updates or any(u is None for u in updates) or seconds is None:
+        reached = [u for u in updates if u is not None]
+        if not reached or seconds is None or (every_seed and len(reached) < len(updates)):
             return None
-        return mean_sd([u * seconds for u in updates])
+        return mean_sd([u * seconds for u in reached])
+
+    def synchronous_time(self) -> Tuple[Optional[Tuple[float, float]], str]:
+        """The synchronous reference's time to target and, where some of sequential's seeds end
+        short of the target (it is 99 % of their mean), how many reach it: the reference is then
+        the mean over those."""
+        updates = self.updates_to_target("sequential")
+        reached = sum(u is not None for u in updates)
+        note = "" if reached == len(updates) else f", {reached} of {seeds_text(len(updates))} reach it"
+        return self.time_to_target("sequential", every_seed=False), note
 
 
 def method_rows(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
@@ -272,7 +287,7 @@ def setting_table(st: Setting) -> List[str]:
              f"(per seed) | s / mini-batch on {st.stages} devices | time to target (s) | "
              f"vs synchronous | weight copies (max) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    sync_time = st.time_to_target("sequential")
+    sync_time, _ = st.synchronous_time()
     for variant, method in st.methods.items():
         if not method.rows:
             lines.append(f"| {variant} | - | 0 | - | - | - | - | - | - | - |")
@@ -284,7 +299,7 @@ def setting_table(st: Setting) -> List[str]:
         updates = st.updates_to_target(variant) if target is not None else []
         per_seed = ", ".join("never" if u is None else f"{u:.0f}" for u in updates) or "-"
         seconds = st.seconds(variant)
-        ttt = st.time_to_target(variant)
+        ttt = sync_time if variant == "sequential" else st.time_to_target(variant)
         ratio = "-"
         if variant == "sequential":
             ratio = "reference" if ttt else "-"
@@ -493,7 +508,7 @@ def conclusions(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]
                     parts.append(f"{rival} {word} ({diff * st.scale:+.{d}f})")
             if parts:
                 claim2.append(f"  - {st.name()}: " + ", ".join(parts))
-        sync = st.time_to_target("sequential")
+        sync, sync_note = st.synchronous_time()
         line = []
         for variant in suite["methods"]:
             method = st.methods[variant]
@@ -504,7 +519,7 @@ def conclusions(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]
             if ttt is None and updates and any(u is None for u in updates):
                 word = "never"
                 reached = sum(u is not None for u in updates)
-                line.append(f"{variant} does not reach it ({reached} of {len(updates)} seeds)")
+                line.append(f"{variant} does not reach it ({reached} of {seeds_text(len(updates))})")
             elif ttt is None or sync is None:
                 continue
             else:
@@ -521,7 +536,8 @@ def conclusions(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]
                     why += f" and ends {abs(st.final(variant)[0] - seq[0]) * st.scale:.{d}f} behind"
                 shortfalls.append(f"  - {st.name()}, {variant}: {why}; {diagnosis(st, variant)}")
         if line and sync is not None:
-            sooner.append(f"  - {st.name()} (synchronous pipeline: {fmt(sync, 1.0, 1)} s): " + "; ".join(line))
+            sooner.append(f"  - {st.name()} (synchronous pipeline: {fmt(sync, 1.0, 1)} s{sync_note}): "
+                          + "; ".join(line))
     out = ["**The question: does an asynchronous pipeline reach the target sooner?** Per setting, each "
            "method's predicted time to first reach the target on N devices against the synchronous "
            "pipeline's (sequential's updates at the faster of gpipe and 1f1b-flush), with the ratio "
@@ -542,6 +558,107 @@ def conclusions(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]
             "the seed spread**, and what the diagnostic says:", ""]
     out += shortfalls or ["  - none"]
     return out + [""]
+
+
+def depth_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]:
+    """Does a shallower pipeline (less staleness: a delay of up to N - 1 updates at the first
+    stage) bring each asynchronous method closer to sequential? Its final test metric minus
+    sequential's, per cell and N, at the lr its sweep chose."""
+    depths = sorted(suite["stages"], reverse=True)
+    if len(depths) < 2:
+        return []
+    deep, shallow = depths[0], depths[-1]
+    by_key = {(s.task, s.optimizer, s.stages): s for s in settings}
+    rows, better, compared = [], 0, 0
+    for task, optimizer in suite["cells"]:
+        cell = [by_key.get((task, optimizer, n)) for n in depths]
+        if any(st is None or not st.methods["sequential"].rows for st in cell):
+            continue
+        for variant in suite["methods"]:
+            gaps = []
+            for st in cell:
+                if st.methods[variant].rows:
+                    mean = st.final(variant)[0] - st.final("sequential")[0]
+                    gaps.append((mean, st.seeds(variant), st))
+                else:
+                    gaps.append(None)
+            if all(g is None for g in gaps):
+                continue
+            cells = ["-" if g is None else f"{g[0] * g[2].scale:+.{digits_of(g[2])}f} ({seeds_text(g[1])})"
+                     for g in gaps]
+            if gaps[0] is not None and gaps[-1] is not None:
+                compared += 1
+                better += (gaps[-1][0] - gaps[0][0]) * (1 if cell[0].higher else -1) > 0
+            rows.append(f"| {task}, {optimizer} | {variant} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    metric_note = "percentage points of accuracy, negative: behind; perplexity, positive: behind"
+    return [f"**Does a shallower pipeline close the gap?** Each asynchronous method's final test metric minus "
+            f"sequential's ({metric_note}), at N = " + ", ".join(str(n) for n in depths)
+            + f"; at N = {shallow} the first stage of an asynchronous 1F1B pipeline runs its forward up to "
+            f"{shallow - 1} updates before its backward instead of {deep - 1} (pipedream-2bw: one update at any "
+            f"N). Every N uses the lr the N = {deep} sweep chose. Of {compared} (method, "
+            f"cell) pairs with runs at both, {better} end closer to sequential (or further ahead) at "
+            f"N = {shallow}.", "",
+            "| cell | method | " + " | ".join(f"N = {n}" for n in depths) + " |",
+            "|---|---|" + "---|" * len(depths)] + rows + [""]
+
+
+def ranks(values: Sequence[float]) -> List[float]:
+    """1-based ranks, ties sharing their mean rank (as Spearman's correlation wants them)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (nan when either side is constant)."""
+    try:
+        return statistics.correlation(ranks(a), ranks(b))
+    except statistics.StatisticsError:
+        return math.nan
+
+
+def error_gap_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]:
+    """Does the diagnostic explain the gaps? Per setting, across the asynchronous methods, the rank
+    correlation between the forward's weight error (mean over the stages) and how far the method
+    ends behind sequential."""
+    lines = []
+    for st in settings:
+        if not st.methods["sequential"].rows:
+            continue
+        seq = st.final("sequential")[0]
+        points = []
+        for variant in suite["methods"]:
+            errors = stage_errors(st.methods[variant].rows)
+            final = st.final(variant)[0]
+            if errors and math.isfinite(final):
+                behind = (seq - final) * (1 if st.higher else -1)
+                points.append((variant, statistics.mean(e["prediction"] for e in errors), behind))
+        if len(points) < 3:
+            continue
+        rho = spearman([p[1] for p in points], [p[2] for p in points])
+        d = digits_of(st)
+        low, high = min(points, key=lambda p: p[1]), max(points, key=lambda p: p[1])
+        lines.append(f"  - {st.name()}: {rho:+.2f} over {len(points)} methods (smallest error: {low[0]}, "
+                     f"{low[1]:.1e}, {low[2] * st.scale:.{d}f} behind; largest: {high[0]}, {high[1]:.1e}, "
+                     f"{high[2] * st.scale:.{d}f} behind)")
+    if not lines:
+        return []
+    return ["**Does the diagnostic explain the gaps?** Per setting, across the asynchronous methods, Spearman's "
+            "rank correlation between the forward's weight error (its distance from the weights live at the "
+            "backward, relative to those, averaged over the stages, probes and seeds) and how far the "
+            "method's final test metric ends behind sequential's (+1: the larger the error, the further "
+            "behind). Each method runs at its own lr, and the error grows with the lr, so this compares "
+            "methods as tuned, not at equal step sizes:", ""] + lines + [""]
 
 
 def throughput_section(settings: Sequence[Setting], times: Optional[Dict[str, Any]]) -> List[str]:
@@ -785,6 +902,8 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
     lines += recipe(suite) + [""]
     lines += ["## Conclusions", ""]
     lines += conclusions(settings, suite)
+    lines += error_gap_lines(settings, suite)
+    lines += depth_lines(settings, suite)
     lines += throughput_section(settings, times)
     lines += confirmations(suite, rows, settings)
     lines += caveats(settings, suite, rows)

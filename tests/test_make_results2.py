@@ -125,6 +125,26 @@ def test_time_to_target_against_the_synchronous_pipeline(report, seconds, tmp_pa
     assert n2.time_to_target("pipeoptim+lr_correction") == pytest.approx((0.8, 0.0))
 
 
+def test_a_sequential_seed_short_of_the_target_leaves_the_reference_on_the_others(report, seconds):
+    """The target is 99 % of sequential's mean, so a seed can end short of it: the synchronous time
+    is then the mean over the seeds that reach it, and the report says how many do."""
+    def row(seed, curve):
+        return {"seed": seed, "final_metric": curve[-1], "validation_metric": curve[-1],
+                "evaluations": [{"updates": 4 * (i + 1), "metric": m} for i, m in enumerate(curve)]}
+
+    methods = {"sequential": report.Method("sequential", 0.01, [row(0, [0.5, 0.95]), row(1, [0.9, 0.95]),
+                                                                row(2, [0.5, 0.8])]),
+               "pipeoptim": report.Method("pipeoptim", 0.01, [row(0, [0.9, 0.9])])}
+    st = report.Setting("image", "momentum", 4, "accuracy", True, methods)
+    assert st.target() == pytest.approx(0.99 * 0.9)  # the mean of 0.95, 0.95, 0.8
+    assert st.updates_to_target("sequential") == [8, 4, None]
+    assert st.time_to_target("sequential") is None
+    assert st.synchronous_time() == (pytest.approx((1.2, 0.4 * 2 ** 0.5)), ", 2 of 3 seeds reach it")
+    text = "\n".join(report.conclusions([st], {"methods": ["pipeoptim"]}))
+    assert "  - image, momentum, N=4 (synchronous pipeline: 1.2 ± 0.6 s, 2 of 3 seeds reach it): " \
+           "pipeoptim sooner (3.00x)" in text
+
+
 def test_the_report_says_what_the_numbers_give(report, seconds, tmp_path):
     study = _study(report, tmp_path / "study")
     text = report.generate(study, tmp_path / "docs", plots=False)
@@ -147,8 +167,51 @@ def test_the_report_says_what_the_numbers_give(report, seconds, tmp_path):
     assert "Verdict: holds (predicted 0.95-1.00x async-naive's throughput; at most 2 weight copies" in text
     # the sweep: 0.01 whole, 0.04 after its first third only
     assert "| pipeoptim | 90.00 | (50.00) | 0.01 |" in text
+    # depth: final test metric minus sequential's 89.00 at N = 4 and N = 2
+    assert "| image, momentum | pipeoptim | +0.00 (2 seeds) | -5.00 (2 seeds) |" in text
+    assert "| image, momentum | pipeoptim+lr_correction | +0.50 (2 seeds) | +0.00 (2 seeds) |" in text
+    assert "Of 2 (method, cell) pairs with runs at both, 0 end closer to sequential" in text
     assert ("  - image, gpipe (N = 4, 1 micro-batches): final test accuracy 89.0000 against sequential's 89.0000 "
             "(sequential's standard deviation over 2 seeds: 0.00); final training loss 0.250000 against 0.250000 (difference +0.0e+00)") in text
+
+
+def test_depth_counts_closer_by_the_metric_direction(report):
+    """A perplexity that falls from N = 8 to N = 4 is closer to sequential; an accuracy that falls is not."""
+    def setting(task, stages, metric, higher, finals):
+        methods = {v: report.Method(v, 0.01, [{"final_metric": f, "seed": 0} for f in fs]) for v, fs in finals.items()}
+        return report.Setting(task, "adamw", stages, metric, higher, methods)
+
+    suite = {"stages": [8, 4], "cells": [("lm", "adamw"), ("image", "adamw")], "methods": ["pipeoptim", "xpipe"]}
+    settings = [setting("lm", 8, "perplexity", False, {"sequential": [50.0], "pipeoptim": [80.0], "xpipe": [60.0]}),
+                setting("lm", 4, "perplexity", False, {"sequential": [50.0], "pipeoptim": [70.0], "xpipe": []}),
+                setting("image", 8, "accuracy", True, {"sequential": [0.9], "pipeoptim": [0.89], "xpipe": [0.88]}),
+                setting("image", 4, "accuracy", True, {"sequential": [0.9], "pipeoptim": [0.88], "xpipe": [0.89]})]
+    text = "\n".join(report.depth_lines(settings, suite))
+    assert "| lm, adamw | pipeoptim | +30.0 (1 seed) | +20.0 (1 seed) |" in text
+    assert "| lm, adamw | xpipe | +10.0 (1 seed) | - |" in text
+    assert "| image, adamw | pipeoptim | -1.00 (1 seed) | -2.00 (1 seed) |" in text
+    assert "Of 3 (method, cell) pairs with runs at both, 2 end closer" in text
+    assert "up to 3 updates before its backward instead of 7" in text
+
+
+def test_spearman_and_the_error_gap_correlation(report):
+    assert report.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert report.spearman([1, 2, 3], [10, 20, 40]) == pytest.approx(1.0)
+    assert report.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(report.spearman([1, 1, 1], [1, 2, 3]))
+
+    def rows(error, final):
+        probe = [{"probes": 1, "prediction_error": error, "staleness_error": 1.0}]
+        return [{"final_metric": final, "seed": 0, "prediction_error": [probe]}]
+
+    methods = {"sequential": report.Method("sequential", 0.01, [{"final_metric": 50.0, "seed": 0}]),
+               "a": report.Method("a", 0.01, rows(1e-3, 60.0)), "b": report.Method("b", 0.01, rows(2e-3, 55.0)),
+               "c": report.Method("c", 0.01, rows(3e-3, 90.0))}
+    settings = [report.Setting("lm", "adamw", 8, "perplexity", False, methods)]
+    text = "\n".join(report.error_gap_lines(settings, {"methods": ["a", "b", "c"]}))
+    # behind by 10, 5, 40 at errors 1, 2, 3 (x 1e-3): ranks (2, 1, 3) against (1, 2, 3) -> 0.5
+    assert ("  - lm, adamw, N=8: +0.50 over 3 methods (smallest error: a, 1.0e-03, 10.0 behind; largest: c, "
+            "3.0e-03, 40.0 behind)") in text
 
 
 def test_a_second_run_writes_the_same_file(report, seconds, tmp_path):
