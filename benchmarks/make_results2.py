@@ -606,6 +606,7 @@ def depth_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]
 
 def ranks(values: Sequence[float]) -> List[float]:
     """1-based ranks, ties sharing their mean rank (as Spearman's correlation wants them)."""
+    # statistics.correlation(method="ranked") does this from Python 3.12; the project supports 3.10
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = [0.0] * len(values)
     i = 0
