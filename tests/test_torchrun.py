@@ -94,6 +94,38 @@ def test_the_example_under_torchrun_prints_what_it_prints_under_python():
     assert spread.strip().splitlines()[-1].endswith("weight copies per stage [2.0, 1.0]")
 
 
+EXIT_SCRIPT = HERE / "torchrun_exit.py"
+
+
+@pytest.mark.parametrize("mode", ["exit", "close", "with", "user", "nan", "raise"])
+def test_no_gloo_worker_thread_outlives_the_pipelines_teardown(mode):
+    """A gloo worker thread alive at interpreter finalization may still be releasing the last
+    collective's tensor, which takes the GIL from a finalizing interpreter: the process aborts
+    ("terminate called without an active exception") after its work is done. However the script
+    ends, the Pipeline destroys its process groups before that: every rank has the gloo workers
+    (and, where no traceback holds a receive, the threads) it had before the Pipeline, and none
+    more. (Before the fix each rank still had 6 workers at exit: the links' groups and the
+    default group, which a torch module imported after it keeps as a default argument.)"""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", str(EXIT_SCRIPT), mode], capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=240)
+    reports = {r["rank"]: r for r in map(json.loads, (l for l in done.stdout.splitlines() if l.startswith("{")))}
+    assert sorted(reports) == [0, 1], done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
+    assert done.returncode == (0 if mode in ("exit", "close", "with", "user") else 1), done.stderr[-3000:]
+    for rank, r in reports.items():
+        assert r["running"] > r["before"]                      # the Pipeline had threads of its own
+        assert r["workers_at_exit"] == r["workers_before"], (rank, r)
+        if not (mode == "raise" and rank == 0):  # rank 0's traceback holds the receive that failed
+            assert r["at_exit"] == r["before"], (rank, r)
+        if mode == "close":
+            assert r["after_close"] == r["before"]
+    if mode == "user":  # the user's own default group: left alone
+        assert all(r["workers_before"] == 2 for r in reports.values())
+    if mode == "raise":
+        assert "a stage failed on purpose" in done.stderr and "Connection closed by peer" in done.stderr
+
+
 DP_SCRIPT = HERE / "torchrun_data_parallel.py"
 
 

@@ -296,6 +296,21 @@ class Pipeline:
             self._executor = None
             self._expected = None
 
+    def close(self) -> None:
+        """Under torchrun: end this process's part of the job now (wait for the sends in flight,
+        destroy the process groups this Pipeline made, the job's too if it started it). It runs
+        by itself at the script's exit, while the interpreter is whole; call it, or use the
+        Pipeline as a context manager, to end earlier. A closed Pipeline cannot train or gather
+        again. One process: nothing to release."""
+        if self._torchrun is not None:
+            self._torchrun.leave()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def rank(self) -> int:
         """This process's rank under torchrun; 0 in a single process (print on rank 0)."""

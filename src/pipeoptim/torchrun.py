@@ -21,8 +21,10 @@ process group already exists leaves the process's signals as they are.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -76,6 +78,10 @@ class Torchrun:
     replicas: int = 1
     comm: Optional[PipeComm] = None
     stage_group: Any = None
+    #: whether this Pipeline started the job's process group (then it also tears it down)
+    owns_job: bool = False
+    _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
+    _averager: Optional[GradientAverager] = None
 
     @classmethod
     def join(cls, devices: Any, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1) -> Optional["Torchrun"]:
@@ -97,23 +103,60 @@ class Torchrun:
                                             f"({stop.cause}); resume from the last checkpoint with "
                                             f"fit(..., resume=True)\n").encode()))
         ours = not dist.is_initialized()
-        device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
-        joined = cls(dist.get_rank(), world, device, float(timeout))
         if ours:
-            atexit.register(joined.leave)
+            # This module's functions take the default group as a default argument, evaluated at
+            # import: imported after the group exists (the first optimizer imports it, through
+            # torch._dynamo), they would keep the group alive past leave(), into interpreter
+            # finalization. Imported now, they hold None.
+            import torch.distributed.nn.functional  # noqa: F401
+        device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
+        joined = cls(dist.get_rank(), world, device, float(timeout), owns_job=ours)
+        # at the script's exit, while the interpreter is whole: see leave()
+        atexit.register(joined.leave)
         return joined
 
     def leave(self) -> None:
-        """At the script's exit: wait for the sends still in flight and tear the process group
-        down while the interpreter is whole. Left to finalization, gloo's threads can abort the
-        process after a clean run ("terminate called without an active exception")."""
+        """This process's part of the job ends: wait for the sends still in flight (unless an
+        exception is ending the script), then destroy every process group this Pipeline made
+        (the whole job's, default group included, when the Pipeline started it) and drop every
+        reference to them, so that their C++ objects die here and join gloo's worker threads.
+
+        Runs at the script's exit (registered with ``atexit``) or from ``Pipeline.close()``; a
+        second call does nothing. Why not at interpreter finalization: a gloo worker thread may
+        still hold the last reference to a collective's tensor that Python has let go of;
+        releasing it takes the GIL, and a thread that asks a finalizing interpreter for the GIL is
+        ended by an unwind that C++ turns into ``std::terminate``: "terminate called without an
+        active exception" and SIGABRT after a clean run, at random (a worker must be
+        descheduled at the wrong moment, which a loaded machine makes likelier)."""
+        comm, self.comm = self.comm, None
+        averager, self._averager = self._averager, None
+        made, self._made = self._made, []
+        if comm is None and not self.owns_job and not made:
+            return
         try:
-            if self.comm is not None:
-                self.comm.flush()
+            if comm is not None:
+                made += comm.groups()
+                if getattr(sys, "last_value", None) is None:  # a clean end: deliver what was sent
+                    try:
+                        comm.flush()
+                    except PipelineCommError:
+                        pass  # the peer is gone; nothing is left to deliver it to
+                comm.close()
+            if averager is not None:
+                averager.close()
+            self.stage_group = None
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if self.owns_job:
+                    dist.destroy_process_group()  # every group of the job
+                else:  # the user's job goes on: only the groups made for this pipeline
+                    for group in made:
+                        dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
             pass
+        finally:
+            self.owns_job = False
+            del made, comm, averager
+            gc.collect()  # groups held in reference cycles die now too, not at finalization
 
     def connect(self, stages: int, replicas: int) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
@@ -131,10 +174,12 @@ class Torchrun:
             made = dist.new_group(ranks, timeout=delta)
             if self.rank in ranks:
                 own = made
+                self._made.append(made)
         for k in range(stages):
             made = dist.new_group([d * stages + k for d in range(replicas)], timeout=delta)
             if k == self.stage:
                 self.stage_group = made
+                self._made.append(made)
         self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines)
 
     @property
@@ -151,7 +196,9 @@ class Torchrun:
 
     def gradient_averager(self) -> Optional[GradientAverager]:
         """What averages this stage's gradients over its replicas (None with one replica)."""
-        return GradientAverager(self.stage_group, self.replicas, self.timeout) if self.replicas > 1 else None
+        if self.replicas > 1:
+            self._averager = GradientAverager(self.stage_group, self.replicas, self.timeout)
+        return self._averager
 
     def _replica_mean(self, values: List[float], what: str) -> List[float]:
         """The mean over this stage's replicas of each value (floats, in float64)."""

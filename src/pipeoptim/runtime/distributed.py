@@ -334,8 +334,14 @@ class PipeComm:
         if not gloo and pipelines is None and self.group is not dist.group.WORLD:
             raise ValueError(f"a {self.backend} pipeline on part of the job needs pipelines=[the ranks "
                              f"of every replica]: its links are process groups that every rank creates")
-        # Control messages (losses, timings, weights): gloo over the pipeline's ranks.
-        if gloo:
+        whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
+        # Control messages (losses, timings, weights): gloo over the pipeline's ranks, on a group
+        # of the pipeline's own, never the job's default group: torch modules imported after the
+        # default group exists keep it (as a default argument), so it may outlive every teardown
+        # and die in interpreter finalization, where a gloo worker still releasing a collective's
+        # tensor aborts the process (see close()). A gloo pipeline over part of the job, whose
+        # members alone build the PipeComm, cannot create groups: its own group carries them.
+        if gloo and not (whole_job and self.group is dist.group.WORLD):
             self.control = self.group
         else:
             for ranks in replicas:
@@ -352,7 +358,6 @@ class PipeComm:
         # never meet. So on gloo, a pipeline over part of the job (sub-groups whose members alone
         # build their PipeComm) keeps today's links: tags 1 and 2 of the pipeline's group, one
         # connection for both directions of a pair. NCCL requires the whole job (checked above).
-        whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
         own_groups = whole_job or not gloo
         link_backend = "gloo" if gloo else None  # NCCL: the job's default backend
         self.link_groups = own_groups  # whether the links have process groups of their own
@@ -390,6 +395,7 @@ class PipeComm:
                         self._links[(what, j)] = _Link(what, peer, g, 0 if own_groups else tag, self.device,
                                                        self.timeout, prefetch)
         self._pending: Deque[Tuple[Any, torch.Tensor, _Link, int]] = deque()
+        self._closed = False
 
     def _link_group(self, a: int, b: int, what: str, timeout: datetime.timedelta, backend: Optional[str]):
         """The process group of one link between global ranks ``a`` and ``b`` (every rank of the
@@ -424,7 +430,15 @@ class PipeComm:
             out[f"{'send' if sending else 'recv'} {what}"] = dict(link.stats)
         return out
 
+    def check_open(self) -> None:
+        """Raise if :meth:`close` has run: a message or a collective now has no group to go on
+        (a control collective would silently fall back to the job's default group)."""
+        if self._closed:
+            raise PipelineCommError("this pipeline's process groups were closed (Pipeline.close(), or "
+                                    "the end of the script): build a new Pipeline to train again")
+
     def _link(self, what: str, pair: int) -> _Link:
+        self.check_open()
         return self._links[(what, pair)]
 
     # activations flow k -> k+1 on pair k; gradients k+1 -> k on pair k
@@ -491,6 +505,39 @@ class PipeComm:
                 raise link._fail("sending", microbatch, error) from error
             self._pending.popleft()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has released this pipeline's process groups."""
+        return self._closed
+
+    def groups(self) -> List[Any]:
+        """The process groups this PipeComm created (its links' own groups, the control group
+        on NCCL), for a teardown that destroys them one by one."""
+        made = [link.group for link in self._links.values() if self.link_groups]
+        if self.control is not self.group:
+            made.append(self.control)
+        return [g for g in made if g is not None]
+
+    def close(self) -> None:
+        """Forget every message in flight and every process group this PipeComm holds.
+
+        Called when the process's part of the job ends (``Torchrun.leave``). The groups' C++
+        objects then die when torch's own references go (``destroy_process_group``), while the
+        interpreter is whole: each joins its gloo worker threads, which may still be releasing the
+        tensors of a collective that Python has finished with. Left to interpreter finalization,
+        such a release must take the GIL from a finalizing interpreter, which ends the thread by
+        unwinding it through a destructor: ``std::terminate`` ("terminate called without an active
+        exception", SIGABRT) after a clean run. Sends and receives still posted (a run cut off by
+        an error) are dropped first, so that no work object keeps a group's connections alive."""
+        self._pending.clear()
+        for link in self._links.values():  # a traceback's frames may still hold a link
+            link.posted.clear()
+            link.expected.clear()
+            link.group = None
+        self._links.clear()
+        self.group = self.control = None
+        self._closed = True
+
 
 class GradientAverager:
     """Averages one stage's gradients over the replicas of the pipeline (pipeline x data
@@ -515,6 +562,11 @@ class GradientAverager:
         self._in_flight: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
         self._sent: Dict[int, torch.Tensor] = {}
         self.overlapping = False
+
+    def close(self) -> None:
+        """Forget the group and any reduction in flight (the process's part of the job ended;
+        see :meth:`PipeComm.close`)."""
+        self.group, self._bucket, self._in_flight, self._sent = None, [], [], {}
 
     def overlap(self) -> None:
         """The next backward is the last before an update: reduce gradients as they are final."""
@@ -782,6 +834,7 @@ def _to(value: Any, device: torch.device) -> Any:
 def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
     """Run a collective of the control group; a timeout or a dead peer becomes a
     PipelineCommError that says what the stages were doing."""
+    comm.check_open()
     try:
         return fn()
     except RuntimeError as error:
