@@ -1,4 +1,4 @@
-"""The layers of the package (DESIGN.md section 6, docs/architecture.md "Layers"): each module
+"""The layers of the package (docs/architecture.md, "Layers"): each module
 imports only modules of its own layer or of the layers below it, and no two modules import each
 other, directly or around a circle.
 
