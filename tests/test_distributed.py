@@ -1,11 +1,12 @@
 """The distributed runtime (one process per stage, gloo on CPU) against the local runtime.
 
-DESIGN.md section 5, invariant 4: for every method the per-batch losses of a distributed run
-equal the local runtime's. One spawn of 4 processes (file store in tmp_path, one thread each)
-runs every method on 4 stages, and on 2 stages in two 2-process sub-groups at once, plus
-tuple activations, uneven micro-batches and the 1-stage `sequential` path; the tests below read
-its results. Separate runs check a hung peer (the run fails within the timeout), two "nodes"
-under torchrun, and `pipeoptim train --runtime distributed` starting torchrun itself.
+docs/architecture.md, "Invariants and where they are tested", invariant 4: for every method
+the per-batch losses of a distributed run equal the local runtime's. One spawn of 4 processes
+(file store in tmp_path, one thread each) runs every method on 4 stages, and on 2 stages in two
+2-process sub-groups at once, plus tuple activations, uneven micro-batches and the 1-stage
+`sequential` path; the tests below read its results. Separate runs check a hung peer (the run
+fails within the timeout), two "nodes" under torchrun, and `pipeoptim train --runtime
+distributed` starting torchrun itself.
 
 Every test has a pytest-timeout mark and every process group a timeout, so a deadlock fails
 in seconds instead of hanging.

@@ -1,4 +1,4 @@
-"""The layers of the package (DESIGN.md section 6, docs/architecture.md "Layers"): each module
+"""The layers of the package (docs/architecture.md, "Layers"): each module
 imports only modules of its own layer or of the layers below it, and no two modules import each
 other, directly or around a circle.
 
@@ -21,9 +21,11 @@ leaves                errors, checkpoint, partition, lr_schedules, plan_defaults
 schedules, weights    schedules/ (schedules as data, simulator, renderers), weights/ (policies,
                       prediction)
 methods               methods (the registry: name -> schedule, policy, options)
-runtime               runtime/ (stage, the local and distributed executors, the resolved run,
-                      building stages, the process lifecycle of a stage)
-API                   pipeline (pipeoptim.Pipeline), train (pipeoptim.train), profile
+runtime               runtime/ (stage, the local and distributed executors and the streamed
+                      segment they share, the resolved run, building stages, the process
+                      lifecycle of a stage)
+API                   pipeline (pipeoptim.Pipeline), torchrun (the Pipeline under torchrun),
+                      train (pipeoptim.train), profile
 experiment            experiment (task + method + run folder), tasks/, planner, plots,
                       optimizers (by name), launcher (torchrun's agent, the stage worker),
                       run_folder (status files, last checkpoint), bench_worker,
@@ -90,12 +92,7 @@ def imports_of(name: str, path: Path, modules: Iterable[str]) -> Set[str]:
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here.split(".")
-                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                base_name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                base_name = node.module or ""
+            base_name = _from_base(node, here)
             for alias in node.names:
                 sub = f"{base_name}.{alias.name}"
                 add(sub if sub in modules else base_name)
@@ -109,6 +106,16 @@ def imports_of(name: str, path: Path, modules: Iterable[str]) -> Set[str]:
                     add(f"{name}.{value.value}")
     targets.discard(name)
     return targets
+
+
+def _from_base(node: ast.ImportFrom, here: str) -> str:
+    """The dotted module a ``from ... import`` reads from; ``here`` is the package that relative
+    imports start in."""
+    if not node.level:
+        return node.module or ""
+    base = here.split(".")
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _is_import_module(func: ast.expr) -> bool:
@@ -180,6 +187,59 @@ def import_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return sorted(cycles)
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(root: Path, package: str) -> List[str]:
+    """One line per place where a module of the package uses another module's underscore name,
+    'module:LINE: target._name': ``from target import _name`` (relative or absolute, also when
+    ``_name`` is a module), ``target._name`` where ``target`` is bound by an import of a module
+    of the package (``import p.x``, ``import p.x as y``, ``from p import x``, anywhere in the
+    module), and a ``_LAZY`` entry that serves a name ``_name``. Dunder names (``__version__``)
+    are not private; a module's own names, and other packages' (``os._exit``), are not counted."""
+    modules = find_modules(root, package)
+    found = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        here = name if is_package else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bound: Dict[str, str] = {}  # an expression (a name, or a dotted name) -> the module it is
+        nodes = list(ast.walk(tree))
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] != package:
+                        continue
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:  # `import a.b.c` makes a, a.b and a.b.c reachable
+                        parts = alias.name.split(".")
+                        for i in range(1, len(parts) + 1):
+                            bound[".".join(parts[:i])] = ".".join(parts[:i])
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_base(node, here)
+                if base.split(".")[0] != package:
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in modules:
+                        bound[alias.asname or alias.name] = sub
+                    if _private(alias.name) and base != name:
+                        found.append((name, node.lineno, f"{base}.{alias.name}"))
+            elif is_package and isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) \
+                    and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+                for key, value in zip(node.value.keys, node.value.values):
+                    if isinstance(key, ast.Constant) and isinstance(value, ast.Constant) and _private(str(key.value)):
+                        found.append((name, node.lineno, f"{name}.{value.value}.{key.value}"))
+        for node in nodes:
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                target = bound.get(ast.unparse(node.value))
+                if target is not None and target != name:
+                    found.append((name, node.lineno, f"{target}.{node.attr}"))
+    return [f"{module}:{line}: {what}" for module, line, what in sorted(found)]
+
+
 # ---------------------------------------------------------------------------------------------
 # the package
 
@@ -197,6 +257,12 @@ def test_no_module_imports_a_higher_layer():
 
 def test_no_import_cycles():
     assert import_cycles(import_graph(SRC, PACKAGE)) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What two modules share has a public name: no module of the package imports another's
+    underscore names (tests and benchmarks may; they are not checked)."""
+    assert private_imports(SRC, PACKAGE) == []
 
 
 def test_the_runtime_reaches_nothing_above_it():
@@ -266,3 +332,51 @@ def test_the_checker_passes_a_clean_package_and_names_an_unmapped_module(tmp_pat
     assert upward_imports(graph, "pkg", SYNTHETIC_LAYERS) == []
     assert import_cycles(graph) == []
     assert [m for m in graph if layer_of(m, "pkg", SYNTHETIC_LAYERS) < 0] == ["pkg.stray"]
+
+
+def test_the_private_name_checker_finds_each_form(tmp_path):
+    _write(tmp_path / "pkg", {
+        "__init__.py": "__version__ = '1'\n_LAZY = {'Thing': 'low', '_hidden': 'low'}\n",
+        "low.py": "_x = _y = _z = _w = _v = 1\npublic = 2\n_own = 3\nprint(_own)\n",
+        "_impl.py": "",
+        "high.py": (
+            "import os\n"
+            "import pkg.low\n"
+            "import pkg.low as L\n"
+            "from . import low as near\n"
+            "from .low import _x, public\n"            # 5: _x
+            "from pkg.low import _y as y\n"            # 6: _y
+            "from . import _impl\n"                    # 7: a private module
+            "a = pkg.low._z + L._w + near._v\n"        # 8: three
+            "b = pkg.__version__ + near.public\n"      # dunder, public: fine
+            "os._exit\n"                               # another package's: not counted
+            "class C:\n"
+            "    _mine = 1\n"
+            "    def f(self):\n"
+            "        from .low import _x  # 14\n"
+            "        return self._mine\n"
+        ),
+        "sub/__init__.py": "",
+        "sub/deep.py": "from .. import low\nfrom ..low import _v\nlow._x\n",
+    })
+    assert private_imports(tmp_path / "pkg", "pkg") == [
+        "pkg:2: pkg.low._hidden",
+        "pkg.high:5: pkg.low._x",
+        "pkg.high:6: pkg.low._y",
+        "pkg.high:7: pkg._impl",
+        "pkg.high:8: pkg.low._v",
+        "pkg.high:8: pkg.low._w",
+        "pkg.high:8: pkg.low._z",
+        "pkg.high:14: pkg.low._x",
+        "pkg.sub.deep:2: pkg.low._v",
+        "pkg.sub.deep:3: pkg.low._x",
+    ]
+
+
+def test_the_private_name_checker_passes_a_package_without_them(tmp_path):
+    _write(tmp_path / "pkg", {
+        "__init__.py": "from .low import public\n__all__ = ['public']\n",
+        "low.py": "_own = 1\npublic = _own + 1\n",
+        "high.py": "import pkg.low\nfrom . import low\nfrom .low import public\nx = pkg.low.public + low.__name__\n",
+    })
+    assert private_imports(tmp_path / "pkg", "pkg") == []

@@ -1,5 +1,5 @@
 """`gpipe` and `1f1b-flush` against the peer: torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B (DESIGN.md section 5, invariant 2).
+Schedule1F1B (docs/architecture.md, "Invariants and where they are tested", invariant 2).
 
 Both run in the same two processes (gloo, one thread each, a file store in tmp_path) on the
 same seeded MLP halves and data. The peer uses its manual ``PipelineStage`` API: stage 0 passes

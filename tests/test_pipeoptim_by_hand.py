@@ -3,7 +3,8 @@
 Each stage is one linear layer (tanh on the first two). The test keeps its own weights, momentum
 buffers and 1F1B orders, predicts W_hat = W - lr * s * m with s = min(t, 2 - k) (the `exact`
 policy) for the forward, and back-propagates with the weights that are live at backward time,
-on the activations saved by the forward: the semantics of DESIGN.md section 4, computed by hand.
+on the activations saved by the forward: the semantics of docs/architecture.md, "Weight versions per
+method" and "The prediction per optimizer", computed by hand.
 """
 from __future__ import annotations
 

@@ -103,7 +103,8 @@ def train_step(module, opt, policy, seed):
 
 def reference_delta(opt, p):
     """Delta written out from the optimizer's state, in the op order of the per-forward formula
-    the prediction used before it was cached (DESIGN.md section 4)."""
+    the prediction used before it was cached (docs/architecture.md, "The prediction per
+    optimizer")."""
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     state = opt.state[p]
     if isinstance(opt, O.SGD):
@@ -296,7 +297,8 @@ def test_a_parameter_moved_to_other_memory_gets_a_new_cache():
 
 
 def test_backward_reads_the_live_weights_not_the_cache():
-    # PipeOptim's backward runs on the weights live at backward time (DESIGN.md section 4): with
+    # PipeOptim's backward runs on the weights live at backward time (docs/architecture.md,
+    # "Weight versions per method"): with
     # the storage swap, the cache must not back the forward's saved tensors after the forward.
     module, opt, policy = make_policy(PipeOptimPolicy, "sgd-momentum", k=1, n=3, steps="paper")
     stage = Stage(1, 3, module, opt, policy)

@@ -1,4 +1,5 @@
-"""Invariants 1 and 2 of DESIGN.md section 5, and the transparency of the pipeline.
+"""Invariants 1 and 2 of docs/architecture.md, "Invariants and where they are tested", and the
+transparency of the pipeline.
 
 * with one stage every method equals sequential training, step for step;
 * gpipe and 1f1b-flush equal sequential training with gradient accumulation over the same

@@ -1,4 +1,5 @@
-"""Every method's version trace equals DESIGN.md's tables (sections 3 and 4), for N = 2, 4, 8."""
+"""Every method's version trace equals docs/architecture.md, "Schedules as data" and "Weight
+versions per method", for N = 2, 4, 8."""
 from __future__ import annotations
 
 import pytest

@@ -391,7 +391,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     from .errors import NonFiniteLoss
     from .experiment import check_run, progress_bar, summarize_run
     from .optimizers import make_optimizer
-    from .runtime.distributed import PipeComm, PipelineCommError, _broadcast, init_process_group, train_distributed
+    from .runtime.distributed import PipeComm, PipelineCommError, broadcast, init_process_group, train_distributed
     from .tasks import get_task
 
     dev = init_process_group(device=device, timeout=timeout, threads=threads)
@@ -423,7 +423,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         comm = PipeComm(device=dev, timeout=timeout)
         stage_index = comm.stage
         writer = comm.stage == 0
-        folder = _broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
+        folder = broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
         out = Path(folder) if folder is not None else None
         _this_stage.update(stage=stage_index, out=out)
         write_status(out, stage_index, state="running", rank=rank)

@@ -2,7 +2,8 @@
 
 Each :class:`Method` names the schedule that orders its work, the weight policy that decides
 which weights each pass uses, the options a user may set, and the number of weight versions
-DESIGN.md section 4 says stage k holds (the simulator reports it; the runtime measures it).
+stage k holds (docs/architecture.md, "Weight versions per method"; the simulator reports it,
+the runtime measures it).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ The loader is any iterable of ``(inputs, target)`` (a ``DataLoader``, a generato
 is read lazily: one mini-batch per :meth:`Pipeline.step`, so host memory does not grow with the
 epoch. Between drains the pipeline runs one schedule (a *segment*); :meth:`Pipeline.flush` ends
 it. An asynchronous method drains only at a flush (the end of an epoch, a checkpoint, an
-evaluation), as DESIGN.md section 3 says.
+evaluation; docs/architecture.md, "Schedules as data").
 """
 from __future__ import annotations
 

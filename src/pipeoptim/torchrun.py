@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.lifecycle import guard
-from .runtime.distributed import (GradientAverager, PipeComm, PipelineCommError, _broadcast, _gather_all,
-                                  _resume_stage, _save, init_process_group, reason, signature)
+from .runtime.distributed import (GradientAverager, PipeComm, PipelineCommError, broadcast, gather_all,
+                                  init_process_group, reason, resume_stage, save_checkpoint, signature)
 from .runtime.microbatch import batch_size
 from .runtime.stage import Stage, to_device
 
@@ -217,14 +217,14 @@ class Torchrun:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
         if self.is_last:
             losses = self._replica_mean(losses, "averaging the losses over the replicas")
-        return _broadcast(losses if self.is_last else None, self.comm, self.stages - 1,
-                          "sharing the losses of the segment")
+        return broadcast(losses if self.is_last else None, self.comm, self.stages - 1,
+                         "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
-        return _broadcast(value, self.comm, src, what)
+        return broadcast(value, self.comm, src, what)
 
     def gather(self, value: Any, what: str) -> List[Any]:
-        return _gather_all(value, self.comm, what)
+        return gather_all(value, self.comm, what)
 
     # -- a pipelined forward ------------------------------------------------------------------
     @torch.no_grad()
@@ -262,10 +262,10 @@ class Torchrun:
              losses: List[float], epoch_metrics: List[Dict[str, Any]], extra: Dict[str, Any]) -> None:
         """Every stage writes its file once: the first replica writes, the others do not."""
         if self.replica == 0:
-            _save(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
+            save_checkpoint(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
 
     def resume(self, store: Path, stage: Stage, run_info: Dict[str, Any]):
-        return _resume_stage(store, stage, self.comm, run_info)
+        return resume_stage(store, stage, self.comm, run_info)
 
 
 def layout(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]],

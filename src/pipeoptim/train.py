@@ -1,9 +1,19 @@
-"""``pipeoptim.train(model, batches, method=..., ...)``: one call that builds a
-:class:`~pipeoptim.pipeline.Pipeline` and fits it.
+"""``pipeoptim.train(model, batches, method=..., ...)``: the one-call form of
+:class:`~pipeoptim.pipeline.Pipeline`.
 
-Kept for scripts written before the Pipeline existed; it takes the same arguments as
-``Pipeline(...)`` plus ``fit``'s, and returns the same :class:`TrainResult`. The caller's model is
-never modified; the trained copy comes back in the result.
+``train(model, batches, **settings)`` is ``Pipeline(model, **settings).fit(batches, ...)``: it
+builds the Pipeline from the Pipeline's arguments among ``settings``, calls ``fit`` with
+``fit``'s, and returns the same :class:`TrainResult`; there is no second road to training behind
+it. What it adds is the convenience of one call and one argument, ``runtime``, which must be
+``"local"`` (the command line's ``--runtime distributed`` starts torchrun itself; a script
+started under torchrun runs one stage per process, as the Pipeline does). It leaves out the
+Pipeline's ``timeout``, ``threads`` and ``data_parallel`` and ``fit``'s ``eval_loader`` and
+``metric`` (``evaluate(model)`` takes their place); scripts that need them, or that feed
+mini-batches by hand (``step`` / ``flush``) or read the model between mini-batches, use the
+Pipeline. The caller's model is never modified; the trained copy comes back in the result.
+
+The module also re-exports the resolution helpers of :mod:`pipeoptim.runtime.spec`, which the
+experiment layer imports from here.
 """
 from __future__ import annotations
 

@@ -76,8 +76,8 @@ from ..errors import NonFiniteLoss
 from .spec import checkpoint_settings, resolve, segments
 from .build import OptimizerFactory, build_stages
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
-from .local import MicroBatch, StreamedSegment, check_runnable, clip_coefficient
 from .microbatch import batch_size, split_batch
+from .segment import MicroBatch, StreamedSegment, check_runnable, clip_coefficient
 from .stage import Stage, TraceEntry, WindowLosses, as_tuple
 
 
@@ -744,7 +744,7 @@ class DistributedExecutor(StreamedSegment):
             elif kind is Kind.U:
                 if self.clip_global is not None and stage.num_stages > 1:
                     stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
-                    norms = _gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
+                    norms = gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
                     stage.update(grad_scale=clip_coefficient(norms, self.clip_global))
                 else:
                     stage.update()
@@ -850,13 +850,15 @@ def _gather(obj: Any, comm: PipeComm, what: str, dst: int = 0) -> Optional[List[
     return out
 
 
-def _broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
+def broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
+    """Pipeline rank ``src``'s picklable ``obj`` on every rank (``what``: the step, for errors)."""
     box = [obj]
     _control(comm, what, lambda: dist.broadcast_object_list(box, src=comm.ranks[src], group=comm.control))
     return box[0]
 
 
-def _gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
+def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
+    """Every pipeline rank's picklable ``value``, in stage order, on every rank (over the control group)."""
     out: List[Any] = [None] * comm.num_stages
     _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
     return out
@@ -968,8 +970,8 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         mine = [window_losses[w] for w in range(count)] if stage.is_last else None
         # the losses and the slowest stage's time, to every rank
-        report = _broadcast(mine, comm, n - 1, "collecting the losses from the last stage")
-        times = _gather_all((seconds, cpu), comm, "collecting the stages' times")
+        report = broadcast(mine, comm, n - 1, "collecting the losses from the last stage")
+        times = gather_all((seconds, cpu), comm, "collecting the stages' times")
         seconds = max(t[0] for t in times)
         total_seconds += seconds
         epoch_seconds += seconds
@@ -1008,7 +1010,7 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
                 on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
         if store is not None and not continuous:
             after = (epoch + 1, 0) if ends_epoch else (epoch, first + count)
-            _save(store, stage, comm, run_info, after, losses, epoch_metrics)
+            save_checkpoint(store, stage, comm, run_info, after, losses, epoch_metrics)
 
     # the trained weights, traces and per-stage measurements, to the writer
     info = {"trace": stage.trace, "state": _cpu_state(stage.module),
@@ -1034,9 +1036,9 @@ def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.T
     return DistributedResult(losses, trace, trained, metrics, stage, writer)
 
 
-def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], position: Tuple[int, int],
-          losses: List[float], epoch_metrics: List[Dict[str, Any]],
-          extra: Optional[Dict[str, Any]] = None) -> None:
+def save_checkpoint(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any],
+                    position: Tuple[int, int], losses: List[float], epoch_metrics: List[Dict[str, Any]],
+                    extra: Optional[Dict[str, Any]] = None) -> None:
     """A checkpoint at a drained point: each rank writes its stage, the writer the manifest
     (only once every stage file is complete) and prunes the old ones."""
     epoch, batch = position
@@ -1045,8 +1047,8 @@ def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], p
         digest: Any = save_stage(stage, folder)
     except OSError as error:  # every rank must hear of it, or the others wait at the gather
         digest = error
-    digests = _gather_all((stage.index, digest if isinstance(digest, str) else str(digest)),
-                          comm, "collecting the checkpoint's checksums")
+    digests = gather_all((stage.index, digest if isinstance(digest, str) else str(digest)),
+                         comm, "collecting the checkpoint's checksums")
     if not isinstance(digest, str):
         raise CheckpointError(f"{folder / f'stage-{stage.index}.pt'}: cannot be written ({digest})")
     if comm.stage == 0:
@@ -1060,7 +1062,7 @@ def _save(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any], p
 def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Load every rank's stage and RNG state from the newest checkpoint; its manifest, or None
     if the run has none yet."""
-    found = _resume_stage(store, stage, comm, run_info)
+    found = resume_stage(store, stage, comm, run_info)
     if found is None:
         return None
     manifest, rng = found
@@ -1068,8 +1070,8 @@ def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any])
     return manifest
 
 
-def _resume_stage(store: Path, stage: Stage, comm: PipeComm,
-                  run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+def resume_stage(store: Path, stage: Stage, comm: PipeComm,
+                 run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
     """Load every rank's stage from the newest checkpoint (the writer picks it): its manifest and
     this rank's saved RNG state (not applied), or None if the run has none yet. A file refused
     on any rank is refused on all, with that rank's reason."""
@@ -1080,7 +1082,7 @@ def _resume_stage(store: Path, stage: Stage, comm: PipeComm,
             choice = (folder.name if folder is not None else None, None)
         except CheckpointError as error:
             choice = (None, str(error))
-    name, problem = _broadcast(choice, comm, 0, "agreeing on the checkpoint to resume from")
+    name, problem = broadcast(choice, comm, 0, "agreeing on the checkpoint to resume from")
     if problem:
         raise CheckpointError(problem)
     if name is None:
@@ -1092,7 +1094,7 @@ def _resume_stage(store: Path, stage: Stage, comm: PipeComm,
         rng = load_stage(folder, manifest, stage)["rng"]
     except CheckpointError as error:
         problem = str(error)
-    problems = [p for p in _gather_all(problem, comm, "loading the checkpoint") if p]
+    problems = [p for p in gather_all(problem, comm, "loading the checkpoint") if p]
     if problems:
         raise CheckpointError(problems[0])
     return manifest, rng

@@ -11,100 +11,21 @@ async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more
 to each stage's first forward of a micro-batch beyond ``T`` (tested for every schedule). So the
 executor runs the orders of a schedule built for a *horizon* of mini-batches beyond those fed,
 stops at the first forward it has no data for, and when the data ends (:meth:`finish`) continues
-with the orders built for exactly the mini-batches fed: the drain.
+with the orders built for exactly the mini-batches fed: the drain. That bookkeeping, shared with
+the distributed executor, is :class:`~pipeoptim.runtime.segment.StreamedSegment`; what is this
+module's own is how a message travels (a mailbox between stages of one process).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from ..schedules.actions import Kind, Schedule
+from .segment import MicroBatch, ScheduleFor, StreamedSegment, check_runnable, clip_coefficient
 from .stage import Stage, WindowLosses
-
-MicroBatch = Tuple[Any, torch.Tensor, float]  # inputs, target, share of the mini-batch loss
-ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's schedule
 
 
 class ScheduleStuck(RuntimeError):
     """No stage can make progress: the schedule and the data disagree."""
-
-
-def check_runnable(schedule: Schedule, num_stages: int) -> None:
-    """The runtimes run straight pipelines: stage k on rank k, one chain."""
-    if schedule.num_ranks != num_stages or schedule.pipelines != [list(range(num_stages))]:
-        raise ValueError(f"schedule {schedule.name} places several stages per rank; the runtimes "
-                         f"run one stage per rank (use it with `pipeoptim schedule` to simulate)")
-    if schedule.split_backward:
-        raise ValueError(f"schedule {schedule.name} splits the backward; the runtimes run full backwards")
-
-
-def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s coefficient for the norm over all ``norms`` (each a
-    0-dim tensor, possibly on different devices): min(1, max_norm / (total + 1e-6))."""
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
-def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -> Optional[Tuple[int, bool]]:
-    """After ``fed`` mini-batches of a segment: None if the orders built for ``horizon`` still
-    do, else (mini-batches to build them for, whether more may follow). The orders must reach
-    past the data fed, so that the drain never runs early; a segment of known length
-    (``expected``) is built once, for exactly that many; otherwise the horizon doubles."""
-    if expected is not None and fed > expected:
-        raise ValueError(f"this segment was to hold {expected} mini-batches and has drained; got one "
-                         f"more (does the loader yield more than its len() says?)")
-    if built and (fed < horizon or fed == expected):
-        return None
-    if expected is not None:
-        return expected, False
-    return max(fed + 1, 2 * horizon, 4), True
-
-
-class StreamedSegment:
-    """What both executors share: a segment's orders, built for a horizon past the mini-batches
-    fed and rebuilt as more come (:func:`next_horizon`), then for exactly those fed when the
-    data ends. Subclasses run the orders (``_use`` takes a new schedule)."""
-
-    def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
-        self.schedule_for = schedule_for
-        self.expected = expected
-        self.schedule: Optional[Schedule] = None
-        self.horizon = 0          #: mini-batches the current orders are built for
-        self.fed_batches = 0
-        self.finished = False
-
-    def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        raise NotImplementedError
-
-    def _add_batch(self, microbatches: int) -> None:
-        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they no longer
-        reach past the data."""
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
-        if microbatches != self.schedule.microbatches_per_update:
-            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
-                             f"micro-batches, got {microbatches}")
-
-    def _final_orders(self) -> Optional[Schedule]:
-        """End the feeding; the orders for exactly the mini-batches fed, if the current ones
-        were built for more (None: keep them)."""
-        self.finished = True
-        if self.fed_batches and self.horizon != self.fed_batches:
-            return self.schedule_for(self.fed_batches)
-        return None
-
-    @staticmethod
-    def _check_prefix(name: str, who: str, order: Sequence[Any], done: Sequence[Any]) -> None:
-        """The streaming property every schedule must have: what ran starts the final orders."""
-        if list(order[:len(done)]) != list(done):
-            raise RuntimeError(f"schedule {name}: {who} ran {len(done)} actions that its final "
-                               f"orders do not start with")
 
 
 class LocalExecutor(StreamedSegment):

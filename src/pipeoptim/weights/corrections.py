@@ -1,9 +1,10 @@
-"""Delay corrections of the asynchronous methods: options, all off by default (DESIGN.md section 4).
+"""Delay corrections of the asynchronous methods: options, all off by default (docs/architecture.md,
+"Delay corrections").
 
 An asynchronous pipeline's stage k applies each update from a gradient computed ``tau_k = N-1-k``
 updates earlier. Published work closes the gap to synchronous training with a few corrections
-(see ``notes/async_corrections.md``); each is an option of the methods it applies to
-(:mod:`pipeoptim.methods`), and this module holds their arithmetic:
+(PipeMare's delay-scaled learning rate among them); each is an option of the methods it
+applies to (:mod:`pipeoptim.methods`), and this module holds their arithmetic:
 
 * ``lr_correction="delay"`` (PipeMare): stage k applies update t with
   ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))``, T = ``lr_correction_steps`` updates: it

@@ -72,7 +72,8 @@ class WeightUse:
 class WeightPolicy:
     """Base: forwards and backwards on the live weights, nothing kept."""
 
-    #: What DESIGN.md calls this row; shown in reports.
+    #: This policy's row of docs/architecture.md, "Weight versions per method", in words; shown
+    #: in reports.
     description = "live weights in both passes"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
@@ -400,7 +401,8 @@ class _Predicting(WeightPolicy):
 
     Each pass that predicts reads ``W_hat = W - lr*s*Delta`` through the live parameters' own
     storage, so that the autograd graph of a forward keeps aliases of the live storage and its
-    backward reads whatever is live then (DESIGN.md section 4). Two ways, the same numbers:
+    backward reads whatever is live then (docs/architecture.md, "Weight versions per method").
+    Two ways, the same numbers:
 
     * swap (the default where the parameters own their storage and torch has
       ``UntypedStorage._swap_data_ptr_``): ``W_hat`` is computed into the cache in one pass
@@ -429,7 +431,8 @@ class _Predicting(WeightPolicy):
             raise ValueError("ema_decay applies with delta='ema'")
         if prediction_warmup is None or prediction_warmup < 0:
             raise ValueError(f"prediction_warmup must be 0 (off) or a number of updates, got {prediction_warmup!r}")
-        #: the optimizer's own next direction (DESIGN.md section 4); also the diagnostic's baseline
+        #: the optimizer's own direction (docs/architecture.md, "The prediction per
+        #: optimizer"); also the diagnostic's baseline
         self.predictor = Predictor(self.optimizer, sgd_momentum=sgd_momentum)
         self.horizon = horizon
         self.delta = delta

@@ -1,4 +1,5 @@
-"""Optimizer-aware weight prediction (PipeOptim, DESIGN.md section 4).
+"""Optimizer-aware weight prediction (PipeOptim; docs/architecture.md, "The prediction per
+optimizer").
 
 A :class:`Predictor` watches an optimizer through its step hooks and, after every step, can
 predict the weights ``s`` optimizer steps ahead::
