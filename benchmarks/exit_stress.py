@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +109,8 @@ def main() -> None:
     jobs = ["example", "pipeline"] if args.job == "both" else [args.job]
     skip = done_runs(args.label)
     todo = [(job, i) for i in range(args.runs) for job in jobs if (job, i) not in skip]
+    # a SIGTERM ends the stress through the finally below, so that the hog does not outlive it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     hog = start_hog(args.hog)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     try:
