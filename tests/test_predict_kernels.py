@@ -124,7 +124,7 @@ def reference_delta(opt, p):
 @pytest.mark.parametrize("swap", [True, False], ids=["swap", "write-restore"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_forward_weights_are_the_formula_bit_for_bit_and_w_comes_back(optimizer, swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     module, opt, policy = make_policy(PipeOptimPolicy, optimizer, steps="paper")
     steps = policy.forward_steps(10)
     assert steps == 2
@@ -163,7 +163,7 @@ def _forward_done(policy, microbatch):
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw", "radam-decoupled", "adamax"])
 @pytest.mark.parametrize("cls", [PipeOptimPolicy, XPipePolicy, SpecTrainPolicy])
 def test_nothing_allocated_per_forward_after_the_first(cls, optimizer, swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     options = {"steps": "paper"} if cls is PipeOptimPolicy else {}
     module, opt, policy = make_policy(cls, optimizer, k=0, n=4, **options)
     train_step(module, opt, policy, seed=0)
@@ -225,7 +225,7 @@ def test_old_per_forward_delta_would_fail_the_allocation_test():
 
 @pytest.mark.parametrize("swap", [True, False], ids=["swap", "write-restore"])
 def test_delta_is_computed_once_per_update(swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     module, opt, policy = make_policy(PipeOptimPolicy, "adamw", steps="paper")
     calls = []
     original = Predictor._delta
@@ -367,7 +367,7 @@ def _model():
 def test_swap_and_write_restore_train_the_same_bits(method, optimizer, monkeypatch):
     runs = []
     for swap in (True, False):
-        monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+        monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
         extra = {"micro_batches": 2} if method == "xpipe" else {}
         result = pipeoptim.train(_model(), _data(), method=method, stages=3,
                                  optimizer=OPTIMIZERS[optimizer], loss_fn=nn.functional.cross_entropy,
