@@ -2,7 +2,8 @@
 method family (docs/architecture.md, "Weight versions per method").
 
 The classes live by family: the interface and the copy-free policies in :mod:`.base`, the
-stashing ones in :mod:`.stash`, the predicting ones in :mod:`.predicting`; this module names
+stashing ones in :mod:`.stash`, the predicting ones in :mod:`.predicting` (PipeOptim on 2BW's
+windows in :mod:`.predicted_2bw`); this module names
 them for the method registry (``Method.policy``) and builds one for a stage.
 """
 from __future__ import annotations
@@ -11,16 +12,18 @@ import torch
 from torch import nn
 
 from .base import LatestPolicy, SynchronousPolicy, WeightPolicy, WeightUse, alias, nbytes
+from .predicted_2bw import PipeOptim2BWPolicy
 from .predicting import CAN_SWAP_STORAGE, PipeOptimPolicy, PredictingPolicy, SpecTrainPolicy, XPipePolicy
 from .stash import DoubleBufferPolicy, StashingPolicy, VersionStore
 
 __all__ = ["POLICIES", "SCHEDULE_OPTIONS", "make_policy", "WeightPolicy", "WeightUse", "alias", "nbytes",
            "SynchronousPolicy", "LatestPolicy", "VersionStore", "StashingPolicy", "DoubleBufferPolicy",
-           "PredictingPolicy", "PipeOptimPolicy", "XPipePolicy", "SpecTrainPolicy", "CAN_SWAP_STORAGE"]
+           "PredictingPolicy", "PipeOptimPolicy", "XPipePolicy", "SpecTrainPolicy", "PipeOptim2BWPolicy",
+           "CAN_SWAP_STORAGE"]
 
 POLICIES = {cls.__name__: cls for cls in (SynchronousPolicy, LatestPolicy, StashingPolicy,
                                           DoubleBufferPolicy, PipeOptimPolicy, XPipePolicy,
-                                          SpecTrainPolicy)}
+                                          SpecTrainPolicy, PipeOptim2BWPolicy)}
 
 
 #: Method options that shape the schedule, not a policy (:meth:`pipeoptim.methods.Method.build_schedule`).
