@@ -36,7 +36,7 @@ CASES = [
     (["train", "--method", "gpipe", "--steps", "code"], "--steps applies to pipeoptim, not gpipe"),
     (["train", "--method", "pipeoptim", "--vertical-sync"], "--vertical-sync applies to pipedream, not pipeoptim"),
     (["train", "--method", "gpipe", "--continuous"], "--continuous applies to asynchronous methods"),
-    (["train", "--optimizer", "adam", "--momentum", "0.9", *QUICK], "--momentum applies to momentum, nesterov and rmsprop"),
+    (["train", "--optimizer", "adam", "--momentum", "0.9", *QUICK], "--momentum applies to momentum, nesterov, rmsprop and muon"),
     (["train", "--weight-decay", "-1", *QUICK], "weight decay must be >= 0"),
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),

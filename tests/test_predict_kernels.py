@@ -17,6 +17,7 @@ import pipeoptim
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.schedules import build_schedule
 from pipeoptim.weights import PipeOptimPolicy, SpecTrainPolicy, XPipePolicy
+from pipeoptim.muon_adamw import MuonWithAdamW
 from pipeoptim.weights import policies as policies_module
 from pipeoptim.weights.predict import Predictor
 
@@ -75,7 +76,18 @@ OPTIMIZERS = {
     "adamax": two_groups(lambda g: O.Adamax(g)),
     "radam-decoupled": two_groups(lambda g: O.RAdam(g, weight_decay=0.1, decoupled_weight_decay=True)),
     "nadam": two_groups(lambda g: O.NAdam(g)),
+    "nadam-beta1": two_groups(lambda g: O.NAdam(g, betas=(0.99, 0.999))),
+    "muon": lambda params: muon_two_groups(list(params)),
 }
+
+
+def muon_two_groups(params):
+    """--optimizer muon's combination, with two_groups' lrs: Muon on the 2-D parameters among the
+    even-numbered ones (lr LRS[0]), AdamW on the rest (LRS[0] and LRS[1] as two_groups)."""
+    even, odd = params[::2], params[1::2]
+    return MuonWithAdamW([{"params": [p for p in even if p.ndim == 2], "lr": LRS[0]}],
+                         [{"params": [p for p in even if p.ndim != 2], "lr": LRS[0]},
+                          {"params": odd, "lr": LRS[1]}], weight_decay=0.1)
 
 
 def stage_module(seed=0):
@@ -362,7 +374,7 @@ def _model():
                          nn.Linear(9, 5))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw", "muon"])
 @pytest.mark.parametrize("method", ["pipeoptim", "spectrain", "xpipe"])
 def test_swap_and_write_restore_train_the_same_bits(method, optimizer, monkeypatch):
     runs = []

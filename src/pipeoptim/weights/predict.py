@@ -26,7 +26,15 @@ RMSprop        ``g / (sqrt(v [- mean_g^2 if centered]) + eps)``; with momentum: 
 Adagrad        ``g / (sqrt(sum) + eps) / (1 + (t - 1) * lr_decay)``: lr decay is folded in
                because Delta is relative to the group lr.
 Adadelta       ``sqrt(acc_delta_before + eps) / sqrt(v + eps) * g``.
+Muon           ``r * NS(u) + wd * W_before``: ``u`` the Nesterov update ``g.lerp(m, mu)`` (or
+               the buffer ``m`` without Nesterov), ``NS`` torch's Newton-Schulz
+               orthogonalisation, ``r`` torch's shape ratio (``adjust_lr_fn``); decay is
+               always decoupled.
 =============  ==========================================================================
+
+An optimizer made of several (``parts``: torch optimizers whose ``param_groups`` are, dict for
+dict, the composite's, as :class:`pipeoptim.muon_adamw.MuonWithAdamW`) gets each group's
+formula from the part that holds the group.
 
 Decoupled weight decay (AdamW, and NAdam / RAdam with ``decoupled_weight_decay=True``)
 shrinks W *before* the adaptive update: ``W_after = (1 - lr*wd) W_before - lr * a``. The exact
@@ -61,9 +69,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .muon_direction import muon_direction
+
 __all__ = ["Predictor", "optimizer_direction_supported"]
 
-_KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
+_KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = ((("muon", torch.optim.Muon),)
+                                                                 if hasattr(torch.optim, "Muon") else ()) + (
     ("sgd", torch.optim.SGD),
     ("adam", torch.optim.Adam),
     ("adam", torch.optim.AdamW),
@@ -90,8 +101,18 @@ def _kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
+    """The optimizers a composite optimizer is made of (its ``parts``), or None."""
+    parts = getattr(optimizer, "parts", None)
+    return list(parts) if isinstance(parts, (list, tuple)) and parts else None
+
+
 def optimizer_direction_supported(optimizer: torch.optim.Optimizer) -> bool:
-    """True when an exact Delta formula exists for ``optimizer`` (no fallback needed)."""
+    """True when an exact Delta formula exists for ``optimizer`` (no fallback needed): for a
+    composite optimizer, for each of its parts."""
+    parts = _parts(optimizer)
+    if parts is not None:
+        return all(_kind(part) is not None for part in parts)
     return _kind(optimizer) is not None
 
 
@@ -136,7 +157,8 @@ class Predictor:
         self.sgd_momentum = sgd_momentum
         self.steps_taken: int = 0
         self._kind = _kind(optimizer)
-        self.uses_fallback: bool = self._kind is None
+        self._composite = _parts(optimizer) is not None
+        self.uses_fallback: bool = not optimizer_direction_supported(optimizer)
         # Per-parameter tensors owned by the predictor: the captured gradient turned into Delta
         # by the post-hook (exact formulas), or W_before turned into Delta (fallback).
         self._stored: dict[Tensor, Tensor] = {}
@@ -300,7 +322,7 @@ class Predictor:
     def _scratch(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
         """The tensor an adaptive formula computes ``p``'s Delta into (kept across updates);
         None for the formulas that return a tensor they already have."""
-        kind = self._kind
+        kind = self._kind_of(group)
         if (self.uses_fallback or self._needs_grad(group) or kind in ("sgd", "rmsprop")
                 or not self.optimizer.state.get(p)):
             return None
@@ -346,6 +368,15 @@ class Predictor:
         self._pending = []
 
     # ------------------------------------------------------------------ formulas
+    def _kind_of(self, group: dict[str, Any]) -> str | None:
+        """The formula of ``group``: the optimizer's, or that of the part holding the group."""
+        if not self._composite:
+            return self._kind
+        for part in _parts(self.optimizer) or ():
+            if any(g is group for g in part.param_groups):
+                return _kind(part)
+        raise KeyError("a parameter group that no part of the optimizer holds")
+
     def _group(self, param: Tensor) -> dict[str, Any]:
         group = self._group_of.get(param)
         if group is None:
@@ -359,19 +390,20 @@ class Predictor:
 
     def _needs_grad(self, group: dict[str, Any]) -> bool:
         """Whether this group's Delta needs the step's gradient (kept between hooks)."""
-        kind = self._kind
+        kind = self._kind_of(group)
         if kind == "sgd":
             return (
                 group["momentum"] == 0 or group["nesterov"] or self.sgd_momentum == "code"
             )
         if kind == "rmsprop":
             return group["momentum"] == 0
-        return kind in ("nadam", "adagrad", "adadelta")
+        return kind in ("nadam", "adagrad", "adadelta", "muon")
 
     def _l2(self, group: dict[str, Any]) -> float:
         """Weight decay that the optimizer adds to the gradient (0 when decoupled)."""
         wd = float(group.get("weight_decay", 0.0))
-        if self._kind in ("nadam", "radam", "adam") and group.get("decoupled_weight_decay"):
+        kind = self._kind_of(group)
+        if kind == "muon" or (kind in ("nadam", "radam", "adam") and group.get("decoupled_weight_decay")):
             return 0.0
         return wd
 
@@ -387,7 +419,7 @@ class Predictor:
         wd = self._l2(group)
         if wd != 0.0:
             buf.add_(p.detach(), alpha=wd)
-        if self._kind == "adadelta":  # numerator uses acc_delta *before* the step
+        if self._kind_of(group) == "adadelta":  # numerator uses acc_delta *before* the step
             eps = group["eps"]
             acc = self.optimizer.state.get(p, {}).get("acc_delta")
             if acc is None:
@@ -397,7 +429,7 @@ class Predictor:
 
     def _finish(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], g: Tensor) -> None:
         """Post-step: turn the captured gradient ``g`` into Delta, in place."""
-        kind = self._kind
+        kind = self._kind_of(group)
         if kind == "sgd":
             mu = group["momentum"]
             if mu == 0:
@@ -430,6 +462,9 @@ class Predictor:
             g.div_(1 + (step - 1) * group["lr_decay"])
         elif kind == "adadelta":
             g.div_(state["square_avg"].add(group["eps"]).sqrt_())
+        elif kind == "muon":
+            muon_direction(group, p, state["momentum_buffer"], g)
+            self._decoupled(group, p, g)
 
     def _decoupled(self, group: dict[str, Any], p: Tensor, delta: Tensor) -> None:
         """Add decoupled decay: ``delta <- (delta + wd * W_after) / (1 - lr_step * wd)``.
@@ -437,7 +472,7 @@ class Predictor:
         Equals ``delta + wd * W_before`` since ``W_after = (1-lr*wd) W_before - lr*delta``.
         """
         wd = float(group.get("weight_decay", 0.0))
-        if wd == 0.0 or not group.get("decoupled_weight_decay", False):
+        if wd == 0.0 or not (group.get("decoupled_weight_decay", False) or self._kind_of(group) == "muon"):
             return
         delta.add_(p.detach(), alpha=wd).div_(1 - self._step_lr[id(group)] * wd)
 
@@ -455,7 +490,7 @@ class Predictor:
         state = self.optimizer.state.get(p)
         if not state:
             return None
-        kind = self._kind
+        kind = self._kind_of(group)
         if kind == "sgd":  # momentum, paper variant: the buffer itself
             return state["momentum_buffer"]
         if kind == "rmsprop":  # with momentum: the buffer already holds g / avg
