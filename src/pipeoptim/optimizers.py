@@ -54,16 +54,23 @@ def _build_muon(kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> torch.opt
     return MuonWithAdamW(*split_for_muon(params), **kwargs)
 
 
-def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: float | None = None,
-                   beta1: float | None = None, adamw_lr: float | None = None,
-                   ) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
-    """A factory ``params -> optimizer`` (picklable, so a distributed launch can carry it)."""
+#: the optimizers ``momentum`` applies to
+MOMENTUM_OPTIMIZERS = ("momentum", "nesterov", "rmsprop", "muon")
+
+
+def check_options(name: str, lr: float | None = None, weight_decay: float = 0.0, momentum: float | None = None,
+                  beta1: float | None = None, adamw_lr: float | None = None) -> None:
+    """Refuse a bad optimizer setting with a ValueError naming the option (no torch needed, so
+    the command line refuses it before loading anything)."""
     if name not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(_OPTIMIZERS)}")
-    if not lr > 0:
+    if lr is not None and not lr > 0:
         raise ValueError(f"the learning rate must be positive, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+    if momentum is not None and name not in MOMENTUM_OPTIMIZERS:
+        raise ValueError(f"--momentum applies to {', '.join(MOMENTUM_OPTIMIZERS[:-1])} and "
+                         f"{MOMENTUM_OPTIMIZERS[-1]}, not {name}")
     if beta1 is not None:
         if name not in BETA1_OPTIMIZERS:
             raise ValueError(f"--beta1 applies to {', '.join(BETA1_OPTIMIZERS)}, not {name}")
@@ -74,6 +81,13 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: fl
             raise ValueError(f"--adamw-lr applies to muon (its AdamW part), not {name}")
         if not adamw_lr > 0:
             raise ValueError(f"--adamw-lr must be positive, got {adamw_lr}")
+
+
+def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: float | None = None,
+                   beta1: float | None = None, adamw_lr: float | None = None,
+                   ) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """A factory ``params -> optimizer`` (picklable, so a distributed launch can carry it)."""
+    check_options(name, lr, weight_decay, momentum, beta1, adamw_lr)
     import torch
 
     if name == "muon":
@@ -93,8 +107,6 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: fl
     if weight_decay:
         kwargs["weight_decay"] = weight_decay
     if momentum is not None:
-        if "momentum" not in kwargs and cls is not torch.optim.RMSprop:
-            raise ValueError(f"--momentum applies to momentum, nesterov, rmsprop and muon, not {name}")
         kwargs["momentum"] = momentum
     if beta1 is not None:
         kwargs["betas"] = (beta1, 0.999)
