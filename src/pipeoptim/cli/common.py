@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from ..methods import get_method, method_names
-from ..optimizers import optimizer_names
+from ..optimizers import check_options, optimizer_names
 from ..lr_schedules import LR_SCHEDULES
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..tasks import task_names
@@ -55,7 +55,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
     g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
-                   "pipedream-2bw, xpipe; default: the method's)")
+                   "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
     g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],
                    help="how to split layers when --partition is not given (default: uniform)")
@@ -92,10 +92,23 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                    help="the first K mini-batches run 1F1B with a flush (no staleness), then the "
                         "asynchronous schedule")
     g = parser.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum (SGD, 0.9)")
+    g.add_argument("--optimizer", default="momentum", choices=optimizer_names(),
+                   help="default: momentum (SGD, 0.9). muon: torch.optim.Muon on the hidden weight "
+                        "matrices (the 2-D weights of nn.Linear layers except the model's output "
+                        "layer), AdamW on the rest (embeddings, norms, biases, the output layer), one "
+                        "optimizer per stage; --lr is Muon's, --adamw-lr AdamW's")
     g.add_argument("--lr", type=float, help="learning rate (default: the task's for this optimizer)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default: 0)")
-    g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop)")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="weight decay (default: 0, i.e. none, except that adamw and muon keep torch's "
+                        "own: AdamW 0.01, Muon 0.1)")
+    g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop; "
+                   "muon: Muon's, default 0.95)")
+    g.add_argument("--beta1", type=float, metavar="B",
+                   help="first-moment decay beta1 of adam, adamw, adamax, nadam, radam and muon's AdamW "
+                        "part (default 0.9; beta2 stays 0.999), e.g. --optimizer nadam --beta1 0.99")
+    g.add_argument("--adamw-lr", type=float, metavar="LR",
+                   help="muon: the learning rate of its AdamW part (default: --lr / 10); the lr "
+                        "schedule scales it as it scales --lr")
     g.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
                    help="constant (default); warmup-cosine: linear warm-up, then cosine decay to 10%% "
                         "of --lr; step: x0.1 at half of the updates, x0.01 at three quarters")
@@ -188,7 +201,8 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
     return RunConfig(task=args.task, model=args.model, method=method, stages=stages_of(args),
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
                      optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                     momentum=args.momentum, epochs=args.epochs, batch_size=args.batch_size,
+                     momentum=args.momentum, beta1=args.beta1, adamw_lr=args.adamw_lr,
+                     epochs=args.epochs, batch_size=args.batch_size,
                      limit=args.limit, seed=args.seed, continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad=args.clip_grad,
                      clip_scope=clip_scope_of(args, method, strict),
@@ -227,6 +241,9 @@ def check_numbers(args: argparse.Namespace) -> None:
                          "drop --continuous or --eval-every")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    if getattr(args, "optimizer", None) is not None:  # --momentum, --beta1, --adamw-lr fit --optimizer
+        check_options(args.optimizer, None, getattr(args, "weight_decay", 0.0), getattr(args, "momentum", None),
+                      getattr(args, "beta1", None), getattr(args, "adamw_lr", None))
     if getattr(args, "clip_grad", None) is not None and not args.clip_grad > 0:
         raise ValueError(f"--clip-grad must be a positive max norm, got {args.clip_grad}")
     if getattr(args, "clip_scope", "stage") != "stage" and getattr(args, "clip_grad", None) is None:
