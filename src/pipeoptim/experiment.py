@@ -50,6 +50,9 @@ class RunConfig:
     partitioner: str = "uniform"
     optimizer: str = "momentum"
     lr: Optional[float] = None
+    #: where ``lr`` came from, as the run prints it (the command line says: --lr, tuned for the
+    #: method by a study, or the recipe's); None: given by the caller
+    lr_source: Optional[str] = None
     weight_decay: float = 0.0
     momentum: Optional[float] = None
     epochs: int = 1
@@ -89,6 +92,7 @@ class RunConfig:
         cfg.batch_size = cfg.batch_size or task.default_batch_size
         if cfg.lr is None:
             cfg.lr = task.default_lr.get(cfg.optimizer, 1e-3)
+            cfg.lr_source = cfg.lr_source or f"the {task.name} task's usual lr for {cfg.optimizer}"
         return cfg
 
 
@@ -143,7 +147,8 @@ def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", disable=not enabled, leave=False,
+    # disable=None: tqdm draws only on a terminal (a log file would hold every refresh)
+    return tqdm(total=total, desc=desc, unit="batch", disable=None if enabled else True, leave=False,
                 dynamic_ncols=True, file=sys.stderr)
 
 
@@ -180,6 +185,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
     batches = data.train
     check_run(cfg, model, batches)
+    if cfg.lr_source is not None and not resume:
+        log(f"{cfg.method}: lr {cfg.lr:g}: {cfg.lr_source}")
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -261,6 +268,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "task": cfg.task, "model": cfg.model, "method": cfg.method, "stages": result.metrics["stages"],
         "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
         "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "lr_source": cfg.lr_source,
         "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
         "metric": task.metric, "higher_is_better": task.higher_is_better,
         "final_metric": final if cfg.holdout is None else test_metric, "best_metric": best,

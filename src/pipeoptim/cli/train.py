@@ -18,9 +18,20 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..tasks.recipes import RECIPES
+
     p = sub.add_parser("train", help="train one method on a task",
                        description="Train a model of a task with one pipeline method; writes "
-                                   "metrics.jsonl, summary.json and curves.png to the run folder.")
+                                   "metrics.jsonl, summary.json and curves.png to the run folder. "
+                                   "Every setting not given comes from the task's recipe; the peak "
+                                   "lr from the study's tuning for the method where there is one.",
+                       epilog="recipes (--recipe prints one with its tuned lrs):\n" + "\n".join(
+                           f"  {t}: {r.model}, {r.optimizer} {r.lr:g}, {r.lr_schedule}, clip "
+                           f"{r.clip_grad if r.clip_grad is not None else 'none'}, batch {r.batch_size}, "
+                           f"{r.epochs} epochs" for t, r in RECIPES.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", action="store_true",
+                   help="print the --task's recipe and the lrs tuned per method, then exit")
     p.add_argument("--method", default="pipeoptim", choices=method_names(), help="default: pipeoptim")
     p.add_argument("--runtime", default="local", choices=["local", "distributed"],
                    help="local: all stages in this process; distributed: one process per stage "
@@ -55,6 +66,14 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recipe:
+        from ..tasks.recipes import describe, recipe, tuned_lrs
+
+        if args.json:
+            print_json({"task": args.task, "recipe": recipe(args.task).as_dict(), "tuned_lrs": tuned_lrs(args.task)})
+        else:
+            print(describe(args.task))
+        return 0
     from ..experiment import run_experiment
 
     if args.plan is not None:
