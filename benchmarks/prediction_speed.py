@@ -65,7 +65,7 @@ def _old_predict_into(predictor, param, steps: float, out) -> bool:
 
 
 class OldPipeOptimPolicy(PipeOptimPolicy):
-    """PipeOptim with ``_Predicting._write_prediction`` as it was before issue 14."""
+    """PipeOptim with ``PredictingPolicy._write_prediction`` as it was before issue 14."""
 
     @torch.no_grad()
     def _write_prediction(self, steps: float) -> Optional[Callable[[], None]]:

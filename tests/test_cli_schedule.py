@@ -38,6 +38,17 @@ def test_pipedream_json_weight_copies(capsys):
     assert report["method"] == "pipedream" and report["schedule"] == "async-1f1b"
 
 
+def test_pipeoptim_2bw_and_micro_batched_pipeoptim_json(capsys):
+    ours = run_json(capsys, "pipeoptim-2bw", "--stages", "4", "--batches", "8")
+    twobw = run_json(capsys, "pipedream-2bw", "--stages", "4", "--batches", "8")
+    assert ours["schedule"] == "2bw" and ours["microbatches"] == 4
+    assert ours["weight_copies"] == [3, 3, 3, 1] and twobw["weight_copies"] == [2, 2, 2, 2]
+    assert ours["makespan"] == twobw["makespan"] == 70
+    for m, makespan in ((2, 38), (4, 70)):   # pipeoptim with M micro-batches per update
+        report = run_json(capsys, "pipeoptim", "--stages", "4", "--batches", "8", "--microbatches", str(m))
+        assert (report["schedule"], report["microbatches"], report["makespan"]) == ("async-1f1b", m, makespan)
+
+
 def test_gpipe_json_matches_the_closed_form(capsys):
     report = run_json(capsys, "gpipe", "--stages", "4", "--microbatches", "8")
     assert report["analytic_bubble_fraction"] == pytest.approx(3 / 11, abs=1e-15)

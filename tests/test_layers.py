@@ -45,7 +45,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("leaves", ["errors", "checkpoint", "partition", "lr_schedules", "plan_defaults"]),
+    ("leaves", ["errors", "checkpoint", "partition", "lr_schedules", "plan_defaults", "muon_adamw"]),
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import has_image_data
 from pipeoptim.planner import (
-    describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend, scaled_profile,
-    simulated_makespan, stage_costs, write_plan)
+    candidate_problem, describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend,
+    scaled_profile, simulated_makespan, stage_costs, write_plan)
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.schedules import Costs, simulate
 from pipeoptim.methods import get_method
@@ -73,6 +73,26 @@ def test_weight_versions_come_from_the_method():
     row = predict("pipedream", prof, [1, 1, 1, 1], microbatches=1, batches=6, batch_size=8)
     assert [m["weight_versions"] for m in row["memory"]] == [4, 3, 2, 1]
     assert [m["in_flight_microbatches"] for m in row["memory"]] == [4, 3, 2, 1]
+
+
+def test_pipeoptim_2bw_and_micro_batched_pipeoptim_are_priced():
+    # pipeoptim-2bw runs 2BW's schedule: the same time as pipedream-2bw, its own weight copies
+    prof = synthetic([0.001] * 4, [0.002] * 4, params=[100] * 4)
+    twobw = predict("pipedream-2bw", prof, [1, 1, 1, 1], microbatches=4, batches=6, batch_size=8)
+    ours = predict("pipeoptim-2bw", prof, [1, 1, 1, 1], microbatches=4, batches=6, batch_size=8)
+    assert ours["makespan_seconds"] == pytest.approx(twobw["makespan_seconds"], rel=1e-12)
+    assert [m["weight_versions"] for m in ours["memory"]] == [3, 3, 3, 1]
+    assert [m["weight_versions"] for m in twobw["memory"]] == [2, 2, 2, 2]
+    assert candidate_problem("pipeoptim-2bw", 4, 2, 8) == "pipeoptim-2bw needs micro-batches >= stages (2 < 4)"
+    # pipeoptim with M = 2 (as XPipe runs) and M = N micro-batches per update: async 1F1B over
+    # micro-batches, as xpipe and (for M = N) the 2bw schedule are priced
+    for m in (2, 4):
+        row = predict("pipeoptim", prof, [1, 1, 1, 1], microbatches=m, batches=6, batch_size=8)
+        assert (row["microbatches"], row["microbatch_size"]) == (m, 8 // m)
+        xpipe = predict("xpipe", prof, [1, 1, 1, 1], microbatches=m, batches=6, batch_size=8)
+        assert row["makespan_seconds"] == pytest.approx(xpipe["makespan_seconds"], rel=1e-12)
+    assert predict("pipeoptim", prof, [1, 1, 1, 1], microbatches=4, batches=6,
+                   batch_size=8)["makespan_seconds"] == pytest.approx(twobw["makespan_seconds"], rel=1e-12)
 
 
 def test_an_unbalanced_split_predicts_the_slowest_stages_speed():

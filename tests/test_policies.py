@@ -8,7 +8,8 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim.schedules import build_schedule
-from pipeoptim.weights import PipeOptimPolicy, SpecTrainPolicy, StashingPolicy
+from pipeoptim.methods import get_method
+from pipeoptim.weights import PipeOptim2BWPolicy, PipeOptimPolicy, SpecTrainPolicy, StashingPolicy
 from conftest import batches, mlp
 
 LOSS = nn.functional.cross_entropy
@@ -47,6 +48,17 @@ def test_step_counts_for_four_stages_by_hand():
     assert [policy_for(SpecTrainPolicy, k).backward_steps for k in range(4)] == [0, 0, 1, 1]
 
 
+def test_pipeoptim_2bw_window_steps_for_four_stages_by_hand():
+    # 2bw, m = 4: window t's steps are the updates between its first forward and its last backward
+    def steps(k):
+        policy = PipeOptim2BWPolicy(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                                    stage=k, num_stages=4)
+        policy.begin_epoch(build_schedule("2bw", 4, 4, 6).orders[k])
+        return [policy.base_forward_steps(4 * t + j) for t in range(6) for j in (0, 3)]
+    assert [steps(k) for k in range(3)] == [[0, 0] + [1, 1] * 5] * 3
+    assert steps(3) == [0] * 12
+
+
 def measured_versions(method, n, **options):
     result = pipeoptim.train(equal_width_model(n), data(), method=method, stages=n, optimizer=SGDM,
                              loss_fn=LOSS, **options)
@@ -57,6 +69,10 @@ def measured_versions(method, n, **options):
 def test_measured_weight_copies(n):
     assert measured_versions("pipedream", n) == [n - k for k in range(n)]
     assert measured_versions("pipedream-2bw", n) == [2] * n
+    # PipeOptim on 2BW: two windows' predicted values beside the live weights at stages 0..N-2,
+    # the live weights alone at the last stage; the registry says the same
+    assert measured_versions("pipeoptim-2bw", n) == [3] * (n - 1) + [1]
+    assert get_method("pipeoptim-2bw").weight_versions(n) == [3] * (n - 1) + [1]
     assert measured_versions("async-naive", n) == [1] * n
     assert measured_versions("gpipe", n) == [1] * n
     # PipeOptim: the live weights and one cache where it predicts (s > 0), whatever N

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from pipeoptim.muon_adamw import MuonWithAdamW
 from pipeoptim.weights.predict import Predictor, optimizer_direction_supported
 
 O = torch.optim
@@ -63,6 +64,14 @@ CASES = [
     ("nadam-wd", lambda g: O.NAdam(g, weight_decay=0.1), 4),
     ("nadam-decoupled", lambda g: O.NAdam(g, weight_decay=0.5, decoupled_weight_decay=True), 4),
     ("nadam-foreach", lambda g: O.NAdam(g, weight_decay=0.1, foreach=True), 4),
+    ("nadam-beta1", lambda g: O.NAdam(g, betas=(0.99, 0.999)), 4),
+    ("nadam-beta1-decoupled", lambda g: O.NAdam(g, betas=(0.99, 0.999), weight_decay=0.5,
+                                                decoupled_weight_decay=True), 4),
+    # Muon on the 2-D parameter, AdamW on the 1-D one: one optimizer (--optimizer muon)
+    ("muon+adamw", lambda g: MuonWithAdamW([g[0]], [g[1]]), 4),
+    ("muon-plain-nodecay", lambda g: MuonWithAdamW([g[0]], [g[1]], nesterov=False, weight_decay=0.0), 4),
+    ("muon-match-rms", lambda g: MuonWithAdamW([g[0]], [g[1]], adjust_lr_fn="match_rms_adamw",
+                                               weight_decay=0.3, momentum=0.8), 4),
     ("radam", lambda g: O.RAdam(g), 9),
     ("radam-wd", lambda g: O.RAdam(g, weight_decay=0.1), 9),
     ("radam-decoupled", lambda g: O.RAdam(g, weight_decay=0.5, decoupled_weight_decay=True), 9),
@@ -111,6 +120,31 @@ def test_direction_equals_applied_step(factory, n_steps):
     assert pred.direction(params[0]) is None
     _check_property(opt, pred, params, n_steps)
     assert pred.steps_taken == n_steps
+
+
+def test_muon_alone_and_a_tall_matrix():
+    """torch's Muon on its own (no composite), on a tall matrix (the ratio sqrt(A/B) > 1) and a
+    wide one, with decay: Delta = r * NS(nesterov update) + wd * W_before, exactly the step."""
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(8, 3, generator=gen, dtype=torch.float64)),
+              torch.nn.Parameter(torch.randn(3, 5, generator=gen, dtype=torch.float64))]
+    opt = O.Muon(_groups(params), weight_decay=0.2)
+    assert optimizer_direction_supported(opt)
+    pred = Predictor(opt)
+    assert not pred.uses_fallback
+    _check_property(opt, pred, params, 4)
+
+
+def test_nadam_beta1_is_read_from_the_group():
+    """beta1 0.99 and 0.9 give different directions, each the step's own."""
+    deltas = []
+    for beta1 in (0.99, 0.9):
+        params = _params()
+        opt = O.NAdam(_groups(params), betas=(beta1, 0.999))
+        pred = Predictor(opt)
+        _check_property(opt, pred, params, 3)
+        deltas.append(pred.direction(params[0]))
+    assert (deltas[0] - deltas[1]).abs().max() > 1e-2
 
 
 def test_radam_cases_cover_both_branches():

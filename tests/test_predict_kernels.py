@@ -17,6 +17,7 @@ import pipeoptim
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.schedules import build_schedule
 from pipeoptim.weights import PipeOptimPolicy, SpecTrainPolicy, XPipePolicy
+from pipeoptim.muon_adamw import MuonWithAdamW
 from pipeoptim.weights import policies as policies_module
 from pipeoptim.weights.predict import Predictor
 
@@ -75,7 +76,18 @@ OPTIMIZERS = {
     "adamax": two_groups(lambda g: O.Adamax(g)),
     "radam-decoupled": two_groups(lambda g: O.RAdam(g, weight_decay=0.1, decoupled_weight_decay=True)),
     "nadam": two_groups(lambda g: O.NAdam(g)),
+    "nadam-beta1": two_groups(lambda g: O.NAdam(g, betas=(0.99, 0.999))),
+    "muon": lambda params: muon_two_groups(list(params)),
 }
+
+
+def muon_two_groups(params):
+    """--optimizer muon's combination, with two_groups' lrs: Muon on the 2-D parameters among the
+    even-numbered ones (lr LRS[0]), AdamW on the rest (LRS[0] and LRS[1] as two_groups)."""
+    even, odd = params[::2], params[1::2]
+    return MuonWithAdamW([{"params": [p for p in even if p.ndim == 2], "lr": LRS[0]}],
+                         [{"params": [p for p in even if p.ndim != 2], "lr": LRS[0]},
+                          {"params": odd, "lr": LRS[1]}], weight_decay=0.1)
 
 
 def stage_module(seed=0):
@@ -124,7 +136,7 @@ def reference_delta(opt, p):
 @pytest.mark.parametrize("swap", [True, False], ids=["swap", "write-restore"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_forward_weights_are_the_formula_bit_for_bit_and_w_comes_back(optimizer, swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     module, opt, policy = make_policy(PipeOptimPolicy, optimizer, steps="paper")
     steps = policy.forward_steps(10)
     assert steps == 2
@@ -163,7 +175,7 @@ def _forward_done(policy, microbatch):
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw", "radam-decoupled", "adamax"])
 @pytest.mark.parametrize("cls", [PipeOptimPolicy, XPipePolicy, SpecTrainPolicy])
 def test_nothing_allocated_per_forward_after_the_first(cls, optimizer, swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     options = {"steps": "paper"} if cls is PipeOptimPolicy else {}
     module, opt, policy = make_policy(cls, optimizer, k=0, n=4, **options)
     train_step(module, opt, policy, seed=0)
@@ -225,7 +237,7 @@ def test_old_per_forward_delta_would_fail_the_allocation_test():
 
 @pytest.mark.parametrize("swap", [True, False], ids=["swap", "write-restore"])
 def test_delta_is_computed_once_per_update(swap, monkeypatch):
-    monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+    monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     module, opt, policy = make_policy(PipeOptimPolicy, "adamw", steps="paper")
     calls = []
     original = Predictor._delta
@@ -362,12 +374,12 @@ def _model():
                          nn.Linear(9, 5))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw", "muon"])
 @pytest.mark.parametrize("method", ["pipeoptim", "spectrain", "xpipe"])
 def test_swap_and_write_restore_train_the_same_bits(method, optimizer, monkeypatch):
     runs = []
     for swap in (True, False):
-        monkeypatch.setattr(policies_module._Predicting, "_swap_storage", swap)
+        monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
         extra = {"micro_batches": 2} if method == "xpipe" else {}
         result = pipeoptim.train(_model(), _data(), method=method, stages=3,
                                  optimizer=OPTIMIZERS[optimizer], loss_fn=nn.functional.cross_entropy,

@@ -119,6 +119,33 @@ def test_2bw_window_uses_previous_version_at_every_stage(n):
     assert result.metrics["weight_versions"] == [2.0] * n
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pipeoptim_2bw_window_predicts_the_updates_it_misses(n):
+    """Window t at stage k runs forward and backward on the live version v at its first forward,
+    predicted s updates ahead: stages 0..N-2 v = t-1, s = 1 (2BW's version, one step on); the last
+    stage v = t, s = 0 (already the weights update t is applied to). Window 0 and windows before
+    the stage's first update run unpredicted; after a drain the warm-up starts again."""
+    trace, result = run("pipeoptim-2bw", n, epochs=2)
+    m = result.metrics["microbatches"]
+    assert m == n
+    for epoch in range(2):
+        start = epoch * T
+        for k in range(n):
+            for i in range(T * m):
+                t = i // m
+                if k == n - 1:
+                    expected = (start + t, 0)
+                else:
+                    version = start + max(0, t - 1)
+                    expected = (version, 1 if t >= 1 and version >= 1 else 0)
+                micro = start * m + i
+                assert trace[(k, micro, "F")] == expected, (epoch, k, i)
+                assert trace[(k, micro, "B")] == expected, (epoch, k, i)
+    # the version plus the steps is the update each window's gradient joins, once predicting
+    assert all(trace[(0, i, "F")][0] + trace[(0, i, "F")][1] == i // m for i in range(2 * m, T * m))
+    assert result.metrics["weight_versions"] == [3.0] * (n - 1) + [1.0]
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_xpipe_predicts_the_exact_updates_before_backward(n):
     trace, result = run("xpipe", n)

@@ -55,6 +55,8 @@ class RunConfig:
     lr_source: Optional[str] = None
     weight_decay: float = 0.0
     momentum: Optional[float] = None
+    beta1: Optional[float] = None      #: first-moment decay of the optimizers with betas (--beta1)
+    adamw_lr: Optional[float] = None   #: muon: the lr of its AdamW part (--adamw-lr; default lr / 10)
     epochs: int = 1
     batch_size: Optional[int] = None
     limit: Optional[int] = None
@@ -182,7 +184,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     data.split(split, f"task {task.name}")  # the split exists, before anything is written
     model = task.build_model(cfg.model, data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout and other randomness during training
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
+    optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1, cfg.adamw_lr)
     batches = data.train
     check_run(cfg, model, batches)
     if cfg.lr_source is not None and not resume:

@@ -418,7 +418,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
         model = task.build_model(cfg.model, data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)  # as the local runtime (each process draws its own, see distributed.py)
-        optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
+        optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1, cfg.adamw_lr)
         check_run(cfg, model, data.train)
         comm = PipeComm(device=dev, timeout=timeout)
         stage_index = comm.stage

@@ -126,6 +126,13 @@ def _pipeoptim_versions(k: int, n: int, backward: str = "latest", delta: str = "
     return (2 if backward == "latest" else 2 + (n - 1 - k)) + _ema(delta)
 
 
+def _pipeoptim_2bw_versions(k: int, n: int, **_: Any) -> int:
+    # stages 0..N-2: the live weights and the predicted values of two windows in flight at once
+    # (the next window starts before the last backwards of the current one); the last stage runs
+    # each window on its live weights (s = 0), no update inside a window: nothing kept.
+    return 1 if k == n - 1 else 3
+
+
 METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("sequential", "gpipe", "SynchronousPolicy",
            "no pipeline: the whole model as one stage (the reference)", True),
@@ -146,6 +153,9 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("pipedream-2bw", "2bw", "DoubleBufferPolicy",
            "async 1F1B over micro-batches, an update every m >= N, two buffers (PipeDream-2BW)", False,
            default_microbatches=lambda n: n, versions=lambda k, n, **o: 1 if n == 1 else 2),
+    Method("pipeoptim-2bw", "2bw", "PipeOptim2BWPolicy",
+           "2BW's schedule and windows, each window on weights predicted over the updates it misses", False,
+           default_microbatches=lambda n: n, versions=_pipeoptim_2bw_versions),
     Method("spectrain", "async-1f1b", "SpecTrainPolicy",
            "momentum-based prediction in both passes (SpecTrain)", False,
            options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),

@@ -300,7 +300,7 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
     if microbatches > batch_size:
         return f"{microbatches} micro-batches need a batch of at least {microbatches} (batch size {batch_size})"
     if get_method(method).schedule == "2bw" and microbatches < stages:
-        return f"pipedream-2bw needs micro-batches >= stages ({microbatches} < {stages})"
+        return f"{method} needs micro-batches >= stages ({microbatches} < {stages})"
     return None
 
 

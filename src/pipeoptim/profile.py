@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .runtime.build import StageParameters
+
 Activation = Any  #: a tensor or a tuple of tensors
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -342,7 +344,8 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
         update_seconds, state_bytes = 0.0, 0
         params = [p for p in layer.parameters() if p.requires_grad]
         if optimizer is not None and params:
-            opt = optimizer(params)
+            # as a stage's factory is called: the layer, and whether it is the model's last
+            opt = optimizer(StageParameters(params, layer, index == len(work) - 1))
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..methods import get_method, method_names
-from ..optimizers import optimizer_names
+from ..optimizers import check_options, optimizer_names
 from ..lr_schedules import LR_SCHEDULES
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..tasks import task_names
@@ -70,7 +70,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
     g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
-                   "pipedream-2bw, xpipe; default: the method's)")
+                   "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
     g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],
                    help="how to split layers when --partition is not given (default: uniform)")
@@ -108,12 +108,23 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         "asynchronous schedule")
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=optimizer_names(),
-                   help="default: the task's recipe (momentum is SGD with 0.9)")
+                   help="default: the task's recipe (momentum is SGD with 0.9). muon: torch.optim.Muon "
+                        "on the hidden weight matrices (the 2-D weights of nn.Linear layers except the "
+                        "model's output layer), AdamW on the rest (embeddings, norms, biases, the output "
+                        "layer), one optimizer per stage; --lr is Muon's, --adamw-lr AdamW's")
     g.add_argument("--lr", type=float, help="peak learning rate (default: the one the study tuned for this "
                    "method, task and optimizer, else the recipe's; the run prints which)")
     g.add_argument("--weight-decay", type=float, default=0.0,
-                   help="weight decay (default 0: the optimizer's own, which is 0.01 for adamw, else 0)")
-    g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop)")
+                   help="weight decay (default: 0, i.e. none, except that adamw and muon keep torch's "
+                        "own: AdamW 0.01, Muon 0.1)")
+    g.add_argument("--momentum", type=float, help="momentum coefficient (momentum, nesterov, rmsprop; "
+                   "muon: Muon's, default 0.95)")
+    g.add_argument("--beta1", type=float, metavar="B",
+                   help="first-moment decay beta1 of adam, adamw, adamax, nadam, radam and muon's AdamW "
+                        "part (default 0.9; beta2 stays 0.999), e.g. --optimizer nadam --beta1 0.99")
+    g.add_argument("--adamw-lr", type=float, metavar="LR",
+                   help="muon: the learning rate of its AdamW part (default: --lr / 10); the lr "
+                        "schedule scales it as it scales --lr")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                    help="default: the task's recipe (warmup-cosine); constant; warmup-cosine: linear "
                         "warm-up, then cosine decay to 10%% "
@@ -215,7 +226,8 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
     return RunConfig(task=args.task, model=args.model or base.model, method=method, stages=stages_of(args),
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
                      optimizer=optimizer, lr=lr, lr_source=lr_source, weight_decay=args.weight_decay,
-                     momentum=args.momentum, epochs=args.epochs or base.epochs,
+                     momentum=args.momentum, beta1=args.beta1, adamw_lr=args.adamw_lr,
+                     epochs=args.epochs or base.epochs,
                      batch_size=args.batch_size or base.batch_size, limit=args.limit, seed=args.seed,
                      continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
@@ -263,6 +275,14 @@ def check_numbers(args: argparse.Namespace) -> None:
                          "drop --continuous or --eval-every")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    optimizer = getattr(args, "optimizer", None)
+    if optimizer is None and getattr(args, "task", None) is not None:  # the recipe's, as run_config takes it
+        from ..tasks.recipes import recipe
+
+        optimizer = recipe(args.task).optimizer
+    if optimizer is not None:  # --momentum, --beta1, --adamw-lr fit the optimizer
+        check_options(optimizer, None, getattr(args, "weight_decay", 0.0), getattr(args, "momentum", None),
+                      getattr(args, "beta1", None), getattr(args, "adamw_lr", None))
     clip = getattr(args, "clip_grad", None)
     if clip not in (None, NO_CLIPPING) and not clip > 0:
         raise ValueError(f"--clip-grad must be a positive max norm (or none), got {clip}")

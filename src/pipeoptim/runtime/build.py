@@ -20,6 +20,20 @@ except AttributeError:  # pragma: no cover
     _SCHEDULER_BASE = torch.optim.lr_scheduler._LRScheduler
 
 
+class StageParameters(list):
+    """What the optimizer factory is called with: a list of the stage's trainable parameters (so
+    that any ``torch.optim`` class takes it), which also tells factories that treat parameters by
+    the layer they belong to (``--optimizer muon``: hidden matrices apart from embeddings, norms
+    and the output layer) where they come from: ``module``, the stage's slice of the model (its
+    layers under the model's names), and ``holds_output``, whether that slice holds the model's
+    last layer."""
+
+    def __init__(self, params: Iterable[nn.Parameter], module: nn.Module, holds_output: bool) -> None:
+        super().__init__(params)
+        self.module = module
+        self.holds_output = holds_output
+
+
 def make_optimizer(factory: OptimizerFactory, params: List[nn.Parameter], stage: int) -> torch.optim.Optimizer:
     """Call the user's optimizer factory for one stage's parameters and check what it returns."""
     optimizer = factory(params)
@@ -63,7 +77,7 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
         device = torch.device(devices[k]) if devices is not None else None
         if device is not None:
             part.to(device)
-        params = [p for p in part.parameters() if p.requires_grad]
+        params = StageParameters([p for p in part.parameters() if p.requires_grad], part, k == n - 1)
         if not params:
             raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters; choose another partition")

@@ -57,7 +57,7 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     if micro < 1:
         raise ValueError(f"micro-batches must be at least 1, got {micro}")
     if m.schedule == "2bw" and micro < n:
-        raise ValueError(f"pipedream-2bw needs micro-batches >= stages ({micro} < {n}); "
+        raise ValueError(f"{method} needs micro-batches >= stages ({micro} < {n}); "
                          f"use micro_batches={n}")
     return RunSpec(method, options, n, sizes, micro)
 

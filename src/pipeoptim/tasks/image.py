@@ -388,6 +388,7 @@ class ImageTask(Task):
         "adamw": 1e-3,
         "rmsprop": 5e-4,
         "adagrad": 0.01,
+        "muon": 0.02,  # Muon's usual lr on the hidden matrices (AdamW part: lr / 10); not tuned here
     }
 
     def model_names(self) -> Sequence[str]:

@@ -297,6 +297,7 @@ class LanguageModelTask(Task):
         "nadam": 1e-3,
         "radam": 1e-3,
         "adadelta": 1.0,
+        "muon": 0.02,  # Muon's usual lr on the hidden matrices (AdamW: --adamw-lr, 0.002); one seed
     }
     vocab_size = 2000
     seq_len = 64

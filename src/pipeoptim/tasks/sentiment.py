@@ -253,6 +253,7 @@ class SentimentTask(Task):
         "nadam": 2e-3,
         "radam": 2e-3,
         "adadelta": 1.0,
+        "muon": 0.02,  # Muon's usual lr on the hidden matrices (AdamW part: lr / 10); not tuned here
     }
     seq_len = 48
     vocab_size = 10_000

@@ -422,6 +422,7 @@ class TranslationTask(Task):
         "nadam": 1e-3,
         "radam": 1e-3,
         "adadelta": 1.0,
+        "muon": 0.02,  # Muon's usual lr on the hidden matrices (AdamW part: lr / 10); not tuned here
     }
     vocab_size = 4000
     max_tokens = 32     #: pieces per side; longer pairs are dropped

@@ -1,0 +1,228 @@
+"""Weight policies: the interface and the policies without copies (synchronous, latest).
+
+A policy serves one stage. Before a forward it hands the stage a :class:`WeightUse`: the tensors
+to call the stage's module with (through ``torch.func.functional_call``), the weight version they
+carry and the prediction step count applied. Around a backward it may swap in other values, and
+around an update it may keep the outgoing version alive. It never knows which executor runs it:
+everything it needs comes from the stage's own action list (the schedule is data) and the
+stage's optimizer.
+
+Autograd safety on any PyTorch 2.x rests on one device: a forward never uses the parameters
+themselves but *aliases* of their storage made with ``param.data`` (same memory, separate
+autograd version counter). The optimizer may then update the parameters in place between a
+forward and its backward without autograd's "modified by an inplace operation" error, and the
+backward reads whatever the storage holds when it runs: the live weights, if nothing else
+happened (async-naive, PipeOptim's ``latest`` backward); an older version kept by a stash
+(:mod:`.stash`); or predicted values (:mod:`.predicting`).
+
+Versions count the stage's updates: version v is the weights after v optimizer steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..schedules.actions import Action, Kind
+from .corrections import LR_CORRECTIONS, delay_divisor
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing ``tensor``'s storage with its own version counter, collecting a gradient."""
+    return tensor.data.requires_grad_(True)
+
+
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class WeightUse:
+    """The weights one pass of one micro-batch runs on."""
+
+    weights: Dict[str, torch.Tensor]   #: parameter name -> tensor handed to functional_call
+    version: int                       #: the weight version these values are (or are predicted from)
+    steps: float = 0                   #: prediction steps applied on top of ``version`` (0: none)
+    restore: Optional[Callable[[], None]] = field(default=None, repr=False)
+    #: the pass runs the module's own parameters (``weights`` unused): only where no update can
+    #: come between a forward and its backward, so autograd may accumulate into ``param.grad``
+    direct: bool = False
+
+    def done(self) -> None:
+        """Called right after the pass: undo any temporary change to the live weights."""
+        if self.restore is not None:
+            self.restore()
+            self.restore = None
+
+
+class WeightPolicy:
+    """Base: forwards and backwards on the live weights, nothing kept."""
+
+    #: This policy's row of docs/architecture.md, "Weight versions per method", in words; shown
+    #: in reports.
+    description = "live weights in both passes"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
+                 num_stages: int, lr_correction: str = "none", lr_correction_steps: Optional[int] = None,
+                 **options) -> None:
+        if options:
+            raise ValueError(f"{type(self).__name__} takes no options, got {', '.join(options)}")
+        if lr_correction not in LR_CORRECTIONS:
+            raise ValueError(f"lr_correction must be one of {', '.join(LR_CORRECTIONS)}, got {lr_correction!r}")
+        if lr_correction == "delay" and (lr_correction_steps is None or lr_correction_steps < 1):
+            raise ValueError(f"lr_correction='delay' needs lr_correction_steps=T >= 1 (the updates over "
+                             f"which the lr anneals from lr/delay to lr), got {lr_correction_steps!r}")
+        self.stage = stage
+        self.num_stages = num_stages
+        self.optimizer = optimizer
+        #: PipeMare's delay-scaled lr (weights/corrections.py): "none" or "delay"
+        self.lr_correction = lr_correction
+        self.lr_correction_steps = lr_correction_steps
+        #: updates between a forward and its backward in the steady state (the correction's tau)
+        self.delay = num_stages - 1 - stage
+        self._sync_updates_end = 0         # versions below this are updates of a synchronous warm-up
+        self._sync_micro: frozenset = frozenset()
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.param_bytes = nbytes([p for _, p in self.named])
+        self.version = 0                   #: live version: updates applied so far
+        self.epoch_start_version = 0
+        self.copy_bytes_peak = 0
+        self._forward_version: Dict[int, int] = {}
+        self._order: List[Action] = []
+
+    # -- schedule knowledge -----------------------------------------------------------------
+    def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
+                    *, open_ended: bool = False, synchronous_updates: int = 0) -> None:
+        """The actions this stage will run next (and, for policies that need it, every rank's):
+        the start of a schedule (a segment), at a drained point. ``open_ended``: the orders
+        were built for a horizon and more mini-batches may follow the ones they list.
+        ``synchronous_updates``: the schedule's first so many updates are a synchronous warm-up
+        (``sync_warmup``): no prediction and no lr correction for them."""
+        self.epoch_start_version = self.version
+        self._consumed: Counter = Counter()  # forwards run so far in this schedule, per window
+        self.open_ended = open_ended
+        self.learn_orders(stage_actions, full_orders, synchronous_updates)
+
+    def extend_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
+                     *, open_ended: bool = False, synchronous_updates: int = 0) -> None:
+        """The same schedule, now known further (or ending sooner): a streamed segment's orders
+        regenerated for more mini-batches, or its final orders once the data ends. The actions
+        already run are a prefix of the new orders; what they consumed is kept."""
+        self.open_ended = open_ended
+        self.learn_orders(stage_actions, full_orders, synchronous_updates)
+
+    def learn_orders(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]],
+                     synchronous_updates: int = 0) -> None:
+        """Read what this policy needs from the orders of the current schedule."""
+        self._order = list(stage_actions)
+        self._updates_before: Dict[tuple, int] = {}
+        count = 0
+        sync_micro = []
+        for a in self._order:
+            if a.kind is Kind.U:
+                count += 1
+            else:
+                self._updates_before[(a.kind, a.index)] = count
+                if a.kind is Kind.F and count < synchronous_updates:
+                    sync_micro.append(a.index)
+        self._sync_updates_end = self.epoch_start_version + synchronous_updates
+        self._sync_micro = frozenset(sync_micro)
+
+    def in_sync_warmup(self, microbatch: int) -> bool:
+        """Whether ``microbatch`` belongs to a synchronous warm-up (``sync_warmup``)."""
+        return microbatch in self._sync_micro
+
+    def lr_divisor(self, update: Optional[int] = None, *, corrected: bool = True) -> float:
+        """What update ``update``'s lr (default: the next update's) is divided by at this stage:
+        PipeMare's ``delay ** (1 - min(t / T, 1))`` under ``lr_correction="delay"`` outside a
+        synchronous warm-up, else 1."""
+        update = self.version if update is None else update
+        if not corrected or self.lr_correction != "delay" or update < self._sync_updates_end:
+            return 1.0
+        return delay_divisor(self.delay, update, self.lr_correction_steps)
+
+    def use_lr_schedule(self, factory: Optional[Callable[[torch.optim.Optimizer], object]]) -> None:
+        """The stage's scheduler factory, told before the real scheduler is made (the
+        optimizer's groups still as the user built them); policies that look ahead keep it."""
+
+    def updates_between(self, microbatch: int) -> int:
+        """Updates this stage applies between micro-batch's forward and its backward."""
+        backward = Kind.I if (Kind.I, microbatch) in self._updates_before else Kind.B
+        return self._updates_before[(backward, microbatch)] - self._updates_before[(Kind.F, microbatch)]
+
+    # -- passes -------------------------------------------------------------------------------
+    def live_weights(self) -> Dict[str, torch.Tensor]:
+        return {n: alias(p) for n, p in self.named}
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        self._forward_version[microbatch] = self.version
+        return WeightUse(self.live_weights(), self.version)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        """Around a backward; yields what the backward runs on (for the version trace)."""
+        yield WeightUse(use.weights, self.version)
+        self._forward_version.pop(microbatch, None)
+
+    # -- updates ------------------------------------------------------------------------------
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        self.version += 1
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        """The policy's state at a drained point of the pipeline (nothing in flight)."""
+        if self._forward_version:
+            raise RuntimeError(f"stage {self.stage}: cannot save a policy with micro-batches in flight")
+        return {"version": self.version, "copy_bytes_peak": self.copy_bytes_peak}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        self.version = int(state["version"])
+        self.copy_bytes_peak = int(state["copy_bytes_peak"])
+
+    # -- memory -------------------------------------------------------------------------------
+    def copy_bytes(self) -> int:
+        """Bytes of weight copies held now, beyond the live weights."""
+        return 0
+
+    def note_memory(self) -> None:
+        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes())
+
+    @property
+    def versions_peak(self) -> float:
+        """Weight versions held at the peak, the live weights included (measured)."""
+        return 1 + (self.copy_bytes_peak / self.param_bytes if self.param_bytes else 0)
+
+
+class SynchronousPolicy(WeightPolicy):
+    """GPipe, 1F1B-flush, sequential: one version per mini-batch; no update between F and B."""
+
+    description = "W(t) in both passes (one version per mini-batch)"
+
+    def forward_weights(self, microbatch: int) -> WeightUse:
+        # No update comes between a forward and its backward here (a flush before each), so the
+        # module runs on its own parameters, as plain PyTorch does: no aliases, and gradients
+        # accumulate into param.grad in autograd, as a plain loop's do (the same additions).
+        self._forward_version[microbatch] = self.version
+        return WeightUse({}, self.version, direct=True)
+
+    @contextmanager
+    def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
+        if use.version != self.version:
+            raise RuntimeError(f"stage {self.stage}: micro-batch {microbatch} ran forward on version "
+                               f"{use.version} but its backward on {self.version}; a synchronous "
+                               f"method needs a flush before every update")
+        with super().backward_pass(microbatch, use) as used:
+            yield used
+
+
+class LatestPolicy(WeightPolicy):
+    """async-naive: forward on the live (stale) weights, backward on the weights live then."""
+
+    description = "latest weights in each pass (stale forward, inconsistent backward)"

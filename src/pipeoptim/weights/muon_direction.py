@@ -1,0 +1,31 @@
+"""Muon's update direction, as ``torch.optim.Muon`` computes its step (docs/architecture.md,
+"The prediction per optimizer").
+
+torch's Muon step on a 2-D parameter W with gradient g and momentum buffer m::
+
+    m <- m.lerp(g, 1 - mu)                       (m = mu * m + (1 - mu) * g)
+    u  = g.lerp(m, mu) under Nesterov, else m
+    O  = NS(u)                                   (Newton-Schulz, in bfloat16)
+    W <- (1 - lr * wd) * W - lr * r * O          (r from adjust_lr_fn and W's shape)
+
+so ``W_before - W_after = lr * (r * O + wd * W_before)``: Delta relative to the group lr is
+``r * O + wd * W_before``. This module computes ``r * O`` from the gradient and the buffer after
+the step, with torch's own Newton-Schulz and ratio functions (the same arithmetic, the same
+bits); the Predictor adds the decoupled decay as for AdamW.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+
+def muon_direction(group: Dict[str, Any], param: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> None:
+    """In place: ``g`` (the step's gradient) becomes ``r * NS(u)`` for ``param`` of ``group``,
+    ``buf`` being the momentum buffer after the step."""
+    from torch.optim import _muon  # torch's own functions: the step's arithmetic exactly
+
+    update = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    ortho = _muon._zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    ratio = _muon._adjust_lr(1.0, group["adjust_lr_fn"], param.shape)
+    g.copy_(ortho).mul_(ratio)
