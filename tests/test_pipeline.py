@@ -232,6 +232,18 @@ def test_clipping_equals_clipping_by_hand(scope):
     assert unclipped.losses[3:] != pytest.approx(result.losses[3:], rel=1e-3)  # clipping acted
 
 
+@pytest.mark.parametrize("method", ["sequential", "gpipe"])
+def test_global_clipping_of_one_stage_clips_as_the_stage_does(method):
+    """With one stage the model's norm is the stage's: both scopes clip alike (global clipping of
+    a one-stage run once skipped the clipping altogether)."""
+    batches = data(8)
+    run = lambda **kw: pipeoptim.train(mlp(), batches, method=method, stages=None if method == "sequential" else 1,  # noqa: E731
+                                       loss_fn=LOSS, optimizer=sgdm, **kw)
+    stage, global_ = run(clip_grad_norm=0.3, clip_scope="stage"), run(clip_grad_norm=0.3, clip_scope="global")
+    assert global_.losses == stage.losses
+    assert run().losses[3:] != pytest.approx(stage.losses[3:], rel=1e-3)  # clipping acted
+
+
 def test_per_stage_clipping_in_an_asynchronous_pipeline_clips_every_stage():
     result = pipeoptim.train(mlp(), data(8), method="pipeoptim", stages=4, loss_fn=LOSS,
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.05), clip_grad_norm=1e-3)

@@ -742,7 +742,7 @@ class DistributedExecutor(StreamedSegment):
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys.pop(i), self._outgoing.pop(i))
             elif kind is Kind.U:
-                if self.clip_global is not None and stage.num_stages > 1:
+                if self.clip_global is not None:  # one stage too: its norm is the model's
                     stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
                     norms = gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
                     stage.update(grad_scale=clip_coefficient(norms, self.clip_global))

@@ -141,7 +141,7 @@ class LocalExecutor(StreamedSegment):
                         if not stage.is_first:
                             gradients[(k - 1, i)] = grad_in
                     elif action.kind is Kind.U:
-                        if self.clip_global is not None and len(stages) > 1:
+                        if self.clip_global is not None:  # one stage too: its norm is the model's
                             if not self._update_all(k, i):
                                 break
                         else:
