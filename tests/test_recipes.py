@@ -82,3 +82,11 @@ def test_an_untuned_combination_falls_back_and_says_so(tmp_path, capsys):
     assert summary["lr_source"] == ("not tuned for pipeoptim on image with nesterov: the task's usual lr "
                                     "for it; --lr overrides")
     assert "pipeoptim: lr 0.01: not tuned for pipeoptim on image with nesterov" in printed
+
+
+def test_the_readme_shows_the_recipes_as_they_are():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for task, r in RECIPES.items():
+        clip = "none" if r.clip_grad is None else f"{r.clip_grad:.1f}"
+        row = f"| {task} | {r.model} | {r.optimizer} {r.lr:g} | {r.lr_schedule} | {clip} | {r.batch_size} | {r.epochs} |"
+        assert row in readme, row
