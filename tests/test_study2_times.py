@@ -80,8 +80,11 @@ def _made_up_profile(layers: int, batch: int) -> ModelProfile:
                         threads=1, loss_forward=1e-4, loss_backward=1e-4)
 
 
-def _check_table(times_mod, table, stage_counts, batches):
-    """The structure and what must hold for the simulator, whatever the costs."""
+def _check_table(times_mod, table, stage_counts, batches, costs_are_fixed: bool = True):
+    """The structure and what must hold for the simulator, whatever the costs. With a measured
+    profile (``costs_are_fixed=False``) the comparison of a flushing pipeline with an asynchronous
+    one depends on timings of micro-batches of other sizes, which a loaded machine can reorder:
+    only the structure is checked."""
     assert table["batches"] == batches
     seq = table["sequential"]
     assert seq["microbatches"] == 1 and seq["seconds_per_batch"] > 0
@@ -98,7 +101,8 @@ def _check_table(times_mod, table, stage_counts, batches):
         assert len({rows[m]["seconds_per_batch"] for m in ASYNC_1F1B}) == 1
         # a flush before every update costs a fill and a drain per mini-batch
         for method in ("gpipe", "1f1b-flush"):
-            assert rows[method]["seconds_per_batch"] > rows["async-naive"]["seconds_per_batch"]
+            if costs_are_fixed:
+                assert rows[method]["seconds_per_batch"] > rows["async-naive"]["seconds_per_batch"]
 
 
 def test_table_invariants_on_a_made_up_profile(times_mod):
@@ -144,7 +148,7 @@ def test_table_of_a_real_profile(times_mod):
     model = times_mod.ProfiledModel(net, batch, profiles, settings, x, y, loss,
                                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     table = times_mod.cell_table(model, [4, 2], ALL, 16)
-    _check_table(times_mod, table, [4, 2], 16)
+    _check_table(times_mod, table, [4, 2], 16, costs_are_fixed=False)
     assert set(model.timings) == {((4,), 8), ((2, 2), 8), ((2, 2), 4), ((1, 1, 1, 1), 8),
                                   ((1, 1, 1, 1), 4), ((1, 1, 1, 1), 2)}  # each split and size timed once
 

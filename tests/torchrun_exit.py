@@ -44,8 +44,10 @@ if mode == "user":
     import torch._dynamo  # noqa: F401 - keeps the default group alive (a default argument)
 counts = {"rank": int(os.environ["RANK"]), "before": native_threads(), "workers_before": gloo_workers()}
 # registered before the Pipeline registers its teardown, so it runs after it (atexit is LIFO)
-atexit.register(lambda: print(json.dumps({**counts, "at_exit": native_threads(),
-                                          "workers_at_exit": gloo_workers()}), flush=True))
+# one write() of the whole line: the ranks share torchrun's stdout, and Python's print writes the
+# text and the newline apart when unbuffered, so two ranks' lines could interleave
+atexit.register(lambda: os.write(1, (json.dumps({**counts, "at_exit": native_threads(),
+                                                 "workers_at_exit": gloo_workers()}) + "\n").encode()))
 calls = []
 
 
