@@ -11,7 +11,9 @@ Every rank iterates the same loader (seeded the same way): stage 0 uses the inpu
 stage the targets, every stage the input shapes (to agree on message layouts). What the user
 reads is the same on every rank: ``fit`` and ``flush`` give every rank the losses (broadcast
 from the last stage at each drain), ``evaluate`` returns the metric on every rank, ``model()``
-and ``state_dict()`` gather every stage's part.
+and ``state_dict()`` gather every stage's part. :class:`Torchrun` is this case's world
+(:mod:`pipeoptim.world`): it implements the same methods as ``LocalWorld``, so the Pipeline never
+asks which one it has.
 
 Each process takes SIGINT, SIGTERM and SIGHUP in a watcher thread (:mod:`pipeoptim.runtime.
 lifecycle`, installed when the Pipeline starts the process group) and ends at once with one line,
