@@ -93,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
-            check_distributed_options(cfg)
             from ..launcher import run_distributed_train
 
             return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
@@ -104,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
-        check_distributed_options(cfg)
         from ..launcher import run_distributed_train
 
         return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
@@ -129,20 +127,6 @@ def _interrupts_name_the_checkpoint(out: Path) -> Iterator[None]:
             hint = resume_hint(out, f"pipeoptim train --resume {out}")
             raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}"
                                       + (f". {hint}" if hint else "")) from None
-
-
-def check_distributed_options(cfg: RunConfig) -> None:
-    """The distributed runtime does not take the local engine's newer options yet: refuse them
-    rather than ignore them."""
-    given = [flag for flag, on in (("--lr-schedule", cfg.lr_schedule != "constant"),
-                                   ("--warmup-steps", cfg.warmup_steps is not None),
-                                   ("--clip-grad", cfg.clip_grad is not None),
-                                   ("--precision", cfg.precision != "fp32"),
-                                   ("--eval-every", cfg.eval_every is not None),
-                                   ("--holdout", cfg.holdout is not None)) if on]
-    if given:
-        raise ValueError(f"{', '.join(given)} work with --runtime local; the distributed runtime "
-                         f"does not take them yet")
 
 
 def _log(args: argparse.Namespace):
