@@ -360,7 +360,9 @@ def _env():
     return env
 
 
+# the settings of _local_summary's RunConfig (whose defaults are not the command line's recipe)
 TRAIN_ARGS = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "32", "--stages", "2",
+              "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--lr-schedule", "constant",
               "--no-progress", "--json", "--timeout", "60"]
 
 
