@@ -14,7 +14,7 @@ For each split the benchmark
   pipeline's throughput with pipeoptim.planner.predict from those stage times, as
   `pipeoptim plan` does (the schedule simulator; no transfer cost unless --bandwidth); the
   prediction from the per-layer profile alone (`--stage-timing profile`) is reported too;
-* measures it with the distributed runtime (pipeoptim.runtime.distributed.train_distributed):
+* measures it with the distributed runtime (pipeoptim.Pipeline, one stage per process):
   2 processes (one per stage, 1 thread each, gloo on 127.0.0.1), the same method, data and
   partition; --epochs epochs per launch, the first dropped as warm-up. On a shared machine the
   other processes' CPU use is read from /proc for every epoch (all CPU time minus our two
@@ -146,7 +146,7 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def _worker(rank: int, world: int, port: int, model, batches, method: str, sizes, micro: int, epochs: int,
             out: str) -> None:
-    from pipeoptim.runtime.distributed import init_process_group, train_distributed
+    from pipeoptim.runtime.distributed import init_process_group
     import torch.distributed as dist
 
     init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -158,17 +158,18 @@ def _worker(rank: int, world: int, port: int, model, batches, method: str, sizes
         mark = {"jiffies": cpu_jiffies(), "own": sum(proc_cpu_seconds(p) for p in pids)}
 
         def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
-            # the writer, after each epoch: what other processes took from the machine meanwhile
+            # after each epoch: what other processes took from the machine meanwhile
             jiffies, own = cpu_jiffies(), sum(proc_cpu_seconds(p) for p in pids)
             shares.append(others_share(mark["jiffies"], jiffies, own - mark["own"]))
             mark.update(jiffies=jiffies, own=own)
 
         dist.barrier()
         mark.update(jiffies=cpu_jiffies(), own=sum(proc_cpu_seconds(p) for p in pids))
-        result = train_distributed(model, batches, method=method, optimizer=make_optimizer("momentum", LR),
-                                   loss_fn=nn.functional.cross_entropy, partition=list(sizes),
-                                   micro_batches=micro, epochs=epochs, on_epoch=on_epoch)
-        if result.is_writer:
+        with pipeoptim.Pipeline(model, method=method, optimizer=make_optimizer("momentum", LR),
+                                loss_fn=nn.functional.cross_entropy, partition=list(sizes),
+                                micro_batches=micro, timeout=120) as pipe:
+            result = pipe.fit(batches, epochs, on_epoch=on_epoch)
+        if rank == 0:
             for entry, share in zip(result.metrics["epochs"], shares):
                 entry["others_cpu_share"] = share
             Path(out).write_text(json.dumps({
@@ -301,7 +302,7 @@ def main() -> None:
 
     if not args.no_distributed:
         try:
-            from pipeoptim.runtime.distributed import train_distributed  # noqa: F401
+            from pipeoptim.runtime.distributed import DistributedExecutor  # noqa: F401
         except Exception as error:  # the runtime is not there (yet)
             distributed_error = f"import failed: {error}"
         deadline = time.time() + args.budget

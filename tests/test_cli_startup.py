@@ -34,6 +34,8 @@ CASES = [
     ["plan", "--help"],
     ["schedule", "pipeoptim", "--stages", "4", "--batches", "8"],
     ["schedule", "pipeoptim", "--stages", "4", "--batches", "8", "--json"],
+    ["train", "--task", "lm", "--recipe"],
+    ["train", "--task", "image", "--recipe", "--json"],
 ]
 
 
@@ -52,6 +54,14 @@ def test_command_line_starts_without_torch_or_matplotlib(argv, tmp_path):
     assert report == {"code": 0, "torch": False, "matplotlib": False}
     if argv[-1] == "--help":
         assert lines[0].startswith("usage: pipeoptim")
+    elif "--recipe" in argv:  # the recipe and the tuned lrs, without loading a task
+        text = "\n".join(lines[:-1])
+        if "--json" in argv:
+            out = json.loads(text)
+            assert (out["recipe"]["optimizer"], out["tuned_lrs"]["adamw"]["pipeoptim"]) == ("adamw", 0.001)
+        else:
+            assert lines[0].startswith("lm: model gpt-narrow, adamw peak lr 0.004, warmup-cosine")
+            assert "adamw: async-naive 0.002, pipedream 0.004, pipedream-2bw 0.001, pipeoptim 0.002" in text
     elif argv[-1] == "--json":
         out = json.loads(lines[0])
         assert (out["schedule"], out["method"], out["stages"], out["batches"]) == ("async-1f1b", "pipeoptim", 4, 8)

@@ -2,9 +2,10 @@
 
 docs/architecture.md, "Invariants and where they are tested", invariant 4: for every method
 the per-batch losses of a distributed run equal the local runtime's. One spawn of 4 processes
-(file store in tmp_path, one thread each) runs every method on 4 stages, and on 2 stages in two
-2-process sub-groups at once, plus tuple activations, uneven micro-batches and the 1-stage
-`sequential` path; the tests below read its results. Separate runs check a hung peer (the run
+(file store in tmp_path, one thread each) runs every method through `pipeoptim.Pipeline` on 4
+stages, and on 2 stages x 2 replicas (each replica on the same data, so that their mean is one
+replica's run), plus tuple activations, uneven micro-batches and the 1-stage `sequential` path;
+the tests below read its results. Separate runs check a hung peer (the run
 fails within the timeout), two "nodes" under torchrun, and `pipeoptim train --runtime
 distributed` starting torchrun itself.
 
@@ -30,11 +31,11 @@ from torch import nn
 import pipeoptim
 from conftest import batches, mlp
 from pipeoptim.runtime.distributed import (PipeComm, PipelineCommError, _decode, _encode, _layout_of,
-                                           init_process_group, signature, train_distributed)
+                                           init_process_group, signature)
 
 LOSS = nn.functional.cross_entropy
 PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"]
-GROUP_TIMEOUT = 60  # seconds; the spawns finish far sooner
+GROUP_TIMEOUT = 120  # seconds; the spawns finish far sooner
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -127,49 +128,53 @@ def spawn(fn, world: int, tmp_path: Path, *args, deadline: float = 100.0) -> Non
                 p.join(5)
 
 
-def _train(model, data, method, comm, **kw):
-    res = train_distributed(model, data, method=method, optimizer=kw.pop("optimizer", sgdm), loss_fn=LOSS,
-                            comm=comm, **kw)
-    return {"losses": res.losses, "trace": res.version_trace if res.is_writer else None,
-            "state": {k: v.clone() for k, v in res.model.state_dict().items()} if res.is_writer else None}
+def _train(model, data, method, **kw):
+    """One run through pipeoptim.Pipeline on every process of the job (its stages x replicas;
+    every replica reads the same data, so that the replicas' mean is one replica's run)."""
+    with pipeoptim.Pipeline(model, method=method, optimizer=kw.pop("optimizer", sgdm), loss_fn=LOSS,
+                            timeout=GROUP_TIMEOUT, **kw) as pipe:
+        res = pipe.fit(data)
+        state = {k: v.clone() for k, v in pipe.model().state_dict().items()}
+        links = _links(pipe.world.comm)
+    return {"losses": res.losses, "trace": res.version_trace, "state": state, "links": links}
+
+
+def _links(comm):
+    """How a PipeComm's links are carried: process groups of their own, or tags of one group."""
+    groups = [link.group for link in comm._links.values()]
+    return {"own": comm.link_groups, "links": len(groups),
+            "distinct": len({id(g) for g in groups} | {id(comm.group)}) == len(groups) + 1,
+            "sizes": sorted(dist.get_world_size(g) for g in groups)}
 
 
 def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    single = dist.new_group([0])
     results = {}
-    comm = PipeComm(timeout=GROUP_TIMEOUT)
     for method in PIPELINED:  # 4 stages, all processes
-        results[("mlp", method, 4)] = _train(mlp(), batches(5), method, comm, stages=4)
-    results[("mlp", "pipeoptim+corrections", 4)] = _train(mlp(), batches(6), "pipeoptim", comm, stages=4,
+        results[("mlp", method, 4)] = _train(mlp(), batches(5), method, stages=4)
+    results[("mlp", "pipeoptim+corrections", 4)] = _train(mlp(), batches(6), "pipeoptim", stages=4,
                                                            **CORRECTIONS)
-    # 2 stages: half the methods on ranks 0-1, the other half on ranks 2-3, at the same time
+    # 2 stages x 2 replicas: ranks 0-1 and 2-3 are two pipelines, told of each other (every rank
+    # creates both pipelines' link groups, so their links are groups of their own)
+    for method in PIPELINED:
+        results[("mlp", method, 2)] = _train(mlp(), batches(5), method, stages=2)
+    results[("mlp", "pipeoptim", "2 told")] = results[("mlp", "pipeoptim", 2)]
+    # tuple activations, with uneven micro-batches (10 samples in 4: 3, 3, 2, 2)
+    for method in ("1f1b-flush", "pipeoptim"):
+        results[("tuple", method, 2)] = _train(tuple_model(), tuple_batches(), method, stages=2,
+                                               micro_batches=4 if method == "1f1b-flush" else None)
+    # uneven micro-batches of a plain tensor model, Adam
+    for method in ("gpipe", "pipedream-2bw"):
+        results[("uneven", method, 2)] = _train(mlp(), batches(4), method, stages=2, micro_batches=3,
+                                                optimizer=adam)
+    # sequential is one stage: 4 replicas of a 1-stage pipeline
+    results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential")
+    # two pipelines on sub-groups that do not know of each other: their links are tags of the pair
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT)
-    for method in PIPELINED[rank // 2::2]:
-        results[("mlp", method, 2)] = _train(mlp(), batches(5), method, pair, stages=2)
-    if rank < 2:  # tuple activations, with uneven micro-batches (10 samples in 4: 3, 3, 2, 2)
-        for method in ("1f1b-flush", "pipeoptim"):
-            results[("tuple", method, 2)] = _train(tuple_model(), tuple_batches(), method, pair, stages=2,
-                                                   micro_batches=4 if method == "1f1b-flush" else None)
-    else:  # uneven micro-batches of a plain tensor model, Adam
-        for method in ("gpipe", "pipedream-2bw"):
-            results[("uneven", method, 2)] = _train(mlp(), batches(4), method, pair, stages=2,
-                                                    micro_batches=3, optimizer=adam)
-    # the same sub-group pipelines, told of each other (pipelines=): every rank creates both
-    # pipelines' link groups, so their links are groups of their own, not tags of the pair
-    told = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT, pipelines=[[0, 1], [2, 3]])
-    results[("mlp", "pipeoptim", "2 told")] = _train(mlp(), batches(5), "pipeoptim", told, stages=2)
-    links = {}
-    for name, c in (("whole", comm), ("pair", pair), ("told", told)):
-        groups = [link.group for link in c._links.values()]
-        links[name] = {"own": c.link_groups, "links": len(groups),
-                       "distinct": len({id(g) for g in groups} | {id(c.group)}) == len(groups) + 1,
-                       "sizes": sorted(dist.get_world_size(g) for g in groups)}
-    results[("links", rank)] = {"trace": None, **links}
-    if rank == 0:  # sequential is one stage: a 1-process pipeline
-        results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential",
-                                                   PipeComm(single, timeout=GROUP_TIMEOUT))
+    results[("links", rank)] = {"trace": None, "whole": results[("mlp", "pipeoptim", 4)]["links"],
+                                "pair": _links(pair), "told": results[("mlp", "pipeoptim", 2)]["links"]}
+    pair.close()
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -180,9 +185,9 @@ def spawned(tmp_path_factory):
     """Results of the 4-process spawn: {(model, method, stages): {losses, trace, state}}."""
     tmp = tmp_path_factory.mktemp("spawn4")
     start = time.perf_counter()
-    spawn(_equivalence_worker, 4, tmp)
+    spawn(_equivalence_worker, 4, tmp, deadline=360.0)
     results = {}
-    for rank in (3, 2, 1, 0):  # writer ranks (0 and 2) last: they hold traces and models
+    for rank in (3, 2, 1, 0):  # every rank holds every run's losses, traces and models
         for key, value in torch.load(tmp / f"rank{rank}.pt", weights_only=False).items():
             if value["trace"] is not None or key not in results:
                 results[key] = value
@@ -205,7 +210,7 @@ CORRECTIONS = dict(sync_warmup=2, lr_correction="delay", lr_correction_steps=3, 
                    prediction_warmup=2)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 def test_delay_corrections_run_the_same_distributed_as_local(spawned):
     got = spawned[("mlp", "pipeoptim+corrections", 4)]
     local = _local(mlp(), batches(6), "pipeoptim", 4, **CORRECTIONS)
@@ -213,20 +218,20 @@ def test_delay_corrections_run_the_same_distributed_as_local(spawned):
     assert got["trace"] == local.version_trace
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("stages", [4, 2])
 @pytest.mark.parametrize("method", PIPELINED)
 def test_distributed_losses_equal_local(spawned, method, stages):
     got = spawned[("mlp", method, stages)]
     local = _local(mlp(), batches(5), method, stages)
     _close(got["losses"], local.losses)
-    if stages == 4:  # the writer also gathered the version trace and the trained model
+    if stages == 4:  # every rank gathered the version trace and the trained model
         assert got["trace"] == local.version_trace
         for name, value in local.model.state_dict().items():
             torch.testing.assert_close(got["state"][name], value, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 def test_each_direction_of_a_pair_has_its_own_group(spawned):
     """gloo: a pipeline over the whole job (or sub-group pipelines given pipelines= naming every
     rank) gets a 2-rank process group per direction of each pair; sub-group pipelines that do
@@ -245,14 +250,14 @@ def test_each_direction_of_a_pair_has_its_own_group(spawned):
     assert got["trace"] == local.version_trace
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 def test_sequential_runs_as_a_one_process_pipeline(spawned):
     got = spawned[("mlp", "sequential", 1)]
     local = pipeoptim.train(mlp(), batches(5), method="sequential", optimizer=sgdm, loss_fn=LOSS)
     _close(got["losses"], local.losses)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim"])
 def test_tuple_activations_cross_stages(spawned, method):
     """Blocks pass (float, int) tuples; the int entry carries no gradient back."""
@@ -262,7 +267,7 @@ def test_tuple_activations_cross_stages(spawned, method):
     _close(got["losses"], local.losses)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("method", ["gpipe", "pipedream-2bw"])
 def test_uneven_micro_batches(spawned, method):
     """8 samples in 3 micro-batches (3, 3, 2): two message shapes, each agreed once."""
@@ -291,12 +296,11 @@ class HangAfter(nn.Module):
 
 def _hang_worker(rank: int, world: int, init: str, out: str, timeout: float) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
-    comm = PipeComm(timeout=timeout)  # the stage-to-stage links time out after `timeout`
     model = nn.Sequential(*mlp(depth=4), HangAfter(2))  # stage 1 holds the last block and HangAfter
     start = time.perf_counter()
-    try:
-        train_distributed(model, batches(6), method="pipeoptim", stages=2, optimizer=sgdm, loss_fn=LOSS,
-                          comm=comm)
+    try:  # the stage-to-stage links time out after `timeout`
+        pipeoptim.Pipeline(model, method="pipeoptim", stages=2, optimizer=sgdm, loss_fn=LOSS,
+                           timeout=timeout).fit(batches(6))
         outcome = {"error": None}
     except PipelineCommError as error:
         outcome = {"error": str(error)}
@@ -356,7 +360,9 @@ def _env():
     return env
 
 
+# the settings of _local_summary's RunConfig (whose defaults are not the command line's recipe)
 TRAIN_ARGS = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "32", "--stages", "2",
+              "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--lr-schedule", "constant",
               "--no-progress", "--json", "--timeout", "60"]
 
 
@@ -415,6 +421,43 @@ def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
     local = _local_summary("1f1b-flush")
     _close(summary["losses"], local["losses"])
     assert set(local) | {"out"} == set(summary) - {"runtime", "device"}  # local ran without a folder
+
+
+#: every option of a run the local runtime takes beside the method's (schedule, warm-up, clipping,
+#: precision, evaluations within the epoch, a validation split)
+RUN_FLAGS = ["--lr-schedule", "warmup-cosine", "--warmup-steps", "3", "--clip-grad", "0.5",
+             "--precision", "bf16", "--eval-every", "3", "--holdout", "64"]
+
+
+@pytest.mark.timeout(240)
+def test_every_run_option_gives_the_local_runtimes_numbers_on_two_processes(tmp_path, capfd):
+    """`--runtime distributed` builds the same Pipeline from the same settings as `--runtime
+    local`: the same losses, evaluations (pipelined across the processes) and test metric, and
+    the same run folder."""
+    from pipeoptim.cli import main
+
+    _image_data_or_skip()
+    runs = {}
+    for runtime in ("distributed", "local"):
+        out = tmp_path / runtime
+        assert main(["train", "--runtime", runtime, "--method", "pipeoptim", "--out", str(out),
+                     *TRAIN_ARGS, *RUN_FLAGS]) == 0
+        summary = json.loads(capfd.readouterr().out)
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[runtime] = summary, lines, json.loads((out / "config.json").read_text())
+    (got, got_lines, got_config), (local, local_lines, local_config) = runs["distributed"], runs["local"]
+    assert got["runtime"] == "distributed" and "runtime" not in local
+    assert got_config == local_config
+    assert len(got["losses"]) == 8 and got["losses"] == local["losses"]
+    assert [(e["epoch"], e["batch"], e["updates"]) for e in got["evaluations"]] == \
+        [(0, 3, 3), (0, 6, 6), (0, 8, 8)]
+    for key in ("epoch", "batch", "updates", "metric"):
+        assert [e[key] for e in got["evaluations"]] == [e[key] for e in local["evaluations"]]
+    for key in ("final_metric", "validation_metric", "best_metric", "final_loss", "eval_split", "holdout"):
+        assert got[key] == local[key], key
+    assert [(x["type"], x.get("batch"), x.get("loss"), x.get("metric")) for x in got_lines] == \
+        [(x["type"], x.get("batch"), x.get("loss"), x.get("metric")) for x in local_lines]
+    assert set(got) - {"runtime", "device"} == set(local)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -508,3 +508,38 @@ def test_a_state_dict_is_a_snapshot_that_later_training_does_not_change():
         second.step(x, y)
     second.flush()
     assert second.losses[4:] == first.losses[4:]
+
+
+class CountingWorld:
+    """A LocalWorld that counts what the Pipeline asks of it (the world interface)."""
+
+    def __init__(self) -> None:
+        from pipeoptim.world import LocalWorld
+
+        self.inner, self.asked = LocalWorld(), []
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if callable(value):
+            self.asked.append(name)
+        return value
+
+
+def test_the_pipeline_runs_through_the_world_it_is_given(monkeypatch, tmp_path):
+    """world=LocalWorld() keeps every stage in this process even where WORLD_SIZE says torchrun
+    (the one-process baseline that `pipeoptim bench` runs on rank 0 of its job), and the
+    Pipeline does all its placing, executing, evaluating and checkpointing through it."""
+    expected = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgdm).fit(
+        data(6), 2, eval_loader=data(2), checkpoint_dir=tmp_path / "a", checkpoint_every=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a Pipeline made without a world would join that job
+    world = CountingWorld()
+    got = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgdm, world=world).fit(
+        data(6), 2, eval_loader=data(2), checkpoint_dir=tmp_path / "b", checkpoint_every=2)
+    assert got.losses == expected.losses
+    assert [e["metric"] for e in got.metrics["evaluations"]] == \
+        [e["metric"] for e in expected.metrics["evaluations"]]
+    assert got.metrics["processes"] == 1
+    assert {"layout", "place", "own_stage", "connect", "executor", "evaluate", "all_stages", "barrier"} <= \
+        set(world.asked)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "a").iterdir())

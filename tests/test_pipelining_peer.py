@@ -22,7 +22,7 @@ from torch import nn
 import pipeoptim
 from conftest import batches, mlp
 from pipeoptim.partition import split
-from pipeoptim.runtime.distributed import PipeComm, init_process_group, train_distributed
+from pipeoptim.runtime.distributed import init_process_group
 from test_distributed import spawn
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
@@ -64,13 +64,14 @@ def _peer(rank: int, schedule_name: str, micro: int):
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
-    comm = PipeComm(timeout=60)
     results = {}
     for method, schedule_name, micro in CASES:
         peer_losses, peer_state = _peer(rank, schedule_name, micro)
-        ours = train_distributed(mlp(), batches(5), method=method, partition=PARTITION, micro_batches=micro,
-                                 optimizer=sgdm, loss_fn=LOSS, comm=comm)
-        mine = {k: v.clone() for k, v in split(ours.model, PARTITION)[rank].state_dict().items()}
+        with pipeoptim.Pipeline(mlp(), method=method, partition=PARTITION, micro_batches=micro, optimizer=sgdm,
+                                loss_fn=LOSS, timeout=60) as pipe:
+            ours = pipe.fit(batches(5))
+            model = pipe.model()
+        mine = {k: v.clone() for k, v in split(model, PARTITION)[rank].state_dict().items()}
         results[(method, micro)] = {"peer": peer_losses, "ours": ours.losses,
                                     "peer_state": peer_state, "our_state": mine}
     torch.save(results, Path(out) / f"rank{rank}.pt")

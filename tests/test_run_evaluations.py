@@ -50,7 +50,7 @@ def test_a_run_with_holdout_evaluates_validation_during_training_and_test_at_the
 
 
 def test_cli_train_with_eval_every_and_holdout(tmp_path, capsys):
-    assert main(["train", *QUICK, "--method", "gpipe", "--stages", "2", "--eval-every", "3",
+    assert main(["train", *QUICK, "--method", "gpipe", "--stages", "2", "--epochs", "1", "--eval-every", "3",
                  "--holdout", "500", "--json", "--out", str(tmp_path / "run")]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert [e["batch"] for e in summary["evaluations"]] == [3, 6, 9, 10]
@@ -63,7 +63,7 @@ def test_cli_train_with_eval_every_and_holdout(tmp_path, capsys):
 
 
 def test_cli_compare_reports_test_and_validation_columns(tmp_path, capsys):
-    assert main(["compare", *QUICK, "--methods", "sequential,gpipe", "--stages", "2", "--holdout", "500",
+    assert main(["compare", *QUICK, "--methods", "sequential,gpipe", "--stages", "2", "--epochs", "1", "--holdout", "500",
                  "--eval-every", "5", "--out", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out
     assert "final test accuracy" in out and "validation accuracy" in out and "best validation accuracy" in out
@@ -91,14 +91,14 @@ def test_cli_resume_of_a_run_with_eval_every_and_holdout_gives_the_same_curve(tm
 
 
 def test_global_clipping_makes_a_clipped_gpipe_run_equal_sequential(tmp_path, capsys):
-    """--clip-scope global clips by the whole model's norm, as the one-stage run does; per stage
-    (the default) the bound is looser, so the losses differ."""
+    """--clip-scope global (a synchronous method's default) clips by the whole model's norm, as
+    the one-stage run does; per stage the bound is looser, so the losses differ."""
     def losses(*args):
         out = tmp_path / "-".join(args).replace("--", "")
         assert main(["train", *QUICK, "--clip-grad", "0.05", "--json", "--out", str(out), *args]) == 0
         return json.loads(capsys.readouterr().out)["losses"]
     sequential = losses("--method", "sequential")
-    global_gpipe = losses("--method", "gpipe", "--stages", "2", "--clip-scope", "global")
-    stage_gpipe = losses("--method", "gpipe", "--stages", "2", "--micro-batches", "2")
+    global_gpipe = losses("--method", "gpipe", "--stages", "2")
+    stage_gpipe = losses("--method", "gpipe", "--stages", "2", "--micro-batches", "2", "--clip-scope", "stage")
     assert global_gpipe == pytest.approx(sequential, rel=1e-5)
     assert stage_gpipe != pytest.approx(sequential, rel=1e-5)

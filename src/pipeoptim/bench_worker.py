@@ -1,7 +1,9 @@
 """What `pipeoptim bench` runs inside its worker processes (one per stage, started by
 :func:`pipeoptim.launcher.run_workers`): the ``blocks`` model, the data, and every method timed in
-turn beside the single-process ``sequential`` baselines; rank 0 writes the results file that the
-command (:mod:`pipeoptim.cli.bench`) reads and prints.
+turn through :class:`pipeoptim.Pipeline` (one stage per process, as a user's script under
+torchrun) beside the single-process ``sequential`` baselines (a Pipeline of rank 0's own,
+``LocalWorld``); rank 0 writes the results file that the command (:mod:`pipeoptim.cli.bench`)
+reads and prints.
 
 The default model, ``blocks``, is built so that every stage does the same work: on the flattened
 image, four fully connected blocks (linear + ReLU, 512 wide) per stage and a linear head of 10
@@ -9,7 +11,6 @@ classes on the last stage (see :mod:`pipeoptim.cli.bench` for why the stages are
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -77,23 +78,49 @@ def _data(spec: Dict[str, Any], count: int):
 
 
 class PipelineRun:
-    """One timed run through pipeoptim.Pipeline (on every rank)."""
+    """One timed run through pipeoptim.Pipeline: its throughput, wall time, the CPU share of
+    each process, and the Pipeline's result."""
 
     def __init__(self, samples_per_second: float, seconds: float, cpu_share: List[float], result: Any,
                  microbatches: int) -> None:
         self.samples_per_second, self.seconds, self.cpu_share = samples_per_second, seconds, cpu_share
         self.result, self.microbatches = result, microbatches
-        self.metrics = {"samples_per_second": samples_per_second}  # what record() prints
+
+
+def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int, replicas: int) -> Dict[str, Any]:
+    """The median round's figures (and every round's throughput, and its interquartile range):
+    per stage, ms per pass (``stage_ms``) and per mini-batch computing, waiting on each link and
+    the bytes it carried (``profile_ms_per_batch``); each round's CPU share per process."""
+    sps = [r.samples_per_second for r in rounds]
+    res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
+    metrics, m = res.result.metrics, res.microbatches
+    profile = []  # per stage, ms per mini-batch: computing, and blocked on a peer
+    for st, links in zip(metrics["stage_seconds"], metrics["comm"]):
+        profile.append({
+            "compute": round(1e3 * (m * (st["F"] + st["B"]) + st["U"]), 3),
+            "waiting": {k: round(1e3 * v["wait_seconds"] / timed, 3) for k, v in links.items()},
+            "bytes_per_batch": {k: v["bytes"] // timed for k, v in links.items()},
+        })
+    return {"samples_per_second": statistics.median(sps), "iqr_samples_per_second": iqr(sps),
+            "rounds_samples_per_second": sps, "threads": threads, "cpu_share": [r.cpu_share for r in rounds],
+            "microbatches": m, "partition": metrics["partition"], "processes": processes, "replicas": replicas,
+            "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()} for st in metrics["stage_seconds"]],
+            "ms_per_batch": round(1e3 * res.seconds / timed, 3), "profile_ms_per_batch": profile,
+            "final_loss": res.result.losses[-1]}
 
 
 def bench_worker(spec: Dict[str, Any]) -> int:
     """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     from .optimizers import make_optimizer
     from .partition import plan_partition
-    from .runtime.distributed import PipeComm, init_process_group, train_distributed
+    from .pipeline import Pipeline
+    from .runtime.distributed import init_process_group
+    from .world import LocalWorld
 
     init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,105 +140,68 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             model = task.build_model(spec["model"], data, seed=0)
             partition = plan_partition(model, stages, spec["partitioner"])
         optimizer = make_optimizer(spec["optimizer"], spec["lr"])
-        loss_fn = task.loss
-        solo = dist.new_group([0], timeout=datetime.timedelta(seconds=spec["timeout"]))
-        pipe = PipeComm(timeout=spec["timeout"]) if replicas == 1 else None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-        def run_once(method: str, comm: PipeComm, threads: int, chunk: List[Any]):
+        def run_baseline(threads: int, chunk: List[Any]) -> PipelineRun:
+            """``sequential`` in this process alone (a world of its own), on ``threads`` threads."""
             torch.set_num_threads(threads)
             try:
-                kwargs = dict(method=method, optimizer=optimizer, loss_fn=loss_fn, comm=comm,
-                              micro_batches=spec["micro_batches"] if method != "sequential" else None)
-                if method != "sequential":
-                    kwargs["partition"] = partition
-                return train_distributed(model, chunk, **kwargs)
+                pipeline = Pipeline(model, method="sequential", loss_fn=task.loss, optimizer=optimizer,
+                                    devices="cpu", world=LocalWorld())
+                start, cpu = time.perf_counter(), time.process_time()
+                result = pipeline.fit(chunk)
+                wall = time.perf_counter() - start
+                return PipelineRun(batch * len(chunk) / wall, wall, [round((time.process_time() - cpu) / wall, 3)],
+                                   result, pipeline.microbatches)
             finally:
                 torch.set_num_threads(1)
 
-        def run_pipeline(method: str, chunk: List[Any]):
-            """The same run through pipeoptim.Pipeline on all processes: stages x replicas, each
+        def run_pipeline(method: str, chunk: List[Any]) -> PipelineRun:
+            """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
             replica on its shard of every mini-batch; timed from a barrier to the last process's end."""
-            import time
-
-            from .pipeline import Pipeline
-
-            pipeline = Pipeline(model, method=method, loss_fn=loss_fn, optimizer=optimizer,
+            pipeline = Pipeline(model, method=method, loss_fn=task.loss, optimizer=optimizer,
                                 stages=None if method == "sequential" else stages,
                                 partition=None if method == "sequential" else partition,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1)
-            d = pipeline.data_parallel_rank
-            shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
-            dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
-            result = pipeline.fit(shard)
-            dist.barrier()
-            wall = time.perf_counter() - start
-            share = [None] * world
-            dist.all_gather_object(share, round((time.process_time() - cpu) / wall, 3))
-            return PipelineRun(batch * len(chunk) / wall, wall, share, result, pipeline.microbatches)
-
-        def summary(rounds: List[Any], threads: int) -> Dict[str, Any]:
-            """The median round's figures (and every round's throughput, and its interquartile range)."""
-            if isinstance(rounds[0], PipelineRun):
-                sps = [r.samples_per_second for r in rounds]
-                res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
-                return {"samples_per_second": statistics.median(sps), "iqr_samples_per_second": iqr(sps),
-                        "rounds_samples_per_second": sps,
-                        "threads": threads, "cpu_share": [r.cpu_share for r in rounds],
-                        "microbatches": res.microbatches, "partition": res.result.metrics["partition"],
-                        "processes": world, "replicas": replicas,
-                        "ms_per_batch": round(1e3 * res.seconds / timed, 3), "final_loss": res.result.losses[-1]}
-            sps = [r.metrics["samples_per_second"] for r in rounds]
-            res = sorted(rounds, key=lambda r: r.metrics["samples_per_second"])[(len(rounds) - 1) // 2]
-            m = res.metrics["microbatches"]
-            profile = []  # per stage, ms per mini-batch: computing, and blocked on a peer
-            for st, links in zip(res.metrics.get("stage_seconds", []), res.metrics.get("comm", [])):
-                profile.append({
-                    "compute": round(1e3 * (m * (st["F"] + st["B"]) + st["U"]), 3),
-                    "waiting": {k: round(1e3 * v["wait_seconds"] / timed, 3) for k, v in links.items()},
-                    "bytes_per_batch": {k: v["bytes"] // timed for k, v in links.items()},
-                })
-            return {"samples_per_second": statistics.median(sps), "iqr_samples_per_second": iqr(sps),
-                    "rounds_samples_per_second": sps,
-                    "threads": threads, "cpu_share": [r.metrics["epochs"][0]["cpu_share"] for r in rounds],
-                    "microbatches": m, "partition": res.metrics["partition"],
-                    "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()}
-                                 for st in res.metrics.get("stage_seconds", [])],
-                    "ms_per_batch": round(1e3 * res.metrics["seconds"] / timed, 3),
-                    "profile_ms_per_batch": profile, "final_loss": res.losses[-1]}
+            try:
+                d = pipeline.data_parallel_rank
+                shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
+                dist.barrier()
+                start, cpu = time.perf_counter(), time.process_time()
+                result = pipeline.fit(shard)
+                dist.barrier()
+                wall = time.perf_counter() - start
+                share = [None] * world
+                dist.all_gather_object(share, round((time.process_time() - cpu) / wall, 3))
+                return PipelineRun(batch * len(chunk) / wall, wall, share, result, pipeline.microbatches)
+            finally:
+                pipeline.close()  # its process groups, before the next run makes its own
 
         # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
         # burst of other work on the machine hits all of them alike rather than one.
-        solo_comm = PipeComm(solo, timeout=spec["timeout"]) if rank == 0 else None
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
-        # today's runtime (train_distributed) for a single pipeline; pipeoptim.Pipeline for
-        # every layout, named "method (Pipeline)" beside it, or "method xD" with D replicas
-        label = (lambda m: f"{m} (Pipeline)") if replicas == 1 else (lambda m: f"{m} x{replicas}")
-        runs = [(name, "sequential", threads) for name, threads in baselines] + \
-               ([(m, m, 1) for m in spec["methods"]] if replicas == 1 else []) + \
-               [(label(m), m, 1) for m in spec["pipeline_methods"]]
-        rounds: Dict[str, List[Any]] = {name: [] for name, _, _ in runs}
+        label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
+        runs = [(name, threads) for name, threads in baselines] + [(label(m), 1) for m in spec["methods"]]
+        rounds: Dict[str, List[PipelineRun]] = {name: [] for name, _ in runs}
 
-        def record(r: int, name: str, res) -> None:
+        def record(r: int, name: str, res: PipelineRun) -> None:
             if r >= 0:
                 rounds[name].append(res)
-                say(f"  round {r + 1}: {name:>16}: {res.metrics['samples_per_second']:.0f} samples/s")
+                say(f"  round {r + 1}: {name:>16}: {res.samples_per_second:.0f} samples/s")
 
         for r in range(-1 if warm else 0, spec["repeats"]):  # round -1: the warm-up
             chunk = batches[:warm] if r < 0 else batches[warm:]
             if baselines:  # one process; the others wait at the barrier
                 if rank == 0:
                     for name, threads in baselines:
-                        record(r, name, run_once("sequential", solo_comm, threads, chunk))
+                        record(r, name, run_baseline(threads, chunk))
                 dist.barrier()
-            if replicas == 1:
-                for method in spec["methods"]:
-                    record(r, method, run_once(method, pipe, 1, chunk))
-            for method in spec["pipeline_methods"]:
+            for method in spec["methods"]:
                 record(r, label(method), run_pipeline(method, chunk))
-        detail = {name: summary(rounds[name], threads) for name, _, threads in runs if rounds[name]}
+        detail = {name: summary(rounds[name], threads, timed, 1 if name in dict(baselines) else world,
+                                1 if name in dict(baselines) else replicas)
+                  for name, threads in runs if rounds[name]}
         if rank == 0:
             result = {
                 "benchmark": "distributed_throughput",

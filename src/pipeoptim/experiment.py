@@ -1,8 +1,9 @@
 """One task, one method, one run folder: what `pipeoptim train` and `compare` do.
 
-Loads the task's data and a seeded model, trains it with :func:`pipeoptim.train` behind a
-progress bar, evaluates after every epoch (and every ``eval_every`` mini-batches), and writes the
-run folder:
+Loads the task's data and a seeded model, trains it with a :class:`~pipeoptim.pipeline.Pipeline`
+(:func:`build_pipeline`, the same for the local runtime and for each stage process of the
+distributed one) behind a progress bar, evaluates after every epoch (and every ``eval_every``
+mini-batches), and writes the run folder:
 
 * ``metrics.jsonl``: one JSON object per mini-batch (``{"type": "batch", ...}``), per evaluation
   (``{"type": "eval", "epoch", "batch", "updates", "metric", "seconds"}``) and per epoch;
@@ -28,13 +29,14 @@ import torch
 
 from .lr_schedules import make_lr_schedule
 from .methods import get_method
-from .pipeline import resolve_devices
+from .pipeline import Pipeline, TrainResult, resolve_devices
+from .runtime.defaults import DEFAULT_TIMEOUT
 from .optimizers import make_optimizer
 from .plots import plot_runs
 from .runtime.microbatch import split_batch
 from .schedules import Costs, simulate
 from .tasks import Task, TaskData, get_task
-from .train import TrainResult, checkpoint_settings, resolve, train
+from .runtime.spec import checkpoint_settings, resolve
 
 
 @dataclass
@@ -50,6 +52,9 @@ class RunConfig:
     partitioner: str = "uniform"
     optimizer: str = "momentum"
     lr: Optional[float] = None
+    #: where ``lr`` came from, as the run prints it (the command line says: --lr, tuned for the
+    #: method by a study, or the recipe's); None: given by the caller
+    lr_source: Optional[str] = None
     weight_decay: float = 0.0
     momentum: Optional[float] = None
     beta1: Optional[float] = None      #: first-moment decay of the optimizers with betas (--beta1)
@@ -91,6 +96,7 @@ class RunConfig:
         cfg.batch_size = cfg.batch_size or task.default_batch_size
         if cfg.lr is None:
             cfg.lr = task.default_lr.get(cfg.optimizer, 1e-3)
+            cfg.lr_source = cfg.lr_source or f"the {task.name} task's usual lr for {cfg.optimizer}"
         return cfg
 
 
@@ -145,7 +151,8 @@ def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
 def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", disable=not enabled, leave=False,
+    # disable=None: tqdm draws only on a terminal (a log file would hold every refresh)
+    return tqdm(total=total, desc=desc, unit="batch", disable=None if enabled else True, leave=False,
                 dynamic_ncols=True, file=sys.stderr)
 
 
@@ -162,35 +169,86 @@ def predicted_throughput(result: TrainResult, batch_size: int, batches: int) -> 
     return batch_size * batches / makespan if makespan > 0 else None
 
 
+def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every: int = 0,
+                   devices: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
+                   threads: Optional[int] = 1) -> Pipeline:
+    """The Pipeline of a run (``cfg`` resolved): the one function both runtimes build it with,
+    in one process or, started under torchrun, one stage per process (the Pipeline joins the
+    job; ``devices`` then names the kind, ``cpu`` or ``cuda``, instead of ``cfg``'s, and
+    ``timeout`` and ``threads`` are the stage processes' own). Seeds the model and the training's
+    randomness; refuses settings that cannot run (:func:`check_run`) before anything is written."""
+    model = task.build_model(cfg.model, data, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)  # dropout and other randomness during training
+    check_run(cfg, model, data.train)
+    updates = len(data.train) * cfg.epochs
+    return Pipeline(model, method=cfg.method, loss_fn=task.loss,
+                    optimizer=make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1,
+                                             cfg.adamw_lr),
+                    stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
+                    micro_batches=cfg.micro_batches,
+                    lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
+                    clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
+                    devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
+                    timeout=timeout, threads=threads, **cfg.method_options)
+
+
+def evaluation(pipe: Pipeline, task: Task, data: TaskData, split: str) -> Dict[str, Any]:
+    """How ``fit`` evaluates a run on ``split``: the pipeline's own forward with the task's
+    per-mini-batch metric where it has one (:meth:`Task.batch_metric`; pipelined under
+    torchrun), else the task's evaluation of the whole model."""
+    metric = task.batch_metric()
+    if metric is not None:
+        return {"eval_loader": data.split(split, f"task {task.name}"), "metric": metric}
+    if split == "validation":
+        return {"evaluate": lambda model: task.evaluate(model, data, split="validation")}
+    return {"evaluate": lambda model: task.evaluate(model, data)}
+
+
+def final_test_metric(pipe: Pipeline, task: Task, data: TaskData) -> float:
+    """The test split's metric of the drained pipeline's weights (as :func:`evaluation`)."""
+    metric = task.batch_metric()
+    if metric is not None:
+        return pipe.evaluate(data.test, metric)
+    return pipe.evaluate_model(lambda model: task.evaluate(model, data))
+
+
 def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bool = True,
                    log=print, task: Optional[Task] = None, data: Optional[TaskData] = None,
-                   resume: bool = False, diagnose_every: int = 0) -> Dict[str, Any]:
+                   resume: bool = False, diagnose_every: int = 0,
+                   processes: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Train one method on one task; write the run folder; return the summary.
 
     With a run folder, the settings go to ``config.json`` and every stage is checkpointed under
     ``checkpoints/`` at each epoch's end (and every ``cfg.checkpoint_every`` mini-batches);
     ``resume`` continues the run in ``out_dir`` from its newest checkpoint. ``data``, if given,
-    must have been loaded with ``cfg``'s holdout (see :func:`load_data`)."""
+    must have been loaded with ``cfg``'s holdout (see :func:`load_data`).
+
+    ``processes``: the distributed runtime's settings (``device``: cpu or cuda, ``timeout``,
+    ``threads``), given by each stage process of a run under torchrun. Every rank then calls
+    this with the same arguments; rank 0 alone writes the run folder, shows the progress and
+    logs; every rank returns the summary, whose ``runtime`` is ``distributed``."""
     task = task or get_task(cfg.task)
     cfg = cfg.resolved(task)
     if data is None:
         data = load_data(task, cfg)
     split = cfg.eval_split
     data.split(split, f"task {task.name}")  # the split exists, before anything is written
-    model = task.build_model(cfg.model, data, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)  # dropout and other randomness during training
-    optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1, cfg.adamw_lr)
+    settings = dict(processes or {})
+    pipe = build_pipeline(cfg, task, data, diagnose_every=diagnose_every, devices=settings.get("device"),
+                          timeout=settings.get("timeout", DEFAULT_TIMEOUT), threads=settings.get("threads", 1))
+    writes = pipe.rank == 0  # rank 0 writes the run folder (every rank trains and evaluates)
     batches = data.train
-    check_run(cfg, model, batches)
-    if out_dir is not None:
+    if cfg.lr_source is not None and not resume and writes:
+        log(f"{cfg.method}: lr {cfg.lr:g}: {cfg.lr_source}")
+    log_file = None
+    if out_dir is not None and writes:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
             (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         log_file = open(out_dir / "metrics.jsonl", "a" if resume else "w")
-    else:
-        log_file = None
-    bar = progress_bar(len(batches) * cfg.epochs, f"{cfg.method} ({cfg.stages} stages)", show_progress)
-    epoch_lines: List[Dict[str, Any]] = []
+    where = f"{pipe.world.processes} processes" if processes is not None else f"{cfg.stages} stages"
+    bar = progress_bar(len(batches) * cfg.epochs, f"{cfg.method} ({where})", show_progress and writes)
+    log = log if writes else (lambda *a, **k: None)
 
     def on_batch(index: int, loss: float) -> None:
         bar.update(1)
@@ -203,16 +261,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
             log_file.write(json.dumps({"type": "eval", "split": split, **entry}) + "\n")
             log_file.flush()
 
-    evaluated: List[Any] = [None]  # the model the last evaluation saw (its stages' live weights)
-
-    def evaluate(model: Any) -> float:
-        evaluated[0] = model
-        if split == "validation":
-            return task.evaluate(model, data, split="validation")
-        return task.evaluate(model, data)
-
     def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
-        epoch_lines.append(entry)
         if log_file:
             log_file.write(json.dumps({"type": "epoch", **entry}) + "\n")
             log_file.flush()
@@ -225,36 +274,32 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
 
     started = time.time()
     try:
-        result = train(model, batches, method=cfg.method, optimizer=optimizer, loss_fn=task.loss,
-                       stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
-                       epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
-                       evaluate=evaluate, eval_every=cfg.eval_every, on_batch=on_batch, on_epoch=on_epoch,
-                       on_eval=on_eval,
-                       checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
-                       checkpoint_every=cfg.checkpoint_every, resume=resume, diagnose_every=diagnose_every,
-                       lr_scheduler=make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps),
-                       clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope,
-                       precision=cfg.precision, devices=cfg.devices(),
-                       **cfg.method_options)
-        test_metric = None
+        result = pipe.fit(batches, cfg.epochs, **evaluation(pipe, task, data, split), eval_every=cfg.eval_every,
+                          on_batch=on_batch, on_epoch=on_epoch, on_eval=on_eval,
+                          checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
+                          checkpoint_every=cfg.checkpoint_every, resume=resume, continuous=cfg.continuous)
+        final_test = None
         if split != "test":  # the test split, once, on the final weights
-            final_model = evaluated[0] if evaluated[0] is not None else result.model  # (a finished run resumed)
-            test_metric = task.evaluate(final_model, data)
+            final_test = final_test_metric(pipe, task, data)
             if log_file:
-                log_file.write(json.dumps({"type": "test", "metric": test_metric}) + "\n")
+                log_file.write(json.dumps({"type": "test", "metric": final_test}) + "\n")
     finally:
         bar.close()
         if log_file:
             log_file.close()
-    return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir, test_metric=test_metric)
+        pipe.close()
+    extra = {"runtime": "distributed", "device": result.metrics["devices"][0]} if processes is not None else {}
+    return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir if writes else None,
+                         test_metric=final_test, extra=extra)
 
 
-def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, started: float,
-                  out_dir: Optional[Path], test_metric: Optional[float] = None) -> Dict[str, Any]:
+def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: TrainResult, *, started: float,
+                  out_dir: Optional[Path], test_metric: Optional[float] = None,
+                  extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The summary of a finished run (``cfg`` resolved); writes summary.json and curves.png
-    into ``out_dir``. ``result`` is a TrainResult or a distributed run's writer-rank result.
-    ``test_metric``: with ``cfg.holdout``, the final model's test metric (the epochs' metrics
-    are then validation values, reported as ``validation_metric`` and ``best_metric``)."""
+    into ``out_dir``. ``test_metric``: with ``cfg.holdout``, the final model's test metric (the
+    epochs' metrics are then validation values, reported as ``validation_metric`` and
+    ``best_metric``). ``extra``: more entries, as they are (the runtime of a distributed run)."""
     batches = data.train
     metrics = [e["metric"] for e in result.metrics["epochs"] if "metric" in e]
     best = (max if task.higher_is_better else min)(metrics) if metrics else None
@@ -263,6 +308,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
         "task": cfg.task, "model": cfg.model, "method": cfg.method, "stages": result.metrics["stages"],
         "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
         "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "lr_source": cfg.lr_source,
         "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
         "metric": task.metric, "higher_is_better": task.higher_is_better,
         "final_metric": final if cfg.holdout is None else test_metric, "best_metric": best,
@@ -279,6 +325,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: Any, *, st
     }
     if cfg.holdout is not None:
         summary["validation_metric"] = final
+    summary.update(extra or {})
     if out_dir is not None:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},

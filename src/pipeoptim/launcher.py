@@ -216,12 +216,13 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
 def check_before_launch(cfg) -> None:
     """Refuse settings the workers would refuse (stages against layers, micro-batches against
     the batch size, ...) here, once, before any process starts: one line, exit status 2."""
-    from .experiment import check_run
+    from .experiment import check_run, load_data
     from .tasks import get_task
 
     task = get_task(cfg.task)
     cfg = cfg.resolved(task)
-    data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
+    data = load_data(task, cfg)
+    data.split(cfg.eval_split, f"task {task.name}")
     check_run(cfg, task.build_model(cfg.model, data, seed=cfg.seed), data.train)
 
 
@@ -382,21 +383,19 @@ def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False) -> int:
-    """One process of a distributed `pipeoptim train`: train its stage; rank 0 writes the run
-    folder (which every rank learns from rank 0) and the checkpoints' manifests."""
-    import torch
+    """One process of a distributed `pipeoptim train`: its stage of the run's Pipeline, built
+    and trained by :func:`pipeoptim.experiment.run_experiment` from the same settings as a local
+    run. Rank 0 names the run folder (every rank learns it from rank 0), writes it and the
+    checkpoints' manifests, and prints the summary; every stage keeps its status file."""
     import torch.distributed as dist
 
     from .checkpoint import CheckpointError, latest_checkpoint
     from .errors import NonFiniteLoss
-    from .experiment import check_run, progress_bar, summarize_run
-    from .optimizers import make_optimizer
-    from .runtime.distributed import PipeComm, PipelineCommError, broadcast, init_process_group, train_distributed
-    from .tasks import get_task
+    from .experiment import run_experiment
+    from .runtime.distributed import PipelineCommError, init_process_group
 
-    dev = init_process_group(device=device, timeout=timeout, threads=threads)
+    init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
-    stage_index = rank
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
 
     def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
@@ -404,73 +403,20 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
             last = latest_checkpoint(out / "checkpoints") if out is not None else None
         except CheckpointError:
             last = None
-        write_status(out, stage_index, state="failed", kind=kind, message=str(error))
+        write_status(out, rank, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
-        if not quiet and not (kind == "comm" and _peer_interrupted(out, stage_index)):
-            print(f"pipeoptim train: stage {stage_index} (rank {rank}): error: {error} ({where})",
+        if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
+            print(f"pipeoptim train: stage {rank} (rank {rank}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
 
     try:
-        started = time.time()
-        task = get_task(cfg.task)
-        cfg = cfg.resolved(task)
-        data = task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed)
-        model = task.build_model(cfg.model, data, seed=cfg.seed)
-        torch.manual_seed(cfg.seed)  # as the local runtime (each process draws its own, see distributed.py)
-        optimizer = make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1, cfg.adamw_lr)
-        check_run(cfg, model, data.train)
-        comm = PipeComm(device=dev, timeout=timeout)
-        stage_index = comm.stage
-        writer = comm.stage == 0
-        folder = broadcast(str(out) if out is not None else None, comm, 0, "agreeing on the run folder")
-        out = Path(folder) if folder is not None else None
-        _this_stage.update(stage=stage_index, out=out)
-        write_status(out, stage_index, state="running", rank=rank)
-        log_file = None
-        if writer and out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                (out / "config.json").write_text(_dumps(dataclasses.asdict(cfg), indent=2))  # as local runs
-            log_file = open(out / "metrics.jsonl", "a" if resume else "w")
-        bar = progress_bar(len(data.train) * cfg.epochs,
-                           f"{cfg.method} ({comm.num_stages} processes)", progress and writer)
-
-        def on_update(_: int) -> None:
-            bar.update(1)
-
-        def on_batch(index: int, loss: float) -> None:
-            if log_file:
-                log_file.write(_dumps({"type": "batch", "batch": index, "loss": loss}) + "\n")
-
-        def on_epoch(epoch: int, entry: Dict[str, Any]) -> None:
-            if log_file:
-                log_file.write(_dumps({"type": "epoch", **entry}) + "\n")
-                log_file.flush()
-            bar.clear()
-            log(f"{cfg.method:>14} epoch {epoch + 1}/{cfg.epochs}: loss {entry['loss']:.4f}  "
-                f"{task.metric} {entry.get('metric', float('nan')):.4f}  "
-                f"{entry['samples_per_second']:.0f} samples/s")
-
-        try:
-            result = train_distributed(
-                model, data.train, method=cfg.method, optimizer=optimizer, loss_fn=task.loss,
-                stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
-                epochs=cfg.epochs, micro_batches=cfg.micro_batches, continuous=cfg.continuous,
-                comm=comm, evaluate=lambda m: task.evaluate(m, data), on_batch=on_batch,
-                on_epoch=on_epoch, on_update=on_update,
-                checkpoint_dir=out / "checkpoints" if out is not None else None,
-                checkpoint_every=cfg.checkpoint_every, resume=resume, **cfg.method_options)
-        finally:
-            bar.close()
-            if log_file:
-                log_file.close()
-        if writer:
-            summary = summarize_run(cfg, task, data, result, started=started, out_dir=out)
-            summary["runtime"] = "distributed"
-            summary["device"] = str(dev) if device == "cuda" else "cpu"
-            if out is not None:
-                (out / "summary.json").write_text(_dumps(summary, indent=2))
+        out = _agree_on_folder(out, timeout)
+        _this_stage.update(stage=rank, out=out)
+        write_status(out, rank, state="running", rank=rank)
+        summary = run_experiment(cfg, out_dir=out, show_progress=progress, log=log, resume=resume,
+                                 processes={"device": device, "timeout": timeout, "threads": threads})
+        if rank == 0:
             if json:
                 print(_dumps(summary, indent=2), flush=True)
             else:
@@ -479,25 +425,39 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
                       f"{summary['samples_per_second']:.0f} samples/s, weight copies per stage "
                       f"{summary['weight_copies']}", flush=True)
                 print(f"run folder: {out}", flush=True)
-        dist.barrier(group=comm.control)
-        write_status(out, stage_index, state="finished")
+        write_status(out, rank, state="finished")
         return 0
     except PipelineCommError as error:
         return fail("comm", error, 1)
     except NonFiniteLoss as error:  # every rank sees it: one of them says so
-        return fail("nonfinite", error, 1, quiet=stage_index != 0)
+        return fail("nonfinite", error, 1, quiet=rank != 0)
     except CheckpointError as error:
         return fail("checkpoint", error, 2)
     except BaseException as error:
-        write_status(out, stage_index, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
-        if isinstance(error, Exception) and _peer_interrupted(out, stage_index):
+        write_status(out, rank, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
+        if isinstance(error, Exception) and _peer_interrupted(out, rank):
             return 1  # cut off by a stage that was stopped: that one is the news, not this traceback
         raise
     finally:
         try:
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # the Pipeline has closed its own groups (run_experiment)
         except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
             pass
+
+
+def _agree_on_folder(out: Optional[Path], timeout: float) -> Optional[Path]:
+    """Rank 0's run folder, on every rank (a run under a user's torchrun names it on rank 0)."""
+    import torch.distributed as dist
+
+    from .runtime.distributed import PipelineCommError, reason
+
+    box = [str(out) if out is not None else None]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as error:
+        raise PipelineCommError(f"agreeing on the run folder failed: {reason(error)}. A peer stage hung, "
+                                f"died or is slower than the timeout ({timeout:g} s)") from error
+    return Path(box[0]) if box[0] is not None else None
 
 
 def _dumps(obj: Any, **kwargs: Any) -> str:

@@ -11,7 +11,9 @@ Every rank iterates the same loader (seeded the same way): stage 0 uses the inpu
 stage the targets, every stage the input shapes (to agree on message layouts). What the user
 reads is the same on every rank: ``fit`` and ``flush`` give every rank the losses (broadcast
 from the last stage at each drain), ``evaluate`` returns the metric on every rank, ``model()``
-and ``state_dict()`` gather every stage's part.
+and ``state_dict()`` gather every stage's part. :class:`Torchrun` is this case's world
+(:mod:`pipeoptim.world`): it implements the same methods as ``LocalWorld``, so the Pipeline never
+asks which one it has.
 
 Each process takes SIGINT, SIGTERM and SIGHUP in a watcher thread (:mod:`pipeoptim.runtime.
 lifecycle`, installed when the Pipeline starts the process group) and ends at once with one line,
@@ -21,21 +23,23 @@ process group already exists leaves the process's signals as they are.
 from __future__ import annotations
 
 import atexit
+import copy
 import gc
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.lifecycle import guard
-from .runtime.distributed import (GradientAverager, PipeComm, PipelineCommError, broadcast, gather_all,
-                                  init_process_group, reason, resume_stage, save_checkpoint, signature)
+from .runtime.distributed import (DistributedExecutor, GradientAverager, PipeComm, PipelineCommError, barrier,
+                                  broadcast, gather_all, init_process_group, reason, signature)
 from .runtime.microbatch import batch_size
+from .runtime.segment import ScheduleFor
 from .runtime.stage import Stage, to_device
 
 
@@ -158,13 +162,39 @@ class Torchrun:
             del made, comm, averager
             gc.collect()  # groups held in reference cycles die now too, not at finalization
 
-    def connect(self, stages: int, replicas: int) -> None:
+    # -- the World interface (pipeoptim.world) --------------------------------------------------
+    losses_at_drain = True  #: the losses are checked and reported at each drain, on every rank at once
+
+    @property
+    def processes(self) -> int:
+        """Processes of the job."""
+        return self.world
+
+    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
+        """(stages, replicas) of this job (see :func:`layout`)."""
+        n, replicas = layout(self.world, method, stages, partition, data_parallel)
+        return (n if partition is None and method != "sequential" else stages), replicas
+
+    def place(self, devices: Any, stages: int) -> List[torch.device]:
+        """This process's stage on this process's device (the others are elsewhere)."""
+        return [self.device] * stages
+
+    def own_stage(self, stages: int) -> Optional[int]:
+        return self.rank % stages
+
+    def connect(self, stages: List[Stage], replicas: int) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
-        point, in the same order)."""
-        self.stages, self.replicas = stages, replicas
+        point, in the same order), and this stage's gradient averaging over its replicas."""
+        count = stages[0].num_stages
+        self.stages, self.replicas = count, replicas
         if replicas == 1:
             self.comm = PipeComm(device=self.device, timeout=self.timeout)
-            return
+        else:
+            self._connect_replicas(count, replicas)
+        stages[0].grad_sync = self.gradient_averager()
+
+    def _connect_replicas(self, stages: int, replicas: int) -> None:
         import datetime
 
         delta = datetime.timedelta(seconds=self.timeout)
@@ -181,6 +211,40 @@ class Torchrun:
                 self.stage_group = made
                 self._made.append(made)
         self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines)
+
+    def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
+                 trace_offset: int, clip_global: Optional[float]) -> DistributedExecutor:
+        return DistributedExecutor(stages[0], self.comm, schedule_for, expected=expected,
+                                   trace_offset=trace_offset, clip_global=clip_global)
+
+    def forward(self, stages: List[Stage], inputs: Any) -> Any:
+        raise RuntimeError("forward() runs the stages of one process; under torchrun use "
+                           "evaluate(loader, metric) or model()")
+
+    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
+        """Every stage's weights into every rank's copy of the whole model."""
+        own = {k: v.detach().to("cpu", copy=True) for k, v in stages[0].module.state_dict().items()}
+        merged: Dict[str, torch.Tensor] = {}
+        for part in self.gather(own, "gathering the model's weights"):
+            merged.update(part)
+        model.load_state_dict(merged)
+
+    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
+                       evaluate: Callable[[nn.Module], float]) -> float:
+        """Every rank gathers the model; each replica's first stage evaluates it on the CPU and
+        shares the value."""
+        self.gather_model(model, stages)
+        value = None
+        if self.stage == 0:
+            value = float(evaluate(model if self.device.type == "cpu" else copy.deepcopy(model).cpu()))
+            model.train()
+        return float(self.share(value, 0, "sharing the evaluation"))
+
+    def comm_stats(self) -> Dict[str, Dict[str, float]]:
+        return self.comm.stats() if self.comm is not None else {}
+
+    def close(self) -> None:
+        self.leave()
 
     @property
     def stage(self) -> int:
@@ -221,16 +285,26 @@ class Torchrun:
                          "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
+        """Stage ``src``'s ``value`` on every rank of the pipeline."""
         return broadcast(value, self.comm, src, what)
 
     def gather(self, value: Any, what: str) -> List[Any]:
+        """Every stage's ``value``, in stage order, on every rank of the pipeline."""
         return gather_all(value, self.comm, what)
+
+    def all_stages(self, own: List[Any], what: str) -> List[Any]:
+        """One value per stage, in stage order, on every rank (``own``: this stage's, alone)."""
+        return [value for part in self.gather(own, what) for value in part]
+
+    def barrier(self, what: str) -> None:
+        barrier(self.comm, what)
 
     # -- a pipelined forward ------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, stage: Stage, loader: Iterable, score: Callable) -> float:
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
+        stage = stages[0]
         comm, total, count, values = self.comm, 0.0, 0, []
         for j, (inputs, target) in enumerate(loader):
             ident = -1 - j  # evaluation messages: their own numbers on the links
@@ -256,16 +330,6 @@ class Torchrun:
                                                "averaging the evaluation over the replicas")
             total = summed / count
         return float(self.share(total, self.stages - 1, "sharing the evaluation"))
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def save(self, store: Path, stage: Stage, run_info: Dict[str, Any], position: Tuple[int, int],
-             losses: List[float], epoch_metrics: List[Dict[str, Any]], extra: Dict[str, Any]) -> None:
-        """Every stage writes its file once: the first replica writes, the others do not."""
-        if self.replica == 0:
-            save_checkpoint(store, stage, self.comm, run_info, position, losses, epoch_metrics, extra=extra)
-
-    def resume(self, store: Path, stage: Stage, run_info: Dict[str, Any]):
-        return resume_stage(store, stage, self.comm, run_info)
 
 
 def layout(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]],

@@ -11,9 +11,6 @@ Pipeline's ``timeout``, ``threads`` and ``data_parallel`` and ``fit``'s ``eval_l
 ``metric`` (``evaluate(model)`` takes their place); scripts that need them, or that feed
 mini-batches by hand (``step`` / ``flush``) or read the model between mini-batches, use the
 Pipeline. The caller's model is never modified; the trained copy comes back in the result.
-
-The module also re-exports the resolution helpers of :mod:`pipeoptim.runtime.spec`, which the
-experiment layer imports from here.
 """
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .pipeline import Batch, Pipeline, TrainResult
 from .runtime.build import OptimizerFactory, SchedulerFactory
-from .runtime.spec import RunSpec, checkpoint_settings, next_drain, resolve, segments
 
-__all__ = ["train", "TrainResult", "NonFiniteLoss", "RunSpec", "resolve", "checkpoint_settings",
-           "next_drain", "segments"]
+__all__ = ["train", "TrainResult", "NonFiniteLoss"]
 
 
 def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimizer: OptimizerFactory,

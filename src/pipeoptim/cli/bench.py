@@ -1,13 +1,15 @@
 """`pipeoptim bench`: measured throughput of the methods on the distributed runtime.
 
 One run starts one process per stage (torchrun on this machine, one compute thread each) and
-times, inside the workers, every method in turn on the same model, data and partition, beside
+times, inside the workers, every method in turn through ``pipeoptim.Pipeline`` (one stage per
+process, as a user's script under torchrun) on the same model, data and partition, beside
 the single-process ``sequential`` run of the same model on one device (on CPU: one thread,
 ``sequential-1dev``) and on all cores (``sequential-all``). Process start-up is not timed: each
 run first trains ``--warmup`` mini-batches, then ``--repeats`` rounds time every run on
 ``--batches`` mini-batches in turn (from a barrier to the last stage's end; each includes the
 pipeline's fill and drain, and starts from fresh weights); the median round is reported, with
-the interquartile range of the rounds' throughput. The
+the interquartile range of the rounds' throughput, and per stage its time per pass and, per
+mini-batch, its compute time, the time it waited on each link and the bytes each carried. The
 runs take turns so that other work on the machine hits all of them alike; the CPU share of each
 process (its CPU time over the wall time) shows whether it had its core.
 
@@ -54,10 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (default: %(default)s)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (default: 2)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="D",
-                   help="run the methods through pipeoptim.Pipeline with D replicas of the pipeline "
-                        "(stages x D processes), each on its shard of every mini-batch; with --stages 1, "
-                        "the whole model data parallel. D = 1 runs each method on today's runtime and "
-                        "through Pipeline side by side")
+                   help="D replicas of the pipeline (stages x D processes), each on its shard of "
+                        "every mini-batch, the runs named 'METHOD xD'; with --stages 1, the whole model "
+                        "data parallel ('sequential xD'). Default: 1")
     p.add_argument("--batches", type=int, default=32, help="timed mini-batches per run (default: 32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed mini-batches first (default: 2)")
     p.add_argument("--repeats", type=int, default=5,
@@ -108,10 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stages < 2 and replicas < 2:
         raise ValueError("a pipeline needs --stages 2 or more (or --stages 1 --data-parallel D)")
     if args.stages == 1:
-        methods = []  # the replicas of the whole model: sequential, data parallel
-    # --data-parallel D: the methods through pipeoptim.Pipeline on stages x D processes (with D = 1
-    # beside the same methods on today's runtime); without it, today's runtime alone
-    pipeline_methods = [] if args.data_parallel is None else ["sequential"] if args.stages == 1 else methods
+        methods = ["sequential"]  # the replicas of the whole model: sequential, data parallel
     if args.batch_size is not None and args.batch_size % replicas:
         raise ValueError(f"--batch-size {args.batch_size} does not split into {replicas} equal shards")
     batch = args.batch_size or (512 if args.model == "blocks" else None)
@@ -120,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pipeoptim-bench-") as tmp:
         spec = {"kind": "bench", "task": args.task, "model": args.model, "methods": methods,
-                "pipeline_methods": pipeline_methods, "data_parallel": replicas,
+                "data_parallel": replicas,
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
@@ -131,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         config.write_text(json.dumps(spec))
         processes = args.stages * replicas
         log(f"bench: {processes} processes ({args.stages} stages x {replicas} replicas), methods "
-            f"{', '.join(methods or pipeline_methods)}; timing inside the workers")
+            f"{', '.join(methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
         with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
             failures = run_workers(processes, "pipeoptim.launcher", [str(config)], torchrun_env(1))
@@ -176,8 +174,7 @@ def _children_cpu() -> float:
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
     """The ratios worth reading: each run against the baselines, pipeoptim against async-naive,
-    the asynchronous 1F1B methods against gpipe, and each method through pipeoptim.Pipeline
-    against the same method on today's runtime."""
+    the asynchronous 1F1B methods against gpipe."""
     out: Dict[str, float] = {}
     runs = [name for name in sps if not name.startswith("sequential-")]
     for base in ("sequential-1dev", "sequential-all"):
@@ -190,9 +187,6 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
         for m in methods:
             if m in ASYNC_1F1B and m in sps:
                 out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
-    for m in methods:
-        if f"{m} (Pipeline)" in sps and m in sps:
-            out[f"{m} (Pipeline)/{m}"] = sps[f"{m} (Pipeline)"] / sps[m]
     return out
 
 

@@ -10,7 +10,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..methods import get_method, method_names
 from ..optimizers import check_options, optimizer_names
@@ -29,14 +29,29 @@ def int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def clip_norm(text: str) -> Any:
+    """--clip-grad: a max norm, or ``none`` (no clipping where the task's recipe clips)."""
+    if text.strip().lower() == "none":
+        return NO_CLIPPING
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a max norm or none, got {text!r}") from None
+
+
+#: ``--clip-grad none``: told apart from a flag not given (which takes the recipe's clipping)
+NO_CLIPPING = "none"
+
+
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The task, model, data, optimizer and pipeline options of a training run."""
     g = parser.add_argument_group("task and data")
     g.add_argument("--task", default="image", choices=task_names(), help="data set and models (default: image)")
-    g.add_argument("--model", help="model of the task (default: the task's; see `pipeoptim train --task T --model list`)")
-    g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
+    g.add_argument("--model", help="model of the task (default: the task's recipe, see --recipe; "
+                   "`pipeoptim train --task T --model list` lists them)")
+    g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's recipe)")
     g.add_argument("--limit", type=int, help="use at most this many training examples (quick runs)")
-    g.add_argument("--epochs", type=int, default=1, help="passes over the training data (default: 1)")
+    g.add_argument("--epochs", type=int, help="passes over the training data (default: the task's recipe)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial weights")
     g = parser.add_argument_group("evaluation during training")
     g.add_argument("--eval-every", type=int, metavar="K",
@@ -92,12 +107,13 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                    help="the first K mini-batches run 1F1B with a flush (no staleness), then the "
                         "asynchronous schedule")
     g = parser.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="momentum", choices=optimizer_names(),
-                   help="default: momentum (SGD, 0.9). muon: torch.optim.Muon on the hidden weight "
-                        "matrices (the 2-D weights of nn.Linear layers except the model's output "
-                        "layer), AdamW on the rest (embeddings, norms, biases, the output layer), one "
-                        "optimizer per stage; --lr is Muon's, --adamw-lr AdamW's")
-    g.add_argument("--lr", type=float, help="learning rate (default: the task's for this optimizer)")
+    g.add_argument("--optimizer", choices=optimizer_names(),
+                   help="default: the task's recipe (momentum is SGD with 0.9). muon: torch.optim.Muon "
+                        "on the hidden weight matrices (the 2-D weights of nn.Linear layers except the "
+                        "model's output layer), AdamW on the rest (embeddings, norms, biases, the output "
+                        "layer), one optimizer per stage; --lr is Muon's, --adamw-lr AdamW's")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: the one the study tuned for this "
+                   "method, task and optimizer, else the recipe's; the run prints which)")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="weight decay (default: 0, i.e. none, except that adamw and muon keep torch's "
                         "own: AdamW 0.01, Muon 0.1)")
@@ -109,17 +125,19 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adamw-lr", type=float, metavar="LR",
                    help="muon: the learning rate of its AdamW part (default: --lr / 10); the lr "
                         "schedule scales it as it scales --lr")
-    g.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
-                   help="constant (default); warmup-cosine: linear warm-up, then cosine decay to 10%% "
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                   help="default: the task's recipe (warmup-cosine); constant; warmup-cosine: linear "
+                        "warm-up, then cosine decay to 10%% "
                         "of --lr; step: x0.1 at half of the updates, x0.01 at three quarters")
     g.add_argument("--warmup-steps", type=int, metavar="W",
                    help="updates of linear warm-up (default: 5%% of the updates for warmup-cosine, 0 for step)")
-    g.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
-                   help="clip the gradient norm to MAX_NORM before each update (see --clip-scope)")
-    g.add_argument("--clip-scope", default="stage", choices=["stage", "global"],
-                   help="stage (default): each stage clips its own gradient; global: by the norm over "
-                        "all stages, as a plain loop clips the whole model (synchronous methods only; "
-                        "`compare` clips the asynchronous ones per stage)")
+    g.add_argument("--clip-grad", type=clip_norm, metavar="MAX_NORM",
+                   help="clip the gradient norm to MAX_NORM before each update (see --clip-scope); "
+                        "none: no clipping (default: the task's recipe)")
+    g.add_argument("--clip-scope", choices=["stage", "global"],
+                   help="stage: each stage clips its own gradient; global: by the norm over all stages, "
+                        "as a plain loop clips the whole model (synchronous methods only). Default: "
+                        "global for the synchronous methods (equal to sequential), stage for the others")
     g = parser.add_argument_group("precision and devices")
     g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: forwards and backwards under torch.autocast; weights, optimizer state "
@@ -193,28 +211,44 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
 
 
 def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> RunConfig:
-    """The RunConfig of ``method`` from the parsed options (see :func:`method_options`)."""
+    """The RunConfig of ``method`` from the parsed options (see :func:`method_options`), every
+    setting the command line leaves out taken from the task's recipe (pipeoptim.tasks.recipes),
+    the peak lr from the study's tuning for ``method`` where there is one (``lr_source`` says)."""
     from ..experiment import RunConfig
+    from ..tasks.recipes import default_lr, recipe
 
+    base = recipe(args.task)
+    optimizer = args.optimizer or base.optimizer
+    lr, lr_source = (args.lr, "--lr") if args.lr is not None else default_lr(args.task, optimizer, method)
+    clip = base.clip_grad if args.clip_grad is None else None if args.clip_grad == NO_CLIPPING else args.clip_grad
     options = method_options(args, method, strict)
     continuous = args.continuous and not get_method(method).synchronous
-    return RunConfig(task=args.task, model=args.model, method=method, stages=stages_of(args),
+    return RunConfig(task=args.task, model=args.model or base.model, method=method, stages=stages_of(args),
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
-                     optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                     optimizer=optimizer, lr=lr, lr_source=lr_source, weight_decay=args.weight_decay,
                      momentum=args.momentum, beta1=args.beta1, adamw_lr=args.adamw_lr,
-                     epochs=args.epochs, batch_size=args.batch_size,
-                     limit=args.limit, seed=args.seed, continuous=continuous, method_options=options,
-                     lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad=args.clip_grad,
-                     clip_scope=clip_scope_of(args, method, strict),
+                     epochs=args.epochs or base.epochs,
+                     batch_size=args.batch_size or base.batch_size, limit=args.limit, seed=args.seed,
+                     continuous=continuous, method_options=options,
+                     lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
+                     clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
                      precision=args.precision, device=args.device, eval_every=args.eval_every,
                      holdout=args.holdout)
 
 
-def clip_scope_of(args: argparse.Namespace, method: str, strict: bool) -> str:
+def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Optional[float]) -> str:
     """--clip-scope for ``method``: global clipping needs a synchronous method (an error for one
-    method; per stage for the asynchronous ones of a comparison)."""
-    scope = getattr(args, "clip_scope", "stage")
-    if scope == "global" and not get_method(method).synchronous:
+    method; per stage for the asynchronous ones of a comparison). Without --clip-scope, a
+    synchronous method clips as a plain loop does (by the whole model's norm: the same numbers as
+    sequential), an asynchronous one per stage (no stage holds a mini-batch's whole gradient)."""
+    scope = getattr(args, "clip_scope", None)
+    synchronous = get_method(method).synchronous
+    if scope is None:
+        return "global" if synchronous and clip is not None else "stage"
+    if clip is None:
+        raise ValueError(f"--clip-scope applies with clipping, and the {args.task} recipe does not clip: "
+                         f"give --clip-grad MAX_NORM")
+    if scope == "global" and not synchronous:
         if strict:
             raise ValueError(f"--clip-scope global needs every stage to update the same mini-batch at "
                              f"once, which only synchronous methods do; {method} updates each stage at "
@@ -241,13 +275,19 @@ def check_numbers(args: argparse.Namespace) -> None:
                          "drop --continuous or --eval-every")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
-    if getattr(args, "optimizer", None) is not None:  # --momentum, --beta1, --adamw-lr fit --optimizer
-        check_options(args.optimizer, None, getattr(args, "weight_decay", 0.0), getattr(args, "momentum", None),
+    optimizer = getattr(args, "optimizer", None)
+    if optimizer is None and getattr(args, "task", None) is not None:  # the recipe's, as run_config takes it
+        from ..tasks.recipes import recipe
+
+        optimizer = recipe(args.task).optimizer
+    if optimizer is not None:  # --momentum, --beta1, --adamw-lr fit the optimizer
+        check_options(optimizer, None, getattr(args, "weight_decay", 0.0), getattr(args, "momentum", None),
                       getattr(args, "beta1", None), getattr(args, "adamw_lr", None))
-    if getattr(args, "clip_grad", None) is not None and not args.clip_grad > 0:
-        raise ValueError(f"--clip-grad must be a positive max norm, got {args.clip_grad}")
-    if getattr(args, "clip_scope", "stage") != "stage" and getattr(args, "clip_grad", None) is None:
-        raise ValueError("--clip-scope applies with --clip-grad MAX_NORM")
+    clip = getattr(args, "clip_grad", None)
+    if clip not in (None, NO_CLIPPING) and not clip > 0:
+        raise ValueError(f"--clip-grad must be a positive max norm (or none), got {clip}")
+    if getattr(args, "clip_scope", None) is not None and clip == NO_CLIPPING:
+        raise ValueError("--clip-scope applies with clipping: drop --clip-grad none")
     if getattr(args, "warmup_steps", None) is not None and args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
 

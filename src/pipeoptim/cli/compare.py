@@ -28,18 +28,22 @@ def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
     best = f"best {'validation ' if validated else ''}{metric}" + ("" if higher_is_better else " (lowest)")
     head = ["method", f"final {'test ' if validated else ''}{metric}"]
     head += [f"validation {metric}"] if validated else []
-    head += [best, "final loss", "weight copies", "samples/s", "predicted samples/s"]
+    head += [best, "final loss", "peak lr", "weight copies", "samples/s", "predicted samples/s"]
     lines = []
     for r in rows:
         copies = ",".join(f"{c:g}" for c in r["weight_copies"])
         pred = r.get("predicted_samples_per_second")
         cells = [r["method"], f"{r['final_metric']:.4f}"]
         cells += [f"{r['validation_metric']:.4f}"] if validated else []
-        lines.append(cells + [f"{r['best_metric']:.4f}", f"{r['final_loss']:.4f}", copies,
+        tuned = "*" if (r.get("lr_source") or "").startswith("tuned") else ""
+        lines.append(cells + [f"{r['best_metric']:.4f}", f"{r['final_loss']:.4f}", f"{r['lr']:g}{tuned}" if r.get("lr") is not None else "-", copies,
                               f"{r['samples_per_second']:.0f}", f"{pred:.0f}" if pred else "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
+    table = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
+    if any((r.get("lr_source") or "").startswith("tuned") for r in rows):
+        table.append("* each method at its own peak lr, as the study tuned it (--lr: one lr for all)")
+    return "\n".join(table)
 
 
 def warm_up(task, cfg, data) -> None:
@@ -65,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     task = get_task(args.task)
     first = configs[0].resolved(task)
     data = load_data(task, first)
+    lrs = "lr " + (f"{first.lr:g}" if args.lr is not None else "per method (" + ", ".join(
+        f"{c.method} {c.lr if c.lr is not None else 'the task default'}" for c in configs) + ")")
     log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
-        f"{first.stages} stages, {args.optimizer} lr {first.lr}")
+        f"{first.stages} stages, {first.optimizer} {lrs}, {first.lr_schedule}, {first.epochs} epochs")
     warm_up(task, first, data)
     rows = []
     for cfg in configs:
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
                      out / "compare.png", metric=task.metric, higher_is_better=task.higher_is_better,
                      split=first.eval_split,
-                     title=f"{args.task} / {first.model}, {first.stages} stages, {args.optimizer}")
+                     title=f"{args.task} / {first.model}, {first.stages} stages, {first.optimizer}")
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot)}
     (out / "compare.json").write_text(json.dumps(report, indent=2))

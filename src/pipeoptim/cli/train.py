@@ -18,9 +18,20 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..tasks.recipes import RECIPES
+
     p = sub.add_parser("train", help="train one method on a task",
                        description="Train a model of a task with one pipeline method; writes "
-                                   "metrics.jsonl, summary.json and curves.png to the run folder.")
+                                   "metrics.jsonl, summary.json and curves.png to the run folder. "
+                                   "Every setting not given comes from the task's recipe; the peak "
+                                   "lr from the study's tuning for the method where there is one.",
+                       epilog="recipes (--recipe prints one with its tuned lrs):\n" + "\n".join(
+                           f"  {t}: {r.model}, {r.optimizer} {r.lr:g}, {r.lr_schedule}, clip "
+                           f"{r.clip_grad if r.clip_grad is not None else 'none'}, batch {r.batch_size}, "
+                           f"{r.epochs} epochs" for t, r in RECIPES.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", action="store_true",
+                   help="print the --task's recipe and the lrs tuned per method, then exit")
     p.add_argument("--method", default="pipeoptim", choices=method_names(), help="default: pipeoptim")
     p.add_argument("--runtime", default="local", choices=["local", "distributed"],
                    help="local: all stages in this process; distributed: one process per stage "
@@ -55,6 +66,14 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recipe:
+        from ..tasks.recipes import describe, recipe, tuned_lrs
+
+        if args.json:
+            print_json({"task": args.task, "recipe": recipe(args.task).as_dict(), "tuned_lrs": tuned_lrs(args.task)})
+        else:
+            print(describe(args.task))
+        return 0
     from ..experiment import run_experiment
 
     if args.plan is not None:
@@ -74,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
-            check_distributed_options(cfg)
             from ..launcher import run_distributed_train
 
             return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
@@ -85,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
-        check_distributed_options(cfg)
         from ..launcher import run_distributed_train
 
         return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
@@ -110,20 +127,6 @@ def _interrupts_name_the_checkpoint(out: Path) -> Iterator[None]:
             hint = resume_hint(out, f"pipeoptim train --resume {out}")
             raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}"
                                       + (f". {hint}" if hint else "")) from None
-
-
-def check_distributed_options(cfg: RunConfig) -> None:
-    """The distributed runtime does not take the local engine's newer options yet: refuse them
-    rather than ignore them."""
-    given = [flag for flag, on in (("--lr-schedule", cfg.lr_schedule != "constant"),
-                                   ("--warmup-steps", cfg.warmup_steps is not None),
-                                   ("--clip-grad", cfg.clip_grad is not None),
-                                   ("--precision", cfg.precision != "fp32"),
-                                   ("--eval-every", cfg.eval_every is not None),
-                                   ("--holdout", cfg.holdout is not None)) if on]
-    if given:
-        raise ValueError(f"{', '.join(given)} work with --runtime local; the distributed runtime "
-                         f"does not take them yet")
 
 
 def _log(args: argparse.Namespace):

@@ -1,6 +1,6 @@
 """The distributed executor: one process per stage, the same Stage and the same action lists.
 
-Every process of a pipeline group runs :func:`run_schedule_distributed` with its own
+Every process of a pipeline group runs a :class:`DistributedExecutor` with its own
 :class:`~pipeoptim.runtime.stage.Stage` and the *same* schedule. The schedule is lowered with
 :func:`~pipeoptim.schedules.lower.lower`, which puts ``RECV_F``/``SEND_F`` around forwards and
 ``RECV_B``/``SEND_B`` around backwards whose neighbour lives on another rank; the executor walks
@@ -36,13 +36,10 @@ Transport (``torch.distributed`` point to point, nothing home-made):
   every process group: a peer that hangs or dies makes the waiting rank raise
   :class:`PipelineCommError` (naming the message it waited for) instead of hanging.
 
-:func:`train_distributed` is a whole training run in one process of a distributed job, the
-counterpart of :func:`pipeoptim.train`: every rank calls it with the same model, data and
-settings (all deterministic), builds only its own stage, and after each segment (an epoch,
-or ``checkpoint_every`` mini-batches) the losses and timings, and at each epoch's end (to
-evaluate) the stages' weights, are gathered on one rank, the *writer* (rank 0 of the pipeline
-group), which evaluates the assembled model. Evaluation therefore runs
-on one whole model, not as a pipelined forward.
+What drives the executor is :class:`pipeoptim.Pipeline` under torchrun (its world,
+:class:`pipeoptim.torchrun.Torchrun`), for a user's script and for the command line alike; this
+module also holds the control group's collectives it uses (:func:`broadcast`, :func:`gather_all`,
+:func:`barrier`) and :func:`init_process_group`.
 
 Randomness inside the model (dropout) is drawn from each process's own generator, so a model
 with dropout does not give the local runtime's numbers step for step (the local executor
@@ -51,34 +48,20 @@ losses as the local runtime.
 """
 from __future__ import annotations
 
-import copy
 import datetime
-import json
-import math
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, load_stage, prune,
-                          read_manifest, save_manifest, save_stage, set_rng_state)
-from ..methods import get_method
-from ..partition import split
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
-from ..errors import NonFiniteLoss
-from .spec import checkpoint_settings, resolve, segments
-from .build import OptimizerFactory, build_stages
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
-from .microbatch import batch_size, split_batch
 from .segment import MicroBatch, StreamedSegment, check_runnable, clip_coefficient
-from .stage import Stage, TraceEntry, WindowLosses, as_tuple
+from .stage import Stage, WindowLosses, as_tuple
 
 
 # dtype <-> code for the metadata messages
@@ -409,17 +392,6 @@ class PipeComm:
                 f"stage hung, died or is slower than the timeout ({self.timeout:g} s); see its own "
                 f"error") from error
 
-    def reset(self) -> None:
-        """Forget the agreed message layouts (a new model may send other shapes); every rank
-        of the pipeline must reset at the same point, e.g. at the start of a run."""
-        self.flush()
-        for link in self._links.values():
-            if link.expected or link.posted:
-                raise RuntimeError(f"{link.what} link: messages of the last schedule were never received")
-            link.layouts.clear()
-            link._nbytes.clear()
-            link.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
-
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per link ("send activation", "recv gradient", ...): messages, bytes, and seconds this
         process spent blocked waiting on them (receives: the peer was late; sends: at the end of
@@ -629,16 +601,12 @@ class DistributedExecutor(StreamedSegment):
     orders up to its first forward (or receive of an activation) of a micro-batch not fed yet:
     everything before that needs only data fed so far on every rank (tested on the local
     executor), so waiting on a peer there never waits for a feed that has not happened.
-    ``clip_global`` clips by the norm over all stages, gathered before each update;
-    ``on_update(u)`` runs after each update, ``on_loss(window, loss)`` on the last stage as each
-    mini-batch's loss completes.
+    ``clip_global`` clips by the norm over all stages, gathered before each update.
     """
 
     def __init__(self, stage: Stage, comm: "PipeComm", schedule_for: Callable[[int], Schedule], *,
                  expected: Optional[int] = None, trace_offset: int = 0,
-                 clip_global: Optional[float] = None,
-                 on_update: Optional[Callable[[int], None]] = None,
-                 on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+                 clip_global: Optional[float] = None) -> None:
         n = stage.num_stages
         if comm.num_stages != n or comm.stage != stage.index:
             raise ValueError(f"stage {stage.index} of {n} on pipeline rank {comm.stage} of "
@@ -647,8 +615,6 @@ class DistributedExecutor(StreamedSegment):
         self.stage, self.comm = stage, comm
         self.trace_offset = trace_offset
         self.clip_global = clip_global
-        self.on_update = on_update
-        self.on_loss = on_loss
         self.order: List[Any] = []
         self.fed_micro = 0
         self._pointer = 0
@@ -697,7 +663,7 @@ class DistributedExecutor(StreamedSegment):
             self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
                                           synchronous_updates=sync)
             self.stage.trace_offset = self.trace_offset
-            self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
+            self._window_loss = WindowLosses(schedule.microbatches_per_update)
         else:
             self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
                                            synchronous_updates=sync)
@@ -748,8 +714,6 @@ class DistributedExecutor(StreamedSegment):
                     stage.update(grad_scale=clip_coefficient(norms, self.clip_global))
                 else:
                     stage.update()
-                if self.on_update is not None:
-                    self.on_update(i)
             else:
                 raise ValueError(f"the distributed executor cannot run {action}")
             if kind is Kind.B and stage.is_first:
@@ -757,35 +721,6 @@ class DistributedExecutor(StreamedSegment):
             self._pointer += 1
             if pending:  # forget the sends that have completed (nothing to do without any)
                 comm.poll()
-
-
-def run_schedule_distributed(stage: Stage, schedule: Schedule, microbatches: Sequence[MicroBatch],
-                             comm: PipeComm, *, on_loss: Optional[Callable[[int, float], None]] = None,
-                             on_update: Optional[Callable[[int], None]] = None,
-                             trace_offset: int = 0) -> Dict[int, float]:
-    """Run this rank's part of ``schedule`` (compute-only, as for :func:`run_schedule`).
-
-    Every rank of the pipeline calls it with its own stage, the same schedule and the same
-    ``microbatches`` (stage 0 uses the inputs, the last stage the targets and loss shares, every
-    stage the input shapes as message keys). Returns, on the last stage, the loss of each update
-    window (empty elsewhere); ``on_loss(window, loss)`` is called there as each completes.
-    ``on_update(u)`` is called after each of this stage's updates.
-    """
-    n = schedule.num_stages
-    if stage.num_stages != n:
-        raise ValueError(f"stage {stage.index} of {stage.num_stages}, schedule for {n} stages: they must agree")
-    m, windows = schedule.microbatches_per_update, schedule.num_updates
-    executor = DistributedExecutor(stage, comm, lambda batches: schedule, expected=windows,
-                                   trace_offset=trace_offset, on_update=on_update, on_loss=on_loss)
-    for w in range(windows):
-        executor.feed(microbatches[w * m:(w + 1) * m])
-    executor.finish()
-    executor.take_completed(wait=True)
-    return dict(executor._window_loss) if executor._window_loss is not None else {}
-
-
-# ---------------------------------------------------------------------------------------------
-# a whole training run in one process of a distributed job
 
 
 def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
@@ -823,14 +758,6 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     return dev
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value.to(device, non_blocking=False) if torch.is_tensor(value) else value
-
-
 def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
     """Run a collective of the control group; a timeout or a dead peer becomes a
     PipelineCommError that says what the stages were doing."""
@@ -841,13 +768,6 @@ def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
         raise PipelineCommError(
             f"stage {comm.stage}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
             f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
-
-
-def _gather(obj: Any, comm: PipeComm, what: str, dst: int = 0) -> Optional[List[Any]]:
-    """Gather one object per stage on pipeline rank ``dst`` (None elsewhere)."""
-    out = [None] * comm.num_stages if comm.stage == dst else None
-    _control(comm, what, lambda: dist.gather_object(obj, out, dst=comm.ranks[dst], group=comm.control))
-    return out
 
 
 def broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
@@ -864,241 +784,6 @@ def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
     return out
 
 
-@dataclass
-class DistributedResult:
-    """What one rank of a distributed run returns (losses and metrics on every rank)."""
-
-    losses: List[float]               #: one per mini-batch, all epochs (every rank)
-    version_trace: List[TraceEntry]   #: all stages' traces on the writer rank, own stage elsewhere
-    model: nn.Sequential              #: writer rank: the assembled trained model (on the CPU);
-                                      #: elsewhere this rank's copy, only its own stage trained
-    metrics: Dict[str, Any] = field(default_factory=dict)
-    stage: Optional[Stage] = None     #: this rank's stage
-    is_writer: bool = False
-
-
-def assemble(model: nn.Sequential, sizes: Sequence[int], states: Sequence[Dict[str, torch.Tensor]]) -> nn.Sequential:
-    """Load each stage's state dict into the matching slice of ``model`` (in place)."""
-    for part, state in zip(split(model, sizes), states):
-        part.load_state_dict(state)
-    return model
-
-
-def train_distributed(model: nn.Sequential, batches: Sequence[Tuple[Any, torch.Tensor]], *, method: str,
-                      optimizer: OptimizerFactory, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                      stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
-                      partitioner: str = "uniform", epochs: int = 1, micro_batches: Optional[int] = None,
-                      continuous: bool = False, comm: Optional[PipeComm] = None,
-                      device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT,
-                      evaluate: Optional[Callable[[nn.Module], float]] = None,
-                      on_batch: Optional[Callable[[int, float], None]] = None,
-                      on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
-                      on_update: Optional[Callable[[int], None]] = None,
-                      checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
-                      resume: bool = False, **method_options: Any) -> DistributedResult:
-    """:func:`pipeoptim.train` for one process of a pipeline group (one stage per process).
-
-    Every rank of the group (default: the whole job, already initialised) calls it with the
-    same arguments; the number of stages must equal the group's size. Rank 0 of the group is
-    the *writer*: after each epoch it receives the losses, and, with ``evaluate``, every
-    stage's weights, assembles the model and calls ``evaluate(model)``; ``on_batch`` and
-    ``on_epoch`` are called there (batches at the end of their epoch). ``on_update(u)`` is called
-    on every rank after its stage's updates (a progress bar). Returns the losses and metrics on
-    every rank and the assembled model on the writer.
-
-    ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` work as in :func:`pipeoptim.train`:
-    after every ``checkpoint_every`` mini-batches (and each epoch) the pipeline drains, every
-    rank writes its own ``stage-K.pt`` into the checkpoint folder and the writer, having
-    gathered their checksums, writes the manifest. The folder must be one every rank can reach
-    (one machine, or a shared file system).
-    """
-    spec = resolve(model, method=method, stages=stages, partition=partition, partitioner=partitioner,
-                   micro_batches=micro_batches, method_options=method_options, epochs=epochs,
-                   batches=batches)
-    comm = comm or PipeComm(device=device, timeout=timeout)
-    comm.reset()  # layouts are agreed once per run
-    device = comm.device
-    if spec.stages != comm.num_stages:
-        raise ValueError(f"{method} runs {spec.stages} stage(s) but the pipeline group has "
-                         f"{comm.num_stages} process(es); start one process per stage")
-    meth = get_method(method)
-    k, n = comm.stage, comm.num_stages
-    writer = k == 0
-    trained = copy.deepcopy(model)
-    trained.train()
-    split(trained, spec.partition)[k].to(device)
-    stage = build_stages(trained, spec.partition, meth, spec.options, optimizer, loss_fn, only=k)[0]
-    # The writer assembles the whole model on the CPU: its own copy when the stages run there,
-    # a separate one when its own stage lives on a GPU.
-    whole = trained if device.type == "cpu" else copy.deepcopy(model)
-
-    micro: List[MicroBatch] = []
-    for inputs, target in batches:
-        for x, y, share in split_batch(inputs, target, spec.microbatches):
-            micro.append((_to(x, device) if stage.is_first else x,
-                          _to(y, device) if stage.is_last else y, share))
-    samples = sum(batch_size(x) for x, _ in batches)
-
-    num_batches = len(batches)
-    segment, run_info = checkpoint_settings(spec, num_batches, checkpoint_every, continuous)
-    store = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    losses: List[float] = []
-    epoch_metrics: List[Dict[str, Any]] = []
-    position = (0, 0)
-    if resume:
-        if store is None:
-            raise ValueError("resume=True needs checkpoint_dir")
-        manifest = _resume(store, stage, comm, run_info)
-        if manifest is not None:
-            losses, epoch_metrics = manifest["losses"], manifest["epoch_metrics"]
-            position = (manifest["epoch"], manifest["batch"])
-    total_seconds = 0.0
-    trained_samples = 0
-    epoch_seconds, epoch_cpu = 0.0, [0.0] * n
-    m = spec.microbatches
-    for epoch, first, count in segments(epochs, num_batches, segment, continuous, start=position):
-        schedule = meth.build_schedule(spec.stages, m, count, first_batch=epoch * num_batches + first,
-                                       options=spec.options)
-        data = micro * epochs if continuous else micro[first * m:(first + count) * m]
-        _control(comm, f"waiting for every stage before mini-batch {first} of epoch {epoch}",
-                 lambda: dist.barrier(group=comm.control))
-        start, cpu_start = time.perf_counter(), time.process_time()
-        window_losses = run_schedule_distributed(stage, schedule, data, comm, on_update=on_update,
-                                                 trace_offset=(epoch * num_batches + first) * m)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        mine = [window_losses[w] for w in range(count)] if stage.is_last else None
-        # the losses and the slowest stage's time, to every rank
-        report = broadcast(mine, comm, n - 1, "collecting the losses from the last stage")
-        times = gather_all((seconds, cpu), comm, "collecting the stages' times")
-        seconds = max(t[0] for t in times)
-        total_seconds += seconds
-        epoch_seconds += seconds
-        epoch_cpu = [c + t[1] for c, t in zip(epoch_cpu, times)]
-        base = len(losses)
-        for w, loss in enumerate(report):
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss became {loss} at mini-batch {(first + w) % num_batches} of "
-                                    f"epoch {epoch + (first + w) // num_batches}")
-        losses += report
-        trained_samples += (samples * epochs if continuous
-                            else sum(batch_size(x) for x, _ in batches[first:first + count]))
-        if writer and on_batch is not None:
-            for w, loss in enumerate(report):
-                on_batch(base + w, loss)
-        ends_epoch = continuous or first + count == num_batches
-        if ends_epoch:
-            covered = epochs if continuous else 1
-            # the CPU time each stage's process got over the epoch's wall time: well below 1
-            # when other work shares the cores (or the stage waits on its peers)
-            cpu_share = [round(c / epoch_seconds, 3) for c in epoch_cpu]
-            for e in range(covered):
-                chunk = losses[(epoch + e) * num_batches:(epoch + e + 1) * num_batches]
-                epoch_metrics.append({"epoch": epoch + e, "loss": sum(chunk) / len(chunk),
-                                      "seconds": epoch_seconds / covered,
-                                      "samples_per_second": samples * covered / epoch_seconds,
-                                      "cpu_share": cpu_share})
-            epoch_seconds, epoch_cpu = 0.0, [0.0] * n
-            if evaluate is not None:
-                states = _gather(_cpu_state(stage.module), comm, "collecting the weights to evaluate")
-                if writer:
-                    assemble(whole, spec.partition, states)
-                    epoch_metrics[-1]["metric"] = float(evaluate(whole))
-                    whole.train()
-            if writer and on_epoch is not None:
-                on_epoch(epoch_metrics[-1]["epoch"], epoch_metrics[-1])
-        if store is not None and not continuous:
-            after = (epoch + 1, 0) if ends_epoch else (epoch, first + count)
-            save_checkpoint(store, stage, comm, run_info, after, losses, epoch_metrics)
-
-    # the trained weights, traces and per-stage measurements, to the writer
-    info = {"trace": stage.trace, "state": _cpu_state(stage.module),
-            "stage_seconds": {key: stage.time[key] / max(1, stage.count[key]) for key in stage.time},
-            "weight_versions": round(stage.policy.versions_peak, 3), "comm": comm.stats()}
-    gathered = _gather(info, comm, "collecting the trained stages")
-    metrics: Dict[str, Any] = {
-        "method": method, "options": spec.options, "stages": spec.stages, "partition": spec.partition,
-        "microbatches": spec.microbatches, "epochs": epoch_metrics,
-        "samples_per_second": trained_samples / total_seconds if total_seconds > 0 else 0.0,
-        "seconds": total_seconds,
-        "weight_versions_design": meth.weight_versions(spec.stages, **spec.options),
-        "runtime": "distributed", "backend": str(comm.backend), "device": str(device),
-    }
-    trace = stage.trace
-    if writer:
-        trained = assemble(whole, spec.partition, [g["state"] for g in gathered])
-        trace = sorted((e for g in gathered for e in g["trace"]),
-                       key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
-        metrics["weight_versions"] = [g["weight_versions"] for g in gathered]
-        metrics["stage_seconds"] = [g["stage_seconds"] for g in gathered]
-        metrics["comm"] = [g["comm"] for g in gathered]
-    return DistributedResult(losses, trace, trained, metrics, stage, writer)
-
-
-def save_checkpoint(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any],
-                    position: Tuple[int, int], losses: List[float], epoch_metrics: List[Dict[str, Any]],
-                    extra: Optional[Dict[str, Any]] = None) -> None:
-    """A checkpoint at a drained point: each rank writes its stage, the writer the manifest
-    (only once every stage file is complete) and prunes the old ones."""
-    epoch, batch = position
-    folder = store / checkpoint_name(epoch, batch)
-    try:
-        digest: Any = save_stage(stage, folder)
-    except OSError as error:  # every rank must hear of it, or the others wait at the gather
-        digest = error
-    digests = gather_all((stage.index, digest if isinstance(digest, str) else str(digest)),
-                         comm, "collecting the checkpoint's checksums")
-    if not isinstance(digest, str):
-        raise CheckpointError(f"{folder / f'stage-{stage.index}.pt'}: cannot be written ({digest})")
-    if comm.stage == 0:
-        save_manifest(folder, {**run_info, "epoch": epoch, "batch": batch, "losses": losses,
-                               "epoch_metrics": epoch_metrics, **(extra or {})}, dict(digests))
-        prune(store, keep=2)
-    # nobody goes on (and may die) before the manifest names this checkpoint as the latest
-    _control(comm, "waiting for the checkpoint's manifest", lambda: dist.barrier(group=comm.control))
-
-
-def _resume(store: Path, stage: Stage, comm: PipeComm, run_info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Load every rank's stage and RNG state from the newest checkpoint; its manifest, or None
-    if the run has none yet."""
-    found = resume_stage(store, stage, comm, run_info)
-    if found is None:
-        return None
-    manifest, rng = found
-    set_rng_state(rng)
-    return manifest
-
-
-def resume_stage(store: Path, stage: Stage, comm: PipeComm,
-                 run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-    """Load every rank's stage from the newest checkpoint (the writer picks it): its manifest and
-    this rank's saved RNG state (not applied), or None if the run has none yet. A file refused
-    on any rank is refused on all, with that rank's reason."""
-    choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
-    if comm.stage == 0:
-        try:
-            folder = latest_checkpoint(store)
-            choice = (folder.name if folder is not None else None, None)
-        except CheckpointError as error:
-            choice = (None, str(error))
-    name, problem = broadcast(choice, comm, 0, "agreeing on the checkpoint to resume from")
-    if problem:
-        raise CheckpointError(problem)
-    if name is None:
-        return None
-    folder = store / name
-    manifest, problem, rng = None, None, None
-    try:
-        manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
-        rng = load_stage(folder, manifest, stage)["rng"]
-    except CheckpointError as error:
-        problem = str(error)
-    problems = [p for p in gather_all(problem, comm, "loading the checkpoint") if p]
-    if problems:
-        raise CheckpointError(problems[0])
-    return manifest, rng
-
-
-def _cpu_state(module: nn.Module) -> Dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+def barrier(comm: PipeComm, what: str) -> None:
+    """Wait until every stage of the pipeline is here (over the control group)."""
+    _control(comm, what, lambda: dist.barrier(group=comm.control))

@@ -122,6 +122,14 @@ class Task:
         ``split="validation"`` (accuracy in [0, 1], BLEU in [0, 100], perplexity >= 1)."""
         raise NotImplementedError
 
+    def batch_metric(self) -> Optional[Callable[[Any, torch.Tensor], torch.Tensor]]:
+        """The metric as a function of one mini-batch's output and target whose mean over the
+        samples is the metric (accuracy), so that a pipeline evaluates it with its own forward,
+        stage by stage (``Pipeline.evaluate``; pipelined under torchrun); None where the metric
+        is no such mean (perplexity over tokens, corpus BLEU): the whole model is then
+        evaluated with :meth:`evaluate`."""
+        return None
+
     @property
     def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         return self.loss

@@ -110,6 +110,13 @@ def classification_accuracy(model: nn.Module, batches: Iterable[Tuple[Inputs, to
     return correct / total if total else 0.0
 
 
+def batch_accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The fraction of one mini-batch's examples whose arg-max output (last dim) equals the
+    target, in float64 (its mean over the mini-batches, weighted by their sizes, is
+    :func:`classification_accuracy` to the last bits)."""
+    return (output.argmax(dim=-1) == target).double().mean()
+
+
 def count_parameters(model: nn.Module) -> int:
     """The number of scalar parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MissingDataError, Task, TaskData, check_holdout
-from .common import classification_accuracy, seeded, seeded_permutation
+from .common import batch_accuracy, classification_accuracy, seeded, seeded_permutation
 
 DATA_DIR_ENV = "PIPEOPTIM_FASHION_MNIST_DIR"
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
@@ -446,6 +446,10 @@ class ImageTask(Task):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the logits, averaged over the batch."""
         return F.cross_entropy(output, target)
+
+    def batch_metric(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Accuracy of one mini-batch (the metric is its mean over the samples)."""
+        return batch_accuracy
 
     def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
         """Accuracy on ``data.test``, or ``data.validation`` with ``split="validation"`` (eval

@@ -36,14 +36,14 @@ import csv
 import importlib.util
 import io
 import os
-from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from .base import MissingDataError, Task, TaskData, check_holdout
-from .common import classification_accuracy, seeded
+from .common import batch_accuracy, classification_accuracy, seeded
 from .text import PAD_ID, Vocab, batch_indices, pad_batch, pad_mask, seeded_permutation, split_counts, tokenize_words
 
 LABELS = {"rotten": 0, "fresh": 1}  #: category -> label; other categories (``plot``) are dropped
@@ -305,6 +305,10 @@ class SentimentTask(Task):
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output, target)
+
+    def batch_metric(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Accuracy of one mini-batch (the metric is its mean over the samples)."""
+        return batch_accuracy
 
     def evaluate(self, model: nn.Module, data: TaskData, split: str = "test",
                  batches: Sequence[Tuple[Any, torch.Tensor]] | None = None) -> float:

@@ -1,0 +1,312 @@
+"""``Pipeline.fit``'s training loop, as named steps: :class:`FitRun`.
+
+One FitRun is one call of :meth:`pipeoptim.pipeline.Pipeline.fit`: it resumes from a checkpoint
+if asked, feeds the loader's mini-batches epoch by epoch, drains where a segment ends (a
+checkpoint, an evaluation, an epoch's end), evaluates, checkpoints, keeps the epochs' metrics
+and the run's clock (training time less evaluations and checkpoint writes), and assembles the
+:class:`TrainResult`. It drives the Pipeline only through its public steps (``step``,
+``flush``) and its world (:mod:`pipeoptim.world`), so it runs the same in one process and
+under torchrun.
+"""
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .checkpoint import set_rng_state
+from .runtime.microbatch import batch_size
+from .runtime.spec import checkpoint_settings, next_drain
+from .runtime.stage import TraceEntry, UpdateEntry
+from .world import load_checkpoint, save_checkpoint
+
+Batch = Tuple[Any, torch.Tensor]
+Metric = Callable[[Any, torch.Tensor], Any]
+
+
+@dataclass
+class TrainResult:
+    """What a run produced."""
+
+    losses: List[float]                 #: one per mini-batch, in batch order, all epochs
+    version_trace: List[TraceEntry]     #: per (stage, micro-batch, pass): version and steps
+    model: nn.Sequential                #: the trained copy of the model
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    #: per (stage, update): the learning rates that update applied
+    update_trace: List[UpdateEntry] = field(default_factory=list)
+
+
+@dataclass
+class FitSettings:
+    """What ``fit`` was asked for (its arguments, checked)."""
+
+    epochs: int
+    eval_loader: Optional[Iterable[Batch]] = None
+    metric: Optional[Metric] = None
+    evaluate: Optional[Callable[[nn.Module], float]] = None
+    eval_every: Optional[int] = None
+    on_batch: Optional[Callable[[int, float], None]] = None
+    on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None
+    on_eval: Optional[Callable[[Dict[str, Any]], None]] = None
+    store: Optional[Path] = None        #: the checkpoint folder
+    checkpoint_every: Optional[int] = None
+    resume: bool = False
+    continuous: bool = False
+
+
+class FitRun:
+    """One run of ``fit`` over ``loader`` (see :meth:`pipeoptim.pipeline.Pipeline.fit`)."""
+
+    def __init__(self, pipe: "Pipeline", loader: Iterable[Batch], settings: FitSettings) -> None:  # noqa: F821
+        self.pipe, self.loader, self.settings = pipe, loader, settings
+        try:
+            self.num_batches: Optional[int] = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            self.num_batches = None
+        if self.num_batches == 0:
+            raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
+                             "larger than the data set with drop_last=True?)")
+        self.segment, self.run_info = checkpoint_settings(pipe.spec, self.num_batches, settings.checkpoint_every,
+                                                          settings.continuous, settings.eval_every)
+        if settings.resume and settings.store is None:
+            raise ValueError("resume=True needs checkpoint_dir")
+        self.epoch_metrics: List[Dict[str, Any]] = []
+        self.evaluations: List[Dict[str, Any]] = []
+        self.seconds_before = 0.0       #: training time of the run before its checkpoint (after a resume)
+        self.start = (0, 0)             #: (epoch, mini-batch) the run starts from
+        self.resume_rng: Optional[Dict[str, Any]] = None
+        self.epoch_rng: Optional[torch.Tensor] = None
+        self.batch_base = pipe.batches_done  #: mini-batches fed before this run
+        self.probes_seen = [0] * len(pipe.stages)
+        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations
+        # within an epoch (which the epochs' and the run's throughput leave out; as before
+        # eval_every, they include the epoch-end evaluations and the checkpoint writes)
+        self.paused = {"eval": 0.0, "save": 0.0, "mid_eval": 0.0, "mid_eval_epoch": 0.0}
+        self.started = self.epoch_start = 0.0
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        pipe, settings = self.pipe, self.settings
+        if settings.resume:
+            self.resume()
+        first_loss = 0 if settings.resume and sum(self.start) else len(pipe.losses)
+        pipe._label = lambda index: self.label(index - first_loss)
+        pipe._on_batch = settings.on_batch
+        self.started = self.epoch_start = time.perf_counter()
+        samples_at_start = pipe.samples_done
+        try:
+            sizes: List[Tuple[int, int, int]] = []  # continuous runs: (epoch, mini-batches, samples)
+            for epoch in range(self.start[0], settings.epochs):
+                batches, samples = self.train_epoch(epoch)
+                if settings.continuous:
+                    sizes.append((epoch, batches, samples))
+                else:
+                    self.end_epoch(epoch, batches, samples)
+            if settings.continuous:
+                self.end_continuous(sizes)
+        finally:
+            pipe._on_batch = None
+        elapsed = time.perf_counter() - self.started - self.paused["mid_eval"]
+        result = self.result(pipe.samples_done - samples_at_start, elapsed)
+        result.metrics["evaluations"] = self.evaluations
+        return result
+
+    def label(self, index: int) -> str:
+        """How an error names the run's ``index``-th mini-batch."""
+        if self.num_batches is None:
+            return f"mini-batch {index}"
+        return f"mini-batch {index % self.num_batches} of epoch {index // self.num_batches}"
+
+    def resume(self) -> None:
+        """Load the newest checkpoint, if any, and continue from its position."""
+        pipe = self.pipe
+        found = load_checkpoint(pipe.world, self.settings.store, pipe.stages, self.run_info)
+        if found is None:
+            return
+        manifest, self.resume_rng = found
+        pipe.losses = list(manifest["losses"])
+        per_epoch = self.run_info["batches_per_epoch"]
+        pipe.batches_done = manifest["batch"] + manifest["epoch"] * per_epoch if per_epoch else len(pipe.losses)
+        pipe.samples_done = int(manifest.get("samples_done", 0))
+        self.epoch_metrics = manifest["epoch_metrics"]
+        self.evaluations = list(manifest.get("evaluations", []))
+        self.seconds_before = float(manifest.get("train_seconds", 0.0))
+        self.start = (manifest["epoch"], manifest["batch"])
+        self.epoch_rng = _decode_rng(manifest.get("epoch_rng"))
+        self.batch_base = 0
+
+    def train_epoch(self, epoch: int) -> Tuple[int, int]:
+        """Feed one epoch (after a resume: the rest of it), draining, evaluating and
+        checkpointing where due within it; (mini-batches, samples) fed."""
+        pipe, settings, num_batches = self.pipe, self.settings, self.num_batches
+        skip = self.start[1] if epoch == self.start[0] else 0
+        if self.resume_rng is not None and not skip:
+            set_rng_state(self.resume_rng)  # the loader is created from the checkpoint's RNG
+            self.resume_rng = None
+        if skip and self.epoch_rng is not None:
+            torch.set_rng_state(self.epoch_rng)  # as when this epoch's loader was first created
+        epoch_rng_now = torch.get_rng_state()
+        batch, samples = 0, 0
+        for inputs, target in self.loader:
+            if batch < skip:
+                batch += 1
+                continue
+            if self.resume_rng is not None:
+                set_rng_state(self.resume_rng)  # the loader is positioned: continue the checkpoint's RNG
+                self.resume_rng = None
+            if pipe.drained:
+                pipe._expected = self.segment_length(epoch, batch)
+            pipe.step(inputs, target)
+            samples += batch_size(inputs)
+            batch += 1
+            if settings.continuous or batch == num_batches:
+                continue
+            checkpoint_due = bool(settings.checkpoint_every) and batch % settings.checkpoint_every == 0
+            eval_due = bool(settings.eval_every) and batch % settings.eval_every == 0
+            if checkpoint_due or eval_due:
+                pipe.flush()  # a segment ends at every checkpoint and every evaluation
+                if eval_due:
+                    began = time.perf_counter()
+                    self.evaluation(epoch)
+                    self.paused["mid_eval_epoch"] += time.perf_counter() - began
+                if checkpoint_due and settings.store is not None:
+                    self.save(epoch, batch, epoch_rng_now)
+        if batch == 0:
+            raise ValueError(f"the loader yielded no mini-batches in epoch {epoch}")
+        if num_batches is not None and batch != num_batches:
+            raise ValueError(f"the loader yielded {batch} mini-batches in epoch {epoch} but its "
+                             f"len() is {num_batches}")
+        return batch, samples
+
+    def segment_length(self, epoch: int, batch: int) -> Optional[int]:
+        """How many mini-batches the segment starting now holds, if known: up to the next
+        checkpoint or evaluation, or the epoch's end (a continuous run: the run's end)."""
+        if self.num_batches is None:
+            return None
+        if self.settings.continuous:
+            return self.num_batches * (self.settings.epochs - epoch) - batch
+        return next_drain(batch, self.num_batches, (self.segment, self.settings.eval_every)) - batch
+
+    def end_epoch(self, epoch: int, batches: int, samples: int) -> None:
+        """Drain, record the epoch, evaluate, checkpoint."""
+        pipe = self.pipe
+        pipe.flush()
+        seconds = time.perf_counter() - self.epoch_start - self.paused["mid_eval_epoch"]
+        self.close_epoch(epoch, seconds, samples, pipe.losses[len(pipe.losses) - batches:])
+        self.finish_epoch_entry(epoch)
+        if self.settings.store is not None:
+            self.save(epoch + 1, 0, None)
+        self.epoch_start = time.perf_counter()
+        self.paused["mid_eval"] += self.paused["mid_eval_epoch"]
+        self.paused["mid_eval_epoch"] = 0.0
+
+    def end_continuous(self, sizes: List[Tuple[int, int, int]]) -> None:
+        """A continuous run's one drain: every epoch recorded, the time shared out evenly."""
+        pipe = self.pipe
+        pipe.flush()
+        per_epoch = (time.perf_counter() - self.epoch_start) / max(1, len(sizes))
+        index = len(pipe.losses) - sum(b for _, b, _ in sizes)
+        for epoch, count, samples in sizes:
+            self.close_epoch(epoch, per_epoch, samples, pipe.losses[index:index + count])
+            index += count
+        self.finish_epoch_entry(sizes[-1][0])
+
+    def close_epoch(self, epoch: int, seconds: float, samples: int, losses: List[float]) -> None:
+        self.epoch_metrics.append({"epoch": epoch, "loss": sum(losses) / len(losses), "seconds": seconds,
+                                   "samples_per_second": samples / seconds if seconds > 0 else 0.0})
+
+    def finish_epoch_entry(self, epoch: int) -> None:
+        """The last epoch's diagnostics and evaluation; then ``on_epoch``."""
+        pipe, entry = self.pipe, self.epoch_metrics[-1]
+        if any(s.diagnose_every for s in pipe.stages):
+            own = [s.diagnostics_summary(i) for s, i in zip(pipe.stages, self.probes_seen)]
+            self.probes_seen = [len(s.diagnostics) for s in pipe.stages]
+            entry["prediction_error"] = pipe.world.all_stages(own, "gathering the diagnostic")
+        value = self.evaluation(epoch)
+        if value is not None:
+            entry["metric"] = value
+        if self.settings.on_epoch is not None:
+            self.settings.on_epoch(entry["epoch"], entry)
+
+    # -- evaluations and checkpoints --------------------------------------------------------
+    def train_seconds(self) -> float:
+        """The run's training time so far: fit's time less evaluations and checkpoint writes."""
+        return self.seconds_before + time.perf_counter() - self.started - self.paused["eval"] - self.paused["save"]
+
+    def evaluation(self, epoch: int) -> Optional[float]:
+        """Evaluate the drained pipeline and record it (once per point: a drain at the epoch's
+        end may already have evaluated); None without anything to evaluate."""
+        pipe, settings = self.pipe, self.settings
+        trained = pipe.batches_done - self.batch_base
+        if self.evaluations and self.evaluations[-1]["batch"] == trained:
+            return self.evaluations[-1]["metric"]
+        if settings.evaluate is None and settings.eval_loader is None:
+            return None
+        seconds = self.train_seconds()
+        began = time.perf_counter()
+        if settings.evaluate is not None:
+            value = pipe.evaluate_model(settings.evaluate)
+        else:
+            value = pipe.evaluate(settings.eval_loader, settings.metric)
+        self.paused["eval"] += time.perf_counter() - began
+        entry = {"epoch": epoch, "batch": trained, "updates": int(pipe.stages[0].policy.version),
+                 "metric": value, "seconds": seconds}
+        self.evaluations.append(entry)
+        if settings.on_eval is not None:
+            settings.on_eval(entry)
+        return value
+
+    def save(self, epoch: int, batch: int, rng: Optional[torch.Tensor]) -> None:
+        """Checkpoint the drained pipeline at (epoch, batch); ``rng``: the epoch's RNG at its start."""
+        pipe, began = self.pipe, time.perf_counter()
+        fields = {**self.run_info, "losses": pipe.losses, "epoch_metrics": self.epoch_metrics,
+                  "samples_done": pipe.samples_done, "epoch_rng": _encode_rng(rng),
+                  "evaluations": self.evaluations, "train_seconds": self.train_seconds()}
+        save_checkpoint(pipe.world, self.settings.store, pipe.stages, (epoch, batch), fields)
+        self.paused["save"] += time.perf_counter() - began
+
+    # -- the result -------------------------------------------------------------------------
+    def result(self, samples: int, elapsed: float) -> TrainResult:
+        """The losses, traces and metrics of the run, the same on every rank."""
+        pipe, spec = self.pipe, self.pipe.spec
+        reports = pipe.world.all_stages([stage_report(s, pipe.world) for s in pipe.stages],
+                                        "gathering the stages' measurements")
+        trace = sorted((e for r in reports for e in r["trace"]), key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
+        diagnosing = any(r["diagnostics"] is not None for r in reports)
+        metrics = {
+            "method": spec.method, "options": spec.options, "stages": spec.stages,
+            "partition": spec.partition, "microbatches": spec.microbatches, "epochs": self.epoch_metrics,
+            "samples_per_second": samples / elapsed if elapsed > 0 else 0.0, "seconds": elapsed,
+            "weight_versions": [r["versions"] for r in reports],
+            "weight_versions_design": pipe.method.weight_versions(spec.stages, **spec.options),
+            "stage_seconds": [r["seconds"] for r in reports],
+            "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
+            "devices": [r["device"] for r in reports], "precision": pipe.precision,
+            "processes": pipe.world.processes, "comm": [r["comm"] for r in reports],
+        }
+        updates = [u for r in reports for u in r["updates"]]
+        return TrainResult(list(pipe.losses), trace, pipe._model, metrics, updates)
+
+
+def stage_report(stage: Any, world: Any) -> Dict[str, Any]:
+    """What one stage measured: weight copies at the peak, trace, updates, seconds per pass,
+    diagnostics, device, and its messages to its neighbours (per link: bytes, seconds waited)."""
+    return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
+            "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
+            "diagnostics": stage.diagnostics_summary() if stage.diagnose_every else None,
+            "device": str(stage.device), "comm": world.comm_stats()}
+
+
+def _encode_rng(state: Optional[torch.Tensor]) -> Optional[str]:
+    return base64.b64encode(state.numpy().tobytes()).decode() if state is not None else None
+
+
+def _decode_rng(text: Optional[str]) -> Optional[torch.Tensor]:
+    if not text:
+        return None
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()

@@ -1,0 +1,283 @@
+"""Where a Pipeline's stages run: the one interface of the local and the torchrun case.
+
+A :class:`~pipeoptim.pipeline.Pipeline` never asks which case it is in. It asks its *world*:
+how many stages and replicas the job makes, which stage this process builds, which executor
+runs a segment, how the losses of a segment reach every rank, how a value of one stage or of
+every stage reaches every rank, how the model is evaluated, and when the world ends. Two
+worlds implement the same methods:
+
+* :class:`LocalWorld`: every stage in this process (one or several devices); nothing to share.
+* :class:`~pipeoptim.torchrun.Torchrun`: one stage per process under torchrun, the values shared
+  over the pipeline's own control group.
+
+The checkpoint of a run is written and read by one piece of code for both worlds
+(:func:`save_checkpoint`, :func:`load_checkpoint`), built on the world's ``share``,
+``all_stages`` and ``barrier``: each process writes the stage files of the stages it holds, the
+first stage of the first replica the manifest once every file is complete.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
+
+import torch
+from torch import nn
+
+from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, prune, read_manifest,
+                         save_manifest, save_stage)
+from .errors import CheckpointError
+from .runtime.local import LocalExecutor
+from .runtime.microbatch import batch_size
+from .runtime.segment import ScheduleFor
+from .runtime.stage import Stage, to_device
+
+DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
+T = TypeVar("T")
+
+
+class World(Protocol):
+    """What a Pipeline needs from the place its stages run (see the module's docstring)."""
+
+    rank: int              #: this process's rank in the job (0 in one process)
+    replica: int           #: which replica of the pipeline this process belongs to
+    replicas: int          #: replicas of the pipeline (1 without data parallelism)
+    processes: int         #: processes of the job (1 in one process)
+    #: True where the losses are checked and reported at each drain, on every rank at once
+    #: (:meth:`share_losses`); False where they are reported as each completes
+    losses_at_drain: bool
+
+    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
+        """(stages, replicas) of the job; refuses settings the world cannot run."""
+
+    def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
+        """The device of each stage (the ones this process does not hold: its own device)."""
+
+    def own_stage(self, stages: int) -> Optional[int]:
+        """The one stage this process builds, or None for all of them."""
+
+    def connect(self, stages: List[Stage], replicas: int) -> None:
+        """Make the links between the stages (and the replicas); every rank at the same point."""
+
+    def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
+                 trace_offset: int, clip_global: Optional[float]) -> Any:
+        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` / ``take_completed``)."""
+
+    def share_losses(self, losses: List[float]) -> List[float]:
+        """A drained segment's losses as every rank must record them."""
+
+    def share(self, value: T, src: int, what: str) -> T:
+        """Stage ``src``'s ``value`` on every rank (``what``: the step, for errors)."""
+
+    def all_stages(self, own: List[T], what: str) -> List[T]:
+        """One value per stage, in stage order, on every rank; ``own`` holds this process's stages'."""
+
+    def barrier(self, what: str) -> None:
+        """Wait until every stage of the pipeline is here."""
+
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
+        """The mean of ``score(output, target)`` over the samples of ``loader``, a forward pass
+        through every stage; on every rank."""
+
+    def forward(self, stages: List[Stage], inputs: Any) -> Any:
+        """The output of the whole model for ``inputs`` (one process only)."""
+
+    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
+        """Load every stage's live weights into ``model`` (this process's copy of the whole)."""
+
+    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
+                       evaluate: Callable[[nn.Module], float]) -> float:
+        """``evaluate(the trained model)``, measured once and shared with every rank."""
+
+    def comm_stats(self) -> Dict[str, Dict[str, float]]:
+        """This process's messages to its neighbours so far: per link, bytes and seconds waited."""
+
+    def close(self) -> None:
+        """End this process's part of the job (a second call does nothing)."""
+
+
+class OnStageDevices(nn.Module):
+    """The trained model as one module whose forward runs each stage's layers on that stage's
+    device, moving the activations between them, and returns the output on the CPU: what a
+    task's evaluation (written for a model on one device) can call when the stages are spread.
+    ``train()``/``eval()`` reach the model inside."""
+
+    def __init__(self, model: nn.Sequential, stages: Sequence[Stage]) -> None:
+        super().__init__()
+        self.model = model
+        self._parts = [(stage.module, stage.device) for stage in stages]
+
+    def forward(self, inputs: Any) -> Any:
+        value = inputs
+        for module, device in self._parts:
+            value = module(to_device(value, device))
+        return to_device(value, torch.device("cpu"))
+
+
+def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
+    """One device per stage. ``"auto"``: ``cuda:0..N-1`` when N GPUs are visible, the GPUs in
+    contiguous blocks when fewer are (stage k on ``cuda:k*G//N``), else the CPU. One device
+    (``"cpu"``, ``"cuda:1"``) puts every stage there; a list gives stage k ``devices[k]``."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if isinstance(devices, str) and devices == "auto":
+        if visible == 0:
+            return [torch.device("cpu")] * stages
+        return [torch.device("cuda", k * visible // stages) for k in range(stages)]
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices] * stages
+    try:
+        chosen = [torch.device(d) for d in devices]
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"devices: {error}; give 'auto', a device such as 'cpu' or 'cuda:0', or "
+                         f"one per stage") from None
+    if len(chosen) != stages:
+        raise ValueError(f"devices lists {len(chosen)} devices for {stages} stages; give one per "
+                         f"stage, one device for all, or 'auto'")
+    for d in chosen:
+        if d.type == "cuda":
+            index = d.index if d.index is not None else 0
+            if index >= visible:
+                raise ValueError(f"device {d} does not exist: {visible} CUDA device(s) visible; "
+                                 f"use devices='auto' or fewer stages per GPU")
+        elif d.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ValueError("device mps is not available on this machine")
+    return [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in chosen]
+
+
+class LocalWorld:
+    """Every stage in this process: the executor runs them all, every value is already here."""
+
+    rank, replica, replicas, processes = 0, 0, 1, 1
+    losses_at_drain = False
+
+    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
+        if data_parallel not in (None, 1):
+            raise ValueError(f"data_parallel={data_parallel} needs torchrun with N x {data_parallel} "
+                             f"processes (one per stage of each replica)")
+        return stages, 1
+
+    def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
+        return resolve_devices(devices, stages)
+
+    def own_stage(self, stages: int) -> Optional[int]:
+        return None
+
+    def connect(self, stages: List[Stage], replicas: int) -> None:
+        pass  # the stages hand their values over in memory
+
+    def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
+                 trace_offset: int, clip_global: Optional[float]) -> LocalExecutor:
+        return LocalExecutor(stages, schedule_for, expected=expected, trace_offset=trace_offset,
+                             clip_global=clip_global)
+
+    def share_losses(self, losses: List[float]) -> List[float]:
+        return losses
+
+    def share(self, value: T, src: int, what: str) -> T:
+        return value
+
+    def all_stages(self, own: List[T], what: str) -> List[T]:
+        return list(own)
+
+    def barrier(self, what: str) -> None:
+        pass
+
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
+        total, count, values = 0.0, 0, []
+        for inputs, target in loader:
+            out = self.forward(stages, inputs)
+            n = batch_size(inputs)
+            with stages[-1].autocast():
+                values.append((score(out, to_device(target, stages[-1].device)), n))
+            count += n
+        if count == 0:
+            raise ValueError("the evaluation loader yielded no mini-batches")
+        for value, n in values:  # read back once the device has all the work queued
+            total += float(value) * n
+        return total / count
+
+    def forward(self, stages: List[Stage], inputs: Any) -> Any:
+        value = inputs
+        for stage in stages:
+            with stage.autocast():
+                value = stage.module(to_device(value, stage.device))
+        return value
+
+    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
+        pass  # the stages' modules are the model's own layers
+
+    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
+                       evaluate: Callable[[nn.Module], float]) -> float:
+        on_cpu = all(stage.device.type == "cpu" for stage in stages)
+        value = float(evaluate(model if on_cpu else OnStageDevices(model, stages)))
+        model.train()
+        return value
+
+    def comm_stats(self) -> Dict[str, Dict[str, float]]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+# -- the checkpoint of a run: one writer, one reader ------------------------------------------
+
+def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tuple[int, int],
+                    fields: Dict[str, Any]) -> Path:
+    """Checkpoint a drained pipeline at ``position`` = (epoch, batch): each process writes its
+    stages' files, the first stage the manifest (``fields`` in it as they are) once every file
+    is complete, then prunes the older checkpoints; nobody goes on before the manifest names
+    the new checkpoint as the latest. Every stage file is written once: by the first replica."""
+    folder = store / checkpoint_name(*position)
+    if world.replica != 0:
+        return folder
+    written = []
+    for stage in stages:
+        try:
+            written.append((stage.index, save_stage(stage, folder), None))
+        except OSError as error:  # every rank must hear of it, or the others wait at the gather
+            written.append((stage.index, None, str(error)))
+    written = world.all_stages(written, "collecting the checkpoint's checksums")
+    for index, _, problem in written:
+        if problem is not None:
+            raise CheckpointError(f"{folder / f'stage-{index}.pt'}: cannot be written ({problem})")
+    if stages[0].index == 0:
+        epoch, batch = position
+        save_manifest(folder, {**fields, "epoch": epoch, "batch": batch},
+                      {index: digest for index, digest, _ in written})
+        prune(store, keep=2)
+    world.barrier("waiting for the checkpoint's manifest")
+    return folder
+
+
+def load_checkpoint(world: World, store: Path, stages: List[Stage],
+                    run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """Load this process's stages from the newest checkpoint in ``store`` (the first stage
+    picks it): its manifest and the saved RNG state (not applied), or None if the run has none
+    yet. A file refused on any rank is refused on all, with that rank's reason."""
+    choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
+    if stages[0].index == 0:
+        try:
+            folder = latest_checkpoint(store)
+            choice = (folder.name if folder is not None else None, None)
+        except CheckpointError as error:
+            choice = (None, str(error))
+    name, problem = world.share(choice, 0, "agreeing on the checkpoint to resume from")
+    if problem:
+        raise CheckpointError(problem)
+    if name is None:
+        return None
+    folder = store / name
+    manifest, problem, rng = None, None, None
+    try:
+        manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
+        for stage in stages:
+            rng = load_stage(folder, manifest, stage)["rng"]
+    except CheckpointError as error:
+        problem = str(error)
+    problems = [p for p in world.all_stages([problem] * len(stages), "loading the checkpoint") if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return manifest, rng

@@ -1,0 +1,92 @@
+"""The plain command trains with the task's recipe (pipeoptim.tasks.recipes) and each method's
+tuned peak lr, says where the lr came from, and lets every flag override its setting."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.cli import main
+from pipeoptim.tasks.recipes import RECIPES, TUNED_LRS, default_lr, describe, recipe, tuned_lrs
+from pipeoptim.tasks import task_names
+
+
+def test_every_task_has_a_recipe_with_a_known_model_and_schedule():
+    from pipeoptim.lr_schedules import LR_SCHEDULES
+    from pipeoptim.optimizers import optimizer_names
+    from pipeoptim.tasks import get_task
+
+    assert sorted(RECIPES) == sorted(task_names())
+    for name, r in RECIPES.items():
+        assert r.model in get_task(name).model_names()
+        assert r.optimizer in optimizer_names() and r.lr_schedule in LR_SCHEDULES
+    assert {t for t, _, _ in TUNED_LRS} == {"image", "sentiment", "lm"}  # translation: not studied
+
+
+def test_the_default_lr_is_the_tuned_one_then_the_recipes_then_none():
+    assert default_lr("image", "momentum", "pipeoptim") == (
+        0.005, "tuned for pipeoptim, image, momentum, N = 8 (second study, docs/results.md); --lr overrides")
+    lr, source = default_lr("lm", "adamw", "gpipe")  # equal to sequential: sequential's tuned lr
+    assert lr == 0.004 and source.startswith("tuned for gpipe (as sequential, which it equals), lm, adamw")
+    lr, source = default_lr("translation", "adamw", "pipeoptim")  # nothing tuned: the recipe's
+    assert lr == 1e-3 and source.startswith("not tuned for pipeoptim on translation with adamw: the recipe's")
+    lr, source = default_lr("image", "nesterov", "pipeoptim")  # another optimizer: the task knows
+    assert lr is None and "the task's usual lr" in source
+    with pytest.raises(ValueError, match="no recipe for task 'nope'"):
+        recipe("nope")
+
+
+def test_describe_lists_the_tuned_lrs_per_optimizer():
+    assert tuned_lrs("sentiment") == {"adamw": {"async-naive": 0.008, "pipedream": 0.004, "pipedream-2bw": 0.008,
+                                                "pipeoptim": 0.008, "sequential": 0.008, "spectrain": 0.008,
+                                                "xpipe": 0.008}}
+    assert describe("translation").endswith("no lr tuned per method yet: every method starts from the recipe's lr")
+
+
+QUICK = ["--task", "image", "--model", "mlp", "--limit", "64", "--stages", "2", "--no-progress"]
+
+
+def train(tmp_path: Path, capsys, *extra: str) -> tuple:
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--out", str(out), *extra]) == 0
+    printed = capsys.readouterr().out
+    return json.loads((out / "config.json").read_text()), json.loads((out / "summary.json").read_text()), printed
+
+
+def test_the_plain_command_runs_the_recipe_with_the_tuned_lr(tmp_path, capsys):
+    config, summary, printed = train(tmp_path, capsys, "--method", "pipeoptim")
+    image = RECIPES["image"]
+    assert (config["optimizer"], config["lr"], config["lr_schedule"], config["epochs"], config["batch_size"],
+            config["clip_grad"]) == (image.optimizer, 0.001, "warmup-cosine", image.epochs, image.batch_size, None)
+    source = "tuned for pipeoptim, image, adamw, N = 8 (second study, docs/results.md); --lr overrides"
+    assert config["lr_source"] == summary["lr_source"] == source
+    assert f"pipeoptim: lr 0.001: {source}" in printed
+    assert len(summary["epochs_detail"]) == image.epochs
+
+
+def test_each_flag_overrides_the_recipe(tmp_path, capsys):
+    config, summary, printed = train(tmp_path, capsys, "--method", "gpipe", "--lr", "0.02", "--optimizer",
+                                     "momentum", "--epochs", "1", "--lr-schedule", "constant",
+                                     "--clip-grad", "2.5", "--batch-size", "32")
+    assert (config["optimizer"], config["lr"], config["lr_source"], config["lr_schedule"], config["epochs"],
+            config["batch_size"], config["clip_grad"]) == ("momentum", 0.02, "--lr", "constant", 1, 32, 2.5)
+    assert config["clip_scope"] == "global"  # a synchronous method clips as the plain loop does
+    assert "gpipe: lr 0.02: --lr" in printed
+
+
+def test_an_untuned_combination_falls_back_and_says_so(tmp_path, capsys):
+    config, summary, printed = train(tmp_path, capsys, "--method", "pipeoptim", "--optimizer", "nesterov",
+                                     "--epochs", "1", "--batch-size", "16", "--clip-grad", "none")
+    assert config["lr"] == 0.01 and config["clip_grad"] is None  # the image task's lr for nesterov
+    assert summary["lr_source"] == ("not tuned for pipeoptim on image with nesterov: the task's usual lr "
+                                    "for it; --lr overrides")
+    assert "pipeoptim: lr 0.01: not tuned for pipeoptim on image with nesterov" in printed
+
+
+def test_the_readme_shows_the_recipes_as_they_are():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for task, r in RECIPES.items():
+        clip = "none" if r.clip_grad is None else f"{r.clip_grad:.1f}"
+        row = f"| {task} | {r.model} | {r.optimizer} {r.lr:g} | {r.lr_schedule} | {clip} | {r.batch_size} | {r.epochs} |"
+        assert row in readme, row
