@@ -137,7 +137,8 @@ def test_a_nan_loss_stops_every_stage_and_keeps_the_last_good_checkpoint(tmp_pat
     run = tmp_path / "run"
     done = subprocess.run(_cli("train", "--runtime", "distributed", "--task", "image", "--model", "mlp",
                                "--stages", "2", "--epochs", "1", "--limit", "1280", "--checkpoint-every", "3",
-                               "--lr", "5", "--no-progress", "--out", str(run)),
+                               "--optimizer", "momentum", "--lr-schedule", "constant", "--lr", "5",
+                               "--no-progress", "--out", str(run)),
                           env=_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stderr[-3000:]
     last = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["checkpoint"]
