@@ -44,7 +44,6 @@ CASES = [
     (["train", "--optimizer", "muon", "--adamw-lr", "0"], "--adamw-lr must be positive, got 0.0"),
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),
-    (["train", "--runtime", "distributed", "--diagnose-every", "3"], "--diagnose-every works with --runtime local"),
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),

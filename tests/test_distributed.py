@@ -425,23 +425,33 @@ def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
 
 #: every option of a run the local runtime takes beside the method's (schedule, warm-up, clipping,
 #: precision, evaluations within the epoch, a validation split)
-RUN_FLAGS = ["--lr-schedule", "warmup-cosine", "--warmup-steps", "3", "--clip-grad", "0.5",
-             "--precision", "bf16", "--eval-every", "3", "--holdout", "64"]
+#: each run flag alone, then all of them together (the flags a local run takes beyond TRAIN_ARGS)
+RUN_FLAGS = {
+    "schedule": ["--lr-schedule", "warmup-cosine", "--warmup-steps", "3"],
+    "clip": ["--clip-grad", "0.5"],
+    "bf16": ["--precision", "bf16"],
+    "eval-every": ["--eval-every", "3"],
+    "holdout": ["--holdout", "64"],
+    "diagnose": ["--diagnose-every", "2"],
+}
+RUN_FLAGS["all"] = [flag for flags in RUN_FLAGS.values() for flag in flags]
 
 
 @pytest.mark.timeout(240)
-def test_every_run_option_gives_the_local_runtimes_numbers_on_two_processes(tmp_path, capfd):
+@pytest.mark.parametrize("case", list(RUN_FLAGS))
+def test_each_run_option_gives_the_local_runtimes_numbers_on_two_processes(case, tmp_path, capfd):
     """`--runtime distributed` builds the same Pipeline from the same settings as `--runtime
-    local`: the same losses, evaluations (pipelined across the processes) and test metric, and
-    the same run folder."""
+    local`: the same losses, evaluations (pipelined across the processes), test metric,
+    diagnostics and run folder, for each run flag alone and for all of them together."""
     from pipeoptim.cli import main
 
     _image_data_or_skip()
+    flags = RUN_FLAGS[case]
     runs = {}
     for runtime in ("distributed", "local"):
         out = tmp_path / runtime
         assert main(["train", "--runtime", runtime, "--method", "pipeoptim", "--out", str(out),
-                     *TRAIN_ARGS, *RUN_FLAGS]) == 0
+                     *TRAIN_ARGS, *flags]) == 0
         summary = json.loads(capfd.readouterr().out)
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[runtime] = summary, lines, json.loads((out / "config.json").read_text())
@@ -449,14 +459,19 @@ def test_every_run_option_gives_the_local_runtimes_numbers_on_two_processes(tmp_
     assert got["runtime"] == "distributed" and "runtime" not in local
     assert got_config == local_config
     assert len(got["losses"]) == 8 and got["losses"] == local["losses"]
-    assert [(e["epoch"], e["batch"], e["updates"]) for e in got["evaluations"]] == \
-        [(0, 3, 3), (0, 6, 6), (0, 8, 8)]
+    if "--eval-every" in flags:
+        assert [(e["epoch"], e["batch"], e["updates"]) for e in got["evaluations"]] == \
+            [(0, 3, 3), (0, 6, 6), (0, 8, 8)]
     for key in ("epoch", "batch", "updates", "metric"):
         assert [e[key] for e in got["evaluations"]] == [e[key] for e in local["evaluations"]]
-    for key in ("final_metric", "validation_metric", "best_metric", "final_loss", "eval_split", "holdout"):
-        assert got[key] == local[key], key
-    assert [(x["type"], x.get("batch"), x.get("loss"), x.get("metric")) for x in got_lines] == \
-        [(x["type"], x.get("batch"), x.get("loss"), x.get("metric")) for x in local_lines]
+    for key in ("final_metric", "validation_metric", "best_metric", "final_loss", "eval_split", "holdout",
+                "prediction_error"):
+        assert got.get(key) == local.get(key), key
+    assert (got.get("prediction_error") is not None) == ("--diagnose-every" in flags)
+    assert [(x["type"], x.get("batch"), x.get("loss"), x.get("metric"), x.get("prediction_error"))
+            for x in got_lines] == \
+        [(x["type"], x.get("batch"), x.get("loss"), x.get("metric"), x.get("prediction_error"))
+         for x in local_lines]
     assert set(got) - {"runtime", "device"} == set(local)
 
 

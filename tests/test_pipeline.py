@@ -543,3 +543,29 @@ def test_the_pipeline_runs_through_the_world_it_is_given(monkeypatch, tmp_path):
         set(world.asked)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == \
         sorted(p.name for p in (tmp_path / "a").iterdir())
+
+
+def test_reporting_calls_back_per_loss_and_names_the_mini_batch_in_errors():
+    from pipeoptim.errors import NonFiniteLoss
+
+    pipe = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgdm)
+    batches, seen = data(4), []
+    with pipe.reporting(lambda index, loss: seen.append((index, loss)), label=lambda index: f"step {index + 10}"):
+        for x, y in batches:
+            pipe.step(x, y, segment_length=len(batches))
+        pipe.flush()
+        assert seen == list(enumerate(pipe.losses)) and len(seen) == 4
+        x, y = batches[0]
+        with pytest.raises(NonFiniteLoss, match="loss became nan at step 14$"):
+            pipe.step(torch.full_like(x, float("nan")), y)
+            pipe.flush()
+    pipe = Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgdm)
+    with pipe.reporting(lambda index, loss: seen.append((index, loss))):
+        pass
+    for x, y in batches:  # outside the block: no callback, the default name
+        pipe.step(x, y)
+    pipe.flush()
+    assert len(seen) == 4
+    with pytest.raises(NonFiniteLoss, match="loss became nan at mini-batch 4$"):
+        pipe.step(torch.full_like(batches[0][0], float("nan")), batches[0][1])
+        pipe.flush()

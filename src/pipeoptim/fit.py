@@ -95,11 +95,9 @@ class FitRun:
         if settings.resume:
             self.resume()
         first_loss = 0 if settings.resume and sum(self.start) else len(pipe.losses)
-        pipe._label = lambda index: self.label(index - first_loss)
-        pipe._on_batch = settings.on_batch
         self.started = self.epoch_start = time.perf_counter()
         samples_at_start = pipe.samples_done
-        try:
+        with pipe.reporting(settings.on_batch, lambda index: self.label(index - first_loss)):
             sizes: List[Tuple[int, int, int]] = []  # continuous runs: (epoch, mini-batches, samples)
             for epoch in range(self.start[0], settings.epochs):
                 batches, samples = self.train_epoch(epoch)
@@ -109,8 +107,6 @@ class FitRun:
                     self.end_epoch(epoch, batches, samples)
             if settings.continuous:
                 self.end_continuous(sizes)
-        finally:
-            pipe._on_batch = None
         elapsed = time.perf_counter() - self.started - self.paused["mid_eval"]
         result = self.result(pipe.samples_done - samples_at_start, elapsed)
         result.metrics["evaluations"] = self.evaluations
@@ -159,9 +155,7 @@ class FitRun:
             if self.resume_rng is not None:
                 set_rng_state(self.resume_rng)  # the loader is positioned: continue the checkpoint's RNG
                 self.resume_rng = None
-            if pipe.drained:
-                pipe._expected = self.segment_length(epoch, batch)
-            pipe.step(inputs, target)
+            pipe.step(inputs, target, segment_length=self.segment_length(epoch, batch) if pipe.drained else None)
             samples += batch_size(inputs)
             batch += 1
             if settings.continuous or batch == num_batches:

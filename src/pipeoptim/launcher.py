@@ -79,8 +79,8 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
     return {"timeout": float(timeout), "device": distributed_device(getattr(args, "device", "cpu")),
-            "threads": threads,
-            "json": bool(args.json), "progress": not args.no_progress}
+            "threads": threads, "json": bool(args.json), "progress": not args.no_progress,
+            "diagnose_every": int(getattr(args, "diagnose_every", 0) or 0)}
 
 
 def distributed_device(device: str) -> str:
@@ -151,7 +151,7 @@ def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
 
 
 def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-           json: bool, progress: bool, resume: bool = False) -> int:
+           json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
     """Start one process per stage on this machine (torchrun's agent, in this process) and wait
     for them. If a stage fails, the others are stopped at once and the reply names the stage
     that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
@@ -166,7 +166,7 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     with interrupt_on_signals():
         try:
             return _launch(cfg, out=out, timeout=timeout, device=device, threads=threads, json=json,
-                           progress=progress, resume=resume)
+                           progress=progress, resume=resume, diagnose_every=diagnose_every)
         except Interrupted as stop:
             if str(stop):  # a stage was signalled: already said
                 raise
@@ -176,7 +176,7 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 
 
 def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-            json: bool, progress: bool, resume: bool) -> int:
+            json: bool, progress: bool, resume: bool, diagnose_every: int) -> int:
     import json as _json
 
     check_before_launch(cfg)
@@ -192,7 +192,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
         config.write_text(_json.dumps({
             "kind": "train", "config": dataclasses.asdict(cfg), "out": str(out) if out is not None else None,
             "timeout": timeout, "device": device, "threads": threads, "json": json, "progress": progress,
-            "resume": resume,
+            "resume": resume, "diagnose_every": diagnose_every,
         }))
         if not json:
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
@@ -382,7 +382,7 @@ def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
 
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-           json: bool, progress: bool, resume: bool = False) -> int:
+           json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
     """One process of a distributed `pipeoptim train`: its stage of the run's Pipeline, built
     and trained by :func:`pipeoptim.experiment.run_experiment` from the same settings as a local
     run. Rank 0 names the run folder (every rank learns it from rank 0), writes it and the
@@ -415,6 +415,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         _this_stage.update(stage=rank, out=out)
         write_status(out, rank, state="running", rank=rank)
         summary = run_experiment(cfg, out_dir=out, show_progress=progress, log=log, resume=resume,
+                                 diagnose_every=diagnose_every,
                                  processes={"device": device, "timeout": timeout, "threads": threads})
         if rank == 0:
             if json:
@@ -488,7 +489,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return worker(cfg, out=Path(spec["out"]) if spec["out"] else None, timeout=spec["timeout"],
                       device=spec["device"], threads=spec["threads"], json=spec["json"],
-                      progress=spec["progress"], resume=spec.get("resume", False))
+                      progress=spec["progress"], resume=spec.get("resume", False),
+                      diagnose_every=spec.get("diagnose_every", 0))
     except (ValueError, MissingDataError) as error:
         if os.environ.get("PIPEOPTIM_DEBUG"):
             raise

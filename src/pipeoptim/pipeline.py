@@ -27,10 +27,11 @@ which one it is. ``fit``'s loop is :class:`pipeoptim.fit.FitRun`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -178,7 +179,6 @@ class Pipeline:
         self.samples_done = 0
         self._executor: Optional[Any] = None
         self._segment_start = 0          #: index of the open segment's first mini-batch
-        self._expected: Optional[int] = None  #: the open segment's length, if fit knows it
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
 
@@ -188,13 +188,18 @@ class Pipeline:
         """Micro-batches per mini-batch."""
         return self.spec.microbatches
 
-    def step(self, inputs: Any, target: torch.Tensor) -> List[float]:
+    def step(self, inputs: Any, target: torch.Tensor, *, segment_length: Optional[int] = None) -> List[float]:
         """Feed one mini-batch; return the losses of the mini-batches completed meanwhile (an
-        asynchronous pipeline reports a mini-batch's loss when its last stage has it)."""
+        asynchronous pipeline reports a mini-batch's loss when its last stage has it).
+
+        ``segment_length``: read only when this mini-batch opens a segment (the pipeline is
+        drained): how many mini-batches will be fed before the next :meth:`flush`, when known.
+        The schedule is then built once for exactly that many; without it its horizon grows as
+        mini-batches come (the same actions, planned in steps)."""
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
-            self._executor = self.world.executor(self.stages, self._schedule_for, expected=self._expected,
+            self._executor = self.world.executor(self.stages, self._schedule_for, expected=segment_length,
                                                  trace_offset=self.batches_done * self.spec.microbatches,
                                                  clip_global=self.clip_global)
             self._segment_start = self.batches_done
@@ -222,7 +227,22 @@ class Pipeline:
             return done
         finally:
             self._executor = None
-            self._expected = None
+
+    @contextlib.contextmanager
+    def reporting(self, on_batch: Optional[Callable[[int, float], None]] = None,
+                  label: Optional[Callable[[int], str]] = None) -> Iterator[None]:
+        """While open: ``on_batch(index, loss)`` is called for each mini-batch as its loss is
+        known (``index`` counts every mini-batch this Pipeline was fed), and ``label(index)``
+        names a mini-batch in errors (a non-finite loss) instead of "mini-batch INDEX".
+        :meth:`fit` reports through it."""
+        saved = self._on_batch, self._label
+        self._on_batch = on_batch
+        if label is not None:
+            self._label = label
+        try:
+            yield
+        finally:
+            self._on_batch, self._label = saved
 
     def close(self) -> None:
         """Under torchrun: end this process's part of the job now (wait for the sends in flight,

@@ -88,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.diagnose_every < 0:
         raise ValueError(f"--diagnose-every must be 0 (off) or more, got {args.diagnose_every}")
-    if args.diagnose_every and args.runtime != "local":
-        raise ValueError("--diagnose-every works with --runtime local")
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
