@@ -7,8 +7,8 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m pipeoptim compare --task image --model vgg --methods sequential,gpipe,async-naive,pipedream,pipeoptim \
-		--stages 4 --optimizer momentum --epochs 2 --limit 12000 --out runs/demo --overwrite
+	$(PY) -m pipeoptim compare --task image --methods sequential,gpipe,async-naive,pipedream,pipeoptim \
+		--stages 4 --epochs 2 --limit 12000 --out runs/demo --overwrite
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -58,6 +58,17 @@ def torchrun(run_dir: Path, args) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
 
 
+def wait_for_stages(job: subprocess.Popen, limit: float = 300.0) -> float:
+    """Seconds until both stage processes of ``job`` exist (torchrun starts them after its own
+    start-up, which a loaded machine stretches far beyond the random wait before a kill)."""
+    began = time.monotonic()
+    while len(descendants(job.pid)) < 2:
+        if job.poll() is not None or time.monotonic() - began > limit:
+            raise SystemExit(f"torchrun started no stage processes within {limit:g} s (exit {job.poll()})")
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
 def check_newest(store: Path) -> str:
     """The newest checkpoint's name, after checking it is whole."""
     name = json.loads((store / "latest.json").read_text())["checkpoint"]
@@ -85,10 +96,11 @@ def main() -> None:
     cut, kills = root / "cut", []
     for k in range(args.kills):
         job = torchrun(cut, args)
-        wait = rng.uniform(3.0, 10.0)  # start-up takes 2-4 s; a whole run about 35 s
+        started = wait_for_stages(job)  # start-up takes 2-4 s on a quiet machine, far more on a loaded one
+        wait = rng.uniform(1.0, 8.0)  # a whole run takes about 35 s once started
         time.sleep(wait)
         workers = [p for p in descendants(job.pid)]
-        if job.poll() is not None or not workers:
+        if job.poll() is not None or len(workers) < 2:
             _, err = job.communicate()
             raise SystemExit(f"kill {k + 1}: the run ended (exit {job.returncode}) before it could be "
                              f"killed; use a larger --delay. Its last output: {err[-1500:]} "
@@ -100,10 +112,10 @@ def main() -> None:
         gone = time.monotonic() - killed_at
         left = [p for p in descendants(job.pid) if os.path.exists(f"/proc/{p}")]
         newest = check_newest(cut / "checkpoints") if (cut / "checkpoints" / "latest.json").exists() else None
-        kills.append({"after_s": round(wait, 2), "victim": victim, "exit": job.returncode,
+        kills.append({"after_s": round(wait, 2), "start_up_s": round(started, 2), "victim": victim, "exit": job.returncode,
                       "seconds_until_job_ended": round(gone, 2), "processes_left": len(left),
                       "newest_checkpoint": newest})
-        print(f"kill {k + 1}: after {wait:.1f} s, pid {victim}; job ended {gone:.1f} s later (exit "
+        print(f"kill {k + 1}: {wait:.1f} s after the stages started ({started:.1f} s), pid {victim}; job ended {gone:.1f} s later (exit "
               f"{job.returncode}, {len(left)} processes left); newest checkpoint: "
               f"{newest + ' (whole)' if newest else 'none yet'}", flush=True)
     final = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
