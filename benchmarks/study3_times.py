@@ -13,9 +13,10 @@ From these, on the uniform split at N = 4 and 8, the simulator prices
   measured backward split in half (the zero-bubble paper's T_I ~ T_W; ``--weight-share``), and
   ``interleaved-1f1b`` with V = 2 chunks per device, each half of that device's measured stage
   (the models have fewer layers than 2N chunks at N = 8, so no real split exists: an optimistic
-  price, an upper bound on its speed, since halving a stage halves none of its fixed costs). Both compute sequential's updates (no staleness); executing them
-  is another issue's work. The fastest candidate sets B = its seconds per mini-batch x U
-  (sequential's updates: image 2,577, sentiment 477, LM 2,000); the file says how far B moves
+  price, an upper bound on its speed, since halving a stage halves none of its fixed costs).
+  Both compute sequential's updates (no staleness); executing them is another issue's work.
+  The fastest candidate sets B = its seconds per mini-batch x U (sequential's updates: image
+  2,577, sentiment 477, LM 2,000); the file says how far B moves
   from the second study's M = N (the faster of gpipe and 1f1b-flush there);
 * every **asynchronous variant** of the study (its method, options and micro-batches:
   study3_suite.VARIANTS) and its updates U_m = floor(B / s_m).
@@ -24,18 +25,20 @@ Seconds per mini-batch are the steady state over one epoch of the study's mini-b
 predicted makespan / the mini-batches), as study2_times.py. Transfers are free.
 
 The machine is shared (the committed file was measured beside a full test suite, other
-sessions' benchmarks and a busy loop on 2 cores: load average 5-9). On the wall clock the
+sessions' benchmarks and a busy loop on 2 cores: load average 8-12). On the wall clock the
 minimum of the repeats only escapes preemption if some repeat ran without one, and long calls
 (a whole model, a mini-batch of 64) are preempted far more often than short ones (a stage, a
 micro-batch of 2), which made the large-M synchronous schedules look faster than they are and the
 M = 1 asynchronous ones slower. So the profile is timed on the calling thread's CPU time
 (``--clock cpu``, the default; one thread computes everything), which preemption does not
-inflate; what the other jobs still cost (shared caches, memory bandwidth) remains. Each cell
-records the load average and niceness it was measured at; a cell measured again keeps the lower
-of each price (``--replace`` overwrites).
+inflate; what the other jobs still cost (a busy sibling hyperthread, shared caches) remains:
+every absolute time was 1.2-2.2x the second study's quiet measurement, and the ratios U_m uses
+may lean (docs/study_plan.md): measure again on a quiet machine before the study's first run.
+Each cell records the load average and niceness it was measured at; a cell measured again keeps
+the lower of each price (``--replace`` overwrites).
 
-    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python benchmarks/study3_times.py --replace  # 5-15 minutes
-    .venv/bin/python benchmarks/study3_times.py --show                         # the table only
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/study3_times.py --replace  # 3-4 minutes if quiet
+    .venv/bin/python benchmarks/study3_times.py --show                       # the table only
 """
 from __future__ import annotations
 
@@ -378,9 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     settings = ProfileSettings(threads=1, warmup=args.warmup, repeats=args.repeats)
     times = run(SUITES[args.suite], out, settings, tasks=args.tasks.split(",") if args.tasks else None,
-                resume=args.resume, weight_share=args.weight_share, note=args.note, keep_lower=not args.replace, clock=args.clock,
-                rounds=args.rounds,
-                log=lambda line: print(line, flush=True))
+                resume=args.resume, weight_share=args.weight_share, note=args.note, keep_lower=not args.replace,
+                clock=args.clock, rounds=args.rounds, log=lambda line: print(line, flush=True))
     print(format_table(times))
     print(f"wrote {out}")
     return 0
