@@ -46,7 +46,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ from .methods import get_method, method_names
 from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .profile import ModelProfile, measure_stages, profile_model
-from .schedules import Costs, simulate
+from .schedules import Costs, Schedule, build_schedule, simulate
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
@@ -233,18 +233,34 @@ def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Se
     return Costs(fwd, bwd, [0.0] * n, update=max(upd), comm=comm)
 
 
-def simulated_makespan(method: str, stages: int, microbatches: int, batches: int, costs: Costs):
+def extrapolated_makespan(build: Callable[[int], Schedule], batches: int, costs: Costs):
     """(makespan of ``batches`` mini-batches, SimResult of the longest run simulated, batches
-    simulated). More than :data:`EXACT_BATCHES` are extrapolated linearly from two runs."""
-    meth = get_method(method)
+    simulated) of the schedule ``build(mini-batches)``. More than :data:`EXACT_BATCHES` are
+    extrapolated linearly from two runs (exact once the pipeline is in its periodic steady state)."""
     if batches <= EXACT_BATCHES:
-        result = simulate(meth.build_schedule(stages, microbatches, batches), costs)
+        result = simulate(build(batches), costs)
         return result.makespan, result, batches
     half = EXACT_BATCHES // 2
-    short = simulate(meth.build_schedule(stages, microbatches, half), costs)
-    long = simulate(meth.build_schedule(stages, microbatches, EXACT_BATCHES), costs)
+    short = simulate(build(half), costs)
+    long = simulate(build(EXACT_BATCHES), costs)
     slope = (long.makespan - short.makespan) / (EXACT_BATCHES - half)
     return long.makespan + slope * (batches - EXACT_BATCHES), long, EXACT_BATCHES
+
+
+def simulated_makespan(method: str, stages: int, microbatches: int, batches: int, costs: Costs):
+    """:func:`extrapolated_makespan` of ``method``'s schedule on ``stages`` stages."""
+    meth = get_method(method)
+    return extrapolated_makespan(lambda count: meth.build_schedule(stages, microbatches, count), batches, costs)
+
+
+def schedule_makespan(schedule: str, ranks: int, microbatches: int, batches: int, costs: Costs,
+                      chunks: int = 2):
+    """:func:`extrapolated_makespan` of the schedule named ``schedule`` (any of
+    :func:`pipeoptim.schedules.schedule_names`, also those no method runs, as ``zb-h1`` and
+    ``interleaved-1f1b`` with ``chunks`` model chunks per rank: ``costs`` then has one entry per
+    model stage, ``ranks * chunks``)."""
+    return extrapolated_makespan(lambda count: build_schedule(schedule, ranks, microbatches, count, chunks=chunks),
+                                 batches, costs)
 
 
 def stage_memory(method: str, profile: ModelProfile, sizes: Sequence[int], peak_activations: Sequence[int],

@@ -1,0 +1,225 @@
+"""Issue 23's study: equal time, not equal updates. Which pipeline gives the better model in the
+time a synchronous one takes?
+
+Per (task, optimizer, N), the budget B is the synchronous pipeline's predicted time for
+sequential's U updates at its fastest schedule and micro-batch count, and each variant m trains
+U_m = floor(B / s_m) updates (benchmarks/study3_times.py writes B, s_m and U_m into
+``benchmarks/results/study3/times.json``), with the second study's recipe scaled to U_m: linear
+warm-up over 5 % of U_m, cosine to 10 % of the peak at U_m, clipping where the task has it, the
+validation split for tuning, an evaluation every ``eval_every`` mini-batches (the curve of the
+metric against predicted time = updates x s_m), the test metric once at the end. The runs, their
+lrs and their order are study3_plan.py's; the budget and its cuts docs/study_plan.md's.
+
+A run of U_m updates is one pass over the epoch's mini-batches repeated as often as U_m needs,
+the last pass cut short (a fractional last epoch): one "epoch" of U_m mini-batches in the same
+order as whole epochs would give, so that the lr schedule spans exactly U_m. The asynchronous
+methods drain at the evaluations only (the second study also drained at each epoch's end).
+
+Each finished run (and each first third of a swept lr) appends one line to ``runs.jsonl`` in the
+study folder (one O_APPEND write); a second call skips what is in it; a run checkpoints at its
+evaluations and resumes from the last after an interruption. ``--shard i/n`` takes the runs whose
+place in the plan is i modulo n (two shards for the two cores).
+
+    .venv/bin/python benchmarks/study3.py --plan       # every run, U_m, minutes; the core-minutes
+    .venv/bin/python benchmarks/study3.py --shard 0/2 --wait 60 &
+    .venv/bin/python benchmarks/study3.py --shard 1/2 --wait 60
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+from study import append_line  # noqa: E402
+from study2 import (LR_SCHEDULE, ReachedStop, UntilCheckpoint, curve, drop_checkpoints,  # noqa: E402
+                    has_checkpoint, parse_shard, stop_point)
+from study3_plan import Run, load_rows, plan_runs, print_plan, shard_runs  # noqa: E402
+from study3_suite import RESULTS, SUITES, variant_spec  # noqa: E402
+from study3_times import TIMES, read_times, seconds_per_batch  # noqa: E402
+
+from pipeoptim.checkpoint import checkpoint_name, read_manifest  # noqa: E402
+from pipeoptim.errors import NonFiniteLoss  # noqa: E402
+from pipeoptim.experiment import RunConfig, load_data, run_experiment  # noqa: E402
+from pipeoptim.methods import get_method  # noqa: E402
+from pipeoptim.tasks import get_task  # noqa: E402
+
+SYNCHRONOUS = ("sequential", "gpipe", "1f1b-flush")
+
+
+def passes(batches: Sequence[Any], updates: int) -> List[Any]:
+    """``updates`` mini-batches: ``batches`` in order, repeated, the last pass cut short."""
+    if not batches:
+        raise ValueError("no training mini-batches")
+    whole, rest = divmod(updates, len(batches))
+    return list(batches) * whole + list(batches[:rest])
+
+
+def run_config(run: Run, spec: Dict[str, Any], suite: Dict[str, Any]) -> RunConfig:
+    """The run's settings: the recipe over one pass of U_m mini-batches (checkpoints at the
+    evaluations, so that they add no drain of their own)."""
+    method, options, micro = variant_spec(run.variant, run.stages)
+    synchronous = get_method(method).synchronous
+    return RunConfig(task=run.task, model=spec["model"], method=method, stages=run.stages, micro_batches=micro,
+                     optimizer=run.optimizer, lr=run.lr, beta1=suite["optimizer_arms"]["beta1"].get(run.optimizer),
+                     epochs=1, batch_size=spec["batch_size"], limit=spec["limit"], seed=run.seed,
+                     holdout=spec["holdout"], eval_every=spec["eval_every"], checkpoint_every=spec["eval_every"],
+                     lr_schedule=LR_SCHEDULE, clip_grad=spec["clip_grad"],
+                     clip_scope="global" if synchronous and spec["clip_grad"] else "stage", method_options=options)
+
+
+def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
+            data_cache: Dict[Any, Any]) -> Dict[str, Any]:
+    """Train ``run`` (a whole run, a first third, or the rest of one) and return its row."""
+    spec = suite["tasks"][run.task]
+    task = get_task(run.task)
+    cfg = run_config(run, spec, suite)
+    resolved = cfg.resolved(task)
+    key = (run.task, run.seed, resolved.batch_size, resolved.limit, resolved.holdout)
+    if key not in data_cache:
+        data_cache.clear()
+        data_cache[key] = load_data(task, resolved)
+    data = dataclasses.replace(data_cache[key], train=passes(data_cache[key].train, run.updates))
+    folder = study / "runs" / run.folder_name()
+    seconds = seconds_per_batch(times, run.task, run.optimizer, run.stages, run.variant)
+    row: Dict[str, Any] = {**run.key_fields(), "method": cfg.method, "options": cfg.method_options,
+                           "microbatches_asked": cfg.micro_batches, "beta1": cfg.beta1, "model": spec["model"],
+                           "batch_size": resolved.batch_size, "updates": run.updates,
+                           "epochs": run.updates / len(data_cache[key].train), "eval_every": spec["eval_every"],
+                           "clip_grad": spec["clip_grad"], "lr_schedule": LR_SCHEDULE, "lr_source": run.lr_source,
+                           "seconds_per_batch": seconds, "metric": task.metric,
+                           "higher_is_better": task.higher_is_better, "folder": str(folder.relative_to(study))}
+    quiet = dict(show_progress=False, log=lambda *a, **k: None, task=task,
+                 diagnose_every=0 if cfg.method in SYNCHRONOUS else suite["diagnose_every"])
+    started = time.time()
+    try:
+        if run.until == "third":
+            stop = stop_point(run.updates, 1, spec["eval_every"], suite["halving"]["share"])
+            manifest = folder / "checkpoints" / checkpoint_name(0, stop) / "manifest.json"
+            row["resumed"] = has_checkpoint(folder)
+            if not manifest.exists():
+                try:
+                    run_experiment(cfg, out_dir=folder, resume=row["resumed"],
+                                   data=dataclasses.replace(data, train=UntilCheckpoint(data.train, manifest)),
+                                   **quiet)
+                except ReachedStop:
+                    pass
+                else:
+                    raise RuntimeError(f"{run.label()}: trained to the end without reaching its stop point")
+            state = read_manifest(manifest.parent)
+            evaluations = state["evaluations"]
+            row.update(diverged=None, stopped_at=stop, final_metric=None,
+                       validation_metric=evaluations[-1]["metric"], evaluations=curve(evaluations),
+                       train_seconds=round(state["train_seconds"], 1))
+        else:
+            row["resumed"] = has_checkpoint(folder)
+            summary = run_experiment(cfg, out_dir=folder, resume=row["resumed"], data=data, **quiet)
+            evaluations = summary["evaluations"]
+            row.update(diverged=None, final_metric=summary["final_metric"],
+                       validation_metric=summary["validation_metric"], best_validation=summary["best_metric"],
+                       evaluations=curve(evaluations), final_loss=summary["final_loss"],
+                       prediction_error=[e.get("prediction_error") for e in summary["epochs_detail"]],
+                       weight_copies=summary["weight_copies"], microbatches=summary["microbatches"],
+                       resolved_options=summary["options"])
+    except NonFiniteLoss as error:  # a diverged run is a result, not a failure
+        row.update(diverged=str(error), final_metric=None, validation_metric=None)
+    row["seconds"] = round(time.time() - started, 1)
+    return row
+
+
+def drop_halved(runs: Sequence[Run], study: Path) -> None:
+    """Delete the checkpoints of the first thirds the halving did not keep (once it has chosen)."""
+    undecided = {(r.task, r.optimizer, r.variant, r.stages) for r in runs if r.until == "end" and r.lr is None}
+    kept = {(r.task, r.optimizer, r.variant, r.stages, r.lr) for r in runs if r.until == "end"}
+    for r in runs:
+        if (r.until == "third" and r.status == "done" and (r.task, r.optimizer, r.variant, r.stages) not in undecided
+                and (r.task, r.optimizer, r.variant, r.stages, r.lr) not in kept):
+            drop_checkpoints(study / "runs" / r.folder_name())
+
+
+def selected(run: Run, args: argparse.Namespace) -> bool:
+    return ((not args.tasks or run.task in args.tasks.split(","))
+            and (not args.methods or run.variant in args.methods.split(","))
+            and (not args.stages or run.stages in (1, *map(int, args.stages.split(",")))))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default="default", choices=list(SUITES))
+    parser.add_argument("--out", type=Path, help="the study folder (default benchmarks/results/study3)")
+    parser.add_argument("--times", type=Path, help=f"B, s_m and U_m (default {TIMES.relative_to(BENCHMARKS.parent)})")
+    parser.add_argument("--plan", "--dry-run", dest="plan", action="store_true",
+                        help="print every run, its U_m and minutes, and the core-minutes; run nothing")
+    parser.add_argument("--budget-minutes", type=float, default=1200.0, help="core-minutes the plan must fit")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="i/n: the runs whose place is i mod n")
+    parser.add_argument("--tasks", help="comma-separated subset of the tasks")
+    parser.add_argument("--methods", help="comma-separated subset of the variants")
+    parser.add_argument("--stages", help="comma-separated subset of N (sequential always)")
+    parser.add_argument("--max-runs", type=int, help="stop after this many runs")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="seconds between looks for the other shard's rows a run waits for (0: stop)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    suite = SUITES[args.suite]
+    study = args.out or RESULTS / ("study3" if args.suite == "default" else f"study3-{args.suite}")
+    times = read_times(args.times or TIMES)
+    rows2 = load_rows_study2(suite)
+    runs_file = study / "runs.jsonl"
+    if args.plan:
+        print_plan(plan_runs(suite, load_rows(runs_file), times, rows2), args.budget_minutes)
+        return 0
+    torch.set_num_threads(args.threads)
+    study.mkdir(parents=True, exist_ok=True)
+    (study / "suite.json").write_text(json.dumps({"suite": args.suite, **suite}, indent=2, default=str))
+    data_cache: Dict[Any, Any] = {}
+    started, done_here, said = time.time(), 0, ""
+    while True:
+        rows = load_rows(runs_file)
+        everything = plan_runs(suite, rows, times, rows2)
+        drop_halved(everything, study)
+        mine = [r for r in shard_runs(everything, args.shard) if selected(r, args)]
+        ready = [r for r in mine if r.status == "ready"]
+        waiting = [r for r in mine if r.status == "waiting"]
+        if args.max_runs is not None and done_here >= args.max_runs:
+            print(f"stopped after {done_here} runs (--max-runs)")
+            break
+        if not ready:
+            reasons = "; ".join(sorted({f"{r.task} {r.optimizer} waits for {r.why}" for r in waiting}))
+            if reasons and reasons != said:
+                print(f"skipped: {reasons}", flush=True)
+                said = reasons
+            if waiting and args.wait > 0:
+                time.sleep(args.wait)
+                continue
+            print(f"shard {args.shard[0]}/{args.shard[1]}: {'nothing left to run' if not waiting else 'call again'}"
+                  f"; {done_here} runs in {time.time() - started:.0f} s; rows in {runs_file}", flush=True)
+            break
+        run = ready[0]
+        row = execute(run, suite, times, study, data_cache)
+        append_line(runs_file, row)
+        if row["diverged"] or run.until != "third":
+            drop_checkpoints(study / row["folder"])
+        done_here += 1
+        result = row["diverged"] or f"validation {row['validation_metric']:.4f}"
+        print(f"[{time.time() - started:7.0f}s] {run.label()}: {result} in {row['seconds'] / 60:.1f} min "
+              f"(planned {run.minutes:.1f})", flush=True)
+    return 0
+
+
+def load_rows_study2(suite: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The second study's rows (its lrs and measured step times), keyed as study2.py keys them."""
+    from study2 import load_rows as study2_rows
+
+    return study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

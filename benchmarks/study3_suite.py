@@ -1,0 +1,148 @@
+"""Issue 23's study (equal time, not equal updates): its settings, shared by the time
+predictions (study3_times.py), the runner (study3.py, study3_plan.py) and the report
+(make_results3.py).
+
+The second study (study2.py) gave every method sequential's updates U. Here each method m
+trains U_m = floor(B / s_m) updates, where B is the synchronous pipeline's predicted time for U
+(its fastest schedule and micro-batch count: study3_times.py) and s_m the method's predicted
+seconds per mini-batch on N devices, with the recipe scaled to U_m (warm-up 5 % of U_m, cosine
+to 10 % at U_m). A *variant* is the study's name for a method with its settings: a method with
+options (``pipeoptim+lr_correction``) or with another micro-batch count (``pipeoptim+M2``,
+``pipeoptim+MN``: M = N).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+BENCHMARKS = Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:  # scripts beside this file, also when a test imports it by path
+    sys.path.insert(0, str(BENCHMARKS))
+from study2 import RESULTS, SUITES as STUDY2_SUITES, batches_per_epoch  # noqa: E402
+
+STUDY2 = RESULTS / "study2"
+
+#: variant -> (method, method options, micro-batches: an int, "N" for the stage count, or None for
+#: the method's default)
+VARIANTS: Dict[str, Tuple[str, Dict[str, Any], Any]] = {
+    "sequential": ("sequential", {}, None),
+    "async-naive": ("async-naive", {}, None),
+    "pipedream": ("pipedream", {}, None),
+    "pipedream-2bw": ("pipedream-2bw", {}, None),     # M = N
+    "spectrain": ("spectrain", {}, None),
+    "xpipe": ("xpipe", {}, None),                     # M = 2
+    "pipeoptim": ("pipeoptim", {}, None),             # M = 1
+    "pipeoptim+lr_correction": ("pipeoptim", {"lr_correction": "delay"}, None),
+    "pipeoptim+M2": ("pipeoptim", {}, 2),             # item 3: fewer updates in flight, as XPipe runs
+    "pipeoptim+MN": ("pipeoptim", {}, "N"),           # item 3: M = N
+    "pipeoptim-2bw": ("pipeoptim-2bw", {}, None),     # item 3: 2BW's schedule, predicted weights
+}
+
+#: the synchronous schedules that can set the budget, and their micro-batch counts as multiples of N
+SYNC_SCHEDULES = ("gpipe", "1f1b-flush", "zb-h1", "interleaved-1f1b")
+SYNC_FACTORS = (1, 2, 4)
+INTERLEAVED_CHUNKS = 2
+
+SUITES: Dict[str, Dict[str, Any]] = {
+    "default": {
+        # the second study's cells, and item 4's optimizers on the LM (N = 8 only)
+        "cells": [("image", "momentum"), ("image", "adamw"), ("sentiment", "adamw"), ("lm", "adamw"),
+                  ("lm", "nadam"), ("lm", "muon")],
+        "tasks": copy.deepcopy(STUDY2_SUITES["default"]["tasks"]),
+        # item 6: N = 8 first (where speed differs most), then N = 4
+        "stages": [8, 4],
+        "seeds": [0, 1, 2],
+        # the methods per cell; cells not listed run every variant of "methods"
+        "methods": ["async-naive", "pipedream", "pipedream-2bw", "spectrain", "xpipe", "pipeoptim",
+                    "pipeoptim+lr_correction", "pipeoptim+M2", "pipeoptim+MN", "pipeoptim-2bw"],
+        # item 4: the delay-tolerant optimizers, on the LM at N = 8, these methods (never cut)
+        "optimizer_arms": {"cells": [("lm", "nadam"), ("lm", "muon")], "stages": [8],
+                           "methods": ["pipedream-2bw", "xpipe", "pipeoptim", "pipeoptim-2bw"],
+                           "beta1": {"nadam": 0.99}},
+        # lrs for cells the second study did not tune: 4 log-spaced values (Muon: its own lr on
+        # the hidden matrices, AdamW's part at a tenth of it, the optimizer's default)
+        "lr_grid": {("lm", "nadam"): (5e-4, 4e-3), ("lm", "muon"): (0.005, 0.04)},
+        # the cuts that make the plan fit the budget (docs/study_plan.md, "Issue 23's study")
+        "cuts": {
+            # dropped at both N: matched or beaten by another method in every setting of the second
+            # study (async-naive and pipedream by spectrain, pipeoptim at M = 1 by xpipe;
+            # study3_plan.dominated_variants); pipeoptim at M = 1 stays in the NAdam and Muon arms
+            "dominated": ["async-naive", "pipedream", "pipeoptim"],
+            # N = 4 after N = 8, with 2 seeds (its spread rests on 2)
+            "seeds_at": {4: [0, 1]},
+            # a carried-over lr plus one neighbour, both to the end (no halving with two values),
+            # at N = 8, only where the second study's choice lay at an edge of its grid (every
+            # method on sentiment; xpipe and pipeoptim+lr_correction on the LM): elsewhere its
+            # optimum was bracketed, and the lr is carried over unchecked (the report says which)
+            "retune_cells": [("image", "momentum"), ("image", "adamw"), ("sentiment", "adamw"), ("lm", "adamw")],
+            "retune": "edge",
+        },
+        # halving for the 4-lr sweeps of what the second study never tuned
+        "halving": {"share": 1 / 3, "keep": 2},
+        "lrs": 4,
+        "diagnose_every": 25,
+        # measured seconds per update of the second study's rows where a variant has none: the
+        # variant whose local cost it shares (same micro-batches on the local runtime)
+        "cost_like": {"pipeoptim+M2": "xpipe", "pipeoptim+MN": "pipedream-2bw", "pipeoptim-2bw": "pipedream-2bw"},
+        "study2": str(STUDY2),
+    },
+    # a tiny suite for tests: seconds a run
+    "smoke": {
+        "cells": [("image", "momentum")],
+        "tasks": {"image": {"model": "mlp", "limit": 384, "holdout": 128, "train_examples": 384, "batch_size": 32,
+                            "epochs": 1, "eval_every": 4, "clip_grad": None, "lr": {"momentum": (0.01, 0.04)},
+                            "seconds_per_step": 0.004, "eval_seconds": 0.05, "test_seconds": 0.2}},
+        "stages": [4, 2],
+        "seeds": [0, 1],
+        "methods": ["pipeoptim", "pipeoptim+M2", "pipeoptim-2bw"],
+        "optimizer_arms": {"cells": [], "stages": [4], "methods": [], "beta1": {}},
+        "lr_grid": {},
+        "carried_lrs": {"sequential": 0.01, "pipeoptim": 0.01},  # in place of the second study's
+        "cuts": {"dominated": [], "retune_cells": [("image", "momentum")]},
+        "halving": {"share": 1 / 3, "keep": 1},
+        "lrs": 2,
+        "diagnose_every": 2,
+        "cost_like": {"pipeoptim+M2": "xpipe", "pipeoptim+MN": "pipedream-2bw", "pipeoptim-2bw": "pipedream-2bw"},
+        "study2": None,
+    },
+}
+
+
+def variant_spec(variant: str, stages: int) -> Tuple[str, Dict[str, Any], Optional[int]]:
+    """(method, method options, micro-batches or None for the method's default) of a variant on
+    ``stages`` stages."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; the study's: {', '.join(VARIANTS)}")
+    method, options, micro = VARIANTS[variant]
+    return method, dict(options), stages if micro == "N" else micro
+
+
+def variant_microbatches(variant: str, stages: int) -> int:
+    """The micro-batches per mini-batch a variant runs with on ``stages`` stages."""
+    from pipeoptim.methods import get_method
+
+    method, _, micro = variant_spec(variant, stages)
+    return get_method(method).microbatches(1 if method == "sequential" else stages, micro)
+
+
+def sequential_updates(suite: Dict[str, Any], task: str) -> int:
+    """U: sequential's updates on ``task`` (the second study's: its epochs of mini-batches)."""
+    spec = suite["tasks"][task]
+    return batches_per_epoch(spec) * spec["epochs"]
+
+
+def cell_methods(suite: Dict[str, Any], task: str, optimizer: str, stages: int) -> List[str]:
+    """The asynchronous variants a cell runs at ``stages`` (after the suite's cuts)."""
+    arms = suite["optimizer_arms"]
+    if (task, optimizer) in [tuple(c) for c in arms["cells"]]:
+        return list(arms["methods"]) if stages in arms["stages"] else []
+    return [m for m in suite["methods"] if m not in suite["cuts"]["dominated"]]
+
+
+def cell_stages(suite: Dict[str, Any], task: str, optimizer: str) -> List[int]:
+    arms = suite["optimizer_arms"]
+    if (task, optimizer) in [tuple(c) for c in arms["cells"]]:
+        return [n for n in suite["stages"] if n in arms["stages"]]
+    return list(suite["stages"])

@@ -1,0 +1,125 @@
+"""benchmarks/make_results3.py, the equal-time report: its arithmetic (the chosen lr, the mean
+curve and its spread, the final metric at equal time, time to target against the synchronous
+pipeline, the verdicts and the recommendation) on a hand-made study whose every number is known
+(tests/data/study3: image x momentum at N = 8 and 4, sequential, pipeoptim and xpipe), and the
+report those rows give, byte for byte (tests/data/study3/report.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import load_benchmark
+
+DATA = Path(__file__).resolve().parent / "data" / "study3"
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_benchmark("make_results3")
+
+
+@pytest.fixture(scope="module")
+def settings(report):
+    rows = [json.loads(line) for line in (DATA / "runs.jsonl").read_text().splitlines()]
+    return {st.stages: st for st in report.settings_of(rows, json.loads((DATA / "times.json").read_text()))}
+
+
+def test_settings_and_the_chosen_lrs(report, settings):
+    assert list(settings) == [8, 4]  # N = 8 first
+    at8, at4 = settings[8], settings[4]
+    assert list(at8.arms) == [report.SYNC, "pipeoptim", "xpipe"]
+    # pipeoptim re-tuned at N = 8: 0.005 (validation 0.92) beat its neighbour 0.0025 (0.88); its
+    # seeds ran at 0.005; the tuning's seed 0 counts as a seed
+    assert at8.arms["pipeoptim"].lr == 0.005 and [r["seed"] for r in at8.arms["pipeoptim"].rows] == [0, 1, 2]
+    assert at8.arms["pipeoptim"].tried == [(0.0025, 0.88), (0.005, 0.92)]
+    assert at8.arms["xpipe"].source == at4.arms["xpipe"].source == "second study, carried over unchecked"
+    assert at4.arms["pipeoptim"].tried == [] and at4.arms["pipeoptim"].lr == 0.005
+    # the synchronous pipeline: sequential's runs at the fastest schedule's seconds per mini-batch
+    assert (at8.arms[report.SYNC].seconds, at4.arms[report.SYNC].seconds) == (0.01, 0.015)
+    assert [a.updates for a in at8.arms.values()] == [12, 24, 20]
+    assert [a.updates for a in at4.arms.values()] == [12, 20, 18]
+
+
+def test_chosen_lr_before_the_seeds_are_in(report):
+    tune = [{"lr": 0.01, "phase": "tune", "validation_metric": 0.8}, {"lr": 0.02, "phase": "tune",
+                                                                     "validation_metric": 0.85}]
+    assert report.chosen_lr(tune, higher=True) == 0.02
+    assert report.chosen_lr(tune, higher=False) == 0.01  # a perplexity: lower is better
+    with pytest.raises(ValueError, match="several lrs"):
+        report.chosen_lr(tune + [{"lr": 0.01, "phase": "seeds"}, {"lr": 0.02, "phase": "seeds"}], True)
+
+
+def test_mean_curve_and_its_spread(report, settings):
+    points = report.mean_curve(settings[8].arms[report.SYNC].rows)
+    assert [p[0] for p in points] == [4, 8, 12]
+    assert points[1] == pytest.approx((8, 0.8, 0.78, 0.82))
+    assert points[2] == pytest.approx((12, 0.9, 0.89, 0.91))
+    # a diverged seed leaves the curve; only the evaluations every seed has are averaged
+    rows = [{"evaluations": [{"updates": 4, "metric": 0.5}, {"updates": 8, "metric": 0.7}]},
+            {"evaluations": [{"updates": 4, "metric": 0.7}]}, {"diverged": "nan", "evaluations": []}]
+    assert report.mean_curve(rows) == [(4, pytest.approx(0.6), 0.5, 0.7)]
+
+
+def test_final_metric_at_equal_time(report, settings):
+    at8, at4 = settings[8], settings[4]
+    assert at8.final(report.SYNC) == pytest.approx((0.89, 0.01))
+    assert at8.final("pipeoptim") == pytest.approx((0.92, 0.01))
+    assert report.word_at_equal_time(at8, "pipeoptim")[:2] == ("better", pytest.approx(0.03))
+    assert report.word_at_equal_time(at8, "xpipe")[:2] == ("worse", pytest.approx(-0.02))
+    assert report.word_at_equal_time(at4, "pipeoptim")[0] == "ties"  # 0.89 +- 0.005 against 0.89 +- 0.01
+    assert report.word_at_equal_time(at4, "xpipe")[:2] == ("better", pytest.approx(0.015))
+
+
+def test_time_to_target_against_the_synchronous_pipeline(report, settings):
+    at8, at4 = settings[8], settings[4]
+    assert at8.target() == pytest.approx(0.891)  # 99 % of sequential's mean final validation 0.9
+    # sequential's third seed ends at 0.89 < 0.891: the synchronous time is over the two that reach it
+    assert at8.times_to_target(report.SYNC) == pytest.approx([0.12, 0.12, None])
+    assert at8.time_to_target(report.SYNC) == pytest.approx((0.12, 0.0))
+    # pipeoptim reaches it at update 20, 20 and 16, at 5 ms per mini-batch
+    assert at8.times_to_target("pipeoptim") == pytest.approx([0.1, 0.1, 0.08])
+    word, ratio = report.word_to_target(at8, "pipeoptim")
+    assert (word, ratio) == ("sooner", pytest.approx(0.12 / (0.28 / 3)))
+    assert report.word_to_target(at8, "xpipe") == ("never", None)
+    assert at4.time_to_target(report.SYNC) == pytest.approx((0.18, 0.0))  # 12 updates at 15 ms
+    assert report.word_to_target(at4, "xpipe") == ("sooner", pytest.approx(1.5))  # 12 updates at 10 ms
+
+
+def test_verdicts_and_the_recommendation(report, settings):
+    both = list(settings.values())
+    tally = report.method_tally(both)
+    assert tally["pipeoptim"] == {"equal_time": {"better": 1, "ties": 1}, "target": {"sooner": 2}}
+    assert tally["xpipe"] == {"equal_time": {"worse": 1, "better": 1}, "target": {"never": 1, "sooner": 1}}
+    assert report.method_verdict(tally["pipeoptim"]["equal_time"]) == "no worse than the synchronous pipeline"
+    assert report.method_verdict(tally["xpipe"]["equal_time"]) == "worse than the synchronous pipeline"
+    assert report.method_verdict({"better": 2, "worse": 1}) == "better than the synchronous pipeline"
+    assert report.method_verdict({"better": 1, "ties": 2, "worse": 1}) == "mixed"
+    rec8, rec4 = report.recommendation(both, "image", 8), report.recommendation(both, "image", 4)
+    assert rec8["variant"] == "pipeoptim" and rec8["runner_up"][1] == report.SYNC
+    assert rec4["variant"] == "xpipe"
+    # an asynchronous method that only ties with the synchronous pipeline is not recommended
+    at4 = settings[4]
+    only_pipeoptim = report.Setting(at4.task, at4.optimizer, 4, at4.metric, at4.higher, at4.budget,
+                                    {k: v for k, v in at4.arms.items() if k != "xpipe"})
+    assert report.recommendation([only_pipeoptim], "image", 4)["variant"] == report.SYNC
+    # the closing note reads the diagnostic where no asynchronous method is better
+    closing = report.closing_lines([only_pipeoptim])
+    assert closing[0].startswith("  - image, momentum, N=4: no asynchronous method beats the synchronous "
+                                 "pipeline; the closest, pipeoptim (+0.00): the prediction removes 25%-75%")
+    assert report.closing_lines(both) == ["  - none"]
+
+
+def test_the_report_is_what_the_committed_rows_give(report, tmp_path):
+    text = report.generate(DATA, tmp_path, plots=False, name="report.md")
+    assert text == (DATA / "report.md").read_text()
+    assert "| pipeoptim | 0.005 (second study and one neighbour; 0.0025: 88.00; 0.005: 92.00) | 3 | 5.00 | 24 " \
+           "| 92.00 ± 1.00 | better (+3.00) | 0.1, 0.1, 0.08 | sooner (1.29x) |" in text
+    assert report.generate(DATA, tmp_path, plots=False, name="report.md") == text  # a second run: the same
+
+
+def test_the_figure_is_drawn(report, tmp_path):
+    report.generate(DATA, tmp_path, plots=True, name="report.md")
+    assert sorted(p.name for p in (tmp_path / "results3").iterdir()) == [
+        "equal-time-image-momentum-N4.png", "equal-time-image-momentum-N8.png"]

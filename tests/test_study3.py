@@ -1,0 +1,163 @@
+"""benchmarks/study3.py and study3_plan.py, the equal-time study's runner: U_m mini-batches as
+repeated passes over the epoch, the lrs it carries, re-tunes or sweeps, the default plan's
+order and cuts against the second study's committed rows and the committed budget, and a tiny
+study end to end (mlp, 384 images, seconds a run): the rows' updates and evaluations, the
+halving, the seeds waiting for the tuning, a resumed call that runs nothing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import has_image_data, load_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study3():
+    return load_benchmark("study3")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return load_benchmark("study3_plan")
+
+
+def test_updates_as_passes_over_the_epoch(study3):
+    assert study3.passes(["a", "b", "c"], 7) == ["a", "b", "c", "a", "b", "c", "a"]
+    assert study3.passes(["a", "b", "c"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="no training"):
+        study3.passes([], 3)
+
+
+def test_neighbour_goes_toward_the_runner_up(plan):
+    assert plan.neighbour(0.01, 0.02) == 0.02
+    assert plan.neighbour(0.01, 0.005) == 0.005
+    assert plan.neighbour(0.004, None) == 0.002  # no runner-up: half (a longer schedule)
+    assert plan.neighbour(0.0025, 0.01) == 0.005
+    # at an edge of the second study's grid: beyond it, where it never looked
+    grid = [0.001, 0.002, 0.004, 0.008]
+    assert plan.neighbour(0.008, 0.004, grid) == 0.016
+    assert plan.neighbour(0.001, 0.002, grid) == 0.0005
+    assert plan.neighbour(0.002, 0.004, grid) == 0.004
+
+
+def _default_plan(study3, plan):
+    suite = study3.SUITES["default"]
+    rows2 = study3.load_rows_study2(suite)
+    times = json.loads((ROOT / "benchmarks/results/study3/times.json").read_text())
+    return suite, rows2, times, plan.plan_runs(suite, {}, times, rows2)
+
+
+def test_the_dominated_cut_is_what_the_second_study_shows(study3, plan):
+    suite = study3.SUITES["default"]
+    dominated = plan.dominated_variants(study3.load_rows_study2(suite))
+    # every method the plan drops is matched or beaten in every setting of the second study
+    assert set(suite["cuts"]["dominated"]) <= set(dominated)
+    assert dominated["async-naive"] == dominated["pipedream"] == "spectrain"
+
+
+def test_default_plan_follows_the_budget_plan(study3, plan):
+    suite, rows2, times, runs = _default_plan(study3, plan)
+    assert [r.index for r in runs] == list(range(len(runs)))
+    assert all(r.status in ("ready", "waiting") for r in runs)
+    variants = {r.variant for r in runs}
+    # the dominated methods are gone from the second study's cells (pipeoptim at M = 1 stays in the
+    # NAdam and Muon arms)
+    assert not {r.variant for r in runs if r.optimizer in ("momentum", "adamw")} & set(suite["cuts"]["dominated"])
+    assert {r.variant for r in runs if r.optimizer == "muon"} >= {"pipeoptim"}
+    assert {"pipeoptim+M2", "pipeoptim+MN", "pipeoptim-2bw"} <= variants
+    # the references first; every N = 8 run before any N = 4 run
+    phases = [r.phase for r in runs]
+    assert phases[:12] == ["reference"] * 12
+    last8 = max(i for i, r in enumerate(runs) if r.stages == 8)
+    assert all(r.stages != 4 for r in runs[:last8])
+    # item 4: NAdam (beta1 0.99) and Muon on the LM at N = 8 only, sequential swept there too
+    for optimizer in ("nadam", "muon"):
+        cell = [r for r in runs if (r.task, r.optimizer) == ("lm", optimizer)]
+        assert {r.variant for r in cell} == {"sequential", "pipedream-2bw", "xpipe", "pipeoptim", "pipeoptim-2bw"}
+        assert {r.stages for r in cell} == {1, 8}
+        assert sorted({r.lr for r in cell if r.until == "third"}) == plan.sweep_grid(suite, "lm", optimizer)
+    assert suite["optimizer_arms"]["beta1"] == {"nadam": 0.99}
+    # carried lrs are the second study's; a re-tuned cell adds one neighbour
+    from pipeoptim.tasks.recipes import TUNED_LRS
+
+    xpipe_image = [r for r in runs if (r.task, r.optimizer, r.variant, r.phase) == ("image", "momentum", "xpipe",
+                                                                                  "seeds")]
+    assert {r.lr for r in xpipe_image} == {TUNED_LRS[("image", "momentum", "xpipe")]}
+    assert {r.lr_source for r in xpipe_image} == {"second study, carried over unchecked"}
+    # re-tuned only where the second study's choice was at an edge of its grid: every method on
+    # sentiment (0.008, the top), xpipe and pipeoptim+lr_correction on the LM (0.0005, the bottom)
+    retuned = {(r.task, r.variant, r.lr) for r in runs if r.phase == "tune" and r.until is None}
+    sentiment = ["pipedream-2bw", "spectrain", "xpipe", "pipeoptim+lr_correction", "pipeoptim+M2", "pipeoptim+MN"]
+    assert retuned == {("sentiment", v, lr) for v in sentiment for lr in (0.008, 0.016)} | {
+        ("lm", v, lr) for v in ("xpipe", "pipeoptim+lr_correction") for lr in (0.0005, 0.00025)}
+    assert TUNED_LRS[("lm", "adamw", "xpipe")] == 0.0005
+    # each run's U_m is the budget's, each reference sequential's U
+    for r in runs:
+        expected = 2577 if (r.task, r.variant) == ("image", "sequential") else None
+        if expected:
+            assert r.updates == expected
+        elif r.variant != "sequential":
+            assert r.updates == times["cells"][r.task][r.optimizer]["stages"][str(r.stages)]["budget"]["updates"][
+                r.variant]
+    # the plan fits the budget: 10 hours on 2 cores, with room for reruns
+    total = sum(r.minutes for r in runs)
+    assert 1000 < total <= 1050  # docs/study_plan.md: 1,044
+
+
+def test_shards_split_the_plan(study3, plan):
+    _, _, _, runs = _default_plan(study3, plan)
+    a, b = plan.shard_runs(runs, (0, 2)), plan.shard_runs(runs, (1, 2))
+    assert {r.index for r in a} | {r.index for r in b} == set(range(len(runs)))
+    assert not {r.index for r in a} & {r.index for r in b}
+
+
+def _smoke_times(updates):
+    """A budget for the smoke suite: image x momentum at N = 4 and 2."""
+    cell = {"sequential": {"seconds_per_batch": 0.04}, "stages": {}}
+    for n, per_variant in updates.items():
+        cell["stages"][str(n)] = {
+            "variants": {v: {"seconds_per_batch": 0.12 / u} for v, u in per_variant.items()},
+            "budget": {"fastest": {"schedule": "zb-h1", "microbatches": n}, "seconds_per_batch": 0.01,
+                       "sequential_updates": 12, "budget_seconds": 0.12, "updates": per_variant}}
+    return {"format": "pipeoptim-study3-times", "version": 1, "cells": {"image": {"momentum": cell}}}
+
+
+@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
+def test_tiny_study_end_to_end(study3, tmp_path, capsys):
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20, "pipeoptim-2bw": 16},
+                                              2: {"pipeoptim+M2": 14, "pipeoptim-2bw": 12}})))
+    args = ["--suite", "smoke", "--out", str(tmp_path / "study"), "--times", str(times),
+            "--methods", "sequential,pipeoptim+M2,pipeoptim-2bw", "--stages", "4"]
+    assert study3.main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "study/runs.jsonl").read_text().splitlines()]
+    got = [(r["phase"], r["until"], r["variant"], r["stages"], r["lr"], r["seed"], r["updates"]) for r in rows]
+    swept_winner = next(r["lr"] for r in rows if r["variant"] == "pipeoptim-2bw" and r["until"] == "end")
+    assert got[:8] == [
+        ("reference", None, "sequential", 1, 0.01, 0, 12), ("reference", None, "sequential", 1, 0.01, 1, 12),
+        # pipeoptim-2bw was never tuned: 2 lrs to the first third (the evaluation nearest 16 / 3)
+        ("tune", "third", "pipeoptim-2bw", 4, 0.01, 0, 16), ("tune", "third", "pipeoptim-2bw", 4, 0.04, 0, 16),
+        # pipeoptim+M2 carries pipeoptim's lr and re-tunes it against one neighbour, both to the end
+        ("tune", None, "pipeoptim+M2", 4, 0.01, 0, 20), ("tune", None, "pipeoptim+M2", 4, 0.005, 0, 20),
+        ("tune", "end", "pipeoptim-2bw", 4, swept_winner, 0, 16),
+        ("seeds", None, "pipeoptim+M2", 4, max(rows[4:6], key=lambda r: (r["validation_metric"], -r["lr"]))["lr"],
+         1, 20)]
+    assert got[8] == ("seeds", None, "pipeoptim-2bw", 4, swept_winner, 1, 16) and len(got) == 9
+    whole = rows[4]
+    # 20 updates: one pass of the 12 mini-batches and 8 of the next, evaluated every 4 and at the end
+    assert [e["updates"] for e in whole["evaluations"]] == [4, 8, 12, 16, 20]
+    assert whole["epochs"] == pytest.approx(20 / 12) and whole["microbatches"] == 2
+    assert whole["seconds_per_batch"] == pytest.approx(0.12 / 20) and 0 < whole["final_metric"] <= 1
+    third = rows[2]
+    assert third["stopped_at"] == 4 and [e["updates"] for e in third["evaluations"]] == [4]
+    assert rows[6]["resumed"] is True and [e["updates"] for e in rows[6]["evaluations"]] == [4, 8, 12, 16]
+    assert not list((tmp_path / "study").glob("runs/*/checkpoints/*"))  # nothing left to resume
+    before = (tmp_path / "study/runs.jsonl").read_text()
+    capsys.readouterr()
+    assert study3.main(args) == 0
+    assert (tmp_path / "study/runs.jsonl").read_text() == before
+    assert "nothing left to run" in capsys.readouterr().out
