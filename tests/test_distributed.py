@@ -160,9 +160,9 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
         results[("mlp", method, 2)] = _train(mlp(), batches(5), method, stages=2)
     results[("mlp", "pipeoptim", "2 told")] = results[("mlp", "pipeoptim", 2)]
     # tuple activations, with uneven micro-batches (10 samples in 4: 3, 3, 2, 2)
-    for method in ("1f1b-flush", "pipeoptim"):
+    for method in ("1f1b-flush", "pipeoptim", "zb-h1"):
         results[("tuple", method, 2)] = _train(tuple_model(), tuple_batches(), method, stages=2,
-                                               micro_batches=4 if method == "1f1b-flush" else None)
+                                               micro_batches=4 if method != "pipeoptim" else None)
     # uneven micro-batches of a plain tensor model, Adam
     for method in ("gpipe", "pipedream-2bw"):
         results[("uneven", method, 2)] = _train(mlp(), batches(4), method, stages=2, micro_batches=3,
@@ -258,12 +258,12 @@ def test_sequential_runs_as_a_one_process_pipeline(spawned):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim"])
+@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim", "zb-h1"])
 def test_tuple_activations_cross_stages(spawned, method):
     """Blocks pass (float, int) tuples; the int entry carries no gradient back."""
     got = spawned[("tuple", method, 2)]
     local = _local(tuple_model(), tuple_batches(), method, 2,
-                   micro_batches=4 if method == "1f1b-flush" else None)
+                   micro_batches=4 if method != "pipeoptim" else None)
     _close(got["losses"], local.losses)
 
 

@@ -61,15 +61,15 @@ class Pipeline:
             tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
             parameters keep the original names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``async-naive``, ``pipedream``, ``pipedream-2bw``, ``spectrain``,
-            ``xpipe``, ``pipeoptim``).
+            ``1f1b-flush``, ``zb-h1``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
+            ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
         stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform`` or
             ``params``), or ``partition=[layers per stage]``.
         micro_batches: micro-batches per mini-batch for the methods that use them (default: the
-            method's own: N for gpipe and 1f1b-flush, 2 for xpipe, 1 for the others).
+            method's own: N for gpipe, 1f1b-flush and zb-h1, 2 for xpipe, 1 for the others).
         lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
             stage steps its scheduler right after its own update, so update j has the same lr on
             every stage whatever the method; the prediction reads the group's lr as it is then.

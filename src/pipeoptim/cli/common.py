@@ -69,7 +69,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline")
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
-    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
+    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, "
                    "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
     g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],

@@ -705,6 +705,12 @@ class DistributedExecutor(StreamedSegment):
                 grad_in = stage.backward(i, None if stage.is_last else self._grads.pop(i))
                 if not stage.is_first:
                     self._outgoing[i] = grad_in
+            elif kind is Kind.I:  # the replicas' reduction then waits for the update
+                grad_in = stage.backward_input(i, None if stage.is_last else self._grads.pop(i))
+                if not stage.is_first:
+                    self._outgoing[i] = grad_in
+            elif kind is Kind.W:
+                stage.backward_weight(i)
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys.pop(i), self._outgoing.pop(i))
             elif kind is Kind.U:
@@ -716,7 +722,7 @@ class DistributedExecutor(StreamedSegment):
                     stage.update()
             else:
                 raise ValueError(f"the distributed executor cannot run {action}")
-            if kind is Kind.B and stage.is_first:
+            if kind in (Kind.B, Kind.I) and stage.is_first:
                 keys.pop(i, None)
             self._pointer += 1
             if pending:  # forget the sends that have completed (nothing to do without any)

@@ -130,16 +130,19 @@ class LocalExecutor(StreamedSegment):
                             self._window_loss.add(i, out)
                         else:
                             activations[(k + 1, i)] = out
-                    elif action.kind is Kind.B:
+                    elif action.kind is Kind.B or action.kind is Kind.I:
                         if stage.is_last:
                             grad = None
                         elif (k, i) in gradients:
                             grad = gradients.pop((k, i))
                         else:
                             break
-                        grad_in = stage.backward(i, grad)
+                        backward = stage.backward if action.kind is Kind.B else stage.backward_input
+                        grad_in = backward(i, grad)
                         if not stage.is_first:
                             gradients[(k - 1, i)] = grad_in
+                    elif action.kind is Kind.W:
+                        stage.backward_weight(i)
                     elif action.kind is Kind.U:
                         if self.clip_global is not None:  # one stage too: its norm is the model's
                             if not self._update_all(k, i):

@@ -26,12 +26,11 @@ ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's s
 
 
 def check_runnable(schedule: Schedule, num_stages: int) -> None:
-    """The runtimes run straight pipelines: stage k on rank k, one chain."""
+    """The runtimes run straight pipelines: stage k on rank k, one chain (full or split
+    backwards)."""
     if schedule.num_ranks != num_stages or schedule.pipelines != [list(range(num_stages))]:
         raise ValueError(f"schedule {schedule.name} places several stages per rank; the runtimes "
                          f"run one stage per rank (use it with `pipeoptim schedule` to simulate)")
-    if schedule.split_backward:
-        raise ValueError(f"schedule {schedule.name} splits the backward; the runtimes run full backwards")
 
 
 def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:

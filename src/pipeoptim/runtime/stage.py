@@ -1,6 +1,7 @@
 """One pipeline stage: its modules, its optimizer, its weight policy, its version trace.
 
-The stage runs the compute actions of a schedule, F, B and U, whichever executor calls it:
+The stage runs the compute actions of a schedule, F, B (or its halves I and W) and U, whichever
+executor calls it:
 the local executor calls every stage in one process, the distributed executor one stage per
 process. Activations and gradients go in and out as tensors or tuples of tensors; the stage
 never sends anything itself.
@@ -17,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..weights.policies import WeightPolicy, WeightUse
+from . import split_backward
 
 Activation = Any  # a tensor or a tuple of tensors
 
@@ -27,7 +29,7 @@ class TraceEntry:
 
     stage: int
     microbatch: int
-    kind: str        #: "F" or "B"
+    kind: str        #: "F", "B", or "I" / "W" (the two halves of a split backward)
     version: int     #: weight version the pass ran on (or predicted from)
     steps: float     #: prediction steps applied on top of ``version`` (0: none)
 
@@ -183,6 +185,8 @@ class Stage:
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
+        #: micro-batches whose input half ran and whose weight half has not (split backward)
+        self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
         self._losses: Dict[int, float] = {}
         #: Every how many micro-batches to measure the prediction error (0: never).
         self.diagnose_every = 0
@@ -243,13 +247,7 @@ class Stage:
         leaves, outputs, use = self._saved.pop(microbatch)
         if microbatch in self._probes:
             self._record_probe(microbatch)
-        if self.is_last:
-            tensors, grads = list(outputs), [None]
-        else:
-            grad_output = to_device(grad_output, self.device)
-            pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
-                     if torch.is_tensor(o) and o.requires_grad and g is not None]
-            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        tensors, grads = self._output_grads(outputs, grad_output)
         hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
         try:
             with self.policy.backward_pass(microbatch, use) as used:
@@ -267,6 +265,55 @@ class Stage:
         grads_in = tuple(v.grad if torch.is_tensor(v) and v.requires_grad else None
                          for v in as_tuple(leaves))
         return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def backward_input(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
+        """The input half of a split backward (a schedule's ``I``): the gradient to send to the
+        previous stage, as :meth:`backward` returns it; what the weight gradients need stays
+        for :meth:`backward_weight` (``runtime/split_backward.py``). The policy's backward pass
+        spans both halves (it is entered here and left by the weight half)."""
+        start = time.perf_counter()
+        leaves, outputs, use = self._saved.pop(microbatch)
+        if microbatch in self._probes:
+            self._record_probe(microbatch)
+        tensors, grads = self._output_grads(outputs, grad_output)
+        inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
+        weights = self.parameters() if use.direct else list(use.weights.values())
+        scope = contextlib.ExitStack()
+        used = scope.enter_context(self.policy.backward_pass(microbatch, use))
+        try:
+            found, pending = split_backward.backward_input(tensors, grads, inputs, weights)
+        except BaseException:
+            scope.close()
+            raise
+        self._weight_halves[microbatch] = (pending, use, scope, used)
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "I", used.version, used.steps))
+        self.time["B"] += time.perf_counter() - start
+        if self.is_first:
+            return None
+        by_leaf = {id(v): g for v, g in zip(inputs, found)}
+        grads_in = tuple(by_leaf.get(id(v)) if torch.is_tensor(v) else None for v in as_tuple(leaves))
+        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """The weight half of a split backward (a schedule's ``W``): the weight gradients of the
+        micro-batch whose input half ran, accumulated into the parameters' ``.grad``."""
+        start = time.perf_counter()
+        pending, use, scope, used = self._weight_halves.pop(microbatch)
+        with scope:
+            split_backward.backward_weight(pending)
+        self._collect_weight_grads(use)
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
+        self.time["B"] += time.perf_counter() - start
+        self.count["B"] += 1
+
+    def _output_grads(self, outputs: Tuple[Any, ...], grad_output: Optional[Activation]):
+        """The outputs a backward starts from and their gradients (None: the loss's 1)."""
+        if self.is_last:
+            return list(outputs), [None]
+        grad_output = to_device(grad_output, self.device)
+        pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
     def update(self, grad_scale: Optional[torch.Tensor] = None) -> None:
         """One optimizer step from the gradients accumulated since the last one, then the
@@ -396,4 +443,5 @@ class Stage:
 
     @property
     def in_flight(self) -> int:
-        return len(self._saved)
+        """Micro-batches whose backward has not finished (weight half included)."""
+        return len(self._saved) + len(self._weight_halves)
