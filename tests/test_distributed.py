@@ -424,7 +424,7 @@ def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
 
 
 #: every option of a run the local runtime takes beside the method's (schedule, warm-up, clipping,
-#: precision, evaluations within the epoch, a validation split)
+#: precision, evaluations within the epoch, a validation split, recomputation)
 #: each run flag alone, then all of them together (the flags a local run takes beyond TRAIN_ARGS)
 RUN_FLAGS = {
     "schedule": ["--lr-schedule", "warmup-cosine", "--warmup-steps", "3"],
@@ -433,6 +433,7 @@ RUN_FLAGS = {
     "eval-every": ["--eval-every", "3"],
     "holdout": ["--holdout", "64"],
     "diagnose": ["--diagnose-every", "2"],
+    "recompute": ["--recompute"],
 }
 RUN_FLAGS["all"] = [flag for flags in RUN_FLAGS.values() for flag in flags]
 

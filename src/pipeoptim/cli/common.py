@@ -142,6 +142,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: forwards and backwards under torch.autocast; weights, optimizer state "
                         "and prediction stay fp32 (default: fp32)")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: each stage keeps only its input per micro-batch in "
+                        "flight and runs its forward again in the backward (same losses; less memory, "
+                        "one more forward)")
     g.add_argument("--device", default="auto", metavar="DEV",
                    help="auto (default: one GPU per stage when there are enough, else the CPU), one "
                         "device for all stages (cpu, cuda, cuda:1), or one per stage: cuda:0,cuda:1")
@@ -232,7 +236,8 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
                      clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
-                     precision=args.precision, device=args.device, eval_every=args.eval_every,
+                     precision=args.precision, recompute=args.recompute, device=args.device,
+                     eval_every=args.eval_every,
                      holdout=args.holdout)
 
 

@@ -60,8 +60,8 @@ import torch.distributed as dist
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
-from .segment import MicroBatch, StreamedSegment, check_runnable, clip_coefficient
-from .stage import Stage, WindowLosses, as_tuple
+from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient
+from .stage import Stage, as_tuple
 
 
 # dtype <-> code for the metadata messages

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedules.actions import Kind, Schedule
-from .segment import MicroBatch, ScheduleFor, StreamedSegment, check_runnable, clip_coefficient
-from .stage import Stage, WindowLosses
+from .segment import MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient
+from .stage import Stage
 
 
 class ScheduleStuck(RuntimeError):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..weights.policies import WeightPolicy, WeightUse
-from . import split_backward
+from . import recompute, split_backward
 
 Activation = Any  # a tensor or a tuple of tensors
 
@@ -76,71 +76,6 @@ def _leaf_inputs(value: Activation) -> Activation:
     return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
 
 
-class WindowLosses(dict):
-    """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
-    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
-
-    Losses arrive as floats, or as 0-dim tensors still on an accelerator, so that the host never
-    waits for the device to queue more work: without ``on_loss``, a complete window's losses are
-    copied to pinned host memory without blocking and taken once the copy is done
-    (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
-    losses in micro-batch order."""
-
-    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
-        super().__init__()
-        self.microbatches = microbatches
-        self.on_loss = on_loss
-        self._parts: Dict[int, List[Any]] = {}
-        self._ready: List[Tuple[int, Any, Any]] = []  # (window, floats or a pinned tensor, event)
-
-    def add(self, microbatch: int, loss: Any) -> None:
-        window = microbatch // self.microbatches
-        parts = self._parts.setdefault(window, [])
-        parts.append(loss)
-        if len(parts) < self.microbatches:
-            return
-        parts = self._parts.pop(window)
-        on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
-        if self.on_loss is None and on_device:
-            device = on_device[0].device
-            with torch.cuda.device(device):
-                values = torch.stack([torch.as_tensor(p, device=device).reshape(()) for p in parts])
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            self._ready.append((window, host, event))
-            return
-        total = _float_sum(parts)
-        self[window] = total
-        self._ready.append((window, None, None))
-        if self.on_loss is not None:
-            self.on_loss(window, total)
-
-    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
-        """The windows completed since the last call, with their losses, in window order; a
-        window whose losses are still on their way from the device waits for the next call (or,
-        with ``wait``, is waited for)."""
-        done = []
-        while self._ready:
-            window, host, event = self._ready[0]
-            if event is not None:
-                if not wait and not event.query():
-                    break
-                event.synchronize()
-                self[window] = _float_sum(host.tolist())
-            self._ready.pop(0)
-            done.append((window, self[window]))
-        return done
-
-
-def _float_sum(values: List[Any]) -> float:
-    total = 0.0
-    for value in values:
-        total += float(value)
-    return total
-
-
 def _check_scalar(loss: Any) -> None:
     if not torch.is_tensor(loss) or loss.numel() != 1:
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
@@ -155,7 +90,8 @@ class Stage:
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
-                 precision: str = "fp32", device: Optional[torch.device] = None) -> None:
+                 precision: str = "fp32", device: Optional[torch.device] = None,
+                 recompute: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.index = index
@@ -171,6 +107,10 @@ class Stage:
         self.precision = precision
         #: where this stage's parameters live and its passes run; inputs are moved here
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        #: keep only the input of each micro-batch in flight and run the forward again in its
+        #: backward (``runtime/recompute.py``)
+        self.recompute = recompute
+        self._kept_bytes: Dict[int, int] = {}
         #: per update: the learning rates it applied (the scheduler's effect, checkable)
         self.updates: List[UpdateEntry] = []
         #: called with the parameters before each update to average their gradients over the
@@ -211,12 +151,21 @@ class Stage:
                 self._probes[microbatch] = (stale, used, use.version, use.steps, variants)
             inputs = to_device(inputs, self.device)
             leaves = _leaf_inputs(inputs) if not self.is_first else inputs
-            with torch.enable_grad(), self.autocast():
-                output = self.module(leaves) if use.direct else functional_call(self.module, use.weights, (leaves,))
+            target = to_device(target, self.device) if self.is_last else None
+
+            def run(values: Activation) -> Activation:
+                output = self.module(values) if use.direct else functional_call(self.module, use.weights, (values,))
                 if self.is_last:
-                    loss = self.loss_fn(output, to_device(target, self.device)) * loss_scale
-                    _check_scalar(loss)
-                    output = loss
+                    output = self.loss_fn(output, target) * loss_scale
+                    _check_scalar(output)
+                return output
+
+            with torch.enable_grad(), self.autocast():
+                if self.recompute:
+                    kept = self._keep_forward_values(microbatch, use)
+                    output = recompute.checkpointed(run, leaves, kept)
+                else:
+                    output = run(leaves)
         finally:
             use.done()
         self.policy.note_memory()
@@ -231,6 +180,21 @@ class Stage:
             self._losses[microbatch] = value
             return value
         return detach_for_send(output)
+
+    def _keep_forward_values(self, microbatch: int, use: WeightUse) -> Optional[recompute.KeptValues]:
+        """What the recomputation of this forward runs on: nothing to keep where the forward's
+        tensors still hold its values at the backward, else a copy (counted as a weight copy)."""
+        if use.direct or self.policy.forward_weights_kept(microbatch, use):
+            return None
+        kept = recompute.copy_forward_values(list(use.weights.values()))
+        size = sum(copy.numel() * copy.element_size() for _, copy in kept)
+        self._kept_bytes[microbatch] = size
+        self.policy.recompute_copy_bytes += size
+        return kept
+
+    def _release(self, microbatch: int) -> None:
+        """A micro-batch's backward is over: its recomputation's copy, if any, goes."""
+        self.policy.recompute_copy_bytes -= self._kept_bytes.pop(microbatch, 0)
 
     def autocast(self):
         """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;
@@ -257,6 +221,7 @@ class Stage:
             for hook in hooks:
                 hook.remove()
         self._collect_weight_grads(use)
+        self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
@@ -302,6 +267,7 @@ class Stage:
         with scope:
             split_backward.backward_weight(pending)
         self._collect_weight_grads(use)
+        self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
