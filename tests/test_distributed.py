@@ -30,8 +30,8 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
-from pipeoptim.runtime.distributed import (PipeComm, PipelineCommError, _decode, _encode, _layout_of,
-                                           init_process_group, signature)
+from pipeoptim.runtime.distributed import PipeComm, PipelineCommError, init_process_group, signature
+from pipeoptim.runtime.wire import decode_layout, encode_layout, layout_of
 
 LOSS = nn.functional.cross_entropy
 PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"]
@@ -482,12 +482,12 @@ def test_each_run_option_gives_the_local_runtimes_numbers_on_two_processes(case,
 
 def test_message_layouts_round_trip():
     value = (torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), None)
-    layout = _layout_of(value, "activation")
-    assert _decode(_encode(layout).tolist()) == layout
-    single = _layout_of(torch.zeros(2, 5, dtype=torch.bfloat16), "activation")
-    assert _decode(_encode(single).tolist()) == single == (False, ((torch.bfloat16, (2, 5)),))
+    layout = layout_of(value, "activation")
+    assert decode_layout(encode_layout(layout).tolist()) == layout
+    single = layout_of(torch.zeros(2, 5, dtype=torch.bfloat16), "activation")
+    assert decode_layout(encode_layout(single).tolist()) == single == (False, ((torch.bfloat16, (2, 5)),))
     with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
-        _layout_of((torch.zeros(1), 3), "activation")
+        layout_of((torch.zeros(1), 3), "activation")
 
 
 def test_signature_keys_by_input_shapes():
