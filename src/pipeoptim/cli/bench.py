@@ -43,7 +43,7 @@ from ..optimizers import optimizer_names
 from ..tasks import task_names
 from .common import known_methods
 
-DEFAULT_METHODS = "gpipe,1f1b-flush,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
+DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
 
 
