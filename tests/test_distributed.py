@@ -30,8 +30,8 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
-from pipeoptim.runtime.distributed import (PipeComm, PipelineCommError, _decode, _encode, _layout_of,
-                                           init_process_group, signature)
+from pipeoptim.runtime.distributed import PipeComm, PipelineCommError, init_process_group, signature
+from pipeoptim.runtime.wire import decode_layout, encode_layout, layout_of
 
 LOSS = nn.functional.cross_entropy
 PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"]
@@ -160,9 +160,9 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
         results[("mlp", method, 2)] = _train(mlp(), batches(5), method, stages=2)
     results[("mlp", "pipeoptim", "2 told")] = results[("mlp", "pipeoptim", 2)]
     # tuple activations, with uneven micro-batches (10 samples in 4: 3, 3, 2, 2)
-    for method in ("1f1b-flush", "pipeoptim"):
+    for method in ("1f1b-flush", "pipeoptim", "zb-h1"):
         results[("tuple", method, 2)] = _train(tuple_model(), tuple_batches(), method, stages=2,
-                                               micro_batches=4 if method == "1f1b-flush" else None)
+                                               micro_batches=4 if method != "pipeoptim" else None)
     # uneven micro-batches of a plain tensor model, Adam
     for method in ("gpipe", "pipedream-2bw"):
         results[("uneven", method, 2)] = _train(mlp(), batches(4), method, stages=2, micro_batches=3,
@@ -258,12 +258,12 @@ def test_sequential_runs_as_a_one_process_pipeline(spawned):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim"])
+@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim", "zb-h1"])
 def test_tuple_activations_cross_stages(spawned, method):
     """Blocks pass (float, int) tuples; the int entry carries no gradient back."""
     got = spawned[("tuple", method, 2)]
     local = _local(tuple_model(), tuple_batches(), method, 2,
-                   micro_batches=4 if method == "1f1b-flush" else None)
+                   micro_batches=4 if method != "pipeoptim" else None)
     _close(got["losses"], local.losses)
 
 
@@ -424,7 +424,7 @@ def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
 
 
 #: every option of a run the local runtime takes beside the method's (schedule, warm-up, clipping,
-#: precision, evaluations within the epoch, a validation split)
+#: precision, evaluations within the epoch, a validation split, recomputation)
 #: each run flag alone, then all of them together (the flags a local run takes beyond TRAIN_ARGS)
 RUN_FLAGS = {
     "schedule": ["--lr-schedule", "warmup-cosine", "--warmup-steps", "3"],
@@ -433,6 +433,7 @@ RUN_FLAGS = {
     "eval-every": ["--eval-every", "3"],
     "holdout": ["--holdout", "64"],
     "diagnose": ["--diagnose-every", "2"],
+    "recompute": ["--recompute"],
 }
 RUN_FLAGS["all"] = [flag for flags in RUN_FLAGS.values() for flag in flags]
 
@@ -481,12 +482,12 @@ def test_each_run_option_gives_the_local_runtimes_numbers_on_two_processes(case,
 
 def test_message_layouts_round_trip():
     value = (torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), None)
-    layout = _layout_of(value, "activation")
-    assert _decode(_encode(layout).tolist()) == layout
-    single = _layout_of(torch.zeros(2, 5, dtype=torch.bfloat16), "activation")
-    assert _decode(_encode(single).tolist()) == single == (False, ((torch.bfloat16, (2, 5)),))
+    layout = layout_of(value, "activation")
+    assert decode_layout(encode_layout(layout).tolist()) == layout
+    single = layout_of(torch.zeros(2, 5, dtype=torch.bfloat16), "activation")
+    assert decode_layout(encode_layout(single).tolist()) == single == (False, ((torch.bfloat16, (2, 5)),))
     with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
-        _layout_of((torch.zeros(1), 3), "activation")
+        layout_of((torch.zeros(1), 3), "activation")
 
 
 def test_signature_keys_by_input_shapes():

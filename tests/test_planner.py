@@ -308,3 +308,20 @@ def test_memory_limit_that_nothing_fits_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no method fits --memory-limit 1000 bytes per stage"):
         run_plan([*QUICK, "--stages", "2", "--microbatches", "1", "--memory-limit", "1000",
                   "--out", str(tmp_path / "p.json")])
+
+
+def test_zb_h1_is_a_default_candidate_and_its_weight_half_fills_the_bubble():
+    """Issue 26: zb-h1 is predicted by default (the planner and `pipeoptim bench`), its W priced
+    as half the backward. 2 equal stages, F = 1 ms, B = 2 ms (I = W = 1 ms), M = 4: 1F1B's
+    makespan is (M + N - 1)(F + B) = 15 ms; ZB-H1's is M(F + I + W) + (N - 1)(F + I - W) = 13 ms."""
+    from pipeoptim.cli.bench import DEFAULT_METHODS as BENCH_METHODS
+    from pipeoptim.plan_defaults import DEFAULT_METHODS
+
+    assert "zb-h1" in DEFAULT_METHODS and "zb-h1" in BENCH_METHODS.split(",")
+    prof = synthetic([0.0005] * 4, [0.001] * 4)
+    assert stage_costs(prof, [2, 2]).weight == [0.001, 0.001]
+    flush = predict("1f1b-flush", prof, [2, 2], microbatches=4, batches=1, batch_size=8)
+    zb = predict("zb-h1", prof, [2, 2], microbatches=4, batches=1, batch_size=8)
+    assert flush["makespan_seconds"] == pytest.approx(0.015)
+    assert zb["makespan_seconds"] == pytest.approx(0.013)
+    assert zb["synchronous"] is True

@@ -2,8 +2,8 @@
 transparency of the pipeline.
 
 * with one stage every method equals sequential training, step for step;
-* gpipe and 1f1b-flush equal sequential training with gradient accumulation over the same
-  micro-batches, and sequential equals a plain PyTorch loop;
+* gpipe, 1f1b-flush and zb-h1 (its backward split in two halves) equal sequential training with
+  gradient accumulation over the same micro-batches, and sequential equals a plain PyTorch loop;
 * the caller's model is never modified.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_sequential_equals_a_plain_pytorch_loop():
 @pytest.mark.parametrize("make_opt", [SGDM, ADAM], ids=["momentum", "adam"])
 def test_one_stage_equals_sequential(method, make_opt):
     model, data = mlp(), batches()
-    micro = 2 if method in ("gpipe", "1f1b-flush", "pipedream-2bw", "pipeoptim-2bw", "xpipe") else 1
+    micro = 2 if method in ("gpipe", "1f1b-flush", "zb-h1", "pipedream-2bw", "pipeoptim-2bw", "xpipe") else 1
     reference = pipeoptim.train(model, data, method="sequential", optimizer=make_opt, loss_fn=LOSS,
                                 micro_batches=micro)
     result = pipeoptim.train(model, data, method=method, stages=1, optimizer=make_opt, loss_fn=LOSS,
@@ -69,7 +69,7 @@ def test_one_stage_pipeoptim_code_steps_do_differ():
     assert abs(code.losses[-1] - reference.losses[-1]) > 1e-6
 
 
-@pytest.mark.parametrize("method", ["gpipe", "1f1b-flush"])
+@pytest.mark.parametrize("method", ["gpipe", "1f1b-flush", "zb-h1"])
 @pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (4, 8), (8, 4)])
 def test_synchronous_pipelines_equal_gradient_accumulation(method, n, m):
     model, data = mlp(depth=8), batches(6)

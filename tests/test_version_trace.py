@@ -39,6 +39,17 @@ def test_synchronous_methods_use_one_version_per_minibatch(method, n):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
+def test_zb_h1_runs_both_halves_of_each_backward_on_the_forwards_version(n):
+    trace, result = run("zb-h1", n)
+    m = result.metrics["microbatches"]
+    assert m == n
+    assert {kind for _, _, kind in trace} == {"F", "I", "W"}
+    for k in range(n):
+        for i in range(T * m):
+            assert trace[(k, i, "F")] == trace[(k, i, "I")] == trace[(k, i, "W")] == (i // m, 0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_async_naive_forward_stale_backward_latest(n):
     trace, _ = run("async-naive", n)
     for k in range(n):

@@ -71,6 +71,8 @@ class RunConfig:
     clip_grad: Optional[float] = None  #: max gradient norm
     clip_scope: str = "stage"          #: stage (each stage's own norm) or global (synchronous methods)
     precision: str = "fp32"
+    #: every stage recomputes its forward in the backward, keeping only its inputs (--recompute)
+    recompute: bool = False
     device: str = "auto"               #: auto, one device, or one per stage separated by commas
     #: also drain and evaluate every K mini-batches (Pipeline.fit's eval_every); None: epoch ends only
     eval_every: Optional[int] = None
@@ -188,7 +190,7 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     micro_batches=cfg.micro_batches,
                     lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
-                    devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
+                    recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
                     timeout=timeout, threads=threads, **cfg.method_options)
 
 

@@ -31,7 +31,7 @@ import contextlib
 import copy
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
 from .runtime import named_state
-from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
+from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec, resolve
@@ -61,15 +61,15 @@ class Pipeline:
             tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
             parameters keep the original names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``async-naive``, ``pipedream``, ``pipedream-2bw``, ``spectrain``,
-            ``xpipe``, ``pipeoptim``).
+            ``1f1b-flush``, ``zb-h1``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
+            ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
         stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform`` or
             ``params``), or ``partition=[layers per stage]``.
         micro_batches: micro-batches per mini-batch for the methods that use them (default: the
-            method's own: N for gpipe and 1f1b-flush, 2 for xpipe, 1 for the others).
+            method's own: N for gpipe, 1f1b-flush and zb-h1, 2 for xpipe, 1 for the others).
         lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
             stage steps its scheduler right after its own update, so update j has the same lr on
             every stage whatever the method; the prediction reads the group's lr as it is then.
@@ -80,6 +80,13 @@ class Pipeline:
             the others at the moment it updates.
         precision: ``"fp32"`` or ``"bf16"``: forwards and backwards under ``torch.autocast`` of
             each stage's device; parameters, gradients, optimizer state and prediction stay fp32.
+        recompute: activation recomputation: ``True`` for every stage, or one bool per stage.
+            A recomputing stage keeps only its input for each micro-batch in flight and runs its
+            forward again in the backward (torch's non-reentrant checkpointing), on the forward's
+            random state and weights, so the losses equal those without it. Where a method's
+            weights change between a forward and its backward without a copy kept (async-naive,
+            pipeoptim with ``backward="latest"``, spectrain, xpipe), the stage keeps a copy of the
+            forward's weights per micro-batch in flight instead (counted in ``weight_versions``).
         devices: ``"auto"``, one device for every stage, or one per stage (see
             :func:`resolve_devices`). Inputs go to the first stage's device, targets to the
             last's, activations and gradients between the stages' devices.
@@ -126,8 +133,8 @@ class Pipeline:
                  partitioner: str = "uniform", micro_batches: Optional[int] = None,
                  lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
-                 precision: str = "fp32", devices: DeviceSpec = "auto", diagnose_every: int = 0,
-                 timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
+                 precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
+                 devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, world: Optional[World] = None,
                  **method_options: Any) -> None:
         if not isinstance(model, nn.Sequential):
@@ -162,6 +169,8 @@ class Pipeline:
                              f"{method} updates each stage at its own time: use clip_scope='stage'")
         self.devices = self.world.place(devices, self.spec.stages)
         self.precision = precision
+        #: per stage, whether it recomputes its forward in the backward
+        self.recompute: List[bool] = recompute_per_stage(recompute, self.spec.stages)
         self._model = copy.deepcopy(model)
         self._model.train()
         self._optimizer_factory = optimizer
@@ -169,7 +178,8 @@ class Pipeline:
         self.stages: List[Stage] = build_stages(
             self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
             lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
-            precision=precision, devices=self.devices, only=self.world.own_stage(self.spec.stages))
+            precision=precision, devices=self.devices, only=self.world.own_stage(self.spec.stages),
+            recompute=self.recompute)
         self.world.connect(self.stages, replicas)
         for stage in self.stages:
             stage.diagnose_every = diagnose_every

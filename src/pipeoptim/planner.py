@@ -230,7 +230,9 @@ def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Se
     if bandwidth is not None and n > 1:
         ends = [sum(sizes[:k + 1]) for k in range(n - 1)]
         comm = max(profile.layers[e - 1].output_bytes for e in ends) / bandwidth
-    return Costs(fwd, bwd, [0.0] * n, update=max(upd), comm=comm)
+    # The W half of a split backward (zb-h1) is not profiled apart: take half the backward, as
+    # for matmul layers, whose input and weight gradients are two products of the same size.
+    return Costs(fwd, bwd, [g / 2 for g in bwd], update=max(upd), comm=comm)
 
 
 def extrapolated_makespan(build: Callable[[int], Schedule], batches: int, costs: Costs):

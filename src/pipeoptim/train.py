@@ -38,14 +38,14 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
           checkpoint_dir: Optional[str | Path] = None, checkpoint_every: Optional[int] = None,
           resume: bool = False, diagnose_every: int = 0,
           lr_scheduler: Optional[SchedulerFactory] = None, clip_grad_norm: Optional[float] = None,
-          clip_scope: str = "stage", precision: str = "fp32", devices: Any = "auto",
+          clip_scope: str = "stage", precision: str = "fp32", recompute: Any = False, devices: Any = "auto",
           **method_options: Any) -> TrainResult:
     """Train a copy of ``model`` on ``batches`` with a pipeline method.
 
     ``batches`` is one epoch of (input, target) mini-batches (any iterable, iterated once per
     epoch). Every other argument is :class:`~pipeoptim.pipeline.Pipeline`'s (``method``,
     ``optimizer``, ``loss_fn``, ``stages``/``partition``/``partitioner``, ``micro_batches``,
-    ``lr_scheduler``, ``clip_grad_norm``, ``clip_scope``, ``precision``, ``devices``,
+    ``lr_scheduler``, ``clip_grad_norm``, ``clip_scope``, ``precision``, ``recompute``, ``devices``,
     ``diagnose_every``, the method's options) or :meth:`~pipeoptim.pipeline.Pipeline.fit`'s
     (``epochs``, ``evaluate(model)``, ``eval_every``, ``on_batch``, ``on_epoch``, ``on_eval``,
     ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``continuous``). With ``eval_every``
@@ -59,7 +59,7 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
     pipe = Pipeline(model, method=method, loss_fn=loss_fn, optimizer=optimizer, stages=stages,
                     partition=partition, partitioner=partitioner, micro_batches=micro_batches,
                     lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm, clip_scope=clip_scope,
-                    precision=precision, devices=devices, diagnose_every=diagnose_every,
+                    precision=precision, recompute=recompute, devices=devices, diagnose_every=diagnose_every,
                     **method_options)
     return pipe.fit(batches, epochs, evaluate=evaluate, eval_every=eval_every, on_batch=on_batch,
                     on_epoch=on_epoch, on_eval=on_eval, checkpoint_dir=checkpoint_dir,

@@ -43,7 +43,7 @@ from ..optimizers import optimizer_names
 from ..tasks import task_names
 from .common import known_methods
 
-DEFAULT_METHODS = "gpipe,1f1b-flush,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
+DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
 
 
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="mini-batch size (default: 512 for blocks, else the task's)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per mini-batch for the methods that split (default: the method's; "
-                        "gpipe and 1f1b-flush: the number of stages)")
+                        "gpipe, 1f1b-flush and zb-h1: the number of stages)")
     p.add_argument("--partitioner", default="params", choices=["uniform", "params"],
                    help="split of a task model's blocks (default: params, balanced by parameter "
                         "count); the blocks model has its own balanced split")

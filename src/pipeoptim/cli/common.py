@@ -69,7 +69,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline")
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
-    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, "
+    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, "
                    "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
     g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],
@@ -142,6 +142,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: forwards and backwards under torch.autocast; weights, optimizer state "
                         "and prediction stay fp32 (default: fp32)")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: each stage keeps only its input per micro-batch in "
+                        "flight and runs its forward again in the backward (same losses; less memory, "
+                        "one more forward)")
     g.add_argument("--device", default="auto", metavar="DEV",
                    help="auto (default: one GPU per stage when there are enough, else the CPU), one "
                         "device for all stages (cpu, cuda, cuda:1), or one per stage: cuda:0,cuda:1")
@@ -232,7 +236,8 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
                      clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
-                     precision=args.precision, device=args.device, eval_every=args.eval_every,
+                     precision=args.precision, recompute=args.recompute, device=args.device,
+                     eval_every=args.eval_every,
                      holdout=args.holdout)
 
 

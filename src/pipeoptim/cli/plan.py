@@ -24,7 +24,7 @@ the method's weight versions, gradients, optimizer state, in-flight activations)
 
 Recommendation rule: the highest predicted throughput among the candidates whose largest stage
 memory fits --memory-limit (all, without a limit); candidates within --tie of the best are
-tied, and among tied ones a synchronous method (gpipe, 1f1b-flush: the same result as
+tied, and among tied ones a synchronous method (gpipe, 1f1b-flush, zb-h1: the same result as
 non-pipelined training) wins, then the smaller largest-stage memory, then fewer micro-batches,
 then the earlier method in --methods.
 

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "bidirectional, which put several stages on a rank); default 4")
     parser.add_argument("--microbatches", "-M", metavar="M", default=None,
                         help="micro-batches per mini-batch, i.e. per update. Default: the "
-                             "method's own (gpipe, 1f1b-flush, pipedream-2bw, pipeoptim-2bw: N; xpipe: 2; "
+                             "method's own (gpipe, 1f1b-flush, zb-h1, pipedream-2bw, pipeoptim-2bw: N; xpipe: 2; "
                              "others: 1); for a schedule name N for synchronous schedules and 2bw "
                              "(rounded up to even for bidirectional), 1 for async-1f1b")
     parser.add_argument("--batches", "-T", metavar="T", default=None,

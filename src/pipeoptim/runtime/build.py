@@ -1,7 +1,7 @@
 """Assemble the stages of a run: split the model, one optimizer, scheduler and weight policy per stage."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -60,14 +60,30 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, 
     return scheduler
 
 
+def recompute_per_stage(recompute: Union[bool, Sequence[bool]], stages: int) -> List[bool]:
+    """``Pipeline(recompute=...)`` per stage: one bool for every stage, or a list of one per
+    stage; anything else is a ValueError that says what to give."""
+    if isinstance(recompute, bool):
+        return [recompute] * stages
+    if isinstance(recompute, (list, tuple)) and all(isinstance(r, bool) for r in recompute):
+        if len(recompute) != stages:
+            raise ValueError(f"recompute lists {len(recompute)} stages but the pipeline has {stages}; "
+                             f"give one bool per stage, or recompute=True for all")
+        return list(recompute)
+    raise ValueError(f"recompute must be True, False or a list of one bool per stage (e.g. "
+                     f"[True] * {stages}), got {recompute!r}")
+
+
 def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
                  only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, precision: str = "fp32",
-                 devices: Optional[Sequence[torch.device]] = None) -> List[Stage]:
+                 devices: Optional[Sequence[torch.device]] = None,
+                 recompute: Optional[Sequence[bool]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage (one
     process of a distributed run); the others are left out of the list. Stage k's layers are
-    moved to ``devices[k]`` before its optimizer is made."""
+    moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
+    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`)."""
     parts = split(model, sizes)
     n = len(parts)
     stages = []
@@ -87,5 +103,5 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,
                             scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision,
-                            device=device))
+                            device=device, recompute=bool(recompute[k]) if recompute is not None else False))
     return stages

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedules.actions import Kind, Schedule
-from .segment import MicroBatch, ScheduleFor, StreamedSegment, check_runnable, clip_coefficient
-from .stage import Stage, WindowLosses
+from .segment import MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient
+from .stage import Stage
 
 
 class ScheduleStuck(RuntimeError):
@@ -130,16 +130,19 @@ class LocalExecutor(StreamedSegment):
                             self._window_loss.add(i, out)
                         else:
                             activations[(k + 1, i)] = out
-                    elif action.kind is Kind.B:
+                    elif action.kind is Kind.B or action.kind is Kind.I:
                         if stage.is_last:
                             grad = None
                         elif (k, i) in gradients:
                             grad = gradients.pop((k, i))
                         else:
                             break
-                        grad_in = stage.backward(i, grad)
+                        backward = stage.backward if action.kind is Kind.B else stage.backward_input
+                        grad_in = backward(i, grad)
                         if not stage.is_first:
                             gradients[(k - 1, i)] = grad_in
+                    elif action.kind is Kind.W:
+                        stage.backward_weight(i)
                     elif action.kind is Kind.U:
                         if self.clip_global is not None:  # one stage too: its norm is the model's
                             if not self._update_all(k, i):

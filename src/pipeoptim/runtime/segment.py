@@ -1,5 +1,5 @@
-"""What both executors share: the streamed segment, the micro-batch, the checks on a schedule
-and the global clipping coefficient.
+"""What both executors share: the streamed segment, the micro-batch, the checks on a schedule,
+the global clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains (an epoch, K mini-batches with checkpoints,
 or every epoch with ``continuous``); each is its own schedule. The executors are fed one
@@ -15,7 +15,7 @@ of a micro-batch beyond those fed, which is what makes that exact.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,12 +26,11 @@ ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's s
 
 
 def check_runnable(schedule: Schedule, num_stages: int) -> None:
-    """The runtimes run straight pipelines: stage k on rank k, one chain."""
+    """The runtimes run straight pipelines: stage k on rank k, one chain (full or split
+    backwards)."""
     if schedule.num_ranks != num_stages or schedule.pipelines != [list(range(num_stages))]:
         raise ValueError(f"schedule {schedule.name} places several stages per rank; the runtimes "
                          f"run one stage per rank (use it with `pipeoptim schedule` to simulate)")
-    if schedule.split_backward:
-        raise ValueError(f"schedule {schedule.name} splits the backward; the runtimes run full backwards")
 
 
 def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -100,3 +99,68 @@ class StreamedSegment:
         if list(order[:len(done)]) != list(done):
             raise RuntimeError(f"schedule {name}: {who} ran {len(done)} actions that its final "
                                f"orders do not start with")
+
+
+class WindowLosses(dict):
+    """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
+    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
+
+    Losses arrive as floats, or as 0-dim tensors still on an accelerator, so that the host never
+    waits for the device to queue more work: without ``on_loss``, a complete window's losses are
+    copied to pinned host memory without blocking and taken once the copy is done
+    (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
+    losses in micro-batch order."""
+
+    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+        super().__init__()
+        self.microbatches = microbatches
+        self.on_loss = on_loss
+        self._parts: Dict[int, List[Any]] = {}
+        self._ready: List[Tuple[int, Any, Any]] = []  # (window, floats or a pinned tensor, event)
+
+    def add(self, microbatch: int, loss: Any) -> None:
+        window = microbatch // self.microbatches
+        parts = self._parts.setdefault(window, [])
+        parts.append(loss)
+        if len(parts) < self.microbatches:
+            return
+        parts = self._parts.pop(window)
+        on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
+        if self.on_loss is None and on_device:
+            device = on_device[0].device
+            with torch.cuda.device(device):
+                values = torch.stack([torch.as_tensor(p, device=device).reshape(()) for p in parts])
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self._ready.append((window, host, event))
+            return
+        total = _float_sum(parts)
+        self[window] = total
+        self._ready.append((window, None, None))
+        if self.on_loss is not None:
+            self.on_loss(window, total)
+
+    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
+        """The windows completed since the last call, with their losses, in window order; a
+        window whose losses are still on their way from the device waits for the next call (or,
+        with ``wait``, is waited for)."""
+        done = []
+        while self._ready:
+            window, host, event = self._ready[0]
+            if event is not None:
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+                self[window] = _float_sum(host.tolist())
+            self._ready.pop(0)
+            done.append((window, self[window]))
+        return done
+
+
+def _float_sum(values: List[Any]) -> float:
+    total = 0.0
+    for value in values:
+        total += float(value)
+    return total

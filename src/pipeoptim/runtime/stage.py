@@ -1,6 +1,7 @@
 """One pipeline stage: its modules, its optimizer, its weight policy, its version trace.
 
-The stage runs the compute actions of a schedule, F, B and U, whichever executor calls it:
+The stage runs the compute actions of a schedule, F, B (or its halves I and W) and U, whichever
+executor calls it:
 the local executor calls every stage in one process, the distributed executor one stage per
 process. Activations and gradients go in and out as tensors or tuples of tensors; the stage
 never sends anything itself.
@@ -17,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..weights.policies import WeightPolicy, WeightUse
+from . import recompute, split_backward
 
 Activation = Any  # a tensor or a tuple of tensors
 
@@ -27,7 +29,7 @@ class TraceEntry:
 
     stage: int
     microbatch: int
-    kind: str        #: "F" or "B"
+    kind: str        #: "F", "B", or "I" / "W" (the two halves of a split backward)
     version: int     #: weight version the pass ran on (or predicted from)
     steps: float     #: prediction steps applied on top of ``version`` (0: none)
 
@@ -74,71 +76,6 @@ def _leaf_inputs(value: Activation) -> Activation:
     return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
 
 
-class WindowLosses(dict):
-    """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
-    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
-
-    Losses arrive as floats, or as 0-dim tensors still on an accelerator, so that the host never
-    waits for the device to queue more work: without ``on_loss``, a complete window's losses are
-    copied to pinned host memory without blocking and taken once the copy is done
-    (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
-    losses in micro-batch order."""
-
-    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
-        super().__init__()
-        self.microbatches = microbatches
-        self.on_loss = on_loss
-        self._parts: Dict[int, List[Any]] = {}
-        self._ready: List[Tuple[int, Any, Any]] = []  # (window, floats or a pinned tensor, event)
-
-    def add(self, microbatch: int, loss: Any) -> None:
-        window = microbatch // self.microbatches
-        parts = self._parts.setdefault(window, [])
-        parts.append(loss)
-        if len(parts) < self.microbatches:
-            return
-        parts = self._parts.pop(window)
-        on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
-        if self.on_loss is None and on_device:
-            device = on_device[0].device
-            with torch.cuda.device(device):
-                values = torch.stack([torch.as_tensor(p, device=device).reshape(()) for p in parts])
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            self._ready.append((window, host, event))
-            return
-        total = _float_sum(parts)
-        self[window] = total
-        self._ready.append((window, None, None))
-        if self.on_loss is not None:
-            self.on_loss(window, total)
-
-    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
-        """The windows completed since the last call, with their losses, in window order; a
-        window whose losses are still on their way from the device waits for the next call (or,
-        with ``wait``, is waited for)."""
-        done = []
-        while self._ready:
-            window, host, event = self._ready[0]
-            if event is not None:
-                if not wait and not event.query():
-                    break
-                event.synchronize()
-                self[window] = _float_sum(host.tolist())
-            self._ready.pop(0)
-            done.append((window, self[window]))
-        return done
-
-
-def _float_sum(values: List[Any]) -> float:
-    total = 0.0
-    for value in values:
-        total += float(value)
-    return total
-
-
 def _check_scalar(loss: Any) -> None:
     if not torch.is_tensor(loss) or loss.numel() != 1:
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
@@ -153,7 +90,8 @@ class Stage:
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
-                 precision: str = "fp32", device: Optional[torch.device] = None) -> None:
+                 precision: str = "fp32", device: Optional[torch.device] = None,
+                 recompute: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.index = index
@@ -169,6 +107,10 @@ class Stage:
         self.precision = precision
         #: where this stage's parameters live and its passes run; inputs are moved here
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        #: keep only the input of each micro-batch in flight and run the forward again in its
+        #: backward (``runtime/recompute.py``)
+        self.recompute = recompute
+        self._kept_bytes: Dict[int, int] = {}
         #: per update: the learning rates it applied (the scheduler's effect, checkable)
         self.updates: List[UpdateEntry] = []
         #: called with the parameters before each update to average their gradients over the
@@ -183,6 +125,8 @@ class Stage:
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
+        #: micro-batches whose input half ran and whose weight half has not (split backward)
+        self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
         self._losses: Dict[int, float] = {}
         #: Every how many micro-batches to measure the prediction error (0: never).
         self.diagnose_every = 0
@@ -207,12 +151,21 @@ class Stage:
                 self._probes[microbatch] = (stale, used, use.version, use.steps, variants)
             inputs = to_device(inputs, self.device)
             leaves = _leaf_inputs(inputs) if not self.is_first else inputs
-            with torch.enable_grad(), self.autocast():
-                output = self.module(leaves) if use.direct else functional_call(self.module, use.weights, (leaves,))
+            target = to_device(target, self.device) if self.is_last else None
+
+            def run(values: Activation) -> Activation:
+                output = self.module(values) if use.direct else functional_call(self.module, use.weights, (values,))
                 if self.is_last:
-                    loss = self.loss_fn(output, to_device(target, self.device)) * loss_scale
-                    _check_scalar(loss)
-                    output = loss
+                    output = self.loss_fn(output, target) * loss_scale
+                    _check_scalar(output)
+                return output
+
+            with torch.enable_grad(), self.autocast():
+                if self.recompute:
+                    kept = self._keep_forward_values(microbatch, use)
+                    output = recompute.checkpointed(run, leaves, kept)
+                else:
+                    output = run(leaves)
         finally:
             use.done()
         self.policy.note_memory()
@@ -227,6 +180,21 @@ class Stage:
             self._losses[microbatch] = value
             return value
         return detach_for_send(output)
+
+    def _keep_forward_values(self, microbatch: int, use: WeightUse) -> Optional[recompute.KeptValues]:
+        """What the recomputation of this forward runs on: nothing to keep where the forward's
+        tensors still hold its values at the backward, else a copy (counted as a weight copy)."""
+        if use.direct or self.policy.forward_weights_kept(microbatch, use):
+            return None
+        kept = recompute.copy_forward_values(list(use.weights.values()))
+        size = sum(copy.numel() * copy.element_size() for _, copy in kept)
+        self._kept_bytes[microbatch] = size
+        self.policy.recompute_copy_bytes += size
+        return kept
+
+    def _release(self, microbatch: int) -> None:
+        """A micro-batch's backward is over: its recomputation's copy, if any, goes."""
+        self.policy.recompute_copy_bytes -= self._kept_bytes.pop(microbatch, 0)
 
     def autocast(self):
         """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;
@@ -243,13 +211,7 @@ class Stage:
         leaves, outputs, use = self._saved.pop(microbatch)
         if microbatch in self._probes:
             self._record_probe(microbatch)
-        if self.is_last:
-            tensors, grads = list(outputs), [None]
-        else:
-            grad_output = to_device(grad_output, self.device)
-            pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
-                     if torch.is_tensor(o) and o.requires_grad and g is not None]
-            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        tensors, grads = self._output_grads(outputs, grad_output)
         hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
         try:
             with self.policy.backward_pass(microbatch, use) as used:
@@ -259,6 +221,7 @@ class Stage:
             for hook in hooks:
                 hook.remove()
         self._collect_weight_grads(use)
+        self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
@@ -267,6 +230,56 @@ class Stage:
         grads_in = tuple(v.grad if torch.is_tensor(v) and v.requires_grad else None
                          for v in as_tuple(leaves))
         return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def backward_input(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
+        """The input half of a split backward (a schedule's ``I``): the gradient to send to the
+        previous stage, as :meth:`backward` returns it; what the weight gradients need stays
+        for :meth:`backward_weight` (``runtime/split_backward.py``). The policy's backward pass
+        spans both halves (it is entered here and left by the weight half)."""
+        start = time.perf_counter()
+        leaves, outputs, use = self._saved.pop(microbatch)
+        if microbatch in self._probes:
+            self._record_probe(microbatch)
+        tensors, grads = self._output_grads(outputs, grad_output)
+        inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
+        weights = self.parameters() if use.direct else list(use.weights.values())
+        scope = contextlib.ExitStack()
+        used = scope.enter_context(self.policy.backward_pass(microbatch, use))
+        try:
+            found, pending = split_backward.backward_input(tensors, grads, inputs, weights)
+        except BaseException:
+            scope.close()
+            raise
+        self._weight_halves[microbatch] = (pending, use, scope, used)
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "I", used.version, used.steps))
+        self.time["B"] += time.perf_counter() - start
+        if self.is_first:
+            return None
+        by_leaf = {id(v): g for v, g in zip(inputs, found)}
+        grads_in = tuple(by_leaf.get(id(v)) if torch.is_tensor(v) else None for v in as_tuple(leaves))
+        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """The weight half of a split backward (a schedule's ``W``): the weight gradients of the
+        micro-batch whose input half ran, accumulated into the parameters' ``.grad``."""
+        start = time.perf_counter()
+        pending, use, scope, used = self._weight_halves.pop(microbatch)
+        with scope:
+            split_backward.backward_weight(pending)
+        self._collect_weight_grads(use)
+        self._release(microbatch)
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
+        self.time["B"] += time.perf_counter() - start
+        self.count["B"] += 1
+
+    def _output_grads(self, outputs: Tuple[Any, ...], grad_output: Optional[Activation]):
+        """The outputs a backward starts from and their gradients (None: the loss's 1)."""
+        if self.is_last:
+            return list(outputs), [None]
+        grad_output = to_device(grad_output, self.device)
+        pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
     def update(self, grad_scale: Optional[torch.Tensor] = None) -> None:
         """One optimizer step from the gradients accumulated since the last one, then the
@@ -396,4 +409,5 @@ class Stage:
 
     @property
     def in_flight(self) -> int:
-        return len(self._saved)
+        """Micro-batches whose backward has not finished (weight half included)."""
+        return len(self._saved) + len(self._weight_halves)

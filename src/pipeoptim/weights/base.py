@@ -91,6 +91,9 @@ class WeightPolicy:
         self.version = 0                   #: live version: updates applied so far
         self.epoch_start_version = 0
         self.copy_bytes_peak = 0
+        #: bytes of forward weights a recomputing stage holds for its recomputations (see
+        #: :meth:`forward_weights_kept`), counted with the copies
+        self.recompute_copy_bytes = 0
         self._forward_version: Dict[int, int] = {}
         self._order: List[Action] = []
 
@@ -162,6 +165,13 @@ class WeightPolicy:
         self._forward_version[microbatch] = self.version
         return WeightUse(self.live_weights(), self.version)
 
+    def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
+        """Whether the tensors micro-batch's forward ran on (``use``) still hold the same values
+        when its backward runs (no update in between, a stash, a held prediction). A stage that
+        recomputes its forward in the backward needs those values; where this is False it keeps
+        a copy."""
+        return False
+
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
         """Around a backward; yields what the backward runs on (for the version trace)."""
@@ -192,7 +202,7 @@ class WeightPolicy:
         return 0
 
     def note_memory(self) -> None:
-        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes())
+        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes() + self.recompute_copy_bytes)
 
     @property
     def versions_peak(self) -> float:
@@ -212,6 +222,9 @@ class SynchronousPolicy(WeightPolicy):
         self._forward_version[microbatch] = self.version
         return WeightUse({}, self.version, direct=True)
 
+    def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
+        return True  # no update between a forward and its backward
+
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
         if use.version != self.version:
@@ -226,3 +239,6 @@ class LatestPolicy(WeightPolicy):
     """async-naive: forward on the live (stale) weights, backward on the weights live then."""
 
     description = "latest weights in each pass (stale forward, inconsistent backward)"
+
+    def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
+        return self.updates_between(microbatch) == 0

@@ -322,6 +322,11 @@ class PipeOptimPolicy(PredictingPolicy):
         restore = self._write_prediction(steps)
         return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
 
+    def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
+        # backward="predicted": the forward's W_hat is held; else the live weights, unpredicted
+        # and not updated before the backward
+        return microbatch in self._held or (use.steps == 0 and self.updates_between(microbatch) == 0)
+
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
         if self.backward_weights == "predicted":

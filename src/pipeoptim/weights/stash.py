@@ -59,6 +59,9 @@ class VersionStore(WeightPolicy):
         self.users[version] += 1
         return WeightUse(self.weights_of(version), version)
 
+    def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
+        return True  # the version's storage is moved aside, never written, while it is used
+
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
         yield WeightUse(use.weights, use.version)  # the aliases saved at forward hold that version

@@ -1,0 +1,90 @@
+"""Pipeline x data parallel: one stage's gradients averaged over the replicas of the pipeline."""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .wire import PipelineCommError, reason
+
+
+class GradientAverager:
+    """Averages one stage's gradients over the replicas of the pipeline (pipeline x data
+    parallel), so that weights, optimizer state, weight versions and predictions stay identical
+    across replicas: ``all_reduce`` (sum, then divided by the number of replicas) on the group of
+    that stage's ranks, before every update.
+
+    Overlapped with the backward: during the backward of the last micro-batch before an update
+    (:meth:`overlap`), each parameter is announced (:meth:`ready`) as soon as autograd has its final
+    gradient, and every ``bucket_bytes`` of them are reduced asynchronously while the rest of the
+    backward runs; the update (:meth:`__call__`) reduces what is left and waits for all. Every
+    replica runs the same graph, so the buckets go out in the same order on every rank."""
+
+    #: gradient bytes per asynchronous reduction (the default of new averagers)
+    bucket_bytes = 1 << 22
+
+    def __init__(self, group, replicas: int, timeout: float, bucket_bytes: Optional[int] = None) -> None:
+        self.group, self.replicas, self.timeout = group, replicas, timeout
+        if bucket_bytes is not None:
+            self.bucket_bytes = bucket_bytes
+        self._bucket: List[torch.Tensor] = []
+        self._in_flight: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
+        self._sent: Dict[int, torch.Tensor] = {}
+        self.overlapping = False
+
+    def close(self) -> None:
+        """Forget the group and any reduction in flight (the process's part of the job ended;
+        see :meth:`PipeComm.close`)."""
+        self.group, self._bucket, self._in_flight, self._sent = None, [], [], {}
+
+    def overlap(self) -> None:
+        """The next backward is the last before an update: reduce gradients as they are final."""
+        self.overlapping = True
+
+    def ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is final for this update (called from autograd hooks)."""
+        if not self.overlapping:
+            return
+        if id(param) in self._sent:
+            raise RuntimeError("a parameter received a gradient twice in one backward (a weight used "
+                               "twice in a stage) after its gradient was sent to the other replicas")
+        self._bucket.append(param)
+        if sum(p.numel() * p.element_size() for p in self._bucket) >= self.bucket_bytes:
+            self._launch(self._bucket)
+            self._bucket = []
+
+    def _launch(self, params: List[torch.Tensor]) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        try:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        except RuntimeError as error:
+            raise self._fail(error) from error
+        self._in_flight.append((work, flat, params))
+        for p in params:
+            self._sent[id(p)] = p
+
+    def _fail(self, error: BaseException) -> PipelineCommError:
+        return PipelineCommError(
+            f"averaging gradients over the {self.replicas} replicas of this stage failed: "
+            f"{reason(error)}. A replica hung, died or is slower than the timeout ({self.timeout:g} s)")
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> None:
+        """Before the update: reduce what was not sent yet, wait for all, divide."""
+        rest = [p for p in list(self._bucket) + [q for q in params if id(q) not in self._sent]
+                if id(p) not in self._sent]
+        if rest:
+            self._launch(rest)
+        try:
+            for work, flat, group in self._in_flight:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                flat.div_(self.replicas)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+                for p, g in zip(group, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    p.grad = g
+        except RuntimeError as error:
+            raise self._fail(error) from error
+        finally:
+            self._bucket, self._in_flight, self._sent, self.overlapping = [], [], {}, False

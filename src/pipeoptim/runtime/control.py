@@ -1,0 +1,85 @@
+"""Joining the job's process group, and the collectives of a pipeline's control group.
+
+:func:`init_process_group` joins the job (gloo on CPU, NCCL on GPU) with a timeout. The control
+group of a :class:`~pipeoptim.runtime.transport.PipeComm` (gloo, the pipeline's ranks) carries
+what is not a stage-to-stage message: losses, timings, norms, state dicts (:func:`broadcast`,
+:func:`gather_all`, :func:`barrier`); a timeout or a dead peer there becomes a
+:class:`~pipeoptim.runtime.wire.PipelineCommError` saying what the stages were doing.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
+from .transport import PipeComm
+from .wire import PipelineCommError, reason
+
+
+def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
+                       init_method: Optional[str] = None, rank: Optional[int] = None,
+                       world_size: Optional[int] = None, threads: Optional[int] = 1) -> torch.device:
+    """Join the job's default process group (gloo on CPU, NCCL on GPU) with a timeout; return
+    this process's device (``cuda:LOCAL_RANK`` on GPU). Without ``init_method`` the torchrun
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
+
+    ``threads``: intra-op threads of this process (default 1: one compute thread per stage,
+    so that N stages on N cores do not oversubscribe them); None leaves torch's setting."""
+    import os
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank or 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                             f"start at most one process per GPU on each node")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    elif device == "cpu":
+        dev, backend = torch.device("cpu"), "gloo"
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    kwargs: Dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    if not dist.is_initialized():
+        dist.init_process_group(**kwargs)
+    return dev
+
+
+def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
+    """Run a collective of the control group; a timeout or a dead peer becomes a
+    PipelineCommError that says what the stages were doing."""
+    comm.check_open()
+    try:
+        return fn()
+    except RuntimeError as error:
+        raise PipelineCommError(
+            f"stage {comm.stage}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
+            f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
+
+
+def broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
+    """Pipeline rank ``src``'s picklable ``obj`` on every rank (``what``: the step, for errors)."""
+    box = [obj]
+    _control(comm, what, lambda: dist.broadcast_object_list(box, src=comm.ranks[src], group=comm.control))
+    return box[0]
+
+
+def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
+    """Every pipeline rank's picklable ``value``, in stage order, on every rank (over the control group)."""
+    out: List[Any] = [None] * comm.num_stages
+    _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
+    return out
+
+
+def barrier(comm: PipeComm, what: str) -> None:
+    """Wait until every stage of the pipeline is here (over the control group)."""
+    _control(comm, what, lambda: dist.barrier(group=comm.control))

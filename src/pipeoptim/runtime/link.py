@@ -1,0 +1,157 @@
+"""One link of the transport: one direction of traffic between two neighbouring stages.
+
+A :class:`Link` carries one ordered stream of messages (activations ``k -> k+1`` or gradients
+``k+1 -> k``) over a process group and a tag. Sends are ``dist.isend``, their handles kept by the
+caller until waited on (gloo's send is a rendezvous: a blocking send in a 1F1B loop deadlocks).
+Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers allocated from the
+agreed layout (:mod:`~pipeoptim.runtime.wire`), and waited on when the action comes, so a
+message lands while the stage computes. Every wait has a timeout and fails with a
+:class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .stage import as_tuple
+from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, reason
+
+
+class Link:
+    """One direction of traffic between two neighbouring stages (a process group and a tag)."""
+
+    def __init__(self, what: str, peer: int, group, tag: int, device: torch.device, timeout: float,
+                 prefetch: int) -> None:
+        self.what = what          # "activation" or "gradient"
+        self.peer = peer          # global rank of the other end
+        self.group = group
+        self.tag = tag
+        self.wait_timeout = datetime.timedelta(seconds=timeout)
+        self.device = device
+        self.timeout = timeout
+        self.prefetch = prefetch
+        self.layouts: Dict[Signature, Layout] = {}
+        self._nbytes: Dict[Signature, int] = {}  # payload bytes per agreed layout (stats)
+        self.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
+        self.expected: Deque[Tuple[int, Signature]] = deque()
+        self.posted: Deque[Tuple[int, Signature, List[Optional[torch.Tensor]], List[Any]]] = deque()
+
+    # -- errors ------------------------------------------------------------------------------
+    def fail(self, doing: str, microbatch: int, error: BaseException) -> PipelineCommError:
+        return PipelineCommError(
+            f"{doing} the {self.what} of micro-batch {microbatch} (peer: rank {self.peer}) failed: "
+            f"{reason(error)}. "
+            f"A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); see its "
+            f"own error, or raise --timeout if stages are merely slow")
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, microbatch: int, key: Signature, value: Any, pending: List) -> None:
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = layout_of(value, self.what)
+            self.layouts[key] = layout
+            meta = encode_layout(layout).to(self.device)
+            size = torch.tensor([meta.numel()], dtype=torch.int64, device=self.device)
+            for t in (size, meta):
+                pending.append((self._isend(t), t, self, microbatch))
+        is_tuple, entries = layout
+        values = as_tuple(value)
+        if len(values) != len(entries) or isinstance(value, tuple) != is_tuple:
+            raise PipelineCommError(f"{self.what} of micro-batch {microbatch} has {len(values)} "
+                                    f"entries, but {len(entries)} were agreed for its input shapes")
+        for v, e in zip(values, entries):
+            if e is None:
+                if v is not None:
+                    raise PipelineCommError(
+                        f"{self.what} of micro-batch {microbatch} carries a tensor where the first "
+                        f"micro-batch of its shape had none")
+                continue
+            dtype, shape = e
+            if v is None:  # a gradient that did not reach this input this time: it is zero
+                v = torch.zeros(shape, dtype=dtype, device=self.device)
+            elif tuple(v.shape) != shape or v.dtype != dtype:
+                raise PipelineCommError(
+                    f"{self.what} of micro-batch {microbatch} is {v.dtype} {tuple(v.shape)}, but "
+                    f"{dtype} {shape} was agreed for micro-batches of input shapes {key}: the "
+                    f"stage's output shape must depend only on its input shapes")
+            t = v.detach().contiguous()
+            pending.append((self._isend(t), t, self, microbatch))
+            self.stats["bytes"] += t.numel() * t.element_size()
+        self.stats["messages"] += 1
+
+    def _isend(self, tensor: torch.Tensor):
+        return dist.isend(tensor, dst=self.peer, group=self.group, tag=self.tag)
+
+    def _irecv(self, tensor: torch.Tensor):
+        return dist.irecv(tensor, src=self.peer, group=self.group, tag=self.tag)
+
+    def wait(self, work) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait(timeout=self.wait_timeout)
+        finally:
+            self.stats["wait_seconds"] += time.perf_counter() - start
+
+    # -- receiving ---------------------------------------------------------------------------
+    def expect(self, items: Sequence[Tuple[int, Signature]]) -> None:
+        if self.expected or self.posted:
+            raise RuntimeError(f"{self.what} link: messages of the last schedule were never received")
+        self.expected.extend(items)
+
+    def post(self) -> None:
+        """Post receives for the next expected messages whose layout is known."""
+        while self.expected and len(self.posted) < self.prefetch:
+            i, key = self.expected[0]
+            layout = self.layouts.get(key)
+            if layout is None:  # its metadata comes first on the wire: receive it when due
+                return
+            self.expected.popleft()
+            buffers: List[Optional[torch.Tensor]] = []
+            works = []
+            for e in layout[1]:
+                if e is None:
+                    buffers.append(None)
+                    continue
+                buf = torch.empty(e[1], dtype=e[0], device=self.device)
+                buffers.append(buf)
+                works.append(self._irecv(buf))
+            self.posted.append((i, key, buffers, works))
+
+    def recv(self, microbatch: int, key: Signature) -> Any:
+        try:
+            if not self.posted:
+                self.post()
+            if not self.posted:
+                if not self.expected or self.expected[0] != (microbatch, key):
+                    raise PipelineCommError(f"{self.what} link: micro-batch {microbatch} was not expected now")
+                # first message of a new signature: its metadata precedes it
+                size = torch.empty(1, dtype=torch.int64, device=self.device)
+                self.wait(self._irecv(size))
+                meta = torch.empty(int(size.item()), dtype=torch.int64, device=self.device)
+                self.wait(self._irecv(meta))
+                self.layouts[key] = decode_layout(meta.tolist())
+                self.post()
+            i, got_key, buffers, works = self.posted.popleft()
+            if (i, got_key) != (microbatch, key):
+                raise PipelineCommError(f"{self.what} link: expected micro-batch {i} next, the "
+                                        f"schedule asks for {microbatch}")
+            for w in works:
+                self.wait(w)
+            stats = self.stats
+            stats["messages"] += 1
+            nbytes = self._nbytes.get(key)
+            if nbytes is None:
+                nbytes = self._nbytes[key] = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+            stats["bytes"] += nbytes
+            self.post()
+        except PipelineCommError:
+            raise
+        except RuntimeError as error:
+            raise self.fail("receiving", microbatch, error) from error
+        is_tuple, _ = self.layouts[key]
+        return tuple(buffers) if is_tuple else buffers[0]

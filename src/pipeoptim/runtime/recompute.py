@@ -1,0 +1,79 @@
+"""Activation recomputation: a stage keeps only its input per micro-batch in flight and runs its
+forward again when the backward needs what the forward saved.
+
+The forward runs under torch's non-reentrant checkpointing (``torch.utils.checkpoint`` with
+``use_reentrant=False``): autograd's saved tensors are dropped as they are made and recomputed
+by running the forward again the first time the backward unpacks one. torch restores, for the
+recomputation, the random state of the forward (dropout draws the same masks) and its autocast
+state, and puts the current random state back afterwards, so a run with recomputation draws the
+same random numbers as one without.
+
+What torch cannot know is which weights the forward ran on. An asynchronous stage may have
+updated its weights, or swapped a prediction in and out of their storage, between a forward and
+its backward; the recomputed forward must see the forward's values, or its activations, and so
+the gradients, differ from a run without recomputation. The weight policy says whether the
+forward's tensors still hold those values at the backward (``WeightPolicy.forward_weights_kept``:
+synchronous methods, a stash, a held prediction); where they do not, the stage keeps a copy of
+them from the forward (:func:`copy_forward_values`) and :func:`forward_values` writes it into the
+weights' storage for the duration of the recomputation only, then puts back what the backward
+runs on (the latest weights, a backward prediction). The tensors the recomputed graph saves are
+the same aliases of that storage as without recomputation, so the backward reads the same
+weights as it would have.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+#: the weight tensors a forward ran on, each with a copy of the values it had then
+KeptValues = List[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def copy_forward_values(weights: List[torch.Tensor]) -> KeptValues:
+    """The weights' values now (during the forward), for the recomputation to run on."""
+    with torch.no_grad():
+        return [(w, w.detach().clone()) for w in weights]
+
+
+class forward_values:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Within the block the weights' storage holds the forward's values (``kept``; None: it
+    already does); after it, what it held before. Written through ``.data`` so that the
+    autograd version counters of the tensors the graph saved do not move. Reusable: torch
+    enters the same object for every recomputation (a split backward recomputes in each half)."""
+
+    def __init__(self, kept: Optional[KeptValues]) -> None:
+        self.kept = kept
+        self.now: List[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        if self.kept:
+            with torch.no_grad():
+                self.now = [w.data.clone() for w, _ in self.kept]
+                for w, value in self.kept:
+                    w.data.copy_(value)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.kept:
+            with torch.no_grad():
+                for (w, _), value in zip(self.kept, self.now):
+                    w.data.copy_(value)
+            self.now = []
+
+
+def checkpointed(fn: Callable[[Any], Any], inputs: Any, kept: Optional[KeptValues]) -> Any:
+    """``fn(inputs)`` (a tensor or a tuple of them) under non-reentrant checkpointing; its
+    recomputation runs on ``kept`` (see :func:`forward_values`). The tuple's entries are passed
+    to torch separately, so that it finds their devices and keeps those devices' random state."""
+    is_tuple = isinstance(inputs, tuple)
+
+    def run(*values: Any) -> Any:
+        return fn(tuple(values) if is_tuple else values[0])
+
+    def contexts():
+        return contextlib.nullcontext(), forward_values(kept)
+
+    values = inputs if is_tuple else (inputs,)
+    return checkpoint(run, *values, use_reentrant=False, context_fn=contexts)

@@ -1,0 +1,185 @@
+"""A stage's backward in two halves: the input gradient now, the weight gradient later.
+
+Zero-bubble schedules run a backward as two actions: ``I`` computes the gradient of the stage's
+input, which the previous stage waits for, and ``W`` the gradients of its weights, which nobody
+waits for and which can fill a bubble. Both come from one autograd graph, built by the forward:
+
+* :func:`backward_input` runs autograd from the stage's outputs to its input only. While it runs,
+  the gradient arriving at every node of that path that also leads to a weight (a *boundary*
+  node: a matrix product whose other operand is a weight, a bias addition, ...) is recorded. The
+  graph is kept (``retain_graph``), so the weight half still finds what the forward saved.
+* :func:`backward_weight` restarts autograd at the boundary nodes, with the recorded gradients,
+  towards the weights only: nothing of the input path is computed twice. Weights are grouped by
+  the boundary nodes they hang from, one autograd call per group; a group whose weights hang from
+  several nodes along one path (a weight used twice in the stage) pins each node's gradient to
+  the recorded one, so that nothing is counted twice.
+
+An output that does not depend on the stage's input (or a first stage, whose input needs no
+gradient) is its own boundary: its weights' gradients all come in the weight half. The sum of the
+two halves is the full backward; each weight gradient is the same sum of the same products as a
+plain ``loss.backward()``, up to the order of the additions where a weight is used twice.
+
+See docs/architecture.md, "Split backward". This is the algorithm of
+``torch.distributed.pipelining``'s split backward, written on torch's public autograd API (graph
+nodes, their pre-hooks, ``GradientEdge``), and keeping the gradients of weights that hang only from
+outputs that do not depend on the input (torch's version drops them).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class WeightGroup:
+    """Weights whose gradients come from the same seeds (one autograd call)."""
+
+    weights: List[int]                             #: indices into the stage's weight list
+    boundaries: Dict[Node, None]                   #: nodes on the input path (an ordered set)
+    outputs: Dict[int, None]                       #: outputs off the input path (indices)
+    grads: Dict[Node, tuple] = field(default_factory=dict)  #: gradients arriving at each boundary
+
+
+@dataclass
+class PendingWeightGrads:
+    """What :func:`backward_input` leaves for :func:`backward_weight`: the groups, with the graph
+    alive through their nodes and the outputs they start from."""
+
+    weights: List[torch.Tensor]
+    outputs: List[torch.Tensor]
+    output_grads: List[torch.Tensor]
+    groups: List[WeightGroup]
+
+
+def _node(tensor: torch.Tensor) -> Node:
+    """The autograd node a gradient of ``tensor`` flows into (its grad_fn, or a leaf's
+    accumulator)."""
+    return tensor.grad_fn if tensor.grad_fn is not None else get_gradient_edge(tensor).node
+
+
+def _parents(roots: Sequence[Node]) -> Dict[Node, List[Node]]:
+    """For every node reachable from ``roots`` (roots included), the nodes that feed it a
+    gradient (its consumers in the forward)."""
+    parents: Dict[Node, List[Node]] = {root: [] for root in roots}
+    queue = deque(parents)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _upward(starts: Sequence[Node], parents: Dict[Node, List[Node]], stop: Set[Node]):
+    """Nodes reachable from ``starts`` towards the outputs, in the order found; nodes in ``stop``
+    are reported and not crossed. Returns (nodes crossed, stop nodes met)."""
+    seen: Dict[Node, None] = dict.fromkeys(starts)
+    met: Dict[Node, None] = {}
+    queue = deque(starts)
+    while queue:
+        for parent in parents[queue.popleft()]:
+            if parent in stop:
+                met[parent] = None
+            elif parent not in seen:
+                seen[parent] = None
+                queue.append(parent)
+    return seen, met
+
+
+def _group_weights(weights: Sequence[torch.Tensor], roots: List[Node], parents: Dict[Node, List[Node]],
+                   on_input_path: Set[Node]) -> List[WeightGroup]:
+    """Each weight with the seeds of its gradient: the nodes of the input path it hangs from
+    (where the input half leaves the gradient it needs), and the outputs off that path whose
+    gradient reaches it. Weights sharing a seed share a group."""
+    groups: List[WeightGroup] = []
+    for index, weight in enumerate(weights):
+        if not weight.requires_grad:
+            continue
+        node = _node(weight)
+        if node not in parents:
+            continue  # not used by this pass
+        crossed, met = _upward([node], parents, on_input_path)
+        outputs = {i: None for i, root in enumerate(roots) if root in crossed}
+        group = WeightGroup([index], met, outputs)
+        for other in [g for g in groups if g.boundaries.keys() & met or g.outputs.keys() & outputs]:
+            group.weights = sorted(other.weights + group.weights)
+            group.boundaries = {**other.boundaries, **group.boundaries}
+            group.outputs = {**other.outputs, **group.outputs}
+            groups.remove(other)
+        groups.append(group)
+    return groups
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                   inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+                   ) -> Tuple[List[Optional[torch.Tensor]], PendingWeightGrads]:
+    """The input half: the gradients of ``inputs`` (leaves requiring grad; None where none flows)
+    from ``outputs`` with ``grads`` (None: a scalar loss's 1), and what :func:`backward_weight`
+    needs to give ``weights`` theirs."""
+    grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grads)]
+    roots = [_node(o) for o in outputs]
+    parents = _parents(roots)
+    input_nodes = [n for n in map(_node, inputs) if n in parents]
+    on_input_path, _ = _upward(input_nodes, parents, set())  # what the input half runs
+    groups = _group_weights(weights, roots, parents, on_input_path)
+    handles = [b.register_prehook(_recorder(group, b)) for group in groups for b in group.boundaries]
+    try:
+        wanted = [i for i, t in enumerate(inputs) if _node(t) in on_input_path]
+        found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, retain_graph=True,
+                                    allow_unused=True) if wanted else ()
+    finally:
+        for handle in handles:
+            handle.remove()
+    input_grads: List[Optional[torch.Tensor]] = [None] * len(inputs)
+    for i, grad in zip(wanted, found):
+        input_grads[i] = grad
+    return input_grads, PendingWeightGrads(list(weights), list(outputs), grads, groups)
+
+
+def _recorder(group: WeightGroup, node: Node):
+    def record(grad_outputs):
+        group.grads[node] = grad_outputs
+    return record
+
+
+def backward_weight(pending: PendingWeightGrads) -> None:
+    """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does."""
+    for group in pending.groups:
+        edges, values = [], []
+        for b in group.boundaries:
+            for i, g in enumerate(group.grads.get(b, ())):
+                if g is not None:
+                    edges.append(GradientEdge(b, i))
+                    values.append(g)
+        for i in group.outputs:
+            edges.append(get_gradient_edge(pending.outputs[i]))
+            values.append(pending.output_grads[i])
+        if not edges:
+            continue  # no gradient reached this group's weights
+        handles = []
+        if len(edges) > 1:  # pin each boundary's gradient to the recorded one: nothing counted twice
+            handles = [b.register_prehook(lambda _, g=group.grads[b]: g)
+                       for b in group.boundaries if b in group.grads]
+        weights = [pending.weights[i] for i in group.weights]
+        try:
+            found = torch.autograd.grad(edges, [get_gradient_edge(w) for w in weights], values,
+                                        retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for weight, grad in zip(weights, found):
+            if grad is None:
+                continue
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad.add_(grad)
+    pending.groups, pending.outputs, pending.output_grads = [], [], []  # the graph may go

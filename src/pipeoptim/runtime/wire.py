@@ -1,0 +1,101 @@
+"""What crosses a stage boundary, as bytes: the layout of a message and its metadata encoding.
+
+A message is a tensor or a tuple of tensors (entries may be None: a gradient that reached no
+input). Its *layout* (tuple or not; per entry dtype and shape) is agreed once per micro-batch
+*signature* (the shapes of the micro-batch's inputs, which every rank computes from its copy of
+the data) and link: the first message of a signature is preceded by its layout, encoded as a
+small int64 tensor; later messages are raw tensors into buffers allocated from the layout.
+
+Also here: :class:`PipelineCommError`, the error of every failed message or collective, and
+:func:`reason`, the gist of a backend's error text.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .segment import MicroBatch
+from .stage import as_tuple
+
+
+# dtype <-> code for the metadata messages
+_DTYPES: List[torch.dtype] = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+Signature = Tuple[Tuple[int, ...], ...]
+#: Agreed layout of one kind of message: is it a tuple, and per entry (dtype, shape) or None.
+Layout = Tuple[bool, Tuple[Optional[Tuple[torch.dtype, Tuple[int, ...]]], ...]]
+
+
+class PipelineCommError(RuntimeError):
+    """A message between stages did not arrive or could not be sent (peer hung, died, or
+    disagreed on what to send)."""
+
+
+def signature(microbatch: MicroBatch) -> Signature:
+    """The key under which a micro-batch's message layouts are agreed: its input shapes."""
+    inputs = microbatch[0]
+    if inputs is None:
+        raise ValueError("every rank needs the micro-batches' inputs (at least their shapes): load "
+                         "the same data on every rank")
+    return tuple(tuple(t.shape) for t in as_tuple(inputs))
+
+
+def layout_of(value: Any, what: str) -> Layout:
+    """The layout of a message (``what``: "activation" or "gradient", for errors): tuple or
+    not, and per entry its dtype and shape, or None for an entry without a tensor."""
+    entries = []
+    for v in as_tuple(value):
+        if v is None:
+            entries.append(None)
+        elif torch.is_tensor(v):
+            if v.dtype not in _CODE:
+                raise TypeError(f"cannot send a {v.dtype} {what} between stages")
+            entries.append((v.dtype, tuple(v.shape)))
+        else:
+            raise TypeError(f"a {what} crossing a stage boundary must be a tensor or a tuple of "
+                            f"tensors, got {type(v).__name__}")
+    return isinstance(value, tuple), tuple(entries)
+
+
+def encode_layout(layout: Layout) -> torch.Tensor:
+    """A layout as the int64 tensor of the metadata message that precedes its first message."""
+    is_tuple, entries = layout
+    codes = [int(is_tuple), len(entries)]
+    for e in entries:
+        if e is None:
+            codes.append(-1)
+        else:
+            dtype, shape = e
+            codes += [_CODE[dtype], len(shape), *shape]
+    return torch.tensor(codes, dtype=torch.int64)
+
+
+def decode_layout(codes: List[int]) -> Layout:
+    """The layout a metadata message carries (the inverse of :func:`encode_layout`)."""
+    is_tuple, count = bool(codes[0]), codes[1]
+    pos, entries = 2, []
+    for _ in range(count):
+        if codes[pos] == -1:
+            entries.append(None)
+            pos += 1
+        else:
+            dtype, ndim = _DTYPES[codes[pos]], codes[pos + 1]
+            entries.append((dtype, tuple(codes[pos + 2: pos + 2 + ndim])))
+            pos += 2 + ndim
+    return is_tuple, tuple(entries)
+
+
+def reason(error: BaseException) -> str:
+    """The gist of a communication error: its last line, without gloo's source location
+    ("[.../pair.cc:537] ") and boilerplate advice."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[-1])
+    return re.split(r"\.?\s+This is typically caused by", last)[0].rstrip(". ")
