@@ -39,11 +39,12 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
+from .prepare import check_tie_devices, first_inputs, needs_example, prepare
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
-from .runtime.spec import RunSpec, resolve
+from .runtime.spec import RunSpec
 from .runtime.stage import PRECISIONS, Stage
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
@@ -120,7 +121,7 @@ class Pipeline:
     ``stages`` defaults to the number of processes.
     """
 
-    def __init__(self, model: nn.Sequential, *, method: str = "pipeoptim",
+    def __init__(self, model: nn.Module, *, method: str = "pipeoptim",
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], optimizer: OptimizerFactory,
                  stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
                  partitioner: str = "uniform", micro_batches: Optional[int] = None,
@@ -129,10 +130,11 @@ class Pipeline:
                  precision: str = "fp32", devices: DeviceSpec = "auto", diagnose_every: int = 0,
                  timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, world: Optional[World] = None,
+                 split_points: Optional[Sequence[str]] = None, example_input: Any = None,
                  **method_options: Any) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got "
-                             f"{type(model).__name__}; wrap its layers, e.g. nn.Sequential(*blocks)")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
+                             f"forward torch.export can trace), got {type(model).__name__}")
         if not callable(loss_fn):
             raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -151,28 +153,27 @@ class Pipeline:
             raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
-        count, replicas = self.world.layout(method, stages, partition, data_parallel)
-        self.spec: RunSpec = resolve(model, method=method, stages=count, partition=partition,
-                                     partitioner=partitioner, micro_batches=micro_batches,
-                                     method_options=method_options)
         self.method = get_method(method)
         if clip_scope == "global" and clip_grad_norm is not None and not self.method.synchronous:
             raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                              f"gradients when it updates, which only synchronous methods do; "
                              f"{method} updates each stage at its own time: use clip_scope='stage'")
-        self.devices = self.world.place(devices, self.spec.stages)
         self.precision = precision
         self._model = copy.deepcopy(model)
         self._model.train()
         self._optimizer_factory = optimizer
+        self._settings = dict(method=method, stages=stages, partition=partition, split_points=split_points,
+                              partitioner=partitioner, micro_batches=micro_batches,
+                              method_options=method_options, data_parallel=data_parallel,
+                              devices=devices, loss_fn=loss_fn, lr_scheduler=lr_scheduler,
+                              clip_grad_norm=clip_grad_norm, clip_scope=clip_scope,
+                              diagnose_every=diagnose_every)
+        self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
-        self.stages: List[Stage] = build_stages(
-            self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
-            lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
-            precision=precision, devices=self.devices, only=self.world.own_stage(self.spec.stages))
-        self.world.connect(self.stages, replicas)
-        for stage in self.stages:
-            stage.diagnose_every = diagnose_every
+        self.stages: List[Stage] = []
+        #: where stages 2..N begin, for a traced model (None for an nn.Sequential)
+        self.split_points: Optional[List[str]] = None
+        self.devices: List[torch.device] = []  #: each stage's device, once the model is split
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
@@ -181,6 +182,41 @@ class Pipeline:
         self._segment_start = 0          #: index of the open segment's first mini-batch
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
+        if example_input is not None or not needs_example(model, partitioner):
+            self.prepare(example_input)
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the model is split into its stages (at construction, or at the first
+        mini-batch when a traced model has no ``example_input``)."""
+        return self.spec is not None
+
+    def prepare(self, example_input: Any = None) -> None:
+        """Split the model into stages (tracing it on ``example_input`` unless it is an
+        ``nn.Sequential``), build this process's stages and connect them. The Pipeline does it
+        itself, at construction or on its first mini-batch; nothing happens if already done."""
+        if self.prepared:
+            return
+        cfg = self._settings
+        count, replicas = self.world.layout(cfg["method"], cfg["stages"], cfg["partition"], cfg["data_parallel"])
+        prepared = prepare(self._model, example_input, method=cfg["method"], stages=count,
+                           partition=cfg["partition"], split_points=cfg["split_points"],
+                           partitioner=cfg["partitioner"], micro_batches=cfg["micro_batches"],
+                           method_options=cfg["method_options"],
+                           profile_allowed=self.world.processes == 1)
+        devices = self.world.place(cfg["devices"], prepared.spec.stages)
+        check_tie_devices(prepared, devices, local=self.world.processes == 1)
+        clip = cfg["clip_grad_norm"] if cfg["clip_scope"] == "stage" else None
+        stages = build_stages(
+            self._model, prepared.spec.partition, self.method, prepared.spec.options, self._optimizer_factory,
+            cfg["loss_fn"], lr_scheduler=cfg["lr_scheduler"], clip_grad_norm=clip, precision=self.precision,
+            devices=devices, only=self.world.own_stage(prepared.spec.stages), parts=prepared.parts,
+            ties=prepared.ties)
+        self.world.connect(stages, replicas)
+        for stage in stages:
+            stage.diagnose_every = cfg["diagnose_every"]
+        self.spec, self.stages, self.devices = prepared.spec, stages, devices
+        self.split_points = prepared.split_points
 
     # -- driving by hand ----------------------------------------------------------------------
     @property
@@ -196,6 +232,7 @@ class Pipeline:
         drained): how many mini-batches will be fed before the next :meth:`flush`, when known.
         The schedule is then built once for exactly that many; without it its horizon grows as
         mini-batches come (the same actions, planned in steps)."""
+        self.prepare(inputs)  # a traced model without example_input: its first mini-batch is the example
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
@@ -332,18 +369,24 @@ class Pipeline:
         """The model's output for ``inputs``, through every stage on its device (no gradients,
         the live weights, the current train/eval mode). One process only: under torchrun use
         :meth:`evaluate`, or :meth:`model` for the whole model."""
+        self.prepare(inputs)
         return self.world.forward(self.stages, inputs)
 
-    def model(self) -> nn.Sequential:
+    def model(self) -> nn.Module:
         """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
         the original parameter names. Call :meth:`flush` first for weights every mini-batch fed
         has updated. Under torchrun every rank must call it: each stage's weights are gathered
-        into every rank's copy."""
+        into every rank's copy. A tied weight is one tensor, as in the model given."""
+        if not self.prepared:
+            return self._model  # nothing trained yet
         self.world.gather_model(self._model, self.stages)
         return self._model
 
     # -- state --------------------------------------------------------------------------------
     def _require_drained(self, what: str) -> None:
+        if not self.prepared:
+            raise RuntimeError(f"{what} needs the model split into stages: feed a mini-batch first, "
+                               f"or give the Pipeline example_input=")
         if not self.drained:
             raise RuntimeError(f"{what} needs a drained pipeline: call flush() first")
 
@@ -426,6 +469,8 @@ class Pipeline:
         if eval_every is not None and evaluate is None and eval_loader is None:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
+        if not self.prepared:
+            self.prepare(first_inputs(loader))
         self._require_drained("fit")
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,

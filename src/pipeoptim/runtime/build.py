@@ -60,15 +60,34 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, 
     return scheduler
 
 
+class OwnedParameters:
+    """What a stage's weight policy is made from: the stage module's parameters less the tied ones
+    another stage owns (the policy keeps, predicts and clips only what this stage updates)."""
+
+    def __init__(self, module: nn.Module, owned: Callable[[nn.Parameter], bool]) -> None:
+        self.module = module
+        self.owned = owned
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if self.owned(p)]
+
+
 def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
                  only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, precision: str = "fp32",
-                 devices: Optional[Sequence[torch.device]] = None) -> List[Stage]:
+                 devices: Optional[Sequence[torch.device]] = None,
+                 parts: Optional[Sequence[nn.Module]] = None,
+                 ties: Optional[Dict[int, List[int]]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage (one
     process of a distributed run); the others are left out of the list. Stage k's layers are
-    moved to ``devices[k]`` before its optimizer is made."""
-    parts = split(model, sizes)
+    moved to ``devices[k]`` before its optimizer is made.
+
+    ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
+    ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
+    stages that read it; only the first of them (the owner) optimizes it."""
+    parts = list(parts) if parts is not None else split(model, sizes)
+    ties = ties or {}
     n = len(parts)
     stages = []
     for k, part in enumerate(parts):
@@ -77,12 +96,15 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
         device = torch.device(devices[k]) if devices is not None else None
         if device is not None:
             part.to(device)
-        params = StageParameters([p for p in part.parameters() if p.requires_grad], part, k == n - 1)
+
+        def owned(p: nn.Parameter, k: int = k) -> bool:
+            return p.requires_grad and ties.get(id(p), [k])[0] == k
+        params = StageParameters([p for p in part.parameters() if owned(p)], part, k == n - 1)
         if not params:
             raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters; choose another partition")
         opt = make_optimizer(optimizer, params, k)
-        policy = make_policy(method.policy, part, opt, stage=k, num_stages=n, **options)
+        policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,

@@ -1,0 +1,145 @@
+"""Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
+
+An ``nn.Sequential`` is split by layers, as it always was (``partition`` = layers per stage).
+Any other module is traced (:mod:`pipeoptim.graph_split`, ``torch.export``) on an example
+input and cut at *candidate points* (its top-level children and the items of a top-level
+``ModuleList``/``Sequential``, in call order): ``split_points`` names where stages 2..N begin,
+or ``stages=N`` chooses them (``partitioner``: ``uniform`` over the units that hold parameters,
+``params``, or ``time``, balanced by the profiled forward+backward time of each unit on the
+example input). ``partition`` is then units per stage, a unit being what runs from one
+candidate point to the next.
+
+A parameter read by several stages (an LM head tied to the embedding) stays one parameter: its
+*owner*, the first stage that reads it, holds it in its optimizer and weight policy; the other
+holders read it but never update it, and their gradients join the owner's before its update
+(docs/architecture.md, "Tied weights"). Only the synchronous methods support that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .graph_split import TracedModel, trace
+from .methods import get_method
+from .partition import plan_time_partition, split
+from .profile import profile_model
+from .runtime.spec import RunSpec, resolve
+
+PARTITIONERS = ("uniform", "params", "time")
+
+
+@dataclass
+class PreparedModel:
+    """The resolved run and the model cut into stage modules (over the Pipeline's own copy)."""
+
+    spec: RunSpec
+    parts: List[nn.Module]              #: one module per stage, sharing the copy's parameters
+    #: tied parameters: id(parameter) -> the stages that read it (the first one owns it)
+    ties: Dict[int, List[int]] = field(default_factory=dict)
+    tied_names: Dict[int, List[str]] = field(default_factory=dict)  #: id -> its names in the stages
+    split_points: Optional[List[str]] = None   #: where stages 2..N begin (traced models)
+
+
+def needs_example(model: nn.Module, partitioner: str) -> bool:
+    """Whether preparing ``model`` needs an example input (a traced model, or the time profile)."""
+    return not isinstance(model, nn.Sequential) or partitioner == "time"
+
+
+def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int],
+            partition: Optional[Sequence[int]], split_points: Optional[Sequence[str]],
+            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
+            profile_allowed: bool = True) -> PreparedModel:
+    """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
+    train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
+    ``partitioner="time"``; None otherwise). Bad settings raise ValueError naming the fix."""
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
+    if partitioner == "time" and not profile_allowed:
+        raise ValueError("partitioner='time' profiles the model in each process and would cut it "
+                         "differently on each rank; give split_points= (or partition=) under torchrun")
+    if isinstance(model, nn.Sequential):
+        if split_points is not None:
+            raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
+                             "give partition=[layers per stage]")
+        sizes = partition
+        if partitioner == "time" and partition is None and method != "sequential":
+            sizes = _time_sizes(model, example, stages)
+        spec = resolve(model, method=method, stages=stages, partition=sizes,
+                       partitioner="uniform" if partitioner == "time" else partitioner,
+                       micro_batches=micro_batches, method_options=method_options)
+        return PreparedModel(spec, split(model, spec.partition))
+    traced = trace(model, example)
+    units = traced.unit_modules()
+    if split_points is not None:
+        if partition is not None:
+            raise ValueError("give split_points= or partition=, not both")
+        sizes: Optional[List[int]] = traced.sizes_for_points(list(split_points))
+        if stages is not None and stages != len(sizes):
+            raise ValueError(f"stages={stages} but {len(split_points)} split points make {len(sizes)} "
+                             f"stages; give {len(sizes) - 1} split points or stages={len(sizes)}")
+    else:
+        sizes = list(partition) if partition is not None else None
+        if stages is not None and stages > traced.units and method != "sequential":
+            raise ValueError(f"{stages} stages need {stages} candidate points; "
+                             f"{type(model).__name__} has {traced.units} ({', '.join(traced.candidates)}): "
+                             f"use stages={traced.units} or fewer")
+        if sizes is None and partitioner == "time" and stages is not None and method != "sequential":
+            sizes = _time_sizes(units, example, stages)
+    spec = resolve(units, method=method, stages=stages if sizes is None else len(sizes), partition=sizes,
+                   partitioner="uniform" if partitioner == "time" else partitioner,
+                   micro_batches=micro_batches, method_options=method_options)
+    parts = traced.stage_modules(spec.partition)
+    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition))
+    _find_ties(traced, prepared)
+    if prepared.ties and not get_method(method).synchronous:
+        raise ValueError(f"{_describe_ties(prepared)}; {method} updates each stage at its own time, and "
+                         f"a weight tied across stages is supported by the synchronous methods only "
+                         f"(gpipe, 1f1b-flush): use one of them, or split points that keep every "
+                         f"reader of the tied weight on one stage")
+    return prepared
+
+
+def _time_sizes(units: nn.Sequential, example: Any, stages: Optional[int]) -> List[int]:
+    if stages is None:
+        raise ValueError("give stages=N (or partition=[layers per stage])")
+    profile = profile_model(units, example, warmup=1, repeats=3)
+    return plan_time_partition(units, stages, profile.layer_costs(include_loss=False))
+
+
+def _find_ties(traced: TracedModel, prepared: PreparedModel) -> None:
+    for param, holders in traced.shared_parameters(prepared.parts).items():
+        prepared.ties[id(param)] = holders
+        prepared.tied_names[id(param)] = sorted({name for part in prepared.parts
+                                                 for name, p in part.named_parameters() if p is param})
+
+
+def _describe_ties(prepared: PreparedModel) -> str:
+    return "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
+                     f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
+
+
+def check_tie_devices(prepared: PreparedModel, devices: Sequence[torch.device], local: bool) -> None:
+    """In one process a tied parameter is one tensor, so its holders must share a device."""
+    for key, holders in prepared.ties.items():
+        places = {str(devices[k]) for k in holders}
+        if local and len(places) > 1:
+            raise ValueError(f"{_describe_ties(prepared)} on devices {', '.join(sorted(places))}; in one "
+                             f"process a tied weight is one tensor: put those stages on one device")
+
+
+def first_inputs(loader: Iterable) -> Any:
+    """The inputs of ``loader``'s first mini-batch, read without disturbing torch's global random
+    state (a shuffling DataLoader draws its order from it), to trace the model on."""
+    if iter(loader) is loader:
+        raise ValueError("the loader is a one-pass iterator, so its first mini-batch cannot be read "
+                         "ahead to trace the model: give the Pipeline example_input=")
+    state = torch.random.get_rng_state()
+    try:
+        for inputs, _ in loader:
+            return inputs
+    finally:
+        torch.random.set_rng_state(state)
+    raise ValueError("the loader yielded no mini-batches")
