@@ -39,9 +39,9 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
-from .prepare import check_tie_devices, first_inputs, needs_example, prepare
+from .prepare import ModelSettings, build_model_stages, first_inputs, needs_example
 from .runtime import named_state
-from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
+from .runtime.build import OptimizerFactory, SchedulerFactory
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec
@@ -161,13 +161,10 @@ class Pipeline:
         self.precision = precision
         self._model = copy.deepcopy(model)
         self._model.train()
-        self._optimizer_factory = optimizer
-        self._settings = dict(method=method, stages=stages, partition=partition, split_points=split_points,
-                              partitioner=partitioner, micro_batches=micro_batches,
-                              method_options=method_options, data_parallel=data_parallel,
-                              devices=devices, loss_fn=loss_fn, lr_scheduler=lr_scheduler,
-                              clip_grad_norm=clip_grad_norm, clip_scope=clip_scope,
-                              diagnose_every=diagnose_every)
+        self._settings = ModelSettings(method, stages, partition, split_points, partitioner, micro_batches,
+                                       method_options, data_parallel, devices, loss_fn, optimizer,
+                                       lr_scheduler, clip_grad_norm if clip_scope == "stage" else None,
+                                       precision, diagnose_every)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
@@ -197,26 +194,8 @@ class Pipeline:
         itself, at construction or on its first mini-batch; nothing happens if already done."""
         if self.prepared:
             return
-        cfg = self._settings
-        count, replicas = self.world.layout(cfg["method"], cfg["stages"], cfg["partition"], cfg["data_parallel"])
-        prepared = prepare(self._model, example_input, method=cfg["method"], stages=count,
-                           partition=cfg["partition"], split_points=cfg["split_points"],
-                           partitioner=cfg["partitioner"], micro_batches=cfg["micro_batches"],
-                           method_options=cfg["method_options"],
-                           profile_allowed=self.world.processes == 1)
-        devices = self.world.place(cfg["devices"], prepared.spec.stages)
-        check_tie_devices(prepared, devices, local=self.world.processes == 1)
-        clip = cfg["clip_grad_norm"] if cfg["clip_scope"] == "stage" else None
-        stages = build_stages(
-            self._model, prepared.spec.partition, self.method, prepared.spec.options, self._optimizer_factory,
-            cfg["loss_fn"], lr_scheduler=cfg["lr_scheduler"], clip_grad_norm=clip, precision=self.precision,
-            devices=devices, only=self.world.own_stage(prepared.spec.stages), parts=prepared.parts,
-            ties=prepared.ties)
-        self.world.connect(stages, replicas)
-        for stage in stages:
-            stage.diagnose_every = cfg["diagnose_every"]
-        self.spec, self.stages, self.devices = prepared.spec, stages, devices
-        self.split_points = prepared.split_points
+        built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
+        self.spec, self.stages, self.devices, self.split_points = built
 
     # -- driving by hand ----------------------------------------------------------------------
     @property

@@ -17,16 +17,19 @@ holders read it but never update it, and their gradients join the owner's before
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .graph_split import TracedModel, trace
-from .methods import get_method
+from .methods import Method, get_method
 from .partition import plan_time_partition, split
 from .profile import profile_model
+from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
 from .runtime.spec import RunSpec, resolve
+from .runtime.stage import Stage
+from .world import DeviceSpec, World
 
 PARTITIONERS = ("uniform", "params", "time")
 
@@ -143,3 +146,48 @@ def first_inputs(loader: Iterable) -> Any:
     finally:
         torch.random.set_rng_state(state)
     raise ValueError("the loader yielded no mini-batches")
+
+
+@dataclass
+class ModelSettings:
+    """A Pipeline's settings that splitting the model and building its stages read (each is
+    described once, in ``pipeoptim.Pipeline``'s docstring)."""
+
+    method: str
+    stages: Optional[int]
+    partition: Optional[Sequence[int]]
+    split_points: Optional[Sequence[str]]
+    partitioner: str
+    micro_batches: Optional[int]
+    method_options: Dict[str, Any]
+    data_parallel: Optional[int]
+    devices: DeviceSpec
+    loss_fn: Callable
+    optimizer: OptimizerFactory
+    lr_scheduler: Optional[SchedulerFactory]
+    clip_grad_norm: Optional[float]    #: per-stage clipping (None: none, or global clipping)
+    precision: str
+    diagnose_every: int
+
+
+def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
+                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]]]:
+    """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
+    devices and connect them: (the resolved run, the stages, every stage's device, the split
+    points of a traced model)."""
+    count, replicas = world.layout(settings.method, settings.stages, settings.partition, settings.data_parallel)
+    prepared = prepare(model, example, method=settings.method, stages=count, partition=settings.partition,
+                       split_points=settings.split_points, partitioner=settings.partitioner,
+                       micro_batches=settings.micro_batches, method_options=settings.method_options,
+                       profile_allowed=world.processes == 1)
+    spec = prepared.spec
+    devices = world.place(settings.devices, spec.stages)
+    check_tie_devices(prepared, devices, local=world.processes == 1)
+    stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer, settings.loss_fn,
+                          lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
+                          precision=settings.precision, devices=devices, only=world.own_stage(spec.stages),
+                          parts=prepared.parts, ties=prepared.ties)
+    world.connect(stages, replicas)
+    for stage in stages:
+        stage.diagnose_every = settings.diagnose_every
+    return spec, stages, devices, prepared.split_points
