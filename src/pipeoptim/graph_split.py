@@ -122,7 +122,10 @@ class TracedModel:
         nodes = list(graph_module.graph.nodes)
         self.inputs = [n for n in nodes if n.op == "placeholder"]
         self.output = next(n for n in nodes if n.op == "output")
-        self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+        # the export's input guard (a compiled check of the traced input shapes) is left out: the
+        # stages are called with micro-batches, and a copy of it fails outside its program
+        self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
+                        and not (n.op == "call_module" and n.target == "_guards_fn")]
         first: Dict[str, int] = {}
         for position, node in enumerate(self.compute):
             for path in _module_paths(node):

@@ -115,8 +115,8 @@ def _time_sizes(units: nn.Sequential, example: Any, stages: Optional[int]) -> Li
 def _find_ties(traced: TracedModel, prepared: PreparedModel) -> None:
     for param, holders in traced.shared_parameters(prepared.parts).items():
         prepared.ties[id(param)] = holders
-        prepared.tied_names[id(param)] = sorted({name for part in prepared.parts
-                                                 for name, p in part.named_parameters() if p is param})
+        prepared.tied_names[id(param)] = [name for name, p in traced.model.named_parameters(remove_duplicate=False)
+                                          if p is param]
 
 
 def _describe_ties(prepared: PreparedModel) -> str:

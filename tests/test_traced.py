@@ -1,0 +1,163 @@
+"""A model that is not an nn.Sequential, traced and split (docs/architecture.md, "Splitting any
+module", "Tied weights"): a GPT written as people write it, with its head tied to its embedding,
+under 1f1b-flush equals the untouched model trained sequentially and keeps one tied tensor; a
+model with two inputs and a skip connection trains with every method; bad input is refused
+before anything runs."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pipeoptim
+from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss
+
+SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+
+
+def plain_loop(model, data, make_opt, loss_fn, micro):
+    """The untouched model, trained with gradient accumulation over ``micro`` micro-batches."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for x, y in data:
+        total = 0.0
+        pieces = zip(*(torch.tensor_split(t, micro) for t in x)) if isinstance(x, tuple) else torch.tensor_split(x, micro)
+        for xm, ym in zip(pieces, torch.tensor_split(y, micro)):
+            loss = loss_fn(model(*xm) if isinstance(xm, tuple) else model(xm), ym) * (ym.shape[0] / y.shape[0])
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model
+
+
+def run(pipe, data):
+    losses = [loss for x, y in data for loss in pipe.step(x, y)]
+    return losses + pipe.flush()
+
+
+@pytest.mark.parametrize("method", ["1f1b-flush", "gpipe"])
+def test_tied_gpt_equals_the_model_trained_sequentially(method):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    data = lm_batches(count=4)
+    data[-1] = (data[-1][0][:3], data[-1][1][:3])  # a short last mini-batch: sizes are not baked in
+    before = copy.deepcopy(model.state_dict())
+    expected, trained = plain_loop(model, data, SGDM, lm_loss, micro=2)
+    pipe = pipeoptim.Pipeline(model, method=method, split_points=["layers.1", "layers.2"], loss_fn=lm_loss,
+                              optimizer=SGDM, micro_batches=2)
+    losses = run(pipe, data)  # traced on the first mini-batch
+    assert pipe.split_points == ["layers.1", "layers.2"] and pipe.spec.partition == [3, 1, 3]
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert expected[-1] < expected[0] - 0.5  # it learns: the comparison is not of constants
+    result = pipe.model()
+    assert type(result) is TinyGPT and result.head.weight is result.embed.weight  # one tied tensor
+    assert list(result.state_dict()) == list(model.state_dict())  # the user's names
+    for (name, a), b in zip(result.state_dict().items(), trained.state_dict().values()):
+        assert torch.allclose(a, b, atol=2e-6), name
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the caller's is untouched
+    state = pipe.state_dict()
+    assert set(state["model"]) == set(model.state_dict())
+
+
+def test_the_tied_weight_is_updated_once_by_its_owner():
+    torch.manual_seed(0)
+    pipe = pipeoptim.Pipeline(TinyGPT(), method="1f1b-flush", stages=2, loss_fn=lm_loss, optimizer=SGDM,
+                              example_input=lm_batches(1)[0][0])
+    tied = pipe.model().embed.weight
+    holders = [s.index for s in pipe.stages if any(p is tied for p in s.module.parameters())]
+    owners = [s.index for s in pipe.stages if any(p is tied for group in s.optimizer.param_groups
+                                                  for p in group["params"])]
+    assert holders == [0, 1] and owners == [0]
+    assert all(p is not tied for p in pipe.stages[1].parameters())  # nor clipped, nor stashed there
+
+
+def skip_data(count=4, size=6, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(size, 8, generator=g), (torch.rand(size, 8, generator=g) > 0.2).float()),
+             torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("method", pipeoptim.method_names())
+def test_every_method_trains_a_model_with_two_inputs_and_a_skip(method):
+    torch.manual_seed(0)
+    model, data = SkipNet(), skip_data()
+    micro = {"gpipe": 2, "1f1b-flush": 2, "pipedream-2bw": 3, "pipeoptim-2bw": 3}.get(method)
+    points = None if method == "sequential" else ["blocks.0", "blocks.2"]
+    pipe = pipeoptim.Pipeline(model, method=method, split_points=points, loss_fn=nn.functional.cross_entropy,
+                              optimizer=SGDM, micro_batches=micro)
+    losses = run(pipe, data)
+    assert len(losses) == len(data) and all(math.isfinite(v) for v in losses)
+    expected, _ = plain_loop(model, data, SGDM, nn.functional.cross_entropy, micro=micro or 1)
+    if pipe.method.synchronous:
+        assert losses == pytest.approx(expected, rel=1e-6)
+    else:  # stale or predicted weights: the first mini-batch runs on the initial weights everywhere
+        assert losses[0] == pytest.approx(expected[0], rel=1e-6) and losses != pytest.approx(expected, rel=1e-6)
+
+
+def test_stages_n_chooses_points_among_the_candidates():
+    torch.manual_seed(0)
+    x = lm_batches(1)[0][0]
+    pipe = pipeoptim.Pipeline(TinyGPT(layers=4), method="1f1b-flush", stages=3, loss_fn=lm_loss, optimizer=SGDM,
+                              example_input=x)
+    # eight units (embed, position, four blocks, norm, head); uniform over those with parameters
+    assert pipe.spec.partition == [3, 3, 2] and pipe.split_points == ["layers.1", "layers.4"] or \
+        sum(pipe.spec.partition) == 8
+    timed = pipeoptim.Pipeline(TinyGPT(layers=4), method="1f1b-flush", stages=2, loss_fn=lm_loss,
+                               optimizer=SGDM, example_input=x, partitioner="time")
+    assert len(timed.split_points) == 1 and sum(timed.spec.partition) == 8
+
+
+def test_the_first_mini_batch_is_the_example():
+    torch.manual_seed(0)
+    data = lm_batches(2)
+    pipe = pipeoptim.Pipeline(TinyGPT(), method="1f1b-flush", stages=2, loss_fn=lm_loss, optimizer=SGDM)
+    assert not pipe.prepared and pipe.stages == []
+    with pytest.raises(RuntimeError, match="example_input"):
+        pipe.state_dict()
+    result = pipe.fit(data)  # fit reads the first mini-batch ahead, torch's random state put back
+    assert pipe.prepared and len(result.losses) == 2
+
+
+# -- bad input: a ValueError naming the fix, before anything runs ------------------------------
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace it
+            x = -x
+        return self.b(self.a(x))
+
+
+def make(model, **settings):
+    settings.setdefault("method", "1f1b-flush")
+    return pipeoptim.Pipeline(model, loss_fn=lm_loss, optimizer=SGDM, example_input=lm_batches(1)[0][0], **settings)
+
+
+def test_an_untraceable_forward_is_refused_naming_the_line():
+    with pytest.raises(ValueError, match=r"(?s)Branchy\.forward.*x\.sum\(\) > 0.*nn\.Sequential"):
+        pipeoptim.Pipeline(Branchy(), method="1f1b-flush", stages=2, loss_fn=nn.functional.cross_entropy,
+                           optimizer=SGDM, example_input=torch.randn(4, 4))
+
+
+def test_bad_split_points_are_refused_naming_the_candidates():
+    with pytest.raises(ValueError, match=r"'layers\.7'.*in call order: position, layers\.0, layers\.1, layers\.2, norm, head"):
+        make(TinyGPT(), split_points=["layers.7"])
+    with pytest.raises(ValueError, match=r"not in the order.*\['layers\.1', 'layers\.2'\]"):
+        make(TinyGPT(), split_points=["layers.2", "layers.1"])
+    with pytest.raises(ValueError, match=r"9 stages need 9 candidate points.*has 7.*stages=7"):
+        make(TinyGPT(), stages=9)
+
+
+def test_a_tie_across_stages_is_refused_with_an_asynchronous_method():
+    with pytest.raises(ValueError, match=r"embed\.weight = head\.weight.*stages 0, 1.*gpipe, 1f1b-flush"):
+        make(TinyGPT(), method="pipeoptim", stages=2)
+    make(TinyGPT(), method="pipeoptim", stages=1)  # one stage holds both: nothing to refuse
