@@ -6,14 +6,19 @@ before anything runs."""
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import pipeoptim
-from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss
+from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss, skip_batches
 
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
 
@@ -77,16 +82,10 @@ def test_the_tied_weight_is_updated_once_by_its_owner():
     assert all(p is not tied for p in pipe.stages[1].parameters())  # nor clipped, nor stashed there
 
 
-def skip_data(count=4, size=6, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [((torch.randn(size, 8, generator=g), (torch.rand(size, 8, generator=g) > 0.2).float()),
-             torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
-
-
 @pytest.mark.parametrize("method", pipeoptim.method_names())
 def test_every_method_trains_a_model_with_two_inputs_and_a_skip(method):
     torch.manual_seed(0)
-    model, data = SkipNet(), skip_data()
+    model, data = SkipNet(), skip_batches()
     micro = {"gpipe": 2, "1f1b-flush": 2, "pipedream-2bw": 3, "pipeoptim-2bw": 3}.get(method)
     points = None if method == "sequential" else ["blocks.0", "blocks.2"]
     pipe = pipeoptim.Pipeline(model, method=method, split_points=points, loss_fn=nn.functional.cross_entropy,
@@ -106,7 +105,7 @@ def test_stages_n_chooses_points_among_the_candidates():
                               example_input=lm_batches(1)[0][0])
     # eight units (embed, position, four blocks, norm, head), all with parameters: 3, 3, 2 of them
     assert pipe.spec.partition == [3, 3, 2] and pipe.split_points == ["layers.1", "norm"]
-    (x, _), = skip_data(1)
+    (x, _), = skip_batches(1)
     timed = pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", stages=2, loss_fn=nn.functional.cross_entropy,
                                optimizer=SGDM, example_input=x, partitioner="time")
     assert len(timed.split_points) == 1 and sum(timed.spec.partition) == 5  # inp, 3 blocks, out
@@ -148,7 +147,7 @@ def test_an_untraceable_forward_is_refused_naming_the_line():
 
 
 def test_bad_split_points_are_refused_naming_the_candidates():
-    (x, _), = skip_data(1)
+    (x, _), = skip_batches(1)
 
     def skipnet(**settings):
         return pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", loss_fn=nn.functional.cross_entropy,
@@ -164,3 +163,39 @@ def test_bad_split_points_are_refused_naming_the_candidates():
 def test_a_tie_across_stages_is_refused_with_an_asynchronous_method():
     with pytest.raises(ValueError, match=r"embed\.weight = head\.weight is read by stages 0, 1.*gpipe, 1f1b-flush"):
         make(TinyGPT(layers=1), method="pipeoptim", stages=2)
+
+
+def torchrun(*args):
+    """rank 0's JSON lines of ``torchrun --nproc-per-node 2 tests/torchrun_traced.py ARGS``."""
+    from test_torchrun import _env
+
+    here = Path(__file__).resolve().parent
+    env = _env()
+    env["PYTHONPATH"] += os.pathsep + str(here)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(here / "torchrun_traced.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=here.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially():
+    """Two processes, the embedding on rank 0 and the tied head on rank 1: the head's gradient
+    joins the embedding's before rank 0's update, and rank 1 takes the updated weight."""
+    got, = torchrun("gpt", "1f1b-flush", "layers.1")
+    torch.manual_seed(0)
+    expected, trained = plain_loop(TinyGPT(layers=2), lm_batches(count=4), SGDM, lm_loss, micro=2)
+    assert got["losses"] == pytest.approx(expected, rel=1e-6) and got["tied"]
+    for name, value in trained.state_dict().items():
+        assert torch.allclose(torch.tensor(got["weights"][name]), value, atol=2e-6), name
+
+
+def test_several_tensors_cross_between_processes_with_equal_losses():
+    """SkipNet split after its first block sends (hidden, skip, mask) across: every method's
+    losses under torchrun equal the same Pipeline's in one process."""
+    methods = ["1f1b-flush", "pipedream", "pipeoptim"]
+    for got in torchrun("skip", ",".join(methods), "blocks.1"):
+        torch.manual_seed(0)
+        pipe = pipeoptim.Pipeline(SkipNet(), method=got["method"], split_points=["blocks.1"], loss_fn=nn.functional.cross_entropy,
+                                  optimizer=SGDM, micro_batches=2 if got["method"] == "1f1b-flush" else None)
+        assert got["losses"] == pytest.approx(run(pipe, skip_batches()), rel=1e-6), got["method"]

@@ -86,3 +86,10 @@ def lm_batches(count: int = 4, size: int = 4, length: int = 8, vocab: int = 24, 
         tokens = torch.randint(0, vocab, (size, length + 1), generator=g)
         data.append((tokens[:, :-1], tokens[:, 1:]))
     return data
+
+
+def skip_batches(count: int = 4, size: int = 6, seed: int = 2):
+    """SkipNet's mini-batches: ((features, mask), class)."""
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(size, 8, generator=g), (torch.rand(size, 8, generator=g) > 0.2).float()),
+             torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]

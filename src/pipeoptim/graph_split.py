@@ -290,3 +290,18 @@ class TracedModel:
 def _item(values: Tuple[Any, ...], index: int) -> Any:
     """``values[index]``: one of the values a stage receives (an fx call, so that it is named)."""
     return values[index]
+
+
+def with_aliases(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` (gathered from stage modules, where a tied tensor appears under the one name the
+    trace read it by) completed with the other names ``model`` gives the same tensor, so that it
+    loads into ``model`` strictly."""
+    names: Dict[int, List[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    full = dict(state)
+    for aliases in names.values():
+        known = next((state[a] for a in aliases if a in state), None)
+        if known is not None:
+            full.update({a: known for a in aliases if a not in full})
+    return full

@@ -10,6 +10,7 @@ from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
 from .stage import Stage
+from .tied import Tie, TiedWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -107,7 +108,11 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
-        stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,
-                            scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision,
-                            device=device))
+        stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,
+                      clip_grad_norm=clip_grad_norm, precision=precision, device=device)
+        if ties:  # every tie of the model, held here or not: each rank makes the same groups
+            own = {id(p): (name, p) for name, p in part.named_parameters()}
+            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0])
+                                         for key, holders in ties.items()])
+        stages.append(stage)
     return stages

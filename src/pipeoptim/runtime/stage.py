@@ -174,6 +174,9 @@ class Stage:
         #: called with the parameters before each update to average their gradients over the
         #: stage's replicas (pipeline x data parallel); None: one replica
         self.grad_sync: Optional[Callable[[List[nn.Parameter]], None]] = None
+        #: weights this stage shares with other stages' processes (``runtime/tied.TiedWeights``),
+        #: made equal around each update; None: none, or all stages in one process
+        self.tied: Optional[Any] = None
         self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
@@ -275,6 +278,8 @@ class Stage:
         start = time.perf_counter()
         self.sync_gradients()
         self._synced = False
+        if self.tied is not None:
+            self.tied.before_update()
         if grad_scale is not None:
             grads = self.grads()
             if grads:
@@ -296,6 +301,8 @@ class Stage:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.tied is not None:
+            self.tied.after_update()
         self.policy.after_update()
         self.time["U"] += time.perf_counter() - start
         self.count["U"] += 1
