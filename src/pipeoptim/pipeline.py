@@ -1,6 +1,6 @@
 """The engine a user drives: ``pipeoptim.Pipeline``.
 
-A Pipeline takes plain PyTorch objects (an ``nn.Sequential``, a loss function, factories for
+A Pipeline takes plain PyTorch objects (a model, a loss function, factories for
 the optimizer and the learning-rate scheduler) and trains a copy of the model with a pipeline
 method, stage by stage, on the devices given. It is driven in one of two ways, one
 implementation::
@@ -39,19 +39,19 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
-from .prepare import ModelSettings, build_model_stages, first_inputs, needs_example
+from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_settings, first_inputs,
+                      needs_example)
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec
-from .runtime.stage import PRECISIONS, Stage
+from .runtime.stage import Stage
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 
 __all__ = ["Pipeline", "TrainResult", "OnStageDevices", "resolve_devices", "Batch", "Metric", "CLIP_SCOPES"]
 
-CLIP_SCOPES = ("stage", "global")
 
 
 class Pipeline:
@@ -59,16 +59,27 @@ class Pipeline:
 
     Args:
         model: an initialised ``nn.Sequential`` of stage-able blocks (blocks may pass tuples of
-            tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
-            parameters keep the original names.
+            tensors), or any ``nn.Module`` whose forward ``torch.export`` can trace (a GPT with a
+            ``ModuleList`` of blocks, its head tied to its embedding), split at its candidate
+            points (docs/architecture.md, "Splitting any module"; a weight read by several
+            stages stays one, "Tied weights"). It is copied, never modified; :meth:`model`
+            returns the trained copy, of the model's class, whose parameters keep their names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
             ``1f1b-flush``, ``async-naive``, ``pipedream``, ``pipedream-2bw``, ``spectrain``,
             ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
-        stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform`` or
-            ``params``), or ``partition=[layers per stage]``.
+        stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform``,
+            ``params``, or ``time``: balanced by each layer's or unit's forward+backward time
+            profiled on the example input, one process only), or ``partition=[layers per stage]``
+            (units per stage for a traced model).
+        split_points: a traced model's cut, as the qualified names of the submodules where
+            stages 2..N begin (``["layers.4", "layers.8"]``), in call order; see
+            :attr:`split_points` for the points ``stages=N`` chose.
+        example_input: the inputs to trace a model that is not an ``nn.Sequential`` on (a
+            tensor, or a tuple of the forward's positional arguments); default: the first
+            mini-batch (the model is split then, at the first :meth:`step` or :meth:`fit`).
         micro_batches: micro-batches per mini-batch for the methods that use them (default: the
             method's own: N for gpipe and 1f1b-flush, 2 for xpipe, 1 for the others).
         lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
@@ -135,29 +146,11 @@ class Pipeline:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
                              f"forward torch.export can trace), got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError("optimizer must be a factory called with each stage's parameters, "
-                             "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
-        if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "step")):
-            raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
-                             "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if clip_scope not in CLIP_SCOPES:
-            raise ValueError(f"clip_scope must be 'stage' or 'global', got {clip_scope!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
-        if diagnose_every < 0:
-            raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+        self.method = get_method(method)
+        check_settings(self.method, loss_fn, optimizer, lr_scheduler, precision, clip_grad_norm, clip_scope,
+                       diagnose_every)
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
-        self.method = get_method(method)
-        if clip_scope == "global" and clip_grad_norm is not None and not self.method.synchronous:
-            raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
-                             f"gradients when it updates, which only synchronous methods do; "
-                             f"{method} updates each stage at its own time: use clip_scope='stage'")
         self.precision = precision
         self._model = copy.deepcopy(model)
         self._model.train()

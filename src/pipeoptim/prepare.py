@@ -28,10 +28,11 @@ from .partition import plan_time_partition, split
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages
 from .runtime.spec import RunSpec, resolve
-from .runtime.stage import Stage
+from .runtime.stage import PRECISIONS, Stage
 from .world import DeviceSpec, World
 
 PARTITIONERS = ("uniform", "params", "time")
+CLIP_SCOPES = ("stage", "global")
 
 
 @dataclass
@@ -44,6 +45,32 @@ class PreparedModel:
     ties: Dict[int, List[int]] = field(default_factory=dict)
     tied_names: Dict[int, List[str]] = field(default_factory=dict)  #: id -> its names in the stages
     split_points: Optional[List[str]] = None   #: where stages 2..N begin (traced models)
+
+
+def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: Any, precision: str,
+                   clip_grad_norm: Optional[float], clip_scope: str, diagnose_every: int) -> None:
+    """Refuse a Pipeline's settings that cannot work, before anything is built (each a ValueError
+    naming the fix)."""
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("optimizer must be a factory called with each stage's parameters, "
+                         "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
+    if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "step")):
+        raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
+                         "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if clip_scope not in CLIP_SCOPES:
+        raise ValueError(f"clip_scope must be 'stage' or 'global', got {clip_scope!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
+    if diagnose_every < 0:
+        raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+    if clip_scope == "global" and clip_grad_norm is not None and not method.synchronous:
+        raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
+                         f"gradients when it updates, which only synchronous methods do; "
+                         f"{method.name} updates each stage at its own time: use clip_scope='stage'")
 
 
 def needs_example(model: nn.Module, partitioner: str) -> bool:
