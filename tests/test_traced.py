@@ -199,3 +199,22 @@ def test_several_tensors_cross_between_processes_with_equal_losses():
         pipe = pipeoptim.Pipeline(SkipNet(), method=got["method"], split_points=["blocks.1"], loss_fn=nn.functional.cross_entropy,
                                   optimizer=SGDM, micro_batches=2 if got["method"] == "1f1b-flush" else None)
         assert got["losses"] == pytest.approx(run(pipe, skip_batches()), rel=1e-6), got["method"]
+
+
+def test_state_dict_of_a_traced_model_loads_into_another_split():
+    """The state is keyed by the model's own names: taken from one split, it loads into another,
+    and training goes on as if the split had never changed (a synchronous method: exactly)."""
+    torch.manual_seed(0)
+    model, data = TinyGPT(layers=2), lm_batches(count=4)
+    settings = dict(method="1f1b-flush", loss_fn=lm_loss, micro_batches=2, example_input=data[0][0],
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    whole = pipeoptim.Pipeline(model, split_points=["layers.1"], **settings)
+    expected = run(whole, data)
+    first = pipeoptim.Pipeline(model, split_points=["layers.1"], **settings)
+    run(first, data[:2])
+    state = first.state_dict()
+    assert {"embed.weight", "head.weight", "layers.0.attn.qkv.weight"} <= set(state["model"])
+    second = pipeoptim.Pipeline(model, split_points=["layers.0", "norm"], **settings)
+    second.load_state_dict(state)
+    assert second.losses == expected[:2]
+    assert run(second, data[2:]) == pytest.approx(expected[2:], rel=1e-6)
