@@ -45,8 +45,10 @@ def as_args(inputs: Any) -> Tuple[Any, ...]:
 
 
 def _dynamic(value: Any) -> Any:
+    """Every dimension of a tensor input dynamic, but those of size 0 or 1, which torch
+    specializes anyway (and warns about)."""
     if torch.is_tensor(value):
-        return {d: torch.export.Dim.AUTO for d in range(value.dim())} or None
+        return {d: torch.export.Dim.AUTO for d, size in enumerate(value.shape) if size > 1} or None
     return None
 
 
