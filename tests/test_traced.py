@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import pipeoptim
-from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss, skip_batches
+from traced_models import SkipNet, SmallCNN, TinyGPT, lm_batches, lm_loss, skip_batches
 
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
 
@@ -218,3 +218,22 @@ def test_state_dict_of_a_traced_model_loads_into_another_split():
     second.load_state_dict(state)
     assert second.losses == expected[:2]
     assert run(second, data[2:]) == pytest.approx(expected[2:], rel=1e-6)
+
+
+def test_evaluate_runs_a_traced_model_in_eval_mode():
+    """A traced graph keeps its mode: evaluate() runs the eval-mode trace (batch norm's running
+    statistics, no dropout), which leaves the statistics as they were."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 1, 5, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    pipe = pipeoptim.Pipeline(SmallCNN(), method="gpipe", split_points=["body.0"], micro_batches=2,
+                              loss_fn=nn.functional.cross_entropy, optimizer=SGDM)
+    run(pipe, data)
+    stats = {k: v.clone() for k, v in pipe.model().state_dict().items() if "running" in k}
+    value = pipe.evaluate(data)
+    model = copy.deepcopy(pipe.model()).eval()
+    with torch.no_grad():
+        expected = sum(float(nn.functional.cross_entropy(model(x), y)) * len(y) for x, y in data) / 18
+    assert value == pytest.approx(expected, rel=1e-6)
+    assert all(torch.equal(pipe.model().state_dict()[k], v) for k, v in stats.items())
+    assert pipe.model().training and len(run(pipe, data)) == 3  # back to training, the training graph

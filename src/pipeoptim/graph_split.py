@@ -80,7 +80,7 @@ def trace(model: nn.Module, inputs: Any) -> "TracedModel":
             f"Remove data-dependent control flow from forward (an `if` on a tensor's value, "
             f".item()), or give the model as an nn.Sequential of blocks that each take and return "
             f"tensors") from error
-    return TracedModel(model, program.module(), program.call_spec.out_spec)
+    return TracedModel(model, program.module(), program.call_spec.out_spec, args)
 
 
 def _module_paths(node: fx.Node) -> List[str]:
@@ -117,8 +117,10 @@ class _Boundary:
 class TracedModel:
     """A model exported to one flat graph, cut at candidate points (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, graph_module: fx.GraphModule, out_spec: Any) -> None:
+    def __init__(self, model: nn.Module, graph_module: fx.GraphModule, out_spec: Any,
+                 example: Tuple[Any, ...]) -> None:
         self.model = model
+        self.example = example  #: the positional arguments it was traced on
         self.graph_module = graph_module
         self.out_spec = out_spec
         nodes = list(graph_module.graph.nodes)

@@ -188,7 +188,7 @@ class Pipeline:
         if self.prepared:
             return
         built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
-        self.spec, self.stages, self.devices, self.split_points = built
+        self.spec, self.stages, self.devices, self.split_points, self._eval_mode = built
 
     # -- driving by hand ----------------------------------------------------------------------
     @property
@@ -321,12 +321,8 @@ class Pipeline:
         the mean loss. The pipeline must be drained (:meth:`flush`)."""
         self._require_drained("evaluate")
         score = metric or self.stages[-1].loss_fn
-        was_training = self._model.training
-        self._model.eval()
-        try:
+        with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
             return self.world.evaluate(self.stages, loader, score)
-        finally:
-            self._model.train(was_training)
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
         """``evaluate(model)`` of the trained model (a function written for a model on one

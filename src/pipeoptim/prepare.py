@@ -16,8 +16,9 @@ holders read it but never update it, and their gradients join the owner's before
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ class PreparedModel:
     ties: Dict[int, List[int]] = field(default_factory=dict)
     tied_names: Dict[int, List[str]] = field(default_factory=dict)  #: id -> its names in the stages
     split_points: Optional[List[str]] = None   #: where stages 2..N begin (traced models)
+    traced: Optional[TracedModel] = None       #: the trace (None for an nn.Sequential)
 
 
 def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: Any, precision: str,
@@ -122,7 +124,7 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
                    partitioner="uniform" if partitioner == "time" else partitioner,
                    micro_batches=micro_batches, method_options=method_options)
     parts = traced.stage_modules(spec.partition)
-    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition))
+    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition), traced=traced)
     _find_ties(traced, prepared)
     if prepared.ties and not get_method(method).synchronous:
         raise ValueError(f"{_describe_ties(prepared)}; {method} updates each stage at its own time, and "
@@ -198,10 +200,10 @@ class ModelSettings:
 
 
 def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
-                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]]]:
+                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]], "EvalMode"]:
     """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
     devices and connect them: (the resolved run, the stages, every stage's device, the split
-    points of a traced model)."""
+    points of a traced model, the evaluation mode of the stages)."""
     count, replicas = world.layout(settings.method, settings.stages, settings.partition, settings.data_parallel)
     prepared = prepare(model, example, method=settings.method, stages=count, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,
@@ -217,4 +219,44 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     world.connect(stages, replicas)
     for stage in stages:
         stage.diagnose_every = settings.diagnose_every
-    return spec, stages, devices, prepared.split_points
+    return spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages)
+
+
+class EvalMode:
+    """The model in eval mode for an evaluation. A traced graph keeps the mode it was traced in
+    (dropout, batch norm), so a traced model's stages run a second trace, made in eval mode on
+    the same example and over the same parameters and buffers, for the duration."""
+
+    def __init__(self, model: nn.Module, traced: Optional[TracedModel], sizes: Sequence[int],
+                 stages: List[Stage]) -> None:
+        self.model, self.traced, self.sizes, self.stages = model, traced, list(sizes), stages
+        self._eval_parts: Optional[List[nn.Module]] = None
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        swapped = []
+        try:
+            if self.traced is not None:
+                parts = self._parts()
+                for stage in self.stages:
+                    swapped.append((stage, stage.module))
+                    stage.module = parts[stage.index]
+            yield
+        finally:
+            for stage, module in swapped:
+                stage.module = module
+            self.model.train(was_training)
+
+    def _parts(self) -> List[nn.Module]:
+        if self._eval_parts is None:
+            traced = trace(self.model, self.traced.example)
+            if traced.candidates != self.traced.candidates:
+                raise ValueError(f"{type(self.model).__name__} calls other submodules in eval mode "
+                                 f"({', '.join(traced.candidates)}) than in training "
+                                 f"({', '.join(self.traced.candidates)}); evaluate it with evaluate_model(fn)")
+            self._eval_parts = traced.stage_modules(self.sizes)
+            for stage in self.stages:  # the parameters are already there: this places nothing else
+                self._eval_parts[stage.index].to(stage.device)
+        return self._eval_parts
