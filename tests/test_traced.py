@@ -237,3 +237,26 @@ def test_evaluate_runs_a_traced_model_in_eval_mode():
     assert value == pytest.approx(expected, rel=1e-6)
     assert all(torch.equal(pipe.model().state_dict()[k], v) for k, v in stats.items())
     assert pipe.model().training and len(run(pipe, data)) == 3  # back to training, the training graph
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_tied_traced_model_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
+    data = lm_batches(count=4)
+
+    def fit(folder, **kwargs):
+        torch.manual_seed(0)
+        pipe = pipeoptim.Pipeline(TinyGPT(layers=1), method="1f1b-flush", split_points=["layers.0"],
+                                  loss_fn=lm_loss, micro_batches=2, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        return pipe.fit(data, epochs=2, checkpoint_dir=folder, checkpoint_every=3, **kwargs)
+
+    expected = fit(tmp_path / "full").losses
+
+    def crash_at_6(index, loss):
+        if index == 6:
+            raise Crash()
+    with pytest.raises(Crash):
+        fit(tmp_path / "cut", on_batch=crash_at_6)
+    assert fit(tmp_path / "cut", resume=True).losses == expected
