@@ -236,7 +236,10 @@ def test_evaluate_runs_a_traced_model_in_eval_mode():
         expected = sum(float(nn.functional.cross_entropy(model(x), y)) * len(y) for x, y in data) / 18
     assert value == pytest.approx(expected, rel=1e-6)
     assert all(torch.equal(pipe.model().state_dict()[k], v) for k, v in stats.items())
-    assert pipe.model().training and len(run(pipe, data)) == 3  # back to training, the training graph
+    pipe.model().eval()  # forward() follows the model's mode
+    assert torch.allclose(pipe.forward(data[0][0]), model(data[0][0]), atol=1e-6)
+    pipe.model().train()
+    assert len(run(pipe, data)) == 3  # back to training, on the training graph
 
 
 class Crash(Exception):

@@ -338,7 +338,8 @@ class Pipeline:
         the live weights, the current train/eval mode). One process only: under torchrun use
         :meth:`evaluate`, or :meth:`model` for the whole model."""
         self.prepare(inputs)
-        return self.world.forward(self.stages, inputs)
+        with contextlib.nullcontext() if self._model.training else self._eval_mode.evaluating():
+            return self.world.forward(self.stages, inputs)  # a traced model: the graph of its mode
 
     def model(self) -> nn.Module:
         """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
