@@ -263,3 +263,18 @@ def test_a_tied_traced_model_resumes_from_its_checkpoint_to_the_same_losses(tmp_
     with pytest.raises(Crash):
         fit(tmp_path / "cut", on_batch=crash_at_6)
     assert fit(tmp_path / "cut", resume=True).losses == expected
+
+
+def test_candidate_points_reach_blocks_inside_a_wrapper():
+    """A library's model wraps its blocks (``transformer.h.0``); the candidates go inside a child
+    that holds a container, and not inside the blocks themselves."""
+    from pipeoptim.graph_split import candidate_names
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = TinyGPT(layers=2)
+
+    assert candidate_names(TinyGPT(layers=2)) == ["embed", "position", "layers.0", "layers.1", "norm", "head"]
+    assert candidate_names(Wrapper()) == ["m.embed", "m.position", "m.layers.0", "m.layers.1", "m.norm", "m.head"]
+    assert candidate_names(SmallCNN()) == ["stem.0", "stem.1", "stem.2", "body.0", "body.1", "body.2", "drop", "fc"]

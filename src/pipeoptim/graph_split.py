@@ -8,7 +8,8 @@ parameter objects under the model's own names.
 
 The *candidate points* are where a stage may begin: each top-level child of the model, and the
 items of a top-level ``ModuleList``, ``Sequential`` or ``ModuleDict`` (a transformer's blocks),
-in the order the forward first calls them. The operations between one candidate's first call and
+looking inside a child that wraps such a container (:func:`candidate_names`), in the order the
+forward first calls them. The operations between one candidate's first call and
 the next's form a *unit*; a stage is a run of consecutive units, so a partition is given as
 units per stage exactly as an ``nn.Sequential``'s is given as layers per stage.
 
@@ -56,7 +57,8 @@ def _first_user_frame(error: BaseException) -> str:
     """The innermost frame of the user's code in the traceback (not torch's), as 'file:line in f'."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/" not in f.filename]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.startswith("<")]
     if not frames:
         return ""
     f = frames[-1]
@@ -77,9 +79,9 @@ def trace(model: nn.Module, inputs: Any) -> "TracedModel":
         raise TraceError(
             f"torch.export cannot trace {type(model).__name__}.forward"
             + (f" at {where}" if where else "") + f" ({type(error).__name__}: {first[:300]}). "
-            f"Remove data-dependent control flow from forward (an `if` on a tensor's value, "
-            f".item()), or give the model as an nn.Sequential of blocks that each take and return "
-            f"tensors") from error
+            f"Make forward exportable: no data-dependent control flow (an `if` on a tensor's "
+            f"value, .item()), inputs and outputs tensors or tuples, lists and dicts of them; or "
+            f"give the model as an nn.Sequential of blocks that each take and return tensors") from error
     return TracedModel(model, program.module(), program.call_spec.out_spec, args)
 
 
@@ -92,14 +94,19 @@ def _module_paths(node: fx.Node) -> List[str]:
     return paths
 
 
-def candidate_names(model: nn.Module) -> List[str]:
-    """Qualified names of the submodules a stage may begin at, in definition order."""
+def candidate_names(model: nn.Module, prefix: str = "") -> List[str]:
+    """Qualified names of the submodules a stage may begin at, in definition order: each child,
+    the items of a child that is a ``ModuleList``/``Sequential``/``ModuleDict``, and the
+    candidates inside a child that holds such a container deeper down (a library's model wraps
+    its blocks: ``transformer.h.0``), so that the blocks are reached whatever wraps them."""
     names = []
     for name, child in model.named_children():
         if isinstance(child, CONTAINERS) and len(child) > 0:
-            names.extend(f"{name}.{item}" for item, _ in child.named_children())
+            names.extend(f"{prefix}{name}.{item}" for item, _ in child.named_children())
+        elif any(isinstance(m, CONTAINERS) and len(m) > 1 for m in child.modules()):
+            names.extend(candidate_names(child, f"{prefix}{name}."))
         else:
-            names.append(name)
+            names.append(prefix + name)
     return names
 
 
