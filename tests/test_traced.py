@@ -102,7 +102,7 @@ def test_every_method_trains_a_model_with_two_inputs_and_a_skip(method):
 def test_stages_n_chooses_points_among_the_candidates():
     torch.manual_seed(0)
     pipe = pipeoptim.Pipeline(TinyGPT(layers=4), method="1f1b-flush", stages=3, loss_fn=lm_loss, optimizer=SGDM,
-                              example_input=lm_batches(1)[0][0])
+                              example_input=lm_batches(1)[0][0], partitioner="uniform")
     # eight units (embed, position, four blocks, norm, head), all with parameters: 3, 3, 2 of them
     assert pipe.spec.partition == [3, 3, 2] and pipe.split_points == ["layers.1", "norm"]
     (x, _), = skip_batches(1)
@@ -180,9 +180,13 @@ def torchrun(*args):
 
 
 def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially():
-    """Two processes, the embedding on rank 0 and the tied head on rank 1: the head's gradient
-    joins the embedding's before rank 0's update, and rank 1 takes the updated weight."""
-    got, = torchrun("gpt", "1f1b-flush", "layers.1")
+    """Two processes, the embedding on rank 0 and the tied head on rank 1 (cut where rank 0's
+    profile says, both ranks agreeing): the head's gradient joins the embedding's before rank 0's
+    update, and rank 1 takes the updated weight."""
+    rows = torchrun("gpt", "1f1b-flush", "-")
+    got = next(r for r in rows if "losses" in r)
+    points = [r["points"] for r in rows if "points" in r]
+    assert len(points) == 2 and points[0] == points[1] and len(points[0]) == 1
     torch.manual_seed(0)
     expected, trained = plain_loop(TinyGPT(layers=2), lm_batches(count=4), SGDM, lm_loss, micro=2)
     assert got["losses"] == pytest.approx(expected, rel=1e-6) and got["tied"]

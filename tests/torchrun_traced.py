@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_traced.py: a traced model split over the processes, trained
 with each method given; rank 0 prints one JSON line per method with the losses and the trained
 weights. Arguments: the model (``gpt``: TinyGPT with its head tied to its embedding; ``skip``:
-SkipNet, two inputs and a skip connection), the methods and the split points (comma-separated)."""
+SkipNet, two inputs and a skip connection), the methods and the split points (comma-separated;
+``-``: none, the default partitioner chooses, and every rank prints the points it uses)."""
 import json
 import sys
 
@@ -16,11 +17,14 @@ for method in methods:
     torch.manual_seed(0)
     model = TinyGPT(layers=2) if which == "gpt" else SkipNet()
     data = lm_batches(count=4) if which == "gpt" else skip_batches()
-    pipe = pipeoptim.Pipeline(model, method=method, split_points=points, micro_batches=2 if method in (
+    pipe = pipeoptim.Pipeline(model, method=method, split_points=None if points == ["-"] else points,
+                              micro_batches=2 if method in (
                                   "gpipe", "1f1b-flush", "pipedream-2bw", "pipeoptim-2bw") else None,
                               loss_fn=lm_loss if which == "gpt" else nn.functional.cross_entropy,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     losses = [loss for x, y in data for loss in pipe.step(x, y)] + pipe.flush()
+    if points == ["-"]:
+        print(json.dumps({"rank": pipe.rank, "points": pipe.split_points}), flush=True)
     trained = pipe.model()
     if pipe.rank == 0:
         print(json.dumps({"method": method, "losses": losses,

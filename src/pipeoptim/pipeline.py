@@ -70,10 +70,11 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
-        stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform``,
-            ``params``, or ``time``: balanced by each layer's or unit's forward+backward time
-            profiled on the example input, one process only), or ``partition=[layers per stage]``
-            (units per stage for a traced model).
+        stages / partition / partitioner: ``stages=N`` cut by ``partitioner``: ``uniform``
+            (the default for an ``nn.Sequential``), ``params``, or ``time`` (the default for a
+            traced model: balanced by each layer's or unit's forward+backward time profiled on
+            the example input; under torchrun, rank 0's choice); or ``partition=[layers per
+            stage]`` (units per stage for a traced model).
         split_points: a traced model's cut, as the qualified names of the submodules where
             stages 2..N begin (``["layers.4", "layers.8"]``), in call order; see
             :attr:`split_points` for the points ``stages=N`` chose.
@@ -135,7 +136,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, *, method: str = "pipeoptim",
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], optimizer: OptimizerFactory,
                  stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
-                 partitioner: str = "uniform", micro_batches: Optional[int] = None,
+                 partitioner: Optional[str] = None, micro_batches: Optional[int] = None,
                  lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
                  precision: str = "fp32", devices: DeviceSpec = "auto", diagnose_every: int = 0,

@@ -75,30 +75,31 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
                          f"{method.name} updates each stage at its own time: use clip_scope='stage'")
 
 
-def needs_example(model: nn.Module, partitioner: str) -> bool:
+def needs_example(model: nn.Module, partitioner: Optional[str]) -> bool:
     """Whether preparing ``model`` needs an example input (a traced model, or the time profile)."""
     return not isinstance(model, nn.Sequential) or partitioner == "time"
 
 
 def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int],
             partition: Optional[Sequence[int]], split_points: Optional[Sequence[str]],
-            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
-            profile_allowed: bool = True) -> PreparedModel:
+            partitioner: Optional[str], micro_batches: Optional[int], method_options: Dict[str, Any],
+            agree: Callable[[Any, str], Any] = lambda value, what: value) -> PreparedModel:
     """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
     train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
-    ``partitioner="time"``; None otherwise). Bad settings raise ValueError naming the fix."""
+    ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform`` for an
+    ``nn.Sequential``, ``time`` for a traced model. ``agree(value, what)`` gives every process
+    rank 0's value (a partition from a profile, which would differ between processes). Bad
+    settings raise ValueError naming the fix."""
+    partitioner = partitioner or ("uniform" if isinstance(model, nn.Sequential) else "time")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
-    if partitioner == "time" and not profile_allowed:
-        raise ValueError("partitioner='time' profiles the model in each process and would cut it "
-                         "differently on each rank; give split_points= (or partition=) under torchrun")
     if isinstance(model, nn.Sequential):
         if split_points is not None:
             raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
                              "give partition=[layers per stage]")
         sizes = partition
         if partitioner == "time" and partition is None and method != "sequential":
-            sizes = _time_sizes(model, example, stages)
+            sizes = agree(_time_sizes(model, example, stages), "agreeing on the partition")
         spec = resolve(model, method=method, stages=stages, partition=sizes,
                        partitioner="uniform" if partitioner == "time" else partitioner,
                        micro_batches=micro_batches, method_options=method_options)
@@ -119,7 +120,7 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
                              f"{type(model).__name__} has {traced.units} ({', '.join(traced.candidates)}): "
                              f"use stages={traced.units} or fewer")
         if sizes is None and partitioner == "time" and stages is not None and method != "sequential":
-            sizes = _time_sizes(units, example, stages)
+            sizes = agree(_time_sizes(units, example, stages), "agreeing on the partition")
     spec = resolve(units, method=method, stages=stages if sizes is None else len(sizes), partition=sizes,
                    partitioner="uniform" if partitioner == "time" else partitioner,
                    micro_batches=micro_batches, method_options=method_options)
@@ -137,7 +138,8 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
 def _time_sizes(units: nn.Sequential, example: Any, stages: Optional[int]) -> List[int]:
     if stages is None:
         raise ValueError("give stages=N (or partition=[layers per stage])")
-    profile = profile_model(units, example, warmup=1, repeats=3)
+    with torch.random.fork_rng(devices=[]):  # dropout while profiling draws from torch's generator
+        profile = profile_model(units, example, warmup=1, repeats=3)
     return plan_time_partition(units, stages, profile.layer_costs(include_loss=False))
 
 
@@ -186,7 +188,7 @@ class ModelSettings:
     stages: Optional[int]
     partition: Optional[Sequence[int]]
     split_points: Optional[Sequence[str]]
-    partitioner: str
+    partitioner: Optional[str]
     micro_batches: Optional[int]
     method_options: Dict[str, Any]
     data_parallel: Optional[int]
@@ -208,7 +210,7 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     prepared = prepare(model, example, method=settings.method, stages=count, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,
                        micro_batches=settings.micro_batches, method_options=settings.method_options,
-                       profile_allowed=world.processes == 1)
+                       agree=world.agree)
     spec = prepared.spec
     devices = world.place(settings.devices, spec.stages)
     check_tie_devices(prepared, devices, local=world.processes == 1)

@@ -197,6 +197,21 @@ class Torchrun:
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied.ties, count, replicas)
 
+    def agree(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
+        gloo group of every rank made for it (destroyed with the others by :meth:`leave`)."""
+        import datetime
+
+        group = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=self.timeout),
+                               backend="gloo")
+        self._made.append(group)
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError as error:
+            raise PipelineCommError(f"{what}: rank 0 did not answer within {self.timeout:g} s ({error})") from error
+        return box[0]
+
     def _connect_ties(self, ties: List[Any], stages: int, replicas: int) -> None:
         """A group of the holders' ranks for each tied weight, in each replica (every rank makes
         every group, in the same order)."""

@@ -29,7 +29,7 @@ __all__ = ["train", "TrainResult", "NonFiniteLoss"]
 
 def train(model: nn.Module, batches: Iterable[Batch], *, method: str, optimizer: OptimizerFactory,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], stages: Optional[int] = None,
-          partition: Optional[Sequence[int]] = None, partitioner: str = "uniform", epochs: int = 1,
+          partition: Optional[Sequence[int]] = None, partitioner: Optional[str] = None, epochs: int = 1,
           micro_batches: Optional[int] = None, runtime: str = "local", continuous: bool = False,
           evaluate: Optional[Callable[[nn.Module], float]] = None, eval_every: Optional[int] = None,
           on_batch: Optional[Callable[[int, float], None]] = None,
