@@ -282,3 +282,9 @@ def test_candidate_points_reach_blocks_inside_a_wrapper():
     assert candidate_names(TinyGPT(layers=2)) == ["embed", "position", "layers.0", "layers.1", "norm", "head"]
     assert candidate_names(Wrapper()) == ["m.embed", "m.position", "m.layers.0", "m.layers.1", "m.norm", "m.head"]
     assert candidate_names(SmallCNN()) == ["stem.0", "stem.1", "stem.2", "body.0", "body.1", "body.2", "drop", "fc"]
+
+
+def test_inputs_that_are_not_tensors_are_refused():
+    with pytest.raises(ValueError, match=r"tensor or a tuple of tensors.*got \(dict\)"):
+        pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", stages=2, loss_fn=nn.functional.cross_entropy,
+                           optimizer=SGDM, example_input={"x": torch.randn(4, 8)})

@@ -70,6 +70,11 @@ def trace(model: nn.Module, inputs: Any) -> "TracedModel":
     parameters stay its own objects. A forward torch cannot export (data-dependent control flow,
     an unsupported operation) raises :class:`TraceError` naming the call."""
     args = as_args(inputs)
+    if not all(torch.is_tensor(a) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise TraceError(f"a traced model's inputs must be a tensor or a tuple of tensors (the "
+                         f"forward's positional arguments), got ({kinds}); give the mini-batches, "
+                         f"or example_input=, in that form")
     try:
         program = torch.export.export(model, args, dynamic_shapes=tuple(_dynamic(a) for a in args),
                                       strict=False)
