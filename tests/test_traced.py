@@ -183,15 +183,21 @@ def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially():
     """Two processes, the embedding on rank 0 and the tied head on rank 1 (cut where rank 0's
     profile says, both ranks agreeing): the head's gradient joins the embedding's before rank 0's
     update, and rank 1 takes the updated weight."""
-    rows = torchrun("gpt", "1f1b-flush", "-")
-    got = next(r for r in rows if "losses" in r)
+    rows = torchrun("gpt", "1f1b-flush,1f1b-flush:0.5", "-")
+    got, clipped = [r for r in rows if "losses" in r]
     points = [r["points"] for r in rows if "points" in r]
-    assert len(points) == 2 and points[0] == points[1] and len(points[0]) == 1
+    assert len(points) == 4 and all(p == points[0] for p in points) and len(points[0]) == 1
     torch.manual_seed(0)
     expected, trained = plain_loop(TinyGPT(layers=2), lm_batches(count=4), SGDM, lm_loss, micro=2)
     assert got["losses"] == pytest.approx(expected, rel=1e-6) and got["tied"]
     for name, value in trained.state_dict().items():
         assert torch.allclose(torch.tensor(got["weights"][name]), value, atol=2e-6), name
+    # the global norm counts the tied weight's summed gradient once, as in one process
+    torch.manual_seed(0)
+    pipe = pipeoptim.Pipeline(TinyGPT(layers=2), method="1f1b-flush", split_points=points[0], loss_fn=lm_loss,
+                              optimizer=SGDM, micro_batches=2, clip_grad_norm=0.5, clip_scope="global")
+    local = run(pipe, lm_batches(count=4))
+    assert clipped["losses"] == pytest.approx(local, rel=1e-6) and local != pytest.approx(expected, rel=1e-3)
 
 
 def test_several_tensors_cross_between_processes_with_equal_losses():

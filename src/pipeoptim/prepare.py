@@ -212,6 +212,10 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        micro_batches=settings.micro_batches, method_options=settings.method_options,
                        agree=world.agree)
     spec = prepared.spec
+    if prepared.ties and replicas > 1:
+        raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
+                         f"data_parallel > 1 yet: run one replica, or split points that keep every reader "
+                         f"of the tied weight on one stage")
     devices = world.place(settings.devices, spec.stages)
     check_tie_devices(prepared, devices, local=world.processes == 1)
     stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer, settings.loss_fn,

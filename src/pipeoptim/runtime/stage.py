@@ -278,8 +278,6 @@ class Stage:
         start = time.perf_counter()
         self.sync_gradients()
         self._synced = False
-        if self.tied is not None:
-            self.tied.before_update()
         if grad_scale is not None:
             grads = self.grads()
             if grads:
@@ -315,10 +313,14 @@ class Stage:
         return [p.grad for _, p in self.policy.named if p.grad is not None]
 
     def sync_gradients(self) -> None:
-        """Average the gradients over the stage's replicas, once per update (before its norm is
-        taken for global clipping, or by the update itself)."""
-        if self.grad_sync is not None and not self._synced:
-            self.grad_sync(self.parameters())
+        """Average the gradients over the stage's replicas and sum a tied weight's over its
+        holders, once per update (before its norm is taken for global clipping, or by the update
+        itself)."""
+        if not self._synced:
+            if self.grad_sync is not None:
+                self.grad_sync(self.parameters())
+            if self.tied is not None:
+                self.tied.before_update()
             self._synced = True
 
     def grad_norm(self) -> torch.Tensor:
