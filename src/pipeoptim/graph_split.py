@@ -138,6 +138,7 @@ class TracedModel:
         nodes = list(graph_module.graph.nodes)
         self.inputs = [n for n in nodes if n.op == "placeholder"]
         self.output = next(n for n in nodes if n.op == "output")
+        graph_module.add_module(OUTPUT_BUILDER, OutputBuilder(out_spec))
         # the export's input guard (a compiled check of the traced input shapes) is left out: the
         # stages are called with micro-batches, and a copy of it fails outside its program
         self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
@@ -264,7 +265,10 @@ class TracedModel:
             env[node] = graph.node_copy(node, value)
         if outgoing is None:
             flat = [value(a) if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(self.output.args[0])]
-            graph.output(pytree.tree_unflatten(flat, self.out_spec))
+            if self.out_spec.is_leaf():
+                graph.output(flat[0])
+            else:  # the forward's own output type (a library's ModelOutput, a namedtuple, a dict)
+                graph.output(graph.call_module(OUTPUT_BUILDER, tuple(flat)))
         else:
             sent = [value(n) for n in outgoing]
             graph.output(sent[0] if len(sent) == 1 else tuple(sent))
@@ -301,6 +305,21 @@ class TracedModel:
             for _, p in part.named_parameters():
                 holders.setdefault(id(p), (p, []))[1].append(k)
         return {p: ks for p, ks in holders.values() if len(ks) > 1}
+
+
+#: the last stage's submodule that builds the model's output from the graph's flat values
+OUTPUT_BUILDER = "pipeoptim_output"
+
+
+class OutputBuilder(nn.Module):
+    """The model's output, of the type its forward returns, from the graph's flat values."""
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.spec)
 
 
 def _item(values: Tuple[Any, ...], index: int) -> Any:
