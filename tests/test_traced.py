@@ -324,3 +324,15 @@ def test_a_library_lm_built_from_its_config_equals_its_sequential_training(famil
     assert result.get_output_embeddings().weight is result.get_input_embeddings().weight
     for (name, a), b in zip(result.state_dict().items(), trained.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_an_nn_sequential_can_be_cut_by_profiled_time_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8), nn.Linear(8, 3))
+    data = [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(2)]
+    pipe = pipeoptim.Pipeline(model, method="1f1b-flush", stages=2, partitioner="time", micro_batches=2,
+                              loss_fn=nn.functional.cross_entropy, optimizer=SGDM)
+    assert not pipe.prepared  # the profile needs an input: the first mini-batch
+    losses = run(pipe, data)
+    assert sum(pipe.spec.partition) == 6 and len(pipe.spec.partition) == 2 and pipe.split_points is None
+    assert losses == pytest.approx(plain_loop(model, data, SGDM, nn.functional.cross_entropy, micro=2)[0], rel=1e-6)

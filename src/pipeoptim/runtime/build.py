@@ -73,7 +73,7 @@ class OwnedParameters:
         return [(n, p) for n, p in self.module.named_parameters() if self.owned(p)]
 
 
-def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, options: Dict[str, Any],
+def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
                  only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, precision: str = "fp32",
@@ -102,8 +102,9 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
             return p.requires_grad and ties.get(id(p), [k])[0] == k
         params = StageParameters([p for p in part.parameters() if owned(p)], part, k == n - 1)
         if not params:
-            raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
-                             f"trainable parameters; choose another partition")
+            what = "units" if isinstance(part, torch.fx.GraphModule) else "layers"
+            raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
+                             f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
