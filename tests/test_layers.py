@@ -46,11 +46,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("leaves", ["errors", "checkpoint", "partition", "lr_schedules", "plan_defaults", "muon_adamw"]),
+    ("leaves", ["errors", "checkpoint", "partition", "graph_split", "lr_schedules", "plan_defaults", "muon_adamw"]),
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "world", "fit", "train", "profile", "torchrun"]),
+    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun"]),
     ("experiment", ["experiment", "tasks", "tasks.*", "planner", "plots", "optimizers", "launcher",
                     "run_folder", "bench_worker", "time_to_target"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),

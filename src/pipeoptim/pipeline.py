@@ -1,6 +1,6 @@
 """The engine a user drives: ``pipeoptim.Pipeline``.
 
-A Pipeline takes plain PyTorch objects (an ``nn.Sequential``, a loss function, factories for
+A Pipeline takes plain PyTorch objects (a model, a loss function, factories for
 the optimizer and the learning-rate scheduler) and trains a copy of the model with a pipeline
 method, stage by stage, on the devices given. It is driven in one of two ways, one
 implementation::
@@ -39,18 +39,19 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
+from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_settings, first_inputs,
+                      needs_example)
 from .runtime import named_state
-from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
+from .runtime.build import OptimizerFactory, SchedulerFactory
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
-from .runtime.spec import RunSpec, resolve
-from .runtime.stage import PRECISIONS, Stage
+from .runtime.spec import RunSpec
+from .runtime.stage import Stage
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 
 __all__ = ["Pipeline", "TrainResult", "OnStageDevices", "resolve_devices", "Batch", "Metric", "CLIP_SCOPES"]
 
-CLIP_SCOPES = ("stage", "global")
 
 
 class Pipeline:
@@ -58,16 +59,28 @@ class Pipeline:
 
     Args:
         model: an initialised ``nn.Sequential`` of stage-able blocks (blocks may pass tuples of
-            tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
-            parameters keep the original names.
+            tensors), or any ``nn.Module`` whose forward ``torch.export`` can trace (a GPT with a
+            ``ModuleList`` of blocks, its head tied to its embedding), split at its candidate
+            points (docs/architecture.md, "Splitting any module"; a weight read by several
+            stages stays one, "Tied weights"). It is copied, never modified; :meth:`model`
+            returns the trained copy, of the model's class, whose parameters keep their names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
             ``1f1b-flush``, ``zb-h1``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
             ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
-        stages / partition / partitioner: ``stages=N`` cut by ``partitioner`` (``uniform`` or
-            ``params``), or ``partition=[layers per stage]``.
+        stages / partition / partitioner: ``stages=N`` cut by ``partitioner``: ``uniform``
+            (the default for an ``nn.Sequential``), ``params``, or ``time`` (the default for a
+            traced model: balanced by each layer's or unit's forward+backward time profiled on
+            the example input; under torchrun, rank 0's choice); or ``partition=[layers per
+            stage]`` (units per stage for a traced model).
+        split_points: a traced model's cut, as the qualified names of the submodules where
+            stages 2..N begin (``["layers.4", "layers.8"]``), in call order; see
+            :attr:`split_points` for the points ``stages=N`` chose.
+        example_input: the inputs to trace a model that is not an ``nn.Sequential`` on (a
+            tensor, or a tuple of the forward's positional arguments); default: the first
+            mini-batch (the model is split then, at the first :meth:`step` or :meth:`fit`).
         micro_batches: micro-batches per mini-batch for the methods that use them (default: the
             method's own: N for gpipe, 1f1b-flush and zb-h1, 2 for xpipe, 1 for the others).
         lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
@@ -127,62 +140,40 @@ class Pipeline:
     ``stages`` defaults to the number of processes.
     """
 
-    def __init__(self, model: nn.Sequential, *, method: str = "pipeoptim",
+    def __init__(self, model: nn.Module, *, method: str = "pipeoptim",
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], optimizer: OptimizerFactory,
                  stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
-                 partitioner: str = "uniform", micro_batches: Optional[int] = None,
+                 partitioner: Optional[str] = None, micro_batches: Optional[int] = None,
                  lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
                  precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
                  devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, world: Optional[World] = None,
+                 split_points: Optional[Sequence[str]] = None, example_input: Any = None,
                  **method_options: Any) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got "
-                             f"{type(model).__name__}; wrap its layers, e.g. nn.Sequential(*blocks)")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError("optimizer must be a factory called with each stage's parameters, "
-                             "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
-        if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "step")):
-            raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
-                             "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if clip_scope not in CLIP_SCOPES:
-            raise ValueError(f"clip_scope must be 'stage' or 'global', got {clip_scope!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
-        if diagnose_every < 0:
-            raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
+                             f"forward torch.export can trace), got {type(model).__name__}")
+        self.method = get_method(method)
+        check_settings(self.method, loss_fn, optimizer, lr_scheduler, precision, clip_grad_norm, clip_scope,
+                       diagnose_every)
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
-        count, replicas = self.world.layout(method, stages, partition, data_parallel)
-        self.spec: RunSpec = resolve(model, method=method, stages=count, partition=partition,
-                                     partitioner=partitioner, micro_batches=micro_batches,
-                                     method_options=method_options)
-        self.method = get_method(method)
-        if clip_scope == "global" and clip_grad_norm is not None and not self.method.synchronous:
-            raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
-                             f"gradients when it updates, which only synchronous methods do; "
-                             f"{method} updates each stage at its own time: use clip_scope='stage'")
-        self.devices = self.world.place(devices, self.spec.stages)
         self.precision = precision
-        #: per stage, whether it recomputes its forward in the backward
-        self.recompute: List[bool] = recompute_per_stage(recompute, self.spec.stages)
         self._model = copy.deepcopy(model)
         self._model.train()
-        self._optimizer_factory = optimizer
+        self._settings = ModelSettings(method, stages, partition, split_points, partitioner, micro_batches,
+                                       method_options, data_parallel, devices, loss_fn, optimizer,
+                                       lr_scheduler, clip_grad_norm if clip_scope == "stage" else None,
+                                       precision, diagnose_every, recompute)
+        self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
-        self.stages: List[Stage] = build_stages(
-            self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
-            lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
-            precision=precision, devices=self.devices, only=self.world.own_stage(self.spec.stages),
-            recompute=self.recompute)
-        self.world.connect(self.stages, replicas)
-        for stage in self.stages:
-            stage.diagnose_every = diagnose_every
+        self.stages: List[Stage] = []
+        #: where stages 2..N begin, for a traced model (None for an nn.Sequential)
+        self.split_points: Optional[List[str]] = None
+        self.devices: List[torch.device] = []  #: each stage's device, once the model is split
+        #: per stage, whether it recomputes its forward in the backward, once the model is split
+        self.recompute: List[bool] = []
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
@@ -191,6 +182,24 @@ class Pipeline:
         self._segment_start = 0          #: index of the open segment's first mini-batch
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
+        if example_input is not None or not needs_example(model, partitioner):
+            self.prepare(example_input)
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the model is split into its stages (at construction, or at the first
+        mini-batch when a traced model has no ``example_input``)."""
+        return self.spec is not None
+
+    def prepare(self, example_input: Any = None) -> None:
+        """Split the model into stages (tracing it on ``example_input`` unless it is an
+        ``nn.Sequential``), build this process's stages and connect them. The Pipeline does it
+        itself, at construction or on its first mini-batch; nothing happens if already done."""
+        if self.prepared:
+            return
+        built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
+        self.spec, self.stages, self.devices, self.split_points, self._eval_mode = built
+        self.recompute = recompute_per_stage(self._settings.recompute, self.spec.stages)
 
     # -- driving by hand ----------------------------------------------------------------------
     @property
@@ -206,6 +215,7 @@ class Pipeline:
         drained): how many mini-batches will be fed before the next :meth:`flush`, when known.
         The schedule is then built once for exactly that many; without it its horizon grows as
         mini-batches come (the same actions, planned in steps)."""
+        self.prepare(inputs)  # a traced model without example_input: its first mini-batch is the example
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
@@ -322,12 +332,8 @@ class Pipeline:
         the mean loss. The pipeline must be drained (:meth:`flush`)."""
         self._require_drained("evaluate")
         score = metric or self.stages[-1].loss_fn
-        was_training = self._model.training
-        self._model.eval()
-        try:
+        with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
             return self.world.evaluate(self.stages, loader, score)
-        finally:
-            self._model.train(was_training)
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
         """``evaluate(model)`` of the trained model (a function written for a model on one
@@ -342,18 +348,25 @@ class Pipeline:
         """The model's output for ``inputs``, through every stage on its device (no gradients,
         the live weights, the current train/eval mode). One process only: under torchrun use
         :meth:`evaluate`, or :meth:`model` for the whole model."""
-        return self.world.forward(self.stages, inputs)
+        self.prepare(inputs)
+        with contextlib.nullcontext() if self._model.training else self._eval_mode.evaluating():
+            return self.world.forward(self.stages, inputs)  # a traced model: the graph of its mode
 
-    def model(self) -> nn.Sequential:
+    def model(self) -> nn.Module:
         """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
         the original parameter names. Call :meth:`flush` first for weights every mini-batch fed
         has updated. Under torchrun every rank must call it: each stage's weights are gathered
-        into every rank's copy."""
+        into every rank's copy. A tied weight is one tensor, as in the model given."""
+        if not self.prepared:
+            return self._model  # nothing trained yet
         self.world.gather_model(self._model, self.stages)
         return self._model
 
     # -- state --------------------------------------------------------------------------------
     def _require_drained(self, what: str) -> None:
+        if not self.prepared:
+            raise RuntimeError(f"{what} needs the model split into stages: feed a mini-batch first, "
+                               f"or give the Pipeline example_input=")
         if not self.drained:
             raise RuntimeError(f"{what} needs a drained pipeline: call flush() first")
 
@@ -436,6 +449,8 @@ class Pipeline:
         if eval_every is not None and evaluate is None and eval_loader is None:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
+        if not self.prepared:
+            self.prepare(first_inputs(loader))
         self._require_drained("fit")
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,

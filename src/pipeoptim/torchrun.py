@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .graph_split import with_aliases
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.lifecycle import guard
 from .runtime.distributed import (DistributedExecutor, GradientAverager, PipeComm, PipelineCommError, barrier,
@@ -193,6 +194,36 @@ class Torchrun:
         else:
             self._connect_replicas(count, replicas)
         stages[0].grad_sync = self.gradient_averager()
+        if stages[0].tied is not None:
+            self._connect_ties(stages[0].tied.ties, count, replicas)
+
+    def agree(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
+        gloo group of every rank made for it (destroyed with the others by :meth:`leave`)."""
+        import datetime
+
+        group = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=self.timeout),
+                               backend="gloo")
+        self._made.append(group)
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError as error:
+            raise PipelineCommError(f"{what}: rank 0 did not answer within {self.timeout:g} s ({error})") from error
+        return box[0]
+
+    def _connect_ties(self, ties: List[Any], stages: int, replicas: int) -> None:
+        """A group of the holders' ranks for each tied weight, in each replica (every rank makes
+        every group, in the same order)."""
+        import datetime
+
+        for tie in ties:
+            for d in range(replicas):
+                ranks = [d * stages + k for k in tie.holders]
+                made = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout))
+                if self.rank in ranks:
+                    tie.group, tie.owner_rank = made, ranks[0]
+                    self._made.append(made)
 
     def _connect_replicas(self, stages: int, replicas: int) -> None:
         import datetime
@@ -227,7 +258,7 @@ class Torchrun:
         merged: Dict[str, torch.Tensor] = {}
         for part in self.gather(own, "gathering the model's weights"):
             merged.update(part)
-        model.load_state_dict(merged)
+        model.load_state_dict(with_aliases(model, merged))
 
     def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
                        evaluate: Callable[[nn.Module], float]) -> float:

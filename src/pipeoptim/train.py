@@ -27,9 +27,9 @@ from .runtime.build import OptimizerFactory, SchedulerFactory
 __all__ = ["train", "TrainResult", "NonFiniteLoss"]
 
 
-def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimizer: OptimizerFactory,
+def train(model: nn.Module, batches: Iterable[Batch], *, method: str, optimizer: OptimizerFactory,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], stages: Optional[int] = None,
-          partition: Optional[Sequence[int]] = None, partitioner: str = "uniform", epochs: int = 1,
+          partition: Optional[Sequence[int]] = None, partitioner: Optional[str] = None, epochs: int = 1,
           micro_batches: Optional[int] = None, runtime: str = "local", continuous: bool = False,
           evaluate: Optional[Callable[[nn.Module], float]] = None, eval_every: Optional[int] = None,
           on_batch: Optional[Callable[[int, float], None]] = None,
@@ -39,13 +39,15 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
           resume: bool = False, diagnose_every: int = 0,
           lr_scheduler: Optional[SchedulerFactory] = None, clip_grad_norm: Optional[float] = None,
           clip_scope: str = "stage", precision: str = "fp32", recompute: Any = False, devices: Any = "auto",
+          split_points: Optional[Sequence[str]] = None, example_input: Any = None,
           **method_options: Any) -> TrainResult:
     """Train a copy of ``model`` on ``batches`` with a pipeline method.
 
     ``batches`` is one epoch of (input, target) mini-batches (any iterable, iterated once per
     epoch). Every other argument is :class:`~pipeoptim.pipeline.Pipeline`'s (``method``,
-    ``optimizer``, ``loss_fn``, ``stages``/``partition``/``partitioner``, ``micro_batches``,
-    ``lr_scheduler``, ``clip_grad_norm``, ``clip_scope``, ``precision``, ``recompute``, ``devices``,
+    ``optimizer``, ``loss_fn``, ``stages``/``partition``/``partitioner``, ``split_points``,
+    ``example_input``, ``micro_batches``, ``lr_scheduler``, ``clip_grad_norm``, ``clip_scope``,
+    ``precision``, ``recompute``, ``devices``,
     ``diagnose_every``, the method's options) or :meth:`~pipeoptim.pipeline.Pipeline.fit`'s
     (``epochs``, ``evaluate(model)``, ``eval_every``, ``on_batch``, ``on_epoch``, ``on_eval``,
     ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``continuous``). With ``eval_every``
@@ -60,7 +62,7 @@ def train(model: nn.Sequential, batches: Iterable[Batch], *, method: str, optimi
                     partition=partition, partitioner=partitioner, micro_batches=micro_batches,
                     lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm, clip_scope=clip_scope,
                     precision=precision, recompute=recompute, devices=devices, diagnose_every=diagnose_every,
-                    **method_options)
+                    split_points=split_points, example_input=example_input, **method_options)
     return pipe.fit(batches, epochs, evaluate=evaluate, eval_every=eval_every, on_batch=on_batch,
                     on_epoch=on_epoch, on_eval=on_eval, checkpoint_dir=checkpoint_dir,
                     checkpoint_every=checkpoint_every, resume=resume, continuous=continuous)

@@ -64,6 +64,10 @@ class World(Protocol):
                  trace_offset: int, clip_global: Optional[float]) -> Any:
         """A new executor of one segment over ``stages`` (``feed`` / ``finish`` / ``take_completed``)."""
 
+    def agree(self, value: T, what: str) -> T:
+        """Rank 0's ``value`` on every rank of the job, before the stages are connected (a
+        choice each rank would make differently, such as a partition from a profile)."""
+
     def share_losses(self, losses: List[float]) -> List[float]:
         """A drained segment's losses as every rank must record them."""
 
@@ -171,6 +175,9 @@ class LocalWorld:
                  trace_offset: int, clip_global: Optional[float]) -> LocalExecutor:
         return LocalExecutor(stages, schedule_for, expected=expected, trace_offset=trace_offset,
                              clip_global=clip_global)
+
+    def agree(self, value: T, what: str) -> T:
+        return value
 
     def share_losses(self, losses: List[float]) -> List[float]:
         return losses

@@ -10,6 +10,7 @@ from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
 from .stage import Stage
+from .tied import Tie, TiedWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -74,17 +75,36 @@ def recompute_per_stage(recompute: Union[bool, Sequence[bool]], stages: int) -> 
                      f"[True] * {stages}), got {recompute!r}")
 
 
-def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, options: Dict[str, Any],
+class OwnedParameters:
+    """What a stage's weight policy is made from: the stage module's parameters less the tied ones
+    another stage owns (the policy keeps, predicts and clips only what this stage updates)."""
+
+    def __init__(self, module: nn.Module, owned: Callable[[nn.Parameter], bool]) -> None:
+        self.module = module
+        self.owned = owned
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if self.owned(p)]
+
+
+def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
                  only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, precision: str = "fp32",
                  devices: Optional[Sequence[torch.device]] = None,
+                 parts: Optional[Sequence[nn.Module]] = None,
+                 ties: Optional[Dict[int, List[int]]] = None,
                  recompute: Optional[Sequence[bool]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage (one
     process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
-    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`)."""
-    parts = split(model, sizes)
+    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`).
+
+    ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
+    ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
+    stages that read it; only the first of them (the owner) optimizes it."""
+    parts = list(parts) if parts is not None else split(model, sizes)
+    ties = ties or {}
     n = len(parts)
     stages = []
     for k, part in enumerate(parts):
@@ -93,15 +113,24 @@ def build_stages(model: nn.Sequential, sizes: Sequence[int], method: Method, opt
         device = torch.device(devices[k]) if devices is not None else None
         if device is not None:
             part.to(device)
-        params = StageParameters([p for p in part.parameters() if p.requires_grad], part, k == n - 1)
+
+        def owned(p: nn.Parameter, k: int = k) -> bool:
+            return p.requires_grad and ties.get(id(p), [k])[0] == k
+        params = StageParameters([p for p in part.parameters() if owned(p)], part, k == n - 1)
         if not params:
-            raise ValueError(f"stage {k} (layers {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
-                             f"trainable parameters; choose another partition")
+            what = "units" if isinstance(part, torch.fx.GraphModule) else "layers"
+            raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
+                             f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
-        policy = make_policy(method.policy, part, opt, stage=k, num_stages=n, **options)
+        policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
-        stages.append(Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None,
-                            scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision,
-                            device=device, recompute=bool(recompute[k]) if recompute is not None else False))
+        stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,
+                      clip_grad_norm=clip_grad_norm, precision=precision, device=device,
+                      recompute=bool(recompute[k]) if recompute is not None else False)
+        if ties:  # every tie of the model, held here or not: each rank makes the same groups
+            own = {id(p): (name, p) for name, p in part.named_parameters()}
+            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0])
+                                         for key, holders in ties.items()])
+        stages.append(stage)
     return stages

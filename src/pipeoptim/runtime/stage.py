@@ -116,6 +116,9 @@ class Stage:
         #: called with the parameters before each update to average their gradients over the
         #: stage's replicas (pipeline x data parallel); None: one replica
         self.grad_sync: Optional[Callable[[List[nn.Parameter]], None]] = None
+        #: weights this stage shares with other stages' processes (``runtime/tied.TiedWeights``),
+        #: made equal around each update; None: none, or all stages in one process
+        self.tied: Optional[Any] = None
         self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
@@ -309,6 +312,8 @@ class Stage:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.tied is not None:
+            self.tied.after_update()
         self.policy.after_update()
         self.time["U"] += time.perf_counter() - start
         self.count["U"] += 1
@@ -321,10 +326,14 @@ class Stage:
         return [p.grad for _, p in self.policy.named if p.grad is not None]
 
     def sync_gradients(self) -> None:
-        """Average the gradients over the stage's replicas, once per update (before its norm is
-        taken for global clipping, or by the update itself)."""
-        if self.grad_sync is not None and not self._synced:
-            self.grad_sync(self.parameters())
+        """Average the gradients over the stage's replicas and sum a tied weight's over its
+        holders, once per update (before its norm is taken for global clipping, or by the update
+        itself)."""
+        if not self._synced:
+            if self.grad_sync is not None:
+                self.grad_sync(self.parameters())
+            if self.tied is not None:
+                self.tied.before_update()
             self._synced = True
 
     def grad_norm(self) -> torch.Tensor:

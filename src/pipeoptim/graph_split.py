@@ -1,0 +1,342 @@
+"""Split a model that is not an ``nn.Sequential`` into stage modules, by torch's own tracing.
+
+:func:`trace` exports the model with ``torch.export`` (every input dimension dynamic where the
+model allows it, so that micro-batches of any size run) and keeps the flat graph of
+``ExportedProgram.module()``: aten operations in call order, each tagged with the modules it ran
+in (``nn_module_stack``), the parameters read by name (``get_attr``), so the model's own
+parameter objects under the model's own names.
+
+The *candidate points* are where a stage may begin: each top-level child of the model, and the
+items of a top-level ``ModuleList``, ``Sequential`` or ``ModuleDict`` (a transformer's blocks),
+looking inside a child that wraps such a container (:func:`candidate_names`), in the order the
+forward first calls them. The operations between one candidate's first call and
+the next's form a *unit*; a stage is a run of consecutive units, so a partition is given as
+units per stage exactly as an ``nn.Sequential``'s is given as layers per stage.
+
+:meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage. A stage
+module takes one argument and returns one value, as the runtime's stages expect: the first
+stage the model's input (a tensor, or a tuple of the forward's positional arguments); the others
+what the stage before them returned, a tensor or a tuple of tensors: every value computed before
+the stage and still needed after it (a residual and the hidden state, an attention mask, the
+token ids for a later stage), in a fixed order. The last stage returns the model's output.
+Sizes (``x.shape[0]`` of a dynamic dimension) are never sent: a stage that needs one reads it
+from a tensor it holds. A parameter read by several stages (an embedding tied to an LM head) is
+the same object in each of their modules (:meth:`TracedModel.shared_parameters`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+#: containers whose items are candidate points of their own (called in order by the forward)
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+class TraceError(ValueError):
+    """The model's forward cannot be exported; the message names the call and the fix."""
+
+
+def as_args(inputs: Any) -> Tuple[Any, ...]:
+    """The forward's positional arguments for a mini-batch's inputs (a tuple means several)."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _dynamic(value: Any) -> Any:
+    """Every dimension of a tensor input dynamic, but those of size 0 or 1, which torch
+    specializes anyway (and warns about)."""
+    if torch.is_tensor(value):
+        return {d: torch.export.Dim.AUTO for d, size in enumerate(value.shape) if size > 1} or None
+    return None
+
+
+def _first_user_frame(error: BaseException) -> str:
+    """The innermost frame of the user's code in the traceback (not torch's), as 'file:line in f'."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.startswith("<")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+def trace(model: nn.Module, inputs: Any) -> "TracedModel":
+    """Export ``model`` on the example ``inputs`` (a mini-batch, or a micro-batch); the model's
+    parameters stay its own objects. A forward torch cannot export (data-dependent control flow,
+    an unsupported operation) raises :class:`TraceError` naming the call."""
+    args = as_args(inputs)
+    if not all(torch.is_tensor(a) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise TraceError(f"a traced model's inputs must be a tensor or a tuple of tensors (the "
+                         f"forward's positional arguments), got ({kinds}); give the mini-batches, "
+                         f"or example_input=, in that form")
+    try:
+        program = torch.export.export(model, args, dynamic_shapes=tuple(_dynamic(a) for a in args),
+                                      strict=False)
+    except Exception as error:  # torch raises many kinds; all mean "this forward does not export"
+        where = _first_user_frame(error)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TraceError(
+            f"torch.export cannot trace {type(model).__name__}.forward"
+            + (f" at {where}" if where else "") + f" ({type(error).__name__}: {first[:300]}). "
+            f"Make forward exportable: no data-dependent control flow (an `if` on a tensor's "
+            f"value, .item()), inputs and outputs tensors or tuples, lists and dicts of them; or "
+            f"give the model as an nn.Sequential of blocks that each take and return tensors") from error
+    return TracedModel(model, program.module(), program.call_spec.out_spec, args)
+
+
+def _module_paths(node: fx.Node) -> List[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        paths.append(path.split("@")[0])  # "layers.0@1": the module's second call
+    return paths
+
+
+def candidate_names(model: nn.Module, prefix: str = "") -> List[str]:
+    """Qualified names of the submodules a stage may begin at, in definition order: each child,
+    the items of a child that is a ``ModuleList``/``Sequential``/``ModuleDict``, and the
+    candidates inside a child that holds such a container deeper down (a library's model wraps
+    its blocks: ``transformer.h.0``), so that the blocks are reached whatever wraps them."""
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, CONTAINERS) and len(child) > 0:
+            names.extend(f"{prefix}{name}.{item}" for item, _ in child.named_children())
+        elif any(isinstance(m, CONTAINERS) and len(m) > 1 for m in child.modules()):
+            names.extend(candidate_names(child, f"{prefix}{name}."))
+        else:
+            names.append(prefix + name)
+    return names
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (torch.SymInt, int, float, bool, torch.SymFloat, torch.SymBool))
+
+
+@dataclass
+class _Boundary:
+    """The values that cross from one stage to the next, in the order they travel."""
+
+    nodes: List[fx.Node]
+
+
+class TracedModel:
+    """A model exported to one flat graph, cut at candidate points (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, graph_module: fx.GraphModule, out_spec: Any,
+                 example: Tuple[Any, ...]) -> None:
+        self.model = model
+        self.example = example  #: the positional arguments it was traced on
+        self.graph_module = graph_module
+        self.out_spec = out_spec
+        nodes = list(graph_module.graph.nodes)
+        self.inputs = [n for n in nodes if n.op == "placeholder"]
+        self.output = next(n for n in nodes if n.op == "output")
+        graph_module.add_module(OUTPUT_BUILDER, OutputBuilder(out_spec))
+        # the export's input guard (a compiled check of the traced input shapes) is left out: the
+        # stages are called with micro-batches, and a copy of it fails outside its program
+        self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
+                        and not (n.op == "call_module" and n.target == "_guards_fn")]
+        first: Dict[str, int] = {}
+        for position, node in enumerate(self.compute):
+            for path in _module_paths(node):
+                first.setdefault(path, position)
+        #: the candidate points the forward calls, in call order
+        self.candidates: List[str] = sorted((c for c in candidate_names(model) if c in first),
+                                            key=lambda c: first[c])
+        self._start = [first[c] for c in self.candidates]
+        #: unit of each compute node: the last candidate whose first call is at or before it
+        self.unit: Dict[fx.Node, int] = {}
+        unit = 0
+        for position, node in enumerate(self.compute):
+            while unit + 1 < len(self._start) and self._start[unit + 1] <= position:
+                unit += 1
+            self.unit[node] = unit
+
+    @property
+    def units(self) -> int:
+        return max(1, len(self.candidates))
+
+    # -- from split points to units per stage ---------------------------------------------------
+    def sizes_for_points(self, points: Sequence[str]) -> List[int]:
+        """Units per stage for ``points`` (qualified names where stages 1..N-1 begin)."""
+        allowed = self.candidates[1:]
+        starts = []
+        for point in points:
+            if point not in allowed:
+                listed = ", ".join(allowed) if allowed else "(none: the forward calls one candidate)"
+                raise ValueError(f"split point {point!r} is not a submodule a stage can begin at; "
+                                 f"choose among, in call order: {listed}")
+            starts.append(self.candidates.index(point))
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            order = sorted(points, key=self.candidates.index)
+            raise ValueError(f"split points {list(points)} are not in the order the forward calls "
+                             f"them, or repeat one; give them as {order}")
+        bounds = [0] + starts + [self.units]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def points_for_sizes(self, sizes: Sequence[int]) -> List[str]:
+        """The split points of a partition in units per stage (the inverse of
+        :meth:`sizes_for_points`)."""
+        points, start = [], 0
+        for size in list(sizes)[:-1]:
+            start += size
+            points.append(self.candidates[start])
+        return points
+
+    # -- the stage modules ------------------------------------------------------------------------
+    def stage_modules(self, sizes: Sequence[int]) -> List[fx.GraphModule]:
+        """One module per stage over ``sizes`` (units per stage); see the module docstring."""
+        if sum(sizes) != self.units or any(s < 1 for s in sizes):
+            raise ValueError(f"a partition of this model needs stages of at least one unit covering "
+                             f"{self.units} units, got {list(sizes)}")
+        ends = []
+        for size in sizes:
+            ends.append((ends[-1] if ends else 0) + size)
+        stage_of = {node: next(k for k, end in enumerate(ends) if self.unit[node] < end)
+                    for node in self.compute}
+        boundaries = self._boundaries(stage_of, len(sizes))
+        parts = []
+        for k in range(len(sizes)):
+            incoming = self.inputs if k == 0 else boundaries[k - 1].nodes
+            outgoing = None if k == len(sizes) - 1 else boundaries[k].nodes
+            own = [n for n in self.compute if stage_of[n] == k]
+            graph = self._stage_graph(own, incoming, outgoing)
+            parts.append(fx.GraphModule(self.graph_module, graph, class_name=f"Stage{k}"))
+        return parts
+
+    def unit_modules(self) -> nn.Sequential:
+        """Every unit as a stage of its own, chained: the model as an ``nn.Sequential`` of its
+        units, for the partitioners and the profile (each unit takes what the one before returns)."""
+        return nn.Sequential(*self.stage_modules([1] * self.units))
+
+    def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int) -> List[_Boundary]:
+        """For each cut k -> k+1, the tensors defined at or before stage k and read after it."""
+        last_use: Dict[fx.Node, int] = {}
+        for node in self.compute + [self.output]:
+            reader = stage_of.get(node, stages - 1)
+            for arg in node.all_input_nodes:
+                last_use[arg] = max(last_use.get(arg, -1), reader)
+        defined = {n: -1 for n in self.inputs}
+        defined.update(stage_of)
+        crossing = []
+        for k in range(stages - 1):
+            values = [n for n in self.inputs + self.compute
+                      if defined[n] <= k < last_use.get(n, -1) and not _is_size(n.meta.get("val"))]
+            for n in values:
+                if not torch.is_tensor(n.meta.get("val")):
+                    raise ValueError(f"{n.format_node()} crosses a stage boundary but is not a tensor "
+                                     f"({type(n.meta.get('val')).__name__}); choose split points "
+                                     f"where only tensors cross")
+            crossing.append(_Boundary(values))
+        return crossing
+
+    def _stage_graph(self, own: List[fx.Node], incoming: List[fx.Node],
+                     outgoing: Optional[List[fx.Node]]) -> fx.Graph:
+        graph = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        packed = graph.placeholder("inputs")
+        if len(incoming) == 1:  # one value travels as itself, several as a tuple
+            env[incoming[0]] = packed
+            packed.meta = dict(incoming[0].meta)
+        else:
+            for i, node in enumerate(incoming):
+                env[node] = graph.call_function(_item, (packed, i))
+                env[node].meta = dict(node.meta)
+
+        def value(arg: fx.Node) -> fx.Node:
+            if arg in env:
+                return env[arg]
+            if arg.op == "get_attr":
+                env[arg] = graph.node_copy(arg)
+                return env[arg]
+            if _is_size(arg.meta.get("val")):
+                env[arg] = self._size_here(graph, env, arg, value)
+                return env[arg]
+            raise AssertionError(f"{arg.format_node()} is neither computed here nor received")
+
+        for node in own:
+            env[node] = graph.node_copy(node, value)
+        if outgoing is None:
+            flat = [value(a) if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(self.output.args[0])]
+            if self.out_spec.is_leaf():
+                graph.output(flat[0])
+            else:  # the forward's own output type (a library's ModelOutput, a namedtuple, a dict)
+                graph.output(graph.call_module(OUTPUT_BUILDER, tuple(flat)))
+        else:
+            sent = [value(n) for n in outgoing]
+            graph.output(sent[0] if len(sent) == 1 else tuple(sent))
+        graph.lint()
+        return graph
+
+    @staticmethod
+    def _size_here(graph: fx.Graph, env: Dict[fx.Node, fx.Node], node: fx.Node, value) -> fx.Node:
+        """A size (a dynamic dimension, or arithmetic on them) computed in another stage, read
+        here again from a tensor this stage holds whose shape has it, or recomputed from its
+        operands."""
+        wanted = node.meta["val"]
+        if isinstance(wanted, torch.SymInt):
+            expr = wanted.node.expr
+            for original, here in list(env.items()):
+                val = original.meta.get("val")
+                if torch.is_tensor(val):
+                    for dim, size in enumerate(val.shape):
+                        if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                            read = graph.call_function(torch.ops.aten.sym_size.int, (here, dim))
+                            read.meta = dict(node.meta)
+                            return read
+        if node.op == "call_function" and node.target is not torch.ops.aten.sym_size.int:
+            return graph.node_copy(node, value)  # e.g. s0 * 8 from s0, read as above
+        if not isinstance(wanted, torch.SymInt):
+            return graph.node_copy(node, value)
+        raise ValueError(f"stage needs the size {wanted} ({node.format_node()}) but holds no tensor "
+                         f"with that dimension; choose other split points")
+
+    def shared_parameters(self, parts: Sequence[nn.Module]) -> Dict[nn.Parameter, List[int]]:
+        """Parameters read by more than one stage module: each with the stages that hold it."""
+        holders: Dict[int, Tuple[nn.Parameter, List[int]]] = {}
+        for k, part in enumerate(parts):
+            for _, p in part.named_parameters():
+                holders.setdefault(id(p), (p, []))[1].append(k)
+        return {p: ks for p, ks in holders.values() if len(ks) > 1}
+
+
+#: the last stage's submodule that builds the model's output from the graph's flat values
+OUTPUT_BUILDER = "pipeoptim_output"
+
+
+class OutputBuilder(nn.Module):
+    """The model's output, of the type its forward returns, from the graph's flat values."""
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.spec)
+
+
+def _item(values: Tuple[Any, ...], index: int) -> Any:
+    """``values[index]``: one of the values a stage receives (an fx call, so that it is named)."""
+    return values[index]
+
+
+def with_aliases(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` (gathered from stage modules, where a tied tensor appears under the one name the
+    trace read it by) completed with the other names ``model`` gives the same tensor, so that it
+    loads into ``model`` strictly."""
+    names: Dict[int, List[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    full = dict(state)
+    for aliases in names.values():
+        known = next((state[a] for a in aliases if a in state), None)
+        if known is not None:
+            full.update({a: known for a in aliases if a not in full})
+    return full

@@ -1,0 +1,270 @@
+"""Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
+
+An ``nn.Sequential`` is split by layers, as it always was (``partition`` = layers per stage).
+Any other module is traced (:mod:`pipeoptim.graph_split`, ``torch.export``) on an example
+input and cut at *candidate points* (its top-level children and the items of a top-level
+``ModuleList``/``Sequential``, in call order): ``split_points`` names where stages 2..N begin,
+or ``stages=N`` chooses them (``partitioner``: ``uniform`` over the units that hold parameters,
+``params``, or ``time``, balanced by the profiled forward+backward time of each unit on the
+example input). ``partition`` is then units per stage, a unit being what runs from one
+candidate point to the next.
+
+A parameter read by several stages (an LM head tied to the embedding) stays one parameter: its
+*owner*, the first stage that reads it, holds it in its optimizer and weight policy; the other
+holders read it but never update it, and their gradients join the owner's before its update
+(docs/architecture.md, "Tied weights"). Only the synchronous methods support that.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .graph_split import TracedModel, trace
+from .methods import Method, get_method
+from .partition import plan_time_partition, split
+from .profile import profile_model
+from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
+from .runtime.spec import RunSpec, resolve
+from .runtime.stage import PRECISIONS, Stage
+from .world import DeviceSpec, World
+
+PARTITIONERS = ("uniform", "params", "time")
+CLIP_SCOPES = ("stage", "global")
+
+
+@dataclass
+class PreparedModel:
+    """The resolved run and the model cut into stage modules (over the Pipeline's own copy)."""
+
+    spec: RunSpec
+    parts: List[nn.Module]              #: one module per stage, sharing the copy's parameters
+    #: tied parameters: id(parameter) -> the stages that read it (the first one owns it)
+    ties: Dict[int, List[int]] = field(default_factory=dict)
+    tied_names: Dict[int, List[str]] = field(default_factory=dict)  #: id -> its names in the stages
+    split_points: Optional[List[str]] = None   #: where stages 2..N begin (traced models)
+    traced: Optional[TracedModel] = None       #: the trace (None for an nn.Sequential)
+
+
+def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: Any, precision: str,
+                   clip_grad_norm: Optional[float], clip_scope: str, diagnose_every: int) -> None:
+    """Refuse a Pipeline's settings that cannot work, before anything is built (each a ValueError
+    naming the fix)."""
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("optimizer must be a factory called with each stage's parameters, "
+                         "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
+    if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "step")):
+        raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
+                         "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if clip_scope not in CLIP_SCOPES:
+        raise ValueError(f"clip_scope must be 'stage' or 'global', got {clip_scope!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
+    if diagnose_every < 0:
+        raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+    if clip_scope == "global" and clip_grad_norm is not None and not method.synchronous:
+        raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
+                         f"gradients when it updates, which only synchronous methods do; "
+                         f"{method.name} updates each stage at its own time: use clip_scope='stage'")
+
+
+def needs_example(model: nn.Module, partitioner: Optional[str]) -> bool:
+    """Whether preparing ``model`` needs an example input (a traced model, or the time profile)."""
+    return not isinstance(model, nn.Sequential) or partitioner == "time"
+
+
+def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int],
+            partition: Optional[Sequence[int]], split_points: Optional[Sequence[str]],
+            partitioner: Optional[str], micro_batches: Optional[int], method_options: Dict[str, Any],
+            agree: Callable[[Any, str], Any] = lambda value, what: value) -> PreparedModel:
+    """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
+    train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
+    ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform`` for an
+    ``nn.Sequential``, ``time`` for a traced model. ``agree(value, what)`` gives every process
+    rank 0's value (a partition from a profile, which would differ between processes). Bad
+    settings raise ValueError naming the fix."""
+    partitioner = partitioner or ("uniform" if isinstance(model, nn.Sequential) else "time")
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
+    if isinstance(model, nn.Sequential):
+        if split_points is not None:
+            raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
+                             "give partition=[layers per stage]")
+        sizes = partition
+        if partitioner == "time" and partition is None and method != "sequential":
+            sizes = agree(_time_sizes(model, example, stages), "agreeing on the partition")
+        spec = resolve(model, method=method, stages=stages, partition=sizes,
+                       partitioner="uniform" if partitioner == "time" else partitioner,
+                       micro_batches=micro_batches, method_options=method_options)
+        return PreparedModel(spec, split(model, spec.partition))
+    traced = trace(model, example)
+    units = traced.unit_modules()
+    if split_points is not None:
+        if partition is not None:
+            raise ValueError("give split_points= or partition=, not both")
+        sizes: Optional[List[int]] = traced.sizes_for_points(list(split_points))
+        if stages is not None and stages != len(sizes):
+            raise ValueError(f"stages={stages} but {len(split_points)} split points make {len(sizes)} "
+                             f"stages; give {len(sizes) - 1} split points or stages={len(sizes)}")
+    else:
+        sizes = list(partition) if partition is not None else None
+        if stages is not None and stages > traced.units and method != "sequential":
+            raise ValueError(f"{stages} stages need {stages} candidate points; "
+                             f"{type(model).__name__} has {traced.units} ({', '.join(traced.candidates)}): "
+                             f"use stages={traced.units} or fewer")
+        if sizes is None and partitioner == "time" and stages is not None and method != "sequential":
+            sizes = agree(_time_sizes(units, example, stages), "agreeing on the partition")
+    spec = resolve(units, method=method, stages=stages if sizes is None else len(sizes), partition=sizes,
+                   partitioner="uniform" if partitioner == "time" else partitioner,
+                   micro_batches=micro_batches, method_options=method_options)
+    parts = traced.stage_modules(spec.partition)
+    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition), traced=traced)
+    _find_ties(traced, prepared)
+    if prepared.ties and not get_method(method).synchronous:
+        raise ValueError(f"{_describe_ties(prepared)}; {method} updates each stage at its own time, and "
+                         f"a weight tied across stages is supported by the synchronous methods only "
+                         f"(gpipe, 1f1b-flush): use one of them, or split points that keep every "
+                         f"reader of the tied weight on one stage")
+    return prepared
+
+
+def _time_sizes(units: nn.Sequential, example: Any, stages: Optional[int]) -> List[int]:
+    if stages is None:
+        raise ValueError("give stages=N (or partition=[layers per stage])")
+    with torch.random.fork_rng(devices=[]):  # dropout while profiling draws from torch's generator
+        profile = profile_model(units, example, warmup=1, repeats=3)
+    return plan_time_partition(units, stages, profile.layer_costs(include_loss=False))
+
+
+def _find_ties(traced: TracedModel, prepared: PreparedModel) -> None:
+    for param, holders in traced.shared_parameters(prepared.parts).items():
+        prepared.ties[id(param)] = holders
+        prepared.tied_names[id(param)] = [name for name, p in traced.model.named_parameters(remove_duplicate=False)
+                                          if p is param]
+
+
+def _describe_ties(prepared: PreparedModel) -> str:
+    return "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
+                     f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
+
+
+def check_tie_devices(prepared: PreparedModel, devices: Sequence[torch.device], local: bool) -> None:
+    """In one process a tied parameter is one tensor, so its holders must share a device."""
+    for key, holders in prepared.ties.items():
+        places = {str(devices[k]) for k in holders}
+        if local and len(places) > 1:
+            raise ValueError(f"{_describe_ties(prepared)} on devices {', '.join(sorted(places))}; in one "
+                             f"process a tied weight is one tensor: put those stages on one device")
+
+
+def first_inputs(loader: Iterable) -> Any:
+    """The inputs of ``loader``'s first mini-batch, read without disturbing torch's global random
+    state (a shuffling DataLoader draws its order from it), to trace the model on."""
+    if iter(loader) is loader:
+        raise ValueError("the loader is a one-pass iterator, so its first mini-batch cannot be read "
+                         "ahead to trace the model: give the Pipeline example_input=")
+    state = torch.random.get_rng_state()
+    try:
+        for inputs, _ in loader:
+            return inputs
+    finally:
+        torch.random.set_rng_state(state)
+    raise ValueError("the loader yielded no mini-batches")
+
+
+@dataclass
+class ModelSettings:
+    """A Pipeline's settings that splitting the model and building its stages read (each is
+    described once, in ``pipeoptim.Pipeline``'s docstring)."""
+
+    method: str
+    stages: Optional[int]
+    partition: Optional[Sequence[int]]
+    split_points: Optional[Sequence[str]]
+    partitioner: Optional[str]
+    micro_batches: Optional[int]
+    method_options: Dict[str, Any]
+    data_parallel: Optional[int]
+    devices: DeviceSpec
+    loss_fn: Callable
+    optimizer: OptimizerFactory
+    lr_scheduler: Optional[SchedulerFactory]
+    clip_grad_norm: Optional[float]    #: per-stage clipping (None: none, or global clipping)
+    precision: str
+    diagnose_every: int
+    recompute: Union[bool, Sequence[bool]] = False  #: per stage, or for every stage
+
+
+def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
+                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]], "EvalMode"]:
+    """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
+    devices and connect them: (the resolved run, the stages, every stage's device, the split
+    points of a traced model, the evaluation mode of the stages)."""
+    count, replicas = world.layout(settings.method, settings.stages, settings.partition, settings.data_parallel)
+    prepared = prepare(model, example, method=settings.method, stages=count, partition=settings.partition,
+                       split_points=settings.split_points, partitioner=settings.partitioner,
+                       micro_batches=settings.micro_batches, method_options=settings.method_options,
+                       agree=world.agree)
+    spec = prepared.spec
+    if prepared.ties and replicas > 1:
+        raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
+                         f"data_parallel > 1 yet: run one replica, or split points that keep every reader "
+                         f"of the tied weight on one stage")
+    devices = world.place(settings.devices, spec.stages)
+    check_tie_devices(prepared, devices, local=world.processes == 1)
+    stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer, settings.loss_fn,
+                          lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
+                          precision=settings.precision, devices=devices, only=world.own_stage(spec.stages),
+                          parts=prepared.parts, ties=prepared.ties,
+                          recompute=recompute_per_stage(settings.recompute, spec.stages))
+    world.connect(stages, replicas)
+    for stage in stages:
+        stage.diagnose_every = settings.diagnose_every
+    return spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages)
+
+
+class EvalMode:
+    """The model in eval mode for an evaluation. A traced graph keeps the mode it was traced in
+    (dropout, batch norm), so a traced model's stages run a second trace, made in eval mode on
+    the same example and over the same parameters and buffers, for the duration."""
+
+    def __init__(self, model: nn.Module, traced: Optional[TracedModel], sizes: Sequence[int],
+                 stages: List[Stage]) -> None:
+        self.model, self.traced, self.sizes, self.stages = model, traced, list(sizes), stages
+        self._eval_parts: Optional[List[nn.Module]] = None
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        swapped = []
+        try:
+            if self.traced is not None:
+                parts = self._parts()
+                for stage in self.stages:
+                    swapped.append((stage, stage.module))
+                    stage.module = parts[stage.index]
+            yield
+        finally:
+            for stage, module in swapped:
+                stage.module = module
+            self.model.train(was_training)
+
+    def _parts(self) -> List[nn.Module]:
+        if self._eval_parts is None:
+            traced = trace(self.model, self.traced.example)
+            if traced.candidates != self.traced.candidates:
+                raise ValueError(f"{type(self.model).__name__} calls other submodules in eval mode "
+                                 f"({', '.join(traced.candidates)}) than in training "
+                                 f"({', '.join(self.traced.candidates)}); evaluate it with evaluate_model(fn)")
+            self._eval_parts = traced.stage_modules(self.sizes)
+            for stage in self.stages:  # the parameters are already there: this places nothing else
+                self._eval_parts[stage.index].to(stage.device)
+        return self._eval_parts

@@ -1,0 +1,34 @@
+"""Run under torchrun by tests/test_traced.py: a traced model split over the processes, trained
+with each method given; rank 0 prints one JSON line per method with the losses and the trained
+weights. Arguments: the model (``gpt``: TinyGPT with its head tied to its embedding; ``skip``:
+SkipNet, two inputs and a skip connection), the methods (``method:norm`` clips by the global norm) and the split points (comma-separated;
+``-``: none, the default partitioner chooses, and every rank prints the points it uses)."""
+import json
+import sys
+
+import torch
+from torch import nn
+
+import pipeoptim
+from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss, skip_batches
+
+which, methods, points = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+for entry in methods:
+    method, _, clip = entry.partition(":")  # "1f1b-flush:0.5": clipped to 0.5 by the global norm
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2) if which == "gpt" else SkipNet()
+    data = lm_batches(count=4) if which == "gpt" else skip_batches()
+    pipe = pipeoptim.Pipeline(model, method=method, split_points=None if points == ["-"] else points,
+                              micro_batches=2 if method in (
+                                  "gpipe", "1f1b-flush", "pipedream-2bw", "pipeoptim-2bw") else None,
+                              loss_fn=lm_loss if which == "gpt" else nn.functional.cross_entropy,
+                              clip_grad_norm=float(clip) if clip else None, clip_scope="global" if clip else "stage",
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    losses = [loss for x, y in data for loss in pipe.step(x, y)] + pipe.flush()
+    if points == ["-"]:
+        print(json.dumps({"rank": pipe.rank, "points": pipe.split_points}), flush=True)
+    trained = pipe.model()
+    if pipe.rank == 0:
+        print(json.dumps({"method": entry, "losses": losses,
+                          "tied": which == "gpt" and trained.head.weight is trained.embed.weight,
+                          "weights": {k: v.tolist() for k, v in trained.state_dict().items()}}), flush=True)
