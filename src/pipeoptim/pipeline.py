@@ -42,7 +42,7 @@ from .methods import get_method
 from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_settings, first_inputs,
                       needs_example)
 from .runtime import named_state
-from .runtime.build import OptimizerFactory, SchedulerFactory
+from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec
