@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeoptim.methods import method_names
+from pipeoptim.methods import get_method, method_names
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -45,7 +45,8 @@ def rows(text: str) -> dict:
     return {r["method"]: r for r in map(json.loads, text.strip().splitlines())}
 
 
-PIPELINED = [m for m in method_names() if m != "sequential"]
+PIPELINED = [m for m in method_names() if m != "sequential"
+             and get_method(m).chunks == 1]  # chunks under torchrun: issue 26 item 2, not yet
 
 
 @pytest.fixture(scope="module")

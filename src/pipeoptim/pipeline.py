@@ -61,7 +61,7 @@ class Pipeline:
             tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
             parameters keep the original names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``zb-h1``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
+            ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
             ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
@@ -117,6 +117,10 @@ class Pipeline:
               moving average of the updates applied, per unit lr; one more weight copy.
             * ``prediction_warmup=T`` (the same three): the step count ramps as s * min(1, t/T).
 
+        chunks: model chunks per stage, for ``interleaved`` (default 2): the model is cut into
+            ``stages x chunks`` pieces and stage k holds pieces k, k + N, ... (Megatron's
+            placement; ``partition`` then lists the layers of every piece). Needs at least
+            that many layers and micro-batches a multiple of the stages.
         world: where the stages run (:mod:`pipeoptim.world`); default: one stage per process
             when started under torchrun, else every stage in this process. ``LocalWorld()``
             keeps every stage in this process even inside a torchrun job (a one-process
@@ -136,7 +140,7 @@ class Pipeline:
                  precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
                  devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, world: Optional[World] = None,
-                 **method_options: Any) -> None:
+                 chunks: Optional[int] = None, **method_options: Any) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got "
                              f"{type(model).__name__}; wrap its layers, e.g. nn.Sequential(*blocks)")
@@ -161,7 +165,7 @@ class Pipeline:
         count, replicas = self.world.layout(method, stages, partition, data_parallel)
         self.spec: RunSpec = resolve(model, method=method, stages=count, partition=partition,
                                      partitioner=partitioner, micro_batches=micro_batches,
-                                     method_options=method_options)
+                                     method_options=method_options, chunks=chunks)
         self.method = get_method(method)
         if clip_scope == "global" and clip_grad_norm is not None and not self.method.synchronous:
             raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
@@ -289,8 +293,9 @@ class Pipeline:
         return self._executor is None or not self._executor.fed_batches
 
     def _schedule_for(self, batches: int):
-        return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches,
-                                          first_batch=self._segment_start, options=self.spec.options)
+        return self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
+                                          first_batch=self._segment_start, options=self.spec.options,
+                                          chunks=self.spec.chunks)
 
     def _collect(self, wait: bool = False) -> List[float]:
         """The losses completed in this process. Where the world shares them at the drain, they

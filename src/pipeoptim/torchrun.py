@@ -173,6 +173,11 @@ class Torchrun:
     def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
                data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
         """(stages, replicas) of this job (see :func:`layout`)."""
+        from .methods import get_method
+
+        if get_method(method).chunks > 1:
+            raise ValueError(f"{method} places several chunks per process, which only the local runtime "
+                             f"runs so far: run it in one process (no torchrun, --runtime local)")
         n, replicas = layout(self.world, method, stages, partition, data_parallel)
         return (n if partition is None and method != "sequential" else stages), replicas
 
