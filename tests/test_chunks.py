@@ -1,7 +1,7 @@
 """Several stages per process (issue 26 item 2): Megatron's interleaved placement, stage k of N
 holding chunks k, k + N, ... of the model, run as the method `interleaved` (1F1B over the chunks,
-a flush before each update). It equals `sequential` with the same micro-batches: losses and
-final weights."""
+a flush before each update); and the V shape of `zb-v` (stage k holds chunks k and 2N-1-k, split
+backwards). Both equal `sequential` with the same micro-batches: losses and final weights."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +46,41 @@ def test_interleaved_two_chunks_equals_sequential(n, m, optimizer):
     _assert_equal(got, reference)
 
 
+@pytest.mark.parametrize("n,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_zb_v_equals_sequential(n, m):
+    reference = _train("sequential", micro_batches=m, optimizer=adam)
+    got = _train("zb-v", stages=n, micro_batches=m, optimizer=adam)
+    _assert_equal(got, reference)
+
+
+def test_zb_v_places_its_chunks_in_a_v_and_splits_the_backward():
+    pipe = pipeoptim.Pipeline(mlp(depth=8), method="zb-v", stages=3, loss_fn=LOSS, optimizer=sgdm)
+    assert (pipe.spec.stages, pipe.spec.chunks, pipe.placement) == (6, 2, [0, 1, 2, 2, 1, 0])
+    schedule = pipe._schedule_for(1)
+    assert schedule.stage_to_rank == pipe.placement and schedule.split_backward
+    assert schedule.stages_of_rank(0) == [0, 5]  # the first and the last stage on one process
+    pipe.step(*batches(1)[0])
+    pipe.flush()
+    kinds = {e.kind for stage in pipe.stages for e in stage.trace}
+    assert kinds == {"F", "I", "W"}
+
+
+def test_zb_v_shrinks_the_bubble_further_than_zb_h1():
+    """The simulator, equal costs (a whole stage: F = 2, B = 4, W = half of B; a chunk half of
+    that), N = 4, M = 8, two mini-batches: 1F1B 132, ZB-H1 108, ZB-V 102; no deadlock at any
+    N <= 8, M <= 2N."""
+    from pipeoptim.schedules import Costs, simulate
+
+    def makespan(method, chunks, f):
+        schedule = get_method(method).build_schedule(4, 8, 2)
+        return simulate(schedule, Costs.uniform(4 * chunks, f, 2 * f)).makespan
+
+    assert (makespan("1f1b-flush", 1, 2.0), makespan("zb-h1", 1, 2.0), makespan("zb-v", 2, 1.0)) == (132, 108, 102)
+    for n in range(1, 9):
+        for m in range(1, 2 * n + 1):
+            simulate(get_method("zb-v").build_schedule(n, m, 1), Costs.uniform(2 * n))
+
+
 def test_the_stages_hold_the_chunks_megatron_places():
     pipe = pipeoptim.Pipeline(mlp(depth=8), method="interleaved", stages=2, loss_fn=LOSS, optimizer=sgdm)
     assert (pipe.spec.stages, pipe.spec.chunks, pipe.spec.ranks) == (4, 2, 2)  # chunks = 2: the default
@@ -82,12 +117,13 @@ def test_stepping_by_hand_equals_fit_and_the_trace_has_every_chunk():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(stages=4, chunks=3), "needs 12 layers, the model has 8: use chunks=2 or fewer stages"),
+    (dict(stages=4, chunks=3), "needs 12 layers with parameters, the model has 8: use chunks=2 or fewer stages"),
     (dict(stages=2, micro_batches=3), "multiple of the 2 stages (got 3); use micro_batches=2"),
     (dict(stages=2, partition=[2, 2, 4]), "lists stages x 2 entries"),
     (dict(stages=2, chunks=0), "chunks must be a positive number"),
     (dict(method="1f1b-flush", stages=2, chunks=2), "chunks=2 needs a method that places several: "
                                                      "method='interleaved'"),
+    (dict(method="zb-v", stages=2, chunks=3), "zb-v places exactly 2 chunks per stage"),
 ])
 def test_bad_chunks_are_refused_with_the_fix(kw, message):
     kw = {"method": "interleaved", **kw}
@@ -135,3 +171,27 @@ def test_the_command_lines_chunks_train_as_sequential(tmp_path, capfd):
         assert run["final_metric"] == pytest.approx(runs[0]["final_metric"], rel=1e-6)
     assert main(["train", "--chunks", "0"]) == 2
     assert "--chunks must be at least 1, got 0" in capfd.readouterr().err
+
+
+def test_the_command_line_under_torchrun_equals_one_process(tmp_path, capfd):
+    """`pipeoptim train --runtime distributed --method interleaved --chunks 2`: two processes,
+    each holding 2 of the 4 pieces (rank 0: pieces 0 and 2), the local runtime's losses and metric."""
+    import json
+
+    from pipeoptim.cli import main
+    from pipeoptim.tasks import MissingDataError, get_task
+
+    try:
+        get_task("image").load(batch_size=32, limit=256, seed=0)
+    except MissingDataError as error:
+        pytest.skip(f"needs Fashion-MNIST: {error}")
+    args = ["train", "--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "32",
+            "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--method", "interleaved",
+            "--stages", "2", "--chunks", "2", "--lr-schedule", "constant", "--no-progress", "--json"]
+    runs = []
+    for flags in ([], ["--runtime", "distributed", "--device", "cpu"]):
+        assert main([*args, "--out", str(tmp_path / str(len(runs))), *flags]) == 0
+        runs.append(json.loads(capfd.readouterr().out))
+    assert len(runs[0]["losses"]) == 8
+    assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
+    assert runs[1]["final_metric"] == pytest.approx(runs[0]["final_metric"], rel=1e-6)

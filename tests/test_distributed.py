@@ -34,8 +34,7 @@ from pipeoptim.runtime.distributed import PipeComm, PipelineCommError, init_proc
 from pipeoptim.runtime.wire import decode_layout, encode_layout, layout_of
 
 LOSS = nn.functional.cross_entropy
-PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"
-             and pipeoptim.get_method(m).chunks == 1]  # chunks under torchrun: issue 26 item 2, not yet
+PIPELINED = [m for m in pipeoptim.method_names() if m != "sequential"]
 GROUP_TIMEOUT = 120  # seconds; the spawns finish far sooner
 REPO = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,7 @@ def stages_for(method: str) -> dict:
 
 # -- the streaming property of every runnable schedule -----------------------------------------
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b-flush", "async-1f1b", "2bw", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b-flush", "async-1f1b", "2bw", "zb-h1", "interleaved-1f1b", "zb-v"])
 def test_schedule_over_more_batches_starts_like_the_shorter_one(name):
     """What the streaming executor relies on: the orders for T mini-batches and for H > T agree
     at every stage up to its first forward of a micro-batch beyond T."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeoptim.methods import get_method, method_names
+from pipeoptim.methods import method_names
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -45,8 +45,7 @@ def rows(text: str) -> dict:
     return {r["method"]: r for r in map(json.loads, text.strip().splitlines())}
 
 
-PIPELINED = [m for m in method_names() if m != "sequential"
-             and get_method(m).chunks == 1]  # chunks under torchrun: issue 26 item 2, not yet
+PIPELINED = [m for m in method_names() if m != "sequential"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_evaluations_every_k_under_torchrun_equal_one_process():
 
 
 def test_global_clipping_under_torchrun_equals_one_process():
-    methods = "gpipe,1f1b-flush"
+    methods = "gpipe,1f1b-flush,interleaved"
     local, spread = rows(run([SCRIPT, methods, 2, 0.05])), rows(run([SCRIPT, methods, 2, 0.05], nproc=2))
     unclipped = rows(run([SCRIPT, "gpipe", 2]))
     for m in methods.split(","):

@@ -29,6 +29,15 @@ class Method:
     #: model chunks per process by default; above 1 the schedule places several stages on each
     #: rank (docs/architecture.md, "Chunks: several stages per process") and ``chunks=V`` applies
     chunks: int = 1
+    #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N) or "v" (two chunks,
+    #: 0 .. N-1 then back: rank 0 holds the first and the last stage)
+    placement: str = "interleaved"
+
+    def stage_ranks(self, ranks: int, chunks: int) -> List[int]:
+        """The rank of each of the ``ranks x chunks`` stages (the schedule's ``stage_to_rank``)."""
+        if self.placement == "v":
+            return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
+        return [s % ranks for s in range(ranks * chunks)]
 
     def microbatches(self, stages: int, requested: Optional[int]) -> int:
         """Micro-batches per mini-batch (per update) for ``stages`` stages."""
@@ -153,6 +162,10 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            "1F1B over V model chunks per process (stage k holds chunks k, k + N, ...), a flush "
            "before each update (Megatron-LM's interleaved 1F1B)", True,
            default_microbatches=lambda n: n, chunks=2),
+    Method("zb-v", "zb-v", "SynchronousPolicy",
+           "two chunks per process in a V (stage k holds chunks k and 2N-1-k), backward split into "
+           "input and weight halves, a flush before each update (zero bubble V)", True,
+           default_microbatches=lambda n: n, chunks=2, placement="v"),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
            options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),

@@ -43,7 +43,7 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
-from .runtime.spec import RunSpec, resolve
+from .runtime.spec import RunSpec, chunks_of, resolve
 from .runtime.stage import PRECISIONS, Stage
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
@@ -61,7 +61,7 @@ class Pipeline:
             tensors). It is copied, never modified; :meth:`model` returns the trained copy, whose
             parameters keep the original names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
+            ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``zb-v``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
             ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
@@ -120,7 +120,8 @@ class Pipeline:
         chunks: model chunks per stage, for ``interleaved`` (default 2): the model is cut into
             ``stages x chunks`` pieces and stage k holds pieces k, k + N, ... (Megatron's
             placement; ``partition`` then lists the layers of every piece). Needs at least
-            that many layers and micro-batches a multiple of the stages.
+            that many layers and micro-batches a multiple of the stages. ``zb-v`` always
+            holds 2, in a V: stage k holds pieces k and 2N-1-k.
         world: where the stages run (:mod:`pipeoptim.world`); default: one stage per process
             when started under torchrun, else every stage in this process. ``LocalWorld()``
             keeps every stage in this process even inside a torchrun job (a one-process
@@ -162,7 +163,11 @@ class Pipeline:
             raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
-        count, replicas = self.world.layout(method, stages, partition, data_parallel)
+        # with chunks the partition lists stages x V pieces: the world counts the stages (processes)
+        v = chunks_of(get_method(method), chunks, partition)
+        count, replicas = (self.world.layout(method, stages, partition, data_parallel) if v == 1 else
+                           self.world.layout(method, stages if partition is None else len(partition) // v,
+                                             None, data_parallel))
         self.spec: RunSpec = resolve(model, method=method, stages=count, partition=partition,
                                      partitioner=partitioner, micro_batches=micro_batches,
                                      method_options=method_options, chunks=chunks)
@@ -171,6 +176,8 @@ class Pipeline:
             raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                              f"gradients when it updates, which only synchronous methods do; "
                              f"{method} updates each stage at its own time: use clip_scope='stage'")
+        #: the rank of each stage: stage k on rank k, or with chunks the method's placement
+        self.placement: List[int] = self.method.stage_ranks(self.spec.ranks, self.spec.chunks)
         self.devices = self.world.place(devices, self.spec.stages)
         self.precision = precision
         #: per stage, whether it recomputes its forward in the backward
@@ -182,9 +189,9 @@ class Pipeline:
         self.stages: List[Stage] = build_stages(
             self._model, self.spec.partition, self.method, self.spec.options, optimizer, loss_fn,
             lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None,
-            precision=precision, devices=self.devices, only=self.world.own_stage(self.spec.stages),
+            precision=precision, devices=self.devices, only=self._own_stages(),
             recompute=self.recompute)
-        self.world.connect(self.stages, replicas)
+        self.world.connect(self.stages, replicas, placement=self.placement)
         for stage in self.stages:
             stage.diagnose_every = diagnose_every
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
@@ -291,6 +298,14 @@ class Pipeline:
     def drained(self) -> bool:
         """No mini-batch fed since the last :meth:`flush` (every stage holds one set of weights)."""
         return self._executor is None or not self._executor.fed_batches
+
+    def _own_stages(self) -> Optional[List[int]]:
+        """The stages this process builds (None: all): under torchrun, its rank's, which with
+        chunks are stages k, k + N, ... (Megatron's placement)."""
+        rank = self.world.own_stage(self.spec.ranks)
+        if rank is None:
+            return None
+        return [s for s, r in enumerate(self.placement) if r == rank]
 
     def _schedule_for(self, batches: int):
         return self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,

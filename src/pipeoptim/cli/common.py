@@ -69,7 +69,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline")
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
-    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, "
+    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, interleaved, zb-v, "
                    "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
     g.add_argument("--chunks", type=int, help="model chunks per stage (interleaved; default 2): the model is cut "
                    "into stages x V pieces, stage k holding pieces k, k + N, ...; --partition then lists "

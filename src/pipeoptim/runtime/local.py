@@ -1,13 +1,14 @@
 """The local executor: every stage in one process, interpreting the schedule's action lists.
 
-Each stage follows its own list; the executor only moves activations and gradients between
-stages through mailboxes and runs whichever stage's next action is ready. Since a stage's
-results depend only on its own order, any valid interleaving gives the same numbers.
+Each rank follows its own list (a rank holds one stage, or several: chunks, whose actions name
+their stage); the executor only moves activations and gradients between stages through
+mailboxes and runs whichever rank's next action is ready. Since a stage's results depend only
+on its own order, any valid interleaving gives the same numbers.
 
 Data is *streamed*: mini-batches are fed one at a time (:meth:`LocalExecutor.feed`) and every
 action whose inputs exist runs at once. A forward of a micro-batch that has not been fed yet
 waits, which is what makes streaming exact: every runnable schedule (gpipe, 1f1b-flush,
-async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
+zb-h1, interleaved-1f1b, async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
 to each stage's first forward of a micro-batch beyond ``T`` (tested for every schedule). So the
 executor runs the orders of a schedule built for a *horizon* of mini-batches beyond those fed,
 stops at the first forward it has no data for, and when the data ends (:meth:`finish`) continues

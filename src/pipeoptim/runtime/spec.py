@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ..methods import get_method
-from ..partition import plan_partition
+from ..partition import plan_partition, weighted_units
 
 
 @dataclass
@@ -63,12 +63,13 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
             raise ValueError("give stages=N or partition=[layers per stage]")
         else:
             n = stages
-        if v > 1 and len(model) < n * v:
-            raise ValueError(f"{method} with {n} stages x {v} chunks needs {n * v} layers, the model has "
-                             f"{len(model)}: use chunks={max(1, len(model) // n)} or fewer stages")
+        weighted = len(weighted_units(model))  # every piece needs a layer with parameters
+        if v > 1 and partition is None and weighted < n * v:
+            raise ValueError(f"{method} with {n} stages x {v} chunks needs {n * v} layers with parameters, "
+                             f"the model has {weighted}: use chunks={max(1, weighted // n)} or fewer stages")
         sizes = plan_partition(model, n * v, partitioner, partition)
     micro = m.microbatches(n, micro_batches)
-    if v > 1 and micro % n:
+    if v > 1 and m.placement == "interleaved" and micro % n:
         raise ValueError(f"{method} needs micro-batches to be a multiple of the {n} stages (got {micro}); "
                          f"use micro_batches={n * max(1, micro // n)}")
     if micro < 1:
@@ -89,6 +90,9 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
     elif chunks > 1 and method.chunks == 1:
         raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
                          f"places several: method='interleaved'")
+    elif method.placement == "v" and chunks != 2:
+        raise ValueError(f"{method.name} places exactly 2 chunks per stage (a V); drop chunks={chunks} "
+                         f"or use method='interleaved' for {chunks}")
     else:
         v = chunks
     if partition is not None and len(partition) % v:
