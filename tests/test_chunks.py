@@ -195,3 +195,41 @@ def test_the_command_line_under_torchrun_equals_one_process(tmp_path, capfd):
     assert len(runs[0]["losses"]) == 8
     assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
     assert runs[1]["final_metric"] == pytest.approx(runs[0]["final_metric"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["interleaved", "zb-v"])
+def test_a_checkpointed_run_resumes_to_the_same_losses_and_loads_into_one_chunk(tmp_path, method):
+    """Checkpoints hold every chunk (each stage's own file); a run cut after a checkpoint
+    resumes to the uninterrupted losses; the state dict loads into a 1f1b-flush Pipeline of
+    another partition by parameter names."""
+    def run(folder, **kw):
+        return pipeoptim.train(mlp(depth=8), batches(6), method=method, stages=2, loss_fn=LOSS,
+                               optimizer=adam, epochs=2, checkpoint_dir=folder, checkpoint_every=2, **kw)
+
+    expected = run(tmp_path / "full").losses
+    assert len(expected) == 12
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_9(index, loss):
+        if index == 9:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", on_batch=crash_at_9)
+    assert run(tmp_path / "cut", resume=True).losses == expected
+
+    pipe = pipeoptim.Pipeline(mlp(depth=8), method=method, stages=2, loss_fn=LOSS, optimizer=adam)
+    for x, y in batches(2):
+        pipe.step(x, y)
+    pipe.flush()
+    state = pipe.state_dict()
+    # every chunk's optimizer state, in stage order: piece k holds layers 2k and 2k+1
+    assert [sorted({name.split(".")[0] for name in s["optimizer"]["state"]}) for s in state["stages"]] == \
+        [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    other = pipeoptim.Pipeline(mlp(depth=8), method="1f1b-flush", stages=2, loss_fn=LOSS, optimizer=adam)
+    state["method"] = "1f1b-flush"
+    other.load_state_dict(state)
+    for (name, a), b in zip(other.model().named_parameters(), pipe.model().parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
