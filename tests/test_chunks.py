@@ -233,3 +233,19 @@ def test_a_checkpointed_run_resumes_to_the_same_losses_and_loads_into_one_chunk(
     other.load_state_dict(state)
     for (name, a), b in zip(other.model().named_parameters(), pipe.model().parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_bench_runs_the_chunked_methods(tmp_path, capfd):
+    """`pipeoptim bench --methods interleaved,zb-v`: the blocks model cut into stages x 2 pieces
+    (a partition of one entry per stage would be refused), two processes each."""
+    import json
+
+    from pipeoptim.cli import main
+
+    assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
+                 "--methods", "interleaved,zb-v", "--no-baselines", "--repeats", "1", "--json",
+                 "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert set(result["samples_per_second"]) == {"interleaved", "zb-v"}
+    assert all(v > 0 for v in result["samples_per_second"].values())
+    assert result["detail"]["interleaved"]["microbatches"] == result["detail"]["zb-v"]["microbatches"] == 2
