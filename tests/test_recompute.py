@@ -51,7 +51,8 @@ def data(count: int = 6, size: int = 8):
 
 def fit(method: str, recompute, record: bool = False, epochs: int = 2, **options):
     torch.manual_seed(7)  # the dropout masks
-    stages = {} if method == "sequential" else {"stages": 4}
+    # 4 pieces of the model: 4 stages, or 2 stages x 2 chunks for a chunked method (interleaved)
+    stages = {} if method == "sequential" else {"stages": 4 // pipeoptim.get_method(method).chunks}
     pipe = Pipeline(model(record=record), method=method, loss_fn=LOSS, optimizer=sgdm, recompute=recompute,
                     **stages, **options)
     result = pipe.fit(data(), epochs=epochs)

@@ -76,7 +76,7 @@ def test_evaluations_every_k_under_torchrun_equal_one_process():
 
 
 def test_global_clipping_under_torchrun_equals_one_process():
-    methods = "gpipe,1f1b-flush"
+    methods = "gpipe,1f1b-flush,interleaved"
     local, spread = rows(run([SCRIPT, methods, 2, 0.05])), rows(run([SCRIPT, methods, 2, 0.05], nproc=2))
     unclipped = rows(run([SCRIPT, "gpipe", 2]))
     for m in methods.split(","):

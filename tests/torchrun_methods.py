@@ -18,7 +18,10 @@ g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
 for method in methods:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]
+    if pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a fourth layer with weights
+        layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
+    model = nn.Sequential(*layers)
     pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" else stages,
                               loss_fn=nn.functional.cross_entropy,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),

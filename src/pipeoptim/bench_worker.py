@@ -116,6 +116,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
+    from .methods import get_method
     from .optimizers import make_optimizer
     from .partition import plan_partition
     from .pipeline import Pipeline
@@ -159,9 +160,11 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         def run_pipeline(method: str, chunk: List[Any]) -> PipelineRun:
             """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
             replica on its shard of every mini-batch; timed from a barrier to the last process's end."""
+            chunks = get_method(method).chunks  # interleaved, zb-v: the model in stages x chunks pieces
             pipeline = Pipeline(model, method=method, loss_fn=task.loss, optimizer=optimizer,
                                 stages=None if method == "sequential" else stages,
-                                partition=None if method == "sequential" else partition,
+                                partition=(None if method == "sequential" else partition if chunks == 1 else
+                                           plan_partition(model, stages * chunks, "uniform")),
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1)
             try:

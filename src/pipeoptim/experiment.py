@@ -48,6 +48,8 @@ class RunConfig:
     method: str = "pipeoptim"
     stages: int = 4
     micro_batches: Optional[int] = None
+    #: model chunks per stage (interleaved; --chunks); None: the method's own
+    chunks: Optional[int] = None
     partition: Optional[List[int]] = None
     partitioner: str = "uniform"
     optimizer: str = "momentum"
@@ -121,7 +123,7 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
         cfg.method_options = {**options, "lr_correction_steps": max(1, round(DEFAULT_LR_CORRECTION_SHARE * updates))}
     spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
                    partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
-                   method_options=cfg.method_options, epochs=cfg.epochs, batches=batches)
+                   method_options=cfg.method_options, epochs=cfg.epochs, batches=batches, chunks=cfg.chunks)
     checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous, cfg.eval_every)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
@@ -166,7 +168,8 @@ def predicted_throughput(result: TrainResult, batch_size: int, batches: int) -> 
     n = result.metrics["stages"]
     costs = Costs([t["F"] for t in times], [t["B"] for t in times], [0.0] * n,
                   update=max(t["U"] for t in times))
-    schedule = method.build_schedule(n, result.metrics["microbatches"], batches)
+    chunks = result.metrics.get("chunks", 1)  # stages per rank: n / chunks ranks
+    schedule = method.build_schedule(n // chunks, result.metrics["microbatches"], batches, chunks=chunks)
     makespan = simulate(schedule, costs).makespan
     return batch_size * batches / makespan if makespan > 0 else None
 
@@ -191,7 +194,7 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
                     recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
-                    timeout=timeout, threads=threads, **cfg.method_options)
+                    timeout=timeout, threads=threads, chunks=cfg.chunks, **cfg.method_options)
 
 
 def evaluation(pipe: Pipeline, task: Task, data: TaskData, split: str) -> Dict[str, Any]:

@@ -273,7 +273,7 @@ class FitRun:
         trace = sorted((e for r in reports for e in r["trace"]), key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
         diagnosing = any(r["diagnostics"] is not None for r in reports)
         metrics = {
-            "method": spec.method, "options": spec.options, "stages": spec.stages,
+            "method": spec.method, "options": spec.options, "stages": spec.stages, "chunks": spec.chunks,
             "partition": spec.partition, "microbatches": spec.microbatches, "epochs": self.epoch_metrics,
             "samples_per_second": samples / elapsed if elapsed > 0 else 0.0, "seconds": elapsed,
             "weight_versions": [r["versions"] for r in reports],

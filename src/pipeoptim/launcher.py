@@ -134,7 +134,11 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
 def stage_count(cfg) -> int:
     if cfg.method == "sequential":
         return 1
-    return len(cfg.partition) if cfg.partition is not None else cfg.stages
+    if cfg.partition is None:
+        return cfg.stages
+    from .methods import get_method
+
+    return len(cfg.partition) // (cfg.chunks or get_method(cfg.method).chunks)  # chunks: stages x V pieces
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:

@@ -26,6 +26,18 @@ class Method:
     choices: Dict[str, tuple] = field(default_factory=dict)  #: option -> allowed values
     default_microbatches: Optional[Callable[[int], int]] = None  #: stages -> M
     versions: Callable[..., int] = lambda k, n, **o: 1  #: weight versions held at stage k of n
+    #: model chunks per process by default; above 1 the schedule places several stages on each
+    #: rank (docs/architecture.md, "Chunks: several stages per process") and ``chunks=V`` applies
+    chunks: int = 1
+    #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N) or "v" (two chunks,
+    #: 0 .. N-1 then back: rank 0 holds the first and the last stage)
+    placement: str = "interleaved"
+
+    def stage_ranks(self, ranks: int, chunks: int) -> List[int]:
+        """The rank of each of the ``ranks x chunks`` stages (the schedule's ``stage_to_rank``)."""
+        if self.placement == "v":
+            return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
+        return [s % ranks for s in range(ranks * chunks)]
 
     def microbatches(self, stages: int, requested: Optional[int]) -> int:
         """Micro-batches per mini-batch (per update) for ``stages`` stages."""
@@ -34,15 +46,16 @@ class Method:
         return self.default_microbatches(stages) if self.default_microbatches else 1
 
     def build_schedule(self, stages: int, microbatches: int, batches: int, *, first_batch: int = 0,
-                       options: Optional[Dict[str, Any]] = None) -> Schedule:
+                       options: Optional[Dict[str, Any]] = None, chunks: Optional[int] = None) -> Schedule:
         """The schedule of ``batches`` mini-batches starting at the run's mini-batch number
-        ``first_batch``. With ``sync_warmup=K`` among ``options``, those of the run's first K
-        mini-batches that fall in this span run with 1F1B and a flush, before the method's own
-        schedule takes over (two concatenated schedules)."""
+        ``first_batch``, over ``stages`` ranks (each holding ``chunks`` stages, default the
+        method's own: ``stages * chunks`` stages in all). With ``sync_warmup=K`` among
+        ``options``, those of the run's first K mini-batches that fall in this span run with 1F1B
+        and a flush, before the method's own schedule takes over (two concatenated schedules)."""
         warmup = int((options or {}).get("sync_warmup") or 0)
         sync = min(batches, max(0, warmup - first_batch))
         if not sync:
-            return build_schedule(self.schedule, stages, microbatches, batches)
+            return build_schedule(self.schedule, stages, microbatches, batches, chunks=chunks or self.chunks)
         flush = build_schedule("1f1b-flush", stages, microbatches, sync)
         if sync == batches:  # the whole span is warm-up
             return dataclasses.replace(flush, options={**flush.options, "synchronous_updates": sync})
@@ -145,6 +158,14 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("zb-h1", "zb-h1", "SynchronousPolicy",
            "1F1B with a flush, the backward split: weight gradients fill the bubble (zero bubble H1)", True,
            default_microbatches=lambda n: n),
+    Method("interleaved", "interleaved-1f1b", "SynchronousPolicy",
+           "1F1B over V model chunks per process (stage k holds chunks k, k + N, ...), a flush "
+           "before each update (Megatron-LM's interleaved 1F1B)", True,
+           default_microbatches=lambda n: n, chunks=2),
+    Method("zb-v", "zb-v", "SynchronousPolicy",
+           "two chunks per process in a V (stage k holds chunks k and 2N-1-k), backward split into "
+           "input and weight halves, a flush before each update (zero bubble V)", True,
+           default_microbatches=lambda n: n, chunks=2, placement="v"),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
            options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),

@@ -65,7 +65,7 @@ class Pipeline:
             stages stays one, "Tied weights"). It is copied, never modified; :meth:`model`
             returns the trained copy, of the model's class, whose parameters keep their names.
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``zb-h1``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
+            ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``zb-v``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
             ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
@@ -130,6 +130,11 @@ class Pipeline:
               moving average of the updates applied, per unit lr; one more weight copy.
             * ``prediction_warmup=T`` (the same three): the step count ramps as s * min(1, t/T).
 
+        chunks: model chunks per stage, for ``interleaved`` (default 2): the model is cut into
+            ``stages x chunks`` pieces and stage k holds pieces k, k + N, ... (Megatron's
+            placement; ``partition`` then lists the layers of every piece). Needs at least
+            that many layers and micro-batches a multiple of the stages. ``zb-v`` always
+            holds 2, in a V: stage k holds pieces k and 2N-1-k.
         world: where the stages run (:mod:`pipeoptim.world`); default: one stage per process
             when started under torchrun, else every stage in this process. ``LocalWorld()``
             keeps every stage in this process even inside a torchrun job (a one-process
@@ -150,6 +155,7 @@ class Pipeline:
                  devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, world: Optional[World] = None,
                  split_points: Optional[Sequence[str]] = None, example_input: Any = None,
+                 chunks: Optional[int] = None,
                  **method_options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
@@ -165,7 +171,7 @@ class Pipeline:
         self._settings = ModelSettings(method, stages, partition, split_points, partitioner, micro_batches,
                                        method_options, data_parallel, devices, loss_fn, optimizer,
                                        lr_scheduler, clip_grad_norm if clip_scope == "stage" else None,
-                                       precision, diagnose_every, recompute)
+                                       precision, diagnose_every, recompute, chunks)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
@@ -174,6 +180,8 @@ class Pipeline:
         self.devices: List[torch.device] = []  #: each stage's device, once the model is split
         #: per stage, whether it recomputes its forward in the backward, once the model is split
         self.recompute: List[bool] = []
+        #: the rank of each stage: stage k on rank k, or with chunks the method's placement
+        self.placement: List[int] = []
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
@@ -198,7 +206,7 @@ class Pipeline:
         if self.prepared:
             return
         built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
-        self.spec, self.stages, self.devices, self.split_points, self._eval_mode = built
+        self.spec, self.stages, self.devices, self.split_points, self._eval_mode, self.placement = built
         self.recompute = recompute_per_stage(self._settings.recompute, self.spec.stages)
 
     # -- driving by hand ----------------------------------------------------------------------
@@ -299,8 +307,9 @@ class Pipeline:
         return self._executor is None or not self._executor.fed_batches
 
     def _schedule_for(self, batches: int):
-        return self.method.build_schedule(self.spec.stages, self.spec.microbatches, batches,
-                                          first_batch=self._segment_start, options=self.spec.options)
+        return self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
+                                          first_batch=self._segment_start, options=self.spec.options,
+                                          chunks=self.spec.chunks)
 
     def _collect(self, wait: bool = False) -> List[float]:
         """The losses completed in this process. Where the world shares them at the drain, they

@@ -28,7 +28,7 @@ from .methods import Method, get_method
 from .partition import plan_time_partition, split
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
-from .runtime.spec import RunSpec, resolve
+from .runtime.spec import RunSpec, chunks_of, resolve
 from .runtime.stage import PRECISIONS, Stage
 from .world import DeviceSpec, World
 
@@ -83,14 +83,18 @@ def needs_example(model: nn.Module, partitioner: Optional[str]) -> bool:
 def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int],
             partition: Optional[Sequence[int]], split_points: Optional[Sequence[str]],
             partitioner: Optional[str], micro_batches: Optional[int], method_options: Dict[str, Any],
-            agree: Callable[[Any, str], Any] = lambda value, what: value) -> PreparedModel:
+            agree: Callable[[Any, str], Any] = lambda value, what: value,
+            chunks: Optional[int] = None) -> PreparedModel:
     """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
     train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
     ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform`` for an
     ``nn.Sequential``, ``time`` for a traced model. ``agree(value, what)`` gives every process
-    rank 0's value (a partition from a profile, which would differ between processes). Bad
-    settings raise ValueError naming the fix."""
+    rank 0's value (a partition from a profile, which would differ between processes).
+    ``chunks``: model chunks per process for a chunked method (``stages`` then counts processes
+    and the model is cut into ``stages x chunks`` pieces). Bad settings raise ValueError naming
+    the fix."""
     partitioner = partitioner or ("uniform" if isinstance(model, nn.Sequential) else "time")
+    v = chunks_of(get_method(method), chunks, partition)
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
     if isinstance(model, nn.Sequential):
@@ -99,11 +103,15 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
                              "give partition=[layers per stage]")
         sizes = partition
         if partitioner == "time" and partition is None and method != "sequential":
-            sizes = agree(_time_sizes(model, example, stages), "agreeing on the partition")
+            sizes = agree(_time_sizes(model, example, stages * v), "agreeing on the partition")
         spec = resolve(model, method=method, stages=stages, partition=sizes,
                        partitioner="uniform" if partitioner == "time" else partitioner,
-                       micro_batches=micro_batches, method_options=method_options)
+                       micro_batches=micro_batches, method_options=method_options, chunks=chunks)
         return PreparedModel(spec, split(model, spec.partition))
+    if v > 1:
+        raise ValueError(f"{method} places {v} model chunks per process, which needs an nn.Sequential "
+                         f"for now; give the model as an nn.Sequential of its blocks, or a one-chunk "
+                         f"method (1f1b-flush, zb-h1)")
     traced = trace(model, example)
     units = traced.unit_modules()
     if split_points is not None:
@@ -200,18 +208,25 @@ class ModelSettings:
     precision: str
     diagnose_every: int
     recompute: Union[bool, Sequence[bool]] = False  #: per stage, or for every stage
+    chunks: Optional[int] = None  #: model chunks per process (None: the method's own)
 
 
 def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
-                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]], "EvalMode"]:
+                       ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]], "EvalMode",
+                                  List[int]]:
     """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
     devices and connect them: (the resolved run, the stages, every stage's device, the split
-    points of a traced model, the evaluation mode of the stages)."""
-    count, replicas = world.layout(settings.method, settings.stages, settings.partition, settings.data_parallel)
-    prepared = prepare(model, example, method=settings.method, stages=count, partition=settings.partition,
+    points of a traced model, the evaluation mode of the stages, the rank of every stage)."""
+    # with chunks the partition lists stages x V pieces: the world counts the stages (processes)
+    v = chunks_of(method, settings.chunks, settings.partition)
+    partition = settings.partition
+    count, replicas = (world.layout(settings.method, settings.stages, partition, settings.data_parallel) if v == 1
+                       else world.layout(settings.method, settings.stages if partition is None
+                                         else len(partition) // v, None, settings.data_parallel))
+    prepared = prepare(model, example, method=settings.method, stages=count, partition=partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,
                        micro_batches=settings.micro_batches, method_options=settings.method_options,
-                       agree=world.agree)
+                       agree=world.agree, chunks=settings.chunks)
     spec = prepared.spec
     if prepared.ties and replicas > 1:
         raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
@@ -219,15 +234,19 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                          f"of the tied weight on one stage")
     devices = world.place(settings.devices, spec.stages)
     check_tie_devices(prepared, devices, local=world.processes == 1)
+    placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
+    rank = world.own_stage(spec.ranks)
+    only = None if rank is None else [k for k, r in enumerate(placement) if r == rank]
     stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer, settings.loss_fn,
                           lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
-                          precision=settings.precision, devices=devices, only=world.own_stage(spec.stages),
+                          precision=settings.precision, devices=devices, only=only,
                           parts=prepared.parts, ties=prepared.ties,
                           recompute=recompute_per_stage(settings.recompute, spec.stages))
-    world.connect(stages, replicas)
+    world.connect(stages, replicas, placement=placement)
     for stage in stages:
         stage.diagnose_every = settings.diagnose_every
-    return spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages)
+    return (spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages),
+            placement)
 
 
 class EvalMode:

@@ -81,6 +81,9 @@ class Torchrun:
     timeout: float
     stages: int = 0
     replicas: int = 1
+    #: stages (model chunks) per process, and the rank of each stage (set by connect)
+    chunks: int = 1
+    placement: List[int] = field(default_factory=list)
     comm: Optional[PipeComm] = None
     stage_group: Any = None
     #: whether this Pipeline started the job's process group (then it also tears it down)
@@ -184,16 +187,22 @@ class Torchrun:
     def own_stage(self, stages: int) -> Optional[int]:
         return self.rank % stages
 
-    def connect(self, stages: List[Stage], replicas: int) -> None:
+    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
-        point, in the same order), and this stage's gradient averaging over its replicas."""
-        count = stages[0].num_stages
+        point, in the same order), and this stage's gradient averaging over its replicas. With
+        several stages per process (chunks), stage s lives on pipeline rank ``placement[s]``."""
+        self.chunks = len(stages)
+        count = stages[0].num_stages // self.chunks
         self.stages, self.replicas = count, replicas
+        placement = list(placement) if placement is not None else list(range(count))
+        self.placement = placement
         if replicas == 1:
-            self.comm = PipeComm(device=self.device, timeout=self.timeout)
+            self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement)
         else:
-            self._connect_replicas(count, replicas)
-        stages[0].grad_sync = self.gradient_averager()
+            self._connect_replicas(count, replicas, placement)
+        averager = self.gradient_averager()
+        for stage in stages:
+            stage.grad_sync = averager
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied.ties, count, replicas)
 
@@ -225,7 +234,8 @@ class Torchrun:
                     tie.group, tie.owner_rank = made, ranks[0]
                     self._made.append(made)
 
-    def _connect_replicas(self, stages: int, replicas: int) -> None:
+
+    def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:
         import datetime
 
         delta = datetime.timedelta(seconds=self.timeout)
@@ -241,11 +251,12 @@ class Torchrun:
             if k == self.stage:
                 self.stage_group = made
                 self._made.append(made)
-        self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines)
+        self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
+                             placement=placement)
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> DistributedExecutor:
-        return DistributedExecutor(stages[0], self.comm, schedule_for, expected=expected,
+        return DistributedExecutor(stages, self.comm, schedule_for, expected=expected,
                                    trace_offset=trace_offset, clip_global=clip_global)
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
@@ -254,7 +265,7 @@ class Torchrun:
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
         """Every stage's weights into every rank's copy of the whole model."""
-        own = {k: v.detach().to("cpu", copy=True) for k, v in stages[0].module.state_dict().items()}
+        own = {k: v.detach().to("cpu", copy=True) for stage in stages for k, v in stage.module.state_dict().items()}
         merged: Dict[str, torch.Tensor] = {}
         for part in self.gather(own, "gathering the model's weights"):
             merged.update(part)
@@ -287,7 +298,7 @@ class Torchrun:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stage == self.placement[-1]  # the rank of the last stage
 
     def gradient_averager(self) -> Optional[GradientAverager]:
         """What averages this stage's gradients over its replicas (None with one replica)."""
@@ -312,7 +323,7 @@ class Torchrun:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
         if self.is_last:
             losses = self._replica_mean(losses, "averaging the losses over the replicas")
-        return broadcast(losses if self.is_last else None, self.comm, self.stages - 1,
+        return broadcast(losses if self.is_last else None, self.comm, self.placement[-1],
                          "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
@@ -324,8 +335,14 @@ class Torchrun:
         return gather_all(value, self.comm, what)
 
     def all_stages(self, own: List[Any], what: str) -> List[Any]:
-        """One value per stage, in stage order, on every rank (``own``: this stage's, alone)."""
-        return [value for part in self.gather(own, what) for value in part]
+        """One value per stage, in stage order, on every rank (``own``: this process's stages',
+        in order: with chunks, stages k, k + N, ...)."""
+        parts = self.gather(own, what)
+        if self.chunks == 1:
+            return [value for part in parts for value in part]
+        held = [[s for s, r in enumerate(self.placement) if r == rank] for rank in range(len(parts))]
+        by_stage = {s: value for rank, part in enumerate(parts) for s, value in zip(held[rank], part)}
+        return [by_stage[s] for s in range(len(self.placement))]
 
     def barrier(self, what: str) -> None:
         barrier(self.comm, what)
@@ -335,22 +352,23 @@ class Torchrun:
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
-        stage = stages[0]
+        last, held = stages[-1].num_stages - 1, {stage.index for stage in stages}
         comm, total, count, values = self.comm, 0.0, 0, []
         for j, (inputs, target) in enumerate(loader):
             ident = -1 - j  # evaluation messages: their own numbers on the links
             key = signature((inputs, target, 1.0))
-            if stage.is_first:
-                value = inputs
-            else:
-                comm.expect_more([(ident, key)], [])
-                value = comm.recv_activation(ident, key)
-            with stage.autocast():
-                out = stage.module(to_device(value, stage.device))
-                if stage.is_last:
-                    values.append((score(out, to_device(target, stage.device)), batch_size(inputs)))
-            if not stage.is_last:
-                comm.send_activation(ident, key, out)
+            comm.expect_more([(ident, key)], [])  # on each link into this process's stages
+            value = inputs
+            for stage in stages:  # this process's chunks in chain order; the others between them
+                k = stage.index
+                if k > 0 and (k - 1) not in held:
+                    value = comm.recv_activation(ident, key, stage=k)
+                with stage.autocast():
+                    value = stage.module(to_device(value, stage.device))
+                    if k == last:
+                        values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
+                if k < last and (k + 1) not in held:
+                    comm.send_activation(ident, key, value, stage=k)
             comm.poll()
             count += batch_size(inputs)
         comm.flush()
@@ -360,7 +378,7 @@ class Torchrun:
             summed, count = self._replica_mean([sum(float(v) * n for v, n in values), float(count)],
                                                "averaging the evaluation over the replicas")
             total = summed / count
-        return float(self.share(total, self.stages - 1, "sharing the evaluation"))
+        return float(self.share(total, self.placement[-1], "sharing the evaluation"))
 
 
 def layout(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]],

@@ -57,8 +57,9 @@ class World(Protocol):
     def own_stage(self, stages: int) -> Optional[int]:
         """The one stage this process builds, or None for all of them."""
 
-    def connect(self, stages: List[Stage], replicas: int) -> None:
-        """Make the links between the stages (and the replicas); every rank at the same point."""
+    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
+        """Make the links between the stages (and the replicas); every rank at the same point.
+        ``placement``: the rank of each stage (default: stage k on rank k)."""
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> Any:
@@ -168,7 +169,7 @@ class LocalWorld:
     def own_stage(self, stages: int) -> Optional[int]:
         return None
 
-    def connect(self, stages: List[Stage], replicas: int) -> None:
+    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         pass  # the stages hand their values over in memory
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],

@@ -69,8 +69,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline")
     g.add_argument("--stages", type=int, help="pipeline stages (default: the --partition's, else 4; "
                    "sequential uses 1)")
-    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, "
+    g.add_argument("--micro-batches", type=int, help="micro-batches per mini-batch (gpipe, 1f1b-flush, zb-h1, interleaved, zb-v, "
                    "pipedream-2bw, pipeoptim-2bw, xpipe, pipeoptim; default: the method's)")
+    g.add_argument("--chunks", type=int, help="model chunks per stage (interleaved; default 2): the model is cut "
+                   "into stages x V pieces, stage k holding pieces k, k + N, ...; --partition then lists "
+                   "every piece")
     g.add_argument("--partition", type=int_list, help="layers per stage, e.g. 3,3,2 (default: --partitioner)")
     g.add_argument("--partitioner", default="uniform", choices=["uniform", "params"],
                    help="how to split layers when --partition is not given (default: uniform)")
@@ -227,7 +230,9 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
     clip = base.clip_grad if args.clip_grad is None else None if args.clip_grad == NO_CLIPPING else args.clip_grad
     options = method_options(args, method, strict)
     continuous = args.continuous and not get_method(method).synchronous
-    return RunConfig(task=args.task, model=args.model or base.model, method=method, stages=stages_of(args),
+    chunks = getattr(args, "chunks", None)
+    return RunConfig(task=args.task, model=args.model or base.model, method=method,
+                     stages=stages_of(args, chunks or get_method(method).chunks), chunks=chunks,
                      micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
                      optimizer=optimizer, lr=lr, lr_source=lr_source, weight_decay=args.weight_decay,
                      momentum=args.momentum, beta1=args.beta1, adamw_lr=args.adamw_lr,
@@ -262,16 +267,16 @@ def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Opt
     return scope
 
 
-def stages_of(args: argparse.Namespace) -> int:
-    """--stages, else the partition's length, else 4."""
+def stages_of(args: argparse.Namespace, chunks: int = 1) -> int:
+    """--stages, else the partition's length (over ``chunks`` pieces per stage), else 4."""
     if args.stages is not None:
         return args.stages
-    return len(args.partition) if args.partition else 4
+    return max(1, len(args.partition) // chunks) if args.partition else 4
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Reject impossible numbers before loading anything."""
-    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout"):
+    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout", "chunks"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

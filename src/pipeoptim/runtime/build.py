@@ -89,14 +89,14 @@ class OwnedParameters:
 
 def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
-                 only: Optional[int] = None, lr_scheduler: Optional[SchedulerFactory] = None,
+                 only: Optional[Union[int, Sequence[int]]] = None, lr_scheduler: Optional[SchedulerFactory] = None,
                  clip_grad_norm: Optional[float] = None, precision: str = "fp32",
                  devices: Optional[Sequence[torch.device]] = None,
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
                  recompute: Optional[Sequence[bool]] = None) -> List[Stage]:
-    """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage (one
-    process of a distributed run); the others are left out of the list. Stage k's layers are
+    """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
+    stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
     the backward if ``recompute[k]`` (see :func:`recompute_per_stage`).
 
@@ -108,7 +108,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     n = len(parts)
     stages = []
     for k, part in enumerate(parts):
-        if only is not None and k != only:
+        if only is not None and k not in ((only,) if isinstance(only, int) else only):
             continue
         device = torch.device(devices[k]) if devices is not None else None
         if device is not None:

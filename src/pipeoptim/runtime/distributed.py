@@ -25,14 +25,16 @@ losses as the local runtime.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
 
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
 from .averaging import GradientAverager
 from .control import barrier, broadcast, gather_all, init_process_group
 from .defaults import DEFAULT_TIMEOUT
-from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient
+from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient, stage_orders
 from .stage import Stage
 from .transport import PipeComm
 from .wire import PipelineCommError, Signature, reason, signature
@@ -43,9 +45,14 @@ __all__ = ["DistributedExecutor", "PipeComm", "PipelineCommError", "GradientAver
 
 
 class DistributedExecutor(StreamedSegment):
-    """This process's stage of a pipeline whose other stages run in other processes: the
+    """This process's stages of a pipeline whose other stages run in other processes: the
     streaming counterpart of :class:`~pipeoptim.runtime.local.LocalExecutor`, with the same
     ``feed`` / ``finish`` / ``take_completed``.
+
+    A process holds one stage, or several (chunks: ``comm.placement`` says which rank holds
+    each); the lowered orders of its rank name the stage of each action. Between two stages of
+    this process a value is handed over in memory (lowering adds no message there); between
+    processes it goes through ``comm``, on the link of that boundary.
 
     Every rank feeds the same mini-batches (stage 0 uses the inputs, the last stage the targets,
     every stage the input shapes as message keys). After a feed, this rank runs its lowered
@@ -55,37 +62,46 @@ class DistributedExecutor(StreamedSegment):
     ``clip_global`` clips by the norm over all stages, gathered before each update.
     """
 
-    def __init__(self, stage: Stage, comm: "PipeComm", schedule_for: Callable[[int], Schedule], *,
-                 expected: Optional[int] = None, trace_offset: int = 0,
-                 clip_global: Optional[float] = None) -> None:
-        n = stage.num_stages
-        if comm.num_stages != n or comm.stage != stage.index:
-            raise ValueError(f"stage {stage.index} of {n} on pipeline rank {comm.stage} of "
-                             f"{comm.num_stages}: they must agree")
+    def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: "PipeComm",
+                 schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,
+                 trace_offset: int = 0, clip_global: Optional[float] = None) -> None:
+        own = [stage] if isinstance(stage, Stage) else list(stage)
+        n = own[0].num_stages
+        held = [s.index for s in own]
+        if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.stage]:
+            raise ValueError(f"stages {held} of {n} on pipeline rank {comm.stage} of {comm.num_stages} "
+                             f"(placement {comm.placement}): they must agree")
         super().__init__(schedule_for, expected)
-        self.stage, self.comm = stage, comm
+        self.stages: Dict[int, Stage] = {s.index: s for s in own}
+        self.stage, self.comm = own[0], comm  # stage: the first this process holds
+        self.num_stages = n
         self.trace_offset = trace_offset
         self.clip_global = clip_global
         self.order: List[Any] = []
         self.fed_micro = 0
         self._pointer = 0
+        self._first_own, self._last_own = held[0], held[-1]
         self._data: Dict[int, Tuple[Any, Any, float]] = {}
         self._keys: Dict[int, Signature] = {}
-        self._received: Dict[int, Any] = {}
-        self._grads: Dict[int, Any] = {}
-        self._outgoing: Dict[int, Any] = {}
+        # keyed by (stage, micro-batch): a stage's input received (or handed over), the gradient
+        # of its output, and what it sends next
+        self._received: Dict[Tuple[int, int], Any] = {}
+        self._grads: Dict[Tuple[int, int], Any] = {}
+        self._outgoing: Dict[Tuple[int, int], Any] = {}
+        self._clip_scale: Optional[Tuple[int, Any]] = None  # (update, coefficient) under global clipping
         self._window_loss: Optional[WindowLosses] = None
 
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         self._add_batch(len(microbatches))
-        stage, first = self.stage, self.fed_micro
+        first_held, last_held = 0 in self.stages, self.num_stages - 1 in self.stages
+        first = self.fed_micro
         for inputs, target, share in microbatches:
             i = self.fed_micro
             self._keys[i] = signature((inputs, target, share))
-            self._data[i] = (inputs if stage.is_first else None, target if stage.is_last else None, share)
+            self._data[i] = (inputs if first_held else None, target if last_held else None, share)
             self.fed_micro += 1
         new = [(i, self._keys[i]) for i in range(first, self.fed_micro)]
-        self.comm.expect_more(new if not stage.is_first else [], new if not stage.is_last else [])
+        self.comm.expect_more(new, new)  # on every link this rank receives on (none: nothing)
         self._run()
 
     def finish(self) -> None:
@@ -98,81 +114,110 @@ class DistributedExecutor(StreamedSegment):
             if final is not None:
                 done = self.order[:self._pointer]
                 self._use(final, open_ended=False)
-                self._check_prefix(final.name, f"stage {self.stage.index}", self.order, done)
+                self._check_prefix(final.name, f"rank {self.comm.stage}", self.order, done)
             self._run()
         self.comm.flush()
 
     def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
-        """(window, loss) completed since the last call: on the last stage; elsewhere none."""
+        """(window, loss) completed since the last call: on the last stage's rank; elsewhere none."""
         return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        check_runnable(schedule, self.stage.num_stages)
-        k = self.stage.index
+        check_runnable(schedule, self.num_stages)
+        if schedule.stage_to_rank != self.comm.placement:
+            raise ValueError(f"schedule {schedule.name} places its stages on ranks {schedule.stage_to_rank}, "
+                             f"the links were made for {self.comm.placement}")
         sync = schedule.options.get("synchronous_updates", 0)
-        if self.schedule is None:
-            self.stage.policy.begin_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
+        own = stage_orders(schedule)
+        for k, stage in self.stages.items():
+            if self.schedule is None:
+                stage.policy.begin_epoch(own[k], schedule.orders, open_ended=open_ended,
+                                         synchronous_updates=sync)
+                stage.trace_offset = self.trace_offset
+            else:
+                stage.policy.extend_epoch(own[k], schedule.orders, open_ended=open_ended,
                                           synchronous_updates=sync)
-            self.stage.trace_offset = self.trace_offset
+        if self.schedule is None:
             self._window_loss = WindowLosses(schedule.microbatches_per_update)
-        else:
-            self.stage.policy.extend_epoch(schedule.orders[k], schedule.orders, open_ended=open_ended,
-                                           synchronous_updates=sync)
         self.schedule, self.horizon = schedule, schedule.num_updates
-        self.order = lower(schedule).orders[k]
+        self.order = lower(schedule).orders[self.comm.stage]
 
     def _update_follows(self) -> bool:
-        """Whether this stage's next compute action after the current backward is an update."""
+        """Whether this rank's next compute action after the current backward is an update."""
         for action in self.order[self._pointer + 1:]:
             if action.kind.is_compute:
                 return action.kind is Kind.U
         return False
 
+    def _hand_over(self, store: Dict[Tuple[int, int], Any], k: int, to: int, i: int, value: Any) -> None:
+        """Stage ``k``'s value for stage ``to``: in memory if this process holds ``to``, else
+        kept for the send that the lowered order puts next."""
+        if to in self.stages:
+            store[(to, i)] = value
+        else:
+            self._outgoing[(k, i)] = value
+
     def _run(self) -> None:
-        stage, comm, order, keys = self.stage, self.comm, self.order, self._keys
+        comm, order, keys, stages = self.comm, self.order, self._keys, self.stages
+        last = self.num_stages - 1
         while self._pointer < len(order):
             action = order[self._pointer]
-            i, kind = action.index, action.kind
+            k, i, kind = action.stage, action.index, action.kind
             if kind in (Kind.F, Kind.RECV_F) and i >= self.fed_micro:
                 break  # not fed yet: the schedule may still end before it
+            stage = stages[k]
             if kind is Kind.RECV_F:
-                self._received[i] = comm.recv_activation(i, keys[i])
+                self._received[(k, i)] = comm.recv_activation(i, keys[i], stage=k)
             elif kind is Kind.F:
-                inputs = self._data[i][0] if stage.is_first else self._received.pop(i)
-                _, target, share = self._data.pop(i)
+                inputs = self._data[i][0] if k == 0 else self._received.pop((k, i))
+                _, target, share = self._data[i]
+                if k == self._last_own:  # this process's last forward of the micro-batch
+                    del self._data[i]
                 out = stage.forward(i, inputs, target, share)
-                if stage.is_last:
+                if k == last:
                     self._window_loss.add(i, out)
                 else:
-                    self._outgoing[i] = out
+                    self._hand_over(self._received, k, k + 1, i, out)
             elif kind is Kind.SEND_F:
-                comm.send_activation(i, keys[i], self._outgoing.pop(i))
+                comm.send_activation(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.RECV_B:
-                self._grads[i] = comm.recv_gradient(i, keys[i])
-            elif kind is Kind.B:
-                if isinstance(stage.grad_sync, GradientAverager) and self._update_follows():
-                    stage.grad_sync.overlap()
-                grad_in = stage.backward(i, None if stage.is_last else self._grads.pop(i))
-                if not stage.is_first:
-                    self._outgoing[i] = grad_in
-            elif kind is Kind.I:  # the replicas' reduction then waits for the update
-                grad_in = stage.backward_input(i, None if stage.is_last else self._grads.pop(i))
-                if not stage.is_first:
-                    self._outgoing[i] = grad_in
+                self._grads[(k, i)] = comm.recv_gradient(i, keys[i], stage=k)
+            elif kind is Kind.B or kind is Kind.I:
+                if kind is Kind.B and isinstance(stage.grad_sync, GradientAverager) and self._update_follows():
+                    stage.grad_sync.overlap()  # (after I, the replicas' reduction waits for the update)
+                backward = stage.backward if kind is Kind.B else stage.backward_input
+                grad_in = backward(i, None if k == last else self._grads.pop((k, i)))
+                if k > 0:
+                    self._hand_over(self._grads, k, k - 1, i, grad_in)
             elif kind is Kind.W:
                 stage.backward_weight(i)
             elif kind is Kind.SEND_B:
-                comm.send_gradient(i, keys.pop(i), self._outgoing.pop(i))
+                comm.send_gradient(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.U:
                 if self.clip_global is not None:  # one stage too: its norm is the model's
-                    stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
-                    norms = gather_all(stage.grad_norm().cpu(), comm, "agreeing on the gradient norm")
-                    stage.update(grad_scale=clip_coefficient(norms, self.clip_global))
+                    stage.update(grad_scale=self._global_scale(i))
                 else:
                     stage.update()
             else:
                 raise ValueError(f"the distributed executor cannot run {action}")
-            if kind in (Kind.B, Kind.I) and stage.is_first:
-                keys.pop(i, None)
+            if k == self._first_own and (kind is Kind.SEND_B or (k == 0 and kind in (Kind.B, Kind.I))):
+                keys.pop(i, None)  # this process's last message of the micro-batch
             self._pointer += 1
             comm.poll()  # forget the sends that have completed
+
+    def _global_scale(self, update: int) -> Any:
+        """The clipping coefficient of update ``update`` over every stage of every rank: at this
+        rank's first update of that number (every backward before it done), its stages' norms
+        are gathered from all ranks and put in stage order (the local executor's sum, to the
+        bit); its other stages' updates reuse the coefficient."""
+        if self._clip_scale is None or self._clip_scale[0] != update:
+            for stage in self.stages.values():
+                stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
+            own = [s.grad_norm().cpu() for s in self.stages.values()]
+            parts = gather_all(own, self.comm, "agreeing on the gradient norm")
+            place = self.comm.placement
+            held = {r: [k for k in range(self.num_stages) if place[k] == r] for r in range(len(parts))}
+            by_stage = {k: norm for r, part in enumerate(parts) for k, norm in zip(held[r], part)}
+            norms = [by_stage[k] for k in range(self.num_stages)]
+            self._clip_scale = (update, clip_coefficient(norms, self.clip_global))
+        return self._clip_scale[1]

@@ -1,13 +1,14 @@
 """The local executor: every stage in one process, interpreting the schedule's action lists.
 
-Each stage follows its own list; the executor only moves activations and gradients between
-stages through mailboxes and runs whichever stage's next action is ready. Since a stage's
-results depend only on its own order, any valid interleaving gives the same numbers.
+Each rank follows its own list (a rank holds one stage, or several: chunks, whose actions name
+their stage); the executor only moves activations and gradients between stages through
+mailboxes and runs whichever rank's next action is ready. Since a stage's results depend only
+on its own order, any valid interleaving gives the same numbers.
 
 Data is *streamed*: mini-batches are fed one at a time (:meth:`LocalExecutor.feed`) and every
 action whose inputs exist runs at once. A forward of a micro-batch that has not been fed yet
 waits, which is what makes streaming exact: every runnable schedule (gpipe, 1f1b-flush,
-async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
+zb-h1, interleaved-1f1b, async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
 to each stage's first forward of a micro-batch beyond ``T`` (tested for every schedule). So the
 executor runs the orders of a schedule built for a *horizon* of mini-batches beyond those fed,
 stops at the first forward it has no data for, and when the data ends (:meth:`finish`) continues
@@ -20,7 +21,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedules.actions import Kind, Schedule
-from .segment import MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient
+from .segment import (MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient,
+                      stage_orders)
 from .stage import Stage
 
 
@@ -52,7 +54,7 @@ class LocalExecutor(StreamedSegment):
         self._data: Dict[int, MicroBatch] = {}
         self._activations: Dict[Tuple[int, int], Any] = {}
         self._gradients: Dict[Tuple[int, int], Any] = {}
-        self._pointer = [0] * len(self.stages)
+        self._pointer: List[int] = []  # per rank: the next action of its order
         self._window_loss: Optional[WindowLosses] = None
 
     # -- feeding ------------------------------------------------------------------------------
@@ -72,8 +74,8 @@ class LocalExecutor(StreamedSegment):
         if self.fed_batches == 0:
             return
         if final is not None:
-            for k, order in enumerate(final.orders):
-                self._check_prefix(final.name, f"stage {k}", order, self.schedule.orders[k][:self._pointer[k]])
+            for r, order in enumerate(final.orders):
+                self._check_prefix(final.name, f"rank {r}", order, self.schedule.orders[r][:self._pointer[r]])
             self._use(final, open_ended=False)
         self._run()
         left = [str(self.schedule.orders[k][p]) for k, p in enumerate(self._pointer)
@@ -91,29 +93,34 @@ class LocalExecutor(StreamedSegment):
         check_runnable(schedule, len(self.stages))
         first = self.schedule is None
         self.schedule, self.horizon = schedule, schedule.num_updates
+        if first:
+            self._pointer = [0] * schedule.num_ranks
+        own = stage_orders(schedule)
+        sync = schedule.options.get("synchronous_updates", 0)
         for stage in self.stages:
-            sync = schedule.options.get("synchronous_updates", 0)
             if first:
-                stage.policy.begin_epoch(schedule.orders[stage.index], schedule.orders,
+                stage.policy.begin_epoch(own[stage.index], schedule.orders,
                                          open_ended=open_ended, synchronous_updates=sync)
                 stage.trace_offset = self.trace_offset
             else:
-                stage.policy.extend_epoch(schedule.orders[stage.index], schedule.orders,
+                stage.policy.extend_epoch(own[stage.index], schedule.orders,
                                           open_ended=open_ended, synchronous_updates=sync)
         if first:
             self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
 
     def _run(self) -> None:
+        """Run every rank's order as far as its inputs exist. A rank holds one stage or several
+        (chunks); an action names its stage, and the mailboxes are keyed by (stage, micro-batch)."""
         stages, orders, pointer = self.stages, self.schedule.orders, self._pointer
         data, activations, gradients = self._data, self._activations, self._gradients
         progressed = True
         while progressed:
             progressed = False
-            for k, stage in enumerate(stages):
-                order = orders[k]
-                while pointer[k] < len(order):
-                    action = order[pointer[k]]
-                    i = action.index
+            for r, order in enumerate(orders):
+                while pointer[r] < len(order):
+                    action = order[pointer[r]]
+                    k, i = action.stage, action.index
+                    stage = stages[k]
                     if action.kind is Kind.F:
                         if i >= self.fed_micro:
                             break  # not fed yet: the schedule may still end before it
@@ -145,28 +152,35 @@ class LocalExecutor(StreamedSegment):
                         stage.backward_weight(i)
                     elif action.kind is Kind.U:
                         if self.clip_global is not None:  # one stage too: its norm is the model's
-                            if not self._update_all(k, i):
+                            if not self._update_all(i):
                                 break
-                        else:
-                            stage.update()
+                            progressed = True
+                            continue  # every rank's pointer has moved past its updates
+                        stage.update()
                     else:
                         raise ValueError(f"the local executor runs compute actions, not {action}")
-                    pointer[k] += 1
+                    pointer[r] += 1
                     progressed = True
 
-    def _update_all(self, k: int, update: int) -> bool:
-        """Global clipping: when every stage's next action is update ``update``, clip their
-        gradients by the norm over all of them and run all the updates (advancing the other
-        stages past theirs; stage ``k``'s caller advances its own); else wait."""
+    def _update_all(self, update: int) -> bool:
+        """Global clipping: when every stage's next action is update ``update`` (on each rank,
+        the updates of its stages next in a row), clip their gradients by the norm over all of
+        them and run all the updates, moving every rank past them; else wait."""
         orders, pointer = self.schedule.orders, self._pointer
-        for j in range(len(self.stages)):
-            if pointer[j] >= len(orders[j]) or orders[j][pointer[j]] != (j, Kind.U, update):
-                return False
+        ready: Dict[int, int] = {}  # rank -> its updates next in a row
+        for r, order in enumerate(orders):
+            p = pointer[r]
+            while p < len(order) and order[p].kind is Kind.U and order[p].index == update:
+                p += 1
+            ready[r] = p - pointer[r]
+        held = {a.stage for r, order in enumerate(orders) for a in order[pointer[r]:pointer[r] + ready[r]]}
+        if len(held) != len(self.stages):
+            return False
         scale = clip_coefficient([s.grad_norm() for s in self.stages], self.clip_global)
-        for j, stage in enumerate(self.stages):
+        for stage in self.stages:
             stage.update(grad_scale=scale)
-            if j != k:
-                pointer[j] += 1
+        for r in ready:
+            pointer[r] += ready[r]
         return True
 
 

@@ -26,11 +26,21 @@ ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's s
 
 
 def check_runnable(schedule: Schedule, num_stages: int) -> None:
-    """The runtimes run straight pipelines: stage k on rank k, one chain (full or split
-    backwards)."""
-    if schedule.num_ranks != num_stages or schedule.pipelines != [list(range(num_stages))]:
-        raise ValueError(f"schedule {schedule.name} places several stages per rank; the runtimes "
-                         f"run one stage per rank (use it with `pipeoptim schedule` to simulate)")
+    """The runtimes run one chain of ``num_stages`` stages, 0 -> 1 -> ... (full or split
+    backwards), each rank holding one stage or several (chunks: Megatron's interleaved
+    placement, or a V shape); a schedule of two chains (bidirectional) is not runnable."""
+    if schedule.num_stages != num_stages or schedule.pipelines != [list(range(num_stages))]:
+        raise ValueError(f"schedule {schedule.name} runs {schedule.num_stages} stages in chains "
+                         f"{schedule.pipelines}; the runtimes run one chain of the pipeline's "
+                         f"{num_stages} stages (use it with `pipeoptim schedule` to simulate)")
+
+
+def stage_orders(schedule: Schedule) -> List[List[Any]]:
+    """Per stage, the actions of that stage in the order its rank runs them (a rank's order
+    itself where it holds one stage): what a stage's weight policy reads."""
+    if schedule.num_ranks == schedule.num_stages:
+        return [schedule.orders[schedule.stage_to_rank[k]] for k in range(schedule.num_stages)]
+    return [schedule.stage_actions(k) for k in range(schedule.num_stages)]
 
 
 def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ..methods import get_method
-from ..partition import plan_partition
+from ..partition import plan_partition, weighted_units
 
 
 @dataclass
@@ -24,15 +24,24 @@ class RunSpec:
 
     method: str
     options: Dict[str, Any]
-    stages: int
+    stages: int          #: stages (model pieces, one Stage each): ranks x chunks
     partition: List[int]
     microbatches: int
+    chunks: int = 1      #: stages per rank (interleaved: rank r holds stages r, r + N, ...)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the pipeline (processes under torchrun): stages / chunks."""
+        return self.stages // self.chunks
 
 
 def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
             partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
-            epochs: int = 1, batches: Sequence = (None,)) -> RunSpec:
-    """Check a run's settings before any work starts; errors are ValueErrors that say the fix."""
+            epochs: int = 1, batches: Sequence = (None,), chunks: Optional[int] = None) -> RunSpec:
+    """Check a run's settings before any work starts; errors are ValueErrors that say the fix.
+
+    ``stages`` counts ranks; with ``chunks=V`` (a chunked method: interleaved) the model is cut
+    into ``stages x V`` stages, and ``partition`` lists the layers of each of them."""
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     if not batches:
@@ -41,25 +50,55 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     options = m.resolve_options(method_options)
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got {type(model).__name__}")
+    v = chunks_of(m, chunks, partition)
     if method == "sequential":
         n, sizes = 1, [len(model)]
     else:
         if partition is not None:
-            n = len(partition)
+            n = len(partition) // v
             if stages is not None and stages != n:
-                raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages")
+                raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages"
+                                 + (f" of {v} chunks" if v > 1 else ""))
         elif stages is None:
             raise ValueError("give stages=N or partition=[layers per stage]")
         else:
             n = stages
-        sizes = plan_partition(model, n, partitioner, partition)
+        weighted = len(weighted_units(model))  # every piece needs a layer with parameters
+        if v > 1 and partition is None and weighted < n * v:
+            raise ValueError(f"{method} with {n} stages x {v} chunks needs {n * v} layers with parameters, "
+                             f"the model has {weighted}: use chunks={max(1, weighted // n)} or fewer stages")
+        sizes = plan_partition(model, n * v, partitioner, partition)
     micro = m.microbatches(n, micro_batches)
+    if v > 1 and m.placement == "interleaved" and micro % n:
+        raise ValueError(f"{method} needs micro-batches to be a multiple of the {n} stages (got {micro}); "
+                         f"use micro_batches={n * max(1, micro // n)}")
     if micro < 1:
         raise ValueError(f"micro-batches must be at least 1, got {micro}")
     if m.schedule == "2bw" and micro < n:
         raise ValueError(f"{method} needs micro-batches >= stages ({micro} < {n}); "
                          f"use micro_batches={n}")
-    return RunSpec(method, options, n, sizes, micro)
+    return RunSpec(method, options, n * v, sizes, micro, v)
+
+
+def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[int]] = None) -> int:
+    """Stages per rank: ``chunks`` if given, else the method's own; refused where the method
+    places one stage per rank, or the partition does not divide into that many chunks."""
+    if chunks is None:
+        v = method.chunks
+    elif isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive number of model chunks per stage, got {chunks!r}")
+    elif chunks > 1 and method.chunks == 1:
+        raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
+                         f"places several: method='interleaved'")
+    elif method.placement == "v" and chunks != 2:
+        raise ValueError(f"{method.name} places exactly 2 chunks per stage (a V); drop chunks={chunks} "
+                         f"or use method='interleaved' for {chunks}")
+    else:
+        v = chunks
+    if partition is not None and len(partition) % v:
+        raise ValueError(f"a partition for {v} chunks per stage lists stages x {v} entries; "
+                         f"{list(partition)} has {len(partition)}")
+    return v
 
 
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],

@@ -48,11 +48,18 @@ class PipeComm:
     a pair share one gloo connection.
     ``timeout`` bounds every wait on a peer and every created group (the group's own timeout
     bounds the control collectives).
+
+    ``placement`` (default: stage k on rank k): the rank of each stage of the chain, where a rank
+    holds several (chunks, docs/architecture.md, "Chunks: several stages per process"). Each
+    boundary between stages on two ranks is then its own pair of links (boundary j: activations
+    of stage j, gradients of stage j + 1); a boundary inside one rank has none (the executor
+    hands the value over in memory). The send and receive methods take the stage they act for.
     """
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
                  timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2,
-                 pipelines: Optional[Sequence[Sequence[int]]] = None) -> None:
+                 pipelines: Optional[Sequence[Sequence[int]]] = None,
+                 placement: Optional[Sequence[int]] = None) -> None:
         """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
         global ranks of every replica's stages; each rank passes its own replica's group as
         ``group``. Every rank creates every replica's link groups, in the same order (on gloo,
@@ -61,6 +68,11 @@ class PipeComm:
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
         self.ranks = [dist.get_global_rank(self.group, k) for k in range(self.num_stages)]
+        #: the pipeline rank of each stage of the chain (a straight pipeline: stage k on rank k)
+        self.placement = list(placement) if placement is not None else list(range(self.num_stages))
+        if sorted(set(self.placement)) != list(range(self.num_stages)):
+            raise ValueError(f"placement {self.placement} must put stages on every one of the "
+                             f"{self.num_stages} ranks of the pipeline, and on no other")
         self.timeout = float(timeout)
         self.backend = dist.get_backend(self.group)
         if device is None:
@@ -104,37 +116,45 @@ class PipeComm:
         self.link_groups = own_groups  # whether the links have process groups of their own
         self._links: Dict[Tuple[str, int], Link] = {}
         k = self.stage
+        place = self.placement
         for pipeline in replicas:
             mine = pipeline == self.ranks
-            for j in range(self.num_stages - 1):
-                for tag, what in ((1, "activation"), (2, "gradient")):
+            for j in range(len(place) - 1):
+                a, b = place[j], place[j + 1]  # the pipeline ranks of boundary j's two ends
+                if a == b:
+                    continue  # both stages in one process: no message
+                for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient")):
                     # a group per direction (one stream / one gloo connection each, so that a send
                     # and an opposite receive of the pair never queue behind each other), created
                     # by every rank for every replica, in the same order
                     if not own_groups and not mine:
                         continue
                     if own_groups:
-                        g = self._link_group(pipeline[j], pipeline[j + 1], what, delta, link_backend)
+                        g = self._link_group(pipeline[a], pipeline[b], what, delta, link_backend)
                     else:
                         g = self.group
                     if not mine:
                         continue
-                    if not gloo and k in (j, j + 1):
+                    if not gloo and k in (a, b):
                         # NCCL creates a communicator at its first point-to-point use, blocking until
                         # both ends join: do that here, one message per link in pipeline order on
                         # every rank, not at a first receive posted while the peer is blocked in its
                         # first use of the opposite link (a deadlock). (gloo connects both ends
                         # when the group is created.)
                         probe = torch.zeros(1, device=self.device)
-                        if k == j:
-                            dist.isend(probe, dst=self.ranks[j + 1], group=g).wait()
+                        if k == a:
+                            dist.isend(probe, dst=self.ranks[b], group=g).wait()
                         else:
-                            dist.irecv(probe, src=self.ranks[j], group=g).wait()
+                            dist.irecv(probe, src=self.ranks[a], group=g).wait()
                         torch.cuda.synchronize(self.device)
-                    if k in (j, j + 1):
-                        peer = self.ranks[j + 1] if k == j else self.ranks[j]
+                    if k in (a, b):
+                        peer = self.ranks[b] if k == a else self.ranks[a]
                         self._links[(what, j)] = Link(what, peer, g, 0 if own_groups else tag, self.device,
-                                                       self.timeout, prefetch)
+                                                      self.timeout, prefetch)
+        #: the links this rank receives on: activations into its stages, gradients into them
+        self._receiving = {what: [link for (w, j), link in self._links.items()
+                                  if w == what and place[j + (what == "activation")] == k]
+                           for what in ("activation", "gradient")}
         self._pending: Deque[Tuple[Any, torch.Tensor, Link, int]] = deque()
         self._closed = False
 
@@ -155,9 +175,13 @@ class PipeComm:
         process spent blocked waiting on them (receives: the peer was late; sends: at the end of
         a schedule, for the peer to take them)."""
         out = {}
+        straight = self.placement == list(range(self.num_stages))
         for (what, pair), link in self._links.items():
-            sending = (what == "activation") == (pair == self.stage)
-            out[f"{'send' if sending else 'recv'} {what}"] = dict(link.stats)
+            sending = (what == "activation") == (self.placement[pair] == self.stage)
+            name = f"{'send' if sending else 'recv'} {what}"
+            if not straight:  # several links per direction: name the stages
+                name += f" {pair}->{pair + 1}" if what == "activation" else f" {pair + 1}->{pair}"
+            out[name] = dict(link.stats)
         return out
 
     def check_open(self) -> None:
@@ -171,18 +195,26 @@ class PipeComm:
         self.check_open()
         return self._links[(what, pair)]
 
-    # activations flow k -> k+1 on pair k; gradients k+1 -> k on pair k
-    def send_activation(self, microbatch: int, key: Signature, value: Any) -> None:
-        self._send(self._link("activation", self.stage), microbatch, key, value)
+    # activations flow k -> k+1 on pair k; gradients k+1 -> k on pair k. ``stage``: the stage
+    # of the chain acting (default: this rank's, in a straight pipeline)
+    def send_activation(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
+        """Send ``stage``'s output for ``microbatch`` to the next stage."""
+        self._send(self._link("activation", self._own(stage)), microbatch, key, value)
 
-    def recv_activation(self, microbatch: int, key: Signature) -> Any:
-        return self._link("activation", self.stage - 1).recv(microbatch, key)
+    def recv_activation(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
+        """Receive ``stage``'s input for ``microbatch`` from the previous stage."""
+        return self._link("activation", self._own(stage) - 1).recv(microbatch, key)
 
-    def send_gradient(self, microbatch: int, key: Signature, value: Any) -> None:
-        self._send(self._link("gradient", self.stage - 1), microbatch, key, value)
+    def send_gradient(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
+        """Send the gradient of ``stage``'s input to the previous stage."""
+        self._send(self._link("gradient", self._own(stage) - 1), microbatch, key, value)
 
-    def recv_gradient(self, microbatch: int, key: Signature) -> Any:
-        return self._link("gradient", self.stage).recv(microbatch, key)
+    def recv_gradient(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
+        """Receive the gradient of ``stage``'s output from the next stage."""
+        return self._link("gradient", self._own(stage)).recv(microbatch, key)
+
+    def _own(self, stage: Optional[int]) -> int:
+        return self.stage if stage is None else stage
 
     def _send(self, link: Link, microbatch: int, key: Signature, value: Any) -> None:
         try:
@@ -194,27 +226,27 @@ class PipeComm:
 
     def expect(self, activations: Sequence[Tuple[int, Signature]],
                gradients: Sequence[Tuple[int, Signature]]) -> None:
-        """The receives the next schedule will make, in order, and post the first ones."""
-        if activations:
-            self._link("activation", self.stage - 1).expect(activations)
-        if gradients:
-            self._link("gradient", self.stage).expect(gradients)
-        for link in self._links.values():
-            if link.expected:
-                try:
-                    link.post()
-                except RuntimeError as error:
-                    raise link.fail("receiving", link.expected[0][0], error) from error
+        """The receives the next schedule will make on each link into this rank's stages
+        (activations) and out of them (gradients), in order, and post the first ones."""
+        for what, items in (("activation", activations), ("gradient", gradients)):
+            for link in self._receiving[what] if items else ():
+                self.check_open()
+                link.expect(items)
+        self._post_all()
 
     def expect_more(self, activations: Sequence[Tuple[int, Signature]],
                     gradients: Sequence[Tuple[int, Signature]]) -> None:
         """More receives of the running schedule (a streamed segment learns its micro-batches as
-        they are fed), appended in order, and posted as far as the prefetch allows."""
-        for what, pair, items in (("activation", self.stage - 1, activations),
-                                  ("gradient", self.stage, gradients)):
-            if items and (what, pair) in self._links:
-                link = self._links[(what, pair)]
+        they are fed), appended in order on each receiving link, and posted as far as the
+        prefetch allows. Every such link carries every micro-batch once."""
+        for what, items in (("activation", activations), ("gradient", gradients)):
+            for link in self._receiving[what] if items else ():
                 link.expected.extend(items)
+        self._post_all()
+
+    def _post_all(self) -> None:
+        for link in self._links.values():
+            if link.expected:
                 try:
                     link.post()
                 except RuntimeError as error:

@@ -11,6 +11,7 @@ from .gpipe import gpipe
 from .interleaved import interleaved_1f1b
 from .simulate import Costs, gc_paused
 from .twobw import two_bw
+from .zbv import zb_v
 from .zero_bubble import zb_h1
 
 Builder = Callable[..., Schedule]
@@ -23,6 +24,7 @@ _BUILDERS: Dict[str, Builder] = {
     "interleaved-1f1b": lambda n, m, t, v, c: interleaved_1f1b(n, m, v, t),
     "bidirectional": lambda n, m, t, v, c: bidirectional(n, m, t, c),
     "zb-h1": lambda n, m, t, v, c: zb_h1(n, m, t),
+    "zb-v": lambda n, m, t, v, c: zb_v(n, m, t),
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -33,6 +35,7 @@ DESCRIPTIONS: Dict[str, str] = {
     "interleaved-1f1b": "v model chunks per rank, smaller bubble (Megatron-LM)",
     "bidirectional": "two pipelines in opposite directions, two stages per rank (Chimera, BitPipe)",
     "zb-h1": "1F1B with split backward, weight gradients fill the bubble (zero bubble H1)",
+    "zb-v": "two chunks per rank in a V, split backward, weight gradients fill the bubble (ZB-V)",
 }
 
 
