@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import pipeoptim
+from pipeoptim.methods import get_method
 from traced_models import SkipNet, SmallCNN, TinyGPT, lm_batches, lm_loss, skip_batches
 
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
@@ -82,7 +83,11 @@ def test_the_tied_weight_is_updated_once_by_its_owner():
     assert all(p is not tied for p in pipe.stages[1].parameters())  # nor clipped, nor stashed there
 
 
-@pytest.mark.parametrize("method", pipeoptim.method_names())
+#: the methods that place one stage per process (the chunked ones need an nn.Sequential for now)
+ONE_CHUNK = [m for m in pipeoptim.method_names() if get_method(m).chunks == 1]
+
+
+@pytest.mark.parametrize("method", ONE_CHUNK)
 def test_every_method_trains_a_model_with_two_inputs_and_a_skip(method):
     torch.manual_seed(0)
     model, data = SkipNet(), skip_batches()
@@ -158,6 +163,14 @@ def test_bad_split_points_are_refused_naming_the_candidates():
         skipnet(split_points=["blocks.2", "blocks.0"])
     with pytest.raises(ValueError, match=r"6 stages need 6 candidate points; SkipNet has 5 \(inp, blocks\.0, .*stages=5"):
         skipnet(stages=6)
+
+
+@pytest.mark.parametrize("method", sorted(set(pipeoptim.method_names()) - set(ONE_CHUNK)))
+def test_a_chunked_method_is_refused_naming_the_fix(method):
+    with pytest.raises(ValueError, match=f"{method} places 2 model chunks per process, which needs an "
+                                         f"nn.Sequential for now"):
+        pipeoptim.Pipeline(SkipNet(), method=method, stages=2, loss_fn=nn.functional.cross_entropy,
+                           optimizer=SGDM, example_input=skip_batches()[0][0])
 
 
 def test_a_tie_across_stages_is_refused_with_an_asynchronous_method():
