@@ -57,6 +57,10 @@ measured with a batch-wide token mean as the loss; with the per-sentence mean of
 2 epochs give BLEU 8.0, chrF 24.4).
 At this scale (13k short pairs, archaic 1909 Spanish as the reference, greedy decoding) a BLEU
 of 15-20 after 5-10 epochs is a reasonable target; above 20 needs more epochs or data.
+The command line's recipe (AdamW 1e-3, 5 % warm-up then cosine to 10 %, clipping at 1.0, batch
+64, 6 epochs; ``pipeoptim train --task translation --method sequential``) reached BLEU 2.1 / 7.2 /
+10.9 / 13.5 / 13.8 / 14.4 after each epoch, in 921 s on one thread (4 epochs of the same recipe:
+9.96, since the cosine spends the last updates at a small lr).
 """
 from __future__ import annotations
 
