@@ -151,6 +151,16 @@ def selected(run: Run, args: argparse.Namespace) -> bool:
             and (not args.stages or run.stages in (1, *map(int, args.stages.split(",")))))
 
 
+def json_keys(value: Any) -> Any:
+    """``value`` with every tuple key of its dicts written as "a/b" (the suite keys its lr grids by
+    (task, optimizer)), so that it can be written as JSON."""
+    if isinstance(value, dict):
+        return {"/".join(map(str, k)) if isinstance(k, tuple) else k: json_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_keys(v) for v in value]
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="default", choices=list(SUITES))
@@ -178,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     study.mkdir(parents=True, exist_ok=True)
-    (study / "suite.json").write_text(json.dumps({"suite": args.suite, **suite}, indent=2, default=str))
+    (study / "suite.json").write_text(json.dumps(json_keys({"suite": args.suite, **suite}), indent=2, default=str))
     data_cache: Dict[Any, Any] = {}
     started, done_here, said = time.time(), 0, ""
     while True:

@@ -161,3 +161,11 @@ def test_tiny_study_end_to_end(study3, tmp_path, capsys):
     assert study3.main(args) == 0
     assert (tmp_path / "study/runs.jsonl").read_text() == before
     assert "nothing left to run" in capsys.readouterr().out
+
+
+def test_the_default_suite_can_be_written_as_json(study3):
+    """The study writes its suite beside its rows: the default suite (whose lr grids are keyed by
+    (task, optimizer)) must survive json.dumps."""
+    suite = load_benchmark("study3_suite").SUITES["default"]
+    text = json.dumps(study3.json_keys({"suite": "default", **suite}), default=str)
+    assert json.loads(text)["lr_grid"]["lm/nadam"] == [5e-4, 4e-3]
