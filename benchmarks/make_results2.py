@@ -860,10 +860,32 @@ def caveats(settings: Sequence[Setting], suite: Dict[str, Any], rows: Dict[str, 
                "but larger models and longer runs may change how much it costs.")
     out.append("  - `pipeoptim+lr_correction` is the correction the first look (issue 15, "
                "`benchmarks/results/first_look.md`, one seed, final test metric) found to be the only one "
-               "that helped; the study's validation sweeps compare it with plain `pipeoptim` in every cell, "
-               "but no other correction or pair entered the study (the 40 core-minutes planned to choose "
-               "among 3 candidates on the validation split were cut).")
+               "that helped; the study's validation sweeps compare it with plain `pipeoptim` in every cell. "
+               + correction_text(suite, rows))
     return out + [""]
+
+
+def correction_text(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> str:
+    """The correction choice on the validation split (study2's ``correction`` phase), per cell."""
+    corrections = suite.get("corrections")
+    if not corrections:
+        return "No other correction entered the study."
+    names = {v: v.replace(corrections["base"] + "+", "+") for v in corrections["candidates"]}
+    head = (f"Whether another correction beside it would do better was checked on the validation split at "
+            f"N = {max(suite['stages'])}, seed 0 and its best lr (whole runs): the delay-scaled lr alone against "
+            f"it with {' and with '.join(f'`{n}`' for n in names.values())}")
+    cells = []
+    for task, optimizer in suite["cells"]:
+        choice = study2.correction_choice(suite, rows, task, optimizer)
+        if choice is None:
+            cells.append(f"{task} x {optimizer}: not run yet")
+            continue
+        scores = ", ".join(f"{names.get(v, 'alone')} {'diverged' if x is None else f'{x:.4g}'}"
+                           for v, x in choice["scores"].items())
+        verdict = ("the delay-scaled lr alone stays best" if choice["chosen"] == corrections["base"] else
+                   f"`{names[choice['chosen']]}` would be better" if choice["chosen"] else "all diverged")
+        cells.append(f"{task} x {optimizer} ({choice['metric']}: {scores}): {verdict}")
+    return head + ". " + "; ".join(cells) + "."
 
 
 TRANSLATION = ("**Translation was left out.** In the first study (`docs/results-v1.md`) `sequential` reached "

@@ -18,6 +18,11 @@ Phases, per cell (task, optimizer):
   0-2 at N = 4 with the N = 8 best lr, ``sequential`` once per cell (it has no N); and the
   confirmations (rows with phase ``confirm``): ``gpipe`` and ``1f1b-flush`` once per task, at
   N = 8 with AdamW, sequential's best lr and seed 0.
+* ``correction`` (added after the study ran, placed last so that no earlier run moved): which
+  correction ``pipeoptim+lr_correction`` should carry, chosen on the validation split. At N = 8,
+  seed 0 and its best lr, its own sweep run (the delay-scaled lr alone) against the same lr with
+  the scheduled horizon, and with the prediction warmed up over the lr's warm-up (whole runs);
+  ``--choice`` prints each cell's scores and pick.
 
 Each finished run (and each first third) appends one line to ``runs.jsonl`` in the study
 folder, with a single O_APPEND write; a second call skips what is in the file. Runs train in
@@ -54,6 +59,7 @@ import torch
 from pipeoptim.checkpoint import checkpoint_name, latest_checkpoint, read_manifest
 from pipeoptim.errors import NonFiniteLoss
 from pipeoptim.experiment import RunConfig, load_data, run_experiment
+from pipeoptim.lr_schedules import default_warmup
 from pipeoptim.methods import get_method
 from pipeoptim.tasks import get_task
 
@@ -66,7 +72,14 @@ RESULTS = BENCHMARKS / "results"
 LR_SCHEDULE = "warmup-cosine"  #: 5% linear warm-up, then cosine to 10% of the peak (the defaults)
 
 #: the study's name for a method with options -> (method, method options)
-CORRECTED = {"pipeoptim+lr_correction": ("pipeoptim", {"lr_correction": "delay"})}
+CORRECTED = {"pipeoptim+lr_correction": ("pipeoptim", {"lr_correction": "delay"}),
+             # the correction choice's other candidates (the plan's item "choosing pipeoptim's
+             # correction"): the first look's best pairs with the delay-scaled lr. LR_WARMUP stands
+             # for the lr schedule's own warm-up (5 % of the run's updates), resolved per task
+             "pipeoptim+lr_correction+horizon": ("pipeoptim", {"lr_correction": "delay", "horizon": "scheduled"}),
+             "pipeoptim+lr_correction+prediction_warmup": ("pipeoptim", {"lr_correction": "delay",
+                                                                         "prediction_warmup": "lr-warmup"})}
+LR_WARMUP = "lr-warmup"
 #: methods that equal sequential numerically: no staleness to diagnose
 SYNCHRONOUS = ("sequential", "gpipe", "1f1b-flush")
 
@@ -120,6 +133,11 @@ SUITES: Dict[str, Dict[str, Any]] = {
         # 1f1b-flush up to 1.9x with their N micro-batches)
         "cost_factor": {"sequential": 1.0, "gpipe": 1.7, "1f1b-flush": 1.7, "asynchronous": 1.1},
         "diagnose_every": 25,  # micro-batches between probes of the prediction error (as the first look)
+        # which correction pipeoptim+lr_correction should carry, chosen on the validation split at
+        # the sweep's N, seed 0 and the base's best lr: the base's own sweep run against each
+        # candidate, whole runs (the plan's 3 candidates x 4 cells, 2 of them new runs)
+        "corrections": {"base": "pipeoptim+lr_correction",
+                        "candidates": ["pipeoptim+lr_correction+horizon", "pipeoptim+lr_correction+prediction_warmup"]},
     },
     # a tiny suite for tests and a check of the machinery: seconds a run
     "smoke": {
@@ -140,6 +158,7 @@ SUITES: Dict[str, Dict[str, Any]] = {
         "confirm": {"methods": ["gpipe"], "optimizer": "momentum"},
         "cost_factor": {"sequential": 1.0, "gpipe": 1.7, "1f1b-flush": 1.7, "asynchronous": 1.1},
         "diagnose_every": 2,
+        "corrections": {"base": "pipeoptim+lr_correction", "candidates": ["pipeoptim+lr_correction+horizon"]},
     },
 }
 
@@ -384,7 +403,36 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> List[Ru
                     lr, status, why = best_lr(suite, rows, task, optimizer, variant)
                     n = 1 if variant == "sequential" else stages
                     add(Run("seeds", task, optimizer, variant, n, seed, lr), status, why)
+    # the correction choice last, so that adding it left every earlier run's place (and shard) as it was
+    corrections = suite.get("corrections")
+    for task, optimizer in suite["cells"] if corrections else ():
+        lr, status, why = best_lr(suite, rows, task, optimizer, corrections["base"])
+        for variant in corrections["candidates"]:
+            add(Run("correction", task, optimizer, variant, sweep_stages, 0, lr), status, why)
     return runs
+
+
+def correction_choice(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str,
+                      optimizer: str) -> Optional[Dict[str, Any]]:
+    """The correction choice of one cell once its runs are in: ``{"lr", "scores": {variant:
+    validation metric or None if diverged}, "chosen": variant}`` (the best on validation; a tie
+    keeps the base, then the earlier candidate), or None while a run is missing."""
+    corrections = suite["corrections"]
+    lr, status, _ = best_lr(suite, rows, task, optimizer, corrections["base"])
+    if status != "ready":
+        return None
+    runs = {corrections["base"]: sweep_run(suite, task, optimizer, corrections["base"], lr, "end")}
+    runs.update({v: Run("correction", task, optimizer, v, max(suite["stages"]), 0, lr)
+                 for v in corrections["candidates"]})
+    found = {variant: rows.get(row_key(run.key_fields())) for variant, run in runs.items()}
+    if any(row is None for row in found.values()):
+        return None
+    higher = get_task(task).higher_is_better
+    scores = {variant: score(row, higher) for variant, row in found.items()}
+    ranked = sorted((s, -i, v) for i, (v, s) in enumerate(scores.items()) if s is not None)
+    return {"lr": lr, "metric": get_task(task).metric,
+            "scores": {v: found[v].get("validation_metric") if s is not None else None for v, s in scores.items()},
+            "chosen": ranked[-1][2] if ranked else None}
 
 
 def shard_runs(runs: Sequence[Run], shard: Tuple[int, int]) -> List[Run]:
@@ -441,7 +489,13 @@ def run_config(run: Run, spec: Dict[str, Any]) -> RunConfig:
                      # synchronous methods clip by the whole model's norm, as sequential does (equal runs);
                      # an asynchronous stage never holds one mini-batch's whole gradient: per stage
                      clip_scope="global" if get_method(run.method).synchronous and spec["clip_grad"] else "stage",
-                     method_options=run.options)
+                     method_options=resolve_options(run.options, batches_per_epoch(spec) * spec["epochs"]))
+
+
+def resolve_options(options: Dict[str, Any], updates: int) -> Dict[str, Any]:
+    """A variant's method options for a run of ``updates`` updates: LR_WARMUP becomes the lr
+    schedule's own warm-up length."""
+    return {k: default_warmup(LR_SCHEDULE, updates, None) if v == LR_WARMUP else v for k, v in options.items()}
 
 
 def curve(evaluations: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -554,7 +608,8 @@ def missing_models(suite: Dict[str, Any]) -> Dict[str, str]:
 
 
 def selected(run: Run, args: argparse.Namespace) -> bool:
-    phases = {"sweep": ("sweep",), "seeds": ("seeds", "confirm"), "all": ("sweep", "seeds", "confirm")}
+    phases = {"sweep": ("sweep",), "seeds": ("seeds", "confirm"), "correction": ("correction",),
+              "all": ("sweep", "seeds", "confirm", "correction")}
     return (run.phase in phases[args.phase] and (not args.tasks or run.task in args.tasks.split(","))
             and (not args.methods or run.variant in args.methods.split(",")))
 
@@ -584,11 +639,11 @@ def print_plan(suite_name: str, suite: Dict[str, Any], runs: Sequence[Run]) -> N
     for task, why in missing_models(suite).items():
         print(f"  note: {why}: its runs cannot start until the model exists")
     print()
-    print(f"{'#':>4} {'phase':<7} {'until':<5} {'task':<10} {'optimizer':<9} {'method':<24} {'N':>2} "
+    print(f"{'#':>4} {'phase':<10} {'until':<5} {'task':<10} {'optimizer':<9} {'method':<24} {'N':>2} "
           f"{'lr':>8} {'seed':>4} {'min':>6}  status")
     for run in runs:
         lr = f"{run.lr:g}" if run.lr is not None else "best" if run.until != "end" else "winner"
-        print(f"{run.index:>4} {run.phase:<7} {run.until or '':<5} {run.task:<10} {run.optimizer:<9} "
+        print(f"{run.index:>4} {run.phase:<10} {run.until or '':<5} {run.task:<10} {run.optimizer:<9} "
               f"{run.variant:<24} {run.stages:>2} {lr:>8} {run.seed:>4} {run.minutes:>6.2f}  "
               f"{run.status}{': ' + run.why if run.why else ''}")
     print()
@@ -630,8 +685,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="print the planned runs, minutes each and the core-minutes, and run nothing")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1),
                         help="i/n: run the runs whose place in the plan is i modulo n")
-    parser.add_argument("--phase", default="all", choices=["sweep", "seeds", "all"],
-                        help="sweep: the lr sweeps with halving; seeds: the seeds and the confirmations")
+    parser.add_argument("--phase", default="all", choices=["sweep", "seeds", "correction", "all"],
+                        help="sweep: the lr sweeps with halving; seeds: the seeds and the confirmations; "
+                             "correction: the correction choice of pipeoptim+lr_correction on validation")
+    parser.add_argument("--choice", action="store_true",
+                        help="print the correction choice of every cell whose runs are in, and run nothing")
     parser.add_argument("--tasks", help="comma-separated subset of the suite's tasks")
     parser.add_argument("--methods", help="comma-separated subset of the study's methods (sequential, "
                                           "gpipe, ..., pipeoptim+lr_correction)")
@@ -646,6 +704,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs_file = study / "runs.jsonl"
     if args.plan:
         print_plan(args.suite, suite, plan_runs(suite, load_rows(runs_file)))
+        return 0
+    if args.choice:
+        rows = load_rows(runs_file)
+        for task, optimizer in suite["cells"]:
+            choice = correction_choice(suite, rows, task, optimizer)
+            scores = ("runs not in yet" if choice is None else f"lr {choice['lr']:g}, validation {choice['metric']}: "
+                      + ", ".join(f"{v} {'diverged' if s is None else f'{s:.4f}'}" for v, s in choice["scores"].items())
+                      + f"; chosen: {choice['chosen']}")
+            print(f"{task} x {optimizer}: {scores}")
         return 0
 
     torch.set_num_threads(args.threads)

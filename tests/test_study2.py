@@ -56,6 +56,8 @@ def test_smoke_plan_is_exactly_the_runs_asked_for(study2):
         ("seeds", None, "pipeoptim+lr_correction", 2, 0, None, "waiting"),
         ("seeds", None, "pipeoptim", 2, 1, None, "waiting"),
         ("seeds", None, "pipeoptim+lr_correction", 2, 1, None, "waiting"),
+        # the correction choice, last: at the sweep's N and seed, the base's best lr
+        ("correction", None, "pipeoptim+lr_correction+horizon", 4, 0, None, "waiting"),
     ]
     corrected = [r for r in runs if r.variant == "pipeoptim+lr_correction"]
     assert {(r.method, json.dumps(r.options)) for r in corrected} == {("pipeoptim", '{"lr_correction": "delay"}')}
@@ -73,8 +75,11 @@ def test_default_plan_follows_the_budget_plan(study2):
         phases[(run.phase, run.until)] = phases.get((run.phase, run.until), 0) + 1
     # 4 cells x 8 methods x 4 lrs; the 2 best of each to the end; 3 tasks x gpipe, 1f1b-flush;
     # seeds: 4 cells x (8 x 2 at N = 8 + 7 x 3 at N = 4)
-    assert phases == {("sweep", "third"): 128, ("sweep", "end"): 64, ("confirm", None): 6, ("seeds", None): 148}
-    assert len([r for r in runs if r.until != "end"]) == 282  # an end continues its third's run
+    # and the correction choice: 4 cells x 2 candidates beside the base's own sweep run
+    assert phases == {("sweep", "third"): 128, ("sweep", "end"): 64, ("confirm", None): 6, ("seeds", None): 148,
+                      ("correction", None): 8}
+    assert len([r for r in runs if r.until != "end"]) == 290  # an end continues its third's run
+    assert [r.index for r in runs if r.phase == "correction"] == list(range(346, 354))  # no earlier run moved
     assert {r.stages for r in runs if r.variant == "sequential"} == {1}
     assert {(r.task, r.optimizer) for r in runs if r.phase == "confirm"} == {("image", "adamw"), ("sentiment", "adamw"),
                                                                             ("lm", "adamw")}
@@ -90,6 +95,8 @@ def test_default_plan_follows_the_budget_plan(study2):
     # docs/study_plan.md: 198, 198, 158, 212 core-minutes per cell, 30 for the confirmations
     minutes = {}
     for run in runs:
+        if run.phase == "correction":
+            continue  # planned apart: 3 candidates x 4 cells in the plan's 40 core-minutes
         name = "confirm" if run.phase == "confirm" else f"{run.task} {run.optimizer}"
         minutes[name] = minutes.get(name, 0.0) + run.minutes
     assert minutes == pytest.approx({"image momentum": 198, "image adamw": 198, "sentiment adamw": 158,
@@ -144,6 +151,41 @@ def test_halving_keeps_the_two_best_on_validation(study2, tmp_path):
         (8, 2, 0.02, "ready"), (4, 1, 0.02, "ready"), (4, 2, 0.02, "ready")]
     # the confirmations wait for sequential's best lr with AdamW
     assert {r.status for r in runs if r.phase == "confirm"} == {"waiting"}
+
+
+def test_the_correction_choice_runs_at_the_bases_best_lr_and_picks_the_best_on_validation(study2, tmp_path):
+    suite = study2.SUITES["default"]
+    path = tmp_path / "runs.jsonl"
+    base = "pipeoptim+lr_correction"
+    for lr, value in zip(study2.sweep_lrs(suite, "lm", "adamw"), [150.0, 140.0, 160.0, 170.0]):
+        study2.append_line(path, _third(study2, suite, "lm", "adamw", base, lr, value))
+
+    def corrections():
+        runs = study2.plan_runs(suite, study2.load_rows(path))
+        return [(r.variant, r.stages, r.seed, r.lr, r.status) for r in runs
+                if r.phase == "correction" and r.task == "lm"]
+
+    assert {status for *_, status in corrections()} == {"waiting"}  # the halving's ends are not in
+    study2.append_line(path, _end(study2, suite, "lm", "adamw", base, 0.0005, 120.0, 121.0))
+    study2.append_line(path, _end(study2, suite, "lm", "adamw", base, 0.001, 125.0, 119.0))
+    assert corrections() == [("pipeoptim+lr_correction+horizon", 8, 0, 0.0005, "ready"),
+                             ("pipeoptim+lr_correction+prediction_warmup", 8, 0, 0.0005, "ready")]
+    assert study2.correction_choice(suite, study2.load_rows(path), "lm", "adamw") is None  # candidates not in
+
+    def candidate(variant, validation, diverged=None):
+        run = study2.Run("correction", "lm", "adamw", variant, 8, 0, 0.0005)
+        return {**run.key_fields(), "variant": variant, "validation_metric": validation, "diverged": diverged}
+
+    study2.append_line(path, candidate("pipeoptim+lr_correction+horizon", 118.5))
+    study2.append_line(path, candidate("pipeoptim+lr_correction+prediction_warmup", None, "loss became nan"))
+    choice = study2.correction_choice(suite, study2.load_rows(path), "lm", "adamw")
+    # perplexity: lower is better; a diverged candidate scores nothing
+    assert choice == {"lr": 0.0005, "metric": "perplexity", "chosen": "pipeoptim+lr_correction+horizon",
+                      "scores": {base: 120.0, "pipeoptim+lr_correction+horizon": 118.5,
+                                 "pipeoptim+lr_correction+prediction_warmup": None}}
+    # the prediction's warm-up is the lr schedule's own: 5 % of the run's 2,000 updates
+    assert study2.resolve_options(study2.variant_method("pipeoptim+lr_correction+prediction_warmup")[1], 2000) == {
+        "lr_correction": "delay", "prediction_warmup": 100}
 
 
 def test_every_lr_diverged_drops_the_rest(study2, tmp_path):
