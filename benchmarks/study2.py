@@ -473,6 +473,24 @@ def has_checkpoint(folder: Path) -> bool:
     return latest_checkpoint(folder / "checkpoints") is not None
 
 
+def train_until(cfg: RunConfig, folder: Path, data: Any, manifest: Path, label: str,
+                options: Dict[str, Any]) -> Tuple[bool, Dict[str, Any]]:
+    """Train a run's first part, resuming from its folder's last checkpoint if it has one, until
+    the checkpoint ``manifest`` is written (at once if it already was: a call stopped between
+    the checkpoint and the row). Returns (resumed, the checkpoint's manifest); ``options`` are
+    run_experiment's (quiet output, the task, the diagnostic)."""
+    resumed = has_checkpoint(folder)
+    if not manifest.exists():
+        try:
+            run_experiment(cfg, out_dir=folder, resume=resumed,
+                           data=dataclasses.replace(data, train=UntilCheckpoint(data.train, manifest)), **options)
+        except ReachedStop:
+            pass
+        else:
+            raise RuntimeError(f"{label}: trained to the end without reaching its stop point ({manifest.parent.name})")
+    return resumed, read_manifest(manifest.parent)
+
+
 def drop_checkpoints(folder: Path) -> None:
     """Free the disk once a run's checkpoints will never be resumed (the run folder's summary,
     metrics.jsonl and curves stay)."""
@@ -533,18 +551,7 @@ def execute(run: Run, suite: Dict[str, Any], study: Path, data_cache: Dict[Any, 
         if run.until == "third":
             stop = stop_point(per_epoch, spec["epochs"], spec["eval_every"], suite["halving"]["share"])
             manifest = folder / "checkpoints" / checkpoint_name(*divmod(stop, per_epoch)) / "manifest.json"
-            row["resumed"] = has_checkpoint(folder)
-            if not manifest.exists():  # (it does when a call was stopped between the checkpoint and the row)
-                try:
-                    run_experiment(cfg, out_dir=folder, resume=row["resumed"],
-                                   data=dataclasses.replace(data, train=UntilCheckpoint(data.train, manifest)),
-                                   **quiet)
-                except ReachedStop:
-                    pass
-                else:
-                    raise RuntimeError(f"{run.label()}: trained to the end without reaching its stop point "
-                                       f"({manifest.parent.name})")
-            state = read_manifest(manifest.parent)
+            row["resumed"], state = train_until(cfg, folder, data, manifest, run.label(), quiet)
             evaluations = state["evaluations"]
             if not evaluations or evaluations[-1]["batch"] != stop:
                 raise RuntimeError(f"{manifest}: the last evaluation is not at mini-batch {stop}")

@@ -40,13 +40,13 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 from study import append_line  # noqa: E402
-from study2 import (LR_SCHEDULE, ReachedStop, UntilCheckpoint, curve, drop_checkpoints,  # noqa: E402
-                    has_checkpoint, parse_shard, stop_point)
+from study2 import (LR_SCHEDULE, curve, drop_checkpoints, has_checkpoint, parse_shard, stop_point,  # noqa: E402
+                    train_until)
 from study3_plan import Run, load_rows, plan_runs, print_plan, shard_runs  # noqa: E402
 from study3_suite import RESULTS, SUITES, variant_spec  # noqa: E402
 from study3_times import TIMES, read_times, seconds_per_batch  # noqa: E402
 
-from pipeoptim.checkpoint import checkpoint_name, read_manifest  # noqa: E402
+from pipeoptim.checkpoint import checkpoint_name  # noqa: E402
 from pipeoptim.errors import NonFiniteLoss  # noqa: E402
 from pipeoptim.experiment import RunConfig, load_data, run_experiment  # noqa: E402
 from pipeoptim.methods import get_method  # noqa: E402
@@ -104,17 +104,7 @@ def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
         if run.until == "third":
             stop = stop_point(run.updates, 1, spec["eval_every"], suite["halving"]["share"])
             manifest = folder / "checkpoints" / checkpoint_name(0, stop) / "manifest.json"
-            row["resumed"] = has_checkpoint(folder)
-            if not manifest.exists():
-                try:
-                    run_experiment(cfg, out_dir=folder, resume=row["resumed"],
-                                   data=dataclasses.replace(data, train=UntilCheckpoint(data.train, manifest)),
-                                   **quiet)
-                except ReachedStop:
-                    pass
-                else:
-                    raise RuntimeError(f"{run.label()}: trained to the end without reaching its stop point")
-            state = read_manifest(manifest.parent)
+            row["resumed"], state = train_until(cfg, folder, data, manifest, run.label(), quiet)
             evaluations = state["evaluations"]
             row.update(diverged=None, stopped_at=stop, final_metric=None,
                        validation_metric=evaluations[-1]["metric"], evaluations=curve(evaluations),
