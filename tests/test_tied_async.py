@@ -116,7 +116,7 @@ def test_pipeoptim_and_pipedream_differ_only_by_the_prediction():
 
 #: every asynchronous method of one chunk per stage
 ASYNC = [m for m in pipeoptim.method_names() if not get_method(m).synchronous and get_method(m).chunks == 1]
-MICRO = {"pipedream-2bw": 2, "pipeoptim-2bw": 2}
+MICRO = {"pipedream-2bw": 2, "pipeoptim-2bw": 2, "1f1b-flush": 1}
 
 
 def train_gpt(method: str, **settings):
@@ -138,6 +138,41 @@ def test_every_asynchronous_method_trains_a_tied_gpt(method):
     # recomputation changes nothing (the holder's tied values are held per micro-batch)
     again, _ = train_gpt(method, recompute=True)
     assert again == losses
+
+
+def test_a_synchronous_warm_up_over_the_whole_run_is_synchronous_training():
+    """pipeoptim whose sync_warmup covers every mini-batch runs 1F1B with a flush: the tie's
+    per-micro-batch rule then gives 1f1b-flush's numbers (the owner's forward values are W^(t)
+    for every micro-batch, every gradient joins update t)."""
+    expected, _ = train_gpt("1f1b-flush")
+    losses, pipe = train_gpt("pipeoptim", sync_warmup=4)
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert pipe.stages[1].tied.synchronous is False  # the asynchronous path ran
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_tied_gpt_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
+    """Checkpoints drain the pipeline: nothing of the tie is in flight there, and a resumed
+    pipeoptim run gives the uninterrupted run's losses."""
+    data = lm_batches(count=4)
+
+    def fit(folder, **kwargs):
+        torch.manual_seed(0)
+        pipe = pipeoptim.Pipeline(TinyGPT(layers=1), method="pipeoptim", split_points=["layers.0"],
+                                  loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        return pipe.fit(data, epochs=2, checkpoint_dir=folder, checkpoint_every=3, **kwargs)
+
+    expected = fit(tmp_path / "full").losses
+
+    def crash_at_6(index, loss):
+        if index == 6:
+            raise Crash()
+    with pytest.raises(Crash):
+        fit(tmp_path / "cut", on_batch=crash_at_6)
+    assert fit(tmp_path / "cut", resume=True).losses == expected
 
 
 def test_asynchronous_methods_under_torchrun_equal_one_process():
