@@ -12,7 +12,8 @@ candidate point to the next.
 A parameter read by several stages (an LM head tied to the embedding) stays one parameter: its
 *owner*, the first stage that reads it, holds it in its optimizer and weight policy; the other
 holders read it but never update it, and their gradients join the owner's before its update
-(docs/architecture.md, "Tied weights"). Only the synchronous methods support that.
+(docs/architecture.md, "Tied weights"); with an asynchronous method the other holders run each
+micro-batch on the values the owner's forward of it ran on.
 """
 from __future__ import annotations
 
@@ -135,11 +136,6 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
     parts = traced.stage_modules(spec.partition)
     prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition), traced=traced)
     _find_ties(traced, prepared)
-    if prepared.ties and not get_method(method).synchronous:
-        raise ValueError(f"{_describe_ties(prepared)}; {method} updates each stage at its own time, and "
-                         f"a weight tied across stages is supported by the synchronous methods only "
-                         f"(gpipe, 1f1b-flush): use one of them, or split points that keep every "
-                         f"reader of the tied weight on one stage")
     return prepared
 
 

@@ -42,6 +42,7 @@ from .runtime.distributed import (DistributedExecutor, GradientAverager, PipeCom
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
 from .runtime.stage import Stage, to_device
+from .runtime.tied import connect_exchanges
 
 
 def world_size() -> int:
@@ -204,7 +205,7 @@ class Torchrun:
         for stage in stages:
             stage.grad_sync = averager
         if stages[0].tied is not None:
-            self._connect_ties(stages[0].tied.ties, count, replicas)
+            self._connect_ties(stages[0].tied, count, replicas)
 
     def agree(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
@@ -221,18 +222,28 @@ class Torchrun:
             raise PipelineCommError(f"{what}: rank 0 did not answer within {self.timeout:g} s ({error})") from error
         return box[0]
 
-    def _connect_ties(self, ties: List[Any], stages: int, replicas: int) -> None:
+    def _connect_ties(self, tied: Any, stages: int, replicas: int) -> None:
         """A group of the holders' ranks for each tied weight, in each replica (every rank makes
-        every group, in the same order)."""
+        every group, in the same order); with an asynchronous method, the 2-rank groups its
+        values and gradients travel on per micro-batch (``runtime/tied.connect_exchanges``; one
+        replica, ties being refused with more)."""
         import datetime
 
-        for tie in ties:
+        delta = datetime.timedelta(seconds=self.timeout)
+        for tie in tied.ties:
             for d in range(replicas):
                 ranks = [d * stages + k for k in tie.holders]
-                made = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout))
+                made = dist.new_group(ranks, timeout=delta)
                 if self.rank in ranks:
                     tie.group, tie.owner_rank = made, ranks[0]
                     self._made.append(made)
+        if not tied.synchronous:
+            def new_group(ranks: List[int]) -> Any:
+                made = dist.new_group(ranks, timeout=delta)
+                if self.rank in ranks:
+                    self._made.append(made)
+                return made
+            connect_exchanges(tied.ties, self.rank, lambda k: self.placement[k], new_group)
 
 
     def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:

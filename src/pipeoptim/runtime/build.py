@@ -10,7 +10,7 @@ from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
 from .stage import Stage
-from .tied import Tie, TiedWeights
+from .tied import Tie, TiedWeights, local_exchanges
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -102,9 +102,11 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
 
     ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
     ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
-    stages that read it; only the first of them (the owner) optimizes it."""
+    stages that read it; only the first of them (the owner) optimizes it (with an asynchronous
+    method, the others read it per micro-batch from the owner: ``runtime/tied.py``)."""
     parts = list(parts) if parts is not None else split(model, sizes)
     ties = ties or {}
+    exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
     n = len(parts)
     stages = []
     for k, part in enumerate(parts):
@@ -130,7 +132,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                       recompute=bool(recompute[k]) if recompute is not None else False)
         if ties:  # every tie of the model, held here or not: each rank makes the same groups
             own = {id(p): (name, p) for name, p in part.named_parameters()}
-            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0])
-                                         for key, holders in ties.items()])
+            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
+                                             exchange=exchanges[key]) for key, holders in ties.items()],
+                                     synchronous=method.synchronous)
         stages.append(stage)
     return stages

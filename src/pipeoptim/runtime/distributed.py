@@ -117,6 +117,9 @@ class DistributedExecutor(StreamedSegment):
                 self._check_prefix(final.name, f"rank {self.comm.stage}", self.order, done)
             self._run()
         self.comm.flush()
+        for stage in self.stages.values():  # asynchronous methods: the holders' copies of a tie
+            if stage.tied is not None:
+                stage.tied.drained()
 
     def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
         """(window, loss) completed since the last call: on the last stage's rank; elsewhere none."""

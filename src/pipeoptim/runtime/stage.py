@@ -116,9 +116,13 @@ class Stage:
         #: called with the parameters before each update to average their gradients over the
         #: stage's replicas (pipeline x data parallel); None: one replica
         self.grad_sync: Optional[Callable[[List[nn.Parameter]], None]] = None
-        #: weights this stage shares with other stages' processes (``runtime/tied.TiedWeights``),
-        #: made equal around each update; None: none, or all stages in one process
+        #: weights this stage shares with other stages (``runtime/tied.TiedWeights``): made equal
+        #: around each update (synchronous methods, one process per stage), or read per
+        #: micro-batch from the owner (asynchronous methods); None: no tie
         self.tied: Optional[Any] = None
+        #: per micro-batch in flight: the tied weights' values from their owner (a holder's own
+        #: leaves, docs/architecture.md, "Tied weights")
+        self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
         self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
@@ -152,12 +156,16 @@ class Stage:
                 used = [w.detach().clone() for w in (
                     [p for _, p in self.policy.named] if use.direct else use.weights.values())]
                 self._probes[microbatch] = (stale, used, use.version, use.steps, variants)
+            extra = self.tied.forward_values(microbatch, use.weights) if self.tied is not None else {}
+            weights = {**use.weights, **extra} if extra else use.weights
+            if extra:
+                self._tied_values[microbatch] = extra
             inputs = to_device(inputs, self.device)
             leaves = _leaf_inputs(inputs) if not self.is_first else inputs
             target = to_device(target, self.device) if self.is_last else None
 
             def run(values: Activation) -> Activation:
-                output = self.module(values) if use.direct else functional_call(self.module, use.weights, (values,))
+                output = self.module(values) if use.direct else functional_call(self.module, weights, (values,))
                 if self.is_last:
                     output = self.loss_fn(output, target) * loss_scale
                     _check_scalar(output)
@@ -224,6 +232,7 @@ class Stage:
             for hook in hooks:
                 hook.remove()
         self._collect_weight_grads(use)
+        self._tied_backward_done(microbatch)
         self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
@@ -246,6 +255,7 @@ class Stage:
         tensors, grads = self._output_grads(outputs, grad_output)
         inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
         weights = self.parameters() if use.direct else list(use.weights.values())
+        weights += list(self._tied_values.get(microbatch, {}).values())
         scope = contextlib.ExitStack()
         used = scope.enter_context(self.policy.backward_pass(microbatch, use))
         try:
@@ -270,6 +280,7 @@ class Stage:
         with scope:
             split_backward.backward_weight(pending)
         self._collect_weight_grads(use)
+        self._tied_backward_done(microbatch)
         self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
         self.time["B"] += time.perf_counter() - start
@@ -363,6 +374,12 @@ class Stage:
             return hook
         return [t.register_post_accumulate_grad_hook(collect(n)) for n, t in use.weights.items()
                 if t.requires_grad]
+
+    def _tied_backward_done(self, microbatch: int) -> None:
+        """A tied weight's gradient of ``microbatch``: a holder's to its owner, the holders' into
+        the owner's own (asynchronous methods; nothing otherwise)."""
+        if self.tied is not None:
+            self.tied.backward_done(microbatch, self._tied_values.pop(microbatch, {}))
 
     def _collect_weight_grads(self, use: WeightUse) -> None:
         """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""

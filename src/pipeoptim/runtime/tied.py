@@ -1,24 +1,125 @@
-"""Weights tied across stages in a run of one process per stage (docs/architecture.md, "Tied
-weights").
+"""Weights tied across stages (docs/architecture.md, "Tied weights").
 
-In one process a tied parameter is one object that every holder reads, so autograd already sums
-the holders' gradients into it and the owner's update is seen by all: nothing to do here. When
-each stage runs in its own process, every holder has its own copy; at each update of a
-synchronous method the holders (the owner, the first stage that reads it, and the others) first
-sum their gradients of it into the owner's (``all_reduce`` over a group of the holders' ranks),
-the owner applies its update, and then sends the new value to the others (``broadcast``), so that
-every copy stays equal to the one parameter of the model trained in one piece. A holder that is
-not the owner waits there for the owner's update: in a synchronous schedule that update comes
-after every backward of the mini-batch and before the next mini-batch's first forward.
+A tied parameter is read by several stages, its *holders*; the first of them, the *owner*, holds
+it in its optimizer and weight policy, the others read it and never update it.
+
+Synchronous methods. In one process the parameter is one object that every holder reads, so
+autograd already sums the holders' gradients into it and the owner's update is seen by all:
+nothing to do here. When each stage runs in its own process, every holder has its own copy; at
+each update the holders first sum their gradients of it into the owner's (``all_reduce`` over a
+group of the holders' ranks), the owner applies its update, and then sends the new value to the
+others (``broadcast``). A holder that is not the owner waits there for the owner's update: in a
+synchronous schedule that update comes after every backward of the mini-batch and before the
+next mini-batch's first forward.
+
+Asynchronous methods, per micro-batch. The owner's weight policy decides, once, what the tied
+weight is for micro-batch i: the values its own forward of i runs on (a live, stashed or
+predicted version). Every other holder runs its passes of i (forward, recomputation, backward)
+on those values, and its gradient of i is added to the owner's at the owner's backward of i, so
+that it joins the owner's update that consumes micro-batch i, with the owner's own gradient of
+i. Both exchanges follow the schedule's own dependencies (the owner's forward of i comes before
+every later stage's forward of i, their backwards of i before its backward of i), so nobody
+waits for anything the schedule does not already make it wait for, and the numbers do not
+depend on which executor runs the stages: :class:`LocalExchange` hands them over in memory,
+:class:`MessageExchange` sends them between processes (two 2-rank groups per pair, one per
+direction). After each drain the holders' own copies take the owner's value (:meth:`TiedWeights.drained`),
+for evaluations, checkpoints and ``model()``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+class LocalExchange:
+    """One tie, every holder in this process: the owner's forward values and the holders'
+    gradients, by micro-batch, in memory."""
+
+    def __init__(self, holders: List[int]) -> None:
+        self.holders = holders
+        self.values: Dict[int, List[Any]] = {}               # i -> [values, readers left]
+        self.grads: Dict[int, Dict[int, torch.Tensor]] = {}  # i -> holder -> its gradient
+
+    def publish(self, microbatch: int, value: torch.Tensor) -> None:
+        self.values[microbatch] = [value, len(self.holders) - 1]
+
+    def take(self, holder: int, microbatch: int) -> torch.Tensor:
+        return self.values[microbatch][0]
+
+    def give(self, holder: int, microbatch: int, grad: Optional[torch.Tensor]) -> None:
+        entry = self.values[microbatch]
+        entry[1] -= 1
+        if entry[1] == 0:  # every reader's backward is over: the values go
+            del self.values[microbatch]
+        if grad is not None:
+            self.grads.setdefault(microbatch, {})[holder] = grad
+
+    def collect(self, microbatch: int) -> Optional[torch.Tensor]:
+        """The holders' gradients of ``microbatch``, summed in holder order (as the processes'
+        exchange sums them, so that both runtimes add the same numbers in the same order)."""
+        given = self.grads.pop(microbatch, {})
+        total = None
+        for holder in sorted(given):
+            total = given[holder].clone() if total is None else total.add_(given[holder])
+        return total
+
+    def finish(self) -> None:
+        pass
+
+
+class MessageExchange:
+    """One tie across processes, as seen from this rank: the owner sends its forward values of
+    each micro-batch to every other holder, each holder sends back its gradient of it. Sends are
+    asynchronous and kept until complete; a receive waits only for a message the schedule has
+    already made its sender send (see the module docstring)."""
+
+    def __init__(self, owner_rank: int, like: torch.Tensor,
+                 peers: Dict[int, Tuple[int, Any, Any]]) -> None:
+        self.owner_rank = owner_rank
+        self.like = like  #: shape, dtype and device of the messages
+        #: holder stage -> (its rank, the group values travel on, the group gradients travel on);
+        #: the owner knows every other holder, another holder only itself
+        self.peers = peers
+        self._sent: List[Tuple[Any, torch.Tensor]] = []
+
+    def publish(self, microbatch: int, value: torch.Tensor) -> None:
+        for rank, values, _ in self.peers.values():
+            self._send(value, rank, values)
+
+    def take(self, holder: int, microbatch: int) -> torch.Tensor:
+        _, values, _ = self.peers[holder]
+        return self._recv(self.owner_rank, values)
+
+    def give(self, holder: int, microbatch: int, grad: Optional[torch.Tensor]) -> None:
+        _, _, grads = self.peers[holder]
+        self._send(grad.contiguous() if grad is not None else torch.zeros_like(self.like), self.owner_rank, grads)
+
+    def collect(self, microbatch: int) -> Optional[torch.Tensor]:
+        total = None
+        for holder in sorted(self.peers):
+            rank, _, grads = self.peers[holder]
+            grad = self._recv(rank, grads)
+            total = grad if total is None else total.add_(grad)
+        return total
+
+    def finish(self) -> None:
+        """Wait for every send (at a drain, where every message has a receiver)."""
+        for work, _ in self._sent:
+            work.wait()
+        self._sent = []
+
+    def _send(self, tensor: torch.Tensor, rank: int, group: Any) -> None:
+        self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+        self._sent.append((dist.isend(tensor, dst=rank, group=group), tensor))
+
+    def _recv(self, rank: int, group: Any) -> torch.Tensor:
+        buffer = torch.empty_like(self.like)
+        dist.irecv(buffer, src=rank, group=group).wait()
+        return buffer
 
 
 @dataclass
@@ -31,22 +132,31 @@ class Tie:
     name: str
     group: Any = None
     owner_rank: int = 0   #: the owner's rank in the job (``broadcast`` takes a job rank)
+    #: asynchronous methods: how the forward values and gradients travel between the holders
+    exchange: Any = field(default=None, repr=False)
 
 
 class TiedWeights:
     """Every tie of the model as seen from stage ``stage`` (all of them, in the same order on
-    every rank, so that each rank makes the same groups); :meth:`before_update` and
-    :meth:`after_update` run around the stage's optimizer step."""
+    every rank, so that each rank makes the same groups). Synchronous methods:
+    :meth:`before_update` and :meth:`after_update` run around the stage's optimizer step.
+    Asynchronous ones: :meth:`forward_values` and :meth:`backward_done` run in each forward and
+    backward, :meth:`drained` at each drain."""
 
-    def __init__(self, stage: int, ties: List[Tie]) -> None:
+    def __init__(self, stage: int, ties: List[Tie], synchronous: bool = True) -> None:
         self.stage = stage
         self.ties = ties
+        self.synchronous = synchronous
 
     def held(self) -> List[Tie]:
+        """The ties this stage holds a copy of in a run of one process per stage."""
         return [t for t in self.ties if t.param is not None and t.group is not None]
 
     def before_update(self) -> None:
-        """Sum the holders' gradients into the owner's (a holder's own is then dropped)."""
+        """Synchronous methods: sum the holders' gradients into the owner's (a holder's own is
+        then dropped)."""
+        if not self.synchronous:
+            return
         for tie in self.held():
             p = tie.param
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -55,6 +165,72 @@ class TiedWeights:
 
     @torch.no_grad()
     def after_update(self) -> None:
-        """Every holder's copy takes the owner's value after its update."""
+        """Synchronous methods: every holder's copy takes the owner's value after its update."""
+        if not self.synchronous:
+            return
         for tie in self.held():
             dist.broadcast(tie.param.data, src=tie.owner_rank, group=tie.group)
+
+    # -- asynchronous methods: per micro-batch ---------------------------------------------------
+    def _exchanged(self) -> List[Tie]:
+        return [] if self.synchronous else [t for t in self.ties if t.param is not None and t.exchange is not None]
+
+    def forward_values(self, microbatch: int, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """In a forward, with ``weights`` the tensors its policy gives it: the owner hands a copy
+        of its tied values on; another holder gets them, as a leaf of its own that collects its
+        gradient, to run its passes of ``microbatch`` on (name -> tensor, for functional_call)."""
+        extra = {}
+        for tie in self._exchanged():
+            if tie.holders[0] == self.stage:
+                value = weights[tie.name] if tie.name in weights else tie.param
+                tie.exchange.publish(microbatch, value.detach().clone())
+            else:
+                extra[tie.name] = tie.exchange.take(self.stage, microbatch).detach().requires_grad_(True)
+        return extra
+
+    def backward_done(self, microbatch: int, extra: Dict[str, torch.Tensor]) -> None:
+        """After a backward's weight gradients: a holder gives its gradient of the tied weight
+        (``extra``, from :meth:`forward_values`) to the owner; the owner adds the holders'
+        gradients of ``microbatch`` to its own, in the window that micro-batch belongs to."""
+        for tie in self._exchanged():
+            if tie.holders[0] == self.stage:
+                grad = tie.exchange.collect(microbatch)
+                if grad is not None:
+                    p = tie.param
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+            else:
+                leaf = extra[tie.name]
+                tie.exchange.give(self.stage, microbatch, leaf.grad)
+                leaf.grad = None
+
+    @torch.no_grad()
+    def drained(self) -> None:
+        """At a drain of a run of one process per stage (asynchronous methods): every send is
+        complete, and every holder's copy takes the owner's value."""
+        for tie in self._exchanged():
+            tie.exchange.finish()
+            if tie.group is not None:
+                dist.broadcast(tie.param.data, src=tie.owner_rank, group=tie.group)
+
+
+def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
+    """One in-memory exchange per tie (key ``id(parameter)``), shared by its holders' stages."""
+    return {key: LocalExchange(holders) for key, holders in ties.items()}
+
+
+def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
+                      new_group: Callable[[List[int]], Any]) -> None:
+    """The processes' exchanges of the asynchronous methods: for every tie, every other holder
+    and each direction, a 2-rank group with the owner (every rank makes every group, in the same
+    order, as ``new_group`` requires); the ties this rank holds get a :class:`MessageExchange`.
+    ``rank_of(stage)``: the job rank of a stage."""
+    for tie in ties:
+        owner = rank_of(tie.holders[0])
+        peers = {}
+        for holder in tie.holders[1:]:
+            ranks = [owner, rank_of(holder)]
+            values, grads = new_group(ranks), new_group(ranks)
+            if rank == owner or rank == ranks[1]:
+                peers[holder] = (ranks[1], values, grads)
+        if tie.param is not None and peers:  # the owner knows every other holder, a holder itself
+            tie.exchange = MessageExchange(owner, tie.param.detach(), peers)
