@@ -145,3 +145,27 @@ def test_chunked_candidates_need_layers_and_a_multiple_of_the_stages():
     assert "multiple of the stages" in candidate_problem("interleaved", 2, 3, 8, layers=4)
     with pytest.raises(ValueError, match="multiple of 2 pieces"):
         predict("interleaved", synthetic(3), [1, 1, 1], microbatches=2, batches=1, batch_size=8)
+
+
+def test_bench_reports_the_measured_peak_against_the_prediction(tmp_path, capfd):
+    """`pipeoptim bench --recompute both`: every pipelined run twice; per stage the measured peak
+    of activations held against the prediction, equal on the first stage of the blocks model
+    (1f1b-flush and gpipe at N = M = 2: 2 micro-batches in flight, each the profiled bytes)."""
+    import json
+
+    from pipeoptim.cli import main
+
+    assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "0", "--batch-size", "16",
+                 "--methods", "1f1b-flush,gpipe", "--recompute", "both", "--no-baselines", "--repeats", "1",
+                 "--json", "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert set(result["samples_per_second"]) == {"1f1b-flush", "1f1b-flush+recompute", "gpipe", "gpipe+recompute"}
+    assert result["settings"]["recompute"] == "both"
+    rows, image, width = 8, 28 * 28 * 4, 512 * 4  # micro-batch rows; bytes of one row's image, of one feature row
+    for name in result["samples_per_second"]:
+        first = result["detail"][name]["activations"][0]
+        assert first["measured_in_flight"] == first["predicted_in_flight"] == 2
+        assert first["measured_bytes"] == first["predicted_bytes"]
+        # the input and 4 ReLU outputs per micro-batch; with recomputation the input and the output
+        per_mb = rows * (image + width) if name.endswith("+recompute") else rows * (image + 4 * width)
+        assert first["measured_bytes_per_microbatch"] == per_mb

@@ -31,7 +31,7 @@ from .methods import get_method
 from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
 from .plan_defaults import PARTITIONERS
 from .profile import ModelProfile, profile_model
-from .schedules import Costs, Schedule, build_schedule, simulate
+from .schedules import Costs, Schedule, build_schedule, peak_activations, simulate
 
 EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
 
@@ -268,3 +268,17 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
                 f"use fewer stages")
     return None
 
+
+
+def predicted_activations(profile: ModelProfile, sizes: Sequence[int], method: str, ranks: int, microbatches: int,
+                          batches: int = 2, recompute: bool = False) -> List[Dict[str, int]]:
+    """Per model stage of the split ``sizes``: the simulator's peak count of micro-batches in
+    flight under ``method`` (``ranks`` processes, ``batches`` mini-batches of ``microbatches``),
+    the bytes one micro-batch holds there (``profile``: one micro-batch's) and their product, the
+    prediction :mod:`pipeoptim.runtime.held`'s measured peak is read against."""
+    peaks = peak_activations(get_method(method).build_schedule(ranks, microbatches, batches))
+    out = []
+    for peak, (a, b) in zip(peaks, profile.stage_slices(list(sizes))):
+        held = profile.held_bytes(a, b, recompute=recompute)
+        out.append({"in_flight_microbatches": int(peak), "bytes_per_microbatch": held, "bytes": int(peak) * held})
+    return out
