@@ -181,12 +181,19 @@ def _worker(args: argparse.Namespace) -> int:
     warm, timed = data[:args.warmup], data[args.warmup:]
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
 
+    cpu_log: Dict[str, float] = {}  # the last timed region's CPU seconds, summed over the processes
+
     def timed_region(fn) -> float:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fn()
+        spent = time.process_time() - cpu
         dist.barrier()
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+        total = torch.tensor([spent], dtype=torch.float64)
+        dist.all_reduce(total)
+        cpu_log["last"] = float(total)
+        return wall
 
     def plain() -> float:
         """The whole model on rank 0, one thread, a plain loop; rank 1 waits at the barrier."""
@@ -274,15 +281,19 @@ def _worker(args: argparse.Namespace) -> int:
         return ours(schedule, micro) if side == "ours" else peer(schedule, micro)
 
     rounds: List[Dict[str, float]] = []
+    cpu_rounds: List[Dict[str, float]] = []  # per round and run: CPU ms per mini-batch, all processes
     chosen = SETS[args.runs]
     for r in range(args.rounds):
         shift = r % len(chosen)  # rotate the order so that no run always follows the same one
         order = chosen[shift:] + chosen[:shift]
         seconds = {PLAIN: plain()}
+        cpu_round: Dict[str, float] = {}
         for label, side, schedule, micro in order:
             seconds[label] = one(label, side, schedule, micro)
+            cpu_round[label] = cpu_log["last"] * 1e3 / args.batches
         sps = {k: BATCH * args.batches / v for k, v in seconds.items()}
         rounds.append(sps)
+        cpu_rounds.append(dict(cpu_round))
         say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.0f}" for k, v in sps.items()) + " samples/s")
     dist.barrier()
     if rank == 0:
@@ -296,6 +307,12 @@ def _worker(args: argparse.Namespace) -> int:
                          "backend": "gloo", "synthetic": True, "torch": torch.__version__,
                          "cores": os.cpu_count()},
             "rounds_samples_per_second": rounds,
+            # CPU time is what the processes computed and spent on the runtime, whatever else ran on
+            # the machine (preemption does not inflate it): on a loaded host, the fairer comparison
+            "cpu_ms_per_batch": {name: spread([r[name] for r in cpu_rounds]) for name in cpu_rounds[0]},
+            "cpu_ratios": {name: spread([r[num] / r[den] for r in cpu_rounds])
+                           for name, num, den in PAIRS + CHUNK_PAIRS
+                           if num in cpu_rounds[0] and den in cpu_rounds[0]},
             **summary,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -349,6 +366,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"(after {s['warmup']} warm-up), {s['rounds']} rounds, momentum SGD, 2 processes (gloo, 1 thread), "
           f"torch {s['torch']}")
     print(format_table(result))
+    print("\nCPU ms per mini-batch, all processes (ours / torch, per round; > 1: ours computes more):")
+    for name, c in result["cpu_ratios"].items():
+        print(f"  {name}: {c['median']:.3f} (min {c['min']:.3f}, max {c['max']:.3f}, IQR {c['iqr']:.3f})")
     la = result["load_average"]
     print("\nratios taken within each round; x plain: samples/s over the same round's plain one-thread loop")
     print(f"load average before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
