@@ -235,6 +235,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
     reference = predict("sequential", full, [layers], microbatches=1, batches=batches, batch_size=batch_size,
                         measured=timing([layers], 1))
 
+    weighted = sum(1 for layer in net if any(True for _ in layer.parameters()))  # what chunks split
     candidates, skipped = [], []
     for m in microbatches:
         prof = profiles[m]
@@ -244,7 +245,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
             n = 1 if method == "sequential" else stages
             if method == "sequential" and m != 1:
                 continue
-            problem = candidate_problem(method, n, m, batch_size, layers)
+            problem = candidate_problem(method, n, m, batch_size, weighted)
             if problem:
                 skipped.append({"method": method, "microbatches": m, "reason": problem})
                 continue

@@ -255,7 +255,8 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
 
 def candidate_problem(method: str, stages: int, microbatches: int, batch_size: int,
                       layers: Optional[int] = None) -> Optional[str]:
-    """Why (method, M) cannot run on ``stages`` processes (a model of ``layers`` layers), or None."""
+    """Why (method, M) cannot run on ``stages`` processes (a model of ``layers`` layers with
+    parameters, the pieces a chunked method needs), or None."""
     if microbatches > batch_size:
         return f"{microbatches} micro-batches need a batch of at least {microbatches} (batch size {batch_size})"
     meth = get_method(method)
@@ -264,8 +265,8 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
     if meth.schedule == "interleaved-1f1b" and microbatches % stages:
         return f"{method} needs micro-batches that are a multiple of the stages ({microbatches}, {stages} stages)"
     if layers is not None and meth.chunks * stages > layers:
-        return (f"{method} splits the model into {stages} x {meth.chunks} chunks but it has {layers} layers; "
-                f"use fewer stages")
+        return (f"{method} splits the model into {stages} x {meth.chunks} chunks but it has {layers} layers "
+                f"with parameters; use fewer stages")
     return None
 
 
