@@ -114,6 +114,7 @@ class Stage:
         self._kept_bytes: Dict[int, int] = {}
         #: the activations held per micro-batch in flight, measured (``runtime/held.py``)
         self.held = HeldActivations()
+        self._buffers: Optional[List[torch.Tensor]] = None
         #: per update: the learning rates it applied (the scheduler's effect, checkable)
         self.updates: List[UpdateEntry] = []
         #: called with the parameters before each update to average their gradients over the
@@ -166,8 +167,9 @@ class Stage:
                     _check_scalar(output)
                 return output
 
-            weights = [*self.module.parameters(), *self.module.buffers(),
-                       *([] if use.direct else use.weights.values())]
+            if self._buffers is None:  # updated in place (BatchNorm's statistics): found once
+                self._buffers = list(self.module.buffers())
+            weights = [*self.parameters(), *self._buffers, *([] if use.direct else use.weights.values())]
             with torch.enable_grad(), self.autocast(), self.held.forward(microbatch, weights):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
