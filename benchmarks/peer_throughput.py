@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipeoptim.bench_worker import quartiles  # the same quartiles as `pipeoptim bench`
 
@@ -54,7 +54,29 @@ RUNS = [
     ("torch Schedule1F1B M=4", "torch", "Schedule1F1B", 4),
     ("ours pipeoptim", "ours", "pipeoptim", None),
 ]
+#: the schedules with several chunks per process or a split backward (issue 26), at M = 4: the
+#: model in 4 pieces (uniform: CHUNK_PARTITION), two per process, placed as each schedule says
+#: (interleaved: pieces r and r + 2 on process r; V: pieces r and 3 - r); zb-h1 (one piece per
+#: process, PARTITION) against torch's ScheduleInterleavedZeroBubble with one stage per process,
+#: the zero-bubble schedule torch runs on that placement
+CHUNK_RUNS = [
+    ("ours interleaved M=4", "ours", "interleaved", 4),
+    ("torch ScheduleInterleaved1F1B M=4", "torch", "ScheduleInterleaved1F1B", 4),
+    ("ours zb-v M=4", "ours", "zb-v", 4),
+    ("torch ScheduleZBVZeroBubble M=4", "torch", "ScheduleZBVZeroBubble", 4),
+    ("ours zb-h1 M=4", "ours", "zb-h1", 4),
+    ("torch ScheduleInterleavedZeroBubble (1 stage/process) M=4", "torch", "ScheduleInterleavedZeroBubble", 4),
+]
+CHUNK_PARTITION = [2, 2, 2, 3]
+SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS}  #: --runs
 TORCH_RUNS = [label for label, side, _, _ in RUNS if side == "torch"]
+CHUNK_PAIRS = [
+    ("ours interleaved / torch ScheduleInterleaved1F1B, V=2 M=4", "ours interleaved M=4",
+     "torch ScheduleInterleaved1F1B M=4"),
+    ("ours zb-v / torch ScheduleZBVZeroBubble, M=4", "ours zb-v M=4", "torch ScheduleZBVZeroBubble M=4"),
+    ("ours zb-h1 / torch ScheduleInterleavedZeroBubble (1 stage/process), M=4", "ours zb-h1 M=4",
+     "torch ScheduleInterleavedZeroBubble (1 stage/process) M=4"),
+]
 PAIRS = [  # (ratio name, numerator run, denominator run or the torch runs' best)
     ("ours gpipe / torch ScheduleGPipe, M=2", "ours gpipe M=2", "torch ScheduleGPipe M=2"),
     ("ours gpipe / torch ScheduleGPipe, M=4", "ours gpipe M=4", "torch ScheduleGPipe M=4"),
@@ -86,7 +108,11 @@ def pair_ratios(rounds: List[Dict[str, float]], pairs=PAIRS, torch_runs=TORCH_RU
     """Per pair, the ratio numerator / denominator within each round (``best torch``: the
     fastest of the torch runs of that round), and its median and spread over the rounds."""
     out = {}
+    present = set(rounds[0]) if rounds else set()
+    torch_runs = [n for n in torch_runs if n in present]
     for name, num, den in pairs:
+        if num not in present or (den not in present and not (den == "best torch" and torch_runs)):
+            continue  # a pair of runs this invocation did not time (--runs)
         values = [r[num] / (best_of(r, torch_runs) if den == "best torch" else r[den]) for r in rounds]
         out[name] = spread(values)
     return out
@@ -102,7 +128,7 @@ def summarise(samples_per_second: List[Dict[str, float]]) -> Dict[str, Any]:
         if name != PLAIN:
             entry["x_plain"] = spread([r[name] for r in norm])
         runs[name] = entry
-    return {"runs": runs, "ratios": pair_ratios(norm)}
+    return {"runs": runs, "ratios": pair_ratios(norm, pairs=PAIRS + CHUNK_PAIRS)}
 
 
 def format_table(summary: Dict[str, Any]) -> str:
@@ -155,12 +181,19 @@ def _worker(args: argparse.Namespace) -> int:
     warm, timed = data[:args.warmup], data[args.warmup:]
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
 
+    cpu_log: Dict[str, float] = {}  # the last timed region's CPU seconds, summed over the processes
+
     def timed_region(fn) -> float:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fn()
+        spent = time.process_time() - cpu
         dist.barrier()
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+        total = torch.tensor([spent], dtype=torch.float64)
+        dist.all_reduce(total)
+        cpu_log["last"] = float(total)
+        return wall
 
     def plain() -> float:
         """The whole model on rank 0, one thread, a plain loop; rank 1 waits at the barrier."""
@@ -206,30 +239,80 @@ def _worker(args: argparse.Namespace) -> int:
         loop(warm)
         return timed_region(lambda: loop(timed))
 
+    def pieces_of(schedule: str) -> Tuple[List[int], List[int]]:
+        """The split and this process's pieces (in chain order) of a schedule."""
+        if schedule in ("interleaved", "ScheduleInterleaved1F1B"):
+            return CHUNK_PARTITION, [rank, rank + world]
+        if schedule in ("zb-v", "ScheduleZBVZeroBubble"):
+            return CHUNK_PARTITION, [rank, 2 * world - 1 - rank]
+        return PARTITION, [rank]
+
+    def ours_chunked(method: str, micro: int) -> float:
+        pipeline = Pipeline(blocks_model(2), method=method, loss_fn=loss_fn, optimizer=optimizer,
+                            stages=2, partition=pieces_of(method)[0], micro_batches=micro, devices="cpu",
+                            timeout=args.timeout, threads=1)
+        if warm:
+            pipeline.fit(warm)
+        return timed_region(lambda: pipeline.fit(timed))
+
+    def peer_chunked(schedule_name: str, micro: int) -> float:
+        sizes, mine = pieces_of(schedule_name)
+        parts = split(blocks_model(2), sizes)
+        stages = [pipelining.PipelineStage(parts[s], s, len(sizes), torch.device("cpu")) for s in mine]
+        schedule = getattr(pipelining, schedule_name)(
+            stages, n_microbatches=micro, scale_grads=False,
+            loss_fn=lambda output, target: loss_fn(output, target) * (target.shape[0] / BATCH))
+        opt = optimizer([p for s in mine for p in parts[s].parameters()])
+        first, last = 0 in mine, len(sizes) - 1 in mine
+
+        def loop(chunk):
+            for x, y in chunk:
+                opt.zero_grad(set_to_none=True)
+                kwargs = {"target": y, "losses": []} if last else {}
+                schedule.step(*((x,) if first else ()), **kwargs)
+                opt.step()
+
+        loop(warm)
+        return timed_region(lambda: loop(timed))
+
     def one(label: str, side: str, schedule: str, micro: Optional[int]) -> float:
+        if (label, side, schedule, micro) in CHUNK_RUNS:
+            return ours_chunked(schedule, micro) if side == "ours" else peer_chunked(schedule, micro)
         return ours(schedule, micro) if side == "ours" else peer(schedule, micro)
 
     rounds: List[Dict[str, float]] = []
+    cpu_rounds: List[Dict[str, float]] = []  # per round and run: CPU ms per mini-batch, all processes
+    chosen = SETS[args.runs]
     for r in range(args.rounds):
-        shift = r % len(RUNS)  # rotate the order so that no run always follows the same one
-        order = RUNS[shift:] + RUNS[:shift]
+        shift = r % len(chosen)  # rotate the order so that no run always follows the same one
+        order = chosen[shift:] + chosen[:shift]
         seconds = {PLAIN: plain()}
+        cpu_round: Dict[str, float] = {}
         for label, side, schedule, micro in order:
             seconds[label] = one(label, side, schedule, micro)
+            cpu_round[label] = cpu_log["last"] * 1e3 / args.batches
         sps = {k: BATCH * args.batches / v for k, v in seconds.items()}
         rounds.append(sps)
+        cpu_rounds.append(dict(cpu_round))
         say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.0f}" for k, v in sps.items()) + " samples/s")
     dist.barrier()
     if rank == 0:
         summary = summarise(rounds)
         result = {
             "benchmark": "peer_throughput",
-            "settings": {"model": "blocks", "partition": PARTITION, "batch_size": BATCH,
+            "settings": {"model": "blocks", "partition": PARTITION, "chunk_partition": CHUNK_PARTITION,
+                         "runs": args.runs, "batch_size": BATCH,
                          "batches": args.batches, "warmup": args.warmup, "rounds": args.rounds,
                          "optimizer": "momentum", "lr": LR, "processes": world, "threads_per_process": 1,
                          "backend": "gloo", "synthetic": True, "torch": torch.__version__,
                          "cores": os.cpu_count()},
             "rounds_samples_per_second": rounds,
+            # CPU time is what the processes computed and spent on the runtime, whatever else ran on
+            # the machine (preemption does not inflate it): on a loaded host, the fairer comparison
+            "cpu_ms_per_batch": {name: spread([r[name] for r in cpu_rounds]) for name in cpu_rounds[0]},
+            "cpu_ratios": {name: spread([r[num] / r[den] for r in cpu_rounds])
+                           for name, num, den in PAIRS + CHUNK_PAIRS
+                           if num in cpu_rounds[0] and den in cpu_rounds[0]},
             **summary,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +326,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--batches", type=int, default=16, help="timed mini-batches per run (default: 16)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed mini-batches per run first (default: 1)")
+    parser.add_argument("--runs", choices=sorted(SETS), default="all",
+                        help="sync: gpipe, 1f1b-flush and pipeoptim against ScheduleGPipe and Schedule1F1B; "
+                             "chunks: interleaved, zb-v and zb-h1 against ScheduleInterleaved1F1B, "
+                             "ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble; all (default): both")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a process waits for its peer")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results file (default: %(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -262,7 +349,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds),
-               "--batches", str(args.batches), "--warmup", str(args.warmup),
+               "--batches", str(args.batches), "--warmup", str(args.warmup), "--runs", args.runs,
                "--timeout", str(args.timeout), "--out", str(out)]
         start = time.monotonic()
         code = subprocess.call(cmd, env=env)
@@ -279,6 +366,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"(after {s['warmup']} warm-up), {s['rounds']} rounds, momentum SGD, 2 processes (gloo, 1 thread), "
           f"torch {s['torch']}")
     print(format_table(result))
+    print("\nCPU ms per mini-batch, all processes (ours / torch, per round; > 1: ours computes more):")
+    for name, c in result["cpu_ratios"].items():
+        print(f"  {name}: {c['median']:.3f} (min {c['min']:.3f}, max {c['max']:.3f}, IQR {c['iqr']:.3f})")
     la = result["load_average"]
     print("\nratios taken within each round; x plain: samples/s over the same round's plain one-thread loop")
     print(f"load average before {', '.join(f'{x:.2f}' for x in la['before'])}; after "

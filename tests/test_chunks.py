@@ -249,3 +249,32 @@ def test_bench_runs_the_chunked_methods(tmp_path, capfd):
     assert set(result["samples_per_second"]) == {"interleaved", "zb-v"}
     assert all(v > 0 for v in result["samples_per_second"].values())
     assert result["detail"]["interleaved"]["microbatches"] == result["detail"]["zb-v"]["microbatches"] == 2
+
+
+def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path):
+    """`interleaved` with 2 chunks per process under torchrun (2 processes, 4 pieces): a run whose
+    processes all end after 13 mini-batches (checkpoints every 5) resumes from the checkpoint at
+    mini-batch 10 to the losses and weights of the uninterrupted run."""
+    import json
+    import subprocess
+    import sys
+
+    from test_torchrun import CHECKPOINT_SCRIPT, REPO, _env
+
+    def job(folder, *extra):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", str(CHECKPOINT_SCRIPT), str(folder), "16", "2", "0", "interleaved", *extra],
+                              capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+
+    whole = job(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = job(tmp_path / "cut", "13")
+    assert cut.returncode != 0 and not (tmp_path / "cut" / "result.json").exists()
+    latest = json.loads((tmp_path / "cut" / "checkpoints" / "latest.json").read_text())
+    resumed = job(tmp_path / "cut")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = json.loads((tmp_path / "whole" / "result.json").read_text())
+    b = json.loads((tmp_path / "cut" / "result.json").read_text())
+    assert len(a["losses"]) == 32 and b["losses"] == a["losses"]
+    assert b["weights"] == a["weights"]
+    assert latest  # the cut run left a checkpoint to resume from

@@ -27,7 +27,7 @@ runtime               runtime/ (stage, the local and distributed executors and t
 API                   pipeline (pipeoptim.Pipeline), world (where the stages run: the local
                       world, the checkpoint writer and reader), torchrun (the Pipeline under
                       torchrun), fit (fit's loop), train (pipeoptim.train), profile
-experiment            experiment (task + method + run folder), tasks/, planner, plots,
+experiment            experiment (task + method + run folder), tasks/, planner, prediction, plots,
                       optimizers (by name), launcher (torchrun's agent, the stage worker),
                       run_folder (status files, last checkpoint), bench_worker,
                       time_to_target (the study's arithmetic)
@@ -51,7 +51,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
     ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun"]),
-    ("experiment", ["experiment", "tasks", "tasks.*", "planner", "plots", "optimizers", "launcher",
+    ("experiment", ["experiment", "tasks", "tasks.*", "planner", "prediction", "plots", "optimizers", "launcher",
                     "run_folder", "bench_worker", "time_to_target"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),
 ]

@@ -55,8 +55,9 @@ def test_gpipe_prediction_matches_the_closed_form():
     assert row["bubble_fraction"] == pytest.approx(1 / 5)
     mem = row["memory"]
     assert [m["in_flight_microbatches"] for m in mem] == [4, 4]
-    # stage 1 holds its saved bytes plus its received input (100 bytes, not saved by its first layer)
-    assert [m["activation_bytes_per_microbatch"] for m in mem] == [30, 70 + 100]
+    # stage 1 holds its saved bytes plus its received input (100 bytes, not saved by its first layer);
+    # stage 0 its output (100 bytes, not saved by its last layer) until the backward
+    assert [m["activation_bytes_per_microbatch"] for m in mem] == [30 + 100, 70 + 100]  # + its output (unsaved)
     assert mem[0]["weights"] == 2000 and mem[0]["gradients"] == 2000 and mem[0]["optimizer"] == 2000
     assert mem[1]["total"] == 2000 * 3 + 4 * 170
     assert row["max_stage_memory"] == mem[1]["total"]

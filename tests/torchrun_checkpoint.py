@@ -2,9 +2,14 @@
 run under torchrun (one stage per process) or python. Always resumes from the newest checkpoint
 in RUN (starting fresh when there is none); rank 0 writes RUN/result.json at the end.
 
-    script RUN [BATCHES] [EPOCHS] [DELAY_S]
+    script RUN [BATCHES] [EPOCHS] [DELAY_S] [METHOD] [STOP_AFTER]
+
+METHOD (default pipeoptim; ``interleaved``: 2 chunks per process); STOP_AFTER: every process
+ends at once (``os._exit(3)``) after that many mini-batches, as a crash would, for a resume that
+starts mid-epoch from the last checkpoint.
 """
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,15 +22,29 @@ import pipeoptim
 run = Path(sys.argv[1])
 batches, epochs = int(sys.argv[2]) if len(sys.argv) > 2 else 40, int(sys.argv[3]) if len(sys.argv) > 3 else 2
 delay = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+method = sys.argv[5] if len(sys.argv) > 5 else "pipeoptim"
+stop_after = int(sys.argv[6]) if len(sys.argv) > 6 else None
+seen = [0]
+
+
+def on_batch(i, loss):
+    seen[0] += 1
+    if stop_after is not None and seen[0] >= stop_after:
+        os._exit(3)
+    time.sleep(delay)
+
+
 g = torch.Generator().manual_seed(1)
 data = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(batches)]
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
-pipe = pipeoptim.Pipeline(model, method="pipeoptim", stages=2, loss_fn=nn.functional.cross_entropy, timeout=60,
+if method == "interleaved":  # 4 pieces need 4 layers with parameters
+    model = nn.Sequential(*model[:5], nn.Linear(32, 32), nn.Tanh(), model[5])
+pipe = pipeoptim.Pipeline(model, method=method, stages=2, loss_fn=nn.functional.cross_entropy, timeout=60,
                           optimizer=lambda p: torch.optim.Adam(p, lr=3e-3),
                           lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=15, gamma=0.5))
 result = pipe.fit(data, epochs=epochs, checkpoint_dir=run / "checkpoints", checkpoint_every=5, resume=True,
-                  on_batch=lambda i, loss: time.sleep(delay))
+                  on_batch=on_batch)
 weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
 if pipe.rank == 0:
     (run / "result.json").write_text(json.dumps({"losses": result.losses, "weights": weights}))

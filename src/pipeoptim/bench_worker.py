@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 BLOCK_WIDTH = 512
+RECOMPUTE_SUFFIX = "+recompute"  #: appended to a run's name when it recomputes its activations
 BLOCKS_PER_STAGE = 4
 
 
@@ -82,15 +83,34 @@ class PipelineRun:
     each process, and the Pipeline's result."""
 
     def __init__(self, samples_per_second: float, seconds: float, cpu_share: List[float], result: Any,
-                 microbatches: int) -> None:
+                 microbatches: int, predicted: Any = None) -> None:
         self.samples_per_second, self.seconds, self.cpu_share = samples_per_second, seconds, cpu_share
         self.result, self.microbatches = result, microbatches
+        #: per model stage, the predicted activations (:func:`pipeoptim.prediction.predicted_activations`)
+        self.predicted = predicted
+
+
+def activations(measured: List[Dict[str, int]], predicted: Any) -> List[Dict[str, Any]]:
+    """Per model stage: the peak bytes of activations held, measured (``runtime/held.py``) and
+    predicted (the simulator's micro-batches in flight x the profiled bytes per micro-batch), the
+    in-flight counts of both and the measured bytes of the largest micro-batch."""
+    out = []
+    for k, m in enumerate(measured):
+        row = {"measured_bytes": m["peak_bytes"], "measured_in_flight": m["peak_microbatches"],
+               "measured_bytes_per_microbatch": m["microbatch_bytes"]}
+        if predicted is not None:
+            p = predicted[k]
+            row.update(predicted_bytes=p["bytes"], predicted_in_flight=p["in_flight_microbatches"],
+                       predicted_bytes_per_microbatch=p["bytes_per_microbatch"])
+        out.append(row)
+    return out
 
 
 def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int, replicas: int) -> Dict[str, Any]:
     """The median round's figures (and every round's throughput, and its interquartile range):
     per stage, ms per pass (``stage_ms``) and per mini-batch computing, waiting on each link and
-    the bytes it carried (``profile_ms_per_batch``); each round's CPU share per process."""
+    the bytes it carried (``profile_ms_per_batch``), the peak of activations held, measured and
+    predicted (``activations``, per model stage); each round's CPU share per process."""
     sps = [r.samples_per_second for r in rounds]
     res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
     metrics, m = res.result.metrics, res.microbatches
@@ -106,6 +126,7 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
             "microbatches": m, "partition": metrics["partition"], "processes": processes, "replicas": replicas,
             "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()} for st in metrics["stage_seconds"]],
             "ms_per_batch": round(1e3 * res.seconds / timed, 3), "profile_ms_per_batch": profile,
+            "activations": activations(metrics["activations"], res.predicted),
             "final_loss": res.result.losses[-1]}
 
 
@@ -120,6 +141,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
     from .optimizers import make_optimizer
     from .partition import plan_partition
     from .pipeline import Pipeline
+    from .prediction import predicted_activations
+    from .profile import profile_model
     from .runtime.distributed import init_process_group
     from .world import LocalWorld
 
@@ -157,16 +180,17 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             finally:
                 torch.set_num_threads(1)
 
-        def run_pipeline(method: str, chunk: List[Any]) -> PipelineRun:
+        def run_pipeline(method: str, chunk: List[Any], recompute: bool = False) -> PipelineRun:
             """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
             replica on its shard of every mini-batch; timed from a barrier to the last process's end."""
             chunks = get_method(method).chunks  # interleaved, zb-v: the model in stages x chunks pieces
+            sizes = ([len(model)] if method == "sequential" else partition if chunks == 1 else
+                     plan_partition(model, stages * chunks, "uniform"))
             pipeline = Pipeline(model, method=method, loss_fn=task.loss, optimizer=optimizer,
                                 stages=None if method == "sequential" else stages,
-                                partition=(None if method == "sequential" else partition if chunks == 1 else
-                                           plan_partition(model, stages * chunks, "uniform")),
+                                partition=None if method == "sequential" else sizes,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
-                                data_parallel=replicas, timeout=spec["timeout"], threads=1)
+                                data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute)
             try:
                 d = pipeline.data_parallel_rank
                 shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
@@ -177,7 +201,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                 wall = time.perf_counter() - start
                 share = [None] * world
                 dist.all_gather_object(share, round((time.process_time() - cpu) / wall, 3))
-                return PipelineRun(batch * len(chunk) / wall, wall, share, result, pipeline.microbatches)
+                m = pipeline.microbatches
+                rows = -(-shard[0][0].shape[0] // m)  # the largest micro-batch
+                profile = profile_model(model, shard[0][0][:rows], warmup=0, repeats=1)
+                predicted = predicted_activations(profile, sizes, method, 1 if method == "sequential" else stages,
+                                                  m, batches=len(chunk), recompute=recompute)
+                return PipelineRun(batch * len(chunk) / wall, wall, share, result, m, predicted)
             finally:
                 pipeline.close()  # its process groups, before the next run makes its own
 
@@ -185,7 +214,10 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         # burst of other work on the machine hits all of them alike rather than one.
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
         label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
-        runs = [(name, threads) for name, threads in baselines] + [(label(m), 1) for m in spec["methods"]]
+        modes = {"off": [False], "on": [True], "both": [False, True]}[spec.get("recompute", "off")]
+        variants = [(m, r) for m in spec["methods"] for r in modes]  # (method, recompute)
+        name_of = lambda m, r: label(m) + (RECOMPUTE_SUFFIX if r else "")  # noqa: E731
+        runs = [(name, threads) for name, threads in baselines] + [(name_of(m, r), 1) for m, r in variants]
         rounds: Dict[str, List[PipelineRun]] = {name: [] for name, _ in runs}
 
         def record(r: int, name: str, res: PipelineRun) -> None:
@@ -200,8 +232,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     for name, threads in baselines:
                         record(r, name, run_baseline(threads, chunk))
                 dist.barrier()
-            for method in spec["methods"]:
-                record(r, label(method), run_pipeline(method, chunk))
+            for method, recompute in variants:
+                record(r, name_of(method, recompute), run_pipeline(method, chunk, recompute))
         detail = {name: summary(rounds[name], threads, timed, 1 if name in dict(baselines) else world,
                                 1 if name in dict(baselines) else replicas)
                   for name, threads in runs if rounds[name]}
@@ -214,6 +246,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                              "partition": partition, "batch_size": batch, "batches": timed,
                              "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],
+                             "recompute": spec.get("recompute", "off"),
                              "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
                              "parameters": sum(p.numel() for p in model.parameters()),
                              "backend": "gloo", "torch": torch.__version__},

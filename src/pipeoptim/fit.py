@@ -279,6 +279,7 @@ class FitRun:
             "weight_versions": [r["versions"] for r in reports],
             "weight_versions_design": pipe.method.weight_versions(spec.stages, **spec.options),
             "stage_seconds": [r["seconds"] for r in reports],
+            "activations": [r["activations"] for r in reports],
             "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
             "devices": [r["device"] for r in reports], "precision": pipe.precision,
             "processes": pipe.world.processes, "comm": [r["comm"] for r in reports],
@@ -289,11 +290,12 @@ class FitRun:
 
 def stage_report(stage: Any, world: Any) -> Dict[str, Any]:
     """What one stage measured: weight copies at the peak, trace, updates, seconds per pass,
-    diagnostics, device, and its messages to its neighbours (per link: bytes, seconds waited)."""
+    diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited) and
+    the activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight)."""
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
             "diagnostics": stage.diagnostics_summary() if stage.diagnose_every else None,
-            "device": str(stage.device), "comm": world.comm_stats()}
+            "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report()}
 
 
 def _encode_rng(state: Optional[torch.Tensor]) -> Optional[str]:

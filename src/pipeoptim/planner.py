@@ -3,29 +3,17 @@
 :func:`make_plan` profiles a task's model (:mod:`pipeoptim.profile`), splits it three ways
 (``uniform`` layers, balanced ``params``, balanced profiled ``time``; see
 :func:`pipeoptim.partition.time_partition`), and for every method and micro-batch count
-predicts
-
-* **throughput**: the schedule simulator (:func:`pipeoptim.schedules.simulate`) runs the
-  method's schedule for ``batches`` mini-batches with per-stage costs from the profile: stage
-  k's forward (backward) cost is the sum of its layers' profiled forward (backward) seconds for
-  one micro-batch, divided by the stage's device speed; the loss is charged to the last stage;
-  the update cost is the slowest stage's optimizer step; each cross-stage message costs
-  ``bytes / bandwidth`` of the largest activation that crosses a cut. Per-micro-batch costs are
-  **measured** by profiling again at the micro-batch size ``ceil(B / M)`` (default), or, with
-  ``scaling="linear"``, the mini-batch profile divided by M (cheaper, optimistic for small
-  micro-batches whose fixed per-call costs do not shrink). With ``stage_timing="measured"``
-  (default) the stages of each split that is predicted are then timed as whole stages, as the
-  runtime runs them (:func:`pipeoptim.profile.measure_stages`), and these times replace the sums
-  of the layers' times: layers timed alone add up to less than their stage (caches, the
-  runtime's work per pass); the partitioners still use the per-layer profile. Each link is also a resource: the
-  makespan is at least (micro-batches x the slowest cut's ``2 * bytes / bandwidth``). More than
-  64 mini-batches are predicted from two simulations (32 and 64) extrapolated linearly, exact
-  once the pipeline has reached its periodic steady state.
-* **memory per stage** (bytes): parameters x the weight versions the method holds at that stage
-  (:meth:`Method.weight_versions`, live weights included), plus one gradient buffer and the
-  optimizer state (measured), plus in-flight activations: the simulator's peak number of
-  micro-batches whose activations the stage holds x the bytes one micro-batch holds there
-  (what autograd saves for its layers, see :meth:`ModelProfile.held_bytes`).
+predicts throughput and memory per stage (:mod:`pipeoptim.prediction`). Per-micro-batch costs
+are **measured** by profiling again at the micro-batch size ``ceil(B / M)`` (default), or, with
+``scaling="linear"``, the mini-batch profile divided by M (cheaper, optimistic for small
+micro-batches whose fixed per-call costs do not shrink). With ``stage_timing="measured"``
+(default) the stages of each split that is predicted are then timed as whole stages, as the
+runtime runs them (:func:`pipeoptim.profile.measure_stages`), and these times replace the sums
+of the layers' times: layers timed alone add up to less than their stage (caches, the runtime's
+work per pass); the partitioners still use the per-layer profile. Each link is also a resource:
+the makespan is at least (micro-batches x the slowest cut's ``2 * bytes / bandwidth``). The
+chunked methods (interleaved, zb-v) are predicted on a split into stages x 2 pieces where the
+model has that many layers (else skipped, with the reason).
 
 With the ``time`` partitioner the split is recomputed on each micro-batch count's profile (the
 stage a candidate runs is balanced for its own micro-batch size); ``partitions`` in the plan
@@ -49,17 +37,17 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch import nn
 
 from .methods import get_method, method_names
-from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .profile import ModelProfile, measure_stages, profile_model
-from .schedules import Costs, Schedule, build_schedule, simulate
+from .prediction import (  # noqa: F401 (re-exported: the planner's names before the split)
+    EXACT_BATCHES, head_rows, candidate_problem, describe_partition, extrapolated_makespan, microbatch_size,
+    partition_for, predict, profile_sizes, scaled_profile, schedule_makespan, simulated_makespan, stage_costs,
+    stage_memory)
+from .profile import measure_stages
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
 RECOMMENDATION_RULE = ("highest predicted throughput among candidates whose largest stage memory fits "
                        "the memory limit; within {tie:.0%} of the best counts as a tie, and ties go to a "
                        "synchronous method, then less memory, then fewer micro-batches, then the "
@@ -121,205 +109,6 @@ def parse_int_list(text: Any, what: str) -> List[int]:
         raise ValueError(f"{what} must be positive integers, got {text!r}")
     return values
 
-
-# -- profiles at micro-batch sizes -----------------------------------------------------------------
-
-def microbatch_size(batch_size: int, microbatches: int) -> int:
-    """The largest micro-batch of a mini-batch split ``microbatches`` ways (as ``split_batch``)."""
-    return -(-batch_size // microbatches)
-
-
-def _head(value: Any, rows: int) -> Any:
-    if torch.is_tensor(value):
-        return value[:rows]
-    if isinstance(value, tuple):
-        return tuple(_head(v, rows) for v in value)
-    return value
-
-
-def scaled_profile(profile: ModelProfile, factor: float) -> ModelProfile:
-    """``profile`` with every per-sample quantity (times, activation bytes) times ``factor``;
-    parameter, optimizer-state and update costs unchanged."""
-    data = profile.to_dict()
-    for layer in data["layers"]:
-        for key in ("forward", "backward"):
-            layer[key] *= factor
-        for key in ("output_bytes", "saved_bytes", "saved_input_bytes", "saved_output_bytes"):
-            layer[key] = int(round(layer[key] * factor))
-    data["loss_forward"] *= factor
-    data["loss_backward"] *= factor
-    data["batch_size"] = max(1, int(round(data["batch_size"] * factor)))
-    data["input_bytes"] = int(round(data["input_bytes"] * factor))
-    data["extra"] = dict(data.get("extra") or {}, scaled_from=profile.batch_size)
-    return ModelProfile.from_dict(data)
-
-
-def profile_sizes(model: nn.Sequential, sample: Any, target: Optional[torch.Tensor], loss_fn, *,
-                  batch_size: int, microbatches: Sequence[int], scaling: str = "measure",
-                  **profile_kwargs: Any) -> Dict[int, ModelProfile]:
-    """A profile per micro-batch count: ``{M: profile of one micro-batch}`` (``M = 1``: the
-    mini-batch). ``scaling`` is ``measure`` (profile each size) or ``linear``."""
-    if scaling not in ("measure", "linear"):
-        raise ValueError(f"scaling must be measure or linear, got {scaling!r}")
-    by_size: Dict[int, ModelProfile] = {}
-    out: Dict[int, ModelProfile] = {}
-    for m in sorted(set([1, *microbatches])):
-        rows = microbatch_size(batch_size, m)
-        if rows not in by_size:
-            if scaling == "linear" and rows != batch_size:
-                by_size[rows] = scaled_profile(by_size[batch_size], rows / batch_size)
-            else:
-                by_size[rows] = profile_model(model, _head(sample, rows), loss_fn=loss_fn,
-                                              target=None if target is None else target[:rows],
-                                              **profile_kwargs)
-        out[m] = by_size[rows]
-    return out
-
-
-# -- partitions ------------------------------------------------------------------------------------
-
-def partition_for(how: str, model: nn.Sequential, profile: ModelProfile, stages: int,
-                  speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None) -> List[int]:
-    """Layers per stage by partitioner ``how`` (uniform, params or time)."""
-    if how in ("uniform", "params"):
-        return plan_partition(model, stages, how)
-    if how == "time":
-        return plan_time_partition(model, stages, profile.layer_costs(), speeds, profile.boundary_bytes(),
-                                   bandwidth)
-    raise ValueError(f"unknown partitioner {how!r}; choose one of: {', '.join(PARTITIONERS)}")
-
-
-def describe_partition(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
-                       bandwidth: Optional[float] = None) -> Dict[str, Any]:
-    """Per-stage forward+backward seconds (with speeds), per-cut link seconds, the slowest
-    stage and the cycle time (the largest of both), and the balance (slowest / mean stage)."""
-    sizes = list(sizes)
-    times = stage_times(profile.layer_costs(), sizes, speeds)
-    links = cut_seconds(sizes, profile.boundary_bytes(), bandwidth)
-    slowest = max(times)
-    mean = sum(times) / len(times)
-    return {"sizes": sizes, "stage_seconds": times, "cut_seconds": links, "slowest_stage_seconds": slowest,
-            "cycle_seconds": max([slowest] + links), "imbalance": slowest / mean if mean > 0 else 1.0}
-
-
-# -- prediction ------------------------------------------------------------------------------------
-
-def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
-                bandwidth: Optional[float] = None, measured: Optional[Dict[str, List[float]]] = None) -> Costs:
-    """Simulator costs of one micro-batch on each stage of the split ``sizes``: the stage times
-    ``measured`` (:func:`pipeoptim.profile.measure_stages`) if given, else the sums of the
-    profiled layers' times; divided by each stage's device speed."""
-    n = len(sizes)
-    speed = [1.0] * n if speeds is None else list(speeds)
-    fwd, bwd, upd = [], [], []
-    for k, (a, b) in enumerate(profile.stage_slices(list(sizes))):
-        layers = profile.layers[a:b]
-        if measured is not None:
-            f, g, u = measured["forward"][k], measured["backward"][k], measured["update"][k]
-        else:
-            f = sum(l.forward for l in layers)
-            g = sum(l.backward for l in layers)
-            u = sum(l.update for l in layers)
-            if k == n - 1:
-                f += profile.loss_forward
-                g += profile.loss_backward
-        fwd.append(f / speed[k])
-        bwd.append(g / speed[k])
-        upd.append(u / speed[k])
-    comm = 0.0
-    if bandwidth is not None and n > 1:
-        ends = [sum(sizes[:k + 1]) for k in range(n - 1)]
-        comm = max(profile.layers[e - 1].output_bytes for e in ends) / bandwidth
-    # The W half of a split backward (zb-h1) is not profiled apart: take half the backward, as
-    # for matmul layers, whose input and weight gradients are two products of the same size.
-    return Costs(fwd, bwd, [g / 2 for g in bwd], update=max(upd), comm=comm)
-
-
-def extrapolated_makespan(build: Callable[[int], Schedule], batches: int, costs: Costs):
-    """(makespan of ``batches`` mini-batches, SimResult of the longest run simulated, batches
-    simulated) of the schedule ``build(mini-batches)``. More than :data:`EXACT_BATCHES` are
-    extrapolated linearly from two runs (exact once the pipeline is in its periodic steady state)."""
-    if batches <= EXACT_BATCHES:
-        result = simulate(build(batches), costs)
-        return result.makespan, result, batches
-    half = EXACT_BATCHES // 2
-    short = simulate(build(half), costs)
-    long = simulate(build(EXACT_BATCHES), costs)
-    slope = (long.makespan - short.makespan) / (EXACT_BATCHES - half)
-    return long.makespan + slope * (batches - EXACT_BATCHES), long, EXACT_BATCHES
-
-
-def simulated_makespan(method: str, stages: int, microbatches: int, batches: int, costs: Costs):
-    """:func:`extrapolated_makespan` of ``method``'s schedule on ``stages`` stages."""
-    meth = get_method(method)
-    return extrapolated_makespan(lambda count: meth.build_schedule(stages, microbatches, count), batches, costs)
-
-
-def schedule_makespan(schedule: str, ranks: int, microbatches: int, batches: int, costs: Costs,
-                      chunks: int = 2):
-    """:func:`extrapolated_makespan` of the schedule named ``schedule`` (any of
-    :func:`pipeoptim.schedules.schedule_names`, also those no method runs, as ``zb-h1`` and
-    ``interleaved-1f1b`` with ``chunks`` model chunks per rank: ``costs`` then has one entry per
-    model stage, ``ranks * chunks``)."""
-    return extrapolated_makespan(lambda count: build_schedule(schedule, ranks, microbatches, count, chunks=chunks),
-                                 batches, costs)
-
-
-def stage_memory(method: str, profile: ModelProfile, sizes: Sequence[int], peak_activations: Sequence[int],
-                 options: Optional[Dict[str, Any]] = None) -> List[Dict[str, int]]:
-    """Bytes per stage: weights (versions x parameters), gradients, optimizer state, in-flight
-    activations (peak micro-batches x bytes held per micro-batch) and their total."""
-    versions = get_method(method).weight_versions(len(sizes), **(options or {}))
-    out = []
-    for k, (a, b) in enumerate(profile.stage_slices(list(sizes))):
-        layers = profile.layers[a:b]
-        params = sum(l.parameter_bytes for l in layers)
-        held = profile.held_bytes(a, b)
-        row = {"parameter_bytes": params, "weight_versions": versions[k], "weights": versions[k] * params,
-               "gradients": params, "optimizer": sum(l.optimizer_bytes for l in layers),
-               "activation_bytes_per_microbatch": held, "in_flight_microbatches": int(peak_activations[k]),
-               "activations": int(peak_activations[k]) * held}
-        row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["activations"]
-        out.append(row)
-    return out
-
-
-def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microbatches: int, batches: int,
-            batch_size: int, speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
-            options: Optional[Dict[str, Any]] = None,
-            measured: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
-    """Predicted throughput and memory of ``method`` on the split ``sizes``, with ``profile``
-    the profile of one micro-batch (of ``ceil(batch_size / microbatches)`` samples) and
-    ``measured`` that micro-batch's measured stage times, if any (see :func:`stage_costs`)."""
-    n = len(sizes)
-    costs = stage_costs(profile, sizes, speeds, bandwidth, measured)
-    makespan, result, simulated = simulated_makespan(method, n, microbatches, batches, costs)
-    links = cut_seconds(list(sizes), profile.boundary_bytes(), bandwidth)
-    link_bound = batches * microbatches * max(links, default=0.0)
-    limited_by_link = link_bound > makespan
-    makespan = max(makespan, link_bound)
-    throughput = batches * batch_size / makespan if makespan > 0 else float("inf")
-    memory = stage_memory(method, profile, sizes, result.peak_activations, options)
-    return {
-        "method": method, "synchronous": get_method(method).synchronous, "microbatches": microbatches,
-        "microbatch_size": microbatch_size(batch_size, microbatches), "partition": list(sizes),
-        "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
-        "stage_costs": "measured" if measured is not None else "profile",
-        "simulated_batches": simulated, "bubble_fraction": result.bubble_fraction,
-        "limited_by_link": limited_by_link,
-        "stage_forward_seconds": costs.forward, "stage_backward_seconds": costs.backward,
-        "update_seconds": costs.update, "comm_seconds": costs.comm, "cut_seconds": links,
-        "memory": memory, "max_stage_memory": max(m["total"] for m in memory),
-    }
-
-
-def candidate_problem(method: str, stages: int, microbatches: int, batch_size: int) -> Optional[str]:
-    """Why (method, M) cannot run, or None."""
-    if microbatches > batch_size:
-        return f"{microbatches} micro-batches need a batch of at least {microbatches} (batch size {batch_size})"
-    if get_method(method).schedule == "2bw" and microbatches < stages:
-        return f"{method} needs micro-batches >= stages ({microbatches} < {stages})"
-    return None
 
 
 def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None,
@@ -421,7 +210,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
         rows = microbatch_size(batch_size, m) if scaling == "measure" else batch_size
         key = (tuple(sizes), rows)
         if key not in timings:
-            timings[key] = measure_stages(net, list(sizes), _head(sample, rows), target[:rows], the_task.loss,
+            timings[key] = measure_stages(net, list(sizes), head_rows(sample, rows), target[:rows], the_task.loss,
                                           device=device, optimizer=opt_factory, warmup=warmup, repeats=repeats,
                                           statistic=statistic)
         times = timings[key]
@@ -446,19 +235,29 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
     reference = predict("sequential", full, [layers], microbatches=1, batches=batches, batch_size=batch_size,
                         measured=timing([layers], 1))
 
+    weighted = sum(1 for layer in net if any(True for _ in layer.parameters()))  # what chunks split
     candidates, skipped = [], []
     for m in microbatches:
         prof = profiles[m]
         sizes = partition_for(partitioner, net, prof, stages, speeds, bandwidth)
+        pieces: Dict[Any, List[int]] = {}  # the split of a chunked method, by its placement
         for method in methods:
             n = 1 if method == "sequential" else stages
             if method == "sequential" and m != 1:
                 continue
-            problem = candidate_problem(method, n, m, batch_size)
+            problem = candidate_problem(method, n, m, batch_size, weighted)
             if problem:
                 skipped.append({"method": method, "microbatches": m, "reason": problem})
                 continue
             split_sizes = sizes if n == stages else [layers]
+            meth = get_method(method)
+            if n == stages and meth.chunks > 1:  # stages x chunks pieces, each on its rank's device
+                placement = tuple(meth.stage_ranks(stages, meth.chunks))
+                if placement not in pieces:
+                    pieces[placement] = partition_for(partitioner, net, prof, len(placement),
+                                                      None if speeds is None else [speeds[r] for r in placement],
+                                                      bandwidth)
+                split_sizes = pieces[placement]
             row = predict(method, prof, split_sizes, microbatches=m, batches=batches, batch_size=batch_size,
                           speeds=speeds if n == stages else None, bandwidth=bandwidth,
                           measured=timing(split_sizes, m))
@@ -543,9 +342,12 @@ def load_plan(path: Any) -> Dict[str, Any]:
     if (not isinstance(sizes, list) or not sizes
             or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes)):
         raise bad("partition", "must be a list of positive layer counts")
-    if len(sizes) != plan["stages"]:
-        raise ValueError(f"plan {path}: partition {sizes} has {len(sizes)} stages but stages is {plan['stages']}")
-    problem = candidate_problem(plan["method"], plan["stages"], plan["microbatches"], plan["batch_size"])
+    chunks = get_method(plan["method"]).chunks
+    if len(sizes) != plan["stages"] * chunks:
+        raise ValueError(f"plan {path}: partition {sizes} has {len(sizes)} stages but stages is {plan['stages']}"
+                         + (f" x {chunks} chunks" if chunks > 1 else ""))
+    problem = candidate_problem(plan["method"], plan["stages"], plan["microbatches"], plan["batch_size"],
+                                sum(sizes))
     if problem:
         raise ValueError(f"plan {path}: {problem}")
     return {dest: plan[key] for key, dest in TRAIN_FIELDS.items()}
@@ -566,15 +368,21 @@ def format_plan(plan: Dict[str, Any]) -> str:
     lines.append("")
     ref = plan["reference"]["samples_per_second"]
     lines.append(f"predicted ({plan['partitioner']} partition; sequential reference {ref:.0f} samples/s):")
-    lines.append("method          M  partition             samples/s  speedup  bubble  max stage MB  fits")
+    lines.append("method          M  partition             samples/s  speedup  bubble  max stage MB  fits  "
+                 "activations MB (recompute)")
     for c in plan["candidates"]:
+        act = max(r["activations"] for r in c["memory"]) / 2 ** 20
+        light = max(r.get("activations_recompute", 0) for r in c["memory"]) / 2 ** 20
         lines.append(f"{c['method']:<14} {c['microbatches']:>2}  {str(c['partition']):<20} "
                      f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
-                     f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no'}")
+                     f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
+                     f"{act:.3f} ({light:.3f})")
     for s in plan["skipped"]:
         lines.append(f"{s['method']:<14} {s['microbatches']:>2}  skipped: {s['reason']}")
     lines.append("")
     lines.append(f"recommended: {plan['method']} with {plan['microbatches']} micro-batch(es), partition "
                  f"{plan['partition']}: {plan['predicted']['samples_per_second']:.0f} samples/s predicted")
     lines.append(f"rule: {plan['recommendation']['rule']}")
+    lines.append("activations: the largest stage's peak of in-flight activations (simulated micro-batches in "
+                 "flight x bytes per micro-batch), without and (in brackets) with --recompute")
     return "\n".join(lines)

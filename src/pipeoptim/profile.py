@@ -129,19 +129,26 @@ class ModelProfile:
             raise ValueError(f"partition {sizes} covers {start} layers but the profile has {len(self.layers)}")
         return bounds
 
-    def held_bytes(self, first: int, end: int) -> int:
-        """Bytes one in-flight micro-batch holds on a stage of layers ``[first, end)``: the
-        layers' saved tensors, a tensor shared by consecutive layers (one's saved output, the
-        next one's saved input) counted once, plus the stage's received input where its first
-        layer does not save it (the runtime keeps it until the backward)."""
+    def held_bytes(self, first: int, end: int, recompute: bool = False) -> int:
+        """Bytes one in-flight micro-batch holds on a stage of layers ``[first, end)`` (what
+        ``runtime/held.py`` measures): the layers' saved tensors, a tensor shared by consecutive
+        layers (one's saved output, the next one's saved input) counted once, plus the stage's
+        received input where its first layer does not save it and its output where its last
+        layer does not (the runtime keeps both until the backward; the last stage's output is
+        the loss, and what the loss saves is not profiled). With ``recompute`` the stage keeps
+        only its input (the model's input on the first stage) and its output (not on the last)."""
         layers = self.layers[first:end]
+        last = end == len(self.layers)
+        output = 0 if last else layers[-1].output_bytes
+        if recompute:
+            return (self.layers[first - 1].output_bytes if first > 0 else self.input_bytes) + output
         held = sum(layer.saved_bytes for layer in layers)
         for a, b in zip(layers, layers[1:]):
             held -= min(a.saved_output_bytes, b.saved_input_bytes)
         if first > 0:
             received = self.layers[first - 1].output_bytes
             held += max(0, received - layers[0].saved_input_bytes)
-        return held
+        return held + max(0, output - layers[-1].saved_output_bytes)
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:

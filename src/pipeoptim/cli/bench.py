@@ -22,9 +22,15 @@ weight gradient cost what another block's forward, input gradient and weight gra
 :mod:`pipeoptim.bench_worker`; this module parses, starts them and prints. ``--model NAME`` benches one of the task's
 own models instead, split by ``--partitioner``.
 
+Per run and stage it also reports the peak of activations held, measured from the tensors the
+stage keeps (``runtime/held.py``, not the process's memory) against the prediction (the
+simulator's peak count of micro-batches in flight x the profiled bytes one micro-batch holds);
+``--recompute both`` runs every method with and without activation recomputation.
+
 Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
 ``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
-"ratios": {...}, "settings": {...}, ...}``.
+"ratios": {...}, "settings": {...}, "detail": {"<method>": {..., "activations": [{"measured_bytes",
+"measured_in_flight", "predicted_bytes", "predicted_in_flight", ...} per stage]}}, ...}``.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from ..optimizers import optimizer_names
 from ..tasks import task_names
 from .common import known_methods
 
-DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
+DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
 
 
@@ -72,6 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partitioner", default="params", choices=["uniform", "params"],
                    help="split of a task model's blocks (default: params, balanced by parameter "
                         "count); the blocks model has its own balanced split")
+    p.add_argument("--recompute", default="off", choices=["off", "on", "both"],
+                   help="activation recomputation in the pipelined runs: off (default), on, or both (each "
+                        "method twice, the second named 'METHOD+recompute'); the report's memory table "
+                        "shows per stage the peak of activations held, measured and predicted")
     p.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum")
     p.add_argument("--lr", type=float, default=0.01, help="default: 0.01")
     p.add_argument("--synthetic", action="store_true",
@@ -122,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
+                "recompute": args.recompute,
                 "synthetic": args.synthetic, "baselines": not args.no_baselines,
                 "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
                 "verbose": not args.json}
@@ -190,6 +201,22 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
     return out
 
 
+def format_memory(result: Dict[str, Any]) -> List[str]:
+    """Per run and model stage: the peak of activations held, measured (KiB, micro-batches in
+    flight) against the prediction (the simulator's in-flight count x the profiled bytes of one
+    micro-batch)."""
+    lines = ["peak activations held per stage, KiB (micro-batches in flight): measured / predicted"]
+    for name, d in result["detail"].items():
+        cells = []
+        for a in d.get("activations", []):
+            pred = (f"{a['predicted_bytes'] / 1024:.0f} ({a['predicted_in_flight']})"
+                    if "predicted_bytes" in a else "-")
+            cells.append(f"{a['measured_bytes'] / 1024:.0f} ({a['measured_in_flight']}) / {pred}")
+        if cells:
+            lines.append(f"  {name}: " + "; ".join(cells))
+    return lines
+
+
 def format_report(result: Dict[str, Any]) -> str:
     s = result["settings"]
     sps = result["samples_per_second"]
@@ -214,6 +241,7 @@ def format_report(result: Dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    lines += [""] + format_memory(result)
     extra = {k: v for k, v in result["ratios"].items() if "sequential" not in k}
     if extra:
         lines.append("")

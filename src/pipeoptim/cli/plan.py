@@ -20,7 +20,10 @@ method and micro-batch count the throughput (the schedule simulator with the pro
 per-stage costs of one micro-batch, measured at the micro-batch size, or scaled linearly with
 --scaling linear; with --stage-timing measured, the default, each split's stages are then
 timed as whole stages the way the runtime runs them; transfers cost bytes / --bandwidth) and the memory of every stage (weights x
-the method's weight versions, gradients, optimizer state, in-flight activations).
+the method's weight versions, gradients, optimizer state, in-flight activations: the simulator's
+peak micro-batches in flight x the profiled bytes of one micro-batch, also with recomputation,
+"activations_recompute" in the JSON). The chunked methods (interleaved, zb-v) are predicted on a
+split into stages x 2 pieces, where the model has that many layers with parameters.
 
 Recommendation rule: the highest predicted throughput among the candidates whose largest stage
 memory fits --memory-limit (all, without a limit); candidates within --tie of the best are

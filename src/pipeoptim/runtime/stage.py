@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
+from .held import HeldActivations
 
 Activation = Any  # a tensor or a tuple of tensors
 
@@ -111,6 +112,9 @@ class Stage:
         #: backward (``runtime/recompute.py``)
         self.recompute = recompute
         self._kept_bytes: Dict[int, int] = {}
+        #: the activations held per micro-batch in flight, measured (``runtime/held.py``)
+        self.held = HeldActivations()
+        self._buffers: Optional[List[torch.Tensor]] = None
         #: per update: the learning rates it applied (the scheduler's effect, checkable)
         self.updates: List[UpdateEntry] = []
         #: called with the parameters before each update to average their gradients over the
@@ -171,7 +175,10 @@ class Stage:
                     _check_scalar(output)
                 return output
 
-            with torch.enable_grad(), self.autocast():
+            if self._buffers is None:  # updated in place (BatchNorm's statistics): found once
+                self._buffers = list(self.module.buffers())
+            weights = [*self.parameters(), *self._buffers, *([] if use.direct else use.weights.values())]
+            with torch.enable_grad(), self.autocast(), self.held.forward(microbatch, weights):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
                     output = recompute.checkpointed(run, leaves, kept)
@@ -182,6 +189,8 @@ class Stage:
         self.policy.note_memory()
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "F", use.version, use.steps))
         self._saved[microbatch] = (leaves, as_tuple(output), use)
+        self.held.keep(microbatch, (() if self.is_first else as_tuple(leaves))
+                       + (() if self.is_last else as_tuple(output)))
         self.time["F"] += time.perf_counter() - start
         self.count["F"] += 1
         if self.is_last:
@@ -206,6 +215,7 @@ class Stage:
     def _release(self, microbatch: int) -> None:
         """A micro-batch's backward is over: its recomputation's copy, if any, goes."""
         self.policy.recompute_copy_bytes -= self._kept_bytes.pop(microbatch, 0)
+        self.held.release(microbatch)
 
     def autocast(self):
         """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;

@@ -1,0 +1,285 @@
+"""The planner's predictions from a profile: per-stage costs, the simulated makespan and
+throughput of a method, and the memory of every stage (:mod:`pipeoptim.planner` recommends one
+of these and writes the plan).
+
+* **throughput**: the schedule simulator (:func:`pipeoptim.schedules.simulate`) runs the
+  method's schedule for ``batches`` mini-batches with per-stage costs from the profile: stage
+  k's forward (backward) cost is the sum of its layers' profiled forward (backward) seconds for
+  one micro-batch (or the stage as a whole, timed as the runtime runs it), divided by the stage's
+  device speed; the loss is charged to the last stage; the update cost is the slowest stage's
+  optimizer step; each cross-stage message costs ``bytes / bandwidth`` of the largest activation
+  that crosses a cut. The W half of a split backward (zb-h1, zb-v) is priced at half the
+  backward. A **chunked** method (interleaved, zb-v: V chunks per process) is priced on a split
+  of the model into N x V pieces, each piece a model stage with its own costs, on the ranks the
+  method places it on (a rank's speed applies to each of its pieces). More than
+  :data:`EXACT_BATCHES` mini-batches are predicted from two simulations extrapolated linearly,
+  exact once the pipeline has reached its periodic steady state.
+* **memory per stage** (bytes, per process: a chunked method's rows add its pieces): parameters x
+  the weight versions the method holds, plus one gradient buffer and the optimizer state, plus
+  in-flight activations: the simulator's peak number of micro-batches whose activations a stage
+  holds x the bytes one micro-batch holds there (:meth:`ModelProfile.held_bytes`, what
+  ``runtime/held.py`` measures), with and without activation recomputation.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .methods import get_method
+from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
+from .plan_defaults import PARTITIONERS
+from .profile import ModelProfile, profile_model
+from .schedules import Costs, Schedule, build_schedule, peak_activations, simulate
+
+EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
+
+
+# -- profiles at micro-batch sizes -----------------------------------------------------------------
+
+def microbatch_size(batch_size: int, microbatches: int) -> int:
+    """The largest micro-batch of a mini-batch split ``microbatches`` ways (as ``split_batch``)."""
+    return -(-batch_size // microbatches)
+
+
+def head_rows(value: Any, rows: int) -> Any:
+    if torch.is_tensor(value):
+        return value[:rows]
+    if isinstance(value, tuple):
+        return tuple(head_rows(v, rows) for v in value)
+    return value
+
+
+def scaled_profile(profile: ModelProfile, factor: float) -> ModelProfile:
+    """``profile`` with every per-sample quantity (times, activation bytes) times ``factor``;
+    parameter, optimizer-state and update costs unchanged."""
+    data = profile.to_dict()
+    for layer in data["layers"]:
+        for key in ("forward", "backward"):
+            layer[key] *= factor
+        for key in ("output_bytes", "saved_bytes", "saved_input_bytes", "saved_output_bytes"):
+            layer[key] = int(round(layer[key] * factor))
+    data["loss_forward"] *= factor
+    data["loss_backward"] *= factor
+    data["batch_size"] = max(1, int(round(data["batch_size"] * factor)))
+    data["input_bytes"] = int(round(data["input_bytes"] * factor))
+    data["extra"] = dict(data.get("extra") or {}, scaled_from=profile.batch_size)
+    return ModelProfile.from_dict(data)
+
+
+def profile_sizes(model: nn.Sequential, sample: Any, target: Optional[torch.Tensor], loss_fn, *,
+                  batch_size: int, microbatches: Sequence[int], scaling: str = "measure",
+                  **profile_kwargs: Any) -> Dict[int, ModelProfile]:
+    """A profile per micro-batch count: ``{M: profile of one micro-batch}`` (``M = 1``: the
+    mini-batch). ``scaling`` is ``measure`` (profile each size) or ``linear``."""
+    if scaling not in ("measure", "linear"):
+        raise ValueError(f"scaling must be measure or linear, got {scaling!r}")
+    by_size: Dict[int, ModelProfile] = {}
+    out: Dict[int, ModelProfile] = {}
+    for m in sorted(set([1, *microbatches])):
+        rows = microbatch_size(batch_size, m)
+        if rows not in by_size:
+            if scaling == "linear" and rows != batch_size:
+                by_size[rows] = scaled_profile(by_size[batch_size], rows / batch_size)
+            else:
+                by_size[rows] = profile_model(model, head_rows(sample, rows), loss_fn=loss_fn,
+                                              target=None if target is None else target[:rows],
+                                              **profile_kwargs)
+        out[m] = by_size[rows]
+    return out
+
+
+# -- partitions ------------------------------------------------------------------------------------
+
+def partition_for(how: str, model: nn.Sequential, profile: ModelProfile, stages: int,
+                  speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None) -> List[int]:
+    """Layers per stage by partitioner ``how`` (uniform, params or time)."""
+    if how in ("uniform", "params"):
+        return plan_partition(model, stages, how)
+    if how == "time":
+        return plan_time_partition(model, stages, profile.layer_costs(), speeds, profile.boundary_bytes(),
+                                   bandwidth)
+    raise ValueError(f"unknown partitioner {how!r}; choose one of: {', '.join(PARTITIONERS)}")
+
+
+def describe_partition(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
+                       bandwidth: Optional[float] = None) -> Dict[str, Any]:
+    """Per-stage forward+backward seconds (with speeds), per-cut link seconds, the slowest
+    stage and the cycle time (the largest of both), and the balance (slowest / mean stage)."""
+    sizes = list(sizes)
+    times = stage_times(profile.layer_costs(), sizes, speeds)
+    links = cut_seconds(sizes, profile.boundary_bytes(), bandwidth)
+    slowest = max(times)
+    mean = sum(times) / len(times)
+    return {"sizes": sizes, "stage_seconds": times, "cut_seconds": links, "slowest_stage_seconds": slowest,
+            "cycle_seconds": max([slowest] + links), "imbalance": slowest / mean if mean > 0 else 1.0}
+
+
+# -- prediction ------------------------------------------------------------------------------------
+
+def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
+                bandwidth: Optional[float] = None, measured: Optional[Dict[str, List[float]]] = None) -> Costs:
+    """Simulator costs of one micro-batch on each stage of the split ``sizes``: the stage times
+    ``measured`` (:func:`pipeoptim.profile.measure_stages`) if given, else the sums of the
+    profiled layers' times; divided by each stage's device speed."""
+    n = len(sizes)
+    speed = [1.0] * n if speeds is None else list(speeds)
+    fwd, bwd, upd = [], [], []
+    for k, (a, b) in enumerate(profile.stage_slices(list(sizes))):
+        layers = profile.layers[a:b]
+        if measured is not None:
+            f, g, u = measured["forward"][k], measured["backward"][k], measured["update"][k]
+        else:
+            f = sum(l.forward for l in layers)
+            g = sum(l.backward for l in layers)
+            u = sum(l.update for l in layers)
+            if k == n - 1:
+                f += profile.loss_forward
+                g += profile.loss_backward
+        fwd.append(f / speed[k])
+        bwd.append(g / speed[k])
+        upd.append(u / speed[k])
+    comm = 0.0
+    if bandwidth is not None and n > 1:
+        ends = [sum(sizes[:k + 1]) for k in range(n - 1)]
+        comm = max(profile.layers[e - 1].output_bytes for e in ends) / bandwidth
+    # The W half of a split backward (zb-h1) is not profiled apart: take half the backward, as
+    # for matmul layers, whose input and weight gradients are two products of the same size.
+    return Costs(fwd, bwd, [g / 2 for g in bwd], update=max(upd), comm=comm)
+
+
+def extrapolated_makespan(build: Callable[[int], Schedule], batches: int, costs: Costs):
+    """(makespan of ``batches`` mini-batches, SimResult of the longest run simulated, batches
+    simulated) of the schedule ``build(mini-batches)``. More than :data:`EXACT_BATCHES` are
+    extrapolated linearly from two runs (exact once the pipeline is in its periodic steady state)."""
+    if batches <= EXACT_BATCHES:
+        result = simulate(build(batches), costs)
+        return result.makespan, result, batches
+    half = EXACT_BATCHES // 2
+    short = simulate(build(half), costs)
+    long = simulate(build(EXACT_BATCHES), costs)
+    slope = (long.makespan - short.makespan) / (EXACT_BATCHES - half)
+    return long.makespan + slope * (batches - EXACT_BATCHES), long, EXACT_BATCHES
+
+
+def simulated_makespan(method: str, stages: int, microbatches: int, batches: int, costs: Costs):
+    """:func:`extrapolated_makespan` of ``method``'s schedule on ``stages`` stages."""
+    meth = get_method(method)
+    return extrapolated_makespan(lambda count: meth.build_schedule(stages, microbatches, count), batches, costs)
+
+
+def schedule_makespan(schedule: str, ranks: int, microbatches: int, batches: int, costs: Costs,
+                      chunks: int = 2):
+    """:func:`extrapolated_makespan` of the schedule named ``schedule`` (any of
+    :func:`pipeoptim.schedules.schedule_names`, also those no method runs, as ``zb-h1`` and
+    ``interleaved-1f1b`` with ``chunks`` model chunks per rank: ``costs`` then has one entry per
+    model stage, ``ranks * chunks``)."""
+    return extrapolated_makespan(lambda count: build_schedule(schedule, ranks, microbatches, count, chunks=chunks),
+                                 batches, costs)
+
+
+def stage_memory(method: str, profile: ModelProfile, sizes: Sequence[int], peak_activations: Sequence[int],
+                 options: Optional[Dict[str, Any]] = None) -> List[Dict[str, int]]:
+    """Bytes per model stage (``sizes``: one entry per piece; a chunked method's pieces carry the
+    ``rank`` that holds them): weights (versions x parameters), gradients, optimizer state,
+    in-flight activations (the simulator's peak micro-batches x bytes held per micro-batch; also
+    with recomputation, ``*_recompute``, which keeps each micro-batch's input and output only)
+    and their total (without recomputation)."""
+    meth = get_method(method)
+    ranks = len(sizes) // meth.chunks
+    placement = meth.stage_ranks(ranks, meth.chunks) if meth.chunks > 1 else list(range(len(sizes)))
+    versions = meth.weight_versions(len(sizes), **(options or {}))
+    out = []
+    for k, (a, b) in enumerate(profile.stage_slices(list(sizes))):
+        layers = profile.layers[a:b]
+        params = sum(l.parameter_bytes for l in layers)
+        held, light = profile.held_bytes(a, b), profile.held_bytes(a, b, recompute=True)
+        flight = int(peak_activations[k])
+        row = {"rank": placement[k], "parameter_bytes": params, "weight_versions": versions[k],
+               "weights": versions[k] * params, "gradients": params,
+               "optimizer": sum(l.optimizer_bytes for l in layers),
+               "activation_bytes_per_microbatch": held, "in_flight_microbatches": flight,
+               "activations": flight * held, "activation_bytes_per_microbatch_recompute": light,
+               "activations_recompute": flight * light}
+        row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["activations"]
+        out.append(row)
+    return out
+
+
+def process_memory(memory: Sequence[Dict[str, int]]) -> List[int]:
+    """Total bytes per process (rank): the totals of the model stages it holds."""
+    totals = [0] * (1 + max(row["rank"] for row in memory))
+    for row in memory:
+        totals[row["rank"]] += row["total"]
+    return totals
+
+
+def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microbatches: int, batches: int,
+            batch_size: int, speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
+            options: Optional[Dict[str, Any]] = None,
+            measured: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
+    """Predicted throughput and memory of ``method`` on the split ``sizes``, with ``profile``
+    the profile of one micro-batch (of ``ceil(batch_size / microbatches)`` samples) and
+    ``measured`` that micro-batch's measured stage times, if any (see :func:`stage_costs`).
+    For a chunked method ``sizes`` has one entry per piece (processes x chunks) and ``speeds``
+    one per process."""
+    meth = get_method(method)
+    if len(sizes) % meth.chunks:
+        raise ValueError(f"{method} runs {meth.chunks} chunks per process: give a split into a multiple of "
+                         f"{meth.chunks} pieces, got {len(sizes)}")
+    ranks = len(sizes) // meth.chunks
+    placement = meth.stage_ranks(ranks, meth.chunks) if meth.chunks > 1 else list(range(ranks))
+    costs = stage_costs(profile, sizes, None if speeds is None else [speeds[r] for r in placement],
+                        bandwidth, measured)
+    makespan, result, simulated = simulated_makespan(method, ranks, microbatches, batches, costs)
+    links = cut_seconds(list(sizes), profile.boundary_bytes(), bandwidth)
+    link_bound = batches * microbatches * max(links, default=0.0)
+    limited_by_link = link_bound > makespan
+    makespan = max(makespan, link_bound)
+    throughput = batches * batch_size / makespan if makespan > 0 else float("inf")
+    memory = stage_memory(method, profile, sizes, result.peak_activations, options)
+    return {
+        "method": method, "synchronous": meth.synchronous, "microbatches": microbatches,
+        "microbatch_size": microbatch_size(batch_size, microbatches), "partition": list(sizes),
+        "chunks": meth.chunks, "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
+        "stage_costs": "measured" if measured is not None else "profile",
+        "simulated_batches": simulated, "bubble_fraction": result.bubble_fraction,
+        "limited_by_link": limited_by_link,
+        "stage_forward_seconds": costs.forward, "stage_backward_seconds": costs.backward,
+        "update_seconds": costs.update, "comm_seconds": costs.comm, "cut_seconds": links,
+        "memory": memory, "process_memory": process_memory(memory),
+        "max_stage_memory": max(process_memory(memory)),
+    }
+
+
+def candidate_problem(method: str, stages: int, microbatches: int, batch_size: int,
+                      layers: Optional[int] = None) -> Optional[str]:
+    """Why (method, M) cannot run on ``stages`` processes (a model of ``layers`` layers with
+    parameters, the pieces a chunked method needs), or None."""
+    if microbatches > batch_size:
+        return f"{microbatches} micro-batches need a batch of at least {microbatches} (batch size {batch_size})"
+    meth = get_method(method)
+    if meth.schedule == "2bw" and microbatches < stages:
+        return f"{method} needs micro-batches >= stages ({microbatches} < {stages})"
+    if meth.schedule == "interleaved-1f1b" and microbatches % stages:
+        return f"{method} needs micro-batches that are a multiple of the stages ({microbatches}, {stages} stages)"
+    if layers is not None and meth.chunks * stages > layers:
+        return (f"{method} splits the model into {stages} x {meth.chunks} chunks but it has {layers} layers "
+                f"with parameters; use fewer stages")
+    return None
+
+
+
+def predicted_activations(profile: ModelProfile, sizes: Sequence[int], method: str, ranks: int, microbatches: int,
+                          batches: int = 2, recompute: bool = False) -> List[Dict[str, int]]:
+    """Per model stage of the split ``sizes``: the simulator's peak count of micro-batches in
+    flight under ``method`` (``ranks`` processes, ``batches`` mini-batches of ``microbatches``),
+    the bytes one micro-batch holds there (``profile``: one micro-batch's) and their product, the
+    prediction :mod:`pipeoptim.runtime.held`'s measured peak is read against."""
+    peaks = peak_activations(get_method(method).build_schedule(ranks, microbatches, batches))
+    out = []
+    for peak, (a, b) in zip(peaks, profile.stage_slices(list(sizes))):
+        held = profile.held_bytes(a, b, recompute=recompute)
+        out.append({"in_flight_microbatches": int(peak), "bytes_per_microbatch": held, "bytes": int(peak) * held})
+    return out

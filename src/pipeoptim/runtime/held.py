@@ -1,0 +1,95 @@
+"""The activations a stage holds, measured from the tensors it keeps (not the process's memory).
+
+Per micro-batch in flight a stage keeps what autograd saved in its forward (recorded by a
+``saved_tensors_hooks`` pack hook; under recomputation only what torch's checkpoint saves, the
+stage's input), the received input (a stage after the first) and its output (a stage before the
+last), until the micro-batch's backward frees them (a split backward: its weight half). The
+weights and buffers the forward ran on are not activations and are left out. A tensor counts
+the bytes its view spans in its storage, and the tensors of one micro-batch that share a
+storage count the span of their union once (a ReLU's saved output is the next linear layer's
+saved input; a micro-batch that is a slice of the mini-batch counts its own rows, not the whole
+mini-batch's).
+
+:class:`HeldActivations` sums these over the micro-batches in flight and keeps the peak over the
+stage's life: the measured figure that the planner's prediction (the simulator's peak count of
+micro-batches in flight x the bytes one micro-batch holds, :meth:`ModelProfile.held_bytes`) is
+read against.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterable, Iterator, Set, Tuple
+
+import torch
+
+Span = Tuple[int, int]  #: first and one-past-last byte of a view, in its storage
+
+
+def _span(t: torch.Tensor) -> Span:
+    """The bytes of its storage that the view ``t`` spans (its offset to its last element)."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return (0, 0)
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * size
+    return start, start + extent * size
+
+
+class HeldActivations:
+    """Bytes of activations held per micro-batch in flight, their sum now, and the peaks."""
+
+    def __init__(self) -> None:
+        self._spans: Dict[int, Dict[int, Span]] = {}   #: micro-batch -> storage -> span
+        self._bytes: Dict[int, int] = {}               #: micro-batch -> bytes it holds
+        self._skip: Dict[int, Set[int]] = {}           #: micro-batch -> its weights' storages
+        self.now = 0                 #: bytes held by the micro-batches in flight
+        self.peak_bytes = 0          #: the largest ``now`` so far
+        self.peak_microbatches = 0   #: the most micro-batches in flight at once
+        self.microbatch_bytes = 0    #: the most bytes one micro-batch held
+
+    def _add(self, microbatch: int, tensors: Iterable[Any], skip: Set[int]) -> None:
+        spans = self._spans.setdefault(microbatch, {})
+        for t in tensors:
+            if not torch.is_tensor(t) or t.device.type == "meta":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in skip or key == 0:
+                continue
+            lo, hi = _span(t)
+            old = spans.get(key)
+            spans[key] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, weights: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Record what autograd saves within the block for ``microbatch`` (``weights``: the
+        parameters and buffers it runs on, left out)."""
+        skip = {w.untyped_storage().data_ptr() for w in weights}
+        saved = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._skip[microbatch] = skip
+        self._add(microbatch, saved, skip)
+
+    def keep(self, microbatch: int, tensors: Iterable[Any]) -> None:
+        """Also count ``tensors`` (the received input, the output) for ``microbatch``, then
+        close its count: the bytes it holds join the stage's sum."""
+        self._add(microbatch, tensors, self._skip.pop(microbatch, set()))
+        held = sum(hi - lo for lo, hi in self._spans.pop(microbatch, {}).values())
+        self._bytes[microbatch] = held
+        self.now += held
+        self.peak_bytes = max(self.peak_bytes, self.now)
+        self.peak_microbatches = max(self.peak_microbatches, len(self._bytes))
+        self.microbatch_bytes = max(self.microbatch_bytes, held)
+
+    def release(self, microbatch: int) -> None:
+        """``microbatch``'s backward is over: what it held is freed."""
+        self.now -= self._bytes.pop(microbatch, 0)
+
+    def report(self) -> Dict[str, int]:
+        return {"peak_bytes": self.peak_bytes, "peak_microbatches": self.peak_microbatches,
+                "microbatch_bytes": self.microbatch_bytes}
