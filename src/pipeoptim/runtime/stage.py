@@ -177,8 +177,9 @@ class Stage:
 
             if self._buffers is None:  # updated in place (BatchNorm's statistics): found once
                 self._buffers = list(self.module.buffers())
-            weights = [*self.parameters(), *self._buffers, *([] if use.direct else use.weights.values())]
-            with torch.enable_grad(), self.autocast(), self.held.forward(microbatch, weights):
+            # what the forward saves that is a weight, not an activation (the tied values included)
+            not_activations = [*self.parameters(), *self._buffers, *([] if use.direct else weights.values())]
+            with torch.enable_grad(), self.autocast(), self.held.forward(microbatch, not_activations):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
                     output = recompute.checkpointed(run, leaves, kept)
