@@ -11,14 +11,16 @@ each; the forms' order alternates from round to round), and the difference trace
 `nn.Sequential` taken within each round, then its median (``traced_minus_sequential_paired``).
 On a machine shared with other jobs the rounds scatter; ``step_p10`` (per clock) is the estimate
 least disturbed by them: the 10th percentile of every step's time over all rounds, per form and
-method, each Pipeline's against its own model's plain loop. Target: the traced model's overhead within 5 %
-of the `nn.Sequential`'s (that difference at most 0.05). The head is left untied here, so that
+method, each Pipeline's against its own model's plain loop. Target: the traced model's overhead
+within 5 % of the `nn.Sequential`'s (that difference at most 0.05). The head is left untied here, so that
 both forms hold the same parameters and do the same work. Each plain loop trains a copy, as each
 Pipeline does, so that every run starts from the same weights.
 
     .venv/bin/python benchmarks/traced_overhead.py [--rounds 5] [--steps 40]
 
-Writes benchmarks/results/traced_overhead.json.
+Writes benchmarks/results/traced_overhead.json; the committed one: ``--rounds 12 --steps 20``, the
+study's processes paused (SIGSTOP) for the 6 minutes, load average 3-5 on 2 cores from other
+jobs all the same.
 """
 from __future__ import annotations
 
