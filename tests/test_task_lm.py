@@ -122,6 +122,22 @@ def test_model_is_a_sequential_of_one_argument_blocks(name, min_blocks):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
 
 
+def test_gpt_tied_is_a_module_with_a_list_of_blocks_and_a_tied_head():
+    """Not an nn.Sequential: the Pipeline traces it; the sequential models stay as they were."""
+    task = LanguageModelTask()
+    assert tuple(task.traced_model_names()) == ("gpt-tied", "gpt-tied-small")
+    model = task.build_model("gpt-tied", _data(), seed=0)
+    assert not isinstance(model, nn.Sequential) and isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == 8
+    assert model.head.weight is model.tok.weight and model.head.bias is None
+    x, y = _data().train[0]
+    assert model(x).shape == (8, T, V) and 3.0 < task.loss(model(x), y).item() < 4.8
+    same = task.build_model("gpt-tied", _data(), seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
+    # gpt's numbers: d 128, 8 blocks, its own head (with a bias)
+    gpt = task.build_model("gpt", _data(), seed=0)
+    assert sum(p.numel() for p in gpt.parameters()) - sum(p.numel() for p in model.parameters()) == 128 * V + V
+
+
 def test_model_is_causal():
     model = LanguageModelTask().build_model("gpt", _data(), seed=0).eval()
     x = _data().train[0][0][:2]
@@ -234,3 +250,26 @@ def test_cli_train_lm_json(tmp_path, capsys):
     assert len(metrics) == 2 and all(math.isfinite(m) for m in metrics)
     assert summary["best_metric"] == min(metrics) and summary["final_metric"] == metrics[-1]
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "curves.png").exists()
+
+
+@needs_data
+def test_gpt_tied_trains_traced_under_1f1b_flush_equal_to_sequential_and_distributed(tmp_path, capfd):
+    """The traced, tied GPT through the command line's run: 1f1b-flush on 4 stages (the tied head
+    on another stage than the embedding) and on 2 processes under torchrun equal sequential."""
+    from pipeoptim.cli import main
+
+    def train(method, *extra):
+        args = ["train", "--task", "lm", "--model", "gpt-tied-small", "--method", method, "--limit", "64",
+                "--batch-size", "16", "--epochs", "1", "--optimizer", "adam", "--json", "--no-progress",
+                "--out", str(tmp_path / f"{method}{len(extra)}"), *extra]
+        assert main(args) == 0
+        return json.loads(capfd.readouterr().out)  # a distributed run's rank 0 prints it
+
+    expected = train("sequential")
+    local = train("1f1b-flush", "--stages", "4")
+    distributed = train("1f1b-flush", "--stages", "2", "--runtime", "distributed")
+    assert local["partition"] == [3, 1, 1, 2] and distributed["partition"] == [4, 3]  # units per stage
+    assert len(expected["losses"]) == 4 and expected["losses"][-1] < expected["losses"][0]
+    assert local["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    assert distributed["losses"] == pytest.approx(local["losses"], rel=1e-5) and distributed["runtime"] == "distributed"
+    assert distributed["final_metric"] == pytest.approx(expected["final_metric"], rel=1e-4)

@@ -36,7 +36,8 @@ from .plots import plot_runs
 from .runtime.microbatch import split_batch
 from .schedules import Costs, simulate
 from .tasks import Task, TaskData, get_task
-from .runtime.spec import checkpoint_settings, resolve
+from .prepare import prepare
+from .runtime.spec import RunSpec, checkpoint_settings, resolve
 
 
 @dataclass
@@ -114,16 +115,21 @@ def load_data(task: Task, cfg: RunConfig) -> TaskData:
     return task.load(batch_size=cfg.batch_size, limit=cfg.limit, seed=cfg.seed, **held)
 
 
-def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) -> None:
+def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> None:
     """Refuse settings that cannot run (ValueError saying the fix) before anything is written,
-    and fill in the defaults that depend on the run's length (``lr_correction_steps``)."""
+    and fill in the defaults that depend on the run's length (``lr_correction_steps``). A model
+    that is not an ``nn.Sequential`` is traced on the first mini-batch and split as the
+    Pipeline will split it (:func:`traced_spec`)."""
     options = cfg.method_options
     if options.get("lr_correction") == "delay" and options.get("lr_correction_steps") is None:
         updates = len(batches) * cfg.epochs
         cfg.method_options = {**options, "lr_correction_steps": max(1, round(DEFAULT_LR_CORRECTION_SHARE * updates))}
-    spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
-                   partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
-                   method_options=cfg.method_options, epochs=cfg.epochs, batches=batches, chunks=cfg.chunks)
+    if isinstance(model, torch.nn.Sequential):
+        spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
+                       partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
+                       method_options=cfg.method_options, epochs=cfg.epochs, batches=batches, chunks=cfg.chunks)
+    else:
+        spec = traced_spec(cfg, model, batches)
     checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous, cfg.eval_every)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
@@ -131,6 +137,22 @@ def check_run(cfg: RunConfig, model: torch.nn.Sequential, batches: List[Any]) ->
     resolve_devices(cfg.devices(), spec.stages)
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ValueError(f"--clip-grad must be a positive max norm, got {cfg.clip_grad}")
+
+
+def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> RunSpec:
+    """The resolved run of a model the Pipeline traces (docs/architecture.md, "Splitting any
+    module"): traced on the first mini-batch's inputs and cut by ``cfg``'s partitioner over its
+    units, as the Pipeline will; what the split refuses (more stages than candidate points, a
+    chunked method, a weight tied across stages with a method that cannot keep it tied) is
+    refused here, before anything is written. Torch's random state is left as it was."""
+    if cfg.epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {cfg.epochs}")
+    if not batches:
+        raise ValueError("no mini-batches to train on")
+    with torch.random.fork_rng(devices=[]):
+        return prepare(model, batches[0][0], method=cfg.method, stages=cfg.stages, partition=cfg.partition,
+                       split_points=None, partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
+                       method_options=cfg.method_options, chunks=cfg.chunks).spec
 
 
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:

@@ -32,7 +32,16 @@ def balanced(weights: Sequence[float], stages: int) -> List[int]:
 
 
 def parameter_counts(model: nn.Sequential) -> List[int]:
-    return [sum(p.numel() for p in layer.parameters()) for layer in model]
+    """Parameters per layer, each counted once, at the first layer that holds it: a weight tied
+    to an earlier layer's (an LM head to its embedding) is that layer's to train, so a layer that
+    holds nothing else counts as holding none (docs/architecture.md, "Tied weights")."""
+    seen: set = set()
+    counts = []
+    for layer in model:
+        own = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        counts.append(sum(p.numel() for p in own))
+    return counts
 
 
 def weighted_units(model: nn.Sequential) -> List[int]:

@@ -47,7 +47,7 @@ from typing import Any, Dict, List
 from ..errors import interrupt_on_signals
 from ..optimizers import optimizer_names
 from ..tasks import task_names
-from .common import known_methods
+from .common import known_methods, refuse_traced_model
 
 DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
@@ -113,6 +113,8 @@ def _check(args: argparse.Namespace) -> List[str]:
 
 def run(args: argparse.Namespace) -> int:
     methods = _check(args)
+    if args.model != "blocks":
+        refuse_traced_model(args.task, args.model, "bench")
     from ..launcher import run_workers, torchrun_env
 
     replicas = args.data_parallel or 1

@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from ..experiment import RunConfig
 
 
+def refuse_traced_model(task_name: str, model: Optional[str], command: str) -> None:
+    """``pipeoptim plan`` and ``bench`` profile and split an ``nn.Sequential`` layer by layer; a
+    model the Pipeline traces (``Task.traced_model_names``) is refused with the fix (imports the
+    task, so torch: call it when the command runs)."""
+    from ..tasks import get_task
+
+    task = get_task(task_name)
+    traced = task.traced_model_names()
+    if model in traced:
+        others = ", ".join(m for m in task.model_names() if m not in traced)
+        raise ValueError(f"pipeoptim {command} profiles an nn.Sequential layer by layer, and {task_name}'s "
+                         f"model {model} is traced by torch.export instead, which {command} cannot profile "
+                         f"yet: {command} one of {others}, or train {model} with `pipeoptim train --task "
+                         f"{task_name} --model {model}` (split by --partitioner uniform or params)")
+
+
 def int_list(text: str) -> List[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]

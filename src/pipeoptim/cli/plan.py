@@ -9,7 +9,7 @@ from pathlib import Path
 from ..optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from ..tasks import task_names
-from .common import known_methods, print_json
+from .common import known_methods, print_json, refuse_traced_model
 
 DESCRIPTION = """\
 Profile every layer of a task's model (forward, backward and update time, activation and
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
+    refuse_traced_model(args.task, args.model, "plan")
     methods = known_methods(args.methods)
     microbatches = parse_int_list(args.microbatches, "--microbatches")
     speeds = parse_speeds(args.speeds, args.stages)

@@ -1,7 +1,7 @@
 """The task interface: what the runtime and the command line need from a data set and its models.
 
 A task turns a data source into mini-batches, builds models as ``nn.Sequential``s of stage-able
-blocks, and knows its loss and its evaluation metric. The runtime never imports a task; the
+blocks (or, named by :meth:`Task.traced_model_names`, modules the Pipeline traces), and knows its loss and its evaluation metric. The runtime never imports a task; the
 command line looks tasks up by name in :mod:`pipeoptim.tasks`.
 
 Activations between blocks may be a tensor or a tuple of tensors (a translation model passes
@@ -110,9 +110,16 @@ class Task:
         task that cannot hold examples out raises a ValueError."""
         raise NotImplementedError
 
-    def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
-        """A freshly initialised model (seeded), as an ``nn.Sequential`` of stage-able blocks."""
+    def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Module:
+        """A freshly initialised model (seeded): an ``nn.Sequential`` of stage-able blocks, or for
+        a name in :meth:`traced_model_names` a module the Pipeline traces and splits."""
         raise NotImplementedError
+
+    def traced_model_names(self) -> Sequence[str]:
+        """The models that are not an ``nn.Sequential``: the Pipeline traces and splits them
+        (:mod:`pipeoptim.graph_split`), ``partition`` then counting units; ``pipeoptim plan`` and
+        ``bench``, which profile an ``nn.Sequential`` layer by layer, refuse them."""
+        return ()
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -33,7 +33,7 @@ Metric: validation perplexity, ``exp`` of the mean token negative log-likelihood
 validation blocks (lower is better). :func:`unigram_perplexity` gives the baseline of a model
 that ignores the context.
 
-Models (``nn.Sequential``; pre-LayerNorm GPT): ``Embedding`` (token + learned position) |
+Models (pre-LayerNorm GPT; ``nn.Sequential`` but the ``gpt-tied`` ones): ``Embedding`` (token + learned position) |
 L x ``TransformerBlock`` (causal self-attention and a GELU MLP, each behind a LayerNorm, each
 added to the residual stream) | ``Head`` (final LayerNorm + linear to the vocabulary). Blocks pass
 one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual projections scaled by
@@ -46,6 +46,11 @@ one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual projection
 * ``gpt-narrow``: d 64, 2 heads, MLP 256, 8 layers, dropout 0.1: 10 blocks (8 stages fit), about
   0.66 M parameters; several times cheaper per step than ``gpt``, for studies that need thousands
   of updates per run on a CPU (issue 16's plan, ``docs/study_plan.md``).
+* ``gpt-tied``: ``gpt``'s sizes written as people write a GPT (:class:`TiedGPT`: a
+  ``ModuleList`` of blocks, the head tied to the token embedding, no head bias), traced and split
+  by the Pipeline: 13 candidate points (11 with parameters of their own), 1.8 M parameters.
+  Synchronous methods only while a weight tied across stages is refused by the asynchronous ones.
+* ``gpt-tied-small``: ``gpt-small``'s sizes as a :class:`TiedGPT`, for tests and smoke runs.
 
 Measured (2-core machine shared with other jobs, load average about 5; one thread): 1,314
 training and 74 validation chapters; 1,262,092 and 69,286 tokens; 19,720 training blocks and
@@ -246,10 +251,49 @@ def build_gpt(vocab_size: int, seq_len: int, d_model: int = 128, layers: int = 8
     return model
 
 
+class TiedGPT(nn.Module):
+    """A GPT written as people write it, not as an ``nn.Sequential``: token and position
+    embeddings, a ``ModuleList`` of :class:`TransformerBlock` called in a loop, a final LayerNorm,
+    and a head (no bias) whose weight *is* the token embedding's, as in GPT-2. The Pipeline
+    traces it (torch.export) and cuts it at its candidate points (``tok``, ``pos``, ``drop``,
+    ``blocks.0`` ..., ``norm``, ``head``); the tied weight is trained by the embedding's stage
+    (docs/architecture.md, "Splitting any module", "Tied weights"). ids (B, T) -> logits
+    (B, T, vocab); initialised as :func:`build_gpt`."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int = 128, layers: int = 8, nhead: int = 4,
+                 d_ff: int = 512, dropout: float = 0.1):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, nhead, d_ff, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:  # the projections that add to the residual stream
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+#: the models by name: build_gpt's settings, or TiedGPT's with ``tied=True``. The studies' rows
+#: name these models: a model's settings never change (a new one gets a new name).
 MODELS: Dict[str, Dict[str, Any]] = {
     "gpt": dict(d_model=128, layers=8, nhead=4, d_ff=512, dropout=0.1),
     "gpt-small": dict(d_model=64, layers=2, nhead=2, d_ff=256, dropout=0.0),
     "gpt-narrow": dict(d_model=64, layers=8, nhead=2, d_ff=256, dropout=0.1),
+    "gpt-tied": dict(tied=True, d_model=128, layers=8, nhead=4, d_ff=512, dropout=0.1),
+    "gpt-tied-small": dict(tied=True, d_model=64, layers=2, nhead=2, d_ff=256, dropout=0.0),
 }
 
 
@@ -351,11 +395,16 @@ class LanguageModelTask(Task):
                         test=batchify(x_valid, y_valid, batch_size, drop_last=False), info=info,
                         validation=validation)
 
-    def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Sequential:
+    def traced_model_names(self) -> Sequence[str]:
+        return tuple(name for name, settings in MODELS.items() if settings.get("tied"))
+
+    def build_model(self, name: str, data: TaskData, *, seed: int) -> nn.Module:
         if name not in MODELS:
             raise ValueError(f"unknown lm model {name!r}; choose one of: {', '.join(MODELS)}")
+        settings = dict(MODELS[name])
+        build = TiedGPT if settings.pop("tied", False) else build_gpt
         with seeded(seed):
-            return build_gpt(int(data.info["vocab_size"]), int(data.info.get("seq_len", self.seq_len)), **MODELS[name])
+            return build(int(data.info["vocab_size"]), int(data.info.get("seq_len", self.seq_len)), **settings)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy of logits (B, T, V) against targets (B, T)."""
