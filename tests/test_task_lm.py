@@ -273,3 +273,24 @@ def test_gpt_tied_trains_traced_under_1f1b_flush_equal_to_sequential_and_distrib
     assert local["losses"] == pytest.approx(expected["losses"], rel=1e-5)
     assert distributed["losses"] == pytest.approx(local["losses"], rel=1e-5) and distributed["runtime"] == "distributed"
     assert distributed["final_metric"] == pytest.approx(expected["final_metric"], rel=1e-4)
+
+
+@needs_data
+def test_gpt_tied_trains_with_pipeoptim_locally_as_on_two_processes(tmp_path, capfd):
+    """The tied GPT with the asynchronous headline method: the head (on the last stage) reads the
+    embedding's predicted version from its owner, stage 0; one process and two give the same
+    losses and metric, and it learns."""
+    from pipeoptim.cli import main
+
+    def train(*extra):
+        args = ["train", "--task", "lm", "--model", "gpt-tied-small", "--method", "pipeoptim", "--stages", "2",
+                "--limit", "64", "--batch-size", "8", "--epochs", "1", "--optimizer", "adam", "--json",
+                "--no-progress", "--out", str(tmp_path / f"run{len(extra)}"), *extra]
+        assert main(args) == 0
+        return json.loads(capfd.readouterr().out)
+
+    local = train()
+    distributed = train("--runtime", "distributed")
+    assert len(local["losses"]) == 8 and local["losses"][-1] < local["losses"][0]
+    assert distributed["losses"] == pytest.approx(local["losses"], rel=1e-5)
+    assert distributed["final_metric"] == pytest.approx(local["final_metric"], rel=1e-4)

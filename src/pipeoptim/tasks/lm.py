@@ -49,7 +49,9 @@ one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual projection
 * ``gpt-tied``: ``gpt``'s sizes written as people write a GPT (:class:`TiedGPT`: a
   ``ModuleList`` of blocks, the head tied to the token embedding, no head bias), traced and split
   by the Pipeline: 13 candidate points (11 with parameters of their own), 1.8 M parameters.
-  Synchronous methods only while a weight tied across stages is refused by the asynchronous ones.
+  Every method trains it; with the asynchronous ones the head reads the embedding's version
+  that the method's rule gives its owner stage (docs/architecture.md, "Tied weights with the
+  asynchronous methods").
 * ``gpt-tied-small``: ``gpt-small``'s sizes as a :class:`TiedGPT`, for tests and smoke runs.
 
 Measured (2-core machine shared with other jobs, load average about 5; one thread): 1,314
