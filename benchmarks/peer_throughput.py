@@ -10,7 +10,9 @@ item 3): same model, data, split and optimizer, 2 processes (gloo, one compute t
   weighted by its share of the mini-batch and ``scale_grads=False``, so both sides compute the
   same gradients), the optimizer stepping after each ``step()``.
 
-Every run gets fresh weights, trains ``--warmup`` mini-batches untimed (shape agreement, first
+Each of our runs is a Pipeline closed when it has been timed (its process groups, whose gloo
+threads wake even when idle, would otherwise pile up in both sides' processes round after
+round). Every run gets fresh weights, trains ``--warmup`` mini-batches untimed (shape agreement, first
 allocations), then is timed on ``--batches`` mini-batches from a barrier to a barrier. The runs
 take turns within each round (the order rotates from round to round), and each round also times
 a plain one-thread PyTorch loop of the whole model on rank 0 (the other rank waits), so that
@@ -214,9 +216,10 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline = Pipeline(blocks_model(2), method=method, loss_fn=loss_fn, optimizer=optimizer,
                             stages=2, partition=PARTITION, micro_batches=micro, devices="cpu",
                             timeout=args.timeout, threads=1)
-        if warm:
-            pipeline.fit(warm)
-        return timed_region(lambda: pipeline.fit(timed))
+        with pipeline:  # its process groups go after the run (their gloo threads wake even idle)
+            if warm:
+                pipeline.fit(warm)
+            return timed_region(lambda: pipeline.fit(timed))
 
     def peer(schedule_name: str, micro: int) -> float:
         part = split(blocks_model(2), PARTITION)[rank]
@@ -251,9 +254,10 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline = Pipeline(blocks_model(2), method=method, loss_fn=loss_fn, optimizer=optimizer,
                             stages=2, partition=pieces_of(method)[0], micro_batches=micro, devices="cpu",
                             timeout=args.timeout, threads=1)
-        if warm:
-            pipeline.fit(warm)
-        return timed_region(lambda: pipeline.fit(timed))
+        with pipeline:
+            if warm:
+                pipeline.fit(warm)
+            return timed_region(lambda: pipeline.fit(timed))
 
     def peer_chunked(schedule_name: str, micro: int) -> float:
         sizes, mine = pieces_of(schedule_name)

@@ -18,7 +18,7 @@ read against.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterable, Iterator, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Set, Tuple
 
 import torch
 
@@ -33,6 +33,10 @@ def _span(t: torch.Tensor) -> Span:
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
     start = t.storage_offset() * size
     return start, start + extent * size
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class HeldActivations:
@@ -64,16 +68,28 @@ class HeldActivations:
         """Record what autograd saves within the block for ``microbatch`` (``weights``: the
         parameters and buffers it runs on, left out)."""
         skip = {w.untyped_storage().data_ptr() for w in weights}
-        saved = []
+        saved: List[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.append(t)
-            return t
+            # A detached alias (same storage, same version counter), not ``t``: a saved output
+            # (ReLU's result) points to the node that saves it (its grad_fn), so keeping ``t``
+            # would make node -> saved value -> grad_fn -> node, a cycle of C++ references that
+            # Python's collector cannot see. Autograd breaks it only when it runs the node without
+            # retain_graph; a split backward runs the input path's nodes with it and never again,
+            # so every micro-batch's graph leaked (measured: 9 MB per mini-batch on the last stage
+            # of benchmarks/peer_throughput.py's zb-h1, thousands of page faults per mini-batch).
+            return t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self._skip[microbatch] = skip
-        self._add(microbatch, saved, skip)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                yield
+            self._skip[microbatch] = skip
+            self._add(microbatch, saved, skip)
+        finally:
+            # every saved value keeps the hooks, and ``pack`` this list: emptied, it holds no
+            # tensor (the same cycle, through the forward's original tensors)
+            saved.clear()
 
     def keep(self, microbatch: int, tensors: Iterable[Any]) -> None:
         """Also count ``tensors`` (the received input, the output) for ``microbatch``, then

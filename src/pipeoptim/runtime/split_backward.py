@@ -14,10 +14,20 @@ waits for and which can fill a bubble. Both come from one autograd graph, built 
   several nodes along one path (a weight used twice in the stage) pins each node's gradient to
   the recorded one, so that nothing is counted twice.
 
-An output that does not depend on the stage's input (or a first stage, whose input needs no
-gradient) is its own boundary: its weights' gradients all come in the weight half. The sum of the
+An output that does not depend on the stage's input is its own boundary: its weights' gradients
+all come in the weight half. A stage with no input that takes a gradient (the first) has no input
+half at all: its weight half is the plain full backward, as in torch's schedules. The sum of the
 two halves is the full backward; each weight gradient is the same sum of the same products as a
 plain ``loss.backward()``, up to the order of the additions where a weight is used twice.
+
+What the weight half no longer needs goes as early as torch's own split lets it go: the input
+half keeps only the outputs that seed a weight group (the graph above the boundaries goes with
+the others), and each group's autograd call frees the part of the graph it ran (no
+``retain_graph``; the groups run disjoint parts of it, see :func:`backward_weight`). Keeping the
+whole graph until the end of the weight half made every weight gradient a fresh allocation while
+the micro-batch's activations were still held, and freed them all at once: on the CPU, memory
+handed back to the system and faulted in again at the next micro-batch (measured, a few
+thousand page faults per mini-batch of ``benchmarks/peer_throughput.py``).
 
 See docs/architecture.md, "Split backward". This is the algorithm of
 ``torch.distributed.pipelining``'s split backward, written on torch's public autograd API (graph
@@ -50,9 +60,12 @@ class PendingWeightGrads:
     alive through their nodes and the outputs they start from."""
 
     weights: List[torch.Tensor]
-    outputs: List[torch.Tensor]
-    output_grads: List[torch.Tensor]
+    outputs: List[Optional[torch.Tensor]]        #: those that seed a group (None: not needed)
+    output_grads: List[Optional[torch.Tensor]]
     groups: List[WeightGroup]
+    #: no input takes a gradient: the weight half is the whole backward (one autograd call,
+    #: gradients accumulated by autograd itself)
+    full: bool = False
 
 
 def _node(tensor: torch.Tensor) -> Node:
@@ -125,6 +138,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     from ``outputs`` with ``grads`` (None: a scalar loss's 1), and what :func:`backward_weight`
     needs to give ``weights`` theirs."""
     grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grads)]
+    if not inputs:  # a first stage: nothing to compute now, and no graph to walk
+        return [], PendingWeightGrads(list(weights), list(outputs), grads, [], full=True)
     roots = [_node(o) for o in outputs]
     parents = _parents(roots)
     input_nodes = [n for n in map(_node, inputs) if n in parents]
@@ -141,7 +156,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     input_grads: List[Optional[torch.Tensor]] = [None] * len(inputs)
     for i, grad in zip(wanted, found):
         input_grads[i] = grad
-    return input_grads, PendingWeightGrads(list(weights), list(outputs), grads, groups)
+    # only the outputs that seed a group stay: the graph above the boundaries goes with the rest
+    seeds = {i for group in groups for i in group.outputs}
+    kept = [o if i in seeds else None for i, o in enumerate(outputs)]
+    kept_grads = [g if i in seeds else None for i, g in enumerate(grads)]
+    return input_grads, PendingWeightGrads(list(weights), kept, kept_grads, groups)
 
 
 def _recorder(group: WeightGroup, node: Node):
@@ -151,7 +170,18 @@ def _recorder(group: WeightGroup, node: Node):
 
 
 def backward_weight(pending: PendingWeightGrads) -> None:
-    """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does."""
+    """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does.
+
+    Each group's call frees what it ran (no ``retain_graph``): no node runs in two groups. A call
+    runs its seeds and the nodes between them and its weights, off the input path; a node off the
+    path that leads to the weights of two groups would be crossed by the upward search from both
+    weights, which would then meet the same seeds, and share a group."""
+    if pending.full:  # no input half: the plain backward, into the leaves' .grad (as Stage.backward)
+        outputs, grads = pending.outputs, pending.output_grads
+        pending.outputs, pending.output_grads = [], []
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        return
     for group in pending.groups:
         edges, values = [], []
         for b in group.boundaries:
@@ -171,7 +201,7 @@ def backward_weight(pending: PendingWeightGrads) -> None:
         weights = [pending.weights[i] for i in group.weights]
         try:
             found = torch.autograd.grad(edges, [get_gradient_edge(w) for w in weights], values,
-                                        retain_graph=True, allow_unused=True)
+                                        allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
