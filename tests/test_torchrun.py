@@ -66,6 +66,23 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
     assert len(local["losses"]) == 9
 
 
+def test_the_schedules_people_run_equal_sequential_on_four_processes():
+    """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces) on 4
+    processes: the same numbers as one process, and as sequential on the same model."""
+    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v"]
+    local = rows(run([SCRIPT, ",".join(["sequential", *methods]), 4]))
+    spread = rows(run([SCRIPT, ",".join(methods), 4], nproc=4, timeout=300))
+    reference = local["sequential"]
+    for method in methods:
+        assert spread[method]["processes"] == 4 and local[method]["processes"] == 1
+        assert spread[method]["losses"] == local[method]["losses"], method
+        assert spread[method]["weights"] == local[method]["weights"], method
+        assert local[method]["losses"] == pytest.approx(reference["losses"], rel=1e-6), method
+        for name, value in local[method]["weights"].items():
+            assert np.allclose(value, reference["weights"][name],
+                               rtol=1e-5, atol=1e-7), (method, name)
+
+
 def test_evaluations_every_k_under_torchrun_equal_one_process():
     """Every rank drains and evaluates at the same mini-batches; the evaluations agree."""
     local = rows(run([SCRIPT, "pipeoptim", 2, "-", 2]))["pipeoptim"]

@@ -19,7 +19,10 @@ batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=
 for method in methods:
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]
-    if pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a fourth layer with weights
+    if stages > 2:  # one model for every method: a layer with weights for each of stages x 2 chunks
+        for _ in range(2 * stages - 3):
+            layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
+    elif pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a fourth layer with weights
         layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
     model = nn.Sequential(*layers)
     pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" else stages,
