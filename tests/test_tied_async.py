@@ -150,31 +150,6 @@ def test_a_synchronous_warm_up_over_the_whole_run_is_synchronous_training():
     assert pipe.stages[1].tied.synchronous is False  # the asynchronous path ran
 
 
-class Crash(Exception):
-    pass
-
-
-def test_a_tied_gpt_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
-    """Checkpoints drain the pipeline: nothing of the tie is in flight there, and a resumed
-    pipeoptim run gives the uninterrupted run's losses."""
-    data = lm_batches(count=4)
-
-    def fit(folder, **kwargs):
-        torch.manual_seed(0)
-        pipe = pipeoptim.Pipeline(TinyGPT(layers=1), method="pipeoptim", split_points=["layers.0"],
-                                  loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-        return pipe.fit(data, epochs=2, checkpoint_dir=folder, checkpoint_every=3, **kwargs)
-
-    expected = fit(tmp_path / "full").losses
-
-    def crash_at_6(index, loss):
-        if index == 6:
-            raise Crash()
-    with pytest.raises(Crash):
-        fit(tmp_path / "cut", on_batch=crash_at_6)
-    assert fit(tmp_path / "cut", resume=True).losses == expected
-
-
 def test_asynchronous_methods_under_torchrun_equal_one_process():
     """Two processes, the embedding on rank 0 and the tied head on rank 1: every asynchronous
     method gives the losses and the trained weights of one process, with one tied tensor."""
