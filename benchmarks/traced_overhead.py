@@ -41,24 +41,9 @@ from torch import nn
 import pipeoptim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from traced_models import TinyGPT, lm_batches, lm_loss  # noqa: E402
+from traced_models import TinyGPT, as_sequential, lm_batches, lm_loss  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traced_overhead.json"
-
-
-class Embed(nn.Module):
-    """The GPT's first step as a layer of an ``nn.Sequential``: token and position embeddings."""
-
-    def __init__(self, gpt: TinyGPT) -> None:
-        super().__init__()
-        self.embed, self.position = gpt.embed, gpt.position
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
-
-
-def as_sequential(gpt: TinyGPT) -> nn.Sequential:
-    return nn.Sequential(Embed(gpt), *gpt.layers, gpt.norm, gpt.head)
 
 
 def optimizer(params):

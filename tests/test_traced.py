@@ -19,7 +19,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim.methods import get_method
-from traced_models import SkipNet, SmallCNN, TinyGPT, lm_batches, lm_loss, skip_batches
+from traced_models import SkipNet, SmallCNN, TinyGPT, as_sequential, lm_batches, lm_loss, skip_batches
 
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
 
@@ -283,6 +283,29 @@ def test_a_tied_traced_model_resumes_from_its_checkpoint_to_the_same_losses(tmp_
     with pytest.raises(Crash):
         fit(tmp_path / "cut", on_batch=crash_at_6)
     assert fit(tmp_path / "cut", resume=True).losses == expected
+
+
+@pytest.mark.parametrize("method", ["1f1b-flush", "pipeoptim"])
+def test_a_traced_model_and_its_nn_sequential_form_train_alike(method):
+    """The untied GPT traced and cut at ``layers.1``, and its layers as an ``nn.Sequential`` cut at
+    the same place: the same stages, so the same losses and trained weights, with a synchronous
+    method and an asynchronous one."""
+    data = lm_batches(count=4)
+
+    def train(form):
+        torch.manual_seed(0)
+        gpt = TinyGPT(layers=2, tied=False)
+        model, cut = (gpt, {"split_points": ["layers.1"]}) if form == "traced" else \
+            (as_sequential(gpt), {"partition": [2, 3]})  # Embed, block 0 | block 1, norm, head
+        pipe = pipeoptim.Pipeline(model, method=method, loss_fn=lm_loss,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), **cut)
+        return pipe.fit(data, epochs=2).losses, [p.detach().clone() for p in pipe.model().parameters()]
+
+    (traced, traced_weights), (sequential, sequential_weights) = train("traced"), train("sequential")
+    assert len(traced) == 8 and traced == pytest.approx(sequential, rel=1e-5)
+    assert len(traced_weights) == len(sequential_weights)
+    for a, b in zip(traced_weights, sequential_weights):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_candidate_points_reach_blocks_inside_a_wrapper():

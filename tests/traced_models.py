@@ -57,6 +57,22 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class Embed(nn.Module):
+    """The GPT's first step as a layer of an ``nn.Sequential``: token and position embeddings."""
+
+    def __init__(self, gpt: TinyGPT) -> None:
+        super().__init__()
+        self.embed, self.position = gpt.embed, gpt.position
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+def as_sequential(gpt: TinyGPT) -> nn.Sequential:
+    """The same layers (shared, not copied) as an ``nn.Sequential``: Embed, the blocks, norm, head."""
+    return nn.Sequential(Embed(gpt), *gpt.layers, gpt.norm, gpt.head)
+
+
 class SkipNet(nn.Module):
     """Two inputs (features and a mask), a value that skips two stages, a tuple inside: several
     tensors cross every cut."""
