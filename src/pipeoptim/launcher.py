@@ -6,7 +6,7 @@ One machine, started for you (the processes bind to 127.0.0.1)::
 
 runs torchrun's elastic agent in this process (``torch.distributed.launcher.api.elastic_launch``,
 as ``torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
---max-restarts 0 -m pipeoptim.launcher RUN.json`` would, the run's settings in a temporary
+--max-restarts 0 -m pipeoptim.stage_worker RUN.json`` would, the run's settings in a temporary
 file). If a stage fails or is killed, the agent stops the others within a tenth of a second and
 the command says which stage was lost and how (each stage keeps ``RUN/status/stage-K.json`` up to
 date, so that a stage killed outright is told apart from those cut off from it), names the last
@@ -54,21 +54,18 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
-from .run_folder import clear_statuses, read_statuses, resume_hint, write_status
-from .runtime import lifecycle
+from .run_folder import clear_statuses, read_statuses, resume_hint
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.lifecycle import Stop, under_torchrun
+from .runtime.lifecycle import under_torchrun
+from .stage_worker import LAUNCHER_PID, RESUME_COMMAND, guard_stage, worker
 
 #: set in the stage processes of a local launch: the launcher's pid (it reports for them)
-LAUNCHER_PID = "PIPEOPTIM_LAUNCHER_PID"
 #: seconds the agent gives a stage to end on a forwarded signal before SIGKILL (they take ms)
 SHUTDOWN_SECONDS = 3
-RESUME_COMMAND = "pipeoptim train --runtime distributed --resume {out}"
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -202,7 +199,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
         clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
-        failures = run_workers(nproc, "pipeoptim.launcher", [str(config)], torchrun_env(threads))
+        failures = run_workers(nproc, "pipeoptim.stage_worker", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
     signalled = interrupted_stages(failures, out)
@@ -341,172 +338,3 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     else:
         text += ". No checkpoint was written yet"
     return text, lost
-
-
-#: this stage process, for its signal watcher: its stage and run folder once known
-_this_stage: Dict[str, Any] = {"stage": None, "out": None}
-
-
-def guard_stage(stage: Optional[int], out: Optional[Path]) -> str:
-    """Install this stage process's guards (:func:`pipeoptim.runtime.lifecycle.guard`): it ends
-    at once on SIGINT, SIGTERM or SIGHUP and when its launcher dies, after recording why in its
-    status file. Under a user's torchrun (no launcher of ours to report) the stage that got the
-    signal, or rank 0 when torchrun forwarded it, also says so in one line on stderr."""
-    _this_stage.update(stage=stage, out=Path(out) if out is not None else None)
-    parent = os.environ.get(LAUNCHER_PID)
-    return lifecycle.guard(_on_stop, parent=int(parent) if parent else None)
-
-
-def _on_stop(stop: Stop) -> None:
-    """(In the watcher thread, just before the process ends: no imports, no locks of the main
-    thread's.)"""
-    stage, out = _this_stage["stage"], _this_stage["out"]
-    if stage is None:
-        return
-    how = {"launcher": f"stopped by {stop.signal_name} from its launcher (pid {stop.sender})",
-           "signal": f"got {stop.signal_name}" + (f" from pid {stop.sender}" if stop.sender else ""),
-           "parent-died": "its launcher died"}.get(stop.cause, f"got {stop.signal_name}")
-    write_status(out, stage, state="interrupted", signal=stop.signal_name, cause=stop.cause,
-                 sender=stop.sender, message=how)
-    if os.environ.get(LAUNCHER_PID) is None and (stop.cause == "signal" or stage == 0):
-        hint = resume_hint(out, "torchrun (the same flags) -m " + RESUME_COMMAND.format(out=out))
-        line = f"pipeoptim train: stage {stage} (pid {os.getpid()}) {how}; the run stops" + \
-               (f". {hint}" if hint else "") + "\n"
-        os.write(2, line.encode())
-
-
-_STARTED = time.time()  # (a peer's status from before this process began is an earlier run's)
-
-
-def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
-    """Did another stage of this run stop on a signal (so that this one's lost contact is no
-    news)?"""
-    return any(r != stage and st.get("state") == "interrupted" and st.get("time", 0.0) >= _STARTED
-               for r, st in read_statuses(out).items())
-
-
-def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
-           json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
-    """One process of a distributed `pipeoptim train`: its stage of the run's Pipeline, built
-    and trained by :func:`pipeoptim.experiment.run_experiment` from the same settings as a local
-    run. Rank 0 names the run folder (every rank learns it from rank 0), writes it and the
-    checkpoints' manifests, and prints the summary; every stage keeps its status file."""
-    import torch.distributed as dist
-
-    from .checkpoint import CheckpointError, latest_checkpoint
-    from .errors import NonFiniteLoss
-    from .experiment import run_experiment
-    from .runtime.distributed import PipelineCommError, init_process_group
-
-    init_process_group(device=device, timeout=timeout, threads=threads)
-    rank = dist.get_rank()
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
-
-    def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
-        try:
-            last = latest_checkpoint(out / "checkpoints") if out is not None else None
-        except CheckpointError:
-            last = None
-        write_status(out, rank, state="failed", kind=kind, message=str(error))
-        where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
-        if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
-            print(f"pipeoptim train: stage {rank} (rank {rank}): error: {error} ({where})",
-                  file=sys.stderr, flush=True)
-        return code
-
-    try:
-        out = _agree_on_folder(out, timeout)
-        _this_stage.update(stage=rank, out=out)
-        write_status(out, rank, state="running", rank=rank)
-        summary = run_experiment(cfg, out_dir=out, show_progress=progress, log=log, resume=resume,
-                                 diagnose_every=diagnose_every,
-                                 processes={"device": device, "timeout": timeout, "threads": threads})
-        if rank == 0:
-            if json:
-                print(_dumps(summary, indent=2), flush=True)
-            else:
-                print(f"final {summary['metric']}: {summary['final_metric']:.4f} (best "
-                      f"{summary['best_metric']:.4f}), final loss {summary['final_loss']:.4f}, "
-                      f"{summary['samples_per_second']:.0f} samples/s, weight copies per stage "
-                      f"{summary['weight_copies']}", flush=True)
-                print(f"run folder: {out}", flush=True)
-        write_status(out, rank, state="finished")
-        return 0
-    except PipelineCommError as error:
-        return fail("comm", error, 1)
-    except NonFiniteLoss as error:  # every rank sees it: one of them says so
-        return fail("nonfinite", error, 1, quiet=rank != 0)
-    except CheckpointError as error:
-        return fail("checkpoint", error, 2)
-    except BaseException as error:
-        write_status(out, rank, state="failed", kind="error", message=f"{type(error).__name__}: {error}")
-        if isinstance(error, Exception) and _peer_interrupted(out, rank):
-            return 1  # cut off by a stage that was stopped: that one is the news, not this traceback
-        raise
-    finally:
-        try:
-            dist.destroy_process_group()  # the Pipeline has closed its own groups (run_experiment)
-        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
-            pass
-
-
-def _agree_on_folder(out: Optional[Path], timeout: float) -> Optional[Path]:
-    """Rank 0's run folder, on every rank (a run under a user's torchrun names it on rank 0)."""
-    import torch.distributed as dist
-
-    from .runtime.distributed import PipelineCommError, reason
-
-    box = [str(out) if out is not None else None]
-    try:
-        dist.broadcast_object_list(box, src=0)
-    except RuntimeError as error:
-        raise PipelineCommError(f"agreeing on the run folder failed: {reason(error)}. A peer stage hung, "
-                                f"died or is slower than the timeout ({timeout:g} s)") from error
-    return Path(box[0]) if box[0] is not None else None
-
-
-def _dumps(obj: Any, **kwargs: Any) -> str:
-    import json as _json
-
-    return _json.dumps(obj, **kwargs)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Worker entry of a local launch: ``python -m pipeoptim.launcher RUN.json``. The stage's
-    guards (signals, the launcher's death) go in first, before torch starts any thread."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m pipeoptim.launcher RUN.json (started by `pipeoptim train "
-              "--runtime distributed`)", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
-    train = spec.get("kind") != "bench"
-    guard_stage(int(os.environ.get("RANK", "0")) if train else None, spec.get("out") if train else None)
-    if not train:
-        from .bench_worker import bench_worker
-
-        return bench_worker(spec)
-    from .errors import MissingDataError
-    from .experiment import RunConfig
-
-    cfg = RunConfig(**spec["config"])
-    try:
-        return worker(cfg, out=Path(spec["out"]) if spec["out"] else None, timeout=spec["timeout"],
-                      device=spec["device"], threads=spec["threads"], json=spec["json"],
-                      progress=spec["progress"], resume=spec.get("resume", False),
-                      diagnose_every=spec.get("diagnose_every", 0))
-    except (ValueError, MissingDataError) as error:
-        if os.environ.get("PIPEOPTIM_DEBUG"):
-            raise
-        print(f"pipeoptim train: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalization: gloo's worker threads can still hold work objects
-    # whose tensors reference Python, and tearing those down during finalization aborts the
-    # process (SIGABRT, "terminate called without an active exception") after a clean run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
         with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
-            failures = run_workers(processes, "pipeoptim.launcher", [str(config)], torchrun_env(1))
+            failures = run_workers(processes, "pipeoptim.stage_worker", [str(config)], torchrun_env(1))
         busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
         if failures:
             how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
