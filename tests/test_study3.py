@@ -56,7 +56,9 @@ def test_the_dominated_cut_is_what_the_second_study_shows(study3, plan):
     dominated = plan.dominated_variants(study3.load_rows_study2(suite))
     # every method the plan drops is matched or beaten in every setting of the second study
     assert set(suite["cuts"]["dominated"]) <= set(dominated)
-    assert dominated["async-naive"] == dominated["pipedream"] == "spectrain"
+    # (the first dominator in the methods' order: spectrain matches or beats pipedream too, but
+    # with the third seeds at N = 4 in, pipedream-2bw, listed before it, does as well)
+    assert dominated["async-naive"] == "spectrain" and dominated["pipedream"] in ("pipedream-2bw", "spectrain")
 
 
 def test_default_plan_follows_the_budget_plan(study3, plan):
