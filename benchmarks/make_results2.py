@@ -1,7 +1,9 @@
-"""Generate docs/results.md (and docs/results2/*.png) from issue 16's study: which pipeline reaches
-the target first, trained with the recipe people use. No number is typed by hand.
+"""The second study's report (issue 16: which pipeline reaches the target first, trained with the
+recipe people use, every method given sequential's updates), and its figures (``results2/``). No
+number is typed by hand. ``docs/results.md`` carries it below the equal-time report
+(``benchmarks/make_results3.py`` writes both); alone:
 
-    .venv/bin/python benchmarks/make_results2.py [--study benchmarks/results/study2] [--out docs]
+    .venv/bin/python benchmarks/make_results2.py [--study benchmarks/results/study2] [--out runs/report2]
 
 Reads the study's rows (``runs.jsonl``, written by ``benchmarks/study2.py``) and the predicted time
 per mini-batch of each method on N devices (``times.json``, ``benchmarks/study2_times.py``).
@@ -895,9 +897,11 @@ TRANSLATION = ("**Translation was left out.** In the first study (`docs/results-
                "get there, so its runs would compare methods that have not learned to translate.")
 
 
-def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bool = True) -> str:
-    """Write ``out/results.md`` (and ``out/results2/*.png`` with ``plots``) from the study folder;
-    return the markdown."""
+def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bool = True,
+             name: Optional[str] = "results-equal-updates.md") -> str:
+    """Write ``out/name`` (and ``out/results2/*.png`` with ``plots``) from the study folder;
+    return the markdown (``name`` None: write the figures only; docs/results.md is this report
+    below the equal-time one, written by make_results3.py)."""
     suite = study2.SUITES[suite_name or json.loads((study / "suite.json").read_text())["suite"]]
     rows = study2.load_rows(study / "runs.jsonl")
     times_file = study / "times.json"
@@ -939,9 +943,9 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
                   f"brackets: after the first third only, for the lrs the halving stopped; ·: not run yet):", ""]
         lines += sweep_table(suite, rows, task, optimizer, st.scale, digits_of(st)) + [""]
         # (the links do not depend on --no-plots: the markdown is the same either way)
-        name = sensitivity_plot(suite, rows, task, optimizer, st.metric, st.higher, st.scale,
-                                figures if plots else None)
-        lines += [f"![sensitivity](results2/{name})", ""]
+        figure = sensitivity_plot(suite, rows, task, optimizer, st.metric, st.higher, st.scale,
+                                  figures if plots else None)
+        lines += [f"![sensitivity](results2/{figure})", ""]
         lines += level_lines(st) + [""]
         for st in cell:
             reference, target = st.reference(), st.target()
@@ -952,10 +956,11 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
             lines += setting_table(st) + [""]
             lines += diagnostic_table(st)
             if any(m.ok for m in st.methods.values()):
-                name = curves_plot(st, figures if plots else None)
-                lines += [f"![curves](results2/{name})", ""]
+                figure = curves_plot(st, figures if plots else None)
+                lines += [f"![curves](results2/{figure})", ""]
     text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
+    if name is not None:
+        (out / name).write_text(text)
     return text
 
 
@@ -963,15 +968,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", type=Path, default=study2.RESULTS / "study2",
                         help="the study folder: runs.jsonl, suite.json, times.json")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs",
-                        help="where results.md and results2/ go (default docs)")
+    parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "runs" / "report2",
+                        help="where the report and results2/ go (default runs/report2; docs/results.md, this "
+                             "report below the equal-time one, is benchmarks/make_results3.py's)")
+    parser.add_argument("--name", default="results-equal-updates.md", help="the markdown's file name")
     parser.add_argument("--suite", choices=list(study2.SUITES),
                         help="the suite the rows belong to (default: the study folder's suite.json)")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = generate(args.study, args.out, args.suite, plots=not args.no_plots)
-    print(f"written: {args.out / 'results.md'} ({len(text.splitlines())} lines)")
+    text = generate(args.study, args.out, args.suite, plots=not args.no_plots, name=args.name)
+    print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")
     return 0
 
 

@@ -2,7 +2,8 @@
 curve and its spread, the final metric at equal time, time to target against the synchronous
 pipeline, the verdicts and the recommendation) on a hand-made study whose every number is known
 (tests/data/study3: image x momentum at N = 8 and 4, sequential, pipeoptim and xpipe), and the
-report those rows give, byte for byte (tests/data/study3/report.md)."""
+report those rows give, byte for byte (tests/data/study3/report.md); and docs/results.md being
+exactly what the committed rows of both studies give."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 from conftest import load_benchmark
 
 DATA = Path(__file__).resolve().parent / "data" / "study3"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,20 @@ def test_the_figure_is_drawn(report, tmp_path):
     report.generate(DATA, tmp_path, plots=True, name="report.md")
     assert sorted(p.name for p in (tmp_path / "results3").iterdir()) == [
         "equal-time-image-momentum-N4.png", "equal-time-image-momentum-N8.png"]
+
+
+def test_the_second_study_follows_one_level_down(report):
+    assert report.demoted("# Title\n\ntext\n## Part\n### Setting\n") == [
+        "## Title", "", "text", "### Part", "#### Setting"]
+
+
+def test_docs_results_is_what_the_committed_rows_give(report, tmp_path):
+    results = ROOT / "benchmarks" / "results"
+    text = report.generate(results / "study3", tmp_path, plots=False, equal_updates=results / "study2")
+    assert text == (ROOT / "docs" / "results.md").read_text(), \
+        "docs/results.md is out of date: run .venv/bin/python benchmarks/make_results3.py"
+    # the equal-time answer first, the second study's equal-update report below it
+    assert text.startswith("# Equal time, not equal updates")
+    assert text.index("## The answer") < text.index("## Does an asynchronous pipeline reach the target sooner?")
+    assert "\n# " not in text  # one title
+    assert "planned runs are in" in text  # how far the study is
