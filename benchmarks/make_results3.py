@@ -350,29 +350,6 @@ class _Rows:
         self.methods = arms
 
 
-def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> str:
-    """How far the study is: rows in against the plan (study3_plan.py), the core-minutes spent and
-    left; empty for a folder without the runner's ``suite.json`` (a hand-made one)."""
-    suite_file = study / "suite.json"
-    if not suite_file.exists():
-        return ""
-    from study2 import load_rows as study2_rows
-    from study3_plan import load_rows, plan_runs
-    from study3_suite import SUITES as STUDY3_SUITES
-
-    suite = STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]
-    rows2 = study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
-    planned = [r for r in plan_runs(suite, load_rows(study / "runs.jsonl"), times, rows2) if r.status != "dropped"]
-    done = sum(r.status == "done" for r in planned)
-    spent = sum(r.get("seconds", 0) for r in rows) / 60
-    left = sum(r.minutes for r in planned if r.status != "done")
-    if done == len(planned):
-        return f"All {len(planned)} planned runs are in ({spent:.0f} core-minutes of training)."
-    return (f"**The study is still running: {done} of {len(planned)} planned runs are in** ({spent:.0f} "
-            f"core-minutes of training so far, about {left:.0f} planned to go); settings and arms without "
-            "their runs are missing below, and every number may still move.")
-
-
 def demoted(markdown: str) -> List[str]:
     """``markdown``'s lines with every heading one level down (its title becomes a section)."""
     return ["#" + line if line.startswith("#") else line for line in markdown.rstrip("\n").splitlines()]
@@ -383,6 +360,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``)."""
+    from make_results3_advice import status_line
     from make_results3_plot import curves_plot
 
     rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines() if line.strip()]
@@ -438,7 +416,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
+    parser.add_argument("--advice", action="store_true",
+                        help="print the recommendation per (task, N) whose runs are all in, as "
+                             "src/pipeoptim/tasks/advice.py's ADVICE, and write nothing")
     args = parser.parse_args(argv)
+    if args.advice:
+        from make_results3_advice import advice_entries, advice_source, complete_cells
+
+        rows = [json.loads(line) for line in (args.study / "runs.jsonl").read_text().splitlines() if line.strip()]
+        times = json.loads((args.study / "times.json").read_text())
+        print(advice_source(advice_entries(settings_of(rows, times), complete_cells(args.study, times))))
+        return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates)
     print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")

@@ -6,6 +6,7 @@ report those rows give, byte for byte (tests/data/study3/report.md); and docs/re
 exactly what the committed rows of both studies give."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -142,3 +143,44 @@ def test_docs_results_is_what_the_committed_rows_give(report, tmp_path):
     assert text.index("## The answer") < text.index("## Does an asynchronous pipeline reach the target sooner?")
     assert "\n# " not in text  # one title
     assert "planned runs are in" in text  # how far the study is
+
+
+def test_the_advice_per_finished_task_and_depth(report, settings):
+    advice = load_benchmark("make_results3_advice")
+    both = list(settings.values())
+    entries = advice.advice_entries(both, [("image", 8), ("image", 4)])
+    assert entries[("image", 8)] == {
+        "task": "image", "stages": 8, "method": "pipeoptim", "synchronous": False, "microbatches": 1, "options": (),
+        "optimizer": "momentum", "lr": 0.005, "metric": "accuracy", "value": 0.92, "spread": 0.01, "seeds": 3,
+        "runner_up": "the synchronous pipeline with momentum", "runner_up_value": 0.89, "margin": 0.03}
+    assert entries[("image", 4)]["method"] == "xpipe" and entries[("image", 4)]["microbatches"] == 2  # XPipe's M
+    assert list(advice.advice_entries(both, [("image", 8)])) == [("image", 8)]  # only the finished ones
+    # where the synchronous pipeline wins: its fastest schedule (interleaved: its chunks as an option)
+    at4 = settings[4]
+    behind = dataclasses.replace(at4.arms["pipeoptim"],
+                                 rows=[dict(r, final_metric=0.80) for r in at4.arms["pipeoptim"].rows])
+    only_sync = report.Setting(at4.task, at4.optimizer, 4, at4.metric, at4.higher, at4.budget,
+                               {report.SYNC: at4.arms[report.SYNC], "pipeoptim": behind})
+    entry = advice.advice_entries([only_sync], [("image", 4)])[("image", 4)]
+    assert (entry["method"], entry["synchronous"], entry["microbatches"], entry["options"]) == (
+        "interleaved", True, 8, (("chunks", "2"),))
+    assert entry["runner_up"] == "pipeoptim with momentum"
+    # the hand-made folder has no plan: nothing counts as finished, and the report says nothing of it
+    assert advice.complete_cells(DATA, {}) == [] and advice.status_line(DATA, [], {}) == ""
+    # the literal the package holds, read back
+    namespace: dict = {}
+    exec("from typing import Dict, Tuple\nfrom pipeoptim.tasks.advice import Advice\n"
+         + advice.advice_source(entries), namespace)
+    assert namespace["ADVICE"][("image", 8)].describe().startswith("image, N = 8: in the same time, pipeoptim (M = 1)")
+
+
+def test_the_package_holds_what_the_committed_rows_recommend(report):
+    from pipeoptim.tasks.advice import ADVICE, Advice
+
+    advice = load_benchmark("make_results3_advice")
+    study = ROOT / "benchmarks" / "results" / "study3"
+    rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines() if line.strip()]
+    times = json.loads((study / "times.json").read_text())
+    expected = advice.advice_entries(report.settings_of(rows, times), advice.complete_cells(study, times))
+    assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
+        "src/pipeoptim/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python benchmarks/make_results3.py --advice"

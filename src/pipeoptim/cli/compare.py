@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from ..methods import get_method
 from ..tasks import get_task
+from ..tasks.advice import advice
 from .common import add_run_options, check_numbers, known_methods, output_dir, print_json, run_config
 
 
@@ -82,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
                      out / "compare.png", metric=task.metric, higher_is_better=task.higher_is_better,
                      split=first.eval_split,
                      title=f"{args.task} / {first.model}, {first.stages} stages, {first.optimizer}")
+    recommended, advice_text = advice(args.task, first.stages)
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
-              "runs": rows, "plot": str(plot)}
+              "runs": rows, "plot": str(plot), "advice": advice_text,
+              "recommended": None if recommended is None else recommended.method}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print_json(report)
@@ -91,4 +95,6 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_table(rows, task.metric, task.higher_is_better))
         print(f"\nplot: {plot}\nrun folders: {out}/<method>/")
+        print("\n" + textwrap.fill(f"which method to use: {advice_text}", width=100, subsequent_indent="  ",
+                                  break_long_words=False, break_on_hyphens=False))
     return 0

@@ -1,0 +1,100 @@
+"""What the equal-time study says so far, and the recommendation it hands the package: the plan
+against the rows (how many runs are in, which (task, N) have all of theirs), and the
+recommendation per finished (task, N) as ``pipeoptim.tasks.advice.ADVICE`` holds it
+(``benchmarks/make_results3.py --advice`` prints it; tests/test_make_results3.py holds the
+package's table to the committed rows)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+BENCHMARKS = Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+from make_results3 import SYNC, Setting, recommendation  # noqa: E402
+
+
+def planned_runs(study: Path, times: Dict[str, Any]) -> List[Any]:
+    """The study's plan (study3_plan.Run, dropped runs left out) against its rows; empty for a
+    folder without the runner's ``suite.json`` (a hand-made one)."""
+    suite_file = study / "suite.json"
+    if not suite_file.exists():
+        return []
+    from study2 import load_rows as study2_rows
+    from study3_plan import load_rows, plan_runs
+    from study3_suite import SUITES as STUDY3_SUITES
+
+    suite = STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]
+    rows2 = study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
+    return [r for r in plan_runs(suite, load_rows(study / "runs.jsonl"), times, rows2) if r.status != "dropped"]
+
+
+def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> str:
+    """How far the study is: rows in against the plan (study3_plan.py), the core-minutes spent and
+    left; empty for a folder without the runner's ``suite.json`` (a hand-made one)."""
+    planned = planned_runs(study, times)
+    if not planned:
+        return ""
+    done = sum(r.status == "done" for r in planned)
+    spent = sum(r.get("seconds", 0) for r in rows) / 60
+    left = sum(r.minutes for r in planned if r.status != "done")
+    if done == len(planned):
+        return f"All {len(planned)} planned runs are in ({spent:.0f} core-minutes of training)."
+    return (f"**The study is still running: {done} of {len(planned)} planned runs are in** ({spent:.0f} "
+            f"core-minutes of training so far, about {left:.0f} planned to go); settings and arms without "
+            "their runs are missing below, and every number may still move.")
+
+
+def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, int]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """(task, N) -> the recommendation as ``pipeoptim.tasks.advice.Advice``'s fields, for the
+    (task, N) in ``complete`` (every planned run in) that have one."""
+    from study3_suite import variant_microbatches, variant_spec
+
+    out: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    for task, stages in complete:
+        rec = recommendation(settings, task, stages)
+        if rec is None or rec["runner_up"] is None:
+            continue
+        st, variant = rec["setting"], rec["variant"]
+        mean, sd = st.final(variant)
+        if variant == SYNC:
+            schedule, micro = st.budget["fastest"]["schedule"], st.budget["fastest"]["microbatches"]
+            method, options = ("interleaved", {"chunks": 2}) if schedule == "interleaved-1f1b" else (schedule, {})
+        else:
+            method, options, _ = variant_spec(variant, stages)
+            micro = variant_microbatches(variant, stages)
+        beta1 = st.arms[variant].rows[0].get("beta1")
+        options = {**options, **({"beta1": beta1} if beta1 is not None else {})}
+        rst, rv = rec["runner_up"]
+        runner = rst.final(rv)[0]
+        out[(task, stages)] = {
+            "task": task, "stages": stages, "method": method, "synchronous": variant == SYNC,
+            "microbatches": int(micro), "options": tuple((k, f"{v:g}" if isinstance(v, float) else str(v))
+                                                         for k, v in sorted(options.items())),
+            "optimizer": st.optimizer, "lr": st.arms[variant].lr, "metric": st.metric, "value": round(mean, 6),
+            "spread": round(sd, 6), "seeds": len(st.arms[variant].rows),
+            "runner_up": f"{'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer}",
+            "runner_up_value": round(runner, 6), "margin": round(mean - runner, 6)}
+    return out
+
+
+def complete_cells(study: Path, times: Dict[str, Any]) -> List[Tuple[str, int]]:
+    """The (task, N) whose every planned run (sequential's references included) is in."""
+    planned = planned_runs(study, times)
+    cells = dict.fromkeys((r.task, r.stages) for r in planned if r.variant != "sequential")
+    return [(task, n) for task, n in cells
+            if all(r.status == "done" for r in planned
+                   if r.task == task and (r.stages == n or r.variant == "sequential"))]
+
+
+def advice_source(entries: Dict[Tuple[str, int], Dict[str, Any]]) -> str:
+    """``ADVICE``'s literal for src/pipeoptim/tasks/advice.py."""
+    lines = ["ADVICE: Dict[Tuple[str, int], Advice] = {"]
+    for key, entry in entries.items():
+        lines.append(f"    {key!r}: Advice(")
+        for name, value in entry.items():  # (a field per line: the file stays readable and diffable)
+            lines.append(f"        {name}={value!r},")
+        lines.append("    ),")
+    return "\n".join(lines + ["}"]) if entries else "ADVICE: Dict[Tuple[str, int], Advice] = {}"

@@ -1,0 +1,85 @@
+"""Which method to use, per task and pipeline depth: the equal-time study's recommendation
+(docs/results.md, "The answer").
+
+The study gives every method the wall-clock time the synchronous pipeline takes for
+``sequential``'s updates, on N devices as the schedule simulator predicts it, and asks which gives
+the better model in that time (final test metric, mean of 3 seeds). A method is recommended
+only where it beats the best synchronous pipeline beyond the seed spread; otherwise the
+synchronous pipeline is (the same model as non-pipelined training, for the same time).
+
+:data:`ADVICE` holds a (task, N) only once every run the study planned for it is in;
+``benchmarks/make_results3.py --advice`` prints the table from the committed rows, and a test
+holds this one to it. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
+task and stage count.
+
+This module imports nothing heavy (no torch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+#: where the advice comes from (printed beside it)
+SOURCE = "the equal-time study (docs/results.md)"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The study's recommendation for one task at one pipeline depth."""
+
+    task: str
+    stages: int
+    #: a method name; for the synchronous pipeline, its fastest schedule in the study (every
+    #: synchronous schedule computes sequential's updates: only their speed differs)
+    method: str
+    synchronous: bool
+    microbatches: int           #: micro-batches per mini-batch the recommended run used
+    options: Tuple[Tuple[str, str], ...]  #: method options beyond the defaults, as (option, value)
+    optimizer: str
+    lr: float                   #: the peak lr it ran at (tuned on validation for its length)
+    metric: str
+    value: float                #: mean final test metric at equal time (accuracy as a fraction)
+    spread: float               #: its standard deviation over the seeds
+    seeds: int
+    runner_up: str              #: the next best, "<method or synchronous> with <optimizer>"
+    runner_up_value: float
+    margin: float               #: value - runner_up_value (in the metric's own unit)
+
+    def command(self) -> str:
+        """The flags that train the recommended setting with ``pipeoptim train``."""
+        flags = [f"--task {self.task}", f"--method {self.method}", f"--stages {self.stages}",
+                 f"--micro-batches {self.microbatches}", f"--optimizer {self.optimizer}", f"--lr {self.lr:g}"]
+        flags += [f"--{option.replace('_', '-')} {value}" for option, value in self.options]
+        return "pipeoptim train " + " ".join(flags)
+
+    def describe(self) -> str:
+        """One paragraph: what to use, by how much it wins, and the command."""
+        scale, digits = (100.0, 2) if self.metric == "accuracy" else (1.0, 1)
+        what = (f"the synchronous pipeline ({self.method}, M = {self.microbatches})" if self.synchronous
+                else f"{self.method}" + "".join(f", {o} {v}" for o, v in self.options)
+                + f" (M = {self.microbatches})")
+        return (f"{self.task}, N = {self.stages}: in the same time, {what} with {self.optimizer} gives "
+                f"the best model: test {self.metric} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} "
+                f"over {self.seeds} seeds; next {self.runner_up} {self.runner_up_value * scale:.{digits}f} "
+                f"(margin {self.margin * scale:+.{digits}f}{'' if self.metric == 'accuracy' else ', lower is better'}; "
+                f"{SOURCE}). To train it: {self.command()}")
+
+
+#: (task, N) -> the study's recommendation; only settings whose planned runs are all in
+ADVICE: Dict[Tuple[str, int], Advice] = {}
+
+
+def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
+    """(the recommendation for ``task`` at ``stages`` stages, or None; a sentence saying where it
+    comes from or why there is none). Another depth gets the nearest studied one, said so."""
+    if (task, stages) in ADVICE:
+        return ADVICE[(task, stages)], ADVICE[(task, stages)].describe()
+    studied = sorted(n for t, n in ADVICE if t == task)
+    if not studied:
+        return None, (f"{SOURCE[0].upper() + SOURCE[1:]} has no finished recommendation for {task} yet (it "
+                      "runs N = 8 and 4 on image, sentiment and lm); until it has, the synchronous pipeline is "
+                      "the safe choice: at equal updates every asynchronous method ended behind it (the second "
+                      "study, same file)")
+    nearest = min(studied, key=lambda n: (abs(n - stages), -n))
+    entry = ADVICE[(task, nearest)]
+    return entry, f"(no study at N = {stages}; the nearest studied depth) " + entry.describe()

@@ -1,0 +1,92 @@
+"""pipeoptim.tasks.advice: the equal-time study's recommendation as the package holds it (the
+table itself is held to the committed rows in test_make_results3.py), what it prints, the command
+it gives, the nearest studied depth, and what ``pipeoptim compare`` ends with."""
+from __future__ import annotations
+
+import pytest
+
+from pipeoptim.tasks import advice as advice_module
+from pipeoptim.tasks.advice import Advice, advice
+
+ASYNC = Advice(task="image", stages=8, method="pipeoptim", synchronous=False, microbatches=2,
+               options=(("lr_correction", "delay"),), optimizer="momentum", lr=0.005, metric="accuracy",
+               value=0.92, spread=0.01, seeds=3, runner_up="the synchronous pipeline with momentum",
+               runner_up_value=0.89, margin=0.03)
+SYNC = Advice(task="lm", stages=4, method="zb-h1", synchronous=True, microbatches=16, options=(("beta1", "0.99"),),
+              optimizer="nadam", lr=0.002, metric="perplexity", value=55.25, spread=0.5, seeds=3,
+              runner_up="pipedream-2bw with muon", runner_up_value=58.0, margin=-2.75)
+
+
+def test_the_command_trains_the_recommended_setting():
+    assert ASYNC.command() == ("pipeoptim train --task image --method pipeoptim --stages 8 --micro-batches 2 "
+                               "--optimizer momentum --lr 0.005 --lr-correction delay")
+    assert SYNC.command() == ("pipeoptim train --task lm --method zb-h1 --stages 4 --micro-batches 16 "
+                              "--optimizer nadam --lr 0.002 --beta1 0.99")
+
+
+def test_the_description_gives_the_margin_and_the_spread_in_the_metrics_unit():
+    text = ASYNC.describe()
+    assert text == ("image, N = 8: in the same time, pipeoptim, lr_correction delay (M = 2) with momentum "
+                           "gives the best model: test accuracy 92.00 ± 1.00 over 3 seeds; next the synchronous "
+                           "pipeline with momentum 89.00 (margin +3.00; the equal-time study (docs/results.md)). To train it: "
+                           + ASYNC.command())
+    assert "the synchronous pipeline (zb-h1, M = 16) with nadam" in SYNC.describe()
+    assert "test perplexity 55.2 ± 0.5 over 3 seeds; next pipedream-2bw with muon 58.0 (margin -2.8, lower is better;" \
+        in SYNC.describe()
+
+
+def test_another_depth_gets_the_nearest_studied_one(monkeypatch):
+    monkeypatch.setattr(advice_module, "ADVICE", {("image", 8): ASYNC, ("image", 4): ASYNC.__class__(
+        **{**ASYNC.__dict__, "stages": 4, "method": "xpipe"})})
+    assert advice("image", 8)[0] is ASYNC
+    assert advice("image", 4)[0].method == "xpipe"
+    entry, text = advice("image", 6)  # as far from 4 as from 8: the deeper one
+    assert entry is ASYNC and text.startswith("(no study at N = 6; the nearest studied depth) image, N = 8:")
+    assert advice("image", 2)[0].method == "xpipe"
+
+
+def test_no_finished_study_says_so_and_what_is_safe(monkeypatch):
+    monkeypatch.setattr(advice_module, "ADVICE", {})
+    entry, text = advice("translation", 4)
+    assert entry is None
+    assert "has no finished recommendation for translation yet" in text
+    assert "the synchronous pipeline is the safe choice" in text
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_compare_ends_with_the_advice_for_its_task_and_depth(tmp_path, capsys, monkeypatch, as_json):
+    import json
+
+    from pipeoptim.cli import main
+
+    monkeypatch.setattr(advice_module, "ADVICE", {("image", 8): ASYNC})
+    args = ["compare", "--task", "image", "--model", "mlp", "--limit", "256", "--batch-size", "64", "--epochs", "1",
+            "--methods", "sequential", "--stages", "2", "--no-progress", "--out", str(tmp_path / "cmp")]
+    assert main(args + (["--json"] if as_json else [])) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        report = json.loads(out)
+        assert report["recommended"] == "pipeoptim"
+        assert report["advice"].startswith("(no study at N = 2; the nearest studied depth) image, N = 8")
+    else:
+        last = out[out.index("which method to use: "):]
+        assert all(len(line) <= 100 for line in last.splitlines())  # wrapped
+        assert " ".join(line.strip() for line in last.splitlines()) == \
+            "which method to use: (no study at N = 2; the nearest studied depth) " + ASYNC.describe()
+
+
+def test_the_readme_says_what_the_package_recommends():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- advice: pipeoptim.tasks.advice.ADVICE", "<!-- /advice -->"
+    block = readme[readme.index(start):readme.index(end)].split("\n", 1)[1]
+    bullets = [b.replace("\n  ", " ").strip() for b in block.split("\n- ") if b.strip()]
+    bullets[0] = bullets[0].removeprefix("- ")
+    if not advice_module.ADVICE:
+        assert len(bullets) == 1 and bullets[0].startswith("No finished recommendation yet")
+    else:
+        assert bullets == [entry.describe() for entry in advice_module.ADVICE.values()]
+    # the demo's printed advice is the one for its task and depth
+    demo = readme[readme.index("which method to use: "):readme.index("```", readme.index("which method to use: "))]
+    assert " ".join(line.strip() for line in demo.splitlines()) == "which method to use: " + advice("image", 4)[1]
