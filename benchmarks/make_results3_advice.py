@@ -38,7 +38,7 @@ def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, An
     if not planned:
         return ""
     done = sum(r.status == "done" for r in planned)
-    spent = sum(r.get("seconds", 0) for r in rows) / 60
+    spent = sum(r.get("cpu_seconds", r.get("seconds", 0)) for r in rows) / 60  # (older rows: wall clock)
     left = sum(r.minutes for r in planned if r.status != "done")
     if done == len(planned):
         return f"All {len(planned)} planned runs are in ({spent:.0f} core-minutes of training)."

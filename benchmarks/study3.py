@@ -99,7 +99,7 @@ def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
                            "higher_is_better": task.higher_is_better, "folder": str(folder.relative_to(study))}
     quiet = dict(show_progress=False, log=lambda *a, **k: None, task=task,
                  diagnose_every=0 if cfg.method in SYNCHRONOUS else suite["diagnose_every"])
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     try:
         if run.until == "third":
             stop = stop_point(run.updates, 1, spec["eval_every"], suite["halving"]["share"])
@@ -122,6 +122,9 @@ def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
     except NonFiniteLoss as error:  # a diverged run is a result, not a failure
         row.update(diverged=str(error), final_metric=None, validation_metric=None)
     row["seconds"] = round(time.time() - started, 1)
+    # (what the run cost the machine: a run sharing the cores takes longer on the wall clock, not
+    # in CPU time; one thread, so CPU seconds are core-seconds)
+    row["cpu_seconds"] = round(time.process_time() - cpu_started, 1)
     return row
 
 

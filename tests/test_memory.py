@@ -169,3 +169,33 @@ def test_bench_reports_the_measured_peak_against_the_prediction(tmp_path, capfd)
         # the input and 4 ReLU outputs per micro-batch; with recomputation the input and the output
         per_mb = rows * (image + width) if name.endswith("+recompute") else rows * (image + 4 * width)
         assert first["measured_bytes_per_microbatch"] == per_mb
+
+
+def test_a_shape_measured_alike_twice_is_counted_without_the_hooks():
+    held = HeldActivations()
+    x = torch.ones(4, 4, requires_grad=True)
+    calls = []
+
+    def weights():
+        calls.append(1)
+        return []
+
+    for mb in range(4):
+        with held.forward(mb, weights, signature=("4x4",)):
+            y = (x * 2).sin()  # sin saves its input, x * 2: 64 bytes (a scalar's product saves nothing)
+        held.keep(mb, ())
+    assert calls == [1, 1]  # measured twice, then taken as known
+    assert held.now == held.peak_bytes == 4 * 64 and held.microbatch_bytes == 64
+    for mb in range(4):
+        held.release(mb)
+    assert held.now == 0 and held.peak_microbatches == 4
+    # a shape whose two measurements differ stays measured
+    varying = HeldActivations()
+    for mb, n in enumerate((4, 8, 4)):
+        with varying.forward(mb, lambda: [], signature="same"):
+            (torch.ones(n, requires_grad=True) * 2).sin()
+        varying.keep(mb, ())
+    assert varying.known_bytes("same") is None and varying.now == 16 + 32 + 16
+    # no signature: measured every time
+    assert HeldActivations().known_bytes(None) is None
+    del y

@@ -154,6 +154,7 @@ def test_tiny_study_end_to_end(study3, tmp_path, capsys):
     assert [e["updates"] for e in whole["evaluations"]] == [4, 8, 12, 16, 20]
     assert whole["epochs"] == pytest.approx(20 / 12) and whole["microbatches"] == 2
     assert whole["seconds_per_batch"] == pytest.approx(0.12 / 20) and 0 < whole["final_metric"] <= 1
+    assert whole["cpu_seconds"] > 0  # what the run cost the cores, whoever shared them
     third = rows[2]
     assert third["stopped_at"] == 4 and [e["updates"] for e in third["evaluations"]] == [4]
     assert rows[6]["resumed"] is True and [e["updates"] for e in rows[6]["evaluations"]] == [4, 8, 12, 16]

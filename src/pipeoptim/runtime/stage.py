@@ -68,6 +68,27 @@ def detach_for_send(value: Activation) -> Activation:
     return value.detach()
 
 
+def _signature(*values: Any) -> Optional[Tuple[Any, ...]]:
+    """The shapes, dtypes and devices of a micro-batch's tensors, what the bytes it holds depend
+    on (tuples, lists and dicts of them, None and numbers); None for anything else (measured
+    every time)."""
+    def sign(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return (tuple(value.shape), value.dtype, value.device)
+        if isinstance(value, (tuple, list)):
+            return tuple(sign(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, sign(v)) for k, v in value.items())
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError
+
+    try:
+        return sign(values)
+    except TypeError:
+        return None
+
+
 def _leaf_inputs(value: Activation) -> Activation:
     """Received activations as leaves, floating ones collecting their gradient."""
     def leaf(v):
@@ -178,8 +199,10 @@ class Stage:
             if self._buffers is None:  # updated in place (BatchNorm's statistics): found once
                 self._buffers = list(self.module.buffers())
             # what the forward saves that is a weight, not an activation (the tied values included)
-            not_activations = [*self.parameters(), *self._buffers, *([] if use.direct else weights.values())]
-            with torch.enable_grad(), self.autocast(), self.held.forward(microbatch, not_activations):
+            not_activations = lambda: [*self.parameters(), *self._buffers,  # noqa: E731
+                                       *([] if use.direct else weights.values())]
+            with torch.enable_grad(), self.autocast(), \
+                    self.held.forward(microbatch, not_activations, _signature(leaves, target)):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
                     output = recompute.checkpointed(run, leaves, kept)
