@@ -41,7 +41,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 from make_results import fmt, mean_sd, verdict  # noqa: E402  (the first study's arithmetic, tested there)
-from make_results2 import diagnosis, final_score, run_updates_to_target  # noqa: E402
+from make_results2 import final_score, run_updates_to_target  # noqa: E402
+from make_results2_findings import diagnosis  # noqa: E402
 from study2 import ranked_lrs  # noqa: E402
 
 from pipeoptim.time_to_target import target_from_reference  # noqa: E402

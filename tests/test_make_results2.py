@@ -21,6 +21,11 @@ def report():
     return load_benchmark("make_results2")
 
 
+@pytest.fixture(scope="module")
+def findings(report):
+    return load_benchmark("make_results2_findings")
+
+
 # the hand-made study: validation curves at the smoke suite's evaluations (4, 8, 12 updates)
 CURVES = {
     ("sequential", 1): [0.5, 0.8, 0.9],                 # target 0.99 * 0.9 = 0.891
@@ -100,11 +105,11 @@ def test_stage_errors_weigh_every_probe_of_every_epoch(report):
     assert stage["ratio"] == pytest.approx(14 / 24)
 
 
-def test_holds_counts_settings_as_the_first_study(report):
-    assert report.holds({"wins": 2, "ties": 1, "loses": 1}) == "holds"
-    assert report.holds({"wins": 1, "ties": 1, "loses": 1}) == "holds in part"
-    assert report.holds({"wins": 1, "loses": 1}) == "does not hold"
-    assert report.holds({}).startswith("untested")
+def test_holds_counts_settings_as_the_first_study(report, findings):
+    assert findings.holds({"wins": 2, "ties": 1, "loses": 1}) == "holds"
+    assert findings.holds({"wins": 1, "ties": 1, "loses": 1}) == "holds in part"
+    assert findings.holds({"wins": 1, "loses": 1}) == "does not hold"
+    assert findings.holds({}).startswith("untested")
 
 
 def test_time_to_target_against_the_synchronous_pipeline(report, seconds, tmp_path):
@@ -126,7 +131,7 @@ def test_time_to_target_against_the_synchronous_pipeline(report, seconds, tmp_pa
     assert n2.time_to_target("pipeoptim+lr_correction") == pytest.approx((0.8, 0.0))
 
 
-def test_a_sequential_seed_short_of_the_target_leaves_the_reference_on_the_others(report, seconds):
+def test_a_sequential_seed_short_of_the_target_leaves_the_reference_on_the_others(report, findings, seconds):
     """The target is 99 % of sequential's mean, so a seed can end short of it: the synchronous time
     is then the mean over the seeds that reach it, and the report says how many do."""
     def row(seed, curve):
@@ -141,7 +146,7 @@ def test_a_sequential_seed_short_of_the_target_leaves_the_reference_on_the_other
     assert st.updates_to_target("sequential") == [8, 4, None]
     assert st.time_to_target("sequential") is None
     assert st.synchronous_time() == (pytest.approx((1.2, 0.4 * 2 ** 0.5)), ", 2 of 3 seeds reach it")
-    text = "\n".join(report.conclusions([st], {"methods": ["pipeoptim"]}))
+    text = "\n".join(findings.conclusions([st], {"methods": ["pipeoptim"]}))
     assert "  - image, momentum, N=4 (synchronous pipeline: 1.2 ± 0.6 s, 2 of 3 seeds reach it): " \
            "pipeoptim sooner (3.00x)" in text
 
@@ -176,7 +181,7 @@ def test_the_report_says_what_the_numbers_give(report, seconds, tmp_path):
             "(sequential's standard deviation over 2 seeds: 0.00); final training loss 0.250000 against 0.250000 (difference +0.0e+00)") in text
 
 
-def test_depth_counts_closer_by_the_metric_direction(report):
+def test_depth_counts_closer_by_the_metric_direction(report, findings):
     """A perplexity that falls from N = 8 to N = 4 is closer to sequential; an accuracy that falls is not."""
     def setting(task, stages, metric, higher, finals):
         methods = {v: report.Method(v, 0.01, [{"final_metric": f, "seed": 0} for f in fs]) for v, fs in finals.items()}
@@ -187,7 +192,7 @@ def test_depth_counts_closer_by_the_metric_direction(report):
                 setting("lm", 4, "perplexity", False, {"sequential": [50.0], "pipeoptim": [70.0], "xpipe": []}),
                 setting("image", 8, "accuracy", True, {"sequential": [0.9], "pipeoptim": [0.89], "xpipe": [0.88]}),
                 setting("image", 4, "accuracy", True, {"sequential": [0.9], "pipeoptim": [0.88], "xpipe": [0.89]})]
-    text = "\n".join(report.depth_lines(settings, suite))
+    text = "\n".join(findings.depth_lines(settings, suite))
     assert "| lm, adamw | pipeoptim | +30.0 (1 seed) | +20.0 (1 seed) |" in text
     assert "| lm, adamw | xpipe | +10.0 (1 seed) | - |" in text
     assert "| image, adamw | pipeoptim | -1.00 (1 seed) | -2.00 (1 seed) |" in text
@@ -195,11 +200,11 @@ def test_depth_counts_closer_by_the_metric_direction(report):
     assert "up to 3 updates before its backward instead of 7" in text
 
 
-def test_spearman_and_the_error_gap_correlation(report):
-    assert report.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
-    assert report.spearman([1, 2, 3], [10, 20, 40]) == pytest.approx(1.0)
-    assert report.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert math.isnan(report.spearman([1, 1, 1], [1, 2, 3]))
+def test_spearman_and_the_error_gap_correlation(report, findings):
+    assert findings.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert findings.spearman([1, 2, 3], [10, 20, 40]) == pytest.approx(1.0)
+    assert findings.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(findings.spearman([1, 1, 1], [1, 2, 3]))
 
     def rows(error, final):
         probe = [{"probes": 1, "prediction_error": error, "staleness_error": 1.0}]
@@ -209,7 +214,7 @@ def test_spearman_and_the_error_gap_correlation(report):
                "a": report.Method("a", 0.01, rows(1e-3, 60.0)), "b": report.Method("b", 0.01, rows(2e-3, 55.0)),
                "c": report.Method("c", 0.01, rows(3e-3, 90.0))}
     settings = [report.Setting("lm", "adamw", 8, "perplexity", False, methods)]
-    text = "\n".join(report.error_gap_lines(settings, {"methods": ["a", "b", "c"]}))
+    text = "\n".join(findings.error_gap_lines(settings, {"methods": ["a", "b", "c"]}))
     # behind by 10, 5, 40 at errors 1, 2, 3 (x 1e-3): ranks (2, 1, 3) against (1, 2, 3) -> 0.5
     assert ("  - lm, adamw, N=8: +0.50 over 3 methods (smallest error: a, 1.0e-03, 10.0 behind; largest: c, "
             "3.0e-03, 40.0 behind)") in text
