@@ -96,7 +96,10 @@ def test_verdicts_and_the_recommendation(report, settings):
     assert tally["pipeoptim"] == {"equal_time": {"better": 1, "ties": 1}, "target": {"sooner": 2}}
     assert tally["xpipe"] == {"equal_time": {"worse": 1, "better": 1}, "target": {"never": 1, "sooner": 1}}
     assert report.method_verdict(tally["pipeoptim"]["equal_time"]) == "no worse than the synchronous pipeline"
-    assert report.method_verdict(tally["xpipe"]["equal_time"]) == "worse than the synchronous pipeline"
+    assert tally["xpipe"]["equal_time"] == {"better": 1, "worse": 1}
+    assert report.method_verdict(tally["xpipe"]["equal_time"]) == "mixed"
+    assert report.method_verdict({"ties": 1, "worse": 1}) == "worse than the synchronous pipeline"
+    assert report.method_verdict({"better": 1, "worse": 2}) == "worse than the synchronous pipeline"
     assert report.method_verdict({"better": 2, "worse": 1}) == "better than the synchronous pipeline"
     assert report.method_verdict({"better": 1, "ties": 2, "worse": 1}) == "mixed"
     rec8, rec4 = report.recommendation(both, "image", 8), report.recommendation(both, "image", 4)
@@ -184,3 +187,12 @@ def test_the_package_holds_what_the_committed_rows_recommend(report):
     expected = advice.advice_entries(report.settings_of(rows, times), advice.complete_cells(study, times))
     assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
         "src/pipeoptim/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python benchmarks/make_results3.py --advice"
+
+
+def test_the_report_lists_the_lrs_carried_over_unchecked(report, settings):
+    both = list(settings.values())
+    assert report.carried_lines(both) == ["  - image, momentum, N=8: xpipe 0.01", "  - image, momentum, N=4: xpipe 0.01"]
+    at4 = settings[4]
+    checked = report.Setting(at4.task, at4.optimizer, 4, at4.metric, at4.higher, at4.budget,
+                             {k: v for k, v in at4.arms.items() if k != "xpipe"})
+    assert report.carried_lines([checked]) == ["  - none"]
