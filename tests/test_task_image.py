@@ -319,3 +319,11 @@ def test_short_training_learns(model_name: str, optimizer: str, epochs: int) -> 
     accuracy = task.evaluate(model, data)
     assert model.training
     assert accuracy > 0.6, accuracy
+
+
+def test_the_models_module_agrees_on_the_classes():
+    from pipeoptim.tasks import image, image_models
+
+    assert image_models.NUM_CLASSES == len(image.CLASSES) == 10
+    assert image.build_image_model is image_models.build_image_model  # the task's API before the split
+    assert image_models.build_image_model("mlp", seed=0)(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
