@@ -40,6 +40,27 @@ def _span(t: torch.Tensor) -> Span:
     return start, start + extent * size
 
 
+def signature(*values: Any) -> Optional[Tuple[Any, ...]]:
+    """The shapes, dtypes and devices of a micro-batch's tensors, what the bytes it holds depend
+    on (tuples, lists and dicts of them, None and numbers); None for anything else (measured
+    every time)."""
+    def sign(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return (tuple(value.shape), value.dtype, value.device)
+        if isinstance(value, (tuple, list)):
+            return tuple(sign(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, sign(v)) for k, v in value.items())
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError
+
+    try:
+        return sign(values)
+    except TypeError:
+        return None
+
+
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 

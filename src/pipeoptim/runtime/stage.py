@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
-from .held import HeldActivations
+from .held import HeldActivations, signature
 
 Activation = Any  # a tensor or a tuple of tensors
 
@@ -66,27 +66,6 @@ def detach_for_send(value: Activation) -> Activation:
     if isinstance(value, tuple):
         return tuple(v.detach() if torch.is_tensor(v) else v for v in value)
     return value.detach()
-
-
-def _signature(*values: Any) -> Optional[Tuple[Any, ...]]:
-    """The shapes, dtypes and devices of a micro-batch's tensors, what the bytes it holds depend
-    on (tuples, lists and dicts of them, None and numbers); None for anything else (measured
-    every time)."""
-    def sign(value: Any) -> Any:
-        if torch.is_tensor(value):
-            return (tuple(value.shape), value.dtype, value.device)
-        if isinstance(value, (tuple, list)):
-            return tuple(sign(v) for v in value)
-        if isinstance(value, dict):
-            return tuple((k, sign(v)) for k, v in value.items())
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TypeError
-
-    try:
-        return sign(values)
-    except TypeError:
-        return None
 
 
 def _leaf_inputs(value: Activation) -> Activation:
@@ -202,7 +181,7 @@ class Stage:
             not_activations = lambda: [*self.parameters(), *self._buffers,  # noqa: E731
                                        *([] if use.direct else weights.values())]
             with torch.enable_grad(), self.autocast(), \
-                    self.held.forward(microbatch, not_activations, _signature(leaves, target)):
+                    self.held.forward(microbatch, not_activations, signature(leaves, target)):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
                     output = recompute.checkpointed(run, leaves, kept)
