@@ -77,7 +77,7 @@ def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
     studied = sorted(n for t, n in ADVICE if t == task)
     if not studied:
         return None, (f"{SOURCE[0].upper() + SOURCE[1:]} has no finished recommendation for {task} yet (it "
-                      "runs N = 8 and 4 on image, sentiment and lm); until it has, the synchronous pipeline is "
+                      "runs N = 8 on image, sentiment and lm); until it has, the synchronous pipeline is "
                       "the safe choice: at equal updates every asynchronous method ended behind it (the second "
                       "study, same file)")
     nearest = min(studied, key=lambda n: (abs(n - stages), -n))
