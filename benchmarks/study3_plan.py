@@ -15,7 +15,8 @@ first (item 6: N = 8 before N = 4):
      ``pipeoptim+M2`` and ``pipeoptim+MN`` carry ``pipeoptim``'s;
    * *swept* (what the second study never tuned: ``pipeoptim-2bw``; the LM with NAdam or Muon):
      4 log-spaced lrs (the second study's range, or ``lr_grid``), successive halving (the first
-     third, the best 2 to the end), as the second study.
+     third, the best 2 to the end), as the second study; where the best at the end is at an edge
+     of the grid (``extend_edges``), one more whole run a factor 2 beyond it.
 3. ``seeds``: N = 8, the remaining seeds at the chosen lr (in rounds: seed 1 everywhere, then
    seed 2); then N = 4, seeds 0-2 at N = 8's lr.
 
@@ -245,12 +246,17 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
         higher = study2.get_task(task).higher_is_better
         if kind == "carried":
             return lrs[0], "ready", ""
-        ends = lrs if kind == "pair" else swept_winners(task, optimizer, variant, lrs, n)
-        if ends is None:
-            return None, "waiting", f"the first thirds of {variant}'s sweep"
-        phase_until = ("tune", None) if kind == "pair" else ("tune", "end")
-        found = [(lr, rows.get(row_key({**base(task, optimizer, variant, n, lr), "phase": phase_until[0],
-                                        "until": phase_until[1]}))) for lr in ends]
+        ends = [(lr, None) for lr in lrs] if kind == "pair" else None
+        if kind == "sweep":
+            winners = swept_winners(task, optimizer, variant, lrs, n)
+            if winners is None:
+                return None, "waiting", f"the first thirds of {variant}'s sweep"
+            beyond, decided = extension(task, optimizer, variant, lrs, n)
+            if not decided:
+                return None, "waiting", f"{variant}'s tuning at lr {', '.join(f'{lr:g}' for lr in winners)}"
+            ends = [(lr, "end") for lr in winners] + ([(beyond, None)] if beyond is not None else [])
+        found = [(lr, rows.get(row_key({**base(task, optimizer, variant, n, lr), "phase": "tune", "until": until})))
+                 for lr, until in ends]
         missing = [f"{lr:g}" for lr, r in found if r is None]
         if missing:
             return None, "waiting", f"{variant}'s tuning at lr {', '.join(missing)}"
@@ -260,6 +266,20 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
     def base(task: str, optimizer: str, variant: str, n: int, lr: float) -> Dict[str, Any]:
         return {"task": task, "optimizer": optimizer, "variant": variant, "stages": n, "lr": lr, "seed": 0,
                 "updates": updates_of(task, optimizer, variant, n)}
+
+    def extension(task: str, optimizer: str, variant: str, lrs: Sequence[float], n: int) -> Tuple[Optional[float], bool]:
+        """(the lr one step beyond the sweep's edge, or None; whether that is decided): where the
+        best run at the end is at the edge of the 4-lr grid (its optimum not bracketed), one more
+        whole run a factor 2 beyond it (``extend_edges``; once, not again beyond that)."""
+        winners = swept_winners(task, optimizer, variant, lrs, n) or []
+        found = [(lr, rows.get(row_key({**base(task, optimizer, variant, n, lr), "phase": "tune", "until": "end"})))
+                 for lr in winners]
+        if not winners or any(r is None for _, r in found):
+            return None, False
+        ranked = study2.ranked_lrs(found, study2.get_task(task).higher_is_better)
+        if not suite.get("extend_edges") or not ranked or ranked[0] not in (min(lrs), max(lrs)):
+            return None, True
+        return float(f"{ranked[0] * (2 if ranked[0] == max(lrs) else 0.5):.3g}"), True
 
     def swept_winners(task: str, optimizer: str, variant: str, lrs: Sequence[float], n: int) -> Optional[List[float]]:
         thirds = [(lr, rows.get(row_key({**base(task, optimizer, variant, n, lr), "phase": "tune", "until": "third"})))
@@ -298,6 +318,10 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
                         elif rank < len(winners):
                             add(Run("tune", task, optimizer, variant, n, 0, winners[rank], until="end",
                                     lr_source=source))
+                    beyond, _ = extension(task, optimizer, variant, lrs, n)
+                    if beyond is not None:
+                        add(Run("tune", task, optimizer, variant, n, 0, beyond,
+                                lr_source=source + ", one step beyond the edge its best reached"))
                 elif kind == "pair" and until == "end":
                     for lr in lrs:
                         add(Run("tune", task, optimizer, variant, n, 0, lr, lr_source=source))

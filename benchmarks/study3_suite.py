@@ -86,6 +86,9 @@ SUITES: Dict[str, Dict[str, Any]] = {
         # halving for the 4-lr sweeps of what the second study never tuned
         "halving": {"share": 1 / 3, "keep": 2},
         "lrs": 4,
+        # a sweep whose best at the end is at an edge of its grid runs one lr beyond it, to the end
+        # (an unbracketed optimum would leave the method under-tuned, and the comparison biased)
+        "extend_edges": True,
         "diagnose_every": 25,
         # measured seconds per update of the second study's rows where a variant has none: the
         # variant whose local cost it shares (same micro-batches on the local runtime)

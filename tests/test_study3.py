@@ -177,3 +177,41 @@ def test_the_default_suite_can_be_written_as_json(study3):
     suite = load_benchmark("study3_suite").SUITES["default"]
     text = json.dumps(study3.json_keys({"suite": "default", **suite}), default=str)
     assert json.loads(text)["lr_grid"]["lm/nadam"] == [5e-4, 4e-3]
+
+
+def test_a_sweep_whose_best_is_at_an_edge_runs_one_lr_beyond_it(study3, plan):
+    suite, rows2, times, runs = _default_plan(study3, plan)
+    grid = plan.sweep_grid(suite, "lm", "nadam")
+    assert grid == [0.0005, 0.001, 0.002, 0.004]
+    rows = {}
+
+    def row(lr, until, perplexity, seed=0, phase="tune"):
+        fields = {"task": "lm", "optimizer": "nadam", "variant": "sequential", "stages": 1, "lr": lr, "seed": seed,
+                  "phase": phase, "until": until, "updates": 2000, "validation_metric": perplexity}
+        rows[plan.row_key(fields)] = fields
+
+    def mine(runs):
+        return [(r.phase, r.until, r.lr, r.seed, r.status) for r in runs
+                if (r.task, r.optimizer, r.variant) == ("lm", "nadam", "sequential")]
+
+    for lr, ppl in zip(grid, (126.0, 103.0, 92.0, 88.0)):  # the larger the better, after a third
+        row(lr, "third", ppl)
+    row(0.004, "end", 60.0)  # the top of the grid wins at the end too
+    row(0.002, "end", 62.0)
+    got = mine(plan.plan_runs(suite, rows, times, rows2))
+    assert ("tune", None, 0.008, 0, "ready") in got  # one step beyond the edge, a whole run
+    assert [g for g in got if g[0] == "reference"] == [("reference", None, None, 1, "waiting"),
+                                                       ("reference", None, None, 2, "waiting")]
+    row(0.008, None, 61.0)  # beyond the edge is worse: the references run at the edge's lr
+    assert {(g[2], g[4]) for g in mine(plan.plan_runs(suite, rows, times, rows2)) if g[0] == "reference"} == {
+        (0.004, "ready")}
+    row(0.008, None, 59.0)  # better: they run there (and nothing goes further: one step only)
+    got = mine(plan.plan_runs(suite, rows, times, rows2))
+    assert {(g[2], g[4]) for g in got if g[0] == "reference"} == {(0.008, "ready")}
+    assert not [g for g in got if g[2] == 0.016]
+    # an interior winner runs nothing more; without extend_edges, neither does an edge
+    row(0.002, "end", 55.0)
+    assert not [g for g in mine(plan.plan_runs(suite, rows, times, rows2)) if g[2] == 0.008 and g[0] == "tune"]
+    row(0.002, "end", 62.0)
+    assert not [g for g in mine(plan.plan_runs({**suite, "extend_edges": False}, rows, times, rows2))
+                if g[2] == 0.008]
