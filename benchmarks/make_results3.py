@@ -44,6 +44,7 @@ from make_results import fmt, mean_sd, verdict  # noqa: E402  (the first study's
 from make_results2 import final_score, run_updates_to_target  # noqa: E402
 from make_results2_findings import diagnosis  # noqa: E402
 from study2 import ranked_lrs  # noqa: E402
+from study3_suite import SAME_AS  # noqa: E402
 
 from pipeoptim.time_to_target import target_from_reference  # noqa: E402
 
@@ -171,6 +172,8 @@ def settings_of(rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> List[S
                 at_n = cell["stages"][n]
                 variants = list(dict.fromkeys(r["variant"] for r in here
                                               if r["variant"] != "sequential" and r["stages"] == int(n)))
+                # a variant that computes another's updates is that one's line (study3_suite.SAME_AS)
+                variants = [v for v in variants if SAME_AS.get(v) not in variants]
                 if not variants:
                     continue
                 arms = {SYNC: arm_of([r for r in here if r["variant"] == "sequential"], SYNC, 1,
@@ -330,6 +333,35 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
     return out or ["  - none yet"]
 
 
+def same_as_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """One paragraph per variant that computes another's updates (study3_suite.SAME_AS): why it
+    has no line of its own, and how the runs made of both compare (same settings, same seed)."""
+    fields = ("task", "optimizer", "stages", "lr", "seed", "phase", "until", "updates")
+    out = []
+    for variant, other in SAME_AS.items():
+        theirs = {tuple(r.get(f) for f in fields): r for r in rows if r["variant"] == other}
+        pairs = [(r, theirs[key]) for r in rows if r["variant"] == variant
+                 and (key := tuple(r.get(f) for f in fields)) in theirs]
+        text = (f"**{variant} is {other}'s line.** This library's {other} is the same computation "
+                f"(PipeOptim's prediction along the optimizer's own direction, exact steps, backward on the "
+                f"latest weights, M = 2; tested bit for bit), so the study runs {other} only.")
+        if pairs:
+            def numbers(row: Dict[str, Any]) -> Tuple[Any, ...]:
+                curve = tuple((e["updates"], e["metric"]) for e in row.get("evaluations") or [])
+                return row.get("validation_metric"), row.get("final_metric"), curve
+
+            alike = sum(numbers(a) == numbers(b) for a, b in pairs)
+            cells: Dict[str, List[float]] = {}
+            for a, _ in pairs:
+                cells.setdefault(f"{a['task']} x {a['optimizer']}", []).append(a["lr"])
+            where = "; ".join(f"{cell} at lr {', '.join(f'{lr:g}' for lr in sorted(set(lrs)))}"
+                              for cell, lrs in cells.items())
+            text += (f" Of the {len(pairs)} runs made under both names before that was noticed ({where}), "
+                     f"{alike} agree with {other}'s in every evaluation and at the end.")
+        out += [text, ""]
+    return out
+
+
 def carried_lines(settings: Sequence[Setting]) -> List[str]:
     """Per setting, the arms whose lr came from the second study without a check at their length."""
     out = []
@@ -398,6 +430,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              "perplexity) of sequential's mean final validation metric.", "",
              "**The budget** (the fastest synchronous schedule and its M, against the second study's M = N):", ""]
     lines += budget_table(settings) + [""]
+    lines += same_as_lines(rows)
     lines += ["## The answer", "", "**Recommendation** (best final test metric at equal time, per task and N):", ""]
     lines += recommendation_lines(settings) + [""]
     lines += ["**Verdict per method** (against the synchronous pipeline, over the settings):", ""]

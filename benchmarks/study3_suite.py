@@ -40,6 +40,13 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, Any], Any]] = {
     "pipeoptim-2bw": ("pipeoptim-2bw", {}, None),     # item 3: 2BW's schedule, predicted weights
 }
 
+#: variants that compute another variant's updates bit for bit, and which: a cell that runs both
+#: runs the other only (the report says so, and compares the rows of both that exist). This
+#: library's XPipe is PipeOptim with its defaults (exact steps, backward on the latest weights)
+#: at M = 2 (tests/test_policies.py pins it for momentum, AdamW and NAdam), so pipeoptim+M2 is
+#: xpipe's line; xpipe's lr is the one tuned for that computation (the second study swept it).
+SAME_AS: Dict[str, str] = {"pipeoptim+M2": "xpipe"}
+
 #: the synchronous schedules that can set the budget, and their micro-batch counts as multiples of N
 SYNC_SCHEDULES = ("gpipe", "1f1b-flush", "zb-h1", "interleaved-1f1b")
 SYNC_FACTORS = (1, 2, 4)
@@ -146,8 +153,10 @@ def cell_methods(suite: Dict[str, Any], task: str, optimizer: str, stages: int) 
     """The asynchronous variants a cell runs at ``stages`` (after the suite's cuts)."""
     arms = suite["optimizer_arms"]
     if (task, optimizer) in [tuple(c) for c in arms["cells"]]:
-        return list(arms["methods"]) if stages in arms["stages"] else []
-    return [m for m in suite["methods"] if m not in suite["cuts"]["dominated"]]
+        methods = list(arms["methods"]) if stages in arms["stages"] else []
+    else:
+        methods = [m for m in suite["methods"] if m not in suite["cuts"]["dominated"]]
+    return [m for m in methods if SAME_AS.get(m) not in methods]
 
 
 def cell_stages(suite: Dict[str, Any], task: str, optimizer: str) -> List[int]:

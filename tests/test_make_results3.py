@@ -117,6 +117,24 @@ def test_verdicts_and_the_recommendation(report, settings):
     assert report.closing_lines(both) == ["  - none"]
 
 
+def test_a_variant_that_is_another_ones_computation_is_that_ones_line(report):
+    rows = [json.loads(line) for line in (DATA / "runs.jsonl").read_text().splitlines()]
+    times = json.loads((DATA / "times.json").read_text())
+    xpipe = [r for r in rows if r["variant"] == "xpipe"]
+    # pipeoptim+M2 is xpipe (study3_suite.SAME_AS): copies of xpipe's rows under its name, one
+    # of them with another final metric, change no arm and are compared in the report
+    copies = [dict(r, variant="pipeoptim+M2") for r in xpipe[:2]]
+    copies[1]["final_metric"] += 0.01
+    with_copies = report.settings_of(rows + copies, times)
+    assert [list(st.arms) for st in with_copies] == [[report.SYNC, "pipeoptim", "xpipe"]] * 2
+    lines = report.same_as_lines(rows + copies)
+    cells = ", ".join(f"{lr:g}" for lr in sorted({r["lr"] for r in copies}))
+    assert lines[0].startswith("**pipeoptim+M2 is xpipe's line.**")
+    assert lines[0].endswith(f"Of the 2 runs made under both names before that was noticed (image x momentum "
+                             f"at lr {cells}), 1 agree with xpipe's in every evaluation and at the end.")
+    assert "Of the" not in report.same_as_lines(rows)[0]  # no copies: nothing to compare
+
+
 def test_the_report_is_what_the_committed_rows_give(report, tmp_path):
     text = report.generate(DATA, tmp_path, plots=False, name="report.md")
     assert text == (DATA / "report.md").read_text()

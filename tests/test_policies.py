@@ -113,3 +113,25 @@ def test_stashing_copies_only_versions_still_needed():
         policy.before_update()
         policy.after_update()
     assert policy.copy_bytes_peak == 0 and module_bytes > 0
+
+
+@pytest.mark.parametrize("optimizer", [
+    SGDM,
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2, betas=(0.99, 0.999)),
+], ids=["momentum", "adamw", "nadam"])
+def test_xpipe_is_pipeoptim_at_two_micro_batches_bit_for_bit(optimizer):
+    # XPipe predicts along the stage optimizer's own direction with exact steps and runs its
+    # backward on the latest weights, which is PipeOptim's default at M = 2: the study runs one
+    # of the two (a second would spend its minutes on the same numbers), and this pins why
+    def run(method, micro_batches):
+        return pipeoptim.train(mlp(), batches(16), method=method, stages=4, micro_batches=micro_batches,
+                               optimizer=optimizer, loss_fn=LOSS)
+
+    xpipe, pipeoptim_m2 = run("xpipe", None), run("pipeoptim", 2)
+    assert xpipe.losses == pipeoptim_m2.losses
+    assert xpipe.version_trace == pipeoptim_m2.version_trace
+    for a, b in zip(xpipe.model.parameters(), pipeoptim_m2.model.parameters()):
+        assert torch.equal(a, b)
+    # and M matters: at one micro-batch PipeOptim's numbers differ
+    assert run("pipeoptim", None).losses != xpipe.losses
