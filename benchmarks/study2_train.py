@@ -101,17 +101,30 @@ def curve(evaluations: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [{"updates": e["updates"], "metric": e["metric"], "seconds": round(e["seconds"], 2)} for e in evaluations]
 
 
+def cached_data(data_cache: Dict[Any, Any], task_name: str, seed: int, task: Any, resolved: Any) -> Any:
+    """The task's data for a run's settings, loaded once for consecutive runs that share them
+    (task, seed, batch size, limit, holdout); the cache keeps one entry."""
+    key = (task_name, seed, resolved.batch_size, resolved.limit, resolved.holdout)
+    if key not in data_cache:
+        data_cache.clear()
+        data_cache[key] = load_data(task, resolved)
+    return data_cache[key]
+
+
+def quiet_options(task: Any, method: str, diagnose_every: int) -> Dict[str, Any]:
+    """run_experiment's settings for a study run: no progress bar or log, the diagnostic every
+    ``diagnose_every`` mini-batches for the asynchronous methods (the synchronous ones have none)."""
+    return dict(show_progress=False, log=lambda *a, **k: None, task=task,
+                diagnose_every=0 if method in SYNCHRONOUS else diagnose_every)
+
+
 def execute(run: Run, suite: Dict[str, Any], study: Path, data_cache: Dict[Any, Any]) -> Dict[str, Any]:
     """Train ``run`` (a first third, the rest of one, or a whole run) and return its row."""
     spec = suite["tasks"][run.task]
     task = get_task(run.task)
     cfg = run_config(run, spec)
     resolved = cfg.resolved(task)
-    data_key = (run.task, run.seed, resolved.batch_size, resolved.limit, resolved.holdout)
-    if data_key not in data_cache:
-        data_cache.clear()
-        data_cache[data_key] = load_data(task, resolved)
-    data = data_cache[data_key]
+    data = cached_data(data_cache, run.task, run.seed, task, resolved)
     per_epoch = len(data.train)
     if per_epoch != batches_per_epoch(spec):
         print(f"note: {run.task} has {per_epoch} mini-batches per epoch, the plan counted "
@@ -124,8 +137,7 @@ def execute(run: Run, suite: Dict[str, Any], study: Path, data_cache: Dict[Any, 
                            "clip_grad": spec["clip_grad"], "lr_schedule": LR_SCHEDULE, "updates": total,
                            "metric": task.metric, "higher_is_better": task.higher_is_better,
                            "folder": str(folder.relative_to(study))}
-    quiet = dict(show_progress=False, log=lambda *a, **k: None, task=task,
-                 diagnose_every=0 if run.method in SYNCHRONOUS else suite["diagnose_every"])
+    quiet = quiet_options(task, run.method, suite["diagnose_every"])
     started = time.time()
     try:
         if run.until == "third":

@@ -42,17 +42,16 @@ if str(BENCHMARKS) not in sys.path:
 from study import append_line  # noqa: E402
 from study2 import (LR_SCHEDULE, curve, drop_checkpoints, has_checkpoint, parse_shard, stop_point,  # noqa: E402
                     train_until)
+from study2_train import cached_data, quiet_options  # noqa: E402
 from study3_plan import Run, load_rows, plan_runs, print_plan, shard_runs  # noqa: E402
 from study3_suite import RESULTS, SUITES, variant_spec  # noqa: E402
 from study3_times import TIMES, read_times, seconds_per_batch  # noqa: E402
 
 from pipeoptim.checkpoint import checkpoint_name  # noqa: E402
 from pipeoptim.errors import NonFiniteLoss  # noqa: E402
-from pipeoptim.experiment import RunConfig, load_data, run_experiment  # noqa: E402
+from pipeoptim.experiment import RunConfig, run_experiment  # noqa: E402
 from pipeoptim.methods import get_method  # noqa: E402
 from pipeoptim.tasks import get_task  # noqa: E402
-
-SYNCHRONOUS = ("sequential", "gpipe", "1f1b-flush")
 
 
 def passes(batches: Sequence[Any], updates: int) -> List[Any]:
@@ -83,22 +82,18 @@ def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
     task = get_task(run.task)
     cfg = run_config(run, spec, suite)
     resolved = cfg.resolved(task)
-    key = (run.task, run.seed, resolved.batch_size, resolved.limit, resolved.holdout)
-    if key not in data_cache:
-        data_cache.clear()
-        data_cache[key] = load_data(task, resolved)
-    data = dataclasses.replace(data_cache[key], train=passes(data_cache[key].train, run.updates))
+    whole = cached_data(data_cache, run.task, run.seed, task, resolved)
+    data = dataclasses.replace(whole, train=passes(whole.train, run.updates))
     folder = study / "runs" / run.folder_name()
     seconds = seconds_per_batch(times, run.task, run.optimizer, run.stages, run.variant)
     row: Dict[str, Any] = {**run.key_fields(), "method": cfg.method, "options": cfg.method_options,
                            "microbatches_asked": cfg.micro_batches, "beta1": cfg.beta1, "model": spec["model"],
                            "batch_size": resolved.batch_size, "updates": run.updates,
-                           "epochs": run.updates / len(data_cache[key].train), "eval_every": spec["eval_every"],
+                           "epochs": run.updates / len(whole.train), "eval_every": spec["eval_every"],
                            "clip_grad": spec["clip_grad"], "lr_schedule": LR_SCHEDULE, "lr_source": run.lr_source,
                            "seconds_per_batch": seconds, "metric": task.metric,
                            "higher_is_better": task.higher_is_better, "folder": str(folder.relative_to(study))}
-    quiet = dict(show_progress=False, log=lambda *a, **k: None, task=task,
-                 diagnose_every=0 if cfg.method in SYNCHRONOUS else suite["diagnose_every"])
+    quiet = quiet_options(task, cfg.method, suite["diagnose_every"])
     started, cpu_started = time.time(), time.process_time()
     try:
         if run.until == "third":
