@@ -329,6 +329,8 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
             text += (f"; next: {'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer} "
                      f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{st.digits}f}, seed spread "
                      f"{max(final[1], rst.final(rv)[1]) * st.scale:.{st.digits}f})")
+            if margin and (margin > 0) != st.higher:  # a better mean, not beyond the spread
+                text += f": {rv} is better on the mean, not beyond the seed spread"
         out.append(text)
     return out or ["  - none yet"]
 

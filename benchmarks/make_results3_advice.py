@@ -68,7 +68,7 @@ def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, in
         beta1 = st.arms[variant].rows[0].get("beta1")
         options = {**options, **({"beta1": beta1} if beta1 is not None else {})}
         rst, rv = rec["runner_up"]
-        runner = rst.final(rv)[0]
+        runner, runner_sd = rst.final(rv)
         out[(task, stages)] = {
             "task": task, "stages": stages, "method": method, "synchronous": variant == SYNC,
             "microbatches": int(micro), "options": tuple((k, f"{v:g}" if isinstance(v, float) else str(v))
@@ -76,7 +76,8 @@ def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, in
             "optimizer": st.optimizer, "lr": st.arms[variant].lr, "metric": st.metric, "value": round(mean, 6),
             "spread": round(sd, 6), "seeds": len(st.arms[variant].rows),
             "runner_up": f"{'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer}",
-            "runner_up_value": round(runner, 6), "margin": round(mean - runner, 6)}
+            "runner_up_value": round(runner, 6), "runner_up_spread": round(runner_sd, 6),
+            "margin": round(mean - runner, 6)}
     return out
 
 

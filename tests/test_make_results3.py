@@ -173,7 +173,8 @@ def test_the_advice_per_finished_task_and_depth(report, settings):
     assert entries[("image", 8)] == {
         "task": "image", "stages": 8, "method": "pipeoptim", "synchronous": False, "microbatches": 1, "options": (),
         "optimizer": "momentum", "lr": 0.005, "metric": "accuracy", "value": 0.92, "spread": 0.01, "seeds": 3,
-        "runner_up": "the synchronous pipeline with momentum", "runner_up_value": 0.89, "margin": 0.03}
+        "runner_up": "the synchronous pipeline with momentum", "runner_up_value": 0.89, "runner_up_spread": 0.01,
+        "margin": 0.03}
     assert entries[("image", 4)]["method"] == "xpipe" and entries[("image", 4)]["microbatches"] == 2  # XPipe's M
     assert list(advice.advice_entries(both, [("image", 8)])) == [("image", 8)]  # only the finished ones
     # where the synchronous pipeline wins: its fastest schedule (interleaved: its chunks as an option)
