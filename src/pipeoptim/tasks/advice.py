@@ -77,6 +77,24 @@ class Advice:
 
 #: (task, N) -> the study's recommendation; only settings whose planned runs are all in
 ADVICE: Dict[Tuple[str, int], Advice] = {
+    ('image', 8): Advice(
+        task='image',
+        stages=8,
+        method='zb-h1',
+        synchronous=True,
+        microbatches=8,
+        options=(),
+        optimizer='adamw',
+        lr=0.004,
+        metric='accuracy',
+        value=0.9082,
+        spread=0.001836,
+        seeds=3,
+        runner_up='pipeoptim-2bw with adamw',
+        runner_up_value=0.91195,
+        runner_up_spread=0.00601,
+        margin=-0.00375,
+    ),
     ('sentiment', 8): Advice(
         task='sentiment',
         stages=8,
