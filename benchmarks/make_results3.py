@@ -335,35 +335,6 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
     return out or ["  - none yet"]
 
 
-def same_as_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """One paragraph per variant that computes another's updates (study3_suite.SAME_AS): why it
-    has no line of its own, and how the runs made of both compare (same settings, same seed)."""
-    fields = ("task", "optimizer", "stages", "lr", "seed", "phase", "until", "updates")
-    out = []
-    for variant, other in SAME_AS.items():
-        theirs = {tuple(r.get(f) for f in fields): r for r in rows if r["variant"] == other}
-        pairs = [(r, theirs[key]) for r in rows if r["variant"] == variant
-                 and (key := tuple(r.get(f) for f in fields)) in theirs]
-        text = (f"**{variant} is {other}'s line.** This library's {other} is the same computation "
-                f"(PipeOptim's prediction along the optimizer's own direction, exact steps, backward on the "
-                f"latest weights, M = 2; tested bit for bit), so the study runs {other} only.")
-        if pairs:
-            def numbers(row: Dict[str, Any]) -> Tuple[Any, ...]:
-                curve = tuple((e["updates"], e["metric"]) for e in row.get("evaluations") or [])
-                return row.get("validation_metric"), row.get("final_metric"), curve
-
-            alike = sum(numbers(a) == numbers(b) for a, b in pairs)
-            cells: Dict[str, List[float]] = {}
-            for a, _ in pairs:
-                cells.setdefault(f"{a['task']} x {a['optimizer']}", []).append(a["lr"])
-            where = "; ".join(f"{cell} at lr {', '.join(f'{lr:g}' for lr in sorted(set(lrs)))}"
-                              for cell, lrs in cells.items())
-            text += (f" Of the {len(pairs)} runs made under both names before that was noticed ({where}), "
-                     f"{alike} agree with {other}'s in every evaluation and at the end.")
-        out += [text, ""]
-    return out
-
-
 def carried_lines(settings: Sequence[Setting]) -> List[str]:
     """Per setting, the arms whose lr came from the second study without a check at their length."""
     out = []
@@ -407,7 +378,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``)."""
-    from make_results3_advice import status_line
+    from make_results3_advice import same_as_lines, status_line
     from make_results3_plot import curves_plot
 
     rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines() if line.strip()]
@@ -470,7 +441,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--advice", action="store_true",
                         help="print the recommendation per (task, N) whose runs are all in, as "
                              "src/pipeoptim/tasks/advice.py's ADVICE, and write nothing")
+    parser.add_argument("--readme", action="store_true",
+                        help="rewrite README.md's advice block and demo line from the package's ADVICE "
+                             "(paste --advice first), and write nothing else")
     args = parser.parse_args(argv)
+    if args.readme:
+        from make_results3_advice import readme_with_advice
+
+        readme = BENCHMARKS.parent / "README.md"
+        readme.write_text(readme_with_advice(readme.read_text()))
+        print(f"written: {readme} (advice block and demo line)")
+        return 0
     if args.advice:
         from make_results3_advice import advice_entries, advice_source, complete_cells
 

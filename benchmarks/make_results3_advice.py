@@ -1,8 +1,10 @@
 """What the equal-time study says so far, and the recommendation it hands the package: the plan
-against the rows (how many runs are in, which (task, N) have all of theirs), and the
+against the rows (how many runs are in, which (task, N) have all of theirs, which variants are
+another's line), and the
 recommendation per finished (task, N) as ``pipeoptim.tasks.advice.ADVICE`` holds it
 (``benchmarks/make_results3.py --advice`` prints it; tests/test_make_results3.py holds the
-package's table to the committed rows)."""
+package's table to the committed rows); and the README's advice block and demo line written from
+that table (``--readme``; tests/test_advice.py holds the README to it)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 from make_results3 import SYNC, Setting, recommendation  # noqa: E402
+from study3_suite import SAME_AS  # noqa: E402
 
 
 def planned_runs(study: Path, times: Dict[str, Any]) -> List[Any]:
@@ -81,6 +84,35 @@ def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, in
     return out
 
 
+def same_as_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """One paragraph per variant that computes another's updates (study3_suite.SAME_AS): why it
+    has no line of its own, and how the runs made of both compare (same settings, same seed)."""
+    fields = ("task", "optimizer", "stages", "lr", "seed", "phase", "until", "updates")
+    out = []
+    for variant, other in SAME_AS.items():
+        theirs = {tuple(r.get(f) for f in fields): r for r in rows if r["variant"] == other}
+        pairs = [(r, theirs[key]) for r in rows if r["variant"] == variant
+                 and (key := tuple(r.get(f) for f in fields)) in theirs]
+        text = (f"**{variant} is {other}'s line.** This library's {other} is the same computation "
+                f"(PipeOptim's prediction along the optimizer's own direction, exact steps, backward on the "
+                f"latest weights, M = 2; tested bit for bit), so the study runs {other} only.")
+        if pairs:
+            def numbers(row: Dict[str, Any]) -> Tuple[Any, ...]:
+                curve = tuple((e["updates"], e["metric"]) for e in row.get("evaluations") or [])
+                return row.get("validation_metric"), row.get("final_metric"), curve
+
+            alike = sum(numbers(a) == numbers(b) for a, b in pairs)
+            cells: Dict[str, List[float]] = {}
+            for a, _ in pairs:
+                cells.setdefault(f"{a['task']} x {a['optimizer']}", []).append(a["lr"])
+            where = "; ".join(f"{cell} at lr {', '.join(f'{lr:g}' for lr in sorted(set(lrs)))}"
+                              for cell, lrs in cells.items())
+            text += (f" Of the {len(pairs)} runs made under both names before that was noticed ({where}), "
+                     f"{alike} agree with {other}'s in every evaluation and at the end.")
+        out += [text, ""]
+    return out
+
+
 def complete_cells(study: Path, times: Dict[str, Any]) -> List[Tuple[str, int]]:
     """The (task, N) whose every planned run (sequential's references included) is in."""
     planned = planned_runs(study, times)
@@ -99,3 +131,37 @@ def advice_source(entries: Dict[Tuple[str, int], Dict[str, Any]]) -> str:
             lines.append(f"        {name}={value!r},")
         lines.append("    ),")
     return "\n".join(lines + ["}"]) if entries else "ADVICE: Dict[Tuple[str, int], Advice] = {}"
+
+
+#: the README's advice block: its markers, what it says of the tasks still running, and its width
+README_START = "<!-- advice: pipeoptim.tasks.advice.ADVICE, one line per entry (tests/test_advice.py) -->\n"
+README_END = "<!-- /advice -->"
+NOT_FINISHED = ("The study is still running for these (`benchmarks/study3.py --plan` says how far); until it "
+                "has finished, use a synchronous pipeline: at equal updates every asynchronous method ended "
+                "behind it (the second study, below in the same file).")
+STUDIED_TASKS = ("image", "sentiment", "lm")
+WIDTH = 100
+
+
+def readme_with_advice(readme: str) -> str:
+    """``readme`` with its advice block (a bullet per ``ADVICE`` entry, then the tasks not
+    finished) and the demo's "which method to use" line (image at N = 4, as ``make demo`` runs
+    it) written from the package's table. Paste ``--advice`` into the package first."""
+    import textwrap
+
+    from pipeoptim.tasks.advice import ADVICE, advice
+
+    def wrapped(text: str, first: str, rest: str) -> str:
+        return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest,
+                             break_on_hyphens=False, break_long_words=False)
+
+    items = [entry.describe() for entry in ADVICE.values()]
+    running = [task for task in sorted(STUDIED_TASKS) if task not in {t for t, _ in ADVICE}]
+    if running:
+        items.append(f"Not finished yet: {', '.join(running)}. {NOT_FINISHED}")
+    block = "\n".join(wrapped(item, "- ", "  ") for item in items)
+    start = readme.index(README_START) + len(README_START)
+    readme = readme[:start] + block + "\n" + readme[readme.index(README_END):]
+    demo = readme.index("which method to use: ")
+    line = wrapped("which method to use: " + advice("image", 4)[1], "", "  ")
+    return readme[:demo] + line + "\n" + readme[readme.index("```", demo):]

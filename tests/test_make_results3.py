@@ -127,12 +127,13 @@ def test_a_variant_that_is_another_ones_computation_is_that_ones_line(report):
     copies[1]["final_metric"] += 0.01
     with_copies = report.settings_of(rows + copies, times)
     assert [list(st.arms) for st in with_copies] == [[report.SYNC, "pipeoptim", "xpipe"]] * 2
-    lines = report.same_as_lines(rows + copies)
+    same_as_lines = load_benchmark("make_results3_advice").same_as_lines
+    lines = same_as_lines(rows + copies)
     cells = ", ".join(f"{lr:g}" for lr in sorted({r["lr"] for r in copies}))
     assert lines[0].startswith("**pipeoptim+M2 is xpipe's line.**")
     assert lines[0].endswith(f"Of the 2 runs made under both names before that was noticed (image x momentum "
                              f"at lr {cells}), 1 agree with xpipe's in every evaluation and at the end.")
-    assert "Of the" not in report.same_as_lines(rows)[0]  # no copies: nothing to compare
+    assert "Of the" not in same_as_lines(rows)[0]  # no copies: nothing to compare
 
 
 def test_the_report_is_what_the_committed_rows_give(report, tmp_path):
@@ -215,3 +216,16 @@ def test_the_report_lists_the_lrs_carried_over_unchecked(report, settings):
     checked = report.Setting(at4.task, at4.optimizer, 4, at4.metric, at4.higher, at4.budget,
                              {k: v for k, v in at4.arms.items() if k != "xpipe"})
     assert report.carried_lines([checked]) == ["  - none"]
+
+
+def test_the_readme_advice_is_what_the_package_table_writes():
+    advice = load_benchmark("make_results3_advice")
+    readme = (ROOT / "README.md").read_text()
+    assert advice.readme_with_advice(readme) == readme, \
+        "README.md's advice is out of date: run .venv/bin/python benchmarks/make_results3.py --readme"
+    # a stale block and demo line are rewritten whole
+    start = readme.index(advice.README_START) + len(advice.README_START)
+    demo = readme.index("which method to use: ")
+    stale = (readme[:start] + "- old\n" + readme[readme.index(advice.README_END):demo] + "which method to use: old\n"
+             + readme[readme.index("```", demo):])
+    assert stale != readme and advice.readme_with_advice(stale) == readme

@@ -63,7 +63,7 @@ class Advice:
                 + f" (M = {self.microbatches})")
         mine = f"test {self.metric} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
         rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
-        if (self.margin >= 0) == higher or self.margin == 0:
+        if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
             text = (f"in the same time, {what} with {self.optimizer} gives the best model: {mine}; next {rival} "
                     f"(margin {self.margin * scale:+.{digits}f}{'' if higher else ', lower is better'}; {SOURCE})")
         else:  # the runner-up's mean is better, not beyond the seed spread (only a synchronous winner)
