@@ -17,22 +17,31 @@ methods drain at the evaluations only (the second study also drained at each epo
 
 Each finished run (and each first third of a swept lr) appends one line to ``runs.jsonl`` in the
 study folder (one O_APPEND write); a second call skips what is in it; a run checkpoints at its
-evaluations and resumes from the last after an interruption. ``--shard i/n`` takes the runs whose
-place in the plan is i modulo n (two shards for the two cores).
+evaluations and resumes from the last after an interruption.
+
+Two workers share the runs (one per core): each takes the first ready run that no other worker
+holds, holding an exclusive lock on the run's folder (``claim``) while it trains, so that the
+work is balanced whatever the runs cost and a run never trains twice at once, however the plan
+changes while they run (a place in the plan shifts when a choice adds or drops runs). The kernel
+lets go of a dead worker's lock. ``--shard i/n`` still restricts a worker to the runs whose place
+in the plan is i modulo n.
 
     .venv/bin/python benchmarks/study3.py --plan       # every run, U_m, minutes; the core-minutes
-    .venv/bin/python benchmarks/study3.py --shard 0/2 --wait 60 &
-    .venv/bin/python benchmarks/study3.py --shard 1/2 --wait 60
+    .venv/bin/python benchmarks/study3.py --wait 60 &  # one worker per core
+    .venv/bin/python benchmarks/study3.py --wait 60
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -43,7 +52,7 @@ from study import append_line  # noqa: E402
 from study2 import (LR_SCHEDULE, curve, drop_checkpoints, has_checkpoint, parse_shard, stop_point,  # noqa: E402
                     train_until)
 from study2_train import cached_data, quiet_options  # noqa: E402
-from study3_plan import Run, load_rows, plan_runs, print_plan, shard_runs  # noqa: E402
+from study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs  # noqa: E402
 from study3_suite import RESULTS, SUITES, variant_spec  # noqa: E402
 from study3_times import TIMES, read_times, seconds_per_batch  # noqa: E402
 
@@ -123,6 +132,37 @@ def execute(run: Run, suite: Dict[str, Any], times: Dict[str, Any], study: Path,
     return row
 
 
+CLAIM = ".claim"
+
+
+@contextlib.contextmanager
+def claim(folder: Path) -> Iterator[Optional[IO[str]]]:
+    """Hold ``folder``'s run for this process: yields the lock file, or None when another worker
+    holds it. An ``flock`` rather than a file's existence: the kernel releases it when its holder
+    dies, so an interrupted worker leaves nothing stale to clean up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / CLAIM, "w")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield handle
+    finally:
+        handle.close()  # (closing releases the lock)
+
+
+def held_elsewhere(folder: Path) -> bool:
+    """Whether another worker holds ``folder``'s run now."""
+    if not (folder / CLAIM).exists():
+        return False
+    with claim(folder) as mine:
+        return mine is None
+
+
 def drop_halved(runs: Sequence[Run], study: Path) -> None:
     """Delete the checkpoints of the first thirds the halving did not keep (once it has chosen)."""
     undecided = {(r.task, r.optimizer, r.variant, r.stages) for r in runs if r.until == "end" and r.lr is None}
@@ -185,12 +225,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         drop_halved(everything, study)
         mine = [r for r in shard_runs(everything, args.shard) if selected(r, args)]
         ready = [r for r in mine if r.status == "ready"]
-        waiting = [r for r in mine if r.status == "waiting"]
+        busy = [r for r in ready if held_elsewhere(study / "runs" / r.folder_name())]
+        ready = [r for r in ready if r not in busy]
+        waiting = [r for r in mine if r.status == "waiting"] + busy
         if args.max_runs is not None and done_here >= args.max_runs:
             print(f"stopped after {done_here} runs (--max-runs)")
             break
         if not ready:
-            reasons = "; ".join(sorted({f"{r.task} {r.optimizer} waits for {r.why}" for r in waiting}))
+            reasons = "; ".join(sorted({f"{r.task} {r.optimizer} waits for {r.why or 'another worker'}"
+                                        for r in waiting}))
             if reasons and reasons != said:
                 print(f"skipped: {reasons}", flush=True)
                 said = reasons
@@ -201,10 +244,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"; {done_here} runs in {time.time() - started:.0f} s; rows in {runs_file}", flush=True)
             break
         run = ready[0]
-        row = execute(run, suite, times, study, data_cache)
-        append_line(runs_file, row)
-        if row["diverged"] or run.until != "third":
-            drop_checkpoints(study / row["folder"])
+        with claim(study / "runs" / run.folder_name()) as mine:
+            if mine is None:  # another worker took it since the look above
+                continue
+            if row_key(run.key_fields()) in load_rows(runs_file):  # and finished it
+                continue
+            row = execute(run, suite, times, study, data_cache)
+            append_line(runs_file, row)
+            if row["diverged"] or run.until != "third":
+                drop_checkpoints(study / row["folder"])
         done_here += 1
         result = row["diverged"] or f"validation {row['validation_metric']:.4f}"
         print(f"[{time.time() - started:7.0f}s] {run.label()}: {result} in {row['seconds'] / 60:.1f} min "

@@ -6,6 +6,8 @@ halving, the seeds waiting for the tuning, a resumed call that runs nothing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,46 @@ def test_tiny_study_end_to_end(study3, tmp_path, capsys):
     assert study3.main(args) == 0
     assert (tmp_path / "study/runs.jsonl").read_text() == before
     assert "nothing left to run" in capsys.readouterr().out
+
+
+def test_a_claimed_run_is_held_until_its_holder_lets_go(study3, tmp_path):
+    folder = tmp_path / "run"
+    assert not study3.held_elsewhere(folder)
+    with study3.claim(folder) as mine:
+        assert mine is not None and study3.held_elsewhere(folder)
+        with study3.claim(folder) as other:
+            assert other is None
+    assert not study3.held_elsewhere(folder)
+    # a worker that dies holding a run leaves nothing stale: the kernel lets go of its lock
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); sys.stdin.read()", str(folder / study3.CLAIM)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert study3.held_elsewhere(folder)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not study3.held_elsewhere(folder)
+
+
+@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
+def test_a_worker_skips_the_run_another_worker_holds(study3, tmp_path, capsys):
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20}})))
+    study = tmp_path / "study"
+    args = ["--suite", "smoke", "--out", str(study), "--times", str(times), "--methods", "sequential",
+            "--stages", "4"]
+    with study3.claim(study / "runs" / "image-momentum-sequential-N1-lr0.01-seed0") as mine:
+        assert mine is not None
+        assert study3.main(args) == 0
+    rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"]) for r in rows] == [("sequential", 1)]
+    assert "waits for another worker" in capsys.readouterr().out
+    assert study3.main(args) == 0  # let go: the next call takes it
+    rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"]) for r in rows] == [("sequential", 1), ("sequential", 0)]
 
 
 def test_the_default_suite_can_be_written_as_json(study3):
