@@ -115,6 +115,11 @@ def test_verdicts_and_the_recommendation(report, settings):
     assert closing[0].startswith("  - image, momentum, N=4: no asynchronous method beats the synchronous "
                                  "pipeline; the closest, pipeoptim (+0.00): the prediction removes 25%-75%")
     assert report.closing_lines(both) == ["  - none"]
+    # one seed has no spread: the recommendation says so instead of a spread of 0
+    assert "(margin +3.00, seed spread 1.00)" in report.recommendation_lines([settings[8]])[0]
+    one_seed = {k: dataclasses.replace(v, rows=v.rows[:1]) for k, v in settings[8].arms.items()}
+    lines = report.recommendation_lines([dataclasses.replace(settings[8], arms=one_seed)])
+    assert "one seed, no spread yet)" in lines[0] and "seed spread" not in lines[0]
 
 
 def test_a_variant_that_is_another_ones_computation_is_that_ones_line(report):
@@ -142,6 +147,20 @@ def test_the_report_is_what_the_committed_rows_give(report, tmp_path):
     assert "| pipeoptim | 0.005 (second study and one neighbour; 0.0025: 88.00; 0.005: 92.00) | 3 | 5.00 | 24 " \
            "| 92.00 ± 1.00 | better (+3.00) | 0.1, 0.1, 0.08 | sooner (1.29x) |" in text
     assert report.generate(DATA, tmp_path, plots=False, name="report.md") == text  # a second run: the same
+
+
+def test_a_run_written_twice_is_one_seed(report, tmp_path):
+    """Two workers that ran the same run wrote two rows of it: the report keeps the first, and says
+    how many it dropped."""
+    lines = (DATA / "runs.jsonl").read_text().splitlines()
+    seed_row = next(line for line in lines if json.loads(line)["phase"] == "seeds")
+    repeated = {**json.loads(seed_row), "final_metric": 0.5}  # a second run of the same key
+    (tmp_path / "runs.jsonl").write_text("\n".join(lines + [json.dumps(repeated)]) + "\n")
+    (tmp_path / "times.json").write_text((DATA / "times.json").read_text())
+    assert report.read_rows(tmp_path) == [json.loads(line) for line in lines]
+    text = report.generate(tmp_path, tmp_path / "out", plots=False, name="report.md")
+    assert f"({len(lines)} rows; 1 repeated row(s) of a run dropped, the first kept)" in text
+    assert text.split("\n", 3)[3] == (DATA / "report.md").read_text().split("\n", 3)[3]
 
 
 def test_the_figure_is_drawn(report, tmp_path):
@@ -202,7 +221,7 @@ def test_the_package_holds_what_the_committed_rows_recommend(report):
 
     advice = load_benchmark("make_results3_advice")
     study = ROOT / "benchmarks" / "results" / "study3"
-    rows = [json.loads(line) for line in (study / "runs.jsonl").read_text().splitlines() if line.strip()]
+    rows = report.read_rows(study)
     times = json.loads((study / "times.json").read_text())
     expected = advice.advice_entries(report.settings_of(rows, times), advice.complete_cells(study, times))
     assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
