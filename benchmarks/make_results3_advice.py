@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
-from make_results3 import SYNC, Setting, recommendation  # noqa: E402
+from make_results3_arith import SYNC, Setting, recommendation  # noqa: E402
 from study3_suite import SAME_AS  # noqa: E402
 
 

@@ -14,9 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def curves_plot(st: Any, folder: Optional[Path]) -> str:
-    """Draw the setting ``st`` (a make_results3.Setting) into ``folder``; return the file name
+    """Draw the setting ``st`` (a make_results3_arith.Setting) into ``folder``; return the file name
     (only the name when ``folder`` is None: the markdown does not depend on the figures)."""
-    from make_results3 import SYNC, mean_curve
+    from make_results3_arith import SYNC, mean_curve
 
     name = f"equal-time-{st.task}-{st.optimizer}-N{st.stages}.png"
     if folder is None:
