@@ -200,7 +200,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``)."""
-    from make_results3_advice import same_as_lines, status_line
+    from make_results3_advice import cut_lines, same_as_lines, status_line
     from make_results3_plot import curves_plot
 
     rows = read_rows(study)
@@ -228,6 +228,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              "perplexity) of sequential's mean final validation metric.", "",
              "**The budget** (the fastest synchronous schedule and its M, against the second study's M = N):", ""]
     lines += budget_table(settings) + [""]
+    lines += cut_lines(study, times)
     lines += same_as_lines(rows)
     lines += ["## The answer", "", "**Recommendation** (best final test metric at equal time, per task and N):", ""]
     lines += recommendation_lines(settings) + [""]

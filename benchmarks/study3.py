@@ -141,14 +141,15 @@ def claim(folder: Path) -> Iterator[Optional[IO[str]]]:
     holds it. An ``flock`` rather than a file's existence: the kernel releases it when its holder
     dies, so an interrupted worker leaves nothing stale to clean up."""
     folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / CLAIM, "w")
+    handle = open(folder / CLAIM, "a")  # (not "w": a look must not empty the holder's file)
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield None
             return
-        handle.write(f"{os.getpid()}\n")
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")  # (for a person looking: who holds the run)
         handle.flush()
         yield handle
     finally:

@@ -206,6 +206,31 @@ def measured_step_seconds(suite: Dict[str, Any], rows2: Dict[str, Dict[str, Any]
     return suite["tasks"][task]["seconds_per_step"] * 1.1
 
 
+def decided_by_seed0(rows: Dict[str, Dict[str, Any]], task: str, optimizer: str, variant: str, stages: int,
+                     lr: float, reference_lr: Optional[float], higher: bool, gap: float) -> Tuple[str, str]:
+    """(status, why) of a variant's next seed under the decisive-gap cut: "dropped" where its
+    seed 0 at ``lr`` ended more than ``gap`` (a share of the reference's metric) behind the mean
+    of the reference's runs in (``sequential`` at ``reference_lr``: the synchronous pipeline's
+    final test metric), since a second seed cannot move a verdict by that much; "waiting" until
+    its seed 0 is in; else "ready"."""
+    def finals(name: str, at: Optional[float], seeds: Optional[Sequence[int]] = None) -> List[Optional[float]]:
+        return [r.get("final_metric") for r in rows.values()
+                if (r["task"], r["optimizer"], r["variant"], r["lr"]) == (task, optimizer, name, at)
+                and r["stages"] == (1 if name == "sequential" else stages) and r.get("until") != "third"
+                and (seeds is None or r["seed"] in seeds)]
+    first = finals(variant, lr, [0])
+    if not first:
+        return "waiting", f"{variant}'s seed 0 (the decisive-gap cut reads it)"
+    reference = [v for v in finals("sequential", reference_lr) if v is not None]
+    if first[0] is None or not reference:  # a diverged seed 0 decides nothing
+        return "ready", ""
+    mean = statistics.mean(reference)
+    behind = (mean - first[0]) / mean if higher else (first[0] - mean) / mean
+    if behind > gap:
+        return "dropped", f"seed 0 ended {behind:.0%} behind the synchronous pipeline (the decisive-gap cut)"
+    return "ready", ""
+
+
 def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dict[str, Any],
               rows2: Dict[str, Dict[str, Any]]) -> List[Run]:
     """Every run in the order they are run, with lr, U_m, status against ``rows`` and minutes."""
@@ -337,6 +362,11 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
                     if first and seed == 0 and kind != "carried":
                         continue  # seed 0 at N = 8 is the tuning's run
                     lr, status, why = chosen(task, optimizer, variant)
+                    gap = suite["cuts"].get("decisive_gap")
+                    if gap and first and seed > 0 and variant != "sequential" and status == "ready":
+                        status, why = decided_by_seed0(rows, task, optimizer, variant, n, lr,
+                                                       chosen(task, optimizer, "sequential")[0],
+                                                       study2.get_task(task).higher_is_better, gap)
                     phase = "reference" if variant == "sequential" else "seeds"
                     source = tuning(suite, rows2, task, optimizer, variant)[2] if kind == "carried" else \
                         "chosen on validation"

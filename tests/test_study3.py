@@ -6,6 +6,7 @@ halving, the seeds waiting for the tuning, a resumed call that runs nothing."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,49 @@ def test_tiny_study_end_to_end(study3, tmp_path, capsys):
     assert "nothing left to run" in capsys.readouterr().out
 
 
+def _final_row(variant, stages, lr, seed, final, phase="seeds"):
+    return {"task": "lm", "optimizer": "adamw", "variant": variant, "stages": stages, "lr": lr, "seed": seed,
+            "phase": phase, "until": None, "updates": 100, "final_metric": final}
+
+
+def test_a_second_seed_is_cut_where_seed_0_ended_decisively_behind(plan):
+    rows = {str(i): row for i, row in enumerate([
+        _final_row("sequential", 1, 0.004, 0, 60.0, "reference"), _final_row("sequential", 1, 0.004, 1, 50.0,
+                                                                             "reference"),
+        _final_row("sequential", 1, 0.002, 0, 900.0, "tune"),  # another lr: not the reference
+        _final_row("xpipe", 8, 0.001, 0, 66.5), _final_row("xpipe", 8, 0.002, 0, 300.0, "tune"),
+        {**_final_row("spectrain", 8, 0.001, 0, 60.0), "until": "third"},  # a first third decides nothing
+        {**_final_row("pipedream", 8, 0.001, 0, None), "diverged": "loss nan"}])}
+
+    def decide(variant, lr, gap=0.2, higher=False):
+        return plan.decided_by_seed0(rows, "lm", "adamw", variant, 8, lr, 0.004, higher, gap)
+
+    # perplexity (lower is better): the reference's mean is 55; 66.5 is 20.9 % behind it
+    status, why = decide("xpipe", 0.001)
+    assert (status, why) == ("dropped", "seed 0 ended 21% behind the synchronous pipeline (the decisive-gap cut)")
+    assert decide("xpipe", 0.001, gap=0.21) == ("ready", "")
+    assert decide("xpipe", 0.002)[0] == "dropped"  # its tuning run is its seed 0
+    assert decide("spectrain", 0.001)[0] == "waiting"  # no whole seed-0 run yet
+    assert decide("pipedream", 0.001) == ("ready", "")  # a diverged seed 0: run the next
+    # accuracy (higher is better): 66.5 is ahead of 55, never cut
+    assert decide("xpipe", 0.001, higher=True) == ("ready", "")
+    assert plan.decided_by_seed0(rows, "lm", "adamw", "xpipe", 8, 0.001, 0.0001, False, 0.2) == ("ready", "")
+
+
+def test_the_decisive_gap_cut_on_the_committed_rows(study3, plan):
+    suite, rows2, times, _ = _default_plan(study3, plan)
+    rows = plan.load_rows(ROOT / "benchmarks/results/study3/runs.jsonl")
+    runs = plan.plan_runs(suite, rows, times, rows2)
+    dropped = [r for r in runs if r.status == "dropped"]
+    assert suite["cuts"]["decisive_gap"] == 0.4
+    assert all(r.phase == "seeds" and r.seed == 1 and r.task == "lm" and "decisive-gap" in r.why for r in dropped)
+    # xpipe with AdamW ended 86 % behind (107.1 against 57.6): cut; pipeoptim-2bw 24 % (71.2): run
+    cut = {(r.optimizer, r.variant) for r in dropped}
+    assert ("adamw", "xpipe") in cut and ("adamw", "pipeoptim-2bw") not in cut
+    # no seed is cut on image or sentiment
+    assert not [r for r in runs if r.task != "lm" and r.status != "done"]
+
+
 def test_a_claimed_run_is_held_until_its_holder_lets_go(study3, tmp_path):
     folder = tmp_path / "run"
     assert not study3.held_elsewhere(folder)
@@ -184,6 +228,7 @@ def test_a_claimed_run_is_held_until_its_holder_lets_go(study3, tmp_path):
         assert mine is not None and study3.held_elsewhere(folder)
         with study3.claim(folder) as other:
             assert other is None
+        assert (folder / study3.CLAIM).read_text() == f"{os.getpid()}\n"  # a look leaves the holder's pid
     assert not study3.held_elsewhere(folder)
     # a worker that dies holding a run leaves nothing stale: the kernel lets go of its lock
     holder = subprocess.Popen(
