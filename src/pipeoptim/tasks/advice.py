@@ -3,7 +3,9 @@
 
 The study gives every method the wall-clock time the synchronous pipeline takes for
 ``sequential``'s updates, on N devices as the schedule simulator predicts it, and asks which gives
-the better model in that time (final test metric, mean of 3 seeds). A method is recommended
+the better model in that time (final test metric, the mean over its seeds: 3 for the
+synchronous pipeline in the second study's settings, 2 for an asynchronous method, 1 where its
+first seed ended so far behind that a second could not change the verdict). A method is recommended
 only where it beats the best synchronous pipeline beyond the seed spread; otherwise the
 synchronous pipeline is (the same model as non-pipelined training, for the same time).
 
