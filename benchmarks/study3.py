@@ -202,6 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tasks", help="comma-separated subset of the tasks")
     parser.add_argument("--methods", help="comma-separated subset of the variants")
     parser.add_argument("--stages", help="comma-separated subset of N (sequential always)")
+    parser.add_argument("--first", help="comma-separated task/optimizer cells or variants whose ready runs go first "
+                                        "(in the plan's order within), e.g. lm/muon: what a short day should finish")
     parser.add_argument("--max-runs", type=int, help="stop after this many runs")
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds between looks for the other shard's rows a run waits for (0: stop)")
@@ -228,6 +230,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ready = [r for r in mine if r.status == "ready"]
         busy = [r for r in ready if held_elsewhere(study / "runs" / r.folder_name())]
         ready = [r for r in ready if r not in busy]
+        if args.first:  # (a stable sort: the plan's order within each group)
+            first = set(args.first.split(","))
+            ready.sort(key=lambda r: not {f"{r.task}/{r.optimizer}", r.variant} & first)
         waiting = [r for r in mine if r.status == "waiting"] + busy
         if args.max_runs is not None and done_here >= args.max_runs:
             print(f"stopped after {done_here} runs (--max-runs)")

@@ -262,6 +262,20 @@ def test_a_worker_skips_the_run_another_worker_holds(study3, tmp_path, capsys):
     assert [(r["variant"], r["seed"]) for r in rows] == [("sequential", 1), ("sequential", 0)]
 
 
+@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
+def test_first_puts_a_variants_ready_runs_first(study3, tmp_path):
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20}})))
+    args = ["--suite", "smoke", "--out", str(tmp_path / "study"), "--times", str(times),
+            "--methods", "sequential,pipeoptim+M2", "--stages", "4", "--max-runs", "1"]
+    assert study3.main(args + ["--first", "pipeoptim+M2"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "study/runs.jsonl").read_text().splitlines()]
+    assert [(r["phase"], r["variant"], r["lr"]) for r in rows] == [("tune", "pipeoptim+M2", 0.01)]
+    assert study3.main(args) == 0  # without it, the plan's order: the reference first
+    rows = [json.loads(line) for line in (tmp_path / "study/runs.jsonl").read_text().splitlines()]
+    assert [(r["phase"], r["variant"]) for r in rows][1] == ("reference", "sequential")
+
+
 def test_the_default_suite_can_be_written_as_json(study3):
     """The study writes its suite beside its rows: the default suite (whose lr grids are keyed by
     (task, optimizer)) must survive json.dumps."""
