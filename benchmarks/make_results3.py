@@ -110,14 +110,16 @@ def method_tally(settings: Sequence[Setting]) -> Dict[str, Dict[str, Dict[str, i
 
 def method_verdict(equal_time: Dict[str, int]) -> str:
     """A method over the settings: better (in more than half), worse (in more than half, or in
-    half and better in none), no worse (never worse), else mixed (better in some, worse in as
-    many or more)."""
+    half and better in none), no worse (never worse), no better (never better, worse in some),
+    else mixed (better in some, worse in as many or more)."""
     total, better, worse = sum(equal_time.values()), equal_time.get("better", 0), equal_time.get("worse", 0)
     if better * 2 > total:
         return "better than the synchronous pipeline"
     if worse * 2 > total or (worse * 2 == total and not better):
         return "worse than the synchronous pipeline"
-    return "no worse than the synchronous pipeline" if not equal_time.get("worse") else "mixed"
+    if not worse:
+        return "no worse than the synchronous pipeline"
+    return "no better than the synchronous pipeline" if not better else "mixed"
 
 
 def verdict_lines(settings: Sequence[Setting]) -> List[str]:
@@ -147,12 +149,19 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
             rst, rv = rec["runner_up"]
             margin = (final[0] - rst.final(rv)[0]) * st.scale
             single = min(len(st.arms[variant].rows), len(rst.arms[rv].rows)) < 2
-            spread = "one seed, no spread yet" if single else \
-                f"seed spread {max(final[1], rst.final(rv)[1]) * st.scale:.{st.digits}f}"
+            sd = max(final[1], rst.final(rv)[1]) * st.scale
+            ahead = bool(margin) and (margin > 0) == st.higher
+            close = ahead and not single and abs(margin) < 2 * sd  # a winner only just beyond the spread
+            digits = st.digits
+            while close and digits < st.digits + 3 and f"{abs(margin):.{digits}f}" == f"{sd:.{digits}f}":
+                digits += 1  # (to the digit that tells the margin and the spread apart)
+            spread = "one seed, no spread yet" if single else f"seed spread {sd:.{digits}f}"
             text += (f"; next: {'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer} "
-                     f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{st.digits}f}, {spread})")
-            if margin and (margin > 0) != st.higher:  # a better mean, not beyond the spread
+                     f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{digits}f}, {spread})")
+            if margin and not ahead:  # a better mean, not beyond the spread
                 text += f": {rv} is better on the mean, not beyond the seed spread"
+            elif close:
+                text += ": only just beyond the seed spread (another seed could make it a tie)"
         out.append(text)
     return out or ["  - none yet"]
 

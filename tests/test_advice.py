@@ -28,11 +28,18 @@ def test_the_description_gives_the_margin_and_the_spread_in_the_metrics_unit():
     text = ASYNC.describe()
     assert text == ("image, N = 8: in the same time, pipeoptim, lr_correction delay (M = 2) with momentum "
                            "gives the best model: test accuracy 92.00 ± 1.00 over 3 seeds; next the synchronous "
-                           "pipeline with momentum 89.00 (margin +3.00; the equal-time study (docs/results.md)). To train it: "
+                           "pipeline with momentum 89.00 (margin +3.00, seed spread 2.00: only just beyond it, so "
+                           "another seed could make it a tie; the equal-time study (docs/results.md)). To train it: "
                            + ASYNC.command())
     assert "the synchronous pipeline (zb-h1, M = 16) with nadam" in SYNC.describe()
-    assert "test perplexity 55.2 ± 0.5 over 3 seeds; next pipedream-2bw with muon 58.0 (margin -2.8, lower is better;" \
-        in SYNC.describe()
+    assert ("test perplexity 55.2 ± 0.5 over 3 seeds; next pipedream-2bw with muon 58.0 (margin -2.8, lower is "
+            "better, seed spread 1.0; the equal-time study") in SYNC.describe()
+    # a margin within twice the spread is a close call: to the digit that tells margin and spread apart
+    close = Advice(**{**SYNC.__dict__, "synchronous": False, "method": "xpipe", "options": (), "value": 46.680819,
+                      "spread": 0.05947, "runner_up_value": 47.085416, "runner_up_spread": 0.398569,
+                      "margin": -0.404597})
+    assert ("(margin -0.405, lower is better, seed spread 0.399: only just beyond it, so another seed could make "
+            "it a tie;") in close.describe()
 
 
 def test_a_runner_up_better_on_the_mean_within_the_spread_is_said_so():

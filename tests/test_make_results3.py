@@ -102,6 +102,7 @@ def test_verdicts_and_the_recommendation(report, settings):
     assert report.method_verdict({"better": 1, "worse": 2}) == "worse than the synchronous pipeline"
     assert report.method_verdict({"better": 2, "worse": 1}) == "better than the synchronous pipeline"
     assert report.method_verdict({"better": 1, "ties": 2, "worse": 1}) == "mixed"
+    assert report.method_verdict({"ties": 3, "worse": 1}) == "no better than the synchronous pipeline"
     rec8, rec4 = report.recommendation(both, "image", 8), report.recommendation(both, "image", 4)
     assert rec8["variant"] == "pipeoptim" and rec8["runner_up"][1] == report.SYNC
     assert rec4["variant"] == "xpipe"

@@ -65,11 +65,19 @@ class Advice:
                 + f" (M = {self.microbatches})")
         mine = f"test {self.metric} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
         rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
+        spread = max(self.spread, self.runner_up_spread) * scale
         if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
+            # within twice the spread the call is close: said so, and the margin and the spread to
+            # the digit that tells them apart
+            close = abs(self.margin) * scale < 2 * spread
+            fine = digits
+            while close and fine < digits + 3 and f"{abs(self.margin) * scale:.{fine}f}" == f"{spread:.{fine}f}":
+                fine += 1
             text = (f"in the same time, {what} with {self.optimizer} gives the best model: {mine}; next {rival} "
-                    f"(margin {self.margin * scale:+.{digits}f}{'' if higher else ', lower is better'}; {SOURCE})")
+                    f"(margin {self.margin * scale:+.{fine}f}{'' if higher else ', lower is better'}, seed spread "
+                    f"{spread:.{fine}f}" + (": only just beyond it, so another seed could make it a tie" if close
+                                             else "") + f"; {SOURCE})")
         else:  # the runner-up's mean is better, not beyond the seed spread (only a synchronous winner)
-            spread = max(self.spread, self.runner_up_spread) * scale
             text = (f"in the same time, use {what} with {self.optimizer}: {mine}. {rival} is "
                     f"{abs(self.margin) * scale:.{digits}f} {'better' if higher else 'lower'} on the mean, within "
                     f"the seed spread ({spread:.{digits}f}): no asynchronous method is better beyond it, and the "
@@ -114,6 +122,24 @@ ADVICE: Dict[Tuple[str, int], Advice] = {
         runner_up_value=0.759608,
         runner_up_spread=0.008319,
         margin=-0.00719,
+    ),
+    ('lm', 8): Advice(
+        task='lm',
+        stages=8,
+        method='xpipe',
+        synchronous=False,
+        microbatches=2,
+        options=(),
+        optimizer='muon',
+        lr=0.02,
+        metric='perplexity',
+        value=46.680819,
+        spread=0.05947,
+        seeds=2,
+        runner_up='the synchronous pipeline with muon',
+        runner_up_value=47.085416,
+        runner_up_spread=0.398569,
+        margin=-0.404597,
     ),
 }
 
