@@ -26,7 +26,10 @@ for entry in methods:
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     losses = [loss for x, y in data for loss in pipe.step(x, y)] + pipe.flush()
     if points == ["-"]:
-        print(json.dumps({"rank": pipe.rank, "points": pipe.split_points}), flush=True)
+        # one write, the newline with it: both ranks print here, and an unbuffered print writes the
+        # line and its newline apart, so two ranks' lines could join into one
+        sys.stdout.write(json.dumps({"rank": pipe.rank, "points": pipe.split_points}) + "\n")
+        sys.stdout.flush()
     trained = pipe.model()
     if pipe.rank == 0:
         print(json.dumps({"method": entry, "losses": losses,
