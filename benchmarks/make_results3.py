@@ -39,6 +39,8 @@ if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 from make_results import fmt  # noqa: E402  (the first study's arithmetic, tested there)
 from make_results2_findings import diagnosis  # noqa: E402
+from pipeoptim.tasks.advice import close_call  # noqa: E402
+
 # (the arithmetic, re-exported: the tests and the advice read it from here)
 from make_results3_arith import (SCALE, SYNC, Arm, Setting, arm_of, chosen_lr, mean_curve,  # noqa: E402,F401
                                  read_rows, recommendation, settings_of, word_at_equal_time, word_to_target)
@@ -151,10 +153,8 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
             single = min(len(st.arms[variant].rows), len(rst.arms[rv].rows)) < 2
             sd = max(final[1], rst.final(rv)[1]) * st.scale
             ahead = bool(margin) and (margin > 0) == st.higher
-            close = ahead and not single and abs(margin) < 2 * sd  # a winner only just beyond the spread
-            digits = st.digits
-            while close and digits < st.digits + 3 and f"{abs(margin):.{digits}f}" == f"{sd:.{digits}f}":
-                digits += 1  # (to the digit that tells the margin and the spread apart)
+            # a winner only just beyond the spread, said as the package's advice says it
+            close, digits = close_call(margin, sd, st.digits) if ahead and not single else (False, st.digits)
             spread = "one seed, no spread yet" if single else f"seed spread {sd:.{digits}f}"
             text += (f"; next: {'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer} "
                      f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{digits}f}, {spread})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
@@ -19,17 +19,26 @@ from make_results3_arith import SYNC, Setting, recommendation  # noqa: E402
 from study3_suite import SAME_AS  # noqa: E402
 
 
+def suite_of(study: Path) -> Optional[Dict[str, Any]]:
+    """The suite the runner ran in ``study`` (named in its ``suite.json``); None for a folder
+    without one (a hand-made one)."""
+    suite_file = study / "suite.json"
+    if not suite_file.exists():
+        return None
+    from study3_suite import SUITES as STUDY3_SUITES
+
+    return STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]
+
+
 def planned_runs(study: Path, times: Dict[str, Any], dropped: bool = False) -> List[Any]:
     """The study's plan (study3_plan.Run, dropped runs left out; with ``dropped``, those only)
     against its rows; empty for a folder without the runner's ``suite.json`` (a hand-made one)."""
-    suite_file = study / "suite.json"
-    if not suite_file.exists():
+    suite = suite_of(study)
+    if suite is None:
         return []
     from study2 import load_rows as study2_rows
     from study3_plan import load_rows, plan_runs
-    from study3_suite import SUITES as STUDY3_SUITES
 
-    suite = STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]
     rows2 = study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
     return [r for r in plan_runs(suite, load_rows(study / "runs.jsonl"), times, rows2)
             if (r.status == "dropped") == dropped]
@@ -39,22 +48,17 @@ def cut_lines(study: Path, times: Dict[str, Any]) -> List[str]:
     """The planned runs the plan dropped as the study went (the decisive-gap cut: a second seed
     whose seed 0 ended far behind the synchronous pipeline), one line per setting; none for a
     hand-made folder."""
-    suite_file = study / "suite.json"
-    if not suite_file.exists():
-        return []
-    from study3_suite import SUITES as STUDY3_SUITES
-
-    gap = STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]["cuts"].get("decisive_gap")
     by_setting: Dict[str, List[Any]] = {}
     for r in planned_runs(study, times, dropped=True):
         by_setting.setdefault(f"{r.task}, {r.optimizer}, N={r.stages}", []).append(r)
     if not by_setting:
         return []
-    lines = ["**Runs cut as the study went** (the decisive-gap cut, docs/study_plan.md: a variant's second seed is "
-             "not run where its seed 0 ended more than "
-             f"{gap:.0%} of the synchronous pipeline's final metric behind it, so far that a second seed could "
-             "not turn the verdict into a tie unless the two differed more than any arm of these methods did in "
-             "either study; such an arm rests on one seed):", ""]
+    gap = suite_of(study)["cuts"].get("decisive_gap")
+    why = ("the decisive-gap cut, docs/study_plan.md: a variant's second seed is not run where its seed 0 ended "
+           f"more than {gap:.0%} of the synchronous pipeline's final metric behind it, so far that a second seed "
+           "could not turn the verdict into a tie unless the two differed more than any arm of these methods did "
+           "in either study; such an arm rests on one seed" if gap else "docs/study_plan.md")
+    lines = [f"**Runs cut as the study went** ({why}):", ""]
     for name, runs in by_setting.items():
         lines.append(f"  - {name}: " + "; ".join(f"{r.variant} seed {r.seed} ({r.why.split(' (')[0]})"
                                                  for r in runs))

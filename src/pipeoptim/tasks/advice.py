@@ -67,12 +67,7 @@ class Advice:
         rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
         spread = max(self.spread, self.runner_up_spread) * scale
         if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
-            # within twice the spread the call is close: said so, and the margin and the spread to
-            # the digit that tells them apart
-            close = abs(self.margin) * scale < 2 * spread
-            fine = digits
-            while close and fine < digits + 3 and f"{abs(self.margin) * scale:.{fine}f}" == f"{spread:.{fine}f}":
-                fine += 1
+            close, fine = close_call(self.margin * scale, spread, digits)
             text = (f"in the same time, {what} with {self.optimizer} gives the best model: {mine}; next {rival} "
                     f"(margin {self.margin * scale:+.{fine}f}{'' if higher else ', lower is better'}, seed spread "
                     f"{spread:.{fine}f}" + (": only just beyond it, so another seed could make it a tie" if close
@@ -83,6 +78,18 @@ class Advice:
                     f"the seed spread ({spread:.{digits}f}): no asynchronous method is better beyond it, and the "
                     f"synchronous pipeline trains the model non-pipelined training does ({SOURCE})")
         return f"{self.task}, N = {self.stages}: {text}. To train it: {self.command()}"
+
+
+def close_call(margin: float, spread: float, digits: int) -> Tuple[bool, int]:
+    """Whether a winner's lead ``margin`` over the runner-up is a close call against the seed
+    ``spread`` (within twice it), and the digits to write both with: ``digits``, or up to 3 more
+    where they would read alike (0.4 against 0.4 is 0.405 against 0.399). The report
+    (benchmarks/make_results3.py) and :meth:`Advice.describe` say a close call alike."""
+    close = abs(margin) < 2 * spread
+    fine = digits
+    while close and fine < digits + 3 and f"{abs(margin):.{fine}f}" == f"{spread:.{fine}f}":
+        fine += 1
+    return close, fine
 
 
 #: (task, N) -> the study's recommendation; only settings whose planned runs are all in
