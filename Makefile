@@ -17,7 +17,7 @@ test-fast: setup
 	$(PY) -m pytest -q -x tests -m "not slow"
 
 bench: setup
-	$(PY) benchmarks/local_overhead.py
+	$(PY) -m benchmarks.local_overhead
 
 clean:
 	rm -rf .venv runs build src/*.egg-info

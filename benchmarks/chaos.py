@@ -3,7 +3,7 @@ at a random moment and on a random stage, and resumed each time; its losses and 
 equal the uninterrupted run's exactly, and the newest checkpoint must always be complete (every
 file its manifest lists, with the checksum it records).
 
-    .venv/bin/python benchmarks/chaos.py [--kills 5] [--seed 0] [--batches 60] [--epochs 2]
+    .venv/bin/python -m benchmarks.chaos [--kills 5] [--seed 0] [--batches 60] [--epochs 2]
 
 Runs `tests/torchrun_checkpoint.py` (pipeoptim, 2 stages, Adam + StepLR, dropout, a checkpoint
 every 5 mini-batches). Writes benchmarks/results/chaos.json.

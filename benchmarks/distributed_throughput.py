@@ -11,7 +11,7 @@ Other jobs on the machine distort the figures (two stage processes need both cor
 average before and after is recorded; re-run on a quiet machine. Writes
 ``benchmarks/results/distributed_throughput.json``.
 
-    .venv/bin/python benchmarks/distributed_throughput.py [--repeats 3] [--batches 32] [--synthetic]
+    .venv/bin/python -m benchmarks.distributed_throughput [--repeats 3] [--batches 32] [--synthetic]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 end badly (a non-zero exit, a C++ ``terminate called ...`` line, SIGABRT) although their work
 was done.
 
-    .venv/bin/python benchmarks/exit_stress.py [--runs 200] [--job example|pipeline|both]
+    .venv/bin/python -m benchmarks.exit_stress [--runs 200] [--job example|pipeline|both]
                                                [--hog 2] [--cores DIR] [--label before]
 
 Jobs (2 processes each, ``torchrun --standalone --nproc-per-node 2``):

@@ -14,8 +14,8 @@
   micro-batches of 64), measured from the tensors each stage keeps beside the prediction (the
   simulator's micro-batches in flight x the profiled bytes of one micro-batch).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/issue26_figures.py measure   # ~2 minutes, a quiet machine
-    PYTHONPATH=src .venv/bin/python benchmarks/issue26_figures.py plot
+    PYTHONPATH=src .venv/bin/python -m benchmarks.issue26_figures measure   # ~2 minutes, a quiet machine
+    PYTHONPATH=src .venv/bin/python -m benchmarks.issue26_figures plot
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The two run alternately, several rounds, on the same data and initial weights, w
 thread count; the ratio of their median epoch times is the overhead of the stages, the weight
 policy and the prediction. Writes benchmarks/results/local_overhead.json.
 
-    .venv/bin/python benchmarks/local_overhead.py [--task image] [--model vgg] [--limit 6000]
+    .venv/bin/python -m benchmarks.local_overhead [--task image] [--model vgg] [--limit 6000]
 """
 from __future__ import annotations
 

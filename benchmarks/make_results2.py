@@ -1,17 +1,17 @@
 """The second study's report (issue 16: which pipeline reaches the target first, trained with the
 recipe people use, every method given sequential's updates), and its figures (``results2/``). No
 number is typed by hand. ``docs/results.md`` carries it below the equal-time report
-(``benchmarks/make_results3.py`` writes both); alone:
+(``python -m benchmarks.make_results3`` writes both; this module has no command of its own).
 
-    .venv/bin/python benchmarks/make_results2.py [--study benchmarks/results/study2] [--out runs/report2]
-
-Reads the study's rows (``runs.jsonl``, written by ``benchmarks/study2.py``) and the predicted time
-per mini-batch of each method on N devices (``times.json``, ``benchmarks/study2_times.py``).
+Reads the study's rows (``runs.jsonl``, written by the second study's runner, benchmarks/study2.py,
+whose last version is in commit 6bb0f1e; its plan is study2_plan.py) and the predicted time per
+mini-batch of each method on N devices (``times.json``, ``benchmarks/study2_times.py``). Its data
+per setting is make_results2_data.py's.
 
 How the numbers are made:
 
 * A method's *setting* is (task, optimizer, N). Its learning rate is the one the sweep chose on the
-  validation split (``study2.best_lr``); its runs are the sweep's run at that lr (seed 0, N = 8)
+  validation split (``study2_plan.best_lr``); its runs are the sweep's run at that lr (seed 0, N = 8)
   and the seeds' runs. ``sequential`` has no stages: the same runs are its row at every N.
 * The *final metric* is the test split's, once at the end; a diverged run scores the worst value
   (0, or an infinite perplexity). Mean ± standard deviation over the seeds that are in.
@@ -31,250 +31,25 @@ How the numbers are made:
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import statistics
-import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:  # the study's scripts sit beside this file, also when a test imports it
-    sys.path.insert(0, str(BENCHMARKS))
-import study2  # noqa: E402
-from study2_times import seconds_per_batch as lookup_seconds  # noqa: E402
-from make_results import fmt, mean_sd  # noqa: E402  (the first study's arithmetic, tested there)
-
-from pipeoptim.time_to_target import target_from_reference, updates_to_target  # noqa: E402
-
-SCALE = {"accuracy": 100.0}  #: accuracy in percent; perplexity as is
-HEADLINE = ["pipeoptim", "pipeoptim+lr_correction"]
-#: the level the issue asks sequential to reach on each task, for the comparison to be worth making:
-#: (bar, how it reads); perplexity's bar is "well below the unigram's 470.1" (README), read as half of it
-LEVELS = {"image": (0.90, "at or above 90 % test accuracy"), "sentiment": (0.72, "at or above 72 %"),
-          "lm": (235.0, "well below the unigram's perplexity of 470.1 (here: at most half of it)")}
-RIVALS = ["pipedream", "pipedream-2bw", "spectrain", "xpipe"]
-SYNCHRONOUS_PIPELINES = ["gpipe", "1f1b-flush"]
-
-
-# --------------------------------------------------------------------------------------------
-# the arithmetic (tested in tests/test_make_results2.py)
-
-
-def final_score(row: Dict[str, Any], higher: bool) -> float:
-    """The run's final test metric; a diverged run scores the worst (0, or infinity when lower
-    is better)."""
-    if row.get("diverged") or row.get("final_metric") is None:
-        return 0.0 if higher else math.inf
-    return row["final_metric"]
-
-
-def run_updates_to_target(row: Dict[str, Any], target: float, higher: bool) -> Optional[float]:
-    """Updates to the first validation evaluation at or past ``target``; None if never (or diverged)."""
-    if row.get("diverged"):
-        return None
-    return updates_to_target([(e["updates"], e["metric"]) for e in row["evaluations"]], target, higher)
-
-
-def stage_errors(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, float]]:
-    """Per stage, the prediction and staleness errors averaged over every probe of every epoch of
-    the (non-diverged) runs, and their ratio (below 1: the forward's weights were closer to the
-    backward's than the stale weights were; exactly 1 for a method that does not predict)."""
-    sums: Dict[int, List[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for row in rows:
-        if row.get("diverged"):
-            continue
-        for epoch in row.get("prediction_error") or []:
-            for stage, probe in enumerate(epoch or []):
-                n = probe.get("probes") or 0
-                if n:
-                    sums[stage][0] += n
-                    sums[stage][1] += n * probe["prediction_error"]
-                    sums[stage][2] += n * probe["staleness_error"]
-    out = []
-    for stage in sorted(sums):
-        n, p, s = sums[stage]
-        out.append({"stage": stage, "prediction": p / n, "staleness": s / n,
-                    "ratio": (p / s) if s > 0 else float("nan")})
-    return out
-
-
-def seconds_per_batch(times: Optional[Dict[str, Any]], task: str, optimizer: str, stages: int,
-                      method: str) -> Optional[float]:
-    """The predicted seconds per mini-batch of ``method`` on ``stages`` devices (``times.json``),
-    or None where the study has no prediction."""
-    if not times:
-        return None
-    try:
-        return lookup_seconds(times, task, optimizer, stages, method)
-    except (KeyError, ValueError):
-        return None
-
-
-# --------------------------------------------------------------------------------------------
-# the study's data, per setting
-
-
-@dataclass
-class Method:
-    """One method's runs in one setting (at its chosen lr)."""
-
-    variant: str
-    lr: Optional[float]
-    rows: List[Dict[str, Any]]
-    why: str = ""  #: why there are no rows (waiting, every lr diverged)
-
-    @property
-    def ok(self) -> List[Dict[str, Any]]:
-        return [r for r in self.rows if not r.get("diverged")]
-
-    @property
-    def diverged(self) -> int:
-        return sum(1 for r in self.rows if r.get("diverged"))
-
-
-@dataclass
-class Setting:
-    """A task, optimizer and stage count: every method's runs at its own best lr, the target,
-    and each method's predicted time per mini-batch on N devices."""
-
-    task: str
-    optimizer: str
-    stages: int
-    metric: str
-    higher: bool
-    methods: Dict[str, Method]
-    times: Optional[Dict[str, Any]] = None
-    scale: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.scale = SCALE.get(self.metric, 1.0)
-
-    def name(self) -> str:
-        return f"{self.task}, {self.optimizer}, N={self.stages}"
-
-    def final(self, variant: str) -> Tuple[float, float]:
-        method = self.methods.get(variant)
-        return mean_sd([final_score(r, self.higher) for r in method.rows]) if method else (math.nan, math.nan)
-
-    def seeds(self, variant: str) -> int:
-        method = self.methods.get(variant)
-        return len(method.rows) if method else 0
-
-    def reference(self) -> Optional[float]:
-        """sequential's mean final validation metric (None until it is in)."""
-        seq = self.methods.get("sequential")
-        values = [r["validation_metric"] for r in seq.ok] if seq else []
-        return statistics.mean(values) if values else None
-
-    def target(self) -> Optional[float]:
-        reference = self.reference()
-        return None if reference is None else target_from_reference(reference, self.higher)
-
-    def seconds(self, variant: str) -> Optional[float]:
-        """Predicted seconds per mini-batch on N devices; sequential's: the faster synchronous
-        pipeline's (the same updates as sequential)."""
-        if variant == "sequential":
-            options = [seconds_per_batch(self.times, self.task, self.optimizer, self.stages, m)
-                       for m in SYNCHRONOUS_PIPELINES]
-            options = [s for s in options if s is not None]
-            return min(options) if options else None
-        method = study2.variant_method(variant)[0]
-        return seconds_per_batch(self.times, self.task, self.optimizer, self.stages, method)
-
-    def updates_to_target(self, variant: str) -> List[Optional[float]]:
-        target = self.target()
-        method = self.methods.get(variant)
-        if target is None or method is None:
-            return []
-        return [run_updates_to_target(r, target, self.higher) for r in method.rows]
-
-    def time_to_target(self, variant: str, every_seed: bool = True) -> Optional[Tuple[float, float]]:
-        """(mean, sd) seconds to target on N devices over the seeds, None unless every seed
-        reached it (``every_seed``; else at least one, the mean over those) and the time per
-        mini-batch is known."""
-        updates, seconds = self.updates_to_target(variant), self.seconds(variant)
-        reached = [u for u in updates if u is not None]
-        if not reached or seconds is None or (every_seed and len(reached) < len(updates)):
-            return None
-        return mean_sd([u * seconds for u in reached])
-
-    def synchronous_time(self) -> Tuple[Optional[Tuple[float, float]], str]:
-        """The synchronous reference's time to target and, where some of sequential's seeds end
-        short of the target (it is 99 % of their mean), how many reach it: the reference is then
-        the mean over those."""
-        updates = self.updates_to_target("sequential")
-        reached = sum(u is not None for u in updates)
-        note = "" if reached == len(updates) else f", {reached} of {seeds_text(len(updates))} reach it"
-        return self.time_to_target("sequential", every_seed=False), note
-
-
-def method_rows(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
-                variant: str, stages: int) -> Method:
-    """The method's runs in the setting: at the lr the sweep chose, the sweep's own run (seed 0 at
-    the sweep's N) and the seeds'."""
-    lr, status, why = study2.best_lr(suite, rows, task, optimizer, variant)
-    if lr is None:
-        return Method(variant, None, [], why)
-    sweep_stages = max(suite["stages"])
-    n = 1 if variant == "sequential" else stages
-    found = []
-    if variant == "sequential" or stages == sweep_stages:
-        found.append(rows[study2.row_key(study2.sweep_run(suite, task, optimizer, variant, lr, "end").key_fields())])
-    for seed in suite["seeds"]:
-        key = study2.row_key(study2.Run("seeds", task, optimizer, variant, n, seed, lr).key_fields())
-        if key in rows:
-            found.append(rows[key])
-    return Method(variant, lr, sorted(found, key=lambda r: r["seed"]))
-
-
-def settings_of(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]],
-                times: Optional[Dict[str, Any]]) -> List[Setting]:
-    from pipeoptim.tasks import get_task
-
-    out = []
-    for task, optimizer in suite["cells"]:
-        higher = get_task(task).higher_is_better
-        metric = get_task(task).metric
-        for stages in suite["stages"]:
-            methods = {v: method_rows(suite, rows, task, optimizer, v, stages)
-                       for v in ["sequential", *suite["methods"]]}
-            out.append(Setting(task, optimizer, stages, metric, higher, methods, times))
-    return out
-
-
-def sweep_points(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
-                 variant: str) -> List[Tuple[float, str, Optional[float]]]:
-    """Per lr of the sweep: (lr, what the point is: "end", "third", "diverged" or "missing", the
-    final validation metric, else the first third's)."""
-    out = []
-    for lr in study2.sweep_lrs(suite, task, optimizer):
-        end = rows.get(study2.row_key(study2.sweep_run(suite, task, optimizer, variant, lr, "end").key_fields()))
-        third = rows.get(study2.row_key(study2.sweep_run(suite, task, optimizer, variant, lr, "third").key_fields()))
-        row, kind = (end, "end") if end else (third, "third") if third else (None, "missing")
-        if row is not None and (row.get("diverged") or row.get("validation_metric") is None):
-            kind = "diverged"
-        out.append((lr, kind, row["validation_metric"] if kind in ("end", "third") else None))
-    return out
+from benchmarks import study2_plan
+from benchmarks.common import ROOT, fmt, mean_sd
+# (the data, re-exported: the tests read it from here)
+from benchmarks.make_results2_data import (HEADLINE, LEVELS, RIVALS, SCALE, SYNCHRONOUS_PIPELINES,  # noqa: F401
+                                           Method, Setting, digits_of, final_score, method_rows,
+                                           run_updates_to_target, seconds_per_batch, seeds_text, settings_of,
+                                           stage_errors, sweep_points, value)
+from benchmarks.make_results2_findings import (TRANSLATION, caveats, conclusions, confirmations, depth_lines,
+                                               error_gap_lines, level_lines, recipe, throughput_section)
+from benchmarks.make_results2_plots import curves_plot, sensitivity_plot
 
 
 # --------------------------------------------------------------------------------------------
 # the report's parts
-
-
-def value(x: Optional[float], scale: float, digits: int = 2) -> str:
-    return "-" if x is None or x != x else f"{x * scale:.{digits}f}"
-
-
-def digits_of(st: Setting) -> int:
-    return 2 if st.metric == "accuracy" else 1
-
-
-def seeds_text(n: int) -> str:
-    return f"{n} seed{'s' if n != 1 else ''}"
 
 
 def setting_table(st: Setting) -> List[str]:
@@ -337,7 +112,7 @@ def diagnostic_table(st: Setting) -> List[str]:
 
 def sweep_table(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
                 scale: float, digits: int) -> List[str]:
-    lrs = study2.sweep_lrs(suite, task, optimizer)
+    lrs = study2_plan.sweep_lrs(suite, task, optimizer)
     lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |",
              "|---|" + "---|" * (len(lrs) + 1)]
     for variant in ["sequential", *suite["methods"]]:
@@ -345,13 +120,13 @@ def sweep_table(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: st
         for _, kind, metric in sweep_points(suite, rows, task, optimizer, variant):
             cells.append({"end": value(metric, scale, digits), "third": f"({value(metric, scale, digits)})",
                           "diverged": "diverged", "missing": "·"}[kind])
-        lr, _, _ = study2.best_lr(suite, rows, task, optimizer, variant)
+        lr, _, _ = study2_plan.best_lr(suite, rows, task, optimizer, variant)
         lines.append(f"| {variant} | " + " | ".join(cells) + f" | {'-' if lr is None else f'{lr:g}'} |")
     return lines
 
 
 def status_line(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> str:
-    runs = study2.plan_runs(suite, rows)
+    runs = study2_plan.plan_runs(suite, rows)
     states: Dict[str, int] = defaultdict(int)
     for run in runs:
         states[run.status] += 1
@@ -368,12 +143,8 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
     """Write ``out/name`` (and ``out/results2/*.png`` with ``plots``) from the study folder;
     return the markdown (``name`` None: write the figures only; docs/results.md is this report
     below the equal-time one, written by make_results3.py)."""
-    from make_results2_findings import (TRANSLATION, caveats, conclusions, confirmations, depth_lines,
-                                        error_gap_lines, level_lines, recipe, throughput_section)
-    from make_results2_plots import curves_plot, sensitivity_plot
-
-    suite = study2.SUITES[suite_name or json.loads((study / "suite.json").read_text())["suite"]]
-    rows = study2.load_rows(study / "runs.jsonl")
+    suite = study2_plan.SUITES[suite_name or json.loads((study / "suite.json").read_text())["suite"]]
+    rows = study2_plan.load_rows(study / "runs.jsonl")
     times_file = study / "times.json"
     times = json.loads(times_file.read_text()) if times_file.exists() else None
     settings = settings_of(suite, rows, times)
@@ -381,7 +152,7 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
     figures = out / "results2"
     if plots:
         figures.mkdir(parents=True, exist_ok=True)
-    rel = study.resolve().relative_to(BENCHMARKS.parent) if study.resolve().is_relative_to(BENCHMARKS.parent) \
+    rel = study.resolve().relative_to(ROOT) if study.resolve().is_relative_to(ROOT) \
         else study
     lines = ["# Does an asynchronous pipeline reach the target sooner? Results of the second study", "",
              f"Generated by `benchmarks/make_results2.py` from `{rel}/runs.jsonl` and `{rel}/times.json` "
@@ -432,25 +203,3 @@ def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bo
     if name is not None:
         (out / name).write_text(text)
     return text
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--study", type=Path, default=study2.RESULTS / "study2",
-                        help="the study folder: runs.jsonl, suite.json, times.json")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "runs" / "report2",
-                        help="where the report and results2/ go (default runs/report2; docs/results.md, this "
-                             "report below the equal-time one, is benchmarks/make_results3.py's)")
-    parser.add_argument("--name", default="results-equal-updates.md", help="the markdown's file name")
-    parser.add_argument("--suite", choices=list(study2.SUITES),
-                        help="the suite the rows belong to (default: the study folder's suite.json)")
-    parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = generate(args.study, args.out, args.suite, plots=not args.no_plots, name=args.name)
-    print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

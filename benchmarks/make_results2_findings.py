@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import study2  # noqa: E402
-from make_results import fmt, mean_sd, verdict  # noqa: E402
-from make_results2 import (HEADLINE, LEVELS, RIVALS, SYNCHRONOUS_PIPELINES, Setting, digits_of,  # noqa: E402
-                           final_score, seeds_text, stage_errors, value)
-import make_results2  # noqa: E402  (its seconds_per_batch looked up on call: a test replaces it)
+from benchmarks import make_results2_data  # (its seconds_per_batch looked up on call: a test replaces it)
+from benchmarks import study2_plan
+from benchmarks.common import fmt, mean_sd, verdict
+from benchmarks.make_results2_data import (HEADLINE, LEVELS, RIVALS, SYNCHRONOUS_PIPELINES, Setting, digits_of,
+                                           final_score, seeds_text, stage_errors, value)
 
 
 def holds(tally: Dict[str, int]) -> str:
@@ -253,9 +247,9 @@ def throughput_section(settings: Sequence[Setting], times: Optional[Dict[str, An
     ratios: List[float] = []
     for st in settings:
         po, naive = st.seconds("pipeoptim"), st.seconds("async-naive")
-        flush = make_results2.seconds_per_batch(times, st.task, st.optimizer, st.stages, "1f1b-flush")
-        gpipe = make_results2.seconds_per_batch(times, st.task, st.optimizer, st.stages, "gpipe")
-        seq1 = make_results2.seconds_per_batch(times, st.task, st.optimizer, 1, "sequential")
+        flush = make_results2_data.seconds_per_batch(times, st.task, st.optimizer, st.stages, "1f1b-flush")
+        gpipe = make_results2_data.seconds_per_batch(times, st.task, st.optimizer, st.stages, "gpipe")
+        seq1 = make_results2_data.seconds_per_batch(times, st.task, st.optimizer, 1, "sequential")
         if None in (po, naive, flush, gpipe):
             continue
         copies = [c for v in ("pipeoptim",) if v in st.methods
@@ -337,7 +331,7 @@ def confirmations(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], settin
             continue
         base = seq.rows[0]
         for variant in confirm["methods"]:
-            row = rows.get(study2.row_key(study2.Run("confirm", task, confirm["optimizer"], variant,
+            row = rows.get(study2_plan.row_key(study2_plan.Run("confirm", task, confirm["optimizer"], variant,
                                                      max(suite["stages"]), 0, seq.lr).key_fields()))
             if row is None:
                 continue
@@ -419,7 +413,7 @@ def correction_text(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> s
             f"it with {' and with '.join(f'`{n}`' for n in names.values())}")
     cells = []
     for task, optimizer in suite["cells"]:
-        choice = study2.correction_choice(suite, rows, task, optimizer)
+        choice = study2_plan.correction_choice(suite, rows, task, optimizer)
         if choice is None:
             cells.append(f"{task} x {optimizer}: not run yet")
             continue
@@ -448,8 +442,8 @@ def recipe(suite: Dict[str, Any]) -> List[str]:
              "optimizers | peak lrs swept |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, spec in suite["tasks"].items():
         optimizers = [o for t, o in suite["cells"] if t == task]
-        n = study2.batches_per_epoch(spec) * spec["epochs"]
-        lrs = "; ".join(f"{o}: " + ", ".join(f"{lr:g}" for lr in study2.sweep_lrs(suite, task, o))
+        n = study2_plan.batches_per_epoch(spec) * spec["epochs"]
+        lrs = "; ".join(f"{o}: " + ", ".join(f"{lr:g}" for lr in study2_plan.sweep_lrs(suite, task, o))
                         for o in optimizers)
         lines.append(f"| {task} | {spec['model']} | {spec['batch_size']} | {spec['epochs']} | {n} | "
                      f"{spec['holdout']} | {spec['eval_every']} | {spec['clip_grad'] or 'none'} | "

@@ -3,21 +3,12 @@ against the peak lr (sensitivity); per setting, the curves against updates and a
 time on N devices."""
 from __future__ import annotations
 
-import sys
-from typing import Any, Dict, List, Optional, Tuple
 from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-import study2  # noqa: E402
-from make_results2 import Setting, sweep_points  # noqa: E402
+from benchmarks import study2_plan
+from benchmarks.common import pyplot, save_figure
+from benchmarks.make_results2_data import Setting, sweep_points
 
 
 def sensitivity_plot(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
@@ -27,7 +18,7 @@ def sensitivity_plot(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], tas
     name = f"sensitivity-{task}-{optimizer}.png"
     if folder is None:
         return name
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
     diverged: List[Tuple[float, str]] = []
     for i, variant in enumerate(["sequential", *suite["methods"]]):
         points = sweep_points(suite, rows, task, optimizer, variant)
@@ -55,7 +46,7 @@ def sensitivity_plot(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], tas
     worst = ax.get_ylim()[0 if higher else 1]
     for lr, color in diverged:
         ax.plot([lr], [worst], "x", color=color, markersize=7)
-    lrs = study2.sweep_lrs(suite, task, optimizer)
+    lrs = study2_plan.sweep_lrs(suite, task, optimizer)
     ax.set_xscale("log")
     ax.set_xlim(min(lrs) / 1.3, max(lrs) * 1.3)  # (also when no point is in yet)
     ax.set(xlabel="peak learning rate", ylabel=f"validation {metric}",
@@ -65,10 +56,7 @@ def sensitivity_plot(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], tas
     if ax.get_legend_handles_labels()[0]:  # (a panel may have no curve yet)
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(folder / name, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return name
+    return save_figure(fig, folder, name)
 
 
 def curves_plot(st: Setting, folder: Optional[Path]) -> str:
@@ -77,7 +65,7 @@ def curves_plot(st: Setting, folder: Optional[Path]) -> str:
     name = f"curves-{st.task}-{st.optimizer}-N{st.stages}.png"
     if folder is None:
         return name
-    fig, (by_updates, by_time) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (by_updates, by_time) = pyplot().subplots(1, 2, figsize=(12, 4.2))
     target = st.target()
     for i, (variant, method) in enumerate(st.methods.items()):
         if not method.ok:
@@ -101,7 +89,4 @@ def curves_plot(st: Setting, folder: Optional[Path]) -> str:
         if ax.get_legend_handles_labels()[0]:  # (a panel may have no curve yet)
             ax.legend(fontsize=7)
     by_updates.set_title(f"{st.name()}: first seed of each method; dashed: the target", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(folder / name, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return name
+    return save_figure(fig, folder, name)

@@ -34,16 +34,13 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-from make_results import fmt  # noqa: E402  (the first study's arithmetic, tested there)
-from make_results2_findings import diagnosis  # noqa: E402
-from pipeoptim.tasks.advice import close_call  # noqa: E402
-
+from benchmarks.common import RESULTS, ROOT, fmt
+from benchmarks.make_results2_findings import diagnosis
 # (the arithmetic, re-exported: the tests and the advice read it from here)
-from make_results3_arith import (SCALE, SYNC, Arm, Setting, arm_of, chosen_lr, mean_curve,  # noqa: E402,F401
-                                 read_rows, recommendation, settings_of, word_at_equal_time, word_to_target)
+from benchmarks.make_results3_arith import (SCALE, SYNC, Arm, Setting, arm_of, chosen_lr, mean_curve,  # noqa: F401
+                                            read_rows, recommendation, settings_of, word_at_equal_time,
+                                            word_to_target)
+from pipeoptim.tasks.advice import close_call
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,8 +206,8 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``)."""
-    from make_results3_advice import cut_lines, same_as_lines, status_line
-    from make_results3_plot import curves_plot
+    from benchmarks.make_results3_advice import cut_lines, same_as_lines, status_line
+    from benchmarks.make_results3_plot import curves_plot
 
     rows = read_rows(study)
     written = sum(1 for line in (study / "runs.jsonl").read_text().splitlines() if line.strip())
@@ -219,7 +216,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     figures = out / "results3"
     if plots:
         figures.mkdir(parents=True, exist_ok=True)
-    rel = study.resolve().relative_to(BENCHMARKS.parent) if study.resolve().is_relative_to(BENCHMARKS.parent) \
+    rel = study.resolve().relative_to(ROOT) if study.resolve().is_relative_to(ROOT) \
         else study.name
     lines = ["# Equal time, not equal updates: which pipeline gives the better model in the time a synchronous "
              "one takes?", "",
@@ -254,7 +251,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
               "the synchronous pipeline at equal time, the diagnostic's reading:", ""]
     lines += closing_lines(settings) + [""]
     if equal_updates is not None:
-        from make_results2 import generate as equal_update_report
+        from benchmarks.make_results2 import generate as equal_update_report
 
         lines += demoted(equal_update_report(equal_updates, out, plots=plots, name=None))
     text = "\n".join(lines).rstrip("\n") + "\n"
@@ -265,12 +262,12 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--study", type=Path, default=BENCHMARKS / "results" / "study3",
+    parser.add_argument("--study", type=Path, default=RESULTS / "study3",
                         help="the study folder: runs.jsonl, times.json")
-    parser.add_argument("--equal-updates", type=Path, default=BENCHMARKS / "results" / "study2",
+    parser.add_argument("--equal-updates", type=Path, default=RESULTS / "study2",
                         help="the second study's folder, whose report follows (runs.jsonl, suite.json, times.json)")
     parser.add_argument("--alone", action="store_true", help="the equal-time report only, without the second study's")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs", help="where the markdown goes")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
     parser.add_argument("--advice", action="store_true",
@@ -281,14 +278,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(paste --advice first), and write nothing else")
     args = parser.parse_args(argv)
     if args.readme:
-        from make_results3_advice import readme_with_advice
+        from benchmarks.make_results3_advice import readme_with_advice
 
-        readme = BENCHMARKS.parent / "README.md"
+        readme = ROOT / "README.md"
         readme.write_text(readme_with_advice(readme.read_text()))
         print(f"written: {readme} (advice block and demo line)")
         return 0
     if args.advice:
-        from make_results3_advice import advice_entries, advice_source, complete_cells
+        from benchmarks.make_results3_advice import advice_entries, advice_source, complete_cells
 
         rows = read_rows(args.study)
         times = json.loads((args.study / "times.json").read_text())

@@ -2,21 +2,19 @@
 against the rows (how many runs are in, which (task, N) have all of theirs, which variants are
 another's line), and the
 recommendation per finished (task, N) as ``pipeoptim.tasks.advice.ADVICE`` holds it
-(``benchmarks/make_results3.py --advice`` prints it; tests/test_make_results3.py holds the
+(``python -m benchmarks.make_results3 --advice`` prints it; tests/test_make_results3.py holds the
 package's table to the committed rows); and the README's advice block and demo line written from
 that table (``--readme``; tests/test_advice.py holds the README to it)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-from make_results3_arith import SYNC, Setting, recommendation  # noqa: E402
-from study3_suite import SAME_AS  # noqa: E402
+from benchmarks.make_results3_arith import SYNC, Setting, recommendation
+from benchmarks.study3_plan import load_rows, plan_runs
+from benchmarks.study3_suite import (SAME_AS, SUITES as STUDY3_SUITES, study2_rows, variant_microbatches,
+                                     variant_spec)
 
 
 def suite_of(study: Path) -> Optional[Dict[str, Any]]:
@@ -25,8 +23,6 @@ def suite_of(study: Path) -> Optional[Dict[str, Any]]:
     suite_file = study / "suite.json"
     if not suite_file.exists():
         return None
-    from study3_suite import SUITES as STUDY3_SUITES
-
     return STUDY3_SUITES[json.loads(suite_file.read_text())["suite"]]
 
 
@@ -36,11 +32,7 @@ def planned_runs(study: Path, times: Dict[str, Any], dropped: bool = False) -> L
     suite = suite_of(study)
     if suite is None:
         return []
-    from study2 import load_rows as study2_rows
-    from study3_plan import load_rows, plan_runs
-
-    rows2 = study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
-    return [r for r in plan_runs(suite, load_rows(study / "runs.jsonl"), times, rows2)
+    return [r for r in plan_runs(suite, load_rows(study / "runs.jsonl"), times, study2_rows(suite))
             if (r.status == "dropped") == dropped]
 
 
@@ -84,8 +76,6 @@ def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, An
 def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, int]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
     """(task, N) -> the recommendation as ``pipeoptim.tasks.advice.Advice``'s fields, for the
     (task, N) in ``complete`` (every planned run in) that have one."""
-    from study3_suite import variant_microbatches, variant_spec
-
     out: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for task, stages in complete:
         rec = recommendation(settings, task, stages)

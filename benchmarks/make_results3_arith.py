@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-from make_results import mean_sd, verdict  # noqa: E402  (the first study's arithmetic, tested there)
-from make_results2 import final_score, run_updates_to_target  # noqa: E402
-from study2 import ranked_lrs  # noqa: E402
-from study3_plan import load_rows  # noqa: E402
-from study3_suite import SAME_AS  # noqa: E402
-
-from pipeoptim.time_to_target import target_from_reference  # noqa: E402
+from benchmarks.common import mean_sd, verdict
+from benchmarks.make_results2_data import final_score, run_updates_to_target
+from benchmarks.study2_plan import ranked_lrs
+from benchmarks.study3_plan import load_rows
+from benchmarks.study3_suite import SAME_AS
+from pipeoptim.time_to_target import target_from_reference
 
 SCALE = {"accuracy": 100.0}
 SYNC = "synchronous"  #: the report's name for sequential's runs priced as the fastest synchronous pipeline

@@ -7,21 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from benchmarks.common import pyplot, save_figure
+from benchmarks.make_results3_arith import SYNC, mean_curve
 
 
 def curves_plot(st: Any, folder: Optional[Path]) -> str:
     """Draw the setting ``st`` (a make_results3_arith.Setting) into ``folder``; return the file name
     (only the name when ``folder`` is None: the markdown does not depend on the figures)."""
-    from make_results3_arith import SYNC, mean_curve
-
     name = f"equal-time-{st.task}-{st.optimizer}-N{st.stages}.png"
     if folder is None:
         return name
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for i, (variant, arm) in enumerate(st.arms.items()):
         points = mean_curve(arm.rows)
         if not points or arm.seconds is None:
@@ -44,7 +40,4 @@ def curves_plot(st: Any, folder: Optional[Path]) -> str:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(folder / name, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return name
+    return save_figure(fig, folder, name)

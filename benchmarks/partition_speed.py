@@ -27,7 +27,7 @@ For each split the benchmark
 
 Writes benchmarks/results/partition_speed.json.
 
-    .venv/bin/python benchmarks/partition_speed.py [--batches 60] [--batch-size 32] [--rounds 2]
+    .venv/bin/python -m benchmarks.partition_speed [--batches 60] [--batch-size 32] [--rounds 2]
         [--epochs 4] [--methods pipeoptim] [--quiet-wait 60] [--bandwidth BYTES_PER_S] [--no-distributed]
 """
 from __future__ import annotations

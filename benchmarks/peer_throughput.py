@@ -23,7 +23,7 @@ interquartile range).
 
 Rank 0 writes ``benchmarks/results/peer_throughput.json`` and prints the table.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/peer_throughput.py [--rounds 5] [--batches 16]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.peer_throughput [--rounds 5] [--batches 16]
 """
 from __future__ import annotations
 

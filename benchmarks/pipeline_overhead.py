@@ -13,7 +13,7 @@ Memory: in a fresh process per size, the peak resident memory during one epoch o
 tensors, at 10,000 and at 60,000 images (target: the 60,000 figure within 10% of the 10,000 one,
 i.e. the loader is streamed, not materialised).
 
-    .venv/bin/python benchmarks/pipeline_overhead.py [--rounds 3] [--limit 60000] [--model vgg]
+    .venv/bin/python -m benchmarks.pipeline_overhead [--rounds 3] [--limit 60000] [--model vgg]
 
 Writes benchmarks/results/pipeline_overhead.json.
 """

@@ -21,7 +21,7 @@ is inside every timed forward; with 4 (XPipe-like, M = 4) it is shared by them. 
 checked to give the same predicted bits. Medians over the rounds; writes
 benchmarks/results/prediction_speed.json.
 
-    .venv/bin/python benchmarks/prediction_speed.py [--rounds 21] [--forwards 1,4] [--threads 1]
+    .venv/bin/python -m benchmarks.prediction_speed [--rounds 21] [--forwards 1,4] [--threads 1]
 """
 from __future__ import annotations
 

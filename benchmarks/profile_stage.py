@@ -6,7 +6,7 @@ momentum SGD, as in ``benchmarks/peer_throughput.py``. For each run (``ours gpip
 25 entries by tottime and by cumtime beside it (``.txt``), and a line of how much of the
 process time is spent in pipeoptim's own Python functions (tottime under ``pipeoptim/``).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/profile_stage.py [--out /tmp/pipeoptim-profile]
+    PYTHONPATH=src .venv/bin/python -m benchmarks.profile_stage [--out /tmp/pipeoptim-profile]
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Builds async-1f1b for N=64 stages and T=1024 mini-batches (196,608 actions), sim
 unit costs, and reports the best of 3 runs of generate + simulate (the target: under 0.5 s). Writes
 ``benchmarks/results/schedule_speed.json``.
 
-    python benchmarks/schedule_speed.py [--stages 64] [--batches 1024] [--repeat 3]
+    python -m benchmarks.schedule_speed [--stages 64] [--batches 1024] [--repeat 3]
 """
 from __future__ import annotations
 

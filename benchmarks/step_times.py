@@ -3,7 +3,7 @@ their default batch size, and seconds per evaluated example: the numbers the stu
 (docs/study_plan.md) is planned from. Each model trains for about ``--seconds`` after two
 warm-up steps, on the first mini-batches of a small ``--limit``; prints one JSON line per model.
 
-    .venv/bin/python benchmarks/step_times.py [--seconds 20] [--models image:vgg,lm:gpt]
+    .venv/bin/python -m benchmarks.step_times [--seconds 20] [--models image:vgg,lm:gpt]
 
 On the local runtime every method computes the same forwards and backwards in one process, so a
 run's compute time is about its updates times these step times (plus the evaluations); the

@@ -1,21 +1,19 @@
-"""The second study's settings and plan (benchmarks/study2.py runs it): the suites, a planned
-run, the lr sweep with successive halving, the seeds, the confirmations and the correction choice,
-each run's status against the rows in, and the shards."""
+"""The second study's settings and plan: the suites, a planned run, the lr sweep with successive
+halving, the seeds, the confirmations and the correction choice, each run's status against the
+rows in, and the shards. Its runner (benchmarks/study2.py, last in commit 6bb0f1e) is gone: its
+rows are data (benchmarks/results/study2/), and the second study's report (make_results2.py) and
+the equal-time study (study3*.py: its suite, carried lrs and recipe) read them through this plan."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:  # the studies' scripts sit beside this file, also when a test imports it by path
-    sys.path.insert(0, str(BENCHMARKS))
+from benchmarks.common import keyed_rows
+from pipeoptim.tasks import get_task
 
-from pipeoptim.tasks import get_task  # noqa: E402
-RESULTS = BENCHMARKS / "results"
 LR_SCHEDULE = "warmup-cosine"  #: 5% linear warm-up, then cosine to 10% of the peak (the defaults)
 
 #: the study's name for a method with options -> (method, method options)
@@ -169,16 +167,7 @@ def row_key(row: Dict[str, Any]) -> str:
 
 def load_rows(path: Path) -> Dict[str, Dict[str, Any]]:
     """The rows of runs.jsonl by key (the first of duplicates; a torn last line is ignored)."""
-    rows: Dict[str, Dict[str, Any]] = {}
-    if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed writer: its run is simply run again
-        rows.setdefault(row_key(row), row)
-    return rows
+    return keyed_rows(path, row_key)
 
 
 def log_spaced(low: float, high: float, count: int) -> List[float]:

@@ -1,7 +1,7 @@
 """Issue 16's study: the seconds per mini-batch of every method, the time axis of time to target.
 
-The study (benchmarks/study2.py) trains every run on the local runtime, one process on one
-thread, so its runs' wall times say nothing about an N-device pipeline. The time each method
+The study (benchmarks/study2.py, last in commit 6bb0f1e) trained every run on the local
+runtime, one process on one thread, so its runs' wall times say nothing about an N-device pipeline. The time each method
 would take per mini-batch on N devices is predicted instead, with the planner's machinery
 (``pipeoptim plan``, :mod:`pipeoptim.planner`):
 
@@ -48,8 +48,8 @@ Both parts write into one file (``--out``, default
 ``benchmarks/results/study2/times.json``): part 1 its ``predict`` section, cell by cell as
 each is done, the check its ``check_n2`` section, task by task; neither touches the other's.
 
-    OMP_NUM_THREADS=1 nice -n -10 .venv/bin/python benchmarks/study2_times.py  # part 1, 1-2 minutes
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/study2_times.py --check-n2   # the check (quiet machine)
+    OMP_NUM_THREADS=1 nice -n -10 .venv/bin/python -m benchmarks.study2_times  # part 1, 1-2 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.study2_times --check-n2   # the check (quiet machine)
 
 :func:`seconds_per_batch` reads one number from the file (the report's lookup).
 """
@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -70,16 +68,14 @@ import torch
 from pipeoptim.methods import get_method
 from pipeoptim.planner import microbatch_size
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:  # study2.py sits beside this file, also when a test imports it by path
-    sys.path.insert(0, str(BENCHMARKS))
-from study2 import RESULTS, SUITES, variant_method  # noqa: E402
-from study2_profile import (ProfiledModel, ProfileSettings, cell_table, load_cell, predict_method,  # noqa: E402,F401
-                            PARTITIONER, profile_cell, split_of, stage_summary, study_microbatches)
+from benchmarks.common import RESULTS, load_average, machine, read_format, rounded, write_rounded  # noqa: F401
+from benchmarks.study2_plan import SUITES, variant_method
+from benchmarks.study2_profile import (PARTITIONER, ProfiledModel, ProfileSettings, cell_table,  # noqa: F401
+                                       load_cell, predict_method, profile_cell, split_of, stage_summary,
+                                       study_microbatches)
 
 FORMAT = "pipeoptim-study2-times"
 VERSION = 1
-SIGNIFICANT = 4          #: significant digits of the seconds written (the profile's noise is larger)
 #: the check at N = 2: the cells, and the methods bench times (sequential-1dev comes with them)
 CHECK_CELLS = (("image", "momentum"), ("lm", "adamw"))
 CHECK_STAGES = 2
@@ -149,42 +145,14 @@ def microbatch_counts(methods: Sequence[str], stage_counts: Sequence[int]) -> Li
 # the file
 
 
-def rounded(value: Any, digits: int = SIGNIFICANT) -> Any:
-    """``value`` with every float rounded to ``digits`` significant digits (equal floats stay
-    equal: the async methods' shared times remain identical)."""
-    if isinstance(value, float):
-        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
-    if isinstance(value, dict):
-        return {k: rounded(v, digits) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [rounded(v, digits) for v in value]
-    return value
-
-
 def read_times(path: Path) -> Dict[str, Any]:
     """The file's contents, or an empty shell (a missing file: nothing done yet)."""
-    if path.exists():
-        times = json.loads(path.read_text())
-        if times.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a study2 times file (no \"format\": \"{FORMAT}\")")
-        return times
-    return {"format": FORMAT, "version": VERSION}
+    return read_format(path, FORMAT, "study2 times", {"format": FORMAT, "version": VERSION})
 
 
 def write_times(path: Path, times: Dict[str, Any]) -> None:
     """Write atomically (a stopped call leaves the previous file whole), keys sorted."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rounded(times), indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def machine() -> Dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
-
-
-def load_average() -> List[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+    write_rounded(path, times)
 
 
 # --------------------------------------------------------------------------------------------

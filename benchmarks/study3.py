@@ -26,9 +26,9 @@ changes while they run (a place in the plan shifts when a choice adds or drops r
 lets go of a dead worker's lock. ``--shard i/n`` still restricts a worker to the runs whose place
 in the plan is i modulo n.
 
-    .venv/bin/python benchmarks/study3.py --plan       # every run, U_m, minutes; the core-minutes
-    .venv/bin/python benchmarks/study3.py --wait 60 &  # one worker per core
-    .venv/bin/python benchmarks/study3.py --wait 60
+    .venv/bin/python -m benchmarks.study3 --plan       # every run, U_m, minutes; the core-minutes
+    .venv/bin/python -m benchmarks.study3 --wait 60 &  # one worker per core
+    .venv/bin/python -m benchmarks.study3 --wait 60
 """
 from __future__ import annotations
 
@@ -45,22 +45,17 @@ from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-from study import append_line  # noqa: E402
-from study2 import (LR_SCHEDULE, curve, drop_checkpoints, has_checkpoint, parse_shard, stop_point,  # noqa: E402
-                    train_until)
-from study2_train import cached_data, quiet_options  # noqa: E402
-from study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs  # noqa: E402
-from study3_suite import RESULTS, SUITES, variant_spec  # noqa: E402
-from study3_times import TIMES, read_times, seconds_per_batch  # noqa: E402
-
-from pipeoptim.checkpoint import checkpoint_name  # noqa: E402
-from pipeoptim.errors import NonFiniteLoss  # noqa: E402
-from pipeoptim.experiment import RunConfig, run_experiment  # noqa: E402
-from pipeoptim.methods import get_method  # noqa: E402
-from pipeoptim.tasks import get_task  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, append_line, parse_shard
+from benchmarks.study2_plan import LR_SCHEDULE, stop_point
+from benchmarks.study2_train import cached_data, curve, drop_checkpoints, has_checkpoint, quiet_options, train_until
+from benchmarks.study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs
+from benchmarks.study3_suite import SUITES, study2_rows, variant_spec
+from benchmarks.study3_times import TIMES, read_times, seconds_per_batch
+from pipeoptim.checkpoint import checkpoint_name
+from pipeoptim.errors import NonFiniteLoss
+from pipeoptim.experiment import RunConfig, run_experiment
+from pipeoptim.methods import get_method
+from pipeoptim.tasks import get_task
 
 
 def passes(batches: Sequence[Any], updates: int) -> List[Any]:
@@ -194,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="default", choices=list(SUITES))
     parser.add_argument("--out", type=Path, help="the study folder (default benchmarks/results/study3)")
-    parser.add_argument("--times", type=Path, help=f"B, s_m and U_m (default {TIMES.relative_to(BENCHMARKS.parent)})")
+    parser.add_argument("--times", type=Path, help=f"B, s_m and U_m (default {TIMES.relative_to(ROOT)})")
     parser.add_argument("--plan", "--dry-run", dest="plan", action="store_true",
                         help="print every run, its U_m and minutes, and the core-minutes; run nothing")
     parser.add_argument("--budget-minutes", type=float, default=1200.0, help="core-minutes the plan must fit")
@@ -212,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     suite = SUITES[args.suite]
     study = args.out or RESULTS / ("study3" if args.suite == "default" else f"study3-{args.suite}")
     times = read_times(args.times or TIMES)
-    rows2 = load_rows_study2(suite)
+    rows2 = study2_rows(suite)
     runs_file = study / "runs.jsonl"
     if args.plan:
         print_plan(plan_runs(suite, load_rows(runs_file), times, rows2), args.budget_minutes)
@@ -264,13 +259,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{time.time() - started:7.0f}s] {run.label()}: {result} in {row['seconds'] / 60:.1f} min "
               f"(planned {run.minutes:.1f})", flush=True)
     return 0
-
-
-def load_rows_study2(suite: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """The second study's rows (its lrs and measured step times), keyed as study2.py keys them."""
-    from study2 import load_rows as study2_rows
-
-    return study2_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
 
 
 if __name__ == "__main__":

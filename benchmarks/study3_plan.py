@@ -27,17 +27,16 @@ included; a variant the second study lacks costs as the one in ``cost_like``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-import study2  # noqa: E402
-from study3_suite import cell_methods, cell_stages, sequential_updates  # noqa: E402
+from benchmarks import study2_plan
+from benchmarks.common import keyed_rows
+from benchmarks.make_results2_data import settings_of
+from benchmarks.study3_suite import cell_methods, cell_stages, sequential_updates
+from benchmarks.study3_times import lookup
+from pipeoptim.tasks import get_task
 
 
 @dataclasses.dataclass
@@ -81,15 +80,7 @@ def row_key(row: Dict[str, Any]) -> str:
 
 def load_rows(path: Path) -> Dict[str, Dict[str, Any]]:
     """The rows of a runs.jsonl by key (the first of duplicates; a torn last line ignored)."""
-    rows: Dict[str, Dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            rows.setdefault(row_key(row), row)
-    return rows
+    return keyed_rows(path, row_key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,13 +94,13 @@ def study2_choice(suite2: Dict[str, Any], rows2: Dict[str, Dict[str, Any]], task
     if (task, optimizer) not in [tuple(c) for c in suite2["cells"]] or variant not in ["sequential",
                                                                                         *suite2["methods"]]:
         return None
-    lr, status, _ = study2.best_lr(suite2, rows2, task, optimizer, variant)
+    lr, status, _ = study2_plan.best_lr(suite2, rows2, task, optimizer, variant)
     if status != "ready":
         return None
-    winners, _ = study2.halving_winners(suite2, rows2, task, optimizer, variant)
-    ends = [(w, rows2.get(study2.row_key(study2.sweep_run(suite2, task, optimizer, variant, w, "end").key_fields())))
+    winners, _ = study2_plan.halving_winners(suite2, rows2, task, optimizer, variant)
+    ends = [(w, rows2.get(study2_plan.row_key(study2_plan.sweep_run(suite2, task, optimizer, variant, w, "end").key_fields())))
             for w in winners or []]
-    ranked = study2.ranked_lrs([(w, r) for w, r in ends if r is not None], study2.get_task(task).higher_is_better)
+    ranked = study2_plan.ranked_lrs([(w, r) for w, r in ends if r is not None], get_task(task).higher_is_better)
     return lr, (ranked[1] if len(ranked) > 1 else None)
 
 
@@ -137,16 +128,14 @@ def carried_variant(variant: str) -> str:
 
 def sweep_grid(suite: Dict[str, Any], task: str, optimizer: str) -> List[float]:
     grid = suite["lr_grid"].get((task, optimizer)) or suite["tasks"][task]["lr"][optimizer]
-    return study2.log_spaced(grid[0], grid[1], suite["lrs"])
+    return study2_plan.log_spaced(grid[0], grid[1], suite["lrs"])
 
 
 def dominated_variants(rows2: Dict[str, Dict[str, Any]]) -> Dict[str, str]:
     """The second study's asynchronous variants that another one matched or beat in every setting
     (mean final test metric, every (cell, N)): variant -> the one that dominates it."""
-    from make_results2 import settings_of
-
-    settings = settings_of(study2.SUITES["default"], rows2, None)
-    variants = study2.SUITES["default"]["methods"]
+    settings = settings_of(study2_plan.SUITES["default"], rows2, None)
+    variants = study2_plan.SUITES["default"]["methods"]
     out: Dict[str, str] = {}
     for a in variants:
         for b in variants:
@@ -168,7 +157,7 @@ def carried_choice(suite: Dict[str, Any], rows2: Dict[str, Dict[str, Any]], task
         return fixed, None
     if not suite.get("study2"):
         return None
-    return study2_choice(study2.SUITES["default"], rows2, task, optimizer, who)
+    return study2_choice(study2_plan.SUITES["default"], rows2, task, optimizer, who)
 
 
 def tuning(suite: Dict[str, Any], rows2: Dict[str, Dict[str, Any]], task: str, optimizer: str,
@@ -180,7 +169,7 @@ def tuning(suite: Dict[str, Any], rows2: Dict[str, Dict[str, Any]], task: str, o
         return "sweep", sweep_grid(suite, task, optimizer), "swept (not tuned by the second study)"
     lr, runner_up = choice
     source = "second study" + (f" ({carried_variant(variant)}'s)" if carried_variant(variant) != variant else "")
-    grid = study2.sweep_lrs(study2.SUITES["default"], task, optimizer) if suite.get("study2") else []
+    grid = study2_plan.sweep_lrs(study2_plan.SUITES["default"], task, optimizer) if suite.get("study2") else []
     retune = (task, optimizer) in [tuple(c) for c in suite["cuts"]["retune_cells"]] and (
         suite["cuts"].get("retune") != "edge" or at_edge(lr, grid))
     if variant != "sequential" and retune:
@@ -234,8 +223,6 @@ def decided_by_seed0(rows: Dict[str, Dict[str, Any]], task: str, optimizer: str,
 def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dict[str, Any],
               rows2: Dict[str, Dict[str, Any]]) -> List[Run]:
     """Every run in the order they are run, with lr, U_m, status against ``rows`` and minutes."""
-    from study3_times import lookup
-
     runs: List[Run] = []
     share, keep = suite["halving"]["share"], suite["halving"]["keep"]
 
@@ -248,7 +235,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
             return None
 
     def third_of(task: str, total: int) -> int:
-        return study2.stop_point(total, 1, suite["tasks"][task]["eval_every"], share)
+        return study2_plan.stop_point(total, 1, suite["tasks"][task]["eval_every"], share)
 
     def add(run: Run, status: str = "ready", why: str = "", part: Tuple[float, float] = (0.0, 1.0)) -> None:
         total = updates_of(run.task, run.optimizer, run.variant, run.stages)
@@ -268,7 +255,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
         """(lr, status, why) of a variant at N = 8 after its tuning."""
         kind, lrs, _ = tuning(suite, rows2, task, optimizer, variant)
         n = 1 if variant == "sequential" else max(cell_stages(suite, task, optimizer))
-        higher = study2.get_task(task).higher_is_better
+        higher = get_task(task).higher_is_better
         if kind == "carried":
             return lrs[0], "ready", ""
         ends = [(lr, None) for lr in lrs] if kind == "pair" else None
@@ -285,7 +272,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
         missing = [f"{lr:g}" for lr, r in found if r is None]
         if missing:
             return None, "waiting", f"{variant}'s tuning at lr {', '.join(missing)}"
-        ranked = study2.ranked_lrs(found, higher)
+        ranked = study2_plan.ranked_lrs(found, higher)
         return (ranked[0], "ready", "") if ranked else (None, "dropped", f"{variant} diverged at every lr")
 
     def base(task: str, optimizer: str, variant: str, n: int, lr: float) -> Dict[str, Any]:
@@ -301,7 +288,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
                  for lr in winners]
         if not winners or any(r is None for _, r in found):
             return None, False
-        ranked = study2.ranked_lrs(found, study2.get_task(task).higher_is_better)
+        ranked = study2_plan.ranked_lrs(found, get_task(task).higher_is_better)
         if not suite.get("extend_edges") or not ranked or ranked[0] not in (min(lrs), max(lrs)):
             return None, True
         return float(f"{ranked[0] * (2 if ranked[0] == max(lrs) else 0.5):.3g}"), True
@@ -311,7 +298,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
                   for lr in lrs]
         if any(r is None for _, r in thirds):
             return None
-        return study2.ranked_lrs(thirds, study2.get_task(task).higher_is_better)[:keep]
+        return study2_plan.ranked_lrs(thirds, get_task(task).higher_is_better)[:keep]
 
     cells = [tuple(c) for c in suite["cells"]]
 
@@ -366,7 +353,7 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
                     if gap and first and seed > 0 and variant != "sequential" and status == "ready":
                         status, why = decided_by_seed0(rows, task, optimizer, variant, n, lr,
                                                        chosen(task, optimizer, "sequential")[0],
-                                                       study2.get_task(task).higher_is_better, gap)
+                                                       get_task(task).higher_is_better, gap)
                     phase = "reference" if variant == "sequential" else "seeds"
                     source = tuning(suite, rows2, task, optimizer, variant)[2] if kind == "carried" else \
                         "chosen on validation"

@@ -13,14 +13,11 @@ options (``pipeoptim+lr_correction``) or with another micro-batch count (``pipeo
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:  # scripts beside this file, also when a test imports it by path
-    sys.path.insert(0, str(BENCHMARKS))
-from study2 import RESULTS, SUITES as STUDY2_SUITES, batches_per_epoch  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.study2_plan import SUITES as STUDY2_SUITES, batches_per_epoch, load_rows as study2_load_rows
 
 STUDY2 = RESULTS / "study2"
 
@@ -170,3 +167,9 @@ def cell_stages(suite: Dict[str, Any], task: str, optimizer: str) -> List[int]:
     if (task, optimizer) in [tuple(c) for c in arms["cells"]]:
         return [n for n in suite["stages"] if n in arms["stages"]]
     return list(suite["stages"])
+
+
+def study2_rows(suite: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The second study's rows (its lrs and measured step times) for ``suite``, keyed as
+    study2_plan keys them; none for a suite without a second study."""
+    return study2_load_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}

@@ -37,8 +37,8 @@ may lean (docs/study_plan.md): measure again on a quiet machine before the study
 Each cell records the load average and niceness it was measured at; a cell measured again keeps
 the lower of each price (``--replace`` overwrites).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/study3_times.py --replace  # 3-4 minutes if quiet
-    .venv/bin/python benchmarks/study3_times.py --show                       # the table only
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.study3_times --replace  # 3-4 minutes if quiet
+    .venv/bin/python -m benchmarks.study3_times --show                       # the table only
 """
 from __future__ import annotations
 
@@ -54,16 +54,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-from study2_times import (ProfiledModel, ProfileSettings, load_average, machine, profile_cell,  # noqa: E402
-                          rounded, split_of, stage_summary)
-from study3_suite import (INTERLEAVED_CHUNKS, RESULTS, SUITES, SYNC_FACTORS, SYNC_SCHEDULES,  # noqa: E402
-                          VARIANTS, cell_stages, sequential_updates, variant_microbatches, variant_spec)
-
-from pipeoptim.planner import candidate_problem, predict, schedule_makespan, stage_costs  # noqa: E402
-from pipeoptim.schedules import Costs  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, load_average, machine, read_format, write_rounded
+from benchmarks.study2_profile import ProfiledModel, ProfileSettings, profile_cell, split_of, stage_summary
+from benchmarks.study3_suite import (INTERLEAVED_CHUNKS, SUITES, SYNC_FACTORS, SYNC_SCHEDULES, VARIANTS, cell_stages,
+                                     sequential_updates, variant_microbatches, variant_spec)
+from pipeoptim.planner import candidate_problem, predict, schedule_makespan, stage_costs
+from pipeoptim.schedules import Costs
 
 FORMAT = "pipeoptim-study3-times"
 VERSION = 1
@@ -219,19 +215,12 @@ def merge_calls(old: Dict[str, Any], new: Dict[str, Any], updates: int) -> Dict[
 
 
 def read_times(path: Path) -> Dict[str, Any]:
-    if path.exists():
-        times = json.loads(path.read_text())
-        if times.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a study3 times file (no \"format\": \"{FORMAT}\")")
-        return times
-    return {"format": FORMAT, "version": VERSION, "cells": {}}
+    """The file's contents, or an empty one (a missing file: nothing measured yet)."""
+    return read_format(path, FORMAT, "study3 times", {"format": FORMAT, "version": VERSION, "cells": {}})
 
 
 def write_times(path: Path, times: Dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rounded(times), indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_rounded(path, times)
 
 
 def study2_budget(task: str, optimizer: str, stages: int, study2_times: Path) -> Optional[float]:
@@ -355,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="default", choices=list(SUITES))
-    parser.add_argument("--out", type=Path, help=f"the times file (default {TIMES.relative_to(BENCHMARKS.parent)})")
+    parser.add_argument("--out", type=Path, help=f"the times file (default {TIMES.relative_to(ROOT)})")
     parser.add_argument("--tasks", help="comma-separated subset of the tasks")
     parser.add_argument("--resume", action="store_true", help="skip the cells the file holds already")
     parser.add_argument("--show", action="store_true", help="print the file's table and measure nothing")

@@ -16,7 +16,7 @@ within 5 % of the `nn.Sequential`'s (that difference at most 0.05). The head is 
 both forms hold the same parameters and do the same work. Each plain loop trains a copy, as each
 Pipeline does, so that every run starts from the same weights.
 
-    .venv/bin/python benchmarks/traced_overhead.py [--rounds 5] [--steps 40]
+    .venv/bin/python -m benchmarks.traced_overhead [--rounds 5] [--steps 40]
 
 Writes benchmarks/results/traced_overhead.json; the committed one: ``--rounds 16 --steps 20``, the
 study's processes paused (SIGSTOP) for the 6 minutes and nothing else running (load average
@@ -30,7 +30,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -40,8 +39,7 @@ from torch import nn
 
 import pipeoptim
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from traced_models import TinyGPT, as_sequential, lm_batches, lm_loss  # noqa: E402
+from tests.traced_models import TinyGPT, as_sequential, lm_batches, lm_loss  # the tests' tiny GPT
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traced_overhead.json"
 

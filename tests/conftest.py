@@ -1,7 +1,7 @@
 """Shared fixtures: small seeded models and data that every runtime test can use."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -17,14 +17,9 @@ os.environ.setdefault("PIPEOPTIM_CACHE", os.path.join(os.path.dirname(__file__),
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """A script of benchmarks/ (``name`` without .py) imported by path, registered under its name
-    (dataclasses look their module up while a class is built; scripts import each other by name)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The module ``benchmarks.<name>`` (``name`` without .py): benchmarks/ is a package, importable
+    from the repository root (pytest's ``pythonpath = ["."]``)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def mlp(depth: int = 8, width: int = 12, classes: int = 4, dtype=torch.float64, seed: int = 0) -> nn.Sequential:

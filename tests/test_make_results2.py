@@ -61,7 +61,8 @@ def _row(report, run, *, diverged=False):
 
 def _study(report, folder: Path) -> Path:
     """Every run of the smoke suite's plan, in plan order, with the rows above."""
-    study2 = report.study2
+    study2 = load_benchmark("study2_plan")
+    append_line = load_benchmark("common").append_line
     suite = study2.SUITES["smoke"]
     rows = {}
     folder.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def _study(report, folder: Path) -> Path:
     for _ in range(10):  # each pass makes the next runs ready (their lrs come from the rows before)
         for run in study2.plan_runs(suite, rows):
             if run.status == "ready":
-                study2.append_line(with_rows, _row(report, run))
+                append_line(with_rows, _row(report, run))
         rows = study2.load_rows(with_rows)
     (folder / "suite.json").write_text(json.dumps({"suite": "smoke", **suite}))
     (folder / "times.json").write_text("{}")  # (the seconds fixture stands in for its lookups)
@@ -78,7 +79,7 @@ def _study(report, folder: Path) -> Path:
 
 @pytest.fixture
 def seconds(report, monkeypatch):
-    monkeypatch.setattr(report, "seconds_per_batch",
+    monkeypatch.setattr(load_benchmark("make_results2_data"), "seconds_per_batch",
                         lambda times, task, optimizer, stages, method: TIMES.get((method, stages)))
 
 
@@ -114,8 +115,9 @@ def test_holds_counts_settings_as_the_first_study(report, findings):
 
 def test_time_to_target_against_the_synchronous_pipeline(report, seconds, tmp_path):
     study = _study(report, tmp_path / "study")
-    suite = report.study2.SUITES["smoke"]
-    settings = {s.stages: s for s in report.settings_of(suite, report.study2.load_rows(study / "runs.jsonl"), None)}
+    plan = load_benchmark("study2_plan")
+    suite = plan.SUITES["smoke"]
+    settings = {s.stages: s for s in report.settings_of(suite, plan.load_rows(study / "runs.jsonl"), None)}
     n4, n2 = settings[4], settings[2]
     assert n4.methods["sequential"].lr == 0.01 and len(n4.methods["sequential"].rows) == 2
     assert n4.target() == pytest.approx(0.891)

@@ -49,14 +49,14 @@ def test_neighbour_goes_toward_the_runner_up(plan):
 
 def _default_plan(study3, plan):
     suite = study3.SUITES["default"]
-    rows2 = study3.load_rows_study2(suite)
+    rows2 = study3.study2_rows(suite)
     times = json.loads((ROOT / "benchmarks/results/study3/times.json").read_text())
     return suite, rows2, times, plan.plan_runs(suite, {}, times, rows2)
 
 
 def test_the_dominated_cut_is_what_the_second_study_shows(study3, plan):
     suite = study3.SUITES["default"]
-    dominated = plan.dominated_variants(study3.load_rows_study2(suite))
+    dominated = plan.dominated_variants(study3.study2_rows(suite))
     # every method the plan drops is matched or beaten in every setting of the second study
     assert set(suite["cuts"]["dominated"]) <= set(dominated)
     # (the first dominator in the methods' order: spectrain matches or beats pipedream too, but
