@@ -19,7 +19,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -160,7 +160,3 @@ def prune(root: Path, keep: int = 2) -> None:
 
 def checkpoint_name(epoch: int, batch: int) -> str:
     return f"epoch{epoch:04d}-batch{batch:06d}"
-
-
-def list_files(folder: Path) -> List[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []

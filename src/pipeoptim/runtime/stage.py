@@ -443,9 +443,6 @@ class Stage:
             summary["variants"] = {name: sum(r["variants"][name] for r in rows) / len(rows) for name in names}
         return summary
 
-    def pop_loss(self, microbatch: int) -> float:
-        return self._losses.pop(microbatch)
-
     @property
     def in_flight(self) -> int:
         """Micro-batches whose backward has not finished (weight half included)."""

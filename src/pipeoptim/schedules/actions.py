@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from itertools import repeat
 from operator import attrgetter
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterable, List, NamedTuple, Optional
 
 
 class Kind(str, Enum):
@@ -175,7 +175,3 @@ def check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def format_order(actions: Sequence[Optional[Action]]) -> str:
-    return " ".join("." if a is None else str(a) for a in actions)
