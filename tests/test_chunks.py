@@ -198,6 +198,32 @@ def test_the_command_line_under_torchrun_equals_one_process(tmp_path, capfd):
 
 
 @pytest.mark.parametrize("method", ["interleaved", "zb-v"])
+def test_a_chunked_partition_under_the_users_torchrun_equals_one_process(tmp_path, capfd, method):
+    """`torchrun --nproc-per-node 2 -m pipeoptim train --runtime distributed --partition 1,1,1,1`:
+    4 pieces, 2 chunks per process, so 2 stages on the job's 2 processes (the worker once
+    counted the partition's pieces against the processes and refused it), the local run's losses."""
+    import json
+
+    from pipeoptim.cli import main
+    from pipeoptim.tasks import MissingDataError, get_task
+    from test_torchrun import run
+
+    try:
+        get_task("image").load(batch_size=32, limit=128, seed=0)
+    except MissingDataError as error:
+        pytest.skip(f"needs Fashion-MNIST: {error}")
+    args = ["train", "--task", "image", "--model", "mlp", "--limit", "128", "--batch-size", "32",
+            "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--method", method,
+            "--partition", "1,1,1,1", "--lr-schedule", "constant", "--no-progress", "--json"]
+    assert main([*args, "--out", str(tmp_path / "local")]) == 0
+    local = json.loads(capfd.readouterr().out)
+    spread = json.loads(run(["-m", "pipeoptim", *args, "--runtime", "distributed", "--device", "cpu",
+                             "--out", str(tmp_path / "spread")], nproc=2))
+    assert (spread["stages"], local["stages"], len(local["losses"])) == (4, 4, 4)  # pieces
+    assert spread["losses"] == pytest.approx(local["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["interleaved", "zb-v"])
 def test_a_checkpointed_run_resumes_to_the_same_losses_and_loads_into_one_chunk(tmp_path, method):
     """Checkpoints hold every chunk (each stage's own file); a run cut after a checkpoint
     resumes to the uninterrupted losses; the state dict loads into a 1f1b-flush Pipeline of

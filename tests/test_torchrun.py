@@ -62,6 +62,8 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
     assert spread["losses"] == local["losses"]            # fit(), two epochs
     assert spread["metric"] == local["metric"]            # evaluate(), pipelined across processes
     assert spread["weights"] == local["weights"]          # model(), gathered on every rank
+    assert spread["fit_weights"] == local["weights"]      # fit()'s result.model, gathered too
+    assert spread["fit_model_whole"] and local["fit_model_whole"]  # ... on every rank
     assert spread["weight_versions"] == local["weight_versions"]
     assert len(local["losses"]) == 9
 

@@ -156,12 +156,31 @@ def test_bad_split_points_are_refused_naming_the_candidates():
     def skipnet(**settings):
         return pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", loss_fn=nn.functional.cross_entropy,
                                   optimizer=SGDM, example_input=x, **settings)
-    with pytest.raises(ValueError, match=r"'blocks\.7'.*in call order: blocks\.0, blocks\.1, blocks\.2, out$"):
-        skipnet(split_points=["blocks.7"])
+    with pytest.raises(ValueError, match=r"'blocks'.*in call order: blocks\.0, blocks\.1, blocks\.2, out$"):
+        skipnet(split_points=["blocks"])  # a submodule, but no stage can begin at the ModuleList itself
     with pytest.raises(ValueError, match=r"not in the order.*\['blocks\.0', 'blocks\.2'\]"):
         skipnet(split_points=["blocks.2", "blocks.0"])
     with pytest.raises(ValueError, match=r"6 stages need 6 candidate points; SkipNet has 5 \(inp, blocks\.0, .*stages=5"):
         skipnet(stages=6)
+
+
+def test_a_cut_that_needs_no_trace_to_be_wrong_is_refused_when_the_pipeline_is_built():
+    """No example_input, so the model would be traced at the first mini-batch: a split point
+    that names no submodule, or that disagrees with ``stages``, is refused by the constructor."""
+    def skipnet(**settings):
+        return pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", loss_fn=nn.functional.cross_entropy,
+                                  optimizer=SGDM, **settings)
+    with pytest.raises(ValueError, match=r"split point 'blocks\.7' names no submodule of the model; "
+                                         r"did you mean 'blocks\.2', 'blocks\.1', 'blocks\.0'\?"):
+        skipnet(split_points=["blocks.7"])
+    with pytest.raises(ValueError, match=r"names no submodule.*give qualified names from model\.named_modules"):
+        skipnet(split_points=["decoder"])
+    with pytest.raises(ValueError, match=r"stages=3 but 1 split points make 2 stages"):
+        skipnet(split_points=["blocks.1"], stages=3)
+    with pytest.raises(ValueError, match=r"give split_points= or partition=, not both"):
+        skipnet(split_points=["blocks.1"], partition=[2, 3])
+    pipe = skipnet(split_points=["blocks.1"])  # a right cut waits for the first mini-batch
+    assert not pipe.prepared
 
 
 @pytest.mark.parametrize("method", sorted(set(pipeoptim.method_names()) - set(ONE_CHUNK)))

@@ -32,11 +32,17 @@ for method in methods:
     stepped = [loss for x, y in batches[:3] for loss in pipe.step(x, y)] + pipe.flush()
     result = pipe.fit(batches[3:], epochs=2, eval_every=eval_every,
                       eval_loader=batches[:2], metric=lambda out, y: (out.argmax(-1) == y).float().mean())
+    # fit's model, read before pipe.model() gathers into the same copy: whole on every rank
+    fit_weights = {k: v.tolist() for k, v in result.model.state_dict().items()}
     weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
+    fit_model_whole = torch.tensor(float(fit_weights == weights))
+    if torch.distributed.is_initialized():  # every rank's answer, not only rank 0's
+        torch.distributed.all_reduce(fit_model_whole, op=torch.distributed.ReduceOp.MIN)
     if pipe.rank == 0:
         print(json.dumps({"method": method, "stepped": stepped, "losses": result.losses,
                           "metric": result.metrics["epochs"][-1]["metric"],
                           "weight_versions": result.metrics["weight_versions"],
                           "processes": result.metrics["processes"], "weights": weights,
+                          "fit_model_whole": bool(fit_model_whole), "fit_weights": fit_weights,
                           "evaluations": [{k: v for k, v in e.items() if k != "seconds"}
                                           for e in result.metrics["evaluations"]]}), flush=True)

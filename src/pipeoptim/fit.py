@@ -35,7 +35,9 @@ class TrainResult:
 
     losses: List[float]                 #: one per mini-batch, in batch order, all epochs
     version_trace: List[TraceEntry]     #: per (stage, micro-batch, pass): version and steps
-    model: nn.Sequential                #: the trained copy of the model
+    #: the trained copy of the whole model, on every rank: under torchrun each stage's weights
+    #: are gathered into every rank's copy (as :meth:`~pipeoptim.pipeline.Pipeline.model` does)
+    model: nn.Module
     metrics: Dict[str, Any] = field(default_factory=dict)
     #: per (stage, update): the learning rates that update applied
     update_trace: List[UpdateEntry] = field(default_factory=list)
@@ -266,7 +268,7 @@ class FitRun:
 
     # -- the result -------------------------------------------------------------------------
     def result(self, samples: int, elapsed: float) -> TrainResult:
-        """The losses, traces and metrics of the run, the same on every rank."""
+        """The losses, traces, metrics and trained model of the run, the same on every rank."""
         pipe, spec = self.pipe, self.pipe.spec
         reports = pipe.world.all_stages([stage_report(s, pipe.world) for s in pipe.stages],
                                         "gathering the stages' measurements")
@@ -285,7 +287,7 @@ class FitRun:
             "processes": pipe.world.processes, "comm": [r["comm"] for r in reports],
         }
         updates = [u for r in reports for u in r["updates"]]
-        return TrainResult(list(pipe.losses), trace, pipe._model, metrics, updates)
+        return TrainResult(list(pipe.losses), trace, pipe.model(), metrics, updates)
 
 
 def stage_report(stage: Any, world: Any) -> Dict[str, Any]:

@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
 from .run_folder import clear_statuses, read_statuses, resume_hint
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import under_torchrun
 from .stage_worker import LAUNCHER_PID, RESUME_COMMAND, guard_stage, worker
 
@@ -105,20 +106,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
     opts["resume"] = resume is not None
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if cfg.method == "sequential":
-            if world != 1:
-                raise ValueError(f"sequential runs as one stage; start it with --nproc-per-node 1 "
-                                 f"(world size is {world})")
-        elif cfg.partition is not None:
-            if len(cfg.partition) != world:
-                raise ValueError(f"--partition has {len(cfg.partition)} stages but the world size is "
-                                 f"{world}: start one process per stage")
-        elif cfg.stages != world:
-            if _stages_given():
-                raise ValueError(f"--stages {cfg.stages} but the world size is {world}: start one "
-                                 f"process per stage (torchrun --nproc-per-node {cfg.stages}) or "
-                                 f"pass --stages {world}")
-            cfg = dataclasses.replace(cfg, stages=world)
+        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world))
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(f"{cfg.method}-N{world}")
@@ -128,14 +116,32 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
     return launch(cfg, out=out, **opts)
 
 
-def stage_count(cfg) -> int:
-    if cfg.method == "sequential":
-        return 1
-    if cfg.partition is None:
-        return cfg.stages
+def run_layout(cfg) -> Layout:
+    """The layout of the run ``cfg`` (:func:`pipeoptim.runtime.layout.plan_layout`)."""
     from .methods import get_method
 
-    return len(cfg.partition) // (cfg.chunks or get_method(cfg.method).chunks)  # chunks: stages x V pieces
+    return plan_layout(get_method(cfg.method), stages=cfg.stages, partition=cfg.partition, chunks=cfg.chunks)
+
+
+def stage_count(cfg) -> int:
+    """Processes a local launch starts: one per stage (the command line runs one replica)."""
+    return run_layout(cfg).processes
+
+
+def job_stages(cfg, world: int) -> int:
+    """The stages of ``cfg`` in the user's own torchrun job of ``world`` processes: one stage per
+    process. Without ``--stages`` (and no ``--partition``) the job's size sets them; refused,
+    with the fix, where the job holds another number of stages."""
+    if not _stages_given() and cfg.partition is None and cfg.method != "sequential":
+        cfg = dataclasses.replace(cfg, stages=world)
+    layout = run_layout(cfg)
+    if layout.processes != world:
+        given = "sequential" if cfg.method == "sequential" else \
+            f"--partition {','.join(map(str, cfg.partition))}" if cfg.partition is not None else f"--stages {cfg.stages}"
+        raise ValueError(f"{given} runs {layout.processes} stage process{'es' if layout.processes != 1 else ''} "
+                         f"but the world size is {world}: start one process per stage (torchrun "
+                         f"--nproc-per-node {layout.processes})")
+    return layout.stages
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:

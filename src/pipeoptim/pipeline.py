@@ -39,8 +39,8 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
-from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_settings, first_inputs,
-                      needs_example)
+from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_model_settings, check_settings,
+                      first_inputs, needs_example)
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.defaults import DEFAULT_TIMEOUT
@@ -172,6 +172,7 @@ class Pipeline:
                                        method_options, data_parallel, devices, loss_fn, optimizer,
                                        lr_scheduler, clip_grad_norm if clip_scope == "stage" else None,
                                        precision, diagnose_every, recompute, chunks)
+        check_model_settings(self.world, model, self.method, self._settings)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []

@@ -18,6 +18,7 @@ micro-batch on the values the owner's forward of it ran on.
 from __future__ import annotations
 
 import contextlib
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +30,8 @@ from .methods import Method, get_method
 from .partition import plan_time_partition, split
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
-from .runtime.spec import RunSpec, chunks_of, resolve
+from .runtime.layout import chunks_of
+from .runtime.spec import RunSpec, resolve
 from .runtime.stage import PRECISIONS, Stage
 from .world import DeviceSpec, World
 
@@ -76,6 +78,44 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
                          f"{method.name} updates each stage at its own time: use clip_scope='stage'")
 
 
+def check_model_settings(world: World, model: nn.Module, method: Method, settings: "ModelSettings") -> None:
+    """Refuse, when the Pipeline is built, the model settings that need no trace to be found
+    wrong (the layout the world cannot hold, and :func:`check_split`), so that the error comes
+    before the loader and the processes start, not at the first mini-batch."""
+    world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
+    check_split(model, method, settings.stages, settings.partition, settings.split_points, settings.chunks)
+
+
+def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
+                points: Optional[Sequence[str]], chunks: Optional[int]) -> None:
+    """Refuse a cut that is wrong before any trace: split points for an ``nn.Sequential``, beside
+    a partition, naming no submodule, or against ``stages``; chunks on a traced model."""
+    v = chunks_of(method, chunks, partition)
+    if isinstance(model, nn.Sequential):
+        if points is not None:
+            raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
+                             "give partition=[layers per stage]")
+        return
+    if v > 1:
+        raise ValueError(f"{method.name} places {v} model chunks per process, which needs an nn.Sequential "
+                         f"for now; give the model as an nn.Sequential of its blocks, or a one-chunk "
+                         f"method (1f1b-flush, zb-h1)")
+    if points is None:
+        return
+    if partition is not None:
+        raise ValueError("give split_points= or partition=, not both")
+    names = {name for name, _ in model.named_modules() if name}
+    for point in points:
+        if point not in names:
+            near = difflib.get_close_matches(point, sorted(names), n=3)
+            raise ValueError(f"split point {point!r} names no submodule of the model"
+                             + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                                "; give qualified names from model.named_modules(), e.g. 'layers.2'"))
+    if stages is not None and stages != len(points) + 1:
+        raise ValueError(f"stages={stages} but {len(points)} split points make {len(points) + 1} "
+                         f"stages; give {stages - 1} split points or stages={len(points) + 1}")
+
+
 def needs_example(model: nn.Module, partitioner: Optional[str]) -> bool:
     """Whether preparing ``model`` needs an example input (a traced model, or the time profile)."""
     return not isinstance(model, nn.Sequential) or partitioner == "time"
@@ -98,10 +138,8 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
     v = chunks_of(get_method(method), chunks, partition)
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
+    check_split(model, get_method(method), stages, partition, split_points, chunks)
     if isinstance(model, nn.Sequential):
-        if split_points is not None:
-            raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
-                             "give partition=[layers per stage]")
         sizes = partition
         if partitioner == "time" and partition is None and method != "sequential":
             sizes = agree(_time_sizes(model, example, stages * v), "agreeing on the partition")
@@ -109,19 +147,10 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
                        partitioner="uniform" if partitioner == "time" else partitioner,
                        micro_batches=micro_batches, method_options=method_options, chunks=chunks)
         return PreparedModel(spec, split(model, spec.partition))
-    if v > 1:
-        raise ValueError(f"{method} places {v} model chunks per process, which needs an nn.Sequential "
-                         f"for now; give the model as an nn.Sequential of its blocks, or a one-chunk "
-                         f"method (1f1b-flush, zb-h1)")
     traced = trace(model, example)
     units = traced.unit_modules()
     if split_points is not None:
-        if partition is not None:
-            raise ValueError("give split_points= or partition=, not both")
         sizes: Optional[List[int]] = traced.sizes_for_points(list(split_points))
-        if stages is not None and stages != len(sizes):
-            raise ValueError(f"stages={stages} but {len(split_points)} split points make {len(sizes)} "
-                             f"stages; give {len(sizes) - 1} split points or stages={len(sizes)}")
     else:
         sizes = list(partition) if partition is not None else None
         if stages is not None and stages > traced.units and method != "sequential":
@@ -213,13 +242,9 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
     devices and connect them: (the resolved run, the stages, every stage's device, the split
     points of a traced model, the evaluation mode of the stages, the rank of every stage)."""
-    # with chunks the partition lists stages x V pieces: the world counts the stages (processes)
-    v = chunks_of(method, settings.chunks, settings.partition)
-    partition = settings.partition
-    count, replicas = (world.layout(settings.method, settings.stages, partition, settings.data_parallel) if v == 1
-                       else world.layout(settings.method, settings.stages if partition is None
-                                         else len(partition) // v, None, settings.data_parallel))
-    prepared = prepare(model, example, method=settings.method, stages=count, partition=partition,
+    layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
+    replicas = layout.replicas
+    prepared = prepare(model, example, method=settings.method, stages=layout.stages, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,
                        micro_batches=settings.micro_batches, method_options=settings.method_options,
                        agree=world.agree, chunks=settings.chunks)

@@ -35,7 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .graph_split import with_aliases
+from .methods import Method
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.distributed import (DistributedExecutor, GradientAverager, PipeComm, PipelineCommError, barrier,
                                   broadcast, gather_all, init_process_group, reason, signature)
@@ -175,11 +177,11 @@ class Torchrun:
         """Processes of the job."""
         return self.world
 
-    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
-               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
-        """(stages, replicas) of this job (see :func:`layout`)."""
-        n, replicas = layout(self.world, method, stages, partition, data_parallel)
-        return (n if partition is None and method != "sequential" else stages), replicas
+    def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
+               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
+        """The run's layout in this job: N x D = WORLD_SIZE (refused the same way on every rank)."""
+        return plan_layout(method, stages=stages, partition=partition, chunks=chunks, processes=self.world,
+                           data_parallel=data_parallel)
 
     def place(self, devices: Any, stages: int) -> List[torch.device]:
         """This process's stage on this process's device (the others are elsewhere)."""
@@ -390,23 +392,3 @@ class Torchrun:
                                                "averaging the evaluation over the replicas")
             total = summed / count
         return float(self.share(total, self.placement[-1], "sharing the evaluation"))
-
-
-def layout(world: int, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
-           data_parallel: Optional[int]) -> Tuple[int, int]:
-    """(stages N, replicas D) of a torchrun job of ``world`` processes, N x D = world. Refuses,
-    the same way on every rank, settings that would need another number of processes."""
-    if data_parallel is not None and data_parallel < 1:
-        raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
-    n = 1 if method == "sequential" else len(partition) if partition is not None else stages
-    if n is None:
-        n = world // data_parallel if data_parallel else world
-    if n < 1 or world % n:
-        raise ValueError(f"WORLD_SIZE {world} is not a multiple of the {n} stages: start N x D "
-                         f"processes (e.g. torchrun --nproc-per-node {n * max(1, world // max(n, 1))}), "
-                         f"one per stage of each replica")
-    d = world // n
-    if data_parallel is not None and data_parallel != d:
-        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {world} with {n} stages makes "
-                         f"{d} replicas; start {n * data_parallel} processes or drop data_parallel")
-    return n, d

@@ -27,6 +27,8 @@ from torch import nn
 from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, prune, read_manifest,
                          save_manifest, save_stage)
 from .errors import CheckpointError
+from .methods import Method
+from .runtime.layout import Layout, plan_layout
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
@@ -47,9 +49,10 @@ class World(Protocol):
     #: (:meth:`share_losses`); False where they are reported as each completes
     losses_at_drain: bool
 
-    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
-               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
-        """(stages, replicas) of the job; refuses settings the world cannot run."""
+    def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
+               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
+        """The run's layout in this world (:func:`pipeoptim.runtime.layout.plan_layout`);
+        refuses settings the world cannot run."""
 
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
         """The device of each stage (the ones this process does not hold: its own device)."""
@@ -156,12 +159,12 @@ class LocalWorld:
     rank, replica, replicas, processes = 0, 0, 1, 1
     losses_at_drain = False
 
-    def layout(self, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
-               data_parallel: Optional[int]) -> Tuple[Optional[int], int]:
+    def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
+               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
         if data_parallel not in (None, 1):
             raise ValueError(f"data_parallel={data_parallel} needs torchrun with N x {data_parallel} "
                              f"processes (one per stage of each replica)")
-        return stages, 1
+        return plan_layout(method, stages=stages, partition=partition, chunks=chunks)
 
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
         return resolve_devices(devices, stages)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ..methods import get_method
+from .layout import plan_layout
 from ..partition import plan_partition, weighted_units
 
 
@@ -50,19 +51,14 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     options = m.resolve_options(method_options)
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got {type(model).__name__}")
-    v = chunks_of(m, chunks, partition)
+    layout = plan_layout(m, stages=stages, partition=partition, chunks=chunks)
+    v = layout.chunks
     if method == "sequential":
         n, sizes = 1, [len(model)]
     else:
-        if partition is not None:
-            n = len(partition) // v
-            if stages is not None and stages != n:
-                raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages"
-                                 + (f" of {v} chunks" if v > 1 else ""))
-        elif stages is None:
+        if layout.stages is None:
             raise ValueError("give stages=N or partition=[layers per stage]")
-        else:
-            n = stages
+        n = layout.stages
         weighted = len(weighted_units(model))  # every piece needs a layer with parameters
         if v > 1 and partition is None and weighted < n * v:
             raise ValueError(f"{method} with {n} stages x {v} chunks needs {n * v} layers with parameters, "
@@ -78,27 +74,6 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
         raise ValueError(f"{method} needs micro-batches >= stages ({micro} < {n}); "
                          f"use micro_batches={n}")
     return RunSpec(method, options, n * v, sizes, micro, v)
-
-
-def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[int]] = None) -> int:
-    """Stages per rank: ``chunks`` if given, else the method's own; refused where the method
-    places one stage per rank, or the partition does not divide into that many chunks."""
-    if chunks is None:
-        v = method.chunks
-    elif isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive number of model chunks per stage, got {chunks!r}")
-    elif chunks > 1 and method.chunks == 1:
-        raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
-                         f"places several: method='interleaved'")
-    elif method.placement == "v" and chunks != 2:
-        raise ValueError(f"{method.name} places exactly 2 chunks per stage (a V); drop chunks={chunks} "
-                         f"or use method='interleaved' for {chunks}")
-    else:
-        v = chunks
-    if partition is not None and len(partition) % v:
-        raise ValueError(f"a partition for {v} chunks per stage lists stages x {v} entries; "
-                         f"{list(partition)} has {len(partition)}")
-    return v
 
 
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],

@@ -1,0 +1,98 @@
+"""Where a run's pieces go: the one function that turns (method, stages or partition, chunks,
+processes, replicas) into the layout every part of the package uses.
+
+A run of N pipeline stages, each holding V model chunks (pieces of the model), replicated D
+times, needs N x D processes under torchrun (or one process holding all N x V pieces). The
+Pipeline (through its world), the command line's launcher (how many processes to start) and
+its worker under a user's own torchrun (whether the job fits the run) all ask
+:func:`plan_layout`, so that they agree, and refuse the same settings with the same message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[int]] = None) -> int:
+    """Stages per rank: ``chunks`` if given, else the method's own; refused where the method
+    places one stage per rank, or the partition does not divide into that many chunks."""
+    if chunks is None:
+        v = method.chunks
+    elif isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive number of model chunks per stage, got {chunks!r}")
+    elif chunks > 1 and method.chunks == 1:
+        raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
+                         f"places several: method='interleaved'")
+    elif method.placement == "v" and chunks != 2:
+        raise ValueError(f"{method.name} places exactly 2 chunks per stage (a V); drop chunks={chunks} "
+                         f"or use method='interleaved' for {chunks}")
+    else:
+        v = chunks
+    if partition is not None and len(partition) % v:
+        raise ValueError(f"a partition for {v} chunks per stage lists stages x {v} entries; "
+                         f"{list(partition)} has {len(partition)}")
+    return v
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of a run: ``stages`` pipeline ranks (None: not known yet, the partitioner's
+    default decides), each holding ``chunks`` model pieces, in ``replicas`` copies."""
+
+    stages: Optional[int]
+    chunks: int = 1
+    replicas: int = 1
+
+    @property
+    def processes(self) -> int:
+        """Processes the run needs under torchrun: one per stage of each replica."""
+        if self.stages is None:
+            raise ValueError("the number of stages is not known yet: give stages=N or a partition")
+        return self.stages * self.replicas
+
+    @property
+    def pieces(self) -> Optional[int]:
+        """Model pieces (one Stage object each): stages x chunks."""
+        return None if self.stages is None else self.stages * self.chunks
+
+
+def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
+                chunks: Optional[int] = None, processes: Optional[int] = None,
+                data_parallel: Optional[int] = None) -> Layout:
+    """The layout of a run of ``method`` (a registry entry).
+
+    ``stages`` counts pipeline ranks; a ``partition`` lists the layers (or traced units) of each
+    of the stages x chunks pieces, and wins when ``stages`` is None. ``processes``: the size of
+    the torchrun job the run must fill (None: not under torchrun; then ``data_parallel`` gives
+    the replicas to start, default 1). Without ``stages`` or a partition, a torchrun job runs
+    one stage per process of each replica. Refuses, with the fix, a layout the processes cannot
+    hold."""
+    if data_parallel is not None and (isinstance(data_parallel, bool) or data_parallel < 1):
+        raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
+    v = chunks_of(method, chunks, partition)
+    if method.name == "sequential":
+        n: Optional[int] = 1
+    elif partition is not None:
+        n = len(partition) // v
+        if stages is not None and stages != n:
+            raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages"
+                             + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")
+    elif stages is not None:
+        n = stages
+    elif processes is not None:
+        n = processes // data_parallel if data_parallel else processes
+    else:
+        n = None
+    if n is not None and n < 1:
+        raise ValueError(f"stages must be at least 1, got {n}")
+    if processes is None:
+        return Layout(n, v, data_parallel or 1)
+    if n is None or processes % n:
+        raise ValueError(f"WORLD_SIZE {processes} is not a multiple of the {n} stages: start N x D "
+                         f"processes (e.g. torchrun --nproc-per-node {n * max(1, processes // max(n, 1))}), "
+                         f"one per stage of each replica")
+    replicas = processes // n
+    if data_parallel is not None and data_parallel != replicas:
+        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {processes} with {n} stages makes "
+                         f"{replicas} replicas; start {n * data_parallel} processes or drop data_parallel")
+    return Layout(n, v, replicas)
