@@ -17,7 +17,7 @@ it is added):
 ====================  =========================================================================
 layer                 modules
 ====================  =========================================================================
-leaves                errors, checkpoint, partition, lr_schedules, plan_defaults
+leaves                errors, checkpoint, partition, lr_schedules, plan_defaults, batches
 schedules, weights    schedules/ (schedules as data, simulator, renderers), weights/ (policies,
                       prediction)
 methods               methods (the registry: name -> schedule, policy, options)
@@ -46,7 +46,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("leaves", ["errors", "checkpoint", "partition", "graph_split", "lr_schedules", "plan_defaults", "muon_adamw"]),
+    ("leaves", ["errors", "checkpoint", "partition", "graph_split", "lr_schedules", "plan_defaults", "muon_adamw",
+                "batches"]),
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),

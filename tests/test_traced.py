@@ -343,9 +343,9 @@ def test_candidate_points_reach_blocks_inside_a_wrapper():
 
 
 def test_inputs_that_are_not_tensors_are_refused():
-    with pytest.raises(ValueError, match=r"tensor or a tuple of tensors.*got \(dict\)"):
+    with pytest.raises(ValueError, match=r"a tensor, a tuple of tensors.*or a dict of tensors.*got \(list\)"):
         pipeoptim.Pipeline(SkipNet(), method="1f1b-flush", stages=2, loss_fn=nn.functional.cross_entropy,
-                           optimizer=SGDM, example_input={"x": torch.randn(4, 8)})
+                           optimizer=SGDM, example_input=[torch.randn(4, 8)])
 
 
 def test_an_nn_sequential_can_be_cut_by_profiled_time_too():

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .batches import loader_item
 from .checkpoint import set_rng_state
 from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
@@ -150,7 +151,8 @@ class FitRun:
             torch.set_rng_state(self.epoch_rng)  # as when this epoch's loader was first created
         epoch_rng_now = torch.get_rng_state()
         batch, samples = 0, 0
-        for inputs, target in self.loader:
+        for item in self.loader:
+            inputs, target = loader_item(item)  # a dict batch: the Pipeline finds its labels
             if batch < skip:
                 batch += 1
                 continue

@@ -15,13 +15,18 @@ units per stage exactly as an ``nn.Sequential``'s is given as layers per stage.
 
 :meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage. A stage
 module takes one argument and returns one value, as the runtime's stages expect: the first
-stage the model's input (a tensor, or a tuple of the forward's positional arguments); the others
+stage the model's input (a tensor, a tuple of the forward's positional arguments, or a dict of
+its keyword arguments); the others
 what the stage before them returned, a tensor or a tuple of tensors: every value computed before
 the stage and still needed after it (a residual and the hidden state, an attention mask, the
 token ids for a later stage), in a fixed order. The last stage returns the model's output.
 Sizes (``x.shape[0]`` of a dynamic dimension) are never sent: a stage that needs one reads it
 from a tensor it holds. A parameter read by several stages (an embedding tied to an LM head) is
 the same object in each of their modules (:meth:`TracedModel.shared_parameters`).
+
+A *late* keyword input (``labels``, for a model that computes its own loss) is no input of the
+first stage: the last stage module takes it as a second argument, the way the runtime hands a
+target to the last stage, so it never crosses a cut (refused if an earlier stage reads it).
 """
 from __future__ import annotations
 
@@ -45,6 +50,14 @@ def as_args(inputs: Any) -> Tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+def as_call(inputs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The forward's (positional, keyword) arguments for a mini-batch's inputs: a dict is the
+    keyword arguments (``model(**batch)``), anything else the positional ones."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return as_args(inputs), {}
+
+
 def _dynamic(value: Any) -> Any:
     """Every dimension of a tensor input dynamic, but those of size 0 or 1, which torch
     specializes anyway (and warns about)."""
@@ -65,18 +78,24 @@ def _first_user_frame(error: BaseException) -> str:
     return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
 
 
-def trace(model: nn.Module, inputs: Any) -> "TracedModel":
-    """Export ``model`` on the example ``inputs`` (a mini-batch, or a micro-batch); the model's
-    parameters stay its own objects. A forward torch cannot export (data-dependent control flow,
-    an unsupported operation) raises :class:`TraceError` naming the call."""
-    args = as_args(inputs)
-    if not all(torch.is_tensor(a) for a in args):
-        kinds = ", ".join(type(a).__name__ for a in args)
-        raise TraceError(f"a traced model's inputs must be a tensor or a tuple of tensors (the "
-                         f"forward's positional arguments), got ({kinds}); give the mini-batches, "
-                         f"or example_input=, in that form")
+def trace(model: nn.Module, inputs: Any, late: Optional[str] = None) -> "TracedModel":
+    """Export ``model`` on the example ``inputs`` (a mini-batch, or a micro-batch: a tensor, a
+    tuple of positional arguments or a dict of keyword ones); the model's parameters stay its own
+    objects. ``late``: the keyword input the last stage takes as its second argument (see the
+    module docstring). A forward torch cannot export (data-dependent control flow, an
+    unsupported operation) raises :class:`TraceError` naming the call."""
+    args, kwargs = as_call(inputs)
+    values = list(args) + list(kwargs.values())
+    if not all(torch.is_tensor(a) for a in values):
+        kinds = ", ".join(type(a).__name__ for a in values)
+        raise TraceError(f"a traced model's inputs must be a tensor, a tuple of tensors (the "
+                         f"forward's positional arguments) or a dict of tensors (its keyword "
+                         f"arguments), got ({kinds}); give the mini-batches, or example_input=, in that form")
+    if late is not None and late not in kwargs:
+        raise ValueError(f"the model's inputs {sorted(kwargs)} hold no {late!r} for the last stage")
+    dynamic = {k: _dynamic(v) for k, v in kwargs.items()} if kwargs else tuple(_dynamic(a) for a in args)
     try:
-        program = torch.export.export(model, args, dynamic_shapes=tuple(_dynamic(a) for a in args),
+        program = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=dynamic,
                                       strict=False)
     except Exception as error:  # torch raises many kinds; all mean "this forward does not export"
         where = _first_user_frame(error)
@@ -87,7 +106,10 @@ def trace(model: nn.Module, inputs: Any) -> "TracedModel":
             f"Make forward exportable: no data-dependent control flow (an `if` on a tensor's "
             f"value, .item()), inputs and outputs tensors or tuples, lists and dicts of them; or "
             f"give the model as an nn.Sequential of blocks that each take and return tensors") from error
-    return TracedModel(model, program.module(), program.call_spec.out_spec, args)
+    traced = TracedModel(model, program.module(), program.call_spec.out_spec, inputs if kwargs else args)
+    if kwargs:
+        traced.use_keywords(program.call_spec.in_spec, late)
+    return traced
 
 
 def _module_paths(node: fx.Node) -> List[str]:
@@ -132,7 +154,10 @@ class TracedModel:
     def __init__(self, model: nn.Module, graph_module: fx.GraphModule, out_spec: Any,
                  example: Tuple[Any, ...]) -> None:
         self.model = model
-        self.example = example  #: the positional arguments it was traced on
+        self.example = example  #: the positional arguments (a tuple) or keyword ones (a dict) it was traced on
+        #: per input of a model called with keyword arguments, its name (None: positional)
+        self.names: Optional[Dict[fx.Node, str]] = None
+        self.late: Optional[str] = None  #: the keyword input the last stage takes (module docstring)
         self.graph_module = graph_module
         self.out_spec = out_spec
         nodes = list(graph_module.graph.nodes)
@@ -158,6 +183,22 @@ class TracedModel:
             while unit + 1 < len(self._start) and self._start[unit + 1] <= position:
                 unit += 1
             self.unit[node] = unit
+
+    def use_keywords(self, in_spec: Any, late: Optional[str]) -> None:
+        """The model was called with keyword arguments: name each input by its keyword (from the
+        export's input spec, ``((), {name: leaf})``), so that the first stage reads them from a
+        dict; ``late`` is the one the last stage takes instead."""
+        _, positions = pytree.tree_unflatten(list(range(len(self.inputs))), in_spec)
+        self.names = {self.inputs[index]: name for name, index in positions.items()}
+        self.late = late
+
+    def _late_node(self) -> Optional[fx.Node]:
+        return next((n for n, name in (self.names or {}).items() if name == self.late), None)
+
+    def output_example(self) -> Any:
+        """The model's output on the example, of its own type, its tensors fake (their shapes)."""
+        leaves = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(self.output.args[0])]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
     @property
     def units(self) -> int:
@@ -191,8 +232,10 @@ class TracedModel:
         return points
 
     # -- the stage modules ------------------------------------------------------------------------
-    def stage_modules(self, sizes: Sequence[int]) -> List[fx.GraphModule]:
-        """One module per stage over ``sizes`` (units per stage); see the module docstring."""
+    def stage_modules(self, sizes: Sequence[int], late: bool = True) -> List[fx.GraphModule]:
+        """One module per stage over ``sizes`` (units per stage); see the module docstring.
+        ``late=False``: a late input is one of the first stage's like any other, and crosses the
+        cuts to the stages that read it (the unit chain of the partitioners and the profile)."""
         if sum(sizes) != self.units or any(s < 1 for s in sizes):
             raise ValueError(f"a partition of this model needs stages of at least one unit covering "
                              f"{self.units} units, got {list(sizes)}")
@@ -201,23 +244,37 @@ class TracedModel:
             ends.append((ends[-1] if ends else 0) + size)
         stage_of = {node: next(k for k, end in enumerate(ends) if self.unit[node] < end)
                     for node in self.compute}
-        boundaries = self._boundaries(stage_of, len(sizes))
+        last_input = self._late_node() if late else None
+        if last_input is not None:
+            self._check_late(last_input, stage_of, len(sizes))
+        boundaries = self._boundaries(stage_of, len(sizes), last_input)
         parts = []
         for k in range(len(sizes)):
-            incoming = self.inputs if k == 0 else boundaries[k - 1].nodes
+            incoming = [n for n in self.inputs if n is not last_input] if k == 0 else boundaries[k - 1].nodes
             outgoing = None if k == len(sizes) - 1 else boundaries[k].nodes
             own = [n for n in self.compute if stage_of[n] == k]
-            graph = self._stage_graph(own, incoming, outgoing)
+            graph = self._stage_graph(own, incoming, outgoing, self.names if k == 0 else None,
+                                      last_input if outgoing is None else None)
             parts.append(fx.GraphModule(self.graph_module, graph, class_name=f"Stage{k}"))
         return parts
 
     def unit_modules(self) -> nn.Sequential:
         """Every unit as a stage of its own, chained: the model as an ``nn.Sequential`` of its
         units, for the partitioners and the profile (each unit takes what the one before returns)."""
-        return nn.Sequential(*self.stage_modules([1] * self.units))
+        return nn.Sequential(*self.stage_modules([1] * self.units, late=False))
 
-    def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int) -> List[_Boundary]:
-        """For each cut k -> k+1, the tensors defined at or before stage k and read after it."""
+    def _check_late(self, node: fx.Node, stage_of: Dict[fx.Node, int], stages: int) -> None:
+        """The late input is read by the last stage only: it reaches no other."""
+        early = sorted({stage_of[n] for n in node.users if stage_of.get(n, stages - 1) < stages - 1})
+        if early:
+            raise ValueError(f"the model reads {self.late!r} in stage {early[0]}, before the last stage "
+                             f"(where it arrives, as a target does); choose split points after its first "
+                             f"use, or give the Pipeline a loss_fn (then {self.late!r} is its target)")
+
+    def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int,
+                    last_input: Optional[fx.Node] = None) -> List[_Boundary]:
+        """For each cut k -> k+1, the tensors defined at or before stage k and read after it
+        (``last_input`` is the last stage's own: it crosses none)."""
         last_use: Dict[fx.Node, int] = {}
         for node in self.compute + [self.output]:
             reader = stage_of.get(node, stages - 1)
@@ -225,6 +282,8 @@ class TracedModel:
                 last_use[arg] = max(last_use.get(arg, -1), reader)
         defined = {n: -1 for n in self.inputs}
         defined.update(stage_of)
+        if last_input is not None:
+            defined[last_input] = stages - 1
         crossing = []
         for k in range(stages - 1):
             values = [n for n in self.inputs + self.compute
@@ -237,12 +296,21 @@ class TracedModel:
             crossing.append(_Boundary(values))
         return crossing
 
-    def _stage_graph(self, own: List[fx.Node], incoming: List[fx.Node],
-                     outgoing: Optional[List[fx.Node]]) -> fx.Graph:
+    def _stage_graph(self, own: List[fx.Node], incoming: List[fx.Node], outgoing: Optional[List[fx.Node]],
+                     names: Optional[Dict[fx.Node, str]] = None, late: Optional[fx.Node] = None) -> fx.Graph:
+        """The graph of one stage: ``own`` nodes over what comes in (``names``: a first stage's
+        keyword inputs, read from a dict by name; ``late``: the last stage's second argument)."""
         graph = fx.Graph()
         env: Dict[fx.Node, fx.Node] = {}
         packed = graph.placeholder("inputs")
-        if len(incoming) == 1:  # one value travels as itself, several as a tuple
+        if late is not None:
+            env[late] = graph.placeholder("target")
+            env[late].meta = dict(late.meta)
+        if names is not None:
+            for node in incoming:
+                env[node] = graph.call_function(_item, (packed, names[node]))
+                env[node].meta = dict(node.meta)
+        elif len(incoming) == 1:  # one value travels as itself, several as a tuple
             env[incoming[0]] = packed
             packed.meta = dict(incoming[0].meta)
         else:
@@ -322,19 +390,24 @@ class OutputBuilder(nn.Module):
         return pytree.tree_unflatten(list(leaves), self.spec)
 
 
-def _item(values: Tuple[Any, ...], index: int) -> Any:
-    """``values[index]``: one of the values a stage receives (an fx call, so that it is named)."""
+def _item(values: Any, index: Any) -> Any:
+    """``values[index]``: one of the values a stage receives (an fx call, so that it is named),
+    by position in a tuple or by name in a dict of keyword inputs."""
     return values[index]
 
 
 def with_aliases(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """``state`` (gathered from stage modules, where a tied tensor appears under the one name the
     trace read it by) completed with the other names ``model`` gives the same tensor, so that it
-    loads into ``model`` strictly."""
+    loads into ``model`` strictly. A non-persistent buffer of ``model`` (Llama's rotary
+    ``inv_freq``, a constant) is left out: a stage module holds it as a buffer of its own, but
+    the model's state has no entry for it."""
+    own = model.state_dict(keep_vars=True)
+    transient = {name for name, _ in model.named_buffers(remove_duplicate=False)} - set(own)
     names: Dict[int, List[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in own.items():
         names.setdefault(id(tensor), []).append(name)
-    full = dict(state)
+    full = {k: v for k, v in state.items() if k not in transient}
     for aliases in names.values():
         known = next((state[a] for a in aliases if a in state), None)
         if known is not None:

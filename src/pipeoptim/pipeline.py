@@ -15,11 +15,13 @@ implementation::
         losses = pipe.step(x, y)    # the mini-batch losses that completed meanwhile
     losses += pipe.flush()          # drain: every stage has applied every mini-batch
 
-The loader is any iterable of ``(inputs, target)`` (a ``DataLoader``, a generator, a list) and
-is read lazily: one mini-batch per :meth:`Pipeline.step`, so host memory does not grow with the
-epoch. Between drains the pipeline runs one schedule (a *segment*); :meth:`Pipeline.flush` ends
-it. An asynchronous method drains only at a flush (the end of an epoch, a checkpoint, an
-evaluation; docs/architecture.md, "Schedules as data").
+The loader is any iterable of ``(inputs, target)``, or of dict batches as a model library
+gives them (``{"input_ids", "attention_mask", "labels"}``; :mod:`pipeoptim.batches`): a
+``DataLoader``, a generator, a list. It is read lazily: one mini-batch per
+:meth:`Pipeline.step`, so host memory does not grow with the epoch. Between drains the pipeline
+runs one schedule (a *segment*); :meth:`Pipeline.flush` ends it. An asynchronous method drains
+only at a flush (the end of an epoch, a checkpoint, an evaluation; docs/architecture.md,
+"Schedules as data").
 
 Where the stages run is the Pipeline's *world* (:mod:`pipeoptim.world`): all in this process,
 or one per process under torchrun (:mod:`pipeoptim.torchrun`); the Pipeline asks it, never
@@ -36,6 +38,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 
+from .batches import BatchForm
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
@@ -67,7 +70,14 @@ class Pipeline:
         method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
             ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``zb-v``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
             ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
-        loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch, of the
+            output as the model returns it (a tensor, a tuple, a dict, a ``ModelOutput``). A
+            mini-batch is ``(inputs, target)`` (``inputs``: a tensor, a tuple of positional or a
+            dict of keyword arguments), or a dict of keyword tensors (each split along dim 0)
+            whose ``labels`` is the target (``model(**rest)``). ``None``: the model computes its
+            own loss, ``model(**batch).loss`` (or ``["loss"]``), from dict batches with
+            ``labels``, which travel as a target does, to the last stage only. Other forms (no
+            ``labels`` and no ``loss_fn``) are refused with the fix (:mod:`pipeoptim.batches`).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
             stage's parameters.
         stages / partition / partitioner: ``stages=N`` cut by ``partitioner``: ``uniform``
@@ -79,8 +89,9 @@ class Pipeline:
             stages 2..N begin (``["layers.4", "layers.8"]``), in call order; see
             :attr:`split_points` for the points ``stages=N`` chose.
         example_input: the inputs to trace a model that is not an ``nn.Sequential`` on (a
-            tensor, or a tuple of the forward's positional arguments); default: the first
-            mini-batch (the model is split then, at the first :meth:`step` or :meth:`fit`).
+            tensor, a tuple of the forward's positional arguments, or a dict batch as the loader
+            gives it); default: the first mini-batch (the model is split then, at the first
+            :meth:`step` or :meth:`fit`).
         micro_batches: micro-batches per mini-batch for the methods that use them (default: the
             method's own: N for gpipe, 1f1b-flush and zb-h1, 2 for xpipe, 1 for the others).
         lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
@@ -146,7 +157,8 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, *, method: str = "pipeoptim",
-                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], optimizer: OptimizerFactory,
+                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
+                 optimizer: OptimizerFactory,
                  stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
                  partitioner: Optional[str] = None, micro_batches: Optional[int] = None,
                  lr_scheduler: Optional[SchedulerFactory] = None,
@@ -166,6 +178,7 @@ class Pipeline:
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
         self.precision = precision
+        self._form = BatchForm(model_loss=loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
         self._model = copy.deepcopy(model)
         self._model.train()
         self._settings = ModelSettings(method, stages, partition, split_points, partitioner, micro_batches,
@@ -192,7 +205,7 @@ class Pipeline:
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
         if example_input is not None or not needs_example(model, partitioner):
-            self.prepare(example_input)
+            self.prepare(None if example_input is None else self._form.example_input(example_input))
 
     @property
     def prepared(self) -> bool:
@@ -216,15 +229,19 @@ class Pipeline:
         """Micro-batches per mini-batch."""
         return self.spec.microbatches
 
-    def step(self, inputs: Any, target: torch.Tensor, *, segment_length: Optional[int] = None) -> List[float]:
-        """Feed one mini-batch; return the losses of the mini-batches completed meanwhile (an
+    def step(self, inputs: Any, target: Optional[torch.Tensor] = None, *,
+             segment_length: Optional[int] = None) -> List[float]:
+        """Feed one mini-batch, ``step(inputs, target)`` or ``step(batch)`` for a dict batch (see
+        ``loss_fn``); return the losses of the mini-batches completed meanwhile (an
         asynchronous pipeline reports a mini-batch's loss when its last stage has it).
 
         ``segment_length``: read only when this mini-batch opens a segment (the pipeline is
         drained): how many mini-batches will be fed before the next :meth:`flush`, when known.
         The schedule is then built once for exactly that many; without it its horizon grows as
         mini-batches come (the same actions, planned in steps)."""
-        self.prepare(inputs)  # a traced model without example_input: its first mini-batch is the example
+        inputs, target = self._form.pair(inputs, target)  # a dict batch: its labels are the target
+        if not self.prepared:  # a traced model without example_input: its first mini-batch is the example
+            self.prepare(self._form.example(inputs, target))
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
@@ -341,6 +358,8 @@ class Pipeline:
         a mean over the mini-batch); the result is the mean over all samples. Without a metric,
         the mean loss. The pipeline must be drained (:meth:`flush`)."""
         self._require_drained("evaluate")
+        self._form.refuse_model_loss("evaluate(loader)")
+        loader = self._form.pairs(loader)  # a dict batch as (inputs, labels)
         score = metric or self.stages[-1].loss_fn
         with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
             return self.world.evaluate(self.stages, loader, score)
@@ -358,6 +377,7 @@ class Pipeline:
         """The model's output for ``inputs``, through every stage on its device (no gradients,
         the live weights, the current train/eval mode). One process only: under torchrun use
         :meth:`evaluate`, or :meth:`model` for the whole model."""
+        self._form.refuse_model_loss("forward")
         self.prepare(inputs)
         with contextlib.nullcontext() if self._model.training else self._eval_mode.evaluating():
             return self.world.forward(self.stages, inputs)  # a traced model: the graph of its mode
@@ -419,8 +439,9 @@ class Pipeline:
             on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
             checkpoint_dir: Optional[Union[str, Path]] = None, checkpoint_every: Optional[int] = None,
             resume: bool = False, continuous: bool = False) -> TrainResult:
-        """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)``,
-        iterated once per epoch; ``len()`` is used when it exists, not required).
+        """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)`` or of
+        dict batches, see ``loss_fn``), iterated once per epoch; ``len()`` is used when it exists,
+        not required.
 
         After each epoch the pipeline drains and is evaluated: ``evaluate(model)`` if given,
         else :meth:`evaluate` on ``eval_loader`` with ``metric``; the value is the epoch's
@@ -460,7 +481,7 @@ class Pipeline:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
         if not self.prepared:
-            self.prepare(first_inputs(loader))
+            self.prepare(first_inputs(loader, self._form))
         self._require_drained("fit")
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,

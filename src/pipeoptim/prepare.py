@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 
+from .batches import LABELS, BatchForm, loader_item, model_loss
 from .graph_split import TracedModel, trace
 from .methods import Method, get_method
 from .partition import plan_time_partition, split
@@ -56,8 +57,9 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
                    clip_grad_norm: Optional[float], clip_scope: str, diagnose_every: int) -> None:
     """Refuse a Pipeline's settings that cannot work, before anything is built (each a ValueError
     naming the fix)."""
-    if not callable(loss_fn):
-        raise ValueError("loss_fn must be a function (output, target) -> scalar loss")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model "
+                         "that computes its own loss from batch['labels']")
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("optimizer must be a factory called with each stage's parameters, "
                          "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
@@ -125,15 +127,18 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
             partition: Optional[Sequence[int]], split_points: Optional[Sequence[str]],
             partitioner: Optional[str], micro_batches: Optional[int], method_options: Dict[str, Any],
             agree: Callable[[Any, str], Any] = lambda value, what: value,
-            chunks: Optional[int] = None) -> PreparedModel:
+            chunks: Optional[int] = None, late: Optional[str] = None) -> PreparedModel:
     """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
     train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
     ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform`` for an
     ``nn.Sequential``, ``time`` for a traced model. ``agree(value, what)`` gives every process
     rank 0's value (a partition from a profile, which would differ between processes).
     ``chunks``: model chunks per process for a chunked method (``stages`` then counts processes
-    and the model is cut into ``stages x chunks`` pieces). Bad settings raise ValueError naming
-    the fix."""
+    and the model is cut into ``stages x chunks`` pieces). ``late``: the keyword input of
+    ``example`` the last stage takes (the labels of a model that computes its own loss). Bad
+    settings raise ValueError naming the fix."""
+    if late is not None and isinstance(model, nn.Sequential):
+        raise ValueError("an nn.Sequential returns no loss of its own: give the Pipeline loss_fn=fn(output, target)")
     partitioner = partitioner or ("uniform" if isinstance(model, nn.Sequential) else "time")
     v = chunks_of(get_method(method), chunks, partition)
     if partitioner not in PARTITIONERS:
@@ -147,7 +152,9 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
                        partitioner="uniform" if partitioner == "time" else partitioner,
                        micro_batches=micro_batches, method_options=method_options, chunks=chunks)
         return PreparedModel(spec, split(model, spec.partition))
-    traced = trace(model, example)
+    traced = trace(model, example, late)
+    if late is not None:
+        model_loss(traced.output_example())  # refused now, on every process, if it holds no loss
     units = traced.unit_modules()
     if split_points is not None:
         sizes: Optional[List[int]] = traced.sizes_for_points(list(split_points))
@@ -197,16 +204,17 @@ def check_tie_devices(prepared: PreparedModel, devices: Sequence[torch.device], 
                              f"process a tied weight is one tensor: put those stages on one device")
 
 
-def first_inputs(loader: Iterable) -> Any:
-    """The inputs of ``loader``'s first mini-batch, read without disturbing torch's global random
-    state (a shuffling DataLoader draws its order from it), to trace the model on."""
+def first_inputs(loader: Iterable, form: BatchForm) -> Any:
+    """What the model is called with for ``loader``'s first mini-batch (its inputs; a dict batch's
+    keyword tensors, read by ``form``), read without disturbing torch's global random state (a
+    shuffling DataLoader draws its order from it), to trace the model on."""
     if iter(loader) is loader:
         raise ValueError("the loader is a one-pass iterator, so its first mini-batch cannot be read "
                          "ahead to trace the model: give the Pipeline example_input=")
     state = torch.random.get_rng_state()
     try:
-        for inputs, _ in loader:
-            return inputs
+        for item in loader:
+            return form.example(*form.pair(*loader_item(item)))
     finally:
         torch.random.set_rng_state(state)
     raise ValueError("the loader yielded no mini-batches")
@@ -247,7 +255,8 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     prepared = prepare(model, example, method=settings.method, stages=layout.stages, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,
                        micro_batches=settings.micro_batches, method_options=settings.method_options,
-                       agree=world.agree, chunks=settings.chunks)
+                       agree=world.agree, chunks=settings.chunks,
+                       late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
     if prepared.ties and replicas > 1:
         raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
@@ -258,7 +267,8 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
     rank = world.own_stage(spec.ranks)
     only = None if rank is None else [k for k, r in enumerate(placement) if r == rank]
-    stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer, settings.loss_fn,
+    stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer,
+                          settings.loss_fn or model_loss,
                           lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
                           precision=settings.precision, devices=devices, only=only,
                           parts=prepared.parts, ties=prepared.ties,
@@ -266,6 +276,7 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     world.connect(stages, replicas, placement=placement)
     for stage in stages:
         stage.diagnose_every = settings.diagnose_every
+        stage.takes_target = stage.is_last and settings.loss_fn is None  # the labels go into its module
     return (spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages),
             placement)
 
@@ -299,7 +310,7 @@ class EvalMode:
 
     def _parts(self) -> List[nn.Module]:
         if self._eval_parts is None:
-            traced = trace(self.model, self.traced.example)
+            traced = trace(self.model, self.traced.example, self.traced.late)
             if traced.candidates != self.traced.candidates:
                 raise ValueError(f"{type(self.model).__name__} calls other submodules in eval mode "
                                  f"({', '.join(traced.candidates)}) than in training "

@@ -167,11 +167,14 @@ class ModelProfile:
 # -- helpers ---------------------------------------------------------------------------------------
 
 def tensors_of(value: Activation) -> List[torch.Tensor]:
-    """The tensors of an activation (a tensor, or a tuple/list of tensors and other things)."""
+    """The tensors of an activation (a tensor, or a tuple/list of tensors and other things; a
+    dict of keyword inputs)."""
     if torch.is_tensor(value):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
     return []
 
 
@@ -193,6 +196,8 @@ def _to_device(value: Activation, device: torch.device) -> Activation:
         return tuple(_to_device(v, device) for v in value)
     if isinstance(value, list):
         return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -215,6 +220,8 @@ def _detached(value: Activation) -> Activation:
         return tuple(_detached(v) for v in value)
     if isinstance(value, list):
         return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
     return value
 
 

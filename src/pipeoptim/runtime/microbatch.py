@@ -1,4 +1,5 @@
-"""Splitting mini-batches into micro-batches (inputs may be tuples of tensors)."""
+"""Splitting mini-batches into micro-batches (inputs may be tuples of tensors, or a dict of the
+forward's keyword tensors)."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple
@@ -7,8 +8,21 @@ import torch
 
 
 def batch_size(inputs: Any) -> int:
-    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    if isinstance(inputs, dict):
+        first = next(iter(inputs.values()))
+    else:
+        first = inputs[0] if isinstance(inputs, tuple) else inputs
     return int(first.shape[0])
+
+
+def _pieces(inputs: Any, parts: int) -> List[Any]:
+    """``inputs`` cut into ``parts`` along dimension 0: every tensor of a tuple or a dict alike."""
+    if isinstance(inputs, dict):
+        cut = {key: torch.tensor_split(value, parts) for key, value in inputs.items()}
+        return [{key: pieces[j] for key, pieces in cut.items()} for j in range(parts)]
+    if isinstance(inputs, tuple):
+        return list(zip(*(torch.tensor_split(t, parts) for t in inputs)))
+    return list(torch.tensor_split(inputs, parts))
 
 
 def split_batch(inputs: Any, target: torch.Tensor, parts: int) -> List[Tuple[Any, torch.Tensor, float]]:
@@ -23,9 +37,6 @@ def split_batch(inputs: Any, target: torch.Tensor, parts: int) -> List[Tuple[Any
                          f"(use --micro-batches {size} or fewer, or a larger --batch-size)")
     if parts == 1:
         return [(inputs, target, 1.0)]
-    if isinstance(inputs, tuple):
-        pieces = list(zip(*(torch.tensor_split(t, parts) for t in inputs)))
-    else:
-        pieces = list(torch.tensor_split(inputs, parts))
+    pieces = _pieces(inputs, parts)
     targets = torch.tensor_split(target, parts)
     return [(piece, tgt, tgt.shape[0] / size) for piece, tgt in zip(pieces, targets)]

@@ -54,6 +54,8 @@ def to_device(value: Activation, device: torch.device) -> Activation:
         return value if value.device == device else value.to(device, non_blocking=True)
     if isinstance(value, tuple):
         return tuple(to_device(v, device) for v in value)
+    if isinstance(value, dict):  # a first stage's keyword inputs
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -130,6 +132,9 @@ class Stage:
         self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
+        #: the last stage's module takes the target as a second argument (a model that computes
+        #: its own loss from the labels: they reach it the way a target does, and only it)
+        self.takes_target = False
         self.trace: List[TraceEntry] = []
         #: Added to schedule-local micro-batch numbers in the trace (micro-batches of earlier epochs).
         self.trace_offset = 0
@@ -169,7 +174,8 @@ class Stage:
             target = to_device(target, self.device) if self.is_last else None
 
             def run(values: Activation) -> Activation:
-                output = self.module(values) if use.direct else functional_call(self.module, weights, (values,))
+                args = (values, target) if self.takes_target else (values,)
+                output = self.module(*args) if use.direct else functional_call(self.module, weights, args)
                 if self.is_last:
                     output = self.loss_fn(output, target) * loss_scale
                     _check_scalar(output)

@@ -38,12 +38,13 @@ class PipelineCommError(RuntimeError):
 
 
 def signature(microbatch: MicroBatch) -> Signature:
-    """The key under which a micro-batch's message layouts are agreed: its input shapes."""
+    """The key under which a micro-batch's message layouts are agreed: its input shapes (of a
+    dict of keyword inputs, its values', in its order: every rank builds it alike)."""
     inputs = microbatch[0]
     if inputs is None:
         raise ValueError("every rank needs the micro-batches' inputs (at least their shapes): load "
                          "the same data on every rank")
-    return tuple(tuple(t.shape) for t in as_tuple(inputs))
+    return tuple(tuple(t.shape) for t in (inputs.values() if isinstance(inputs, dict) else as_tuple(inputs)))
 
 
 def layout_of(value: Any, what: str) -> Layout:
