@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import pipeoptim
-from pipeoptim.optimizers import make_optimizer
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.optimizers import make_optimizer
+from pipeoptim.lab.tasks import get_task
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ How the numbers are made:
   (0, or an infinite perplexity). Mean ± standard deviation over the seeds that are in.
 * The *target* is 99 % of ``sequential``'s mean final validation metric (101 % for perplexity),
   and a run's *updates to target* are those of its first evaluation on the validation split at or
-  past it (``pipeoptim.time_to_target``). The *time to target* on N devices is those updates times
+  past it (``pipeoptim.lab.time_to_target``). The *time to target* on N devices is those updates times
   the method's predicted seconds per mini-batch there; ``sequential``'s curve is also the
   synchronous pipelines' (gpipe and 1f1b-flush compute the same updates, a tested invariant), so
   the synchronous reference on N devices is its updates times the faster of the two.

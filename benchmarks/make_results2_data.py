@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from benchmarks import study2_plan
 from benchmarks.common import mean_sd
 from benchmarks.study2_times import seconds_per_batch as lookup_seconds
-from pipeoptim.time_to_target import target_from_reference, updates_to_target
+from pipeoptim.lab.time_to_target import target_from_reference, updates_to_target
 
 SCALE = {"accuracy": 100.0}  #: accuracy in percent; perplexity as is
 HEADLINE = ["pipeoptim", "pipeoptim+lr_correction"]
@@ -201,7 +201,7 @@ def method_rows(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], task: st
 
 def settings_of(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]],
                 times: Optional[Dict[str, Any]]) -> List[Setting]:
-    from pipeoptim.tasks import get_task
+    from pipeoptim.lab.tasks import get_task
 
     out = []
     for task, optimizer in suite["cells"]:

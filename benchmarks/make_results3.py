@@ -40,7 +40,7 @@ from benchmarks.make_results2_findings import diagnosis
 from benchmarks.make_results3_arith import (SCALE, SYNC, Arm, Setting, arm_of, chosen_lr, mean_curve,  # noqa: F401
                                             read_rows, recommendation, settings_of, word_at_equal_time,
                                             word_to_target)
-from pipeoptim.tasks.advice import close_call
+from pipeoptim.lab.tasks.advice import close_call
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
     parser.add_argument("--advice", action="store_true",
                         help="print the recommendation per (task, N) whose runs are all in, as "
-                             "src/pipeoptim/tasks/advice.py's ADVICE, and write nothing")
+                             "src/pipeoptim/lab/tasks/advice.py's ADVICE, and write nothing")
     parser.add_argument("--readme", action="store_true",
                         help="rewrite README.md's advice block and demo line from the package's ADVICE "
                              "(paste --advice first), and write nothing else")

@@ -1,7 +1,7 @@
 """What the equal-time study says so far, and the recommendation it hands the package: the plan
 against the rows (how many runs are in, which (task, N) have all of theirs, which variants are
 another's line), and the
-recommendation per finished (task, N) as ``pipeoptim.tasks.advice.ADVICE`` holds it
+recommendation per finished (task, N) as ``pipeoptim.lab.tasks.advice.ADVICE`` holds it
 (``python -m benchmarks.make_results3 --advice`` prints it; tests/test_make_results3.py holds the
 package's table to the committed rows); and the README's advice block and demo line written from
 that table (``--readme``; tests/test_advice.py holds the README to it)."""
@@ -74,7 +74,7 @@ def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, An
 
 
 def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, int]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
-    """(task, N) -> the recommendation as ``pipeoptim.tasks.advice.Advice``'s fields, for the
+    """(task, N) -> the recommendation as ``pipeoptim.lab.tasks.advice.Advice``'s fields, for the
     (task, N) in ``complete`` (every planned run in) that have one."""
     out: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for task, stages in complete:
@@ -144,7 +144,7 @@ def complete_cells(study: Path, times: Dict[str, Any]) -> List[Tuple[str, int]]:
 
 
 def advice_source(entries: Dict[Tuple[str, int], Dict[str, Any]]) -> str:
-    """``ADVICE``'s literal for src/pipeoptim/tasks/advice.py."""
+    """``ADVICE``'s literal for src/pipeoptim/lab/tasks/advice.py."""
     lines = ["ADVICE: Dict[Tuple[str, int], Advice] = {"]
     for key, entry in entries.items():
         lines.append(f"    {key!r}: Advice(")
@@ -155,7 +155,7 @@ def advice_source(entries: Dict[Tuple[str, int], Dict[str, Any]]) -> str:
 
 
 #: the README's advice block: its markers, what it says of the tasks still running, and its width
-README_START = "<!-- advice: pipeoptim.tasks.advice.ADVICE, one line per entry (tests/test_advice.py) -->\n"
+README_START = "<!-- advice: pipeoptim.lab.tasks.advice.ADVICE, one line per entry (tests/test_advice.py) -->\n"
 README_END = "<!-- /advice -->"
 NOT_FINISHED = ("The study is still running for these (`benchmarks/study3.py --plan` says how far); until it "
                 "has finished, use a synchronous pipeline: at equal updates every asynchronous method ended "
@@ -170,7 +170,7 @@ def readme_with_advice(readme: str) -> str:
     it) written from the package's table. Paste ``--advice`` into the package first."""
     import textwrap
 
-    from pipeoptim.tasks.advice import ADVICE, advice
+    from pipeoptim.lab.tasks.advice import ADVICE, advice
 
     def wrapped(text: str, first: str, rest: str) -> str:
         return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest,

@@ -16,7 +16,7 @@ from benchmarks.make_results2_data import final_score, run_updates_to_target
 from benchmarks.study2_plan import ranked_lrs
 from benchmarks.study3_plan import load_rows
 from benchmarks.study3_suite import SAME_AS
-from pipeoptim.time_to_target import target_from_reference
+from pipeoptim.lab.time_to_target import target_from_reference
 
 SCALE = {"accuracy": 100.0}
 SYNC = "synchronous"  #: the report's name for sequential's runs priced as the fastest synchronous pipeline

@@ -11,7 +11,7 @@ For each split the benchmark
 
 * profiles the model (pipeoptim.profile, 1 thread, the same batch), splits it, times each
   split's stages as the runtime runs them (pipeoptim.profile.measure_stages), and predicts the
-  pipeline's throughput with pipeoptim.planner.predict from those stage times, as
+  pipeline's throughput with pipeoptim.lab.planner.predict from those stage times, as
   `pipeoptim plan` does (the schedule simulator; no transfer cost unless --bandwidth); the
   prediction from the per-layer profile alone (`--stage-timing profile`) is reported too;
 * measures it with the distributed runtime (pipeoptim.Pipeline, one stage per process):
@@ -48,9 +48,9 @@ import torch
 from torch import nn
 
 import pipeoptim
-from pipeoptim.optimizers import make_optimizer
+from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.partition import plan_partition, plan_time_partition
-from pipeoptim.planner import describe_partition, predict
+from pipeoptim.lab.planner import describe_partition, predict
 from pipeoptim.profile import format_profile, measure_stages, profile_model
 from pipeoptim.schedules import Costs, simulate
 

@@ -1,7 +1,7 @@
 """Our synchronous schedules against PyTorch's own ``torch.distributed.pipelining`` (issue 14,
 item 3): same model, data, split and optimizer, 2 processes (gloo, one compute thread each).
 
-* model: the ``blocks`` model of ``pipeoptim bench`` (:func:`pipeoptim.bench_worker.blocks_model`),
+* model: the ``blocks`` model of ``pipeoptim bench`` (:func:`pipeoptim.lab.bench_worker.blocks_model`),
   split [4, 5], batch 512, synthetic images, momentum SGD (lr 0.01);
 * ours: ``pipeoptim.Pipeline`` under the process group (one stage per process), ``gpipe`` and
   ``1f1b-flush`` at M = 2 and 4, and ``pipeoptim`` (its own M);
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pipeoptim.bench_worker import quartiles  # the same quartiles as `pipeoptim bench`
+from pipeoptim.lab.bench_worker import quartiles  # the same quartiles as `pipeoptim bench`
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peer_throughput.json"
 PARTITION = [4, 5]
@@ -164,8 +164,8 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch import nn
 
-    from pipeoptim.bench_worker import blocks_model
-    from pipeoptim.optimizers import make_optimizer
+    from pipeoptim.lab.bench_worker import blocks_model
+    from pipeoptim.lab.optimizers import make_optimizer
     from pipeoptim.partition import split
     from pipeoptim.pipeline import Pipeline
     from pipeoptim.runtime.distributed import init_process_group

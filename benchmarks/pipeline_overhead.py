@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pipeoptim
-from pipeoptim.tasks.image import build_image_model, load_arrays
+from pipeoptim.lab.tasks.image import build_image_model, load_arrays
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_overhead.json"
 BATCH, LR, CLIP = 64, 0.01, 5.0

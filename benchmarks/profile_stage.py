@@ -36,8 +36,8 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch import nn
 
-    from pipeoptim.bench_worker import blocks_model
-    from pipeoptim.optimizers import make_optimizer
+    from pipeoptim.lab.bench_worker import blocks_model
+    from pipeoptim.lab.optimizers import make_optimizer
     from pipeoptim.pipeline import Pipeline
     from pipeoptim.runtime.distributed import init_process_group
 

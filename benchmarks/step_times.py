@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.tasks import get_task
 
 DEFAULT_MODELS = "image:vgg,lm:gpt,sentiment:lstm,sentiment:lstm-deep"
 

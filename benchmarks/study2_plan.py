@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.common import keyed_rows
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.tasks import get_task
 
 LR_SCHEDULE = "warmup-cosine"  #: 5% linear warm-up, then cosine to 10% of the peak (the defaults)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeoptim.methods import get_method
-from pipeoptim.planner import candidate_problem, microbatch_size, partition_for, predict, profile_sizes, stage_costs
+from pipeoptim.lab.planner import candidate_problem, microbatch_size, partition_for, predict, profile_sizes, stage_costs
 from pipeoptim.profile import ModelProfile, measure_stages
 from pipeoptim.runtime.microbatch import split_batch
 
@@ -80,7 +80,7 @@ class ProfiledModel:
 def load_cell(task: str, spec: Dict[str, Any]) -> Tuple[nn.Sequential, Any, torch.Tensor, int, Any]:
     """The study's model of ``task`` and its data as a study run loads them (seed 0): (model,
     a mini-batch's inputs, its targets, mini-batches per epoch, the task)."""
-    from pipeoptim.tasks import get_task
+    from pipeoptim.lab.tasks import get_task
 
     the_task = get_task(task)
     data = the_task.load(batch_size=spec["batch_size"], limit=spec["limit"], seed=0, holdout=spec["holdout"])
@@ -93,7 +93,7 @@ def profile_cell(task: str, spec: Dict[str, Any], optimizer: str, counts: Sequen
                  settings: ProfileSettings) -> Tuple[ProfiledModel, int]:
     """Profile the study's model of ``task`` with ``optimizer`` at the micro-batch ``counts``;
     returns it and the study's mini-batches per epoch."""
-    from pipeoptim.optimizers import make_optimizer
+    from pipeoptim.lab.optimizers import make_optimizer
 
     net, sample, target, batches, the_task = load_cell(task, spec)
     factory = make_optimizer(optimizer, the_task.default_lr.get(optimizer, 1e-3))  # (the lr costs nothing)

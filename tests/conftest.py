@@ -40,7 +40,7 @@ def batches(count: int = 12, size: int = 8, classes: int = 4, dtype=torch.float6
 def has_image_data() -> bool:
     """Whether Fashion-MNIST is installed (tests that train on it skip without it)."""
     try:
-        from pipeoptim.tasks.image import load_arrays
+        from pipeoptim.lab.tasks.image import load_arrays
 
         load_arrays()
     except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip

@@ -1,12 +1,12 @@
-"""pipeoptim.tasks.advice: the equal-time study's recommendation as the package holds it (the
+"""pipeoptim.lab.tasks.advice: the equal-time study's recommendation as the package holds it (the
 table itself is held to the committed rows in test_make_results3.py), what it prints, the command
 it gives, the nearest studied depth, and what ``pipeoptim compare`` ends with."""
 from __future__ import annotations
 
 import pytest
 
-from pipeoptim.tasks import advice as advice_module
-from pipeoptim.tasks.advice import Advice, advice
+from pipeoptim.lab.tasks import advice as advice_module
+from pipeoptim.lab.tasks.advice import Advice, advice
 
 ASYNC = Advice(task="image", stages=8, method="pipeoptim", synchronous=False, microbatches=2,
                options=(("lr_correction", "delay"),), optimizer="momentum", lr=0.005, metric="accuracy",
@@ -106,7 +106,7 @@ def test_the_readme_says_what_the_package_recommends():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start, end = "<!-- advice: pipeoptim.tasks.advice.ADVICE", "<!-- /advice -->"
+    start, end = "<!-- advice: pipeoptim.lab.tasks.advice.ADVICE", "<!-- /advice -->"
     block = readme[readme.index(start):readme.index(end)].split("\n", 1)[1]
     bullets = [b.replace("\n  ", " ").strip() for b in block.split("\n- ") if b.strip()]
     bullets[0] = bullets[0].removeprefix("- ")

@@ -148,7 +148,7 @@ def test_the_command_lines_chunks_train_as_sequential(tmp_path, capfd):
     import json
 
     from pipeoptim.cli import main
-    from pipeoptim.tasks import MissingDataError, get_task
+    from pipeoptim.lab.tasks import MissingDataError, get_task
 
     try:
         get_task("image").load(batch_size=32, limit=256, seed=0)
@@ -179,7 +179,7 @@ def test_the_command_line_under_torchrun_equals_one_process(tmp_path, capfd):
     import json
 
     from pipeoptim.cli import main
-    from pipeoptim.tasks import MissingDataError, get_task
+    from pipeoptim.lab.tasks import MissingDataError, get_task
 
     try:
         get_task("image").load(batch_size=32, limit=256, seed=0)
@@ -205,7 +205,7 @@ def test_a_chunked_partition_under_the_users_torchrun_equals_one_process(tmp_pat
     import json
 
     from pipeoptim.cli import main
-    from pipeoptim.tasks import MissingDataError, get_task
+    from pipeoptim.lab.tasks import MissingDataError, get_task
     from test_torchrun import run
 
     try:

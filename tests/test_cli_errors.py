@@ -130,7 +130,7 @@ def test_bad_input_exits_2_with_one_line(argv, expected, capsys, tmp_path, monke
 
 def test_missing_data_set_names_the_install_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIPEOPTIM_FASHION_MNIST_DIR", str(tmp_path))
-    from pipeoptim.tasks import image
+    from pipeoptim.lab.tasks import image
     image._load_arrays_cached.cache_clear()
     assert main(["train", *QUICK]) == 2
     err = capsys.readouterr().err

@@ -84,7 +84,7 @@ def test_package_attributes_are_served_lazily(tmp_path):
 import sys
 import pipeoptim, pipeoptim.cli
 assert "torch" not in sys.modules
-import pipeoptim.experiment  # imports the submodule pipeoptim.train
+import pipeoptim.lab.experiment  # imports the submodule pipeoptim.train
 from pipeoptim import NonFiniteLoss, Pipeline, TrainResult, train
 from pipeoptim.pipeline import Pipeline as P2
 assert Pipeline is P2
@@ -93,8 +93,8 @@ assert pipeoptim.train is train is train_function and callable(pipeoptim.train)
 assert NonFiniteLoss is sys.modules["pipeoptim.train"].NonFiniteLoss
 from pipeoptim.errors import CheckpointError, MissingDataError
 from pipeoptim.checkpoint import CheckpointError as C2
-from pipeoptim.tasks import MissingDataError as M2
-from pipeoptim.tasks.base import MissingDataError as M3
+from pipeoptim.lab.tasks import MissingDataError as M2
+from pipeoptim.lab.tasks.base import MissingDataError as M3
 assert C2 is CheckpointError and M2 is MissingDataError and M3 is MissingDataError
 from pipeoptim.runtime.distributed import DEFAULT_TIMEOUT
 from pipeoptim.cli import build_parser

@@ -48,7 +48,7 @@ def test_each_epoch_reports_its_own_probes_and_they_add_up_to_the_run():
 
 
 def test_the_diagnostic_line_gives_the_ratio_per_stage():
-    from pipeoptim.experiment import format_prediction_error
+    from pipeoptim.lab.experiment import format_prediction_error
 
     line = format_prediction_error([{"probes": 4, "prediction_error": 1e-3, "staleness_error": 4e-3},
                                     {"probes": 0}])

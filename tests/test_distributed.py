@@ -338,7 +338,7 @@ def test_a_hung_peer_fails_the_run_within_the_timeout(tmp_path):
 
 
 def _image_data_or_skip():
-    from pipeoptim.tasks import MissingDataError, get_task
+    from pipeoptim.lab.tasks import MissingDataError, get_task
 
     try:
         get_task("image").load(batch_size=32, limit=256, seed=0)
@@ -367,7 +367,8 @@ TRAIN_ARGS = ["--task", "image", "--model", "mlp", "--limit", "256", "--batch-si
 
 
 def _local_summary(method: str):
-    from pipeoptim.experiment import RunConfig, run_experiment
+    from pipeoptim.lab.config import RunConfig
+    from pipeoptim.lab.experiment import run_experiment
 
     cfg = RunConfig(task="image", model="mlp", method=method, stages=2, batch_size=32, limit=256)
     return run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a, **k: None)
@@ -505,8 +506,8 @@ def test_distributed_options():
 
 def test_failure_report_names_the_lost_stage_not_those_stopped_or_cut_off(tmp_path):
     from pipeoptim.checkpoint import save_manifest
-    from pipeoptim.launcher import failure_report
-    from pipeoptim.run_folder import write_status
+    from pipeoptim.lab.launcher import failure_report
+    from pipeoptim.lab.run_folder import write_status
 
     run = tmp_path / "run"
     write_status(run, 0, state="failed", kind="comm", message="lost contact with rank 2")

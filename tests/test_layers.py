@@ -17,20 +17,21 @@ it is added):
 ====================  =========================================================================
 layer                 modules
 ====================  =========================================================================
-leaves                errors, checkpoint, partition, lr_schedules, plan_defaults, batches
+leaves                errors, checkpoint, partition, graph_split, plan_defaults, muon_adamw,
+                      batches (the forms a mini-batch takes)
 schedules, weights    schedules/ (schedules as data, simulator, renderers), weights/ (policies,
                       prediction)
 methods               methods (the registry: name -> schedule, policy, options)
 runtime               runtime/ (stage, the local and distributed executors and the streamed
-                      segment they share, the resolved run, building stages, the process
-                      lifecycle of a stage)
-API                   pipeline (pipeoptim.Pipeline), world (where the stages run: the local
-                      world, the checkpoint writer and reader), torchrun (the Pipeline under
-                      torchrun), fit (fit's loop), train (pipeoptim.train), profile
-experiment            experiment (task + method + run folder), tasks/, planner, prediction, plots,
-                      optimizers (by name), launcher (torchrun's agent, the stage worker),
-                      run_folder (status files, last checkpoint), bench_worker,
-                      time_to_target (the study's arithmetic)
+                      segment they share, the resolved run and its layout, building stages, the
+                      process lifecycle of a stage)
+API                   pipeline (pipeoptim.Pipeline), prepare, world (where the stages run: the
+                      local world, the checkpoint writer and reader), torchrun (the Pipeline under
+                      torchrun), fit (fit's loop), train (pipeoptim.train), profile, prediction
+                      (a profiled model's time per method), options (every option, defined once)
+lab                   lab/: tasks/, experiment (task + method + run folder), planner, plots,
+                      optimizers and lr schedules by name, launcher (torchrun's agent, the stage
+                      worker), run_folder, bench_worker, time_to_target (the study's arithmetic)
 command line          cli/, __main__, the package's __init__
 ====================  =========================================================================
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Set, Tuple
 
@@ -46,14 +48,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("leaves", ["errors", "checkpoint", "partition", "graph_split", "lr_schedules", "plan_defaults", "muon_adamw",
-                "batches"]),
+    ("leaves", ["errors", "checkpoint", "partition", "graph_split", "plan_defaults", "muon_adamw", "batches"]),
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun"]),
-    ("experiment", ["experiment", "tasks", "tasks.*", "planner", "prediction", "plots", "optimizers", "launcher",
-                    "stage_worker", "run_folder", "bench_worker", "time_to_target"]),
+    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun", "prediction", "options"]),
+    ("lab", ["lab", "lab.*"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),
 ]
 
@@ -271,7 +271,7 @@ def test_the_runtime_reaches_nothing_above_it():
     """Issue 13 item 3, stated directly: runtime/, schedules/ and weights/ import only the
     leaves, schedules/weights, methods and the runtime itself."""
     graph = import_graph(SRC, PACKAGE)
-    allowed = {"errors", "checkpoint", "partition", "lr_schedules", "plan_defaults", "methods"}
+    allowed = {"errors", "checkpoint", "partition", "plan_defaults", "methods"}
     for module, targets in graph.items():
         if module.startswith((f"{PACKAGE}.runtime", f"{PACKAGE}.schedules", f"{PACKAGE}.weights")):
             for target in targets:
@@ -279,11 +279,39 @@ def test_the_runtime_reaches_nothing_above_it():
                 assert rel in allowed or rel.split(".")[0] in ("runtime", "schedules", "weights"), \
                     f"{module} imports {target}"
     # and the imports that used to be there are seen where they are now (the walk sees inside functions)
-    assert f"{PACKAGE}.cli.common" not in graph[f"{PACKAGE}.launcher"]
-    assert {f"{PACKAGE}.tasks", f"{PACKAGE}.stage_worker"} <= graph[f"{PACKAGE}.launcher"]
-    assert {f"{PACKAGE}.experiment", f"{PACKAGE}.bench_worker",
-            f"{PACKAGE}.runtime.distributed"} <= graph[f"{PACKAGE}.stage_worker"]
-    assert f"{PACKAGE}.launcher" in graph[f"{PACKAGE}.cli.bench"]
+    lab = f"{PACKAGE}.lab"
+    assert f"{PACKAGE}.cli.common" not in graph[f"{lab}.launcher"]
+    assert {f"{lab}.tasks", f"{lab}.stage_worker"} <= graph[f"{lab}.launcher"]
+    assert {f"{lab}.experiment", f"{lab}.bench_worker",
+            f"{PACKAGE}.runtime.distributed"} <= graph[f"{lab}.stage_worker"]
+    assert f"{lab}.launcher" in graph[f"{PACKAGE}.cli.bench"]
+
+
+def test_the_engine_imports_nothing_of_the_lab_or_the_command_line():
+    """The engine (every module but lab/, cli/, __main__) stands alone: it imports no module of
+    the lab or the command line, and no third-party package beyond torch, numpy and tqdm at
+    import time (matplotlib only inside the one function that draws a PNG)."""
+    graph = import_graph(SRC, PACKAGE)
+    above = (f"{PACKAGE}.lab", f"{PACKAGE}.cli", f"{PACKAGE}.__main__")
+    engine = [m for m in graph if not m.startswith(above)]
+    assert len(engine) > 40 and f"{PACKAGE}.pipeline" in engine
+    reached = {(m, t) for m in engine for t in graph[m] if t.startswith(above)}
+    assert reached == set()
+    outside = {}
+    for name, path in find_modules(SRC, PACKAGE).items():
+        if name.startswith(above):
+            continue
+        for node in ast.parse(path.read_text()).body:  # module level only: what `import` runs
+            tops = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module.split(".")[0]] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for top in tops:
+                if top not in ENGINE_PACKAGES and top not in sys.stdlib_module_names:
+                    outside.setdefault(name, set()).add(top)
+    assert outside == {}
+
+
+#: what the engine may import at module level beyond the standard library (pyproject's dependencies)
+ENGINE_PACKAGES = {"torch", "numpy", "tqdm", PACKAGE}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,13 +212,13 @@ def test_the_advice_per_finished_task_and_depth(report, settings):
     assert advice.complete_cells(DATA, {}) == [] and advice.status_line(DATA, [], {}) == ""
     # the literal the package holds, read back
     namespace: dict = {}
-    exec("from typing import Dict, Tuple\nfrom pipeoptim.tasks.advice import Advice\n"
+    exec("from typing import Dict, Tuple\nfrom pipeoptim.lab.tasks.advice import Advice\n"
          + advice.advice_source(entries), namespace)
     assert namespace["ADVICE"][("image", 8)].describe().startswith("image, N = 8: in the same time, pipeoptim (M = 1)")
 
 
 def test_the_package_holds_what_the_committed_rows_recommend(report):
-    from pipeoptim.tasks.advice import ADVICE, Advice
+    from pipeoptim.lab.tasks.advice import ADVICE, Advice
 
     advice = load_benchmark("make_results3_advice")
     study = ROOT / "benchmarks" / "results" / "study3"
@@ -226,7 +226,7 @@ def test_the_package_holds_what_the_committed_rows_recommend(report):
     times = json.loads((study / "times.json").read_text())
     expected = advice.advice_entries(report.settings_of(rows, times), advice.complete_cells(study, times))
     assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
-        "src/pipeoptim/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python benchmarks/make_results3.py --advice"
+        "src/pipeoptim/lab/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python benchmarks/make_results3.py --advice"
 
 
 def test_the_report_lists_the_lrs_carried_over_unchecked(report, settings):

@@ -1,4 +1,4 @@
-"""Optimizers by name (pipeoptim.optimizers): `muon` (torch's Muon on hidden matrices, AdamW on
+"""Optimizers by name (pipeoptim.lab.optimizers): `muon` (torch's Muon on hidden matrices, AdamW on
 the rest, one optimizer per stage) and `--beta1`; how a stage's parameters are split; the
 combined optimizer under schedulers, step hooks, state by name and the predicting methods."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from torch import nn
 import pipeoptim
 from pipeoptim import Pipeline
 from pipeoptim.muon_adamw import MuonWithAdamW, split_for_muon
-from pipeoptim.optimizers import make_optimizer
+from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.runtime.build import StageParameters
-from pipeoptim.tasks.lm import build_gpt
+from pipeoptim.lab.tasks.lm import build_gpt
 
 LOSS = nn.functional.cross_entropy
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeoptim.bench_worker import iqr, quartiles
+from pipeoptim.lab.bench_worker import iqr, quartiles
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_throughput.py"
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import has_image_data
-from pipeoptim.planner import (
+from pipeoptim.lab.planner import (
     candidate_problem, describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend,
     scaled_profile, simulated_makespan, stage_costs, write_plan)
 from pipeoptim.profile import LayerProfile, ModelProfile

@@ -1,4 +1,4 @@
-"""The plain command trains with the task's recipe (pipeoptim.tasks.recipes) and each method's
+"""The plain command trains with the task's recipe (pipeoptim.lab.tasks.recipes) and each method's
 tuned peak lr, says where the lr came from, and lets every flag override its setting."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from pipeoptim.cli import main
-from pipeoptim.tasks.recipes import RECIPES, TUNED_LRS, default_lr, describe, recipe, tuned_lrs
-from pipeoptim.tasks import task_names
+from pipeoptim.lab.tasks.recipes import RECIPES, TUNED_LRS, default_lr, describe, recipe, tuned_lrs
+from pipeoptim.lab.tasks import task_names
 
 
 def test_every_task_has_a_recipe_with_a_known_model_and_schedule():
-    from pipeoptim.lr_schedules import LR_SCHEDULES
-    from pipeoptim.optimizers import optimizer_names
-    from pipeoptim.tasks import get_task
+    from pipeoptim.lab.lr_schedules import LR_SCHEDULES
+    from pipeoptim.lab.optimizers import optimizer_names
+    from pipeoptim.lab.tasks import get_task
 
     assert sorted(RECIPES) == sorted(task_names())
     for name, r in RECIPES.items():

@@ -151,7 +151,7 @@ def test_the_command_lines_recompute_gives_the_same_run(tmp_path, capfd):
     import json
 
     from pipeoptim.cli import main
-    from pipeoptim.tasks import MissingDataError, get_task
+    from pipeoptim.lab.tasks import MissingDataError, get_task
 
     try:
         get_task("image").load(batch_size=32, limit=256, seed=0)

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import has_image_data, roll_back_to_older_checkpoint
 from pipeoptim.cli import main
-from pipeoptim.experiment import RunConfig, load_data, run_experiment
-from pipeoptim.tasks import get_task
+from pipeoptim.lab.config import RunConfig
+from pipeoptim.lab.experiment import load_data, run_experiment
+from pipeoptim.lab.tasks import get_task
 
 QUICK = ["--task", "image", "--model", "mlp", "--limit", "640", "--no-progress"]
 

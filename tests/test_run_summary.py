@@ -13,8 +13,8 @@ import torch
 
 from conftest import has_image_data
 from pipeoptim.cli import main
-from pipeoptim.tasks.base import TaskData
-from pipeoptim.tasks.image import load_arrays
+from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.image import load_arrays
 
 SUMMARY_BOUND = 4096  #: bytes of the whole --json summary of a short run
 DATA_BOUND = 1024     #: bytes of its "data" entry
@@ -59,7 +59,7 @@ def test_image_summary_describes_the_data(tmp_path, capsys):
                     reason="needs mod2imp + Bible modules (sudo apt-get install --no-install-recommends "
                            "sword-text-web sword-text-sparv libsword-utils) and pip install sentencepiece sacrebleu")
 def test_translation_summary_describes_the_data_without_sentences(tmp_path, capsys, monkeypatch):
-    from pipeoptim.tasks.translation import TranslationTask
+    from pipeoptim.lab.tasks.translation import TranslationTask
 
     monkeypatch.setattr(TranslationTask, "eval_limit", 8)  # decode 8 test sentences, not 500
     summary = run_json(["train", "--task", "translation", "--limit", "64", "--batch-size", "32", "--stages", "2",

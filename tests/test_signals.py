@@ -374,8 +374,8 @@ def test_a_guarded_process_ends_at_once_on_sigterm_and_knows_who_sent_it(sender,
 
 
 def test_the_report_tells_a_signalled_stage_from_those_stopped_and_forgets_an_earlier_run(tmp_path):
-    from pipeoptim.launcher import failure_report, interrupted_stages
-    from pipeoptim.run_folder import clear_statuses, write_status
+    from pipeoptim.lab.launcher import failure_report, interrupted_stages
+    from pipeoptim.lab.run_folder import clear_statuses, write_status
 
     run = tmp_path / "run"
     write_status(run, 0, state="interrupted", signal="SIGTERM", cause="launcher")  # stopped by the agent

@@ -93,7 +93,7 @@ def test_default_plan_follows_the_budget_plan(study3, plan):
         assert sorted({r.lr for r in cell if r.until == "third"}) == plan.sweep_grid(suite, "lm", optimizer)
     assert suite["optimizer_arms"]["beta1"] == {"nadam": 0.99}
     # carried lrs are the second study's; a re-tuned cell adds one neighbour
-    from pipeoptim.tasks.recipes import TUNED_LRS
+    from pipeoptim.lab.tasks.recipes import TUNED_LRS
 
     xpipe_image = [r for r in runs if (r.task, r.optimizer, r.variant, r.phase) == ("image", "momentum", "xpipe",
                                                                                   "seeds")]

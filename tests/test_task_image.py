@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.tasks import MissingDataError, get_task
-from pipeoptim.tasks.common import (
+from pipeoptim.lab.tasks import MissingDataError, get_task
+from pipeoptim.lab.tasks.common import (
     batchify,
     cache_dir,
     classification_accuracy,
@@ -19,7 +19,7 @@ from pipeoptim.tasks.common import (
     seeded,
     seeded_permutation,
 )
-from pipeoptim.tasks.image import (
+from pipeoptim.lab.tasks.image import (
     DATA_DIR_ENV,
     FILES,
     IMAGE_MAGIC,
@@ -236,7 +236,7 @@ def test_evaluate_restores_training_mode() -> None:
     x = torch.randn(8, 1, 28, 28)
     y = torch.zeros(8, dtype=torch.int64)
     data_test = [(x, y)]
-    from pipeoptim.tasks.base import TaskData
+    from pipeoptim.lab.tasks.base import TaskData
 
     before = model[0][1].running_mean.clone()
     acc = task.evaluate(model, TaskData(train=[], test=data_test))
@@ -322,7 +322,7 @@ def test_short_training_learns(model_name: str, optimizer: str, epochs: int) -> 
 
 
 def test_the_models_module_agrees_on_the_classes():
-    from pipeoptim.tasks import image, image_models
+    from pipeoptim.lab.tasks import image, image_models
 
     assert image_models.NUM_CLASSES == len(image.CLASSES) == 10
     assert image.build_image_model is image_models.build_image_model  # the task's API before the split

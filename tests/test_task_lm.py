@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.tasks import get_task
-from pipeoptim.tasks.base import TaskData
-from pipeoptim.tasks.lm import (
+from pipeoptim.lab.tasks import get_task
+from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.lm import (
     LanguageModelTask,
     chapters_by_split,
     make_blocks,
@@ -22,7 +22,7 @@ from pipeoptim.tasks.lm import (
     token_stream,
     unigram_perplexity,
 )
-from pipeoptim.tasks.text import EOS_ID
+from pipeoptim.lab.tasks.text import EOS_ID
 
 HAS_DATA = shutil.which("mod2imp") is not None and importlib.util.find_spec("sentencepiece") is not None
 needs_data = pytest.mark.skipif(not HAS_DATA, reason="needs mod2imp + the WEB Bible (sudo apt-get install "
@@ -198,7 +198,7 @@ def real_data():
 
 @needs_data
 def test_real_data_split_blocks_and_small_info(real_data):
-    from pipeoptim.tasks.bible import EN_MODULE, read_verses
+    from pipeoptim.lab.tasks.bible import EN_MODULE, read_verses
 
     split = chapters_by_split(read_verses(EN_MODULE))
     train_keys = {k for k, _ in split["train"]}
@@ -220,7 +220,8 @@ def test_real_data_split_blocks_and_small_info(real_data):
 
 @needs_data
 def test_pipeoptim_two_stages_lowers_the_perplexity(real_data):
-    from pipeoptim.experiment import RunConfig, run_experiment
+    from pipeoptim.lab.config import RunConfig
+    from pipeoptim.lab.experiment import run_experiment
 
     task = LanguageModelTask()
     before = task.evaluate(task.build_model("gpt-small", real_data, seed=0), real_data)

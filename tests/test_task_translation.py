@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.tasks import get_task
-from pipeoptim.tasks.base import TaskData
-from pipeoptim.tasks.translation import (
+from pipeoptim.lab.tasks import get_task
+from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.translation import (
     BOS_ID,
     EOS_ID,
     TranslationTask,
@@ -281,9 +281,9 @@ def test_real_data(tmp_path_factory):
 
 
 def test_missing_mod2imp_names_the_fix(tmp_path, monkeypatch):
-    import pipeoptim.tasks.bible as bible
-    import pipeoptim.tasks.translation as tr
-    from pipeoptim.tasks.base import MissingDataError
+    import pipeoptim.lab.tasks.bible as bible
+    import pipeoptim.lab.tasks.translation as tr
+    from pipeoptim.lab.tasks.base import MissingDataError
 
     monkeypatch.setenv("PIPEOPTIM_CACHE", str(tmp_path))
     monkeypatch.setattr(bible.shutil, "which", lambda name: None)
@@ -293,8 +293,8 @@ def test_missing_mod2imp_names_the_fix(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAS_SWORD, reason="mod2imp not installed (libsword-utils)")
 def test_missing_module_names_the_fix(tmp_path, monkeypatch):
-    import pipeoptim.tasks.translation as tr
-    from pipeoptim.tasks.base import MissingDataError
+    import pipeoptim.lab.tasks.translation as tr
+    from pipeoptim.lab.tasks.base import MissingDataError
 
     monkeypatch.setenv("PIPEOPTIM_CACHE", str(tmp_path))
     with pytest.raises(MissingDataError, match="NoSuchModule.*sword-text-sparv"):

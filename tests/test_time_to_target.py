@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeoptim.time_to_target import (TargetResult, against_reference, curve_from_evaluations, reaches,
+from pipeoptim.lab.time_to_target import (TargetResult, against_reference, curve_from_evaluations, reaches,
                                       target_from_reference, time_to_target, updates_to_target)
 
 ACCURACY = [(0, 0.1), (100, 0.6), (200, 0.85), (300, 0.891), (400, 0.9), (500, 0.88)]
@@ -81,7 +81,7 @@ def test_the_module_needs_no_torch():
     from pathlib import Path
 
     src = Path(__file__).resolve().parent.parent / "src"
-    code = "import sys, pipeoptim.time_to_target; print('torch' in sys.modules)"
+    code = "import sys, pipeoptim.lab.time_to_target; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": str(src)}, timeout=60)
     assert done.stdout.strip() == "False", done.stderr

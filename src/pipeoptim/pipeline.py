@@ -42,6 +42,7 @@ from .batches import BatchForm
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
+from .options import describe, of_scope
 from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_model_settings, check_settings,
                       first_inputs, needs_example)
 from .runtime import named_state
@@ -67,89 +68,12 @@ class Pipeline:
             points (docs/architecture.md, "Splitting any module"; a weight read by several
             stages stays one, "Tied weights"). It is copied, never modified; :meth:`model`
             returns the trained copy, of the model's class, whose parameters keep their names.
-        method: a name from :func:`pipeoptim.method_names` (``sequential``, ``gpipe``,
-            ``1f1b-flush``, ``zb-h1``, ``interleaved``, ``zb-v``, ``async-naive``, ``pipedream``, ``pipedream-2bw``,
-            ``pipeoptim-2bw``, ``spectrain``, ``xpipe``, ``pipeoptim``).
-        loss_fn: ``loss_fn(output, target) -> scalar tensor``, a mean over the mini-batch, of the
-            output as the model returns it (a tensor, a tuple, a dict, a ``ModelOutput``). A
-            mini-batch is ``(inputs, target)`` (``inputs``: a tensor, a tuple of positional or a
-            dict of keyword arguments), or a dict of keyword tensors (each split along dim 0)
-            whose ``labels`` is the target (``model(**rest)``). ``None``: the model computes its
-            own loss, ``model(**batch).loss`` (or ``["loss"]``), from dict batches with
-            ``labels``, which travel as a target does, to the last stage only. Other forms (no
-            ``labels`` and no ``loss_fn``) are refused with the fix (:mod:`pipeoptim.batches`).
-        optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per stage with that
-            stage's parameters.
-        stages / partition / partitioner: ``stages=N`` cut by ``partitioner``: ``uniform``
-            (the default for an ``nn.Sequential``), ``params``, or ``time`` (the default for a
-            traced model: balanced by each layer's or unit's forward+backward time profiled on
-            the example input; under torchrun, rank 0's choice); or ``partition=[layers per
-            stage]`` (units per stage for a traced model).
-        split_points: a traced model's cut, as the qualified names of the submodules where
-            stages 2..N begin (``["layers.4", "layers.8"]``), in call order; see
-            :attr:`split_points` for the points ``stages=N`` chose.
-        example_input: the inputs to trace a model that is not an ``nn.Sequential`` on (a
-            tensor, a tuple of the forward's positional arguments, or a dict batch as the loader
-            gives it); default: the first mini-batch (the model is split then, at the first
-            :meth:`step` or :meth:`fit`).
-        micro_batches: micro-batches per mini-batch for the methods that use them (default: the
-            method's own: N for gpipe, 1f1b-flush and zb-h1, 2 for xpipe, 1 for the others).
-        lr_scheduler: ``lr_scheduler(optimizer) -> LRScheduler``, called once per stage. Each
-            stage steps its scheduler right after its own update, so update j has the same lr on
-            every stage whatever the method; the prediction reads the group's lr as it is then.
-        clip_grad_norm: clip the gradient norm to this before every update.
-        clip_scope: ``"stage"`` (default) clips each stage's gradient on its own;
-            ``"global"`` clips by the norm over all stages (as torchtitan does), for synchronous
-            methods only: an asynchronous stage never holds the same mini-batch's gradients as
-            the others at the moment it updates.
-        precision: ``"fp32"`` or ``"bf16"``: forwards and backwards under ``torch.autocast`` of
-            each stage's device; parameters, gradients, optimizer state and prediction stay fp32.
-        recompute: activation recomputation: ``True`` for every stage, or one bool per stage.
-            A recomputing stage keeps only its input for each micro-batch in flight and runs its
-            forward again in the backward (torch's non-reentrant checkpointing), on the forward's
-            random state and weights, so the losses equal those without it. Where a method's
-            weights change between a forward and its backward without a copy kept (async-naive,
-            pipeoptim with ``backward="latest"``, spectrain, xpipe), the stage keeps a copy of the
-            forward's weights per micro-batch in flight instead (counted in ``weight_versions``).
-        devices: ``"auto"``, one device for every stage, or one per stage (see
-            :func:`resolve_devices`). Inputs go to the first stage's device, targets to the
-            last's, activations and gradients between the stages' devices.
-        diagnose_every: every K-th micro-batch, measure how far the weights its forward used
-            were from those live at its backward (``metrics["prediction_error"]``); 0: off.
-        timeout: under torchrun, seconds a stage waits for a peer before the run fails.
-        threads: under torchrun on the CPU, compute threads per stage process (default 1, so
-            that N processes on N cores do not oversubscribe them); None leaves torch's.
-        data_parallel: under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D;
-            default: inferred from WORLD_SIZE and the stages). Each replica reads its own shard
-            of the data (give the loader a ``DistributedSampler(dataset, num_replicas=
-            pipe.data_parallel_size, rank=pipe.data_parallel_rank)``; every stage of a replica
-            iterates the same shard); before every update each stage averages its gradients over
-            its replicas (buckets sent during the last backward), so weights, optimizer state and
-            predictions stay identical. Losses and metrics are the means over the replicas.
-        **method_options: the method's own options: ``steps``, ``backward``, ``sgd_momentum``
-            for pipeoptim; ``vertical_sync`` for pipedream; and the delay corrections, all off
-            by default (formulas and costs in :mod:`pipeoptim.weights.corrections`):
+        {options}
 
-            * ``lr_correction="delay"`` with ``lr_correction_steps=T`` (async-naive, pipedream,
-              spectrain, xpipe, pipeoptim): PipeMare's lr(t) / tau_k ** (1 - min(t/T, 1)) at
-              stage k, tau_k = N-1-k; the prediction uses the corrected lr.
-            * ``sync_warmup=K`` (the same methods): the run's first K mini-batches with 1F1B and
-              a flush, then the method's asynchronous schedule.
-            * ``horizon="scheduled"`` (spectrain, xpipe, pipeoptim): predict over the
-              scheduler's lrs of the next s updates instead of s * lr(t).
-            * ``delta="ema"`` with ``ema_decay`` (default 0.9) (the same three): Delta is the
-              moving average of the updates applied, per unit lr; one more weight copy.
-            * ``prediction_warmup=T`` (the same three): the step count ramps as s * min(1, t/T).
-
-        chunks: model chunks per stage, for ``interleaved`` (default 2): the model is cut into
-            ``stages x chunks`` pieces and stage k holds pieces k, k + N, ... (Megatron's
-            placement; ``partition`` then lists the layers of every piece). Needs at least
-            that many layers and micro-batches a multiple of the stages. ``zb-v`` always
-            holds 2, in a V: stage k holds pieces k and 2N-1-k.
-        world: where the stages run (:mod:`pipeoptim.world`); default: one stage per process
-            when started under torchrun, else every stage in this process. ``LocalWorld()``
-            keeps every stage in this process even inside a torchrun job (a one-process
-            baseline beside the job's pipeline).
+        Every keyword but ``model`` is defined once, with its default, in
+        :mod:`pipeoptim.options` (the list above is made from it); a method's own options are
+        passed as keywords too (which methods take each: :func:`pipeoptim.options.takers`;
+        formulas and costs of the delay corrections: :mod:`pipeoptim.weights.corrections`).
 
     Under ``torchrun --nproc-per-node N`` each process runs one stage (see
     :mod:`pipeoptim.torchrun`): every rank builds the Pipeline and iterates the same loader;
@@ -441,37 +365,20 @@ class Pipeline:
             resume: bool = False, continuous: bool = False) -> TrainResult:
         """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)`` or of
         dict batches, see ``loss_fn``), iterated once per epoch; ``len()`` is used when it exists,
-        not required.
+        not required. Returns the :class:`TrainResult` (its ``model``: the trained model, gathered
+        on every rank under torchrun).
 
-        After each epoch the pipeline drains and is evaluated: ``evaluate(model)`` if given,
-        else :meth:`evaluate` on ``eval_loader`` with ``metric``; the value is the epoch's
-        ``metric``. ``on_batch(index, loss)`` is called as each mini-batch's loss completes,
-        ``on_epoch(epoch, entry)`` after each epoch. ``continuous`` runs every epoch in one
-        schedule, with no drain between epochs (evaluation only at the end).
+        Options (defined in :mod:`pipeoptim.options`):
+        {options}
 
-        ``eval_every=K`` also drains and evaluates every K mini-batches of an epoch (counted
-        from the epoch's start, as ``checkpoint_every``), for curves of the metric against
-        updates and time. Every evaluation, the epoch-end ones included, is recorded in
-        ``TrainResult.metrics["evaluations"]`` and passed to ``on_eval(entry)`` as
-        ``{"epoch", "batch", "updates", "metric", "seconds"}``: the epoch (0-based), the
-        mini-batches trained so far in the run, the optimizer updates applied so far (each
-        stage's weight version), the value, and the training wall time so far (fit's time less
-        the time spent evaluating and writing checkpoints). An evaluation needs one set of
-        weights, so the pipeline drains there, as at a checkpoint: a synchronous method
-        (``sequential``, ``gpipe``, ``1f1b-flush``) trains exactly as without ``eval_every``, but
-        an asynchronous one restarts its warm-up after each drain, so its losses and metrics
-        depend on K (a smaller K means fewer stale updates). ``eval_every`` needs ``evaluate``
-        or ``eval_loader`` and cannot be combined with ``continuous``.
-
-        With ``checkpoint_dir`` the pipeline drains and every stage is saved every
-        ``checkpoint_every`` mini-batches and at each epoch's end; ``resume=True`` continues
-        from the newest checkpoint there, to the same losses as an uninterrupted run (the
-        run must have the same ``checkpoint_every`` and ``eval_every``, so that it drains at
-        the same points; the evaluations made before the checkpoint are carried over). The
-        loader must then give the same mini-batches in the same order: a list, or a
-        ``DataLoader`` that shuffles with torch's global generator (its state at the start of
-        the epoch is restored before the loader is iterated again; the mini-batches already
-        trained are read and skipped).
+        The pipeline drains at each epoch's end, every ``checkpoint_every`` and every
+        ``eval_every``: a synchronous method trains exactly as without them, an asynchronous
+        one restarts its warm-up after each drain. Every evaluation, the epoch-end ones
+        included, is recorded in ``TrainResult.metrics["evaluations"]`` and passed to
+        ``on_eval(entry)`` as ``{"epoch", "batch", "updates", "metric", "seconds"}``: the epoch
+        (0-based), the mini-batches trained so far in the run, the optimizer updates applied so
+        far (each stage's weight version), the value, and the training time so far (fit's time
+        less evaluations and checkpoint writes).
         """
         if epochs < 1:
             raise ValueError(f"epochs must be at least 1, got {epochs}")
@@ -487,3 +394,7 @@ class Pipeline:
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,
                                checkpoint_every, resume, continuous)
         return FitRun(self, loader, settings).run()
+
+
+Pipeline.__doc__ = Pipeline.__doc__.replace("{options}", describe(of_scope("pipeline", "method"))[8:])
+Pipeline.fit.__doc__ = Pipeline.fit.__doc__.replace("{options}", describe(of_scope("fit"))[8:])

@@ -1,5 +1,5 @@
 """The planner's predictions from a profile: per-stage costs, the simulated makespan and
-throughput of a method, and the memory of every stage (:mod:`pipeoptim.planner` recommends one
+throughput of a method, and the memory of every stage (:mod:`pipeoptim.lab.planner` recommends one
 of these and writes the plan).
 
 * **throughput**: the schedule simulator (:func:`pipeoptim.schedules.simulate`) runs the

@@ -19,7 +19,7 @@ head of 10 classes on the last stage. The first block maps the 784 pixels to 512
 it computes no input gradient, and its larger input (784/512 ~ 3/2) makes its forward and
 weight gradient cost what another block's forward, input gradient and weight gradient cost
 (measured: stage times within 2-4% of each other). The workers run
-:mod:`pipeoptim.bench_worker`; this module parses, starts them and prints. ``--model NAME`` benches one of the task's
+:mod:`pipeoptim.lab.bench_worker`; this module parses, starts them and prints. ``--model NAME`` benches one of the task's
 own models instead, split by ``--partitioner``.
 
 Per run and stage it also reports the peak of activations held, measured from the tensors the
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
-from ..optimizers import optimizer_names
-from ..tasks import task_names
+from ..lab.optimizers import optimizer_names
+from ..lab.tasks import task_names
 from .common import known_methods, refuse_traced_model
 
 DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     methods = _check(args)
     if args.model != "blocks":
         refuse_traced_model(args.task, args.model, "bench")
-    from ..launcher import run_workers, torchrun_env
+    from ..lab.launcher import run_workers, torchrun_env
 
     replicas = args.data_parallel or 1
     if args.stages < 2 and replicas < 2:
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(methods)}; timing inside the workers")
         busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
         with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
-            failures = run_workers(processes, "pipeoptim.stage_worker", [str(config)], torchrun_env(1))
+            failures = run_workers(processes, "pipeoptim.lab.stage_worker", [str(config)], torchrun_env(1))
         busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
         if failures:
             how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())

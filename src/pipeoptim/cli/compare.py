@@ -8,18 +8,17 @@ import sys
 import textwrap
 
 from ..methods import get_method
-from ..tasks import get_task
-from ..tasks.advice import advice
-from .common import add_run_options, check_numbers, known_methods, output_dir, print_json, run_config
+from ..lab.tasks import get_task
+from ..lab.tasks.advice import advice
+from .flags import add_run_options
+from .common import check_numbers, known_methods, output_dir, print_json, run_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="compare methods on one task",
                        description="Run each method on the same data, seed and initial weights; print "
                                    "one table and write compare.png with all the curves.")
-    p.add_argument("--methods", default="sequential,gpipe,async-naive,pipedream,pipeoptim",
-                   help="comma-separated method names (default: %(default)s)")
-    add_run_options(p)
+    add_run_options(p, "compare")
     p.set_defaults(func=run)
 
 
@@ -57,8 +56,8 @@ def warm_up(task, cfg, data) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experiment import load_data, run_experiment
-    from ..plots import plot_runs
+    from ..lab.experiment import load_data, run_experiment
+    from ..lab.plots import plot_runs
 
     check_numbers(args)
     methods = known_methods(args.methods)

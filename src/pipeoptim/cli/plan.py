@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..optimizers import optimizer_names
+from ..lab.optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from ..tasks import task_names
+from ..lab.tasks import task_names
 from .common import known_methods, print_json, refuse_traced_model
 
 DESCRIPTION = """\
@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..planner import format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, write_plan
+    from ..lab.planner import format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, write_plan
 
     for name in ("stages", "batch_size", "limit", "batches", "threads", "repeats"):
         value = getattr(args, name)

@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import Interrupted, interrupt_on_signals
-from ..methods import method_names
-from .common import add_distributed_options, add_run_options, check_numbers, output_dir, print_json, run_config
+from .flags import add_distributed_options, add_run_options
+from .common import check_numbers, output_dir, print_json, run_config
 
 if TYPE_CHECKING:
-    from ..experiment import RunConfig
+    from ..lab.config import RunConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..tasks.recipes import RECIPES
+    from ..lab.tasks.recipes import RECIPES
 
     p = sub.add_parser("train", help="train one method on a task",
                        description="Train a model of a task with one pipeline method; writes "
@@ -30,31 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                            f"{r.clip_grad if r.clip_grad is not None else 'none'}, batch {r.batch_size}, "
                            f"{r.epochs} epochs" for t, r in RECIPES.items()),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", action="store_true",
-                   help="print the --task's recipe and the lrs tuned per method, then exit")
-    p.add_argument("--method", default="pipeoptim", choices=method_names(), help="default: pipeoptim")
-    p.add_argument("--runtime", default="local", choices=["local", "distributed"],
-                   help="local: all stages in this process; distributed: one process per stage "
-                        "(started with torchrun for you, or run under torchrun)")
-    p.add_argument("--checkpoint-every", type=int, metavar="K",
-                   help="drain and checkpoint every K mini-batches (always at each epoch's end)")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest checkpoint, with its settings")
-    p.add_argument("--diagnose-every", type=int, default=0, metavar="K",
-                   help="every K-th micro-batch, measure per stage how far the weights its forward "
-                        "used were from those of its backward, against the stale weights' distance; "
-                        "printed each epoch and saved (prediction_error) in the run folder. "
-                        "Local runtime; default 0: off")
-    p.add_argument("--plan", type=Path, metavar="FILE",
-                   help="a plan from `pipeoptim plan`: sets --task, --model, --batch-size, --stages, "
-                        "--partition, --method and --micro-batches (the plan's values win)")
-    add_run_options(p)
+    add_run_options(p, "train")
     add_distributed_options(p)
     p.set_defaults(func=run)
 
 
 def resume_config(run_dir: Path) -> RunConfig:
-    from ..experiment import RunConfig
+    from ..lab.config import RunConfig
 
     config = run_dir / "config.json"
     if not config.exists():
@@ -67,19 +49,19 @@ def resume_config(run_dir: Path) -> RunConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.recipe:
-        from ..tasks.recipes import describe, recipe, tuned_lrs
+        from ..lab.tasks.recipes import describe, recipe, tuned_lrs
 
         if args.json:
             print_json({"task": args.task, "recipe": recipe(args.task).as_dict(), "tuned_lrs": tuned_lrs(args.task)})
         else:
             print(describe(args.task))
         return 0
-    from ..experiment import run_experiment
+    from ..lab.experiment import run_experiment
 
     if args.plan is not None:
         if args.resume is not None:
             raise ValueError("--plan and --resume cannot be combined")
-        from ..planner import load_plan
+        from ..lab.planner import load_plan
 
         for key, value in load_plan(args.plan).items():
             setattr(args, key, value)
@@ -91,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":
-            from ..launcher import run_distributed_train
+            from ..lab.launcher import run_distributed_train
 
             return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
         with _interrupts_name_the_checkpoint(args.resume):
@@ -101,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
-        from ..launcher import run_distributed_train
+        from ..lab.launcher import run_distributed_train
 
         return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
     out = output_dir(args, f"{args.method}-N{cfg.stages}")
@@ -115,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 def _interrupts_name_the_checkpoint(out: Path) -> Iterator[None]:
     """Ctrl-C, SIGTERM or SIGHUP during a local run: one line with the signal, the last
     checkpoint and the command that resumes (exit status 128 + the signal, from main)."""
-    from ..run_folder import resume_hint
+    from ..lab.run_folder import resume_hint
 
     with interrupt_on_signals():
         try:

@@ -169,13 +169,18 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
     One row per rank from the top, time to the right. Forwards blue, backwards orange (``I``
     lighter, ``W`` darker), micro-batch numbers on boxes wide enough to hold them, updates as dark
     ticks (a thin dark box where an update has a cost), idle time grey. The title names the
-    schedule (or ``title``), N, M, the number of updates and the bubble fraction.
+    schedule (or ``title``), N, M, the number of updates and the bubble fraction. Needs
+    matplotlib (the ``lab`` extra: ``pip install 'pipeoptim[lab]'``).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as error:  # the engine runs without it; only the PNG needs it
+        raise ImportError("drawing a schedule as PNG needs matplotlib: pip install 'pipeoptim[lab]' "
+                          "(or pip install matplotlib)") from error
 
     schedule, makespan = result.schedule, max(result.makespan, 1e-9)
     ranks = schedule.num_ranks

@@ -1,7 +1,7 @@
-"""One stage process of the distributed runtime (:mod:`pipeoptim.launcher` starts them, or a
+"""One stage process of the distributed runtime (:mod:`pipeoptim.lab.launcher` starts them, or a
 user's torchrun runs ``pipeoptim train --runtime distributed`` in each): its guards against
 signals and its launcher's death, its status file, its share of the run's Pipeline
-(:func:`worker`), and the entry ``python -m pipeoptim.stage_worker RUN.json`` of a local launch
+(:func:`worker`), and the entry ``python -m pipeoptim.lab.stage_worker RUN.json`` of a local launch
 (a training run's settings, or a benchmark's)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .run_folder import read_statuses, resume_hint, write_status
-from .runtime import lifecycle
-from .runtime.lifecycle import Stop
+from ..runtime import lifecycle
+from ..runtime.lifecycle import Stop
 
 #: the environment variable that gives a stage process its launcher's pid (a local launch)
 LAUNCHER_PID = "PIPEOPTIM_LAUNCHER_PID"
@@ -67,15 +67,15 @@ def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
     """One process of a distributed `pipeoptim train`: its stage of the run's Pipeline, built
-    and trained by :func:`pipeoptim.experiment.run_experiment` from the same settings as a local
+    and trained by :func:`pipeoptim.lab.experiment.run_experiment` from the same settings as a local
     run. Rank 0 names the run folder (every rank learns it from rank 0), writes it and the
     checkpoints' manifests, and prints the summary; every stage keeps its status file."""
     import torch.distributed as dist
 
-    from .checkpoint import CheckpointError, latest_checkpoint
-    from .errors import NonFiniteLoss
+    from ..checkpoint import CheckpointError, latest_checkpoint
+    from ..errors import NonFiniteLoss
     from .experiment import run_experiment
-    from .runtime.distributed import PipelineCommError, init_process_group
+    from ..runtime.distributed import PipelineCommError, init_process_group
 
     init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
@@ -133,7 +133,7 @@ def _agree_on_folder(out: Optional[Path], timeout: float) -> Optional[Path]:
     """Rank 0's run folder, on every rank (a run under a user's torchrun names it on rank 0)."""
     import torch.distributed as dist
 
-    from .runtime.distributed import PipelineCommError, reason
+    from ..runtime.distributed import PipelineCommError, reason
 
     box = [str(out) if out is not None else None]
     try:
@@ -151,11 +151,11 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Worker entry of a local launch: ``python -m pipeoptim.stage_worker RUN.json``. The stage's
+    """Worker entry of a local launch: ``python -m pipeoptim.lab.stage_worker RUN.json``. The stage's
     guards (signals, the launcher's death) go in first, before torch starts any thread."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pipeoptim.stage_worker RUN.json (started by `pipeoptim train "
+        print("usage: python -m pipeoptim.lab.stage_worker RUN.json (started by `pipeoptim train "
               "--runtime distributed`)", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
@@ -165,8 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench_worker import bench_worker
 
         return bench_worker(spec)
-    from .errors import MissingDataError
-    from .experiment import RunConfig
+    from ..errors import MissingDataError
+    from .config import RunConfig
 
     cfg = RunConfig(**spec["config"])
     try:

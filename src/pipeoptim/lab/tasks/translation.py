@@ -5,7 +5,7 @@ Data: the SWORD modules ``engWEB2015eb`` (World English Bible) and ``spaRV1909eb
 ``mod2imp`` (``libsword-utils``). The dumps are cached under ``cache_dir()/sword/``, the parsed
 verse pairs and the sentencepiece model under ``cache_dir()/translation/``.
 
-Parsing (:mod:`pipeoptim.tasks.bible`, shared with the lm task): blocks ``$$$Book
+Parsing (:mod:`pipeoptim.lab.tasks.bible`, shared with the lm task): blocks ``$$$Book
 Chapter:Verse``; chapter or verse 0 (book and chapter introductions) are skipped; footnotes and
 cross references (``<note>``), section headings (``<title>`` not marked ``canonical="true"``;
 the canonical psalm superscriptions are verse text in both Bibles and are kept), speaker labels
@@ -83,7 +83,7 @@ PIP_HINT = "pip install sentencepiece sacrebleu   (or: make setup)"
 Pair = Tuple[str, str, str]  #: (verse key, English text, Spanish text)
 
 # --------------------------------------------------------------------------------------------
-# verse pairs (reading and cleaning the Bibles: :mod:`pipeoptim.tasks.bible`)
+# verse pairs (reading and cleaning the Bibles: :mod:`pipeoptim.lab.tasks.bible`)
 
 
 def align(en: Dict[str, str], es: Dict[str, str]) -> List[Pair]:

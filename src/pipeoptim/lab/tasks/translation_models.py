@@ -1,4 +1,4 @@
-"""The translation task's models (:mod:`pipeoptim.tasks.translation` describes them, the data
+"""The translation task's models (:mod:`pipeoptim.lab.tasks.translation` describes them, the data
 and the evaluation): a small pre-LayerNorm encoder-decoder transformer and a scaled-down GNMT,
 each an ``nn.Sequential`` of blocks that pass one tuple along (source states, pad masks, target
 states), so that any cut between blocks is a pipeline stage boundary. Pad masks are ``int64``

@@ -49,7 +49,7 @@ def _build(cls: type, kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> tor
 
 
 def _build_muon(kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    from .muon_adamw import MuonWithAdamW, split_for_muon
+    from ..muon_adamw import MuonWithAdamW, split_for_muon
 
     return MuonWithAdamW(*split_for_muon(params), **kwargs)
 

@@ -2,22 +2,22 @@
 
 Importing this package does not import torch: the command line lists :func:`task_names` and
 catches :class:`MissingDataError` before any task is loaded. :class:`Task` and
-:class:`TaskData` (from :mod:`pipeoptim.tasks.base`, which needs torch) are imported on first use.
+:class:`TaskData` (from :mod:`pipeoptim.lab.tasks.base`, which needs torch) are imported on first use.
 """
 from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..errors import MissingDataError
+from ...errors import MissingDataError
 
 _TASKS: Dict[str, str] = {
-    "image": "pipeoptim.tasks.image:ImageTask",
-    "lm": "pipeoptim.tasks.lm:LanguageModelTask",
-    "sentiment": "pipeoptim.tasks.sentiment:SentimentTask",
-    "translation": "pipeoptim.tasks.translation:TranslationTask",
+    "image": "pipeoptim.lab.tasks.image:ImageTask",
+    "lm": "pipeoptim.lab.tasks.lm:LanguageModelTask",
+    "sentiment": "pipeoptim.lab.tasks.sentiment:SentimentTask",
+    "translation": "pipeoptim.lab.tasks.translation:TranslationTask",
 }
 
-_FROM_BASE = ("Task", "TaskData")  #: names served lazily from pipeoptim.tasks.base
+_FROM_BASE = ("Task", "TaskData")  #: names served lazily from pipeoptim.lab.tasks.base
 
 
 def task_names() -> list[str]:
@@ -35,7 +35,7 @@ def get_task(name: str) -> "Task":
 
 
 def __getattr__(name: str) -> Any:
-    """``Task`` and ``TaskData``, imported from :mod:`pipeoptim.tasks.base` on first use."""
+    """``Task`` and ``TaskData``, imported from :mod:`pipeoptim.lab.tasks.base` on first use."""
     if name in _FROM_BASE:
         from . import base
 

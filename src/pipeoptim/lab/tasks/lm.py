@@ -2,7 +2,7 @@
 
 Data: the SWORD module ``engWEB2015eb`` (World English Bible, public domain, Debian
 ``sword-text-web``), dumped with ``mod2imp`` and cleaned as for the translation task
-(:mod:`pipeoptim.tasks.bible`): 37,457 verses in 1,388 chapters of 80 books (the deuterocanon
+(:mod:`pipeoptim.lab.tasks.bible`): 37,457 verses in 1,388 chapters of 80 books (the deuterocanon
 included), about 0.9 M words.
 
 Split: by chapter, from an MD5 hash of the chapter key ``"Book C"`` (:func:`split_of_chapter`):
@@ -19,7 +19,7 @@ a model's size, do not change with N): it has seen the held-out chapters' piece 
 their next-token targets.
 
 Tokens: a sentencepiece BPE model of 2,000 pieces (pad = 0, unk = 1, bos = 2, eos = 3; the
-helper of :mod:`pipeoptim.tasks.text`) trained on the training chapters only and cached under
+helper of :mod:`pipeoptim.lab.tasks.text`) trained on the training chapters only and cached under
 ``cache_dir()/lm/``. Each split becomes one stream: the chapters in canonical order, each the
 pieces of its verses followed by ``eos``. A stream is cut into blocks of ``seq_len + 1`` = 65
 tokens that overlap by one (block i starts at token i * seq_len), so that every token after the

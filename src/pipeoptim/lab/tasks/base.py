@@ -2,7 +2,7 @@
 
 A task turns a data source into mini-batches, builds models as ``nn.Sequential``s of stage-able
 blocks (or, named by :meth:`Task.traced_model_names`, modules the Pipeline traces), and knows its loss and its evaluation metric. The runtime never imports a task; the
-command line looks tasks up by name in :mod:`pipeoptim.tasks`.
+command line looks tasks up by name in :mod:`pipeoptim.lab.tasks`.
 
 Activations between blocks may be a tensor or a tuple of tensors (a translation model passes
 ``(encoder_states, decoder_inputs)``); a block receives its predecessor's output as its single
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..errors import MissingDataError  # defined there so that the command line can catch it without torch
+from ...errors import MissingDataError  # defined there so that the command line can catch it without torch
 
 Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
 

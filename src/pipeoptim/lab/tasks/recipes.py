@@ -27,7 +27,7 @@ class Recipe:
     model: str
     optimizer: str
     lr: float                  #: sequential's peak lr (the fallback for methods not tuned)
-    lr_schedule: str           #: a name of pipeoptim.lr_schedules
+    lr_schedule: str           #: a name of pipeoptim.lab.lr_schedules
     clip_grad: Optional[float]  #: max gradient norm; None: no clipping
     batch_size: int
     epochs: int

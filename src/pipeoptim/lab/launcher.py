@@ -6,7 +6,7 @@ One machine, started for you (the processes bind to 127.0.0.1)::
 
 runs torchrun's elastic agent in this process (``torch.distributed.launcher.api.elastic_launch``,
 as ``torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
---max-restarts 0 -m pipeoptim.stage_worker RUN.json`` would, the run's settings in a temporary
+--max-restarts 0 -m pipeoptim.lab.stage_worker RUN.json`` would, the run's settings in a temporary
 file). If a stage fails or is killed, the agent stops the others within a tenth of a second and
 the command says which stage was lost and how (each stage keeps ``RUN/status/stage-K.json`` up to
 date, so that a stage killed outright is told apart from those cut off from it), names the last
@@ -57,11 +57,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
+from ..errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
 from .run_folder import clear_statuses, read_statuses, resume_hint
-from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.layout import Layout, plan_layout
-from .runtime.lifecycle import under_torchrun
+from ..runtime.defaults import DEFAULT_TIMEOUT
+from ..runtime.layout import Layout, plan_layout
+from ..runtime.lifecycle import under_torchrun
 from .stage_worker import LAUNCHER_PID, RESUME_COMMAND, guard_stage, worker
 
 #: set in the stage processes of a local launch: the launcher's pid (it reports for them)
@@ -118,7 +118,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
 
 def run_layout(cfg) -> Layout:
     """The layout of the run ``cfg`` (:func:`pipeoptim.runtime.layout.plan_layout`)."""
-    from .methods import get_method
+    from ..methods import get_method
 
     return plan_layout(get_method(cfg.method), stages=cfg.stages, partition=cfg.partition, chunks=cfg.chunks)
 
@@ -151,7 +151,7 @@ def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", str(threads or 1))  # (also quiets torchrun's banner)
-    src = str(Path(__file__).resolve().parents[1])  # the package importable in the workers
+    src = str(Path(__file__).resolve().parents[2])  # the package importable in the workers
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[LAUNCHER_PID] = str(os.getpid())  # the workers watch this process, and leave reporting to it
     return env
@@ -205,7 +205,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
         clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
-        failures = run_workers(nproc, "pipeoptim.stage_worker", [str(config)], torchrun_env(threads))
+        failures = run_workers(nproc, "pipeoptim.lab.stage_worker", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
     signalled = interrupted_stages(failures, out)
@@ -302,7 +302,7 @@ def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
     last checkpoint (stage k is rank k); and the stages it names."""
-    from .checkpoint import CheckpointError, latest_checkpoint
+    from ..checkpoint import CheckpointError, latest_checkpoint
 
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)

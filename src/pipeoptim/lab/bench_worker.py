@@ -1,5 +1,5 @@
 """What `pipeoptim bench` runs inside its worker processes (one per stage, started by
-:func:`pipeoptim.launcher.run_workers`): the ``blocks`` model, the data, and every method timed in
+:func:`pipeoptim.lab.launcher.run_workers`): the ``blocks`` model, the data, and every method timed in
 turn through :class:`pipeoptim.Pipeline` (one stage per process, as a user's script under
 torchrun) beside the single-process ``sequential`` baselines (a Pipeline of rank 0's own,
 ``LocalWorld``); rank 0 writes the results file that the command (:mod:`pipeoptim.cli.bench`)
@@ -137,14 +137,14 @@ def bench_worker(spec: Dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
-    from .methods import get_method
+    from ..methods import get_method
     from .optimizers import make_optimizer
-    from .partition import plan_partition
-    from .pipeline import Pipeline
-    from .prediction import predicted_activations
-    from .profile import profile_model
-    from .runtime.distributed import init_process_group
-    from .world import LocalWorld
+    from ..partition import plan_partition
+    from ..pipeline import Pipeline
+    from ..prediction import predicted_activations
+    from ..profile import profile_model
+    from ..runtime.distributed import init_process_group
+    from ..world import LocalWorld
 
     init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -21,88 +21,24 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..methods import get_method
+from ..pipeline import Pipeline, TrainResult, resolve_devices
+from ..prepare import prepare
+from ..runtime.defaults import DEFAULT_TIMEOUT
+from ..runtime.microbatch import split_batch
+from ..runtime.spec import RunSpec, checkpoint_settings, resolve
+from ..schedules import Costs, simulate
+from .config import RunConfig
 from .lr_schedules import make_lr_schedule
-from .methods import get_method
-from .pipeline import Pipeline, TrainResult, resolve_devices
-from .runtime.defaults import DEFAULT_TIMEOUT
 from .optimizers import make_optimizer
 from .plots import plot_runs
-from .runtime.microbatch import split_batch
-from .schedules import Costs, simulate
 from .tasks import Task, TaskData, get_task
-from .prepare import prepare
-from .runtime.spec import RunSpec, checkpoint_settings, resolve
-
-
-@dataclass
-class RunConfig:
-    """Every setting of a run, as the command line takes them."""
-
-    task: str = "image"
-    model: Optional[str] = None
-    method: str = "pipeoptim"
-    stages: int = 4
-    micro_batches: Optional[int] = None
-    #: model chunks per stage (interleaved; --chunks); None: the method's own
-    chunks: Optional[int] = None
-    partition: Optional[List[int]] = None
-    partitioner: str = "uniform"
-    optimizer: str = "momentum"
-    lr: Optional[float] = None
-    #: where ``lr`` came from, as the run prints it (the command line says: --lr, tuned for the
-    #: method by a study, or the recipe's); None: given by the caller
-    lr_source: Optional[str] = None
-    weight_decay: float = 0.0
-    momentum: Optional[float] = None
-    beta1: Optional[float] = None      #: first-moment decay of the optimizers with betas (--beta1)
-    adamw_lr: Optional[float] = None   #: muon: the lr of its AdamW part (--adamw-lr; default lr / 10)
-    epochs: int = 1
-    batch_size: Optional[int] = None
-    limit: Optional[int] = None
-    seed: int = 0
-    continuous: bool = False
-    checkpoint_every: Optional[int] = None
-    method_options: Dict[str, Any] = field(default_factory=dict)
-    lr_schedule: str = "constant"      #: constant, warmup-cosine or step (pipeoptim.lr_schedules)
-    warmup_steps: Optional[int] = None
-    clip_grad: Optional[float] = None  #: max gradient norm
-    clip_scope: str = "stage"          #: stage (each stage's own norm) or global (synchronous methods)
-    precision: str = "fp32"
-    #: every stage recomputes its forward in the backward, keeping only its inputs (--recompute)
-    recompute: bool = False
-    device: str = "auto"               #: auto, one device, or one per stage separated by commas
-    #: also drain and evaluate every K mini-batches (Pipeline.fit's eval_every); None: epoch ends only
-    eval_every: Optional[int] = None
-    #: hold N training examples out as the validation split (Task.load's holdout); None: no split
-    holdout: Optional[int] = None
-
-    def devices(self) -> Any:
-        """``device`` as Pipeline takes it: a name, or a list with one per stage."""
-        return self.device.split(",") if "," in self.device else self.device
-
-    @property
-    def eval_split(self) -> str:
-        """The split evaluated during training: ``validation`` with ``holdout``, else ``test``."""
-        return "validation" if self.holdout is not None else "test"
-
-    def resolved(self, task: Task) -> "RunConfig":
-        """Fill the task's defaults (model, batch size, learning rate)."""
-        cfg = RunConfig(**asdict(self))
-        cfg.model = cfg.model or task.default_model
-        if cfg.model not in task.model_names():
-            raise ValueError(f"task {task.name} has no model {cfg.model!r}; choose one of: "
-                             f"{', '.join(task.model_names())}")
-        cfg.batch_size = cfg.batch_size or task.default_batch_size
-        if cfg.lr is None:
-            cfg.lr = task.default_lr.get(cfg.optimizer, 1e-3)
-            cfg.lr_source = cfg.lr_source or f"the {task.name} task's usual lr for {cfg.optimizer}"
-        return cfg
 
 
 #: --lr-correction delay without --lr-correction-steps anneals over this share of the run's updates

@@ -12,7 +12,7 @@ Conventions used by the tasks:
 * sequences are padded (at the end) or truncated to a fixed length, so that every batch of a
   task has the same shape apart from the batch dimension.
 
-``cache_dir`` and ``seeded_permutation`` come from :mod:`pipeoptim.tasks.common`.
+``cache_dir`` and ``seeded_permutation`` come from :mod:`pipeoptim.lab.tasks.common`.
 """
 from __future__ import annotations
 

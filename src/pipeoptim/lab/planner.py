@@ -38,13 +38,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .methods import get_method, method_names
-from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .prediction import (  # noqa: F401 (re-exported: the planner's names before the split)
+from ..methods import get_method, method_names
+from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
+from ..prediction import (  # noqa: F401 (re-exported: the planner's names before the split)
     EXACT_BATCHES, head_rows, candidate_problem, describe_partition, extrapolated_makespan, microbatch_size,
     partition_for, predict, profile_sizes, scaled_profile, schedule_makespan, simulated_makespan, stage_costs,
     stage_memory)
-from .profile import measure_stages
+from ..profile import measure_stages
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1

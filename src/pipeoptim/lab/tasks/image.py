@@ -3,7 +3,7 @@
 Data. The four gzipped idx files come from Debian's ``dataset-fashion-mnist`` package
 (``/usr/share/datasets/fashion-mnist``; ``$PIPEOPTIM_FASHION_MNIST_DIR`` points elsewhere). They
 are parsed with numpy, nothing is downloaded, and a missing data set raises
-:class:`~pipeoptim.tasks.base.MissingDataError` naming the install command. Parsed arrays are
+:class:`~pipeoptim.lab.tasks.base.MissingDataError` naming the install command. Parsed arrays are
 cached in memory per process. Pixels are scaled to [0, 1] and then normalised with the mean and
 standard deviation of the whole training set (independent of ``limit`` and ``seed``).
 
@@ -19,7 +19,7 @@ file order (seed-independent, roughly class-balanced at any prefix): all 10,000 
 set large enough for a steady accuracy but cheap to evaluate. Test batches keep the last partial
 batch. Inputs are float32 tensors ``(B, 1, 28, 28)``; targets int64 ``(B,)``.
 
-Models: :mod:`pipeoptim.tasks.image_models` (``vgg``, the default; ``vgg-bn``, ``resnet``, ``mlp``).
+Models: :mod:`pipeoptim.lab.tasks.image_models` (``vgg``, the default; ``vgg-bn``, ``resnet``, ``mlp``).
 """
 from __future__ import annotations
 

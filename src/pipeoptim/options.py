@@ -1,0 +1,246 @@
+"""Every option of a pipeline run, defined once: its name, default, meaning, and how the command
+line takes it.
+
+An :class:`Option` is a keyword of :class:`pipeoptim.Pipeline` (``scope="pipeline"``), of
+:meth:`pipeoptim.Pipeline.fit` (``"fit"``), or a method's own option (``"method"``: passed to
+the Pipeline as a keyword and to the method's weight policy; which methods take it is read from
+the method registry, :func:`takers`). :func:`pipeoptim.train` takes them all. The docstrings of
+``Pipeline``, ``fit`` and ``train`` list them from here (:func:`describe`), the command line
+builds its flags and ``--help`` from here (``pipeoptim.cli.common``), and the lab's run
+configuration names its fields after them; ``tests/test_options.py`` fails where one of those
+has an option that this table (or the lab's, ``pipeoptim.lab.config``) does not, or lacks one
+that it has. Imports no torch, so that ``pipeoptim --help`` starts without it.
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .methods import method_names
+from .runtime.defaults import DEFAULT_TIMEOUT
+
+#: The default of an option that must be given (the Pipeline's optimizer).
+REQUIRED = object()
+
+#: A flag's default where the command line passes None on: the task's recipe, the method or the
+#: run decides (or, for ``--resume``, no run to resume).
+NOT_GIVEN = object()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line takes an option: ``--name-with-dashes`` unless ``name`` says another,
+    parsed by ``type`` (a name the command line resolves: ``int``, ``float``, ``str``, ``ints``
+    for comma-separated integers, ``norm`` for a max norm or none, ``path``; or ``switch`` for a
+    flag without a value), in the ``--help`` group ``group``. ``config``: the field of the lab's
+    run configuration that holds it, where it is named otherwise (``method_options``: the dict
+    of the method's options). ``default``: the command line's own default where it differs from
+    the API's (``NOT_GIVEN``: None, and the task's recipe, the method or the run decides). ``note``: what ``--help`` adds (the
+    command line's form of the value)."""
+
+    type: str = "str"
+    group: str = "pipeline"
+    name: Optional[str] = None
+    metavar: Optional[str] = None
+    choices: Optional[Tuple[Any, ...]] = None
+    config: Optional[str] = None
+    default: Any = None
+    note: str = ""
+    #: set by the command that has it (``train`` or ``compare`` alone, or the distributed runtime's options)
+    only: Optional[str] = None
+    #: held in the lab's run configuration (False: the command passes it to the run apart)
+    in_config: bool = True
+
+    def flag_name(self, option: str) -> str:
+        return self.name or "--" + option.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: ``name`` (the keyword), ``default`` (the API's), ``help`` (what it means, as
+    the docstrings and ``--help`` say it), ``scope`` (``pipeline``, ``fit`` or ``method``), and
+    ``flag``: how the command line takes it, or None with ``api_only`` saying why it has none
+    (a Python object, or not yet)."""
+
+    name: str
+    default: Any
+    help: str
+    scope: str
+    flag: Optional[Flag] = None
+    api_only: str = ""
+
+
+CORRECTIONS = "delay corrections (asynchronous methods; all off by default)"
+
+OPTIONS: Tuple[Option, ...] = (
+    # -- the Pipeline: the method, the cut, the devices -------------------------------------
+    Option("method", "pipeoptim", "the training method: a (schedule, weight policy) pair from the registry, "
+           "by name (pipeoptim.method_names())", "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
+                            note="`pipeoptim compare` takes --methods, a list")),
+    Option("loss_fn", None, "loss_fn(output, target) -> scalar tensor, a mean over the mini-batch, of the output "
+           "as the model returns it (a tensor, a tuple, a dict, a ModelOutput). A mini-batch is (inputs, target) "
+           "(inputs: a tensor, a tuple of positional or a dict of keyword arguments), or a dict of keyword "
+           "tensors (each split along dim 0) whose labels is the target (model(**rest)). None: the model "
+           "computes its own loss, model(**batch).loss (or ['loss']), from dict batches with labels, which "
+           "travel as a target does, to the last stage only; other forms are refused with the fix "
+           "(pipeoptim.batches)", "pipeline",
+           api_only="a function; the command line takes the task's"),
+    Option("optimizer", REQUIRED, "optimizer(params) -> torch.optim.Optimizer, called once per stage with that "
+           "stage's parameters", "pipeline", api_only="a factory; the command line builds one from --optimizer "
+           "and --lr (the lab's options)"),
+    Option("stages", None, "pipeline stages N (processes under torchrun; default there: the processes of a "
+           "replica), cut by the partitioner", "pipeline",
+           Flag("int", default=NOT_GIVEN, note="default: the --partition's, else 4; sequential uses 1")),
+    Option("partition", None, "layers per stage of an nn.Sequential (units per stage of a traced model), "
+           "e.g. [3, 3, 2]; with chunks, the layers of every one of the stages x chunks pieces", "pipeline",
+           Flag("ints", metavar="N,N,...")),
+    Option("partitioner", None, "how stages=N is cut: uniform (the default for an nn.Sequential), params, or "
+           "time (the default for a traced model: balanced by each unit's forward+backward time profiled on "
+           "the example input; under torchrun, rank 0's choice)", "pipeline",
+           Flag(choices=("uniform", "params"), default="uniform")),
+    Option("split_points", None, "a traced model's cut: the qualified names of the submodules where stages "
+           "2..N begin (['layers.4', 'layers.8']), in call order", "pipeline",
+           api_only="the command line's models are cut by --stages/--partition"),
+    Option("example_input", None, "the inputs to trace a model that is not an nn.Sequential on (a tensor, a "
+           "tuple of the forward's positional arguments, or a dict batch); default: the first mini-batch, "
+           "and the model is split then", "pipeline", api_only="a tensor; the command line traces on its data"),
+    Option("chunks", None, "model chunks per stage, for interleaved (default 2): the model is cut into "
+           "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
+           "least that many layers and micro-batches a multiple of the stages); zb-v always holds 2, in a V "
+           "(pieces k and 2N-1-k)", "pipeline", Flag("int")),
+    Option("micro_batches", None, "micro-batches per mini-batch for the methods that use them (default: the "
+           "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2 for xpipe, "
+           "1 for the others)", "pipeline", Flag("int")),
+    Option("lr_scheduler", None, "lr_scheduler(optimizer) -> LRScheduler, called once per stage; each stage "
+           "steps it right after its own update, so update j has the same lr on every stage whatever the "
+           "method, and the prediction reads the group's lr as it is then", "pipeline",
+           api_only="a factory; the command line builds one from --lr-schedule"),
+    Option("clip_grad_norm", None, "clip the gradient norm to this before every update (see clip_scope)",
+           "pipeline", Flag("norm", group="optimizer", name="--clip-grad", metavar="MAX_NORM", config="clip_grad",
+                            default=NOT_GIVEN, note="none: no clipping (default: the task's recipe)")),
+    Option("clip_scope", "stage", "stage: each stage clips its own gradient; global: by the norm over all "
+           "stages, as a plain loop clips the whole model (as torchtitan does), for synchronous methods only: "
+           "an asynchronous stage never holds the same mini-batch's gradients as the others when it updates",
+           "pipeline", Flag(choices=("stage", "global"), group="optimizer", default=NOT_GIVEN,
+                            note="default: global for the synchronous methods (equal to sequential), stage "
+                                 "for the others")),
+    Option("precision", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
+           "device; parameters, gradients, optimizer state and prediction stay fp32", "pipeline",
+           Flag(choices=("fp32", "bf16"), group="precision and devices")),
+    Option("recompute", False, "activation recomputation (True for every stage, or one bool per stage): a "
+           "recomputing stage keeps only its input per micro-batch in flight and runs its forward again in "
+           "the backward (torch's non-reentrant checkpointing), on the forward's random state and weights, so the losses equal those without it; "
+           "where a method's weights change between a forward and its backward without a copy kept "
+           "(async-naive, pipeoptim with backward=latest, spectrain, xpipe), it keeps a copy of the forward's "
+           "weights per micro-batch in flight instead", "pipeline",
+           Flag("switch", group="precision and devices", note="every stage")),
+    Option("devices", "auto", "auto (one GPU per stage when there are enough, else the CPU), one device for "
+           "every stage, or one per stage (pipeline.resolve_devices); inputs go to the first stage's device, "
+           "targets to the last's, activations and gradients between the stages' devices",
+           "pipeline", Flag(name="--device", metavar="DEV", group="precision and devices", config="device",
+                            note="one per stage separated by commas: cuda:0,cuda:1")),
+    Option("diagnose_every", 0, "every K-th micro-batch, measure per stage how far the weights its forward "
+           "used were from those live at its backward, against the stale weights' distance "
+           "(metrics['prediction_error']); 0: off", "pipeline",
+           Flag("int", metavar="K", group="evaluation during training", only="train", in_config=False)),
+    Option("timeout", DEFAULT_TIMEOUT, "under torchrun, seconds a stage waits for a peer before the run fails",
+           "pipeline", Flag("float", group="distributed runtime", only="distributed", in_config=False)),
+    Option("threads", 1, "under torchrun on the CPU, compute threads per stage process (1, so that N "
+           "processes on N cores do not oversubscribe them); None leaves torch's", "pipeline",
+           Flag("int", group="distributed runtime", only="distributed", in_config=False)),
+    Option("data_parallel", None, "under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D; "
+           "default: inferred from WORLD_SIZE and the stages); each replica reads its own shard of the data "
+           "(a DistributedSampler with num_replicas=pipe.data_parallel_size, rank=pipe.data_parallel_rank) "
+           "and each stage averages its gradients over its replicas before every update (buckets sent during "
+           "the last backward), so weights, optimizer state and predictions stay identical; losses and "
+           "metrics are the means over the replicas", "pipeline",
+           api_only="`pipeoptim train` runs one replica; `pipeoptim bench --data-parallel` times replicas"),
+    Option("world", None, "where the stages run: default one stage per process under torchrun, else every "
+           "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
+           api_only="an object"),
+    # -- the method's own options -----------------------------------------------------------
+    Option("steps", "exact", "the prediction's step count s: exact (the updates before this mini-batch's "
+           "backward, min(t, N-1-k)), paper (N-1-k), or code (N-k, as the authors' code)", "method",
+           Flag(group="method")),
+    Option("backward", "latest", "the weights of the backward pass: latest (the paper) or predicted (the "
+           "forward's, stashed)", "method", Flag(group="method")),
+    Option("sgd_momentum", "paper", "with SGD momentum, Delta = m (paper) or mu*m + (1-dampening)*g (the "
+           "authors' code)", "method", Flag(group="method")),
+    Option("vertical_sync", False, "every stage uses stage 0's weight version", "method",
+           Flag("switch", group="method")),
+    Option("lr_correction", "none", "delay (PipeMare): stage k with delay tau = N-1-k applies "
+           "lr(t) / tau ** (1 - min(t/T, 1)); the prediction uses the corrected lr; no weight copy", "method",
+           Flag(group=CORRECTIONS)),
+    Option("lr_correction_steps", None, "T, the updates over which the delay correction anneals to the "
+           "scheduled lr", "method",
+           Flag("int", metavar="T", group=CORRECTIONS, note="default: 30% of the run's updates")),
+    Option("horizon", "constant", "scheduled: the prediction spans the scheduler's lrs of the next s updates, "
+           "not s * lr(t) (equal under a constant lr); no weight copy", "method", Flag(group=CORRECTIONS)),
+    Option("delta", "optimizer", "ema: Delta is the moving average of the updates applied, per unit lr (sees "
+           "weight decay, clipping, schedules; any optimizer); one more weight copy per stage", "method",
+           Flag(group=CORRECTIONS)),
+    Option("ema_decay", None, "the decay of delta=ema (default 0.9)", "method",
+           Flag("float", metavar="G", group=CORRECTIONS)),
+    Option("prediction_warmup", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
+           "updates", "method", Flag("int", metavar="T", group=CORRECTIONS)),
+    Option("sync_warmup", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
+           "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
+    # -- fit ----------------------------------------------------------------------------------
+    Option("epochs", 1, "passes over the loader (iterated once per epoch; len() is used when it exists)",
+           "fit", Flag("int", group="task and data", default=NOT_GIVEN)),
+    Option("eval_loader", None, "after each epoch (and every eval_every), evaluate() on this loader with "
+           "metric; the value is the epoch's metric", "fit", api_only="an iterable; the command line "
+           "evaluates the task's test (or --holdout validation) split"),
+    Option("metric", None, "metric(output, target): a mini-batch's value (a mean over it) for eval_loader; "
+           "default: the loss", "fit", api_only="a function; the task's"),
+    Option("evaluate", None, "evaluate(model) -> float after each epoch instead of eval_loader: a function "
+           "written for a model on one device (under torchrun the model gathered on each replica's first "
+           "stage)", "fit", api_only="a function; the task's"),
+    Option("eval_every", None, "also drain and evaluate every K mini-batches of an epoch, for curves of the "
+           "metric against updates and time (metrics['evaluations']: epoch, batch, updates, metric, "
+           "seconds); synchronous methods train the same whatever K, asynchronous ones restart their "
+           "warm-up after each drain, so their results depend on K; not with continuous", "fit",
+           Flag("int", metavar="K", group="evaluation during training")),
+    Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
+           api_only="a function"),
+    Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
+    Option("on_eval", None, "on_eval(entry) after each evaluation", "fit", api_only="a function"),
+    Option("checkpoint_dir", None, "drain and save every stage there every checkpoint_every mini-batches and "
+           "at each epoch's end", "fit", api_only="the command line checkpoints into its run folder (--out)"),
+    Option("checkpoint_every", None, "drain and checkpoint every K mini-batches of an epoch (and always at "
+           "each epoch's end)", "fit",
+           Flag("int", metavar="K", group="output", only="train")),
+    Option("resume", False, "continue from the newest checkpoint in checkpoint_dir, to the losses of an "
+           "uninterrupted run (the same checkpoint_every and eval_every; the loader gives the same "
+           "mini-batches: a list, or a DataLoader that shuffles with torch's global generator)", "fit",
+           Flag("path", name="--resume", metavar="RUN_DIR", group="output", only="train", default=NOT_GIVEN,
+                in_config=False,
+                note="the run in RUN_DIR, with its settings")),
+    Option("continuous", False, "every epoch in one schedule, no drain between epochs (asynchronous "
+           "methods; evaluation only at the end)", "fit", Flag("switch")),
+)
+
+#: every option by name
+BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def of_scope(*scopes: str) -> List[Option]:
+    """The options of these scopes, in the table's order."""
+    return [o for o in OPTIONS if o.scope in scopes]
+
+
+def takers(name: str, methods: Dict[str, Any]) -> List[str]:
+    """The methods (of the registry ``methods``: name -> Method) that take the method option ``name``."""
+    return [m for m, method in methods.items() if name in method.options]
+
+
+def describe(options: Sequence[Option], indent: int = 8, width: int = 96) -> str:
+    """The options as a docstring's ``Args`` entries: ``name: meaning (default ...)``."""
+    lines = []
+    for o in options:
+        default = " Required." if o.default is REQUIRED else \
+            "" if o.default is None or o.default is False else f" Default: {o.default!r}."
+        text = f"{o.name}: {o.help}.{default}"
+        lines += textwrap.wrap(text, width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""One definition per option (issue 35 item 2): every option of a run is defined once, in
+pipeoptim.options (the engine's) or pipeoptim.lab.config (the lab's), and the Pipeline, fit,
+train, the lab's RunConfig, the command line's flags and its --help are held to those tables:
+an option in one of them and not in the others (nor declared API-only or command-line-only)
+fails here."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import pytest
+
+import pipeoptim
+from pipeoptim.cli import build_parser
+from pipeoptim.cli.flags import GROUPS, cli_default, flag_help
+from pipeoptim.lab.config import DERIVED_FIELDS, LAB_OPTIONS, RunConfig, config_field
+from pipeoptim.methods import METHODS
+from pipeoptim.options import BY_NAME, NOT_GIVEN, OPTIONS, REQUIRED, of_scope
+
+ALL = (*OPTIONS, *LAB_OPTIONS)
+
+
+def parameters(function) -> dict:
+    """A function's keyword parameters and their defaults (no self, model, loader, **; a required
+    one's default as the tables write it, REQUIRED)."""
+    return {name: REQUIRED if p.default is p.empty else p.default
+            for name, p in inspect.signature(function).parameters.items()
+            if name not in ("self", "model", "loader", "batches")
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def flags(parser: argparse.ArgumentParser) -> dict:
+    """flag -> action, every flag but --help."""
+    return {s: a for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+
+
+def test_the_tables_define_each_option_once_with_its_meaning():
+    names = [o.name for o in OPTIONS]
+    assert len(names) == len(set(names)) and len({o.name for o in LAB_OPTIONS}) == len(LAB_OPTIONS)
+    for option in ALL:
+        assert option.help and option.scope in ("pipeline", "fit", "method", "lab", "cli"), option.name
+        assert (option.flag is None) == bool(option.api_only), f"{option.name}: a flag, or why it has none"
+
+
+def test_the_pipeline_takes_exactly_the_pipeline_options_with_their_defaults():
+    assert parameters(pipeoptim.Pipeline.__init__) == {o.name: o.default for o in of_scope("pipeline")}
+
+
+def test_fit_takes_exactly_the_fit_options_with_their_defaults():
+    assert parameters(pipeoptim.Pipeline.fit) == {o.name: o.default for o in of_scope("fit")}
+
+
+def test_train_takes_every_pipeline_and_fit_option():
+    """train is Pipeline(...).fit(...): its signature is the two tables' (and runtime)."""
+    expected = {o.name: o.default for o in of_scope("pipeline", "fit") if o.name != "method"}
+    expected["runtime"] = "local"
+    got = parameters(pipeoptim.train)
+    assert got.pop("method") is REQUIRED  # train names its method
+    assert got == expected
+
+
+def test_every_method_option_is_defined_and_every_defined_one_is_a_methods():
+    taken = {key for m in METHODS.values() for key in m.options}
+    assert taken == {o.name for o in of_scope("method")}
+    for option in of_scope("method"):  # the default the table states is each taker's
+        assert {METHODS[m].options[option.name] for m in METHODS if option.name in METHODS[m].options} \
+            == {option.default}, option.name
+
+
+def test_the_run_configuration_has_a_field_for_every_option_the_command_line_takes():
+    fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    wanted = {config_field(o) for o in ALL if o.flag is not None and o.flag.in_config
+              and o.scope not in ("method", "cli")}
+    assert set(fields) - set(DERIVED_FIELDS) - {"method_options"} == wanted
+    for option in ALL:
+        field = config_field(option)
+        if field in fields and option.scope == "lab" and option.flag.default is None:
+            assert fields[field] == option.default, field  # the lab's defaults are the table's
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_every_flag_of_a_training_command_is_an_option_and_says_what_the_option_means(command):
+    parser = subcommand(command)
+    by_flag = {o.flag.flag_name(o.name): o for o in ALL if o.flag is not None}
+    for flag, action in flags(parser).items():
+        assert flag in by_flag, f"{command} {flag} is no option of the tables"
+        option = by_flag[flag]
+        assert action.help == flag_help(option)
+        assert action.default == cli_default(option)
+    for flag, option in by_flag.items():
+        if option.flag.only in (None, command) or (command == "train" and option.flag.only == "distributed"):
+            assert flag in flags(parser), f"{command} lacks {flag}"
+        else:
+            assert flag not in flags(parser), f"{command} has {flag}, which is {option.flag.only}'s"
+
+
+def test_train_help_lists_every_training_option_with_its_meaning():
+    text = " ".join(subcommand("train").format_help().split())
+    for option in ALL:
+        if option.flag is not None and option.flag.only in (None, "train", "distributed"):
+            assert option.flag.flag_name(option.name) in text
+            first = " ".join(option.help.split()[:6])
+            assert first in text, option.name
+
+
+def test_the_docstrings_list_the_options_from_the_tables():
+    for option in of_scope("pipeline", "method"):
+        assert f"{option.name}: {option.help[:40]}" in " ".join(pipeoptim.Pipeline.__doc__.split())
+    for option in of_scope("fit"):
+        assert f"{option.name}: {option.help[:40]}" in " ".join(pipeoptim.Pipeline.fit.__doc__.split())
+    assert "checkpoint_every:" in pipeoptim.train.__doc__ and "stages:" in pipeoptim.train.__doc__
+
+
+def test_a_flag_default_never_leaks_a_sentinel():
+    for option in ALL:
+        if option.flag is not None:
+            assert cli_default(option) is not NOT_GIVEN
+    assert set(GROUPS) >= {o.flag.group for o in ALL if o.flag is not None}
+    assert BY_NAME["stages"].flag.default is NOT_GIVEN  # the recipe's 4, not the API's None
