@@ -52,20 +52,36 @@ def load_data(task: Task, cfg: RunConfig) -> TaskData:
 
 
 def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> None:
-    """Refuse settings that cannot run (ValueError saying the fix) before anything is written,
-    and fill in the defaults that depend on the run's length (``lr_correction_steps``). A model
-    that is not an ``nn.Sequential`` is traced on the first mini-batch and split as the
-    Pipeline will split it (:func:`traced_spec`)."""
+    """Refuse settings that cannot run (ValueError saying the fix) where no Pipeline is built
+    yet: the launcher, before it starts the stage processes. Fills the defaults that depend on
+    the run's length (:func:`fill_run_defaults`); a model that is not an ``nn.Sequential`` is
+    traced on the first mini-batch and split as the Pipeline will split it (:func:`traced_spec`)."""
+    fill_run_defaults(cfg, batches)
+    if isinstance(model, torch.nn.Sequential):
+        spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
+                       partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
+                       method_options=cfg.method_options, chunks=cfg.chunks)
+    else:
+        spec = traced_spec(cfg, model, batches)
+    check_spec(cfg, spec, batches)
+
+
+def fill_run_defaults(cfg: RunConfig, batches: List[Any]) -> None:
+    """The defaults that depend on the run's length (``lr_correction_steps``), filled in ``cfg``;
+    the run's length checked (at least one epoch, one mini-batch)."""
+    if cfg.epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {cfg.epochs}")
+    if not batches:
+        raise ValueError("no mini-batches to train on")
     options = cfg.method_options
     if options.get("lr_correction") == "delay" and options.get("lr_correction_steps") is None:
         updates = len(batches) * cfg.epochs
         cfg.method_options = {**options, "lr_correction_steps": max(1, round(DEFAULT_LR_CORRECTION_SHARE * updates))}
-    if isinstance(model, torch.nn.Sequential):
-        spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
-                       partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
-                       method_options=cfg.method_options, epochs=cfg.epochs, batches=batches, chunks=cfg.chunks)
-    else:
-        spec = traced_spec(cfg, model, batches)
+
+
+def check_spec(cfg: RunConfig, spec: RunSpec, batches: List[Any]) -> None:
+    """What the resolved run ``spec`` must still fit: the checkpoint and evaluation intervals,
+    every mini-batch splitting into the micro-batches, the lr schedule, the devices, clipping."""
     checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous, cfg.eval_every)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
@@ -81,10 +97,6 @@ def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> R
     units, as the Pipeline will; what the split refuses (more stages than candidate points, a
     chunked method, a weight tied across stages with a method that cannot keep it tied) is
     refused here, before anything is written. Torch's random state is left as it was."""
-    if cfg.epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {cfg.epochs}")
-    if not batches:
-        raise ValueError("no mini-batches to train on")
     with torch.random.fork_rng(devices=[]):
         return prepare(model, batches[0][0], method=cfg.method, stages=cfg.stages, partition=cfg.partition,
                        split_points=None, partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
@@ -139,12 +151,14 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
     in one process or, started under torchrun, one stage per process (the Pipeline joins the
     job; ``devices`` then names the kind, ``cpu`` or ``cuda``, instead of ``cfg``'s, and
     ``timeout`` and ``threads`` are the stage processes' own). Seeds the model and the training's
-    randomness; refuses settings that cannot run (:func:`check_run`) before anything is written."""
+    randomness; refuses settings that cannot run before anything is written: the Pipeline checks
+    its own when it is built and splits the model on the first mini-batch then (a traced model is
+    traced once), and :func:`check_spec` what the resolved run must still fit."""
     model = task.build_model(cfg.model, data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout and other randomness during training
-    check_run(cfg, model, data.train)
+    fill_run_defaults(cfg, data.train)
     updates = len(data.train) * cfg.epochs
-    return Pipeline(model, method=cfg.method, loss_fn=task.loss,
+    pipe = Pipeline(model, method=cfg.method, loss_fn=task.loss,
                     optimizer=make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1,
                                              cfg.adamw_lr),
                     stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
@@ -153,6 +167,9 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
                     recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
                     timeout=timeout, threads=threads, chunks=cfg.chunks, **cfg.method_options)
+    pipe.prepare(data.train[0][0])  # as fit would on its first mini-batch (nothing draws randomness between)
+    check_spec(cfg, pipe.spec, data.train)
+    return pipe
 
 
 def evaluation(pipe: Pipeline, task: Task, data: TaskData, split: str) -> Dict[str, Any]:

@@ -38,15 +38,11 @@ class RunSpec:
 
 def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
             partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
-            epochs: int = 1, batches: Sequence = (None,), chunks: Optional[int] = None) -> RunSpec:
+            chunks: Optional[int] = None) -> RunSpec:
     """Check a run's settings before any work starts; errors are ValueErrors that say the fix.
 
     ``stages`` counts ranks; with ``chunks=V`` (a chunked method: interleaved) the model is cut
     into ``stages x V`` stages, and ``partition`` lists the layers of each of them."""
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}")
-    if not batches:
-        raise ValueError("no mini-batches to train on")
     m = get_method(method)
     options = m.resolve_options(method_options)
     if not isinstance(model, nn.Sequential):
