@@ -1,5 +1,5 @@
 """Time to target: how many updates a run needs to first reach a target metric, and how long that
-takes on N devices (issue 16's question: which method reaches my target first?).
+takes on N devices.
 
 Pure arithmetic on numbers a run already recorded (no torch): a *curve* is a sequence of
 ``(updates, metric)`` points in training order, such as a run's evaluations

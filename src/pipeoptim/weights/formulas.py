@@ -1,10 +1,11 @@
-"""The per-optimizer formulas of Delta, the direction each optimizer applied at its last step
-relative to the group lr (the table of :mod:`pipeoptim.weights.predict`; docs/architecture.md,
-"The prediction per optimizer"): which formula an optimizer follows (by its ``step`` function,
-per group for a composite optimizer), what the step hooks capture before a step, and how the
-capture and the optimizer's state become Delta after it. :class:`DirectionFormulas` is the
-:class:`~pipeoptim.weights.predict.Predictor`'s half that knows the optimizers; the Predictor
-keeps the hooks, the cache of Delta and the predictions.
+"""The per-optimizer formulas of Delta (docs/architecture.md, "The prediction per optimizer").
+
+Delta is the direction each optimizer applied at its last step relative to the group lr (the
+table of :mod:`pipeoptim.weights.predict`). This module holds which formula an optimizer follows
+(by its ``step`` function, per group for a composite optimizer), what the step hooks capture
+before a step, and how the capture and the optimizer's state become Delta after it.
+:class:`DirectionFormulas` is the :class:`~pipeoptim.weights.predict.Predictor`'s half that
+knows the optimizers; the Predictor keeps the hooks, the cache of Delta and the predictions.
 """
 
 from __future__ import annotations
