@@ -111,3 +111,21 @@ def test_no_temporary_files_left_behind(tmp_path):
     save_all(stages, tmp_path / "c")
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["manifest.json", "stage-0.pt", "stage-1.pt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "latest.json"]
+
+
+def test_a_checkpoint_of_the_positional_format_is_refused_naming_the_fix(tmp_path):
+    """Format 2 keys each stage's state by parameter name (the state Pipeline.state_dict holds);
+    a format-1 checkpoint (torch's positional optimizer state) is refused, with what to do."""
+    _, stages = make_stages()
+    train_some(stages, batches(2))
+    folder = tmp_path / "c"
+    save_all(stages, folder)
+    state = torch.load(folder / "stage-0.pt", weights_only=True)
+    names = ["0.weight", "0.bias"] + [f"{k}.1.{p}" for k in (1, 2, 3) for p in ("weight", "bias")]
+    assert state["format"] == 2 and state["groups"] == [names]  # the model's own names, stage 0's layers 0-3
+    assert set(state["optimizer"]["state"]) == set(names)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(CheckpointError, match="format 1, this version reads 2 .*resume it with the pipeoptim "
+                                              "that wrote it, or start the run again"):
+        read_manifest(folder)

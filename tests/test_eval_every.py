@@ -9,7 +9,7 @@ from torch import nn
 import pipeoptim
 from pipeoptim import Pipeline
 from pipeoptim.checkpoint import CheckpointError
-from pipeoptim.runtime.spec import next_drain, segments
+from pipeoptim.runtime.spec import next_drain
 from conftest import batches, mlp
 
 LOSS = nn.functional.cross_entropy
@@ -30,12 +30,17 @@ def run(method: str, **kwargs):
 
 
 def test_segments_end_at_every_checkpoint_and_every_evaluation():
-    assert segments(1, 10, 3, False, eval_every=4) == [(0, 0, 3), (0, 3, 1), (0, 4, 2), (0, 6, 2),
-                                                       (0, 8, 1), (0, 9, 1)]
-    assert segments(2, 5, 5, False, eval_every=2) == [(0, 0, 2), (0, 2, 2), (0, 4, 1),
-                                                      (1, 0, 2), (1, 2, 2), (1, 4, 1)]
-    assert segments(2, 5, 5, False, start=(1, 2), eval_every=2) == [(1, 2, 2), (1, 4, 1)]
-    assert segments(1, 10, 3, False) == [(0, 0, 3), (0, 3, 3), (0, 6, 3), (0, 9, 1)]  # as before
+    """fit cuts an epoch where next_drain says: after every checkpoint interval, every
+    evaluation interval, and at the epoch's end."""
+    def cuts(num_batches, intervals):
+        ends, b = [], 0
+        while b < num_batches:
+            b = next_drain(b, num_batches, intervals)
+            ends.append(b)
+        return ends
+    assert cuts(10, (3, 4)) == [3, 4, 6, 8, 9, 10]
+    assert cuts(5, (5, 2)) == [2, 4, 5]
+    assert cuts(10, (3, None)) == [3, 6, 9, 10]
     assert next_drain(4, 10, (3, 4)) == 6
     assert next_drain(8, 10, (None, 4)) == 10
     assert next_drain(3, None, (None, None)) is None

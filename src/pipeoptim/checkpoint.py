@@ -1,8 +1,10 @@
 """Checkpoints of a pipeline run: written atomically, checked on load, refused with a reason.
 
 A checkpoint is taken at a drained point (no micro-batch in flight). Each stage writes one file,
-``stage-K.pt``, with its module, optimizer and scheduler state, its policy state (weight version, the
-predictor's stored directions), its counters and the RNG states of its process. A
+``stage-K.pt``: its module's weights and the state :mod:`pipeoptim.runtime.named_state` keys by
+parameter name (optimizer, scheduler, weight policy: the version, the predictor's directions),
+the one state format of the package (``Pipeline.state_dict`` uses it too), with its counters and
+the RNG states of its process. A
 ``manifest.json`` written last records the method, stages, partition, options, the data position
 and the SHA-256 of every stage file; ``latest.json`` in the checkpoint folder names the newest
 complete checkpoint. Every file goes to a temporary name first and is renamed into place, so a
@@ -24,8 +26,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from .errors import CheckpointError  # defined there so that the command line can catch it without torch
+from .runtime import named_state
 
-FORMAT = 1
+#: 2: each stage's state keyed by parameter name (1, before: torch's positional optimizer state)
+FORMAT = 2
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -57,23 +61,14 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def stage_state(stage) -> Dict[str, Any]:
-    """Everything a stage needs to continue exactly where it stopped."""
-    if stage.in_flight:
-        raise RuntimeError(f"stage {stage.index} has {stage.in_flight} micro-batches in flight; "
-                           f"checkpoints are taken at drained points")
-    scheduler = getattr(stage, "scheduler", None)
-    return {"format": FORMAT, "stage": stage.index, "module": stage.module.state_dict(),
-            "optimizer": stage.optimizer.state_dict(), "policy": stage.policy.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "counters": dict(stage.count), "rng": rng_state()}
-
-
 def save_stage(stage, folder: Path) -> str:
-    """Write ``stage-K.pt`` into ``folder``; return its SHA-256."""
+    """Write ``stage-K.pt`` into ``folder`` (the drained stage's weights and its state by parameter
+    name); return its SHA-256."""
+    state = {"format": FORMAT, "module": stage.module.state_dict(), **named_state.stage_state(stage),
+             "rng": rng_state()}
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    torch.save(stage_state(stage), buffer)
+    torch.save(state, buffer)
     data = buffer.getvalue()
     _atomic_write(folder / f"stage-{stage.index}.pt", data)
     return sha256(data)
@@ -108,7 +103,9 @@ def read_manifest(folder: Path, expect: Optional[Dict[str, Any]] = None) -> Dict
     except ValueError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT}")
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT} (stage "
+                              f"state by parameter name): resume it with the pipeoptim that wrote it, or "
+                              f"start the run again")
     for key, value in (expect or {}).items():
         if manifest.get(key) != value:
             raise CheckpointError(f"{path}: {key} is {manifest.get(key)!r} but this run has {value!r}")
@@ -134,18 +131,14 @@ def load_stage(folder: Path, manifest: Dict[str, Any], stage) -> Dict[str, Any]:
     if state.get("stage") != stage.index:
         raise CheckpointError(f"{path}: holds stage {state.get('stage')}, expected {stage.index}")
     try:
-        stage.module.load_state_dict(state["module"])
-        stage.optimizer.load_state_dict(state["optimizer"])
-        stage.policy.load_state_dict(state["policy"])
         scheduler = getattr(stage, "scheduler", None)
         if (scheduler is None) != (state.get("scheduler") is None):
             raise ValueError("the run has " + ("no" if scheduler is None else "a") + " learning-rate "
                              "scheduler but the checkpoint " + ("has one" if scheduler is None else "has none"))
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
+        stage.module.load_state_dict(state["module"])
+        named_state.load_stages([stage], [state])
     except (RuntimeError, KeyError, ValueError) as error:
         raise CheckpointError(f"{path}: does not fit this model or optimizer ({error})") from None
-    stage.count.update(state["counters"])
     return state
 
 

@@ -6,7 +6,7 @@ An :class:`Option` is a keyword of :class:`pipeoptim.Pipeline` (``scope="pipelin
 the Pipeline as a keyword and to the method's weight policy; which methods take it is read from
 the method registry, :func:`takers`). :func:`pipeoptim.train` takes them all. The docstrings of
 ``Pipeline``, ``fit`` and ``train`` list them from here (:func:`describe`), the command line
-builds its flags and ``--help`` from here (``pipeoptim.cli.common``), and the lab's run
+builds its flags and ``--help`` from here (``pipeoptim.cli.flags``), and the lab's run
 configuration names its fields after them; ``tests/test_options.py`` fails where one of those
 has an option that this table (or the lab's, ``pipeoptim.lab.config``) does not, or lacks one
 that it has. Imports no torch, so that ``pipeoptim --help`` starts without it.

@@ -118,7 +118,7 @@ class Pipeline:
         self.devices: List[torch.device] = []  #: each stage's device, once the model is split
         #: per stage, whether it recomputes its forward in the backward, once the model is split
         self.recompute: List[bool] = []
-        #: the rank of each stage: stage k on rank k, or with chunks the method's placement
+        #: the pipeline rank of each stage (Method.stage_ranks: s mod N, or a V for zb-v)
         self.placement: List[int] = []
         self.clip_global = clip_grad_norm if clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order

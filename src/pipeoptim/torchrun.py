@@ -2,7 +2,8 @@
 
 When a script that builds a :class:`~pipeoptim.pipeline.Pipeline` is started with ``torchrun
 --nproc-per-node N script.py`` (``WORLD_SIZE`` > 1 in the environment, or a process group already
-initialised), each process runs one stage: stage k on rank k, gloo on the CPU, NCCL on
+initialised), each process runs one stage (or, with chunks, the stages the method places on its
+pipeline rank; replica d's ranks are d*N .. d*N+N-1), gloo on the CPU, NCCL on
 ``cuda:LOCAL_RANK``, a timeout on every group and every wait, one compute thread per process on
 the CPU unless the user says otherwise. The same script runs unchanged with ``python script.py``
 (all stages in one process).

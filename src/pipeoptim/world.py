@@ -62,7 +62,8 @@ class World(Protocol):
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         """Make the links between the stages (and the replicas); every rank at the same point.
-        ``placement``: the rank of each stage (default: stage k on rank k)."""
+        ``placement``: the pipeline rank of each stage (default: stage k on rank k, one stage
+        per rank)."""
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> Any:

@@ -5,8 +5,8 @@ Every process of a pipeline group runs a :class:`DistributedExecutor` with its o
 :func:`~pipeoptim.schedules.lower.lower`, which puts ``RECV_F``/``SEND_F`` around forwards and
 ``RECV_B``/``SEND_B`` around backwards whose neighbour lives on another rank; the executor walks
 its rank's lowered list in order. Nothing else is sent: targets are read by the last stage from
-the same seeded data that every rank holds, and the loss never leaves it until the end of an
-epoch.
+the same seeded data that every rank holds, and the loss never leaves it until the segment's
+drain, where the world shares it with every rank.
 
 The transport (one stage's links and control group, :class:`PipeComm`) is
 :mod:`~pipeoptim.runtime.transport`, over :mod:`~pipeoptim.runtime.link` (one direction of one

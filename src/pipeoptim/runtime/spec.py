@@ -1,11 +1,11 @@
-"""A run resolved before any work starts, and the segments it is cut into.
+"""A run resolved before any work starts, and where it drains.
 
-Both executors (``local.py``, ``distributed.py``) and the Pipeline above them use these: the
-method's options checked, the stage count and partition fixed, the micro-batch count chosen
+The Pipeline's preparation, its ``fit`` loop and the lab's experiment use these: the method's
+options checked, the stage count and partition fixed, the micro-batch count chosen
 (:func:`resolve`); the checkpoint interval and the facts a checkpoint must match
-(:func:`checkpoint_settings`); and where a run drains (every checkpoint and every evaluation
-interval, each epoch's end): the schedules a run over known data is cut into (:func:`segments`,
-:func:`next_drain`). Nothing here imports the API, the tasks or the command line.
+(:func:`checkpoint_settings`); and where a run drains, ending a segment (every checkpoint and
+every evaluation interval, each epoch's end: :func:`next_drain`). Nothing here imports the API,
+the tasks or the command line.
 """
 from __future__ import annotations
 
@@ -104,22 +104,3 @@ def next_drain(batch: int, num_batches: Optional[int], intervals: Sequence[Optio
     if num_batches is not None:
         ends.append(num_batches)
     return min(ends) if ends else None
-
-
-def segments(epochs: int, num_batches: int, segment: int, continuous: bool,
-             start: Tuple[int, int] = (0, 0), eval_every: Optional[int] = None) -> List[Tuple[int, int, int]]:
-    """The schedules a run is cut into, as (epoch, first mini-batch, mini-batches), from the
-    position ``start`` (epoch, batch) on: a segment ends after every ``segment`` mini-batches
-    (the pipeline drains, and may checkpoint, there), after every ``eval_every`` (it drains
-    to evaluate) and at each epoch's end; or a single one over all epochs if ``continuous``."""
-    if continuous:
-        return [(0, 0, num_batches * epochs)]
-    out: List[Tuple[int, int, int]] = []
-    for e in range(epochs):
-        b = 0
-        while b < num_batches:
-            end = next_drain(b, num_batches, (segment, eval_every))
-            if (e, b) >= start:
-                out.append((e, b, end - b))
-            b = end
-    return out
