@@ -52,6 +52,13 @@ def test_the_pipeline_takes_exactly_the_pipeline_options_with_their_defaults():
     assert parameters(pipeoptim.Pipeline.__init__) == {o.name: o.default for o in of_scope("pipeline")}
 
 
+def test_the_settings_the_split_reads_are_pipeline_options_by_their_names():
+    from pipeoptim.prepare import ModelSettings
+
+    names = {f.name for f in dataclasses.fields(ModelSettings)}
+    assert names - {"method_options"} <= {o.name for o in of_scope("pipeline")}
+
+
 def test_fit_takes_exactly_the_fit_options_with_their_defaults():
     assert parameters(pipeoptim.Pipeline.fit) == {o.name: o.default for o in of_scope("fit")}
 

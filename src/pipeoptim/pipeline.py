@@ -105,10 +105,12 @@ class Pipeline:
         self._form = BatchForm(model_loss=loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
         self._model = copy.deepcopy(model)
         self._model.train()
-        self._settings = ModelSettings(method, stages, partition, split_points, partitioner, micro_batches,
-                                       method_options, data_parallel, devices, loss_fn, optimizer,
-                                       lr_scheduler, clip_grad_norm if clip_scope == "stage" else None,
-                                       precision, diagnose_every, recompute, chunks)
+        self._settings = ModelSettings(
+            method=method, stages=stages, partition=partition, split_points=split_points, partitioner=partitioner,
+            micro_batches=micro_batches, method_options=method_options, data_parallel=data_parallel,
+            devices=devices, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None, precision=precision,
+            diagnose_every=diagnose_every, recompute=recompute, chunks=chunks)
         check_model_settings(self.world, model, self.method, self._settings)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one

@@ -222,8 +222,9 @@ def first_inputs(loader: Iterable, form: BatchForm) -> Any:
 
 @dataclass
 class ModelSettings:
-    """A Pipeline's settings that splitting the model and building its stages read (each is
-    described once, in ``pipeoptim.Pipeline``'s docstring)."""
+    """The Pipeline's options that splitting the model and building its stages read, by the
+    names of :mod:`pipeoptim.options` (which defines each once; ``tests/test_options.py`` holds
+    these fields to it), and the method's own options."""
 
     method: str
     stages: Optional[int]
@@ -240,8 +241,8 @@ class ModelSettings:
     clip_grad_norm: Optional[float]    #: per-stage clipping (None: none, or global clipping)
     precision: str
     diagnose_every: int
-    recompute: Union[bool, Sequence[bool]] = False  #: per stage, or for every stage
-    chunks: Optional[int] = None  #: model chunks per process (None: the method's own)
+    recompute: Union[bool, Sequence[bool]]
+    chunks: Optional[int]
 
 
 def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
