@@ -11,7 +11,7 @@ For each split the benchmark
 
 * profiles the model (pipeoptim.profile, 1 thread, the same batch), splits it, times each
   split's stages as the runtime runs them (pipeoptim.profile.measure_stages), and predicts the
-  pipeline's throughput with pipeoptim.lab.planner.predict from those stage times, as
+  pipeline's throughput with pipeoptim.prediction.predict from those stage times, as
   `pipeoptim plan` does (the schedule simulator; no transfer cost unless --bandwidth); the
   prediction from the per-layer profile alone (`--stage-timing profile`) is reported too;
 * measures it with the distributed runtime (pipeoptim.Pipeline, one stage per process):
@@ -50,7 +50,7 @@ from torch import nn
 import pipeoptim
 from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.partition import plan_partition, plan_time_partition
-from pipeoptim.lab.planner import describe_partition, predict
+from pipeoptim.prediction import describe_partition, predict
 from pipeoptim.profile import format_profile, measure_stages, profile_model
 from pipeoptim.schedules import Costs, simulate
 
@@ -146,7 +146,7 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def _worker(rank: int, world: int, port: int, model, batches, method: str, sizes, micro: int, epochs: int,
             out: str) -> None:
-    from pipeoptim.runtime.distributed import init_process_group
+    from pipeoptim.runtime.control import init_process_group
     import torch.distributed as dist
 
     init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

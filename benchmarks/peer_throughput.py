@@ -168,7 +168,7 @@ def _worker(args: argparse.Namespace) -> int:
     from pipeoptim.lab.optimizers import make_optimizer
     from pipeoptim.partition import split
     from pipeoptim.pipeline import Pipeline
-    from pipeoptim.runtime.distributed import init_process_group
+    from pipeoptim.runtime.control import init_process_group
 
     init_process_group(device="cpu", timeout=args.timeout, threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -39,7 +39,7 @@ def _worker(args: argparse.Namespace) -> int:
     from pipeoptim.lab.bench_worker import blocks_model
     from pipeoptim.lab.optimizers import make_optimizer
     from pipeoptim.pipeline import Pipeline
-    from pipeoptim.runtime.distributed import init_process_group
+    from pipeoptim.runtime.control import init_process_group
 
     init_process_group(device="cpu", timeout=120.0, threads=1)
     rank = dist.get_rank()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeoptim.methods import get_method
-from pipeoptim.lab.planner import candidate_problem, microbatch_size, partition_for, predict, profile_sizes, stage_costs
+from pipeoptim.prediction import candidate_problem, microbatch_size, partition_for, predict, profile_sizes, stage_costs
 from pipeoptim.profile import ModelProfile, measure_stages
 from pipeoptim.runtime.microbatch import split_batch
 

@@ -7,11 +7,11 @@ would take per mini-batch on N devices is predicted instead, with the planner's 
 
 * **profile** (once per task, model, batch size and optimizer of the study, reused for both N
   and every method): every layer of the model on the CPU, one thread, at each micro-batch size
-  the study's methods use (``planner.profile_sizes``: forward, backward, update; the
+  the study's methods use (``prediction.profile_sizes``: forward, backward, update; the
   ``--statistic`` of ``--repeats`` runs after ``--warmup``); with ``--stage-timing measured``
   (the planner's default) each split's stages are then timed as whole stages, as the runtime
   runs them (``profile.measure_stages``), once per (split, micro-batch size);
-* **predict** (``planner.predict``: the schedule simulator): each method on the ``uniform``
+* **predict** (``prediction.predict``: the schedule simulator): each method on the ``uniform``
   split (the study's partitioner, RunConfig's default) with the micro-batches it uses in the
   study (``Method.microbatches(N, None)``, what ``runtime.spec.resolve`` gives: gpipe,
   1f1b-flush and pipedream-2bw N, xpipe 2, the others 1), over one epoch of the study's
@@ -66,7 +66,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from pipeoptim.methods import get_method
-from pipeoptim.lab.planner import microbatch_size
+from pipeoptim.prediction import microbatch_size
 
 from benchmarks.common import RESULTS, load_average, machine, read_format, rounded, write_rounded  # noqa: F401
 from benchmarks.study2_plan import SUITES, variant_method

@@ -58,7 +58,7 @@ from benchmarks.common import RESULTS, ROOT, load_average, machine, read_format,
 from benchmarks.study2_profile import ProfiledModel, ProfileSettings, profile_cell, split_of, stage_summary
 from benchmarks.study3_suite import (INTERLEAVED_CHUNKS, SUITES, SYNC_FACTORS, SYNC_SCHEDULES, VARIANTS, cell_stages,
                                      sequential_updates, variant_microbatches, variant_spec)
-from pipeoptim.lab.planner import candidate_problem, predict, schedule_makespan, stage_costs
+from pipeoptim.prediction import candidate_problem, predict, schedule_makespan, stage_costs
 from pipeoptim.schedules import Costs
 
 FORMAT = "pipeoptim-study3-times"

@@ -96,7 +96,7 @@ from pipeoptim.checkpoint import CheckpointError as C2
 from pipeoptim.lab.tasks import MissingDataError as M2
 from pipeoptim.lab.tasks.base import MissingDataError as M3
 assert C2 is CheckpointError and M2 is MissingDataError and M3 is MissingDataError
-from pipeoptim.runtime.distributed import DEFAULT_TIMEOUT
+from pipeoptim.runtime.defaults import DEFAULT_TIMEOUT
 from pipeoptim.cli import build_parser
 assert build_parser().parse_args(["train"]).timeout == DEFAULT_TIMEOUT == 300.0
 print(sorted(pipeoptim.__all__))

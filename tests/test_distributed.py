@@ -30,7 +30,9 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
-from pipeoptim.runtime.distributed import PipeComm, PipelineCommError, init_process_group, signature
+from pipeoptim.runtime.control import init_process_group
+from pipeoptim.runtime.transport import PipeComm
+from pipeoptim.runtime.wire import PipelineCommError, signature
 from pipeoptim.runtime.wire import decode_layout, encode_layout, layout_of
 
 LOSS = nn.functional.cross_entropy

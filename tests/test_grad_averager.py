@@ -13,7 +13,7 @@ from torch import nn
 
 from pipeoptim.methods import get_method
 from pipeoptim.runtime.build import build_stages
-from pipeoptim.runtime.distributed import GradientAverager
+from pipeoptim.runtime.averaging import GradientAverager
 
 
 @pytest.fixture(scope="module")

@@ -285,7 +285,7 @@ def test_the_runtime_reaches_nothing_above_it():
     assert f"{PACKAGE}.cli.common" not in graph[f"{lab}.launcher"]
     assert {f"{lab}.tasks", f"{lab}.stage_worker"} <= graph[f"{lab}.launcher"]
     assert {f"{lab}.experiment", f"{lab}.bench_worker",
-            f"{PACKAGE}.runtime.distributed"} <= graph[f"{lab}.stage_worker"]
+            f"{PACKAGE}.runtime.control"} <= graph[f"{lab}.stage_worker"]
     assert f"{lab}.launcher" in graph[f"{PACKAGE}.cli.bench"]
 
 

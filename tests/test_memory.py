@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeoptim import Pipeline, get_method
-from pipeoptim.lab.planner import predict
+from pipeoptim.prediction import predict
 from pipeoptim.prediction import candidate_problem
 from pipeoptim.profile import LayerProfile, ModelProfile, profile_model
 from pipeoptim.runtime.held import HeldActivations

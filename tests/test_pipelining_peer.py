@@ -22,7 +22,7 @@ from torch import nn
 import pipeoptim
 from conftest import batches, mlp
 from pipeoptim.partition import split
-from pipeoptim.runtime.distributed import init_process_group
+from pipeoptim.runtime.control import init_process_group
 from test_distributed import spawn
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conftest import has_image_data
-from pipeoptim.lab.planner import (
-    candidate_problem, describe_partition, load_plan, parse_bytes, parse_speeds, predict, recommend,
-    scaled_profile, simulated_makespan, stage_costs, write_plan)
+from pipeoptim.lab.planner import load_plan, parse_bytes, parse_speeds, recommend, write_plan
+from pipeoptim.prediction import (candidate_problem, describe_partition, predict, scaled_profile, simulated_makespan,
+                                  stage_costs)
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.schedules import Costs, simulate
 from pipeoptim.methods import get_method

@@ -1,4 +1,4 @@
-"""Tests for pipeoptim.schedules.render: CSV, Chrome trace, text and PNG."""
+"""Tests for pipeoptim.schedules.render and csv_io: CSV, Chrome trace, text and PNG."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from pipeoptim.schedules import Costs, Kind, build_schedule, schedule_names, simulate
-from pipeoptim.schedules import render
+from pipeoptim.schedules import csv_io, render
 from pipeoptim.schedules.lower import lower
 
 CASES = [(1, 2, 1), (2, 2, 2), (3, 6, 2), (4, 8, 1), (4, 4, 3)]
@@ -22,8 +22,8 @@ def built(name, n, m, t):
 @pytest.mark.parametrize("n,m,t", CASES)
 def test_csv_round_trips_every_schedule(tmp_path, name, n, m, t):
     s = built(name, n, m, t)
-    path = render.write_csv(s, tmp_path / f"{name}.csv")
-    back = render.read_csv(path, name=name)
+    path = csv_io.write_csv(s, tmp_path / f"{name}.csv")
+    back = csv_io.read_csv(path, name=name)
     assert back.orders == s.orders
     assert back.num_stages == s.num_stages and back.num_ranks == s.num_ranks
     assert back.stage_to_rank == s.stage_to_rank
@@ -37,10 +37,10 @@ def test_csv_round_trips_every_schedule(tmp_path, name, n, m, t):
 
 
 def test_csv_of_1f1b_flush_n2_m2_has_empty_cells_where_idle(tmp_path):
-    path = render.write_csv(built("1f1b-flush", 2, 2, 1), tmp_path / "s.csv")
+    path = csv_io.write_csv(built("1f1b-flush", 2, 2, 1), tmp_path / "s.csv")
     assert path.read_bytes() == (b"0F0,0F1,,0B0,,0B1,0U0\r\n"
                                  b",1F0,1B0,1F1,1B1,1U0\r\n")
-    assert render.to_csv_rows(built("1f1b-flush", 2, 2, 1), updates=False) == [
+    assert csv_io.to_csv_rows(built("1f1b-flush", 2, 2, 1), updates=False) == [
         ["0F0", "0F1", "", "0B0", "", "0B1"],
         ["", "1F0", "1B0", "1F1", "1B1"],
     ]
@@ -49,7 +49,7 @@ def test_csv_of_1f1b_flush_n2_m2_has_empty_cells_where_idle(tmp_path):
 def test_csv_rows_ignore_the_costs_of_a_result():
     s = built("gpipe", 3, 2, 1)
     slow = simulate(s, Costs.uniform(3, 1, 5, comm=2))
-    assert render.to_csv_rows(slow) == render.to_csv_rows(s) == [
+    assert csv_io.to_csv_rows(slow) == csv_io.to_csv_rows(s) == [
         ["0F0", "0F1", "", "", "", "", "0B0", "0B1", "0U0"],
         ["", "1F0", "1F1", "", "", "1B0", "1B1", "1U0"],
         ["", "", "2F0", "2F1", "2B0", "2B1", "2U0"],
@@ -57,7 +57,7 @@ def test_csv_rows_ignore_the_costs_of_a_result():
 
 
 def test_csv_of_split_backward_gives_i_and_w_one_step_each():
-    rows = render.to_csv_rows(built("zb-h1", 2, 2, 1))
+    rows = csv_io.to_csv_rows(built("zb-h1", 2, 2, 1))
     assert rows == [["0F0", "0F1", "", "0I0", "0W0", "0I1", "0W1", "0U0"],
                     ["", "1F0", "1I0", "1F1", "1I1", "1W0", "1W1", "1U0"]]
 
@@ -66,19 +66,19 @@ def test_csv_of_split_backward_gives_i_and_w_one_step_each():
                                          ("async-1f1b", 4, 1, 6), ("2bw", 3, 3, 2), ("zb-h1", 3, 4, 2)])
 def test_csv_without_updates_loads_in_torch_and_reads_back_with_added_updates(tmp_path, name, n, m, t):
     s = built(name, n, m, t)
-    path = render.write_csv(s, tmp_path / "torch.csv", updates=False)
+    path = csv_io.write_csv(s, tmp_path / "torch.csv", updates=False)
     text = path.read_text()
     assert "U" not in text
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    for row in render.to_csv_rows(s, updates=False):
+    for row in csv_io.to_csv_rows(s, updates=False):
         for cell in row:
             action = schedules._Action.from_str(cell)
             assert (action is None) == (cell == "")
             if action is not None:
                 assert str(action) == cell
-    back = render.read_csv(path, microbatches_per_update=m, add_updates=True)
+    back = csv_io.read_csv(path, microbatches_per_update=m, add_updates=True)
     assert back.orders == s.orders
-    plain = render.read_csv(path, microbatches_per_update=m)
+    plain = csv_io.read_csv(path, microbatches_per_update=m)
     assert plain.orders == [[a for a in order if a.kind is not Kind.U] for order in s.orders]
 
 
@@ -94,27 +94,27 @@ def test_csv_reads_torch_dump_of_its_own_schedule(tmp_path):
         writer = csv.writer(f)
         for rank in order:
             writer.writerow(order[rank])
-    s = render.read_csv(path, add_updates=True)
+    s = csv_io.read_csv(path, add_updates=True)
     assert [[str(a) for a in o] for o in s.orders] == [["0F0", "0B0", "0U0"], ["1F0", "1B0", "1U0"]]
     assert simulate(s).makespan == 4
 
 
 def test_csv_rejects_lowered_schedules_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match="no communication"):
-        render.to_csv_rows(lower(built("gpipe", 2, 2, 1)))
+        csv_io.to_csv_rows(lower(built("gpipe", 2, 2, 1)))
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,1F0\n,1B0\n")
     with pytest.raises(ValueError, match="stage 1 appears on rows 0 and 1"):
-        render.read_csv(bad)
+        csv_io.read_csv(bad)
     bad.write_text("0F0,0SEND_F0\n")
     with pytest.raises(ValueError, match="is communication"):
-        render.read_csv(bad)
+        csv_io.read_csv(bad)
     bad.write_text("0F0,zz\n")
     with pytest.raises(ValueError, match="not an action"):
-        render.read_csv(bad)
+        csv_io.read_csv(bad)
     bad.write_text("0F0\n2F0\n")
     with pytest.raises(ValueError, match=r"numbered 0..S-1, found \[0, 2\]"):
-        render.read_csv(bad)
+        csv_io.read_csv(bad)
 
 
 # -- Chrome trace ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import has_image_data, load_benchmark, mlp
-from pipeoptim.lab.planner import profile_sizes, scaled_profile
+from pipeoptim.prediction import profile_sizes, scaled_profile
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.runtime.spec import resolve
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import load_benchmark, mlp
-from pipeoptim.lab.planner import scaled_profile, schedule_makespan, simulated_makespan
+from pipeoptim.prediction import scaled_profile, schedule_makespan, simulated_makespan
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.schedules import Costs
 

@@ -18,7 +18,8 @@ from pipeoptim.lab.tasks.sentiment import (
     parse_rotten_tomatoes,
     split_examples,
 )
-from pipeoptim.lab.tasks.text import PAD_ID, UNK_ID, Vocab, batch_indices, pad_batch, pad_to, seeded_permutation, tokenize_words
+from pipeoptim.lab.tasks.common import seeded_permutation
+from pipeoptim.lab.tasks.text import PAD_ID, UNK_ID, Vocab, batch_indices, pad_batch, pad_to, tokenize_words
 
 CSV = (
     "category,text,movie_name,has_plot_and_reviews\n"

@@ -11,13 +11,13 @@ from torch import nn
 
 from pipeoptim.lab.tasks import get_task
 from pipeoptim.lab.tasks.base import TaskData
+from pipeoptim.lab.tasks.bible import clean_osis
 from pipeoptim.lab.tasks.translation import (
     BOS_ID,
     EOS_ID,
     TranslationTask,
     align,
     bleu_chrf,
-    clean_osis,
     greedy_decode,
     make_batches,
     parse_mod2imp,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pipeoptim
-from pipeoptim.runtime.distributed import GradientAverager
+from pipeoptim.runtime.averaging import GradientAverager
 
 methods, stages, micro, reference = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if len(sys.argv) > 5:  # small buckets: the reduction overlaps the backward, a bucket per few parameters

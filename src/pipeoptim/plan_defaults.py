@@ -1,5 +1,5 @@
 """The planner's choices that `pipeoptim plan` lists in its options, importable without torch
-(:mod:`pipeoptim.lab.planner`, which profiles models, imports it and re-exports these)."""
+(:mod:`pipeoptim.lab.planner`, which profiles models, imports it)."""
 from __future__ import annotations
 
 PARTITIONERS = ("uniform", "params", "time")  #: the splits a plan compares (see pipeoptim.partition)

@@ -37,15 +37,18 @@ from torch import nn
 
 from .graph_split import with_aliases
 from .methods import Method
+from .runtime.averaging import GradientAverager
+from .runtime.control import barrier, broadcast, gather_all, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.distributed import DistributedExecutor
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
-from .runtime.distributed import (DistributedExecutor, GradientAverager, PipeComm, PipelineCommError, barrier,
-                                  broadcast, gather_all, init_process_group, reason, signature)
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
 from .runtime.stage import Stage, to_device
 from .runtime.tied import connect_exchanges
+from .runtime.transport import PipeComm
+from .runtime.wire import PipelineCommError, reason, signature
 
 
 def world_size() -> int:

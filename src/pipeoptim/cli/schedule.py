@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from ..methods import get_method, method_names
 from ..schedules import Costs, analytic_bubble_fraction, build_schedule, schedule_names, simulate
-from ..schedules import render
+from ..schedules import csv_io, render
 
 FORMATS = ("text", "png", "chrome", "csv")
 EXTENSIONS = {"png": "png", "chrome": "json", "csv": "csv", "text": "txt"}
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.format == "chrome":
             render.write_chrome_trace(result, out)
         elif args.format == "csv":
-            render.write_csv(schedule, out)
+            csv_io.write_csv(schedule, out)
         else:
             out.write_text(render.to_text(result, width=width) + "\n")
 

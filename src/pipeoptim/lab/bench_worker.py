@@ -143,7 +143,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
     from ..pipeline import Pipeline
     from ..prediction import predicted_activations
     from ..profile import profile_model
-    from ..runtime.distributed import init_process_group
+    from ..runtime.control import init_process_group
     from ..world import LocalWorld
 
     init_process_group(device="cpu", timeout=spec["timeout"], threads=1)

@@ -40,10 +40,8 @@ import torch
 
 from ..methods import get_method, method_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from ..prediction import (  # noqa: F401 (re-exported: the planner's names before the split)
-    EXACT_BATCHES, head_rows, candidate_problem, describe_partition, extrapolated_makespan, microbatch_size,
-    partition_for, predict, profile_sizes, scaled_profile, schedule_makespan, simulated_makespan, stage_costs,
-    stage_memory)
+from ..prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
+                          profile_sizes)
 from ..profile import measure_stages
 
 PLAN_FORMAT = "pipeoptim-plan"

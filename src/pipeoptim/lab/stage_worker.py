@@ -75,7 +75,8 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     from ..checkpoint import CheckpointError, latest_checkpoint
     from ..errors import NonFiniteLoss
     from .experiment import run_experiment
-    from ..runtime.distributed import PipelineCommError, init_process_group
+    from ..runtime.control import init_process_group
+    from ..runtime.wire import PipelineCommError
 
     init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
@@ -133,7 +134,7 @@ def _agree_on_folder(out: Optional[Path], timeout: float) -> Optional[Path]:
     """Rank 0's run folder, on every rank (a run under a user's torchrun names it on rank 0)."""
     import torch.distributed as dist
 
-    from ..runtime.distributed import PipelineCommError, reason
+    from ..runtime.wire import PipelineCommError, reason
 
     box = [str(out) if out is not None else None]
     try:

@@ -12,8 +12,7 @@ The transport (one stage's links and control group, :class:`PipeComm`) is
 :mod:`~pipeoptim.runtime.transport`, over :mod:`~pipeoptim.runtime.link` (one direction of one
 pair) and :mod:`~pipeoptim.runtime.wire` (message layouts, :class:`PipelineCommError`); joining
 the job and the control group's collectives are :mod:`~pipeoptim.runtime.control`; the
-replicas' gradient averaging is :mod:`~pipeoptim.runtime.averaging`. Their public names are
-importable from here too, as they were before the split.
+replicas' gradient averaging is :mod:`~pipeoptim.runtime.averaging`.
 
 What drives the executor is :class:`pipeoptim.Pipeline` under torchrun (its world,
 :class:`pipeoptim.torchrun.Torchrun`), for a user's script and for the command line alike.
@@ -32,16 +31,11 @@ import torch
 from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
 from .averaging import GradientAverager
-from .control import barrier, broadcast, gather_all, init_process_group
-from .defaults import DEFAULT_TIMEOUT
+from .control import gather_all
 from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient, stage_orders
 from .stage import Stage
 from .transport import PipeComm
-from .wire import PipelineCommError, Signature, reason, signature
-
-#: importable from here as before the split into transport, link, wire, control and averaging
-__all__ = ["DistributedExecutor", "PipeComm", "PipelineCommError", "GradientAverager", "DEFAULT_TIMEOUT",
-           "barrier", "broadcast", "gather_all", "init_process_group", "reason", "signature"]
+from .wire import Signature, signature
 
 
 class DistributedExecutor(StreamedSegment):

@@ -1,5 +1,5 @@
-"""Show a simulated schedule: a terminal timeline, a PNG, a Chrome trace, and the CSV of
-``torch.distributed.pipelining``.
+"""Show a simulated schedule: a terminal timeline, a PNG and a Chrome trace (the CSV of
+``torch.distributed.pipelining`` is :mod:`pipeoptim.schedules.csv_io`'s).
 
 * :func:`to_text` draws one row per rank with time flowing right, each action as a box of its
   compact label scaled by its duration, ``.`` where the rank is idle, and a summary line.
@@ -9,8 +9,6 @@
 * :func:`to_chrome_trace` / :func:`write_chrome_trace` give Chrome / Perfetto trace-event JSON
   (open it in https://ui.perfetto.dev or ``chrome://tracing``). One simulator unit of cost is
   written as :data:`TRACE_US_PER_UNIT` microseconds (1000: a cost of 1 shows as 1 ms).
-* :func:`write_csv` / :func:`read_csv`: the CSV of ``torch.distributed.pipelining``
-  (:mod:`pipeoptim.schedules.csv_io`, re-exported here).
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from .actions import Action, Kind, Schedule
-from .csv_io import from_csv_rows, read_csv, to_csv_rows, unit_costs, write_csv  # noqa: F401
 from .simulate import SimResult, analytic_bubble_fraction
 
 PathLike = Union[str, Path]

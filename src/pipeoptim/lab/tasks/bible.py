@@ -21,7 +21,8 @@ import subprocess
 from typing import Dict
 
 from .base import MissingDataError
-from .text import atomic_write_bytes, cache_dir
+from .common import cache_dir
+from .text import atomic_write_bytes
 
 EN_MODULE = "engWEB2015eb"  #: World English Bible (2015, with the deuterocanon)
 ES_MODULE = "spaRV1909eb"   #: Reina-Valera 1909

@@ -43,8 +43,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from .base import MissingDataError, Task, TaskData, check_holdout
-from .common import batch_accuracy, classification_accuracy, seeded
-from .text import PAD_ID, Vocab, batch_indices, pad_batch, pad_mask, seeded_permutation, split_counts, tokenize_words
+from .common import batch_accuracy, classification_accuracy, seeded, seeded_permutation
+from .text import PAD_ID, Vocab, batch_indices, pad_batch, pad_mask, split_counts, tokenize_words
 
 LABELS = {"rotten": 0, "fresh": 1}  #: category -> label; other categories (``plot``) are dropped
 DATA_FILE = "rotten_tomatoes_corpus_full.csv.bz2"

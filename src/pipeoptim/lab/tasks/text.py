@@ -11,8 +11,6 @@ Conventions used by the tasks:
   (``key_padding_mask`` semantics: ``True`` = ignore);
 * sequences are padded (at the end) or truncated to a fixed length, so that every batch of a
   task has the same shape apart from the batch dimension.
-
-``cache_dir`` and ``seeded_permutation`` come from :mod:`pipeoptim.lab.tasks.common`.
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 
 from .base import MissingDataError
-from .common import cache_dir, seeded_permutation  # noqa: F401  (re-exported for the text tasks)
+from .common import cache_dir, seeded_permutation
 
 PAD_ID = 0  #: id of the padding token in every vocabulary of these tasks
 UNK_ID = 1  #: id of the unknown-word token

@@ -72,11 +72,11 @@ from torch import nn
 import torch.nn.functional as F
 
 from .base import MissingDataError, Task, TaskData
-from .bible import EN_MODULE, ES_MODULE, PARSER_VERSION, clean_osis, dump_module, parse_mod2imp  # noqa: F401
-from .common import evaluation_mode, seeded
+from .bible import EN_MODULE, ES_MODULE, PARSER_VERSION, dump_module, parse_mod2imp
+from .common import cache_dir, evaluation_mode, seeded, seeded_permutation
 from .translation_models import build_gnmt, build_transformer
-from .text import (BOS_ID, EOS_ID, PAD_ID, atomic_write_bytes, batch_indices, cache_dir, hash_bucket,  # noqa: F401
-                   load_sentencepiece, pad_batch, pad_mask, seeded_permutation, train_sentencepiece)
+from .text import (BOS_ID, EOS_ID, PAD_ID, atomic_write_bytes, batch_indices, hash_bucket, load_sentencepiece,
+                   pad_batch, train_sentencepiece)
 
 PIP_HINT = "pip install sentencepiece sacrebleu   (or: make setup)"
 
