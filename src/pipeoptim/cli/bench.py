@@ -46,8 +46,8 @@ from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
 from ..lab.optimizers import optimizer_names
-from ..lab.tasks import task_names
-from .common import known_methods, refuse_traced_model
+from .common import check_positive, known_methods, refuse_traced_model
+from .flags import add_table_flags
 
 DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream,pipedream-2bw,spectrain,xpipe,pipeoptim,pipeoptim-2bw"
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
@@ -56,7 +56,7 @@ ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure the methods' throughput on the distributed runtime",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--task", default="image", choices=task_names(), help="default: image")
+    add_table_flags(p, "task")
     p.add_argument("--model", default="blocks",
                    help="blocks (default: identical blocks, balanced stages) or a model of the task")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (default: %(default)s)")
@@ -72,9 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "interquartile range (default: 5)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="mini-batch size (default: 512 for blocks, else the task's)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per mini-batch for the methods that split (default: the method's; "
-                        "gpipe, 1f1b-flush and zb-h1: the number of stages)")
+    add_table_flags(p, "micro_batches")
     p.add_argument("--partitioner", default="params", choices=["uniform", "params"],
                    help="split of a task model's blocks (default: params, balanced by parameter "
                         "count); the blocks model has its own balanced split")
@@ -88,17 +86,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="random inputs of the image shape instead of the data set (speed does not "
                         "depend on the values; for machines without the data)")
     p.add_argument("--no-baselines", action="store_true", help="skip the two sequential runs")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a stage waits for a peer")
+    add_table_flags(p, "timeout")
     p.add_argument("--out", type=Path, default=None, help="results file (default: benchmarks/results/bench-<time>.json)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout, nothing else")
     p.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> List[str]:
-    for name in ("stages", "batches", "repeats", "batch_size", "micro_batches", "data_parallel"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    check_positive(args, ("stages", "batches", "repeats", "batch_size", "micro_batches", "data_parallel"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     if not args.timeout > 0:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..lab.optimizers import check_options
 from ..methods import get_method, method_names
@@ -127,12 +128,17 @@ def stages_of(args: argparse.Namespace, chunks: int = 1) -> int:
     return max(1, len(args.partition) // chunks) if args.partition else 4
 
 
-def check_numbers(args: argparse.Namespace) -> None:
-    """Reject impossible numbers before loading anything."""
-    for name in ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout", "chunks"):
+def check_positive(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Refuse a flag of ``names`` given below 1."""
+    for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Reject impossible numbers before loading anything."""
+    check_positive(args, ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout", "chunks"))
     if getattr(args, "continuous", False) and getattr(args, "eval_every", None):
         raise ValueError("--continuous never drains, so it cannot evaluate every K mini-batches; "
                          "drop --continuous or --eval-every")
@@ -165,6 +171,11 @@ def output_dir(args: argparse.Namespace, label: str) -> Path:
 
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2))
+
+
+def log_for(args: argparse.Namespace) -> Callable[..., None]:
+    """print, or to stderr with --json (stdout then holds the JSON alone)."""
+    return (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
 
 
 def known_methods(text: str) -> List[str]:

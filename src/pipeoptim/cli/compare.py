@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import textwrap
 
 from ..methods import get_method
 from ..lab.tasks import get_task
 from ..lab.tasks.advice import advice
 from .flags import add_run_options
-from .common import check_numbers, known_methods, output_dir, print_json, run_config
+from .common import check_numbers, known_methods, log_for, output_dir, print_json, run_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, option) and not any(option in get_method(m).options for m in methods):
             raise ValueError(f"--{option.replace('_', '-')} applies to none of {', '.join(methods)}")
     out = output_dir(args, "compare")
-    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    log = log_for(args)
     task = get_task(args.task)
     first = configs[0].resolved(task)
     data = load_data(task, first)

@@ -131,6 +131,13 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
         add_flag(groups[option.flag.group], option)
 
 
+def add_table_flags(group: Any, *names: str) -> None:
+    """The flags of the options ``names`` as the tables define them (for a command whose other
+    flags mean something of its own), in ``group``."""
+    for option in (o for o in (*LAB_OPTIONS, *OPTIONS) if o.name in names):
+        add_flag(group, option)
+
+
 def add_run_options(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of a training run that ``command`` (``train`` or ``compare``) takes."""
     add_options(parser, run_options(command))

@@ -3,13 +3,12 @@ micro-batch count, recommend one and write a plan file for `pipeoptim train --pl
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..lab.optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from ..lab.tasks import task_names
-from .common import known_methods, print_json, refuse_traced_model
+from .common import check_positive, known_methods, log_for, print_json, refuse_traced_model
+from .flags import add_table_flags
 
 DESCRIPTION = """\
 Profile every layer of a task's model (forward, backward and update time, activation and
@@ -39,11 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="profile a model and recommend a partition, method and micro-batches",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("task")
-    g.add_argument("--task", default="image", choices=task_names(), help="default: image")
+    add_table_flags(g, "task")
     g.add_argument("--model", help="model of the task (default: the task's)")
     g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
-    g.add_argument("--limit", type=int, help="load at most this many training examples")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data order and the weights (default 0)")
+    add_table_flags(g, "limit", "seed")
     g.add_argument("--optimizer", default="momentum", choices=optimizer_names(),
                    help="optimizer whose update time and state are profiled (default: momentum)")
     g = p.add_argument_group("pipeline and devices")
@@ -87,10 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..lab.planner import format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, write_plan
 
-    for name in ("stages", "batch_size", "limit", "batches", "threads", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     refuse_traced_model(args.task, args.model, "plan")
@@ -101,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     memory_limit = None if args.memory_limit is None else parse_bytes(args.memory_limit, "--memory-limit")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    log = log_for(args)
     plan = make_plan(task=args.task, model=args.model, stages=args.stages, device=args.device, speeds=speeds,
                      bandwidth=bandwidth, batch_size=args.batch_size, methods=methods,
                      microbatches=microbatches, memory_limit=memory_limit, partitioner=args.partitioner,

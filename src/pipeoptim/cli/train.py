@@ -5,13 +5,12 @@ import argparse
 import contextlib
 import json
 import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import Interrupted, interrupt_on_signals
 from .flags import add_distributed_options, add_run_options
-from .common import check_numbers, output_dir, print_json, run_config
+from .common import check_numbers, log_for, output_dir, print_json, run_config
 
 if TYPE_CHECKING:
     from ..lab.config import RunConfig
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
         with _interrupts_name_the_checkpoint(args.resume):
             summary = run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
-                                     log=_log(args), resume=True, diagnose_every=args.diagnose_every)
+                                     log=log_for(args), resume=True, diagnose_every=args.diagnose_every)
         return report(args, summary, args.resume)
     cfg = run_config(args, args.method)
     cfg.checkpoint_every = args.checkpoint_every
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
     out = output_dir(args, f"{args.method}-N{cfg.stages}")
     with _interrupts_name_the_checkpoint(out):
-        summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=_log(args),
+        summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=log_for(args),
                                  diagnose_every=args.diagnose_every)
     return report(args, summary, out)
 
@@ -107,10 +106,6 @@ def _interrupts_name_the_checkpoint(out: Path) -> Iterator[None]:
             hint = resume_hint(out, f"pipeoptim train --resume {out}")
             raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}"
                                       + (f". {hint}" if hint else "")) from None
-
-
-def _log(args: argparse.Namespace):
-    return (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
 
 
 def report(args: argparse.Namespace, summary: dict, out: Path) -> int:
