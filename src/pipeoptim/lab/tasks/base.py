@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...errors import MissingDataError  # defined there so that the command line can catch it without torch
+from .common import batch_accuracy, classification_accuracy
 
 Batch = Tuple[Any, torch.Tensor]  #: (input: tensor or tuple of tensors, target)
 
@@ -140,3 +142,24 @@ class Task:
     @property
     def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         return self.loss
+
+
+class ClassificationTask(Task):
+    """A task whose models give class logits (image, sentiment): cross-entropy, accuracy."""
+
+    metric = "accuracy"
+    higher_is_better = True
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the logits, averaged over the batch."""
+        return F.cross_entropy(output, target)
+
+    def batch_metric(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Accuracy of one mini-batch (the metric is its mean over the samples)."""
+        return batch_accuracy
+
+    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test",
+                 batches: Optional[Sequence[Batch]] = None) -> float:
+        """Accuracy in [0, 1] on ``data.test``, on ``data.validation`` with ``split="validation"``,
+        or on ``batches`` if given (eval mode, no gradients; training flags restored)."""
+        return classification_accuracy(model, data.split(split, f"task {self.name}") if batches is None else batches)

@@ -28,15 +28,14 @@ import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .base import MissingDataError, Task, TaskData, check_holdout
-from .common import batch_accuracy, classification_accuracy, seeded_permutation
+from .base import ClassificationTask, MissingDataError, TaskData, check_holdout
+from .common import seeded_permutation
 from .image_models import MODELS, build_image_model
 
 DATA_DIR_ENV = "PIPEOPTIM_FASHION_MNIST_DIR"
@@ -218,12 +217,10 @@ def n_test_examples(limit: Optional[int], batch_size: int) -> int:
     return min(FULL_TEST_SIZE, max(limit // 5, MIN_LIMITED_TEST_SIZE, batch_size))
 
 
-class ImageTask(Task):
+class ImageTask(ClassificationTask):
     """Fashion-MNIST classification; the metric is test accuracy in [0, 1]."""
 
     name = "image"
-    metric = "accuracy"
-    higher_is_better = True
     default_model = "vgg"
     default_batch_size = 64
     #: Learning rates for ``vgg`` at batch 64 (momentum and Nesterov with momentum 0.9), from a
@@ -292,16 +289,3 @@ class ImageTask(Task):
     def build_model(self, name: str, data: TaskData | None = None, *, seed: int) -> nn.Sequential:
         """Model ``name`` (see :data:`MODELS`), seeded; ``data`` is not needed and may be None."""
         return build_image_model(name, seed)
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the logits, averaged over the batch."""
-        return F.cross_entropy(output, target)
-
-    def batch_metric(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Accuracy of one mini-batch (the metric is its mean over the samples)."""
-        return batch_accuracy
-
-    def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
-        """Accuracy on ``data.test``, or ``data.validation`` with ``split="validation"`` (eval
-        mode, no gradients; training flags restored)."""
-        return classification_accuracy(model, data.split(split, f"task {self.name}"))

@@ -1,18 +1,10 @@
 """Translation: English -> Spanish Bible verses (BLEU; chrF reported beside it).
 
 Data: the SWORD modules ``engWEB2015eb`` (World English Bible) and ``spaRV1909eb`` (Reina-Valera
-1909), both public domain, from Debian's ``sword-text-web`` / ``sword-text-sparv``, dumped with
-``mod2imp`` (``libsword-utils``). The dumps are cached under ``cache_dir()/sword/``, the parsed
-verse pairs and the sentencepiece model under ``cache_dir()/translation/``.
-
-Parsing (:mod:`pipeoptim.lab.tasks.bible`, shared with the lm task): blocks ``$$$Book
-Chapter:Verse``; chapter or verse 0 (book and chapter introductions) are skipped; footnotes and
-cross references (``<note>``), section headings (``<title>`` not marked ``canonical="true"``;
-the canonical psalm superscriptions are verse text in both Bibles and are kept), speaker labels
-(Song of Solomon) and anything after a book's end marker (the WEB glossary that follows
-Revelation 22:21) are dropped; the remaining tags are stripped, spaces squeezed and the space
-before punctuation removed. Verses present and non-empty in both Bibles are aligned by key:
-31,077 pairs.
+1909), dumped and cleaned by :mod:`pipeoptim.lab.tasks.bible` (shared with the lm task; where
+they come from and what parsing drops is said there). The parsed verse pairs and the
+sentencepiece model are cached under ``cache_dir()/translation/``. Verses present and non-empty
+in both Bibles are aligned by key: 31,077 pairs.
 
 Split: by an MD5 hash of the verse key (:func:`split_of`), about 90/5/5 train/valid/test, so a
 verse never moves between splits whatever the data size or seed. Valid/test pairs whose English
@@ -38,9 +30,6 @@ Models (``nn.Sequential``; every block takes one tuple and returns one tuple or 
   | ``EncLSTMBlock`` (residual) | ``AttentionDecoderBlock`` (target embedding, bottom decoder
   LSTM, attention over the encoder states) -> (h, context) | ``DecLSTMBlock`` |
   ``DecLSTMBlock`` (residual; returns ``h`` only) | ``Generator``.
-
-Pad masks are ``int64`` (1 = padding) and travel with the activations; every block builds what
-it needs (bool masks, the causal mask) from its own inputs.
 
 Evaluation: greedy decoding (:func:`greedy_decode` re-runs the whole ``nn.Sequential`` on the
 growing target prefix) of the first ``eval_limit`` (500) sentences of the test split, scored
