@@ -85,14 +85,14 @@ DERIVED_FIELDS = ("lr_source",)
 class RunConfig:
     """Every setting of a run, as the command line takes them: one field per option of
     :data:`LAB_OPTIONS` and of the engine's that the command line takes (named as
-    :func:`config_field` says; the method's own options in ``method_options``)."""
+    :func:`config_field` says; the method's own options in ``method_options``). What each means
+    is said once, in the option tables."""
 
     task: str = "image"
     model: Optional[str] = None
     method: str = "pipeoptim"
     stages: int = 4
     micro_batches: Optional[int] = None
-    #: model chunks per stage (interleaved; --chunks); None: the method's own
     chunks: Optional[int] = None
     partition: Optional[List[int]] = None
     partitioner: str = "uniform"
@@ -103,8 +103,8 @@ class RunConfig:
     lr_source: Optional[str] = None
     weight_decay: float = 0.0
     momentum: Optional[float] = None
-    beta1: Optional[float] = None      #: first-moment decay of the optimizers with betas (--beta1)
-    adamw_lr: Optional[float] = None   #: muon: the lr of its AdamW part (--adamw-lr; default lr / 10)
+    beta1: Optional[float] = None
+    adamw_lr: Optional[float] = None
     epochs: int = 1
     batch_size: Optional[int] = None
     limit: Optional[int] = None
@@ -112,17 +112,14 @@ class RunConfig:
     continuous: bool = False
     checkpoint_every: Optional[int] = None
     method_options: Dict[str, Any] = field(default_factory=dict)
-    lr_schedule: str = "constant"      #: constant, warmup-cosine or step (pipeoptim.lab.lr_schedules)
+    lr_schedule: str = "constant"
     warmup_steps: Optional[int] = None
-    clip_grad: Optional[float] = None  #: max gradient norm
-    clip_scope: str = "stage"          #: stage (each stage's own norm) or global (synchronous methods)
+    clip_grad: Optional[float] = None
+    clip_scope: str = "stage"
     precision: str = "fp32"
-    #: every stage recomputes its forward in the backward, keeping only its inputs (--recompute)
     recompute: bool = False
-    device: str = "auto"               #: auto, one device, or one per stage separated by commas
-    #: also drain and evaluate every K mini-batches (Pipeline.fit's eval_every); None: epoch ends only
+    device: str = "auto"
     eval_every: Optional[int] = None
-    #: hold N training examples out as the validation split (Task.load's holdout); None: no split
     holdout: Optional[int] = None
 
     def devices(self) -> Any:

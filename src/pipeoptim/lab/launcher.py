@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
-from .run_folder import clear_statuses, read_statuses, resume_hint
+from .run_folder import clear_statuses, last_checkpoint, read_statuses, resume_hint
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..runtime.layout import Layout, plan_layout
 from ..runtime.lifecycle import under_torchrun
@@ -302,8 +302,6 @@ def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
     last checkpoint (stage k is rank k); and the stages it names."""
-    from ..checkpoint import CheckpointError, latest_checkpoint
-
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
     # was lost; otherwise the stages that failed on their own, not for want of a peer.
@@ -315,10 +313,7 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
     if not lost:
         lost = sorted(failures)[:1]
     messages = {statuses.get(r, {}).get("message") for r in lost}
-    try:
-        last = latest_checkpoint(out / "checkpoints") if out is not None else None
-    except CheckpointError:
-        last = None
+    last = last_checkpoint(out)
     if all(statuses.get(r, {}).get("kind") == "nonfinite" for r in lost) and len(messages) == 1:
         # every stage saw the same loss; resuming would repeat the same steps
         text = f"{messages.pop()} (every stage stopped)"

@@ -19,11 +19,8 @@ With the ``time`` partitioner the split is recomputed on each micro-batch count'
 stage a candidate runs is balanced for its own micro-batch size); ``partitions`` in the plan
 reports the three splits of the whole mini-batch.
 
-Then it recommends one (method, M) by the rule of :func:`recommend`: the highest predicted
-throughput among the candidates whose largest stage memory fits ``memory_limit``; candidates
-within ``tie`` (relative, default 2%) of the best count as tied, and among tied ones a
-synchronous method (same result as non-pipelined training) wins, then the smaller largest-stage
-memory, then fewer micro-batches, then the earlier method in the list.
+Then it recommends one (method, M) by the rule of :func:`recommend` (a synchronous method wins
+a tie: the same result as non-pipelined training).
 
 The plan (JSON) holds the task, model, batch size, stages, partition, method and micro-batches
 that ``pipeoptim train --plan FILE`` uses (:func:`load_plan`), the predictions and the profile.

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .run_folder import read_statuses, resume_hint, write_status
+from .run_folder import last_checkpoint, read_statuses, resume_hint, write_status
 from ..runtime import lifecycle
 from ..runtime.lifecycle import Stop
 
@@ -72,7 +72,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     checkpoints' manifests, and prints the summary; every stage keeps its status file."""
     import torch.distributed as dist
 
-    from ..checkpoint import CheckpointError, latest_checkpoint
+    from ..checkpoint import CheckpointError
     from ..errors import NonFiniteLoss
     from .experiment import run_experiment
     from ..runtime.control import init_process_group
@@ -83,10 +83,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
 
     def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
-        try:
-            last = latest_checkpoint(out / "checkpoints") if out is not None else None
-        except CheckpointError:
-            last = None
+        last = last_checkpoint(out)
         write_status(out, rank, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
         if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
