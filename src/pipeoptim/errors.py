@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from typing import Any, ContextManager, Iterator
 
 __all__ = ["CheckpointError", "MissingDataError", "NonFiniteLoss", "Interrupted", "interrupt_on_signals"]
 
@@ -50,19 +50,25 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
-@contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
+def interrupt_on_signals() -> ContextManager[None]:
     """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main
     thread (SIGTERM would otherwise end the process with no word, and SIGINT raise a bare
-    KeyboardInterrupt); the previous handlers come back after. Outside the main thread it does
-    nothing (only the main thread may set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    KeyboardInterrupt); see :func:`signals_handled`."""
 
     def handler(signum: int, frame: object) -> None:
         raise Interrupted(signum)
 
+    return signals_handled(handler)
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Any) -> Iterator[None]:
+    """Within the block, :data:`STOP_SIGNALS` go to ``handler`` (a function, or ``signal.SIG_IGN``);
+    the previous handlers come back after. Outside the main thread it does nothing (only the
+    main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     saved = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield

@@ -11,14 +11,12 @@ or plots inside their ``run`` functions.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
-import threading
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
-from ..errors import STOP_SIGNALS, CheckpointError, Interrupted, MissingDataError, NonFiniteLoss
+from ..errors import CheckpointError, Interrupted, MissingDataError, NonFiniteLoss, signals_handled
 from . import bench as _bench
 from . import compare as _compare
 from . import plan as _plan
@@ -61,26 +59,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as error:  # Ctrl-C; Interrupted: also SIGTERM, SIGHUP, with what to resume
         signum = error.signum if isinstance(error, Interrupted) else signal.SIGINT
         text = str(error) or f"interrupted by {signal.Signals(signum).name}"
-        with _signals_ignored():  # a second Ctrl-C while this is said: no traceback
+        with signals_handled(signal.SIG_IGN):  # a second Ctrl-C while this is said: no traceback
             print(f"pipeoptim {args.command}: {text}", file=sys.stderr)
             if argv is None:  # the program itself, not a call from Python: end now, as its stages
                 sys.stdout.flush()  # do, rather than spend a second or more tearing down
                 sys.stderr.flush()
                 os._exit(128 + signum)
         return 128 + signum
-
-
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":
