@@ -132,8 +132,7 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
 
 
 def add_table_flags(group: Any, *names: str) -> None:
-    """The flags of the options ``names`` as the tables define them (for a command whose other
-    flags mean something of its own), in ``group``."""
+    """The flags of the options ``names`` as the tables define them, in ``group``."""
     for option in (o for o in (*LAB_OPTIONS, *OPTIONS) if o.name in names):
         add_flag(group, option)
 

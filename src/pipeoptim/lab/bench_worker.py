@@ -5,9 +5,8 @@ torchrun) beside the single-process ``sequential`` baselines (a Pipeline of rank
 ``LocalWorld``); rank 0 writes the results file that the command (:mod:`pipeoptim.cli.bench`)
 reads and prints.
 
-The default model, ``blocks``, is built so that every stage does the same work: on the flattened
-image, four fully connected blocks (linear + ReLU, 512 wide) per stage and a linear head of 10
-classes on the last stage (see :mod:`pipeoptim.cli.bench` for why the stages are balanced).
+The default model, ``blocks``, gives every stage the same work (:mod:`pipeoptim.cli.bench` says
+how).
 """
 from __future__ import annotations
 

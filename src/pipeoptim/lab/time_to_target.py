@@ -87,10 +87,6 @@ class TargetResult:
     updates: Optional[float]
     seconds: Optional[float]
 
-    @property
-    def reached(self) -> bool:
-        return self.updates is not None
-
 
 def against_reference(curve: Curve, reference: float, higher_is_better: bool, seconds_per_batch: float,
                       tolerance: float = TARGET_TOLERANCE) -> TargetResult:

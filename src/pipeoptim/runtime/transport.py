@@ -267,11 +267,6 @@ class PipeComm:
                 raise link.fail("sending", microbatch, error) from error
             self._pending.popleft()
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has released this pipeline's process groups."""
-        return self._closed
-
     def groups(self) -> List[Any]:
         """The process groups this PipeComm created (its links' own groups, the control group
         on NCCL), for a teardown that destroys them one by one."""
