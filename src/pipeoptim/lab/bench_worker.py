@@ -37,19 +37,13 @@ def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage
 
 
 def quartiles(values: Sequence[float]) -> List[float]:
-    """First quartile, median and third quartile of ``values`` (linear interpolation between
-    order statistics, as numpy's default ``percentile``); one value gives it three times."""
+    """First quartile, median and third quartile of ``values`` (numpy's ``percentile``: linear
+    interpolation between order statistics); one value gives it three times."""
     if not values:
         raise ValueError("quartiles of no values")
-    xs = sorted(values)
+    import numpy as np
 
-    def at(q: float) -> float:
-        pos = q * (len(xs) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return [at(0.25), statistics.median(xs), at(0.75)]
+    return [float(q) for q in np.percentile(values, [25, 50, 75])]
 
 
 def iqr(values: Sequence[float]) -> float:
