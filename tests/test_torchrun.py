@@ -46,12 +46,17 @@ def rows(text: str) -> dict:
 
 
 PIPELINED = [m for m in method_names() if m != "sequential"]
+#: the cases of the tests below beside every method's plain run: global clipping, evaluations every k
+CLIPPED = [f"{m}+clip=0.05" for m in ("gpipe", "1f1b-flush", "interleaved")]
+EVALUATED = "pipeoptim+eval=2"
 
 
 @pytest.fixture(scope="module")
 def both():
-    methods = ",".join(PIPELINED)
-    return rows(run([SCRIPT, methods, 2])), rows(run([SCRIPT, methods, 2], nproc=2))
+    """One job in one process and one under torchrun (2 processes) for every entry the tests
+    read (each entry starts from the same seed, so a job's line for it is the entry's alone)."""
+    entries = ",".join([*PIPELINED, *CLIPPED, EVALUATED])
+    return rows(run([SCRIPT, entries, 2])), rows(run([SCRIPT, entries, 2], nproc=2))
 
 
 @pytest.mark.parametrize("method", PIPELINED)
@@ -85,23 +90,20 @@ def test_the_schedules_people_run_equal_sequential_on_four_processes():
                                rtol=1e-5, atol=1e-7), (method, name)
 
 
-def test_evaluations_every_k_under_torchrun_equal_one_process():
+def test_evaluations_every_k_under_torchrun_equal_one_process(both):
     """Every rank drains and evaluates at the same mini-batches; the evaluations agree."""
-    local = rows(run([SCRIPT, "pipeoptim", 2, "-", 2]))["pipeoptim"]
-    spread = rows(run([SCRIPT, "pipeoptim", 2, "-", 2], nproc=2))["pipeoptim"]
+    local, spread = both[0][EVALUATED], both[1][EVALUATED]
     assert spread["losses"] == local["losses"] and spread["evaluations"] == local["evaluations"]
     assert [e["batch"] for e in local["evaluations"]] == [2, 3, 5, 6]  # 3 mini-batches per epoch
     assert [e["updates"] for e in local["evaluations"]] == [5, 6, 8, 9]  # after 3 stepped by hand
 
 
-def test_global_clipping_under_torchrun_equals_one_process():
-    methods = "gpipe,1f1b-flush,interleaved"
-    local, spread = rows(run([SCRIPT, methods, 2, 0.05])), rows(run([SCRIPT, methods, 2, 0.05], nproc=2))
-    unclipped = rows(run([SCRIPT, "gpipe", 2]))
-    for m in methods.split(","):
+def test_global_clipping_under_torchrun_equals_one_process(both):
+    local, spread = both
+    for m in CLIPPED:
         assert spread[m]["losses"] == local[m]["losses"]
         assert spread[m]["weights"] == local[m]["weights"]
-    assert local["gpipe"]["losses"][4:] != unclipped["gpipe"]["losses"][4:]
+    assert local["gpipe+clip=0.05"]["losses"][4:] != local["gpipe"]["losses"][4:]  # the clipping bites
 
 
 def test_the_example_under_torchrun_prints_what_it_prints_under_python():
@@ -248,9 +250,9 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     assert resumed["weights"] == whole["weights"]
 
 
-def test_two_nodes_give_what_one_node_gives(tmp_path):
+def test_two_nodes_give_what_one_node_gives(both):
     """Two torchrun agents on this machine (--nnodes 2, one process each, a c10d rendezvous)
-    give the one-node job's numbers."""
+    give the one-node job's numbers (the 2-process job of ``both``)."""
     import socket
 
     with socket.socket() as s:
@@ -271,7 +273,7 @@ def test_two_nodes_give_what_one_node_gives(tmp_path):
     printed = [out for out, _ in outs if out.strip()]
     assert len(printed) == 1                       # rank 0 lives on one of the nodes
     two_nodes = rows(printed[0])
-    one_node = rows(run([SCRIPT, "pipeoptim,1f1b-flush", 2], nproc=2))
+    one_node = both[1]
     for method in ("pipeoptim", "1f1b-flush"):
         assert two_nodes[method]["losses"] == one_node[method]["losses"]
         assert two_nodes[method]["weights"] == one_node[method]["weights"]

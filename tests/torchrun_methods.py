@@ -1,7 +1,9 @@
 """Run under torchrun by tests/test_torchrun.py: every method through Pipeline, one stage per
-process; rank 0 prints one JSON line per method with its losses and weight copies.
-Arguments: methods (comma-separated), stages, then optionally the global clipping norm ("-": none)
-and eval_every for fit."""
+process; rank 0 prints one JSON line per entry with its losses and weight copies.
+Arguments: entries (comma-separated), stages, then optionally the global clipping norm ("-": none)
+and eval_every for fit. An entry is a method, optionally with settings of its own that replace
+those two: ``gpipe+clip=0.05``, ``pipeoptim+eval=2`` (its line's "method" is the whole entry), so
+that one job runs every case its tests read."""
 import json
 import sys
 
@@ -10,13 +12,17 @@ from torch import nn
 
 import pipeoptim
 
-methods, stages = sys.argv[1].split(","), int(sys.argv[2])
-clip = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
-eval_every = int(sys.argv[4]) if len(sys.argv) > 4 else None
+entries, stages = sys.argv[1].split(","), int(sys.argv[2])
+job_clip = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+job_eval_every = int(sys.argv[4]) if len(sys.argv) > 4 else None
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
-for method in methods:
+for entry in entries:
+    method, *settings = entry.split("+")
+    settings = dict(setting.split("=") for setting in settings)
+    clip = float(settings["clip"]) if "clip" in settings else job_clip
+    eval_every = int(settings["eval"]) if "eval" in settings else job_eval_every
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]
     if stages > 2:  # one model for every method: a layer with weights for each of stages x 2 chunks
@@ -39,7 +45,7 @@ for method in methods:
     if torch.distributed.is_initialized():  # every rank's answer, not only rank 0's
         torch.distributed.all_reduce(fit_model_whole, op=torch.distributed.ReduceOp.MIN)
     if pipe.rank == 0:
-        print(json.dumps({"method": method, "stepped": stepped, "losses": result.losses,
+        print(json.dumps({"method": entry, "stepped": stepped, "losses": result.losses,
                           "metric": result.metrics["epochs"][-1]["metric"],
                           "weight_versions": result.metrics["weight_versions"],
                           "processes": result.metrics["processes"], "weights": weights,
