@@ -103,9 +103,10 @@ def test_kill_9_of_one_stage_then_resume_gives_the_uninterrupted_losses(uninterr
     assert _losses(run) == expected  # every mini-batch, to the last bit
 
 
+#: a damaged stage file (a flipped byte here; a truncated one fails the same checksum comparison, both
+#: held in one process by tests/test_checkpoint.py) and a manifest that does not fit the run
 @pytest.mark.parametrize("damage,why", [
     ("flip", "checksum mismatch"),
-    ("truncate", "checksum mismatch"),
     ("manifest", "partition is [1, 3] but this run has [2, 2]"),
 ])
 def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, damage, why):
@@ -118,8 +119,6 @@ def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, damage, wh
         data = bytearray(stage_file.read_bytes())
         data[len(data) // 2] ^= 0xFF
         stage_file.write_bytes(bytes(data))
-    elif damage == "truncate":
-        stage_file.write_bytes(stage_file.read_bytes()[:100])
     else:
         manifest = json.loads((folder / "manifest.json").read_text())
         manifest["partition"] = [1, 3]
