@@ -1,4 +1,6 @@
-"""Shared fixtures: small seeded models and data that every runtime test can use."""
+"""Shared fixtures: small seeded models and data that every runtime test can use, and the one
+torchrun job of tests/torchrun_traced.py that tests/test_traced.py and tests/test_tied_async.py
+read (a job's start, two processes importing torch, costs more than its training)."""
 from __future__ import annotations
 
 import importlib
@@ -66,3 +68,29 @@ def tiny_mlp():
 @pytest.fixture
 def tiny_batches():
     return batches()
+
+
+#: the groups of tests/torchrun_traced.py's one job (model, methods, split points), by name: the tied
+#: GPT cut where the profile says, plain and clipped by the global norm (tests/test_traced.py);
+#: SkipNet's several tensors across (tests/test_traced.py); every asynchronous method on the tied GPT
+#: (tests/test_tied_async.py; None: its ASYNC, filled in by the fixture)
+TRACED_GROUPS = {
+    "tied-gpt": ("gpt", "1f1b-flush,1f1b-flush:0.5", "-"),
+    "skip": ("skip", "1f1b-flush,pipedream,pipeoptim", "blocks.1"),
+    "async-gpt": ("gpt", None, "layers.1"),
+}
+
+
+@pytest.fixture(scope="session")
+def traced_under_torchrun():
+    """{group name: rank 0's JSON lines of that group} of one ``torchrun --nproc-per-node 2
+    tests/torchrun_traced.py`` job running every group of :data:`TRACED_GROUPS`."""
+    from test_tied_async import ASYNC
+    from test_traced import torchrun
+
+    args = [arg if arg is not None else ",".join(ASYNC) for group in TRACED_GROUPS.values() for arg in group]
+    names = list(TRACED_GROUPS)
+    found = {name: [] for name in names}
+    for row in torchrun(*args):
+        found[names[row.pop("group")]].append(row)
+    return found

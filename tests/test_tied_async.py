@@ -150,12 +150,11 @@ def test_a_synchronous_warm_up_over_the_whole_run_is_synchronous_training():
     assert pipe.stages[1].tied.synchronous is False  # the asynchronous path ran
 
 
-def test_asynchronous_methods_under_torchrun_equal_one_process():
+def test_asynchronous_methods_under_torchrun_equal_one_process(traced_under_torchrun):
     """Two processes, the embedding on rank 0 and the tied head on rank 1: every asynchronous
-    method gives the losses and the trained weights of one process, with one tied tensor."""
-    from test_traced import torchrun
-
-    rows = {r["method"]: r for r in torchrun("gpt", ",".join(ASYNC), "layers.1") if "losses" in r}
+    method gives the losses and the trained weights of one process, with one tied tensor (the
+    "async-gpt" group of conftest's one torchrun job: every method of ASYNC, split at layers.1)."""
+    rows = {r["method"]: r for r in traced_under_torchrun["async-gpt"] if "losses" in r}
     assert sorted(rows) == sorted(ASYNC)
     for method in ASYNC:
         losses, pipe = train_gpt(method)

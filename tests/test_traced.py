@@ -205,11 +205,11 @@ def torchrun(*args):
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially():
+def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially(traced_under_torchrun):
     """Two processes, the embedding on rank 0 and the tied head on rank 1 (cut where rank 0's
     profile says, both ranks agreeing): the head's gradient joins the embedding's before rank 0's
     update, and rank 1 takes the updated weight."""
-    rows = torchrun("gpt", "1f1b-flush,1f1b-flush:0.5", "-")
+    rows = traced_under_torchrun["tied-gpt"]  # "1f1b-flush,1f1b-flush:0.5", split points "-"
     got, clipped = [r for r in rows if "losses" in r]
     points = [r["points"] for r in rows if "points" in r]
     assert len(points) == 4 and all(p == points[0] for p in points) and len(points[0]) == 1
@@ -226,11 +226,12 @@ def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially():
     assert clipped["losses"] == pytest.approx(local, rel=1e-6) and local != pytest.approx(expected, rel=1e-3)
 
 
-def test_several_tensors_cross_between_processes_with_equal_losses():
+def test_several_tensors_cross_between_processes_with_equal_losses(traced_under_torchrun):
     """SkipNet split after its first block sends (hidden, skip, mask) across: every method's
     losses under torchrun equal the same Pipeline's in one process."""
-    methods = ["1f1b-flush", "pipedream", "pipeoptim"]
-    for got in torchrun("skip", ",".join(methods), "blocks.1"):
+    rows = traced_under_torchrun["skip"]  # 1f1b-flush, pipedream, pipeoptim, split at blocks.1
+    assert [got["method"] for got in rows] == ["1f1b-flush", "pipedream", "pipeoptim"]
+    for got in rows:
         torch.manual_seed(0)
         pipe = pipeoptim.Pipeline(SkipNet(), method=got["method"], split_points=["blocks.1"], loss_fn=nn.functional.cross_entropy,
                                   optimizer=SGDM, micro_batches=2 if got["method"] == "1f1b-flush" else None)

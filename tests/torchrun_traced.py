@@ -1,8 +1,11 @@
-"""Run under torchrun by tests/test_traced.py: a traced model split over the processes, trained
-with each method given; rank 0 prints one JSON line per method with the losses and the trained
-weights. Arguments: the model (``gpt``: TinyGPT with its head tied to its embedding; ``skip``:
-SkipNet, two inputs and a skip connection), the methods (``method:norm`` clips by the global norm) and the split points (comma-separated;
-``-``: none, the default partitioner chooses, and every rank prints the points it uses)."""
+"""Run under torchrun by tests/conftest.py's ``traced_under_torchrun`` (for tests/test_traced.py and
+tests/test_tied_async.py): a traced model split over the processes, trained with each method given;
+rank 0 prints one JSON line per method with the losses and the trained weights. Arguments: one or
+more groups of three (one job runs them all; each line names its group by position): the model
+(``gpt``: TinyGPT with its head tied to its embedding; ``skip``: SkipNet, two inputs and a skip
+connection), the methods (``method:norm`` clips by the global norm) and the split points
+(comma-separated; ``-``: none, the default partitioner chooses, and every rank prints the points it
+uses)."""
 import json
 import sys
 
@@ -12,8 +15,10 @@ from torch import nn
 import pipeoptim
 from traced_models import SkipNet, TinyGPT, lm_batches, lm_loss, skip_batches
 
-which, methods, points = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
-for entry in methods:
+groups = [sys.argv[i:i + 3] for i in range(1, len(sys.argv), 3)]
+rows = [(group, which, entry, points.split(",")) for group, (which, methods, points) in enumerate(groups)
+        for entry in methods.split(",")]
+for group, which, entry, points in rows:
     method, _, clip = entry.partition(":")  # "1f1b-flush:0.5": clipped to 0.5 by the global norm
     torch.manual_seed(0)
     model = TinyGPT(layers=2) if which == "gpt" else SkipNet()
@@ -28,10 +33,10 @@ for entry in methods:
     if points == ["-"]:
         # one write, the newline with it: both ranks print here, and an unbuffered print writes the
         # line and its newline apart, so two ranks' lines could join into one
-        sys.stdout.write(json.dumps({"rank": pipe.rank, "points": pipe.split_points}) + "\n")
+        sys.stdout.write(json.dumps({"group": group, "rank": pipe.rank, "points": pipe.split_points}) + "\n")
         sys.stdout.flush()
     trained = pipe.model()
     if pipe.rank == 0:
-        print(json.dumps({"method": entry, "losses": losses,
+        print(json.dumps({"group": group, "method": entry, "losses": losses,
                           "tied": which == "gpt" and trained.head.weight is trained.embed.weight,
                           "weights": {k: v.tolist() for k, v in trained.state_dict().items()}}), flush=True)
