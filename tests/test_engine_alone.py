@@ -6,7 +6,9 @@ sacrebleu) and the test's (transformers, pytest) cannot be imported there.
 
 torch is not installed again (a wheel of hundreds of MB): the clean environment sees this
 environment's torch, numpy and tqdm through a folder of links to their distributions alone,
-named by a ``.pth`` file, so pip finds them installed and installs nothing but pipeoptim."""
+named by a ``.pth`` file, so pip finds them installed and installs nothing but pipeoptim. The
+environment is made without pip of its own (installing pip into it costs seconds): this
+environment's pip installs into it and lists it (``pip --python``, which runs in its interpreter)."""
 from __future__ import annotations
 
 import json
@@ -88,7 +90,7 @@ def linked_site(folder: Path, names) -> None:
 @pytest.mark.timeout(300)
 def test_pip_install_without_extras_trains_a_pipeline_in_a_clean_environment(tmp_path):
     env_dir, site, build_site = tmp_path / "venv", tmp_path / "engine-site", tmp_path / "build-site"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
     linked_site(site, ENGINE_DEPENDENCIES)
     own_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -98,11 +100,12 @@ def test_pip_install_without_extras_trains_a_pipeline_in_a_clean_environment(tmp
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", OMP_NUM_THREADS="1")
     # built offline with this environment's setuptools (a build tool, seen by pip's build alone)
     linked_site(build_site, ["setuptools"])
-    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", str(REPO)],
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    install = subprocess.run([*pip, "install", "-q", "--no-build-isolation", str(REPO)],
                              capture_output=True, text=True, env={**env, "PYTHONPATH": str(build_site)},
                              cwd=tmp_path, timeout=240)
     assert install.returncode == 0, install.stderr[-3000:]
-    installed = subprocess.run([python, "-m", "pip", "list", "--format", "json"], capture_output=True,
+    installed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True,
                                text=True, env=env, check=True).stdout
     assert "pipeoptim" in {d["name"].lower() for d in json.loads(installed)}
     ran = subprocess.run([python, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
