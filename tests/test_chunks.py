@@ -280,19 +280,19 @@ def test_bench_runs_the_chunked_methods(tmp_path, capfd):
 def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path):
     """`interleaved` with 2 chunks per process under torchrun (2 processes, 4 pieces): a run whose
     processes all end after 13 mini-batches (checkpoints every 5) resumes from the checkpoint at
-    mini-batch 10 to the losses and weights of the uninterrupted run."""
+    mini-batch 10 to the losses and weights of the uninterrupted run (run in one process, which
+    gives the 2-process numbers: tests/test_torchrun.py)."""
     import json
     import subprocess
     import sys
 
     from test_torchrun import CHECKPOINT_SCRIPT, REPO, _env
 
-    def job(folder, *extra):
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               "2", str(CHECKPOINT_SCRIPT), str(folder), "16", "2", "0", "interleaved", *extra],
-                              capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+    def job(folder, *extra, launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")):
+        return subprocess.run([sys.executable, *launcher, str(CHECKPOINT_SCRIPT), str(folder), "16", "2", "0",
+                               "interleaved", *extra], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
 
-    whole = job(tmp_path / "whole")
+    whole = job(tmp_path / "whole", launcher=())
     assert whole.returncode == 0, whole.stderr[-2000:]
     cut = job(tmp_path / "cut", "13")
     assert cut.returncode != 0 and not (tmp_path / "cut" / "result.json").exists()
