@@ -550,4 +550,6 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     assert all(v > 0 for v in result["samples_per_second"].values())
     assert {"pipeoptim/sequential-1dev", "pipeoptim/gpipe"} <= set(result["ratios"])
     assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
+    assert result["settings"]["data_parallel"] == 1
+    assert len(result["detail"]["pipeoptim"]["cpu_share"][0]) == 2          # a share per process
     assert json.loads(out.read_text())["samples_per_second"] == result["samples_per_second"]
