@@ -167,7 +167,8 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
                     recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
                     timeout=timeout, threads=threads, chunks=cfg.chunks, **cfg.method_options)
-    pipe.prepare(data.train[0][0])  # as fit would on its first mini-batch (nothing draws randomness between)
+    if not pipe.prepared:  # a traced model: split on the first mini-batch, as fit would (nothing draws randomness between)
+        pipe.prepare(next(iter(data.train))[0])
     check_spec(cfg, pipe.spec, data.train)
     return pipe
 
