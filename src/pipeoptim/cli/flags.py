@@ -104,6 +104,8 @@ def method_choices(name: str) -> Optional[tuple]:
 
 
 def add_flag(group: Any, option: Option) -> None:
+    """The option's flag in ``group``: its name, parser, choices (a method's option: the values
+    the methods allow), default and ``--help`` text, stored under the RunConfig field's name."""
     flag = option.flag
     dest = flag.config if flag.config and option.scope != "method" else option.name  # the RunConfig field
     kwargs: Dict[str, Any] = {"dest": dest, "help": flag_help(option), "default": cli_default(option)}
@@ -112,7 +114,7 @@ def add_flag(group: Any, option: Option) -> None:
     else:
         kwargs["type"] = TYPES[flag.type]
         choices = flag.choices or (method_choices(option.name) if option.scope == "method" else None)
-        if choices and option.name != "vertical_sync":
+        if choices:
             kwargs["choices"] = list(choices)
         if flag.metavar:
             kwargs["metavar"] = flag.metavar
