@@ -50,11 +50,6 @@ class Layout:
             raise ValueError("the number of stages is not known yet: give stages=N or a partition")
         return self.stages * self.replicas
 
-    @property
-    def pieces(self) -> Optional[int]:
-        """Model pieces (one Stage object each): stages x chunks."""
-        return None if self.stages is None else self.stages * self.chunks
-
 
 def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
                 chunks: Optional[int] = None, processes: Optional[int] = None,
