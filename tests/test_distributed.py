@@ -543,7 +543,8 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     from pipeoptim.cli import main
 
     out = tmp_path / "bench.json"
-    assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
+    # 3 timed mini-batches: stage 0's third forward comes after its first update, so PipeOptim predicts
+    assert main(["bench", "--synthetic", "--batches", "3", "--warmup", "1", "--batch-size", "16",
                  "--methods", "gpipe,pipeoptim", "--json", "--out", str(out), "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == {"sequential-1dev", "sequential-all", "gpipe", "pipeoptim"}
@@ -552,4 +553,9 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
     assert result["settings"]["data_parallel"] == 1
     assert len(result["detail"]["pipeoptim"]["cpu_share"][0]) == 2          # a share per process
+    for name, copies in (("gpipe", [1, 1]), ("pipeoptim", [2, 1])):  # the state per stage, measured = closed form
+        memory = result["detail"][name]["state_memory"]
+        assert [m["weights"] for m in memory] == [m["weights_closed_form"] for m in memory] == \
+            [c * m["parameters"] for c, m in zip(copies, memory)]
+        assert all(m["gradients"] == m["optimizer"] == m["parameters"] > 0 for m in memory)  # SGD momentum
     assert json.loads(out.read_text())["samples_per_second"] == result["samples_per_second"]

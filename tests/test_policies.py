@@ -76,8 +76,9 @@ def test_measured_weight_copies(n):
     assert measured_versions("async-naive", n) == [1] * n
     assert measured_versions("gpipe", n) == [1] * n
     # PipeOptim: the live weights and one cache where it predicts (s > 0), whatever N
-    assert measured_versions("pipeoptim", n) == [2] * (n - 1) + [1]
-    assert measured_versions("pipeoptim", n, steps="code") == [2] * n
+    assert measured_versions("pipeoptim", n) == [2] * (n - 1) + [1] == get_method("pipeoptim").weight_versions(n)
+    assert measured_versions("pipeoptim", n, steps="code") == [2] * n == \
+        get_method("pipeoptim").weight_versions(n, steps="code")
     # SpecTrain predicts wherever s_f or s_b is positive: all stages but the last of a 2-stage pipe
     assert measured_versions("spectrain", n) == [2] * (n - 1) + [1 if n == 2 else 2]
     # predicted backward weights: each in-flight mini-batch keeps its predicted copy

@@ -23,6 +23,7 @@ from .batches import loader_item
 from .checkpoint import set_rng_state
 from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
+from .runtime.state_memory import state_memory
 from .runtime.stage import TraceEntry, UpdateEntry
 from .world import load_checkpoint, save_checkpoint
 
@@ -272,7 +273,8 @@ class FitRun:
     def result(self, samples: int, elapsed: float) -> TrainResult:
         """The losses, traces, metrics and trained model of the run, the same on every rank."""
         pipe, spec = self.pipe, self.pipe.spec
-        reports = pipe.world.all_stages([stage_report(s, pipe.world) for s in pipe.stages],
+        design = pipe.method.weight_versions(spec.stages, **spec.options)
+        reports = pipe.world.all_stages([stage_report(s, pipe.world, design[s.index]) for s in pipe.stages],
                                         "gathering the stages' measurements")
         trace = sorted((e for r in reports for e in r["trace"]), key=lambda e: (e.stage, e.microbatch, e.kind != "F"))
         diagnosing = any(r["diagnostics"] is not None for r in reports)
@@ -281,7 +283,7 @@ class FitRun:
             "partition": spec.partition, "microbatches": spec.microbatches, "epochs": self.epoch_metrics,
             "samples_per_second": samples / elapsed if elapsed > 0 else 0.0, "seconds": elapsed,
             "weight_versions": [r["versions"] for r in reports],
-            "weight_versions_design": pipe.method.weight_versions(spec.stages, **spec.options),
+            "weight_versions_design": design, "state_memory": [r["state_memory"] for r in reports],
             "stage_seconds": [r["seconds"] for r in reports],
             "activations": [r["activations"] for r in reports],
             "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
@@ -292,11 +294,13 @@ class FitRun:
         return TrainResult(list(pipe.losses), trace, pipe.model(), metrics, updates)
 
 
-def stage_report(stage: Any, world: Any) -> Dict[str, Any]:
+def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]:
     """What one stage measured: weight copies at the peak, trace, updates, seconds per pass,
-    diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited) and
-    the activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight)."""
+    diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited), the
+    activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight) and its
+    state's bytes beside the closed form of ``design_versions`` (``runtime/state_memory.py``)."""
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
+            "state_memory": state_memory(stage, design_versions),
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
             "diagnostics": stage.diagnostics_summary() if stage.diagnose_every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report()}

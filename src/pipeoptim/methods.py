@@ -132,10 +132,14 @@ def _ema(delta: str) -> int:
     return 1 if delta == "ema" else 0
 
 
-def _pipeoptim_versions(k: int, n: int, backward: str = "latest", delta: str = "optimizer", **_: Any) -> int:
+def _pipeoptim_versions(k: int, n: int, backward: str = "latest", delta: str = "optimizer", steps: str = "exact",
+                        **_: Any) -> int:
     # latest: the live weights and one cache. predicted: each in-flight mini-batch keeps its own
     # predicted copy for its backward, up to N-1-k of them beside the live weights and cache.
-    # delta="ema": one more buffer, the average of the updates.
+    # delta="ema": one more buffer, the average of the updates. The last stage predicts over
+    # s = 0 updates (exact and paper; the authors' code counts N-k = 1): the live weights alone.
+    if k == n - 1 and steps != "code":
+        return 1
     return (2 if backward == "latest" else 2 + (n - 1 - k)) + _ema(delta)
 
 

@@ -201,7 +201,8 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
 def format_memory(result: Dict[str, Any]) -> List[str]:
     """Per run and model stage: the peak of activations held, measured (KiB, micro-batches in
     flight) against the prediction (the simulator's in-flight count x the profiled bytes of one
-    micro-batch)."""
+    micro-batch); and the training state's bytes (runtime/state_memory.py), the weights against
+    their closed form."""
     lines = ["peak activations held per stage, KiB (micro-batches in flight): measured / predicted"]
     for name, d in result["detail"].items():
         cells = []
@@ -209,6 +210,13 @@ def format_memory(result: Dict[str, Any]) -> List[str]:
             pred = (f"{a['predicted_bytes'] / 1024:.0f} ({a['predicted_in_flight']})"
                     if "predicted_bytes" in a else "-")
             cells.append(f"{a['measured_bytes'] / 1024:.0f} ({a['measured_in_flight']}) / {pred}")
+        if cells:
+            lines.append(f"  {name}: " + "; ".join(cells))
+    lines.append("training state per stage, KiB: weights measured / closed form (parameters x the design's "
+                 "versions), + gradients + optimizer state")
+    for name, d in result["detail"].items():
+        cells = [f"{m['weights'] / 1024:.0f} / {m['weights_closed_form'] / 1024:.0f} + {m['gradients'] / 1024:.0f}"
+                 f" + {m['optimizer'] / 1024:.0f}" for m in d.get("state_memory", [])]
         if cells:
             lines.append(f"  {name}: " + "; ".join(cells))
     return lines

@@ -103,7 +103,8 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
     """The median round's figures (and every round's throughput, and its interquartile range):
     per stage, ms per pass (``stage_ms``) and per mini-batch computing, waiting on each link and
     the bytes it carried (``profile_ms_per_batch``), the peak of activations held, measured and
-    predicted (``activations``, per model stage); each round's CPU share per process."""
+    predicted (``activations``, per model stage), the training state's bytes (``state_memory``);
+    each round's CPU share per process."""
     sps = [r.samples_per_second for r in rounds]
     res = sorted(rounds, key=lambda r: r.samples_per_second)[(len(rounds) - 1) // 2]
     metrics, m = res.result.metrics, res.microbatches
@@ -120,6 +121,7 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
             "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()} for st in metrics["stage_seconds"]],
             "ms_per_batch": round(1e3 * res.seconds / timed, 3), "profile_ms_per_batch": profile,
             "activations": activations(metrics["activations"], res.predicted),
+            "state_memory": metrics["state_memory"],
             "final_loss": res.result.losses[-1]}
 
 

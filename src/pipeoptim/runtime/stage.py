@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ..weights.base import nbytes
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
 from .held import HeldActivations, signature
@@ -140,6 +141,7 @@ class Stage:
         self.trace_offset = 0
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
+        self.grad_bytes_peak = 0  #: the most bytes of gradients held at an update (runtime/state_memory.py)
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
         #: micro-batches whose input half ran and whose weight half has not (split backward)
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
@@ -333,6 +335,7 @@ class Stage:
             scheduled = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
                 g["lr"] = g["lr"] / divisor
+        self.grad_bytes_peak = max(self.grad_bytes_peak, nbytes(self.grads()))
         self.updates.append(UpdateEntry(self.index, self.policy.version,
                                         tuple(float(g["lr"]) for g in self.optimizer.param_groups)))
         self.optimizer.step()

@@ -1,0 +1,37 @@
+"""The bytes a stage's training state takes, measured from its tensors, beside the closed form.
+
+Per stage (one rank's share under torchrun): the parameters it holds, their gradients at the
+update (the peak: they are freed right after it), the optimizer's state (every tensor in
+``optimizer.state``: momentum buffers, Adam's two moments, step counters), and the weight copies
+its policy kept beyond the live weights at their peak (``WeightPolicy.copy_bytes_peak``: a
+stash, 2BW's buffer, PipeOptim's cache and predicted copies). The closed form of the weights,
+replicated over the data-parallel replicas, is the stage's parameter bytes times the weight
+versions the method's design table gives it (``Method.weight_versions``); the measured weights
+are the parameters plus the copies. ``fit``'s ``metrics["state_memory"]`` and ``pipeoptim
+bench`` report both.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ..weights.base import nbytes
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor the optimizer keeps per parameter (after its first step)."""
+    return nbytes([v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
+
+
+def state_memory(stage: Any, design_versions: int) -> Dict[str, int]:
+    """A stage's state in bytes: ``parameters``, ``gradients`` (the peak, at an update),
+    ``optimizer``, ``weight_copies`` (the policy's peak), ``weights`` (parameters + copies),
+    ``weights_closed_form`` (parameters x ``design_versions``) and ``total``."""
+    parameters = nbytes(stage.parameters())
+    copies = int(stage.policy.copy_bytes_peak)
+    report = {"parameters": parameters, "gradients": int(stage.grad_bytes_peak),
+              "optimizer": optimizer_state_bytes(stage.optimizer), "weight_copies": copies,
+              "weights": parameters + copies, "weights_closed_form": parameters * design_versions}
+    report["total"] = report["weights"] + report["gradients"] + report["optimizer"]
+    return report
