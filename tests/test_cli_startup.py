@@ -66,7 +66,7 @@ def test_command_line_starts_without_torch_or_matplotlib(argv, tmp_path):
         out = json.loads(lines[0])
         assert (out["schedule"], out["method"], out["stages"], out["batches"]) == ("async-1f1b", "pipeoptim", 4, 8)
     else:
-        assert lines[0].startswith("method pipeoptim: the async-1f1b schedule, weight versions per stage [2, 2, 2, 2]")
+        assert lines[0].startswith("method pipeoptim: the async-1f1b schedule, weight versions per stage [2, 2, 2, 1]")
 
 
 def test_the_probe_would_see_torch(tmp_path):

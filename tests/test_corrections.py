@@ -189,7 +189,7 @@ def test_the_ema_prediction_moves_the_weights_along_the_average():
 def test_ema_costs_one_more_weight_copy_where_the_stage_predicts():
     result = run(delta="ema")
     assert result.metrics["weight_versions"] == [3.0, 3.0, 3.0, 1.0]
-    assert get_method("pipeoptim").weight_versions(4, delta="ema")[:3] == [3, 3, 3]
+    assert get_method("pipeoptim").weight_versions(4, delta="ema") == [3, 3, 3, 1]  # as measured
 
 
 def test_update_average_rejects_a_decay_outside_the_open_interval():

@@ -111,9 +111,12 @@ def test_peak_activations(n):
 def test_weight_versions_per_stage(n):
     assert get_method("pipedream").weight_versions(n) == [n - k for k in range(n)]
     assert get_method("pipedream").weight_versions(n, vertical_sync=True) == [n] * n
-    assert get_method("pipeoptim").weight_versions(n) == [2] * n
+    # PipeOptim: the live weights and a cache where it predicts; the last stage predicts over
+    # s = 0 updates (exact, paper) and holds its live weights alone, s = 1 with the authors' code
+    assert get_method("pipeoptim").weight_versions(n) == [2] * (n - 1) + [1]
+    assert get_method("pipeoptim").weight_versions(n, steps="code") == [2] * n
     predicted = get_method("pipeoptim").weight_versions(n, backward="predicted")
-    assert predicted == [2 + n - 1 - k for k in range(n)]
+    assert predicted == [2 + n - 1 - k for k in range(n - 1)] + [1]
     assert get_method("gpipe").weight_versions(n) == [1] * n
     assert get_method("pipedream-2bw").weight_versions(n) == ([1] if n == 1 else [2] * n)
 
