@@ -1,33 +1,16 @@
 """Split a model that is not an ``nn.Sequential`` into stage modules, by torch's own tracing.
 
-:func:`trace` exports the model with ``torch.export`` (every input dimension dynamic where the
-model allows it, so that micro-batches of any size run) and keeps the flat graph of
-``ExportedProgram.module()``: aten operations in call order, each tagged with the modules it ran
-in (``nn_module_stack``), the parameters read by name (``get_attr``), so the model's own
-parameter objects under the model's own names.
+Tracing, candidate points, units, what crosses a cut, late inputs and the refusals:
+(docs/architecture.md, "Splitting any module" and "Batches as a model library gives them").
+:func:`trace` keeps the flat graph of ``ExportedProgram.module()``: aten operations in call
+order, each tagged with the modules it ran in (``nn_module_stack``), the parameters read by name
+(``get_attr``). A partition counts units per stage, as an ``nn.Sequential``'s counts layers.
 
-The *candidate points* are where a stage may begin: each top-level child of the model, and the
-items of a top-level ``ModuleList``, ``Sequential`` or ``ModuleDict`` (a transformer's blocks),
-looking inside a child that wraps such a container (:func:`candidate_names`), in the order the
-forward first calls them. The operations between one candidate's first call and
-the next's form a *unit*; a stage is a run of consecutive units, so a partition is given as
-units per stage exactly as an ``nn.Sequential``'s is given as layers per stage.
-
-:meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage. A stage
-module takes one argument and returns one value, as the runtime's stages expect: the first
-stage the model's input (a tensor, a tuple of the forward's positional arguments, or a dict of
-its keyword arguments); the others
-what the stage before them returned, a tensor or a tuple of tensors: every value computed before
-the stage and still needed after it (a residual and the hidden state, an attention mask, the
-token ids for a later stage), in a fixed order. The last stage returns the model's output.
-Sizes (``x.shape[0]`` of a dynamic dimension) are never sent: a stage that needs one reads it
-from a tensor it holds. A parameter read by several stages (an embedding tied to an LM head) is
-the same object in each of their modules (:meth:`TracedModel.shared_parameters`).
-
-A *late* keyword input (``labels``, for a model that computes its own loss) is no input of the
-first stage: the last stage module takes it as a second argument, the way the runtime hands a
-target to the last stage, so it never crosses a cut (refused if an earlier stage reads it).
-"""
+:meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage, which
+takes one argument and returns one value: the first stage the model's input (a tensor, a tuple
+of the forward's positional arguments, or a dict of its keyword arguments), the others what the
+stage before returned, in a fixed order; a stage that needs a size reads it from a tensor it
+holds. A late input is refused if an earlier stage reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,26 +1,17 @@
 """The Pipeline under torchrun: one stage per process.
 
-When a script that builds a :class:`~pipeoptim.pipeline.Pipeline` is started with ``torchrun
---nproc-per-node N script.py`` (``WORLD_SIZE`` > 1 in the environment, or a process group already
-initialised), each process runs one stage (or, with chunks, the stages the method places on its
-pipeline rank; replica d's ranks are d*N .. d*N+N-1), gloo on the CPU, NCCL on
-``cuda:LOCAL_RANK``, a timeout on every group and every wait, one compute thread per process on
-the CPU unless the user says otherwise. The same script runs unchanged with ``python script.py``
-(all stages in one process).
-
-Every rank iterates the same loader (seeded the same way): stage 0 uses the inputs, the last
-stage the targets, every stage the input shapes (to agree on message layouts). What the user
-reads is the same on every rank: ``fit`` and ``flush`` give every rank the losses (broadcast
-from the last stage at each drain), ``evaluate`` returns the metric on every rank, ``model()``
-and ``state_dict()`` gather every stage's part. :class:`Torchrun` is this case's world
-(:mod:`pipeoptim.world`): it implements the same methods as ``LocalWorld``, so the Pipeline never
-asks which one it has.
+Ranks, replicas and what every rank reads: (docs/architecture.md, "The Pipeline under
+torchrun"). This world is chosen also where a process group is already initialised: gloo on the
+CPU (one compute thread per process unless the user says otherwise), NCCL on
+``cuda:LOCAL_RANK``, a timeout on every group and every wait; the same script runs unchanged
+with ``python script.py``. Every rank iterates the same loader, seeded the same way.
+:class:`Torchrun` implements the same methods as ``LocalWorld`` (:mod:`pipeoptim.world`), so the
+Pipeline never asks which world it has.
 
 Each process takes SIGINT, SIGTERM and SIGHUP in a watcher thread (:mod:`pipeoptim.runtime.
 lifecycle`, installed when the Pipeline starts the process group) and ends at once with one line,
 also while it waits on a peer; it also ends when torchrun's agent dies. A Pipeline made where the
-process group already exists leaves the process's signals as they are.
-"""
+process group already exists leaves the process's signals as they are."""
 from __future__ import annotations
 
 import atexit

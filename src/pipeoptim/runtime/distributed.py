@@ -1,27 +1,13 @@
 """The distributed executor: one process per stage, the same Stage and the same action lists.
 
-Every process of a pipeline group runs a :class:`DistributedExecutor` with its own
-:class:`~pipeoptim.runtime.stage.Stage` and the *same* schedule. The schedule is lowered with
-:func:`~pipeoptim.schedules.lower.lower`, which puts ``RECV_F``/``SEND_F`` around forwards and
-``RECV_B``/``SEND_B`` around backwards whose neighbour lives on another rank; the executor walks
-its rank's lowered list in order. Nothing else is sent: targets are read by the last stage from
-the same seeded data that every rank holds, and the loss never leaves it until the segment's
-drain, where the world shares it with every rank.
-
-The transport (one stage's links and control group, :class:`PipeComm`) is
-:mod:`~pipeoptim.runtime.transport`, over :mod:`~pipeoptim.runtime.link` (one direction of one
-pair) and :mod:`~pipeoptim.runtime.wire` (message layouts, :class:`PipelineCommError`); joining
-the job and the control group's collectives are :mod:`~pipeoptim.runtime.control`; the
-replicas' gradient averaging is :mod:`~pipeoptim.runtime.averaging`.
-
-What drives the executor is :class:`pipeoptim.Pipeline` under torchrun (its world,
-:class:`pipeoptim.torchrun.Torchrun`), for a user's script and for the command line alike.
-
-Randomness inside the model (dropout) is drawn from each process's own generator, so a model
-with dropout does not give the local runtime's numbers step for step (the local executor
-interleaves all stages' draws on one generator); models without randomness give the same
-losses as the local runtime.
-"""
+What it runs and what travels is (docs/architecture.md, "The distributed executor"). The
+transport is :mod:`~pipeoptim.runtime.transport` (over :mod:`~pipeoptim.runtime.link` and
+:mod:`~pipeoptim.runtime.wire`); joining the job and the control group's collectives are
+:mod:`~pipeoptim.runtime.control`; the replicas' gradient averaging is
+:mod:`~pipeoptim.runtime.averaging`. :class:`pipeoptim.Pipeline` under torchrun
+(:class:`pipeoptim.torchrun.Torchrun`) drives it, for a user's script and the command line alike.
+The loss never leaves the last stage until the segment's drain. Dropout differs from the local
+runtime because the local executor interleaves all stages' draws on one generator."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union

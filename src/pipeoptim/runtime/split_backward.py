@@ -1,39 +1,20 @@
 """A stage's backward in two halves: the input gradient now, the weight gradient later.
 
-Zero-bubble schedules run a backward as two actions: ``I`` computes the gradient of the stage's
-input, which the previous stage waits for, and ``W`` the gradients of its weights, which nobody
-waits for and which can fill a bubble. Both come from one autograd graph, built by the forward:
+``I`` (:func:`backward_input`) and ``W`` (:func:`backward_weight`) share the forward's graph
+(docs/architecture.md, "Split backward"). A *boundary* node is one of the input path that also
+leads to a weight (a matrix product whose other operand is a weight, a bias addition, ...); an
+output that does not depend on the stage's input is its own boundary. Each weight gradient is the
+same sum of the same products as a plain ``loss.backward()``, up to the order of the additions
+where a weight is used twice.
 
-* :func:`backward_input` runs autograd from the stage's outputs to its input only. While it runs,
-  the gradient arriving at every node of that path that also leads to a weight (a *boundary*
-  node: a matrix product whose other operand is a weight, a bias addition, ...) is recorded. The
-  graph is kept (``retain_graph``), so the weight half still finds what the forward saved.
-* :func:`backward_weight` restarts autograd at the boundary nodes, with the recorded gradients,
-  towards the weights only: nothing of the input path is computed twice. Weights are grouped by
-  the boundary nodes they hang from, one autograd call per group; a group whose weights hang from
-  several nodes along one path (a weight used twice in the stage) pins each node's gradient to
-  the recorded one, so that nothing is counted twice.
-
-An output that does not depend on the stage's input is its own boundary: its weights' gradients
-all come in the weight half. A stage with no input that takes a gradient (the first) has no input
-half at all: its weight half is the plain full backward, as in torch's schedules. The sum of the
-two halves is the full backward; each weight gradient is the same sum of the same products as a
-plain ``loss.backward()``, up to the order of the additions where a weight is used twice.
-
-What the weight half no longer needs goes as early as torch's own split lets it go: the input
-half keeps only the outputs that seed a weight group (the graph above the boundaries goes with
-the others), and each group's autograd call frees the part of the graph it ran (no
-``retain_graph``; the groups run disjoint parts of it, see :func:`backward_weight`). Keeping the
-whole graph until the end of the weight half made every weight gradient a fresh allocation while
-the micro-batch's activations were still held, and freed them all at once: on the CPU, memory
-handed back to the system and faulted in again at the next micro-batch (measured, a few
+The input half keeps only the outputs that seed a weight group, and each group's call frees what
+it ran: keeping the whole graph to the end of the weight half made every weight gradient a fresh
+allocation while the activations were still held, freed all at once (on the CPU, measured, a few
 thousand page faults per mini-batch of ``benchmarks/peer_throughput.py``).
 
-See docs/architecture.md, "Split backward". This is the algorithm of
-``torch.distributed.pipelining``'s split backward, written on torch's public autograd API (graph
-nodes, their pre-hooks, ``GradientEdge``), and keeping the gradients of weights that hang only from
-outputs that do not depend on the input (torch's version drops them).
-"""
+This is ``torch.distributed.pipelining``'s split backward, written on torch's public autograd API
+(graph nodes, their pre-hooks, ``GradientEdge``), and keeping the gradients of weights that hang
+only from outputs that do not depend on the input (torch's version drops them)."""
 from __future__ import annotations
 
 from collections import deque

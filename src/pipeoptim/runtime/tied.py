@@ -1,30 +1,14 @@
 """Weights tied across stages (docs/architecture.md, "Tied weights").
 
-A tied parameter is read by several stages, its *holders*; the first of them, the *owner*, holds
-it in its optimizer and weight policy, the others read it and never update it.
-
-Synchronous methods. In one process the parameter is one object that every holder reads, so
-autograd already sums the holders' gradients into it and the owner's update is seen by all:
-nothing to do here. When each stage runs in its own process, every holder has its own copy; at
-each update the holders first sum their gradients of it into the owner's (``all_reduce`` over a
-group of the holders' ranks), the owner applies its update, and then sends the new value to the
-others (``broadcast``). A holder that is not the owner waits there for the owner's update: in a
-synchronous schedule that update comes after every backward of the mini-batch and before the
-next mini-batch's first forward.
-
-Asynchronous methods, per micro-batch. The owner's weight policy decides, once, what the tied
-weight is for micro-batch i: the values its own forward of i runs on (a live, stashed or
-predicted version). Every other holder runs its passes of i (forward, recomputation, backward)
-on those values, and its gradient of i is added to the owner's at the owner's backward of i, so
-that it joins the owner's update that consumes micro-batch i, with the owner's own gradient of
-i. Both exchanges follow the schedule's own dependencies (the owner's forward of i comes before
-every later stage's forward of i, their backwards of i before its backward of i), so nobody
-waits for anything the schedule does not already make it wait for, and the numbers do not
-depend on which executor runs the stages: :class:`LocalExchange` hands them over in memory,
-:class:`MessageExchange` sends them between processes (two 2-rank groups per pair, one per
-direction). After each drain the holders' own copies take the owner's value (:meth:`TiedWeights.drained`),
-for evaluations, checkpoints and ``model()``.
-"""
+Synchronous methods under torchrun: a holder that is not the owner waits at each update for the
+owner's new value, which a synchronous schedule applies after every backward of the mini-batch
+and before the next one's first forward. Asynchronous methods (docs/architecture.md, "Tied
+weights with the asynchronous methods"): a holder's passes of micro-batch i (recomputation
+included) run on the owner's values of i, and its gradient of i joins the owner's update that
+consumes i. :class:`LocalExchange` hands them over in memory, :class:`MessageExchange` between
+processes (two 2-rank groups per pair, one per direction); after each drain
+:meth:`TiedWeights.drained` gives the holders the owner's value, for evaluations, checkpoints and
+``model()``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

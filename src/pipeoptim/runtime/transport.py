@@ -1,25 +1,14 @@
 """The transport of one stage: :class:`PipeComm`, its links to the neighbouring stages and the
 control group, over ``torch.distributed`` point to point (nothing home-made).
 
-* gloo on CPU, NCCL on GPU (one device per stage). Each direction of each neighbour pair is
-  its own :class:`~pipeoptim.runtime.link.Link` (activations ``k -> k+1``, gradients
-  ``k+1 -> k``) carrying one ordered stream of messages in a process group of its own, so that a
-  send and an opposite receive of the same pair never queue on one communicator stream or one
-  gloo connection (where a large send being written could delay the receive behind it). On gloo,
-  a pipeline on part of the job (no ``pipelines=`` naming every rank) cannot create groups safely
-  and its links are instead tags of the pipeline's group. A gloo group of all stages (the
-  pipeline's own group on CPU) carries the control messages (losses, timings, state dicts at the
-  end of an epoch; :mod:`~pipeoptim.runtime.control`).
-* Sends are ``dist.isend``; each handle is kept, with its tensors, until it is waited on (polled
-  after every action, all waited at the end of the schedule).
-* Receives are posted ahead and waited on when the action comes; shapes and dtypes are agreed
-  once per micro-batch signature and link (:mod:`~pipeoptim.runtime.wire`). A tensor whose shape
-  differs from its signature's agreed one is an error that says so.
-* Every wait on a peer has a timeout (``PipeComm(timeout=...)``, ``--timeout``), and so has
-  every process group: a peer that hangs or dies makes the waiting rank raise
-  :class:`~pipeoptim.runtime.wire.PipelineCommError` (naming the message it waited for) instead
-  of hanging.
-"""
+Links, sends, receives and timeouts are as (docs/architecture.md, "The distributed executor")
+says. Each direction of a pair has a group of its own so that a send and an opposite receive
+never queue on one communicator stream or gloo connection (a large send being written could
+delay the receive behind it). The control group carries losses, timings and state dicts at the
+end of an epoch (:mod:`~pipeoptim.runtime.control`). Each send's handle is kept with its
+tensors until waited on (polled after every action, all waited at the end of the schedule); a
+tensor whose shape differs from its signature's agreed one is an error that says so. The
+timeout is ``PipeComm(timeout=...)``, ``--timeout``."""
 from __future__ import annotations
 
 import datetime

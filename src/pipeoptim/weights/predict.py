@@ -1,17 +1,10 @@
 """Optimizer-aware weight prediction (PipeOptim; docs/architecture.md, "The prediction per
 optimizer").
 
-A :class:`Predictor` watches an optimizer through its step hooks and, after every step, can
-predict the weights ``s`` optimizer steps ahead::
-
-    W_hat = W - lr * s * Delta
-
-``lr`` is the *current* learning rate of the parameter's group (read at prediction time, so
-LR schedulers are honoured) and ``Delta`` is the update direction, relative to the group lr,
-that the optimizer applied at its last step. For the optimizers with an exact formula,
-``Delta`` equals ``(W_before - W_after) / lr`` of the step just taken; in the formulas below,
-``g`` is that step's gradient, negated when ``maximize`` is set and with the L2 term
-``wd * W_before`` added for the optimizers that fold weight decay into the gradient:
+A :class:`Predictor` watches an optimizer through its step hooks and predicts the weights ``s``
+optimizer steps ahead, ``W_hat = W - lr * s * Delta``, with lr and Delta as that section defines
+them. In the exact formulas below, ``g`` is the step's gradient, negated when ``maximize`` is set
+and with the L2 term ``wd * W_before`` added for the optimizers that fold weight decay into it:
 
 =============  ==========================================================================
 SGD            plain: ``g``; momentum: ``m`` (the buffer after the step, the paper),
@@ -32,32 +25,20 @@ Muon           ``r * NS(u) + wd * W_before``: ``u`` the Nesterov update ``g.lerp
                always decoupled.
 =============  ==========================================================================
 
-An optimizer made of several (``parts``: torch optimizers whose ``param_groups`` are, dict for
-dict, the composite's, as :class:`pipeoptim.muon_adamw.MuonWithAdamW`) gets each group's
-formula from the part that holds the group.
-
-Decoupled weight decay (AdamW, and NAdam / RAdam with ``decoupled_weight_decay=True``)
-shrinks W *before* the adaptive update: ``W_after = (1 - lr*wd) W_before - lr * a``. The exact
-Delta, ``a + wd * W_before``, is recovered without storing ``W_before`` as
-``(a + wd * W_after) / (1 - lr_step * wd)``, with ``lr_step`` the lr of that step.
-
-Any other optimizer (including subclasses of the above that override ``step``) uses the
-fallback ``Delta = (W_before - W_after) / lr_step`` recorded by the hooks, with a warning.
-
-Delta is computed at most once per update: :meth:`Predictor.directions` builds it at the first
-prediction after a step (lazily, so that a scheduler's change to a setting it reads, e.g.
-OneCycleLR's betas, is seen as before) and hands the same tensors to every later prediction until
-the optimizer steps again, loads a state, or a setting Delta depends on changes. Predictions are
-then one ``torch.add(W, Delta, alpha=-lr*s)`` per parameter, the arithmetic of the per-forward
-formula before this cache, so the predicted values are the same bits.
+A composite optimizer's ``parts`` (as :class:`pipeoptim.muon_adamw.MuonWithAdamW`) are torch
+optimizers whose ``param_groups`` are, dict for dict, the composite's. Decoupled weight decay
+(AdamW; NAdam / RAdam with ``decoupled_weight_decay=True``) is recovered from ``W_after``
+without storing ``W_before`` (:mod:`.formulas`). Delta is built lazily at the first prediction
+after a step, so a scheduler's change to a setting it reads (OneCycleLR's betas) is seen, and
+reused until it changes (:meth:`Predictor.directions`); a prediction is then one
+``torch.add(W, Delta, alpha=-lr*s)`` per parameter.
 
 Memory: formulas read from the optimizer state (SGD momentum, RMSprop momentum) need nothing
 extra; those that need the step's gradient (SGD plain/Nesterov/``code``, NAdam, RMSprop without
 momentum, Adagrad, Adadelta) keep one tensor per parameter, reused across steps, which becomes
 Delta; the adaptive formulas computed from the state (Adam, AdamW, Adamax, RAdam) keep Delta in
 one tensor per parameter, allocated at the first prediction and reused; the fallback keeps one
-snapshot per parameter. Complex parameters are not supported by the exact formulas.
-"""
+snapshot per parameter. Complex parameters are not supported by the exact formulas."""
 
 from __future__ import annotations
 
