@@ -1,22 +1,11 @@
 """The forms a Pipeline's mini-batches come in, and the loss of a model that computes its own.
 
-Three forms are accepted (``Pipeline.step`` and the items of ``fit``'s loader):
-
-* ``(inputs, target)``: ``inputs`` a tensor, a tuple of the forward's positional arguments, or a
-  dict of its keyword arguments; the loss is ``loss_fn(model(inputs), target)``.
-* a dict of keyword tensors with a ``loss_fn`` (a library's batch: ``input_ids``,
-  ``attention_mask``, ``labels``): ``labels`` is taken out as the target and the rest is the
-  model's keyword arguments, ``loss_fn(model(**rest), batch["labels"])`` (as ``transformers``'
-  Trainer does with a ``compute_loss_func``).
-* a dict with ``labels`` and no ``loss_fn``: the model computes its own loss,
-  ``model(**batch).loss``. ``labels`` still travels as the target does, to the last stage only,
-  which hands it to the model's forward there (``graph_split``: the last stage module's second
-  argument); the other stages never hold it.
-
-:class:`BatchForm` turns each of them into the ``(inputs, target)`` pair the runtime carries
-(micro-batches split every tensor of a dict along dimension 0), and refuses, naming the fix, a
-combination that cannot work.
-"""
+The three forms (``Pipeline.step`` and the items of ``fit``'s loader) and what is refused:
+(docs/architecture.md, "Batches as a model library gives them"). In ``(inputs, target)``,
+``inputs`` is a tensor, a tuple of the forward's positional arguments, or a dict of its keyword
+arguments; a dict with a ``loss_fn`` is computed as ``transformers``' Trainer does with a
+``compute_loss_func``. :class:`BatchForm` turns each into the ``(inputs, target)`` pair the
+runtime carries and names the fix of a combination that cannot work."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Optional, Tuple

@@ -1,32 +1,15 @@
 """The engine a user drives: ``pipeoptim.Pipeline``.
 
-A Pipeline takes plain PyTorch objects (a model, a loss function, factories for
-the optimizer and the learning-rate scheduler) and trains a copy of the model with a pipeline
-method, stage by stage, on the devices given. It is driven in one of two ways, one
-implementation::
-
-    pipe = pipeoptim.Pipeline(model, method="pipeoptim", stages=4, loss_fn=F.cross_entropy,
-                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                              lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup))
-    result = pipe.fit(loader, epochs=3, eval_loader=test_loader, metric=accuracy)
-
-    # or by hand
-    for x, y in loader:
-        losses = pipe.step(x, y)    # the mini-batch losses that completed meanwhile
-    losses += pipe.flush()          # drain: every stage has applied every mini-batch
-
-The loader is any iterable of ``(inputs, target)``, or of dict batches as a model library
-gives them (``{"input_ids", "attention_mask", "labels"}``; :mod:`pipeoptim.batches`): a
-``DataLoader``, a generator, a list. It is read lazily: one mini-batch per
-:meth:`Pipeline.step`, so host memory does not grow with the epoch. Between drains the pipeline
-runs one schedule (a *segment*); :meth:`Pipeline.flush` ends it. An asynchronous method drains
-only at a flush (the end of an epoch, a checkpoint, an evaluation; docs/architecture.md,
-"Schedules as data").
-
-Where the stages run is the Pipeline's *world* (:mod:`pipeoptim.world`): all in this process,
-or one per process under torchrun (:mod:`pipeoptim.torchrun`); the Pipeline asks it, never
-which one it is. ``fit``'s loop is :class:`pipeoptim.fit.FitRun`.
-"""
+A Pipeline takes plain PyTorch objects (a model, a loss function, factories for the optimizer and
+the learning-rate scheduler) and trains a copy of the model with a pipeline method, stage by
+stage, on the devices given, driven by :meth:`Pipeline.fit` (its loop is
+:class:`pipeoptim.fit.FitRun`) or by hand with :meth:`Pipeline.step` and :meth:`Pipeline.flush`
+(README.md, "The Python API"). The loader is any iterable of ``(inputs, target)`` or of dict
+batches (:mod:`pipeoptim.batches`), read lazily, one mini-batch per step, so host memory does not
+grow with the epoch. Between drains the pipeline runs one schedule (a *segment*); an asynchronous
+method drains only at a flush (docs/architecture.md, "Schedules as data"). Where the stages run
+is the Pipeline's *world* (:mod:`pipeoptim.world`, :mod:`pipeoptim.torchrun`); the Pipeline asks
+it, never which one it is."""
 from __future__ import annotations
 
 import contextlib

@@ -1,21 +1,12 @@
 """The local executor: every stage in one process, interpreting the schedule's action lists.
 
-Each rank follows its own list (a rank holds one stage, or several: chunks, whose actions name
-their stage); the executor only moves activations and gradients between stages through
-mailboxes and runs whichever rank's next action is ready. Since a stage's results depend only
-on its own order, any valid interleaving gives the same numbers.
-
-Data is *streamed*: mini-batches are fed one at a time (:meth:`LocalExecutor.feed`) and every
-action whose inputs exist runs at once. A forward of a micro-batch that has not been fed yet
-waits, which is what makes streaming exact: every runnable schedule (gpipe, 1f1b-flush,
-zb-h1, interleaved-1f1b, async-1f1b, 2bw) over ``T`` mini-batches agrees with the same schedule over more mini-batches up
-to each stage's first forward of a micro-batch beyond ``T`` (tested for every schedule). So the
-executor runs the orders of a schedule built for a *horizon* of mini-batches beyond those fed,
-stops at the first forward it has no data for, and when the data ends (:meth:`finish`) continues
-with the orders built for exactly the mini-batches fed: the drain. That bookkeeping, shared with
-the distributed executor, is :class:`~pipeoptim.runtime.segment.StreamedSegment`; what is this
-module's own is how a message travels (a mailbox between stages of one process).
-"""
+Each rank follows its own list (one stage, or several: chunks); the executor moves activations
+and gradients between stages and runs whichever rank's next action is ready. Why any valid
+interleaving gives the same numbers and why streaming over a horizon is exact:
+(docs/architecture.md, "Schedules as data"); a forward of a micro-batch not fed yet waits, and
+:meth:`LocalExecutor.finish` drains. That bookkeeping, shared with the distributed executor, is
+:class:`~pipeoptim.runtime.segment.StreamedSegment`; this module's own part is how a message
+travels: a mailbox between stages of one process."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple

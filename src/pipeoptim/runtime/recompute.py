@@ -1,25 +1,13 @@
 """Activation recomputation: a stage keeps only its input per micro-batch in flight and runs its
 forward again when the backward needs what the forward saved.
 
-The forward runs under torch's non-reentrant checkpointing (``torch.utils.checkpoint`` with
-``use_reentrant=False``): autograd's saved tensors are dropped as they are made and recomputed
-by running the forward again the first time the backward unpacks one. torch restores, for the
-recomputation, the random state of the forward (dropout draws the same masks) and its autocast
-state, and puts the current random state back afterwards, so a run with recomputation draws the
-same random numbers as one without.
-
-What torch cannot know is which weights the forward ran on. An asynchronous stage may have
-updated its weights, or swapped a prediction in and out of their storage, between a forward and
-its backward; the recomputed forward must see the forward's values, or its activations, and so
-the gradients, differ from a run without recomputation. The weight policy says whether the
-forward's tensors still hold those values at the backward (``WeightPolicy.forward_weights_kept``:
-synchronous methods, a stash, a held prediction); where they do not, the stage keeps a copy of
-them from the forward (:func:`copy_forward_values`) and :func:`forward_values` writes it into the
-weights' storage for the duration of the recomputation only, then puts back what the backward
-runs on (the latest weights, a backward prediction). The tensors the recomputed graph saves are
-the same aliases of that storage as without recomputation, so the backward reads the same
-weights as it would have.
-"""
+torch's checkpointing, and when the forward's weights must be copied: (docs/architecture.md,
+"Activation recomputation"). An asynchronous stage may have updated its weights, or swapped a
+prediction in and out of their storage, since the forward; then the stage keeps a copy from the
+forward (:func:`copy_forward_values`) and :func:`forward_values` writes it into the weights'
+storage for the recomputation only, then puts back what the backward runs on (the latest
+weights, a backward prediction). The recomputed graph saves the same aliases of that storage as
+without recomputation, so the backward reads the same weights as it would have."""
 from __future__ import annotations
 
 import contextlib

@@ -4,19 +4,10 @@ A policy serves one stage. Before a forward it hands the stage a :class:`WeightU
 to call the stage's module with (through ``torch.func.functional_call``), the weight version they
 carry and the prediction step count applied. Around a backward it may swap in other values, and
 around an update it may keep the outgoing version alive. It never knows which executor runs it:
-everything it needs comes from the stage's own action list (the schedule is data) and the
-stage's optimizer.
-
-Autograd safety on any PyTorch 2.x rests on one device: a forward never uses the parameters
-themselves but *aliases* of their storage made with ``param.data`` (same memory, separate
-autograd version counter). The optimizer may then update the parameters in place between a
-forward and its backward without autograd's "modified by an inplace operation" error, and the
-backward reads whatever the storage holds when it runs: the live weights, if nothing else
-happened (async-naive, PipeOptim's ``latest`` backward); an older version kept by a stash
-(:mod:`.stash`); or predicted values (:mod:`.predicting`).
-
-Versions count the stage's updates: version v is the weights after v optimizer steps.
-"""
+everything it needs comes from the stage's own action list and the stage's optimizer. Forwards
+run on *aliases* of the storage (``param.data``: same memory, a separate autograd version
+counter), which makes an update between a forward and its backward safe on any PyTorch 2.x
+(docs/architecture.md, "Weight versions per method"). Version v is the weights after v updates."""
 from __future__ import annotations
 
 from collections import Counter

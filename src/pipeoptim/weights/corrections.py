@@ -1,21 +1,32 @@
 """Delay corrections of the asynchronous methods: options, all off by default (docs/architecture.md,
 "Delay corrections").
 
-Stage k applies each update from a gradient ``tau_k = N-1-k`` updates stale. Each correction is
-an option of the methods it applies to, defined with its formula in :mod:`pipeoptim.options`;
-this module holds the arithmetic and what the option texts leave out:
+An asynchronous pipeline's stage k applies each update from a gradient computed ``tau_k = N-1-k``
+updates earlier. Published work closes the gap to synchronous training with a few corrections
+(PipeMare's delay-scaled learning rate among them); each is an option of the methods it
+applies to (:mod:`pipeoptim.methods`), and this module holds their arithmetic:
 
-* ``lr_correction="delay"`` (PipeMare, :func:`delay_divisor`): the lr starts at lr / tau_k and
-  anneals to the scheduled lr by update T; the last stage (tau = 0) and the updates of a
-  synchronous warm-up are untouched.
-* ``horizon="scheduled"`` (:func:`horizon_rate`): a fractional s takes that share of the last lr;
-  the future lrs come from a shadow copy of the stage's scheduler (:class:`LrLookahead`), so any
-  ``torch.optim.lr_scheduler`` works.
-* ``delta="ema"`` (:class:`UpdateAverage`): ``d_t = (W_before - W_after) / lr_t``, ``u_1 = d_1``,
-  ``u_t = g u_{t-1} + (1-g) d_t``, instead of the optimizer's own next direction.
-* ``prediction_warmup`` ramps in the policy (``PredictingPolicy.ramp``); ``sync_warmup``'s
-  first K mini-batches (no prediction, no lr correction either) are 1F1B with a flush
-  concatenated before the asynchronous schedule (:mod:`pipeoptim.schedules.concat`)."""
+* ``lr_correction="delay"`` (PipeMare): stage k applies update t with
+  ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))``, T = ``lr_correction_steps`` updates: it
+  starts at lr / tau_k and anneals to the scheduled lr by update T. The last stage (tau = 0) and
+  updates of a synchronous warm-up are untouched. No weight copy. (:func:`delay_divisor`)
+* ``horizon="scheduled"``: the prediction spans the learning rates of the updates to come,
+  ``W_hat = W - (lr(t) + ... + lr(t+s-1)) * Delta`` (update t being the next one), instead of
+  ``s * lr(t)``; a fractional s takes that share of the last lr. The future lrs come from a
+  shadow copy of the stage's scheduler, made by the same factory on a stand-in optimizer and
+  stepped ahead (:class:`LrLookahead`), so any ``torch.optim.lr_scheduler`` works. Equal to
+  today's prediction under a constant lr. No weight copy.
+* ``delta="ema"``: Delta is an exponential moving average of the updates actually applied, per
+  unit lr: ``d_t = (W_before - W_after) / lr_t``, ``u_1 = d_1``, ``u_t = g u_{t-1} + (1-g) d_t``
+  with g = ``ema_decay`` (default 0.9), instead of the optimizer's own next direction. It sees
+  weight decay, clipping and schedules and works for any optimizer; one more weight-sized buffer
+  per stage. (:class:`UpdateAverage`)
+* ``prediction_warmup=T``: the prediction's step count ramps as ``s * min(1, t / T)`` over the
+  first T updates. No weight copy.
+* ``sync_warmup=K``: the run's first K mini-batches use 1F1B with a flush (no staleness, no
+  prediction, no lr correction), then the asynchronous schedule takes over: the schedule is the
+  two concatenated (:mod:`pipeoptim.schedules.concat`). No weight copy.
+"""
 from __future__ import annotations
 
 import math

@@ -1,26 +1,13 @@
 """PipeOptim on PipeDream-2BW's schedule: each update window shares one *predicted* version
 (docs/architecture.md, "Weight versions per method", row pipeoptim-2bw).
 
-2BW runs every micro-batch of update window t, forward and backward, on one version; the
-window's gradient joins update t, which is applied to W^(t). This policy runs the window on its
-stage's best estimate of W^(t): at the window's first forward the stage holds version v (its
-live weights), and the window runs, forward and backward, on
-
-    W_hat = W^(v) - lr * s * Delta,   s = the updates this stage applies between that forward and
-                                          the update the window's gradient joins
-
-(Delta the stage optimizer's own direction, lr the group's current lr, both read at that
-forward). In 2BW's steady state s = 1 at stages 0 .. N-2 (v = t-1, the version 2BW uses there)
-and s = 0 at the last stage, whose live weights are already W^(t) when the window starts (2BW
-would use W^(t-1) there). Window 0, and every window before the stage's first update, runs
-unpredicted on W^(v), kept (as a stash keeps it) through any update that comes while the
-window is in flight. With one stage s is always 0: sequential training.
-
-Memory: the predicted values of a window are a tensor per parameter held from the window's first
-forward to its last backward. At stages 0 .. N-2 the next window's first forwards come before
-the current window's last backwards, so two windows' values are alive beside the live weights
-(3 versions); the last stage holds only its live weights (1).
-"""
+2BW runs every micro-batch of window t, forward and backward, on one version; the window's
+gradient joins update t, applied to W^(t). This policy runs the window on W_hat from the version
+v the stage holds at the window's first forward, s being the updates this stage applies between
+that forward and update t (Delta and lr read at that forward): in the steady state the table's v
+and s, where 2BW would use W^(t-1) at the last stage too. Window 0, and every window before the
+stage's first update, runs unpredicted on W^(v), kept (as a stash keeps it) through any update
+that comes while the window is in flight. With one stage s is always 0: sequential training."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -6,67 +6,39 @@ Data: the SWORD module ``engWEB2015eb`` (World English Bible, public domain, Deb
 included), about 0.9 M words.
 
 Split: by chapter, from an MD5 hash of the chapter key ``"Book C"`` (:func:`split_of_chapter`):
-about 95 % of the chapters train, 5 % validate, so validation text is never seen in training and
-the split does not depend on the data size or the seed. (Parallel passages such as Kings and
-Chronicles share sentences across chapters; that is the text, not a leak of the split.)
-
-Validation for tuning (``holdout=N``, off by default): whole training chapters are held out, in
-the order of the MD5 hash of their key (:func:`chapter_hash_order`, :func:`holdout_count`), until their text makes N
-blocks; the validation split is the first N blocks of their stream, and the other training
-chapters train. It is the same for every ``limit`` and ``seed``, and never touches the test
-chapters. The tokenizer stays the one trained on all training chapters (so the vocabulary, and
-a model's size, do not change with N): it has seen the held-out chapters' piece statistics, not
-their next-token targets.
+about 95 % of the chapters train, 5 % validate, whatever the data size or the seed. (Parallel
+passages such as Kings and Chronicles share sentences across chapters; that is the text, not a
+leak of the split.) ``holdout=N`` holds out whole training chapters, in the order of their hash
+(:func:`chapter_hash_order`, :func:`holdout_count`), until they make N blocks: the same for every
+``limit`` and ``seed``. The tokenizer stays the one trained on all training chapters (so the
+vocabulary, and a model's size, do not change with N): it has seen the held-out chapters' piece
+statistics, not their next-token targets.
 
 Tokens: a sentencepiece BPE model of 2,000 pieces (pad = 0, unk = 1, bos = 2, eos = 3; the
 helper of :mod:`pipeoptim.lab.tasks.text`) trained on the training chapters only and cached under
 ``cache_dir()/lm/``. Each split becomes one stream: the chapters in canonical order, each the
-pieces of its verses followed by ``eos``. A stream is cut into blocks of ``seq_len + 1`` = 65
-tokens that overlap by one (block i starts at token i * seq_len), so that every token after the
-first is a target exactly once: ``inputs = block[:-1]``, ``targets = block[1:]``, both (B, 64)
-int64, no padding. An example is a block; ``limit`` keeps that many training blocks (a fixed
-random subset, the same for every seed).
+pieces of its verses followed by ``eos``, cut into blocks (:func:`make_blocks`): inputs and
+targets (B, 64) int64, no padding. An example is a block.
 
-Loss: mean token cross-entropy. Every example has the same number of tokens, so the mean over a
-mini-batch's tokens is the mean over its examples and micro-batches accumulate exactly.
-Metric: validation perplexity, ``exp`` of the mean token negative log-likelihood over all
-validation blocks (lower is better). :func:`unigram_perplexity` gives the baseline of a model
-that ignores the context.
+Loss: mean token cross-entropy; every example has the same number of tokens, so micro-batches
+accumulate exactly. Metric: validation perplexity, ``exp`` of the mean token negative
+log-likelihood over all validation blocks (lower is better); :func:`unigram_perplexity` gives the
+baseline of a model that ignores the context.
 
-Models (pre-LayerNorm GPT; ``nn.Sequential`` but the ``gpt-tied`` ones): ``Embedding`` (token + learned position) |
-L x ``TransformerBlock`` (causal self-attention and a GELU MLP, each behind a LayerNorm, each
-added to the residual stream) | ``Head`` (final LayerNorm + linear to the vocabulary). Blocks pass
-one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual projections scaled by
-1/sqrt(2L)); output projection not tied to the embedding (they sit on different stages).
+Models (pre-LayerNorm GPT; ``nn.Sequential`` but the ``gpt-tied`` ones): ``Embedding`` (token +
+learned position) | L x ``TransformerBlock`` (causal self-attention and a GELU MLP, each behind a
+LayerNorm, each added to the residual stream) | ``Head`` (final LayerNorm + linear to the
+vocabulary); blocks pass one (B, T, d) tensor. GPT-2 initialisation (normal 0.02; the residual
+projections scaled by 1/sqrt(2L)); the output projection is not tied to the embedding.
 
 * ``gpt`` (default): d 128, 4 heads, MLP 512, 8 layers, dropout 0.1: 10 blocks, enough for 8
   stages; 2.1 M parameters (0.5 M of them in the embedding and the head).
-* ``gpt-small``: d 64, 2 heads, MLP 256, 2 layers, no dropout: 4 blocks, 0.36 M parameters, for
-  tests and smoke runs.
-* ``gpt-narrow``: d 64, 2 heads, MLP 256, 8 layers, dropout 0.1: 10 blocks (8 stages fit), about
-  0.66 M parameters; several times cheaper per step than ``gpt``, for studies that need thousands
-  of updates per run on a CPU (issue 16's plan, ``docs/study_plan.md``).
-* ``gpt-tied``: ``gpt``'s sizes written as people write a GPT (:class:`TiedGPT`: a
-  ``ModuleList`` of blocks, the head tied to the token embedding, no head bias), traced and split
-  by the Pipeline: 13 candidate points (11 with parameters of their own), 1.8 M parameters.
-  Every method trains it; with the asynchronous ones the head reads the embedding's version
-  that the method's rule gives its owner stage (docs/architecture.md, "Tied weights with the
-  asynchronous methods").
-* ``gpt-tied-small``: ``gpt-small``'s sizes as a :class:`TiedGPT`, for tests and smoke runs.
-
-Measured (2-core machine shared with other jobs, load average about 5; one thread): 1,314
-training and 74 validation chapters; 1,262,092 and 69,286 tokens; 19,720 training blocks and
-1,082 validation blocks. Loading takes about 2 s once the dump and the tokenizer are cached.
-Unigram perplexity of the validation targets from the training counts (add-one smoothing):
-470.1 (without smoothing it is infinite: a few validation pieces never occur in training); a
-uniform guess scores 2,000. ``gpt``: 0.54 s per step of batch 32 when the machine was quiet,
-about 0.8 s under load; an evaluation takes about 4 s. Sequential for about 5 minutes:
-``OMP_NUM_THREADS=1 pipeoptim train --task lm --method sequential --optimizer adam --limit 12800
---epochs 1 --json`` (lr 1e-3, batch 32): 400 updates (0.65 of an epoch of the training split) in
-5 min 27 s wall, 213 s CPU, validation perplexity 92.9 (mean training loss 5.03). ``gpt-small``
-with pipeoptim on 2 stages, Adam 3e-3, 256 blocks, batch 16, 2 epochs (32 updates): perplexity
-about 2,000 at the start, 503 after (``tests/test_task_lm.py``).
-"""
+* ``gpt-small``: d 64, 2 heads, MLP 256, 2 layers, no dropout: 4 blocks, 0.36 M parameters.
+* ``gpt-narrow``: ``gpt-small`` with 8 layers and dropout 0.1: 10 blocks, about 0.66 M
+  parameters, for studies that need thousands of updates per run on a CPU.
+* ``gpt-tied``: ``gpt``'s sizes as a :class:`TiedGPT`: 13 candidate points (11 with parameters
+  of their own), 1.8 M parameters.
+* ``gpt-tied-small``: ``gpt-small``'s sizes as a :class:`TiedGPT`."""
 from __future__ import annotations
 
 import hashlib

@@ -16,17 +16,7 @@ Models, each an ``nn.Sequential`` whose blocks take and return one value (tensor
   outputs at real tokens never see padding; pooling (mean and max) ignores pad positions.
 * ``transformer``: ``Embed`` with positions | 2 ``EncoderBlock`` | ``PoolClassify``.
 * ``lstm-deep``: ``Embed`` (128) | 6 ``LSTMBlock`` of 128 (residual from the second on) |
-  ``PoolClassify``: 8 blocks, enough for 8 stages.
-
-Measured (2-core machine shared with other jobs, so times are upper bounds; plain loop, batch 64,
-159 steps per epoch on the full data): lstm (2.2 M parameters) 140 ms/step = 22 s/epoch with
-2 threads, 247 ms/step = 39 s/epoch with 1 thread; transformer (1.5 M) 81 ms/step = 13 s/epoch
-with 2 threads, 20 s with 1. At the time the same machine ran a reference LSTM (2 x 256,
-embedding 128, vocabulary 10k, length 40: 67 ms/step when measured on the idle machine) 2.4x
-slower than that, so an idle machine should do an lstm epoch in about 10-13 s. Accuracy: lstm +
-Adam 2e-3 reaches 72 % test accuracy after 2 epochs and 74 % after 4 (1e-3: 67 % / 72 %); the
-transformer with Adam 1e-3 reaches 67 % after 3.
-"""
+  ``PoolClassify``: 8 blocks, enough for 8 stages."""
 from __future__ import annotations
 
 import bz2

@@ -11,10 +11,10 @@ verse never moves between splits whatever the data size or seed. Valid/test pair
 text also occurs in the training split (repeated verses such as Numbers 7) are dropped.
 
 Vocabulary: one joint sentencepiece BPE model (4k pieces; pad = 0, unk = 1, bos = 2, eos = 3)
-trained on the training split only, cached under a name keyed by its parameters and a digest of
-its training text. Pairs with more than ``max_tokens`` (32) pieces on either side are dropped.
-Shapes: ``src_ids`` (B, 32), ``tgt_in_ids = [bos] + pieces`` and ``tgt_out_ids = pieces + [eos]``
-(B, 33), padded with 0.
+trained on the training split only (:func:`~pipeoptim.lab.tasks.text.train_sentencepiece`).
+Pairs with more than ``max_tokens`` (32) pieces on either side are dropped. Shapes: ``src_ids``
+(B, 32), ``tgt_in_ids = [bos] + pieces`` and ``tgt_out_ids = pieces + [eos]`` (B, 33), padded
+with 0.
 
 Models (``nn.Sequential``; every block takes one tuple and returns one tuple or tensor):
 
@@ -31,26 +31,9 @@ Models (``nn.Sequential``; every block takes one tuple and returns one tuple or 
   LSTM, attention over the encoder states) -> (h, context) | ``DecLSTMBlock`` |
   ``DecLSTMBlock`` (residual; returns ``h`` only) | ``Generator``.
 
-Evaluation: greedy decoding (:func:`greedy_decode` re-runs the whole ``nn.Sequential`` on the
-growing target prefix) of the first ``eval_limit`` (500) sentences of the test split, scored
-against the original Spanish verse text with ``sacrebleu``'s corpus BLEU and chrF. 500
-sentences take about 15 s for the transformer and 35 s for gnmt on one thread.
-
-Measured (2-core machine shared with other jobs; plain loop, batch 64): 31,077 aligned pairs;
-27,936 / 1,599 / 1,542 by key hash, 13,085 / 702 / 684 after the length filter and the removal
-of repeated verses; 4,000 pieces. One epoch is 204 steps: transformer (2.5 M parameters)
-244 ms/step = 50 s/epoch with 2 threads, 80-90 s with 1; gnmt (6.7 M) 445 ms/step = 91 s/epoch
-with 2 threads, 160 s with 1. Transformer + Adam 1e-3: BLEU 7.8 (chrF 24.8) after 2 epochs,
-14.4 (34.0) after 4, 16.8 (37.5) after 6, 18.1 (38.9) after 8 (about 13 min on one thread;
-measured with a batch-wide token mean as the loss; with the per-sentence mean of :meth:`loss`
-2 epochs give BLEU 8.0, chrF 24.4).
-At this scale (13k short pairs, archaic 1909 Spanish as the reference, greedy decoding) a BLEU
-of 15-20 after 5-10 epochs is a reasonable target; above 20 needs more epochs or data.
-The command line's recipe (AdamW 1e-3, 5 % warm-up then cosine to 10 %, clipping at 1.0, batch
-64, 6 epochs; ``pipeoptim train --task translation --method sequential``) reached BLEU 2.1 / 7.2 /
-10.9 / 13.5 / 13.8 / 14.4 after each epoch, in 921 s on one thread (4 epochs of the same recipe:
-9.96, since the cosine spends the last updates at a small lr).
-"""
+Evaluation: greedy decoding (:func:`greedy_decode`) of the first ``eval_limit`` (500) sentences
+of the test split, scored against the original Spanish verse text with ``sacrebleu``'s corpus
+BLEU and chrF."""
 from __future__ import annotations
 
 import json
