@@ -1,20 +1,11 @@
 """Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
 
-An ``nn.Sequential`` is split by layers, as it always was (``partition`` = layers per stage).
-Any other module is traced (:mod:`pipeoptim.graph_split`, ``torch.export``) on an example
-input and cut at *candidate points* (its top-level children and the items of a top-level
-``ModuleList``/``Sequential``, in call order): ``split_points`` names where stages 2..N begin,
-or ``stages=N`` chooses them (``partitioner``: ``uniform`` over the units that hold parameters,
-``params``, or ``time``, balanced by the profiled forward+backward time of each unit on the
-example input). ``partition`` is then units per stage, a unit being what runs from one
-candidate point to the next.
-
-A parameter read by several stages (an LM head tied to the embedding) stays one parameter: its
-*owner*, the first stage that reads it, holds it in its optimizer and weight policy; the other
-holders read it but never update it, and their gradients join the owner's before its update
-(docs/architecture.md, "Tied weights"); with an asynchronous method the other holders run each
-micro-batch on the values the owner's forward of it ran on.
-"""
+An ``nn.Sequential`` is split by layers (``partition`` = layers per stage); any other module is
+traced (:mod:`pipeoptim.graph_split`) and cut at candidate points, ``partition`` then counting
+units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner counts
+the units that hold parameters, and ``time`` balances each unit's profiled forward+backward time
+on the example input. A tied weight stays one parameter, owned by the first stage that reads it
+(docs/architecture.md, "Tied weights")."""
 from __future__ import annotations
 
 import contextlib

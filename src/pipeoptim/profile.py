@@ -17,11 +17,9 @@ sees them) :func:`profile_model` measures, on a real sample batch and on the cho
 * ``parameter_bytes`` and ``parameters``: ``sum(numel * element_size)`` and ``sum(numel)``
   over the layer's parameters.
 
-Each time is the median (or, asked for, the minimum) of ``repeats`` measurements after
-``warmup`` unmeasured runs; on CUDA
-the device is synchronised before and after each measured call. The model is profiled on a deep
-copy, so the caller's model (weights, gradients, BatchNorm statistics) is left untouched.
-Inputs may be tuples of tensors; a layer receives its predecessor's output as its one argument.
+Repeats, the statistic and the copy: :func:`profile_model`; on CUDA the device is synchronised
+before and after each measured call, and the copy leaves the caller's gradients and BatchNorm
+statistics untouched too. A layer receives its predecessor's output as its one argument.
 """
 from __future__ import annotations
 

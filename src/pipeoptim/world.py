@@ -3,18 +3,12 @@
 A :class:`~pipeoptim.pipeline.Pipeline` never asks which case it is in. It asks its *world*:
 how many stages and replicas the job makes, which stage this process builds, which executor
 runs a segment, how the losses of a segment reach every rank, how a value of one stage or of
-every stage reaches every rank, how the model is evaluated, and when the world ends. Two
-worlds implement the same methods:
-
-* :class:`LocalWorld`: every stage in this process (one or several devices); nothing to share.
-* :class:`~pipeoptim.torchrun.Torchrun`: one stage per process under torchrun, the values shared
-  over the pipeline's own control group.
-
-The checkpoint of a run is written and read by one piece of code for both worlds
-(:func:`save_checkpoint`, :func:`load_checkpoint`), built on the world's ``share``,
-``all_stages`` and ``barrier``: each process writes the stage files of the stages it holds, the
-first stage of the first replica the manifest once every file is complete.
-"""
+every stage reaches every rank, how the model is evaluated, and when the world ends.
+:class:`LocalWorld` holds every stage in this process (one or several devices);
+:class:`~pipeoptim.torchrun.Torchrun` one stage per process, sharing over the pipeline's control
+group. :func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the world's ``share``,
+``all_stages`` and ``barrier`` (docs/architecture.md, "The Pipeline under torchrun"); the
+manifest is written once every stage file is complete."""
 from __future__ import annotations
 
 import json

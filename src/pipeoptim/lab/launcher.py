@@ -162,14 +162,8 @@ def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
     """Start one process per stage on this machine (torchrun's agent, in this process) and wait
     for them. If a stage fails, the others are stopped at once and the reply names the stage
     that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
-    for a lost stage or a failed run, 2 for bad input found by the workers).
-
-    SIGINT (Ctrl-C), SIGTERM or SIGHUP of this process, or of one stage, stops every stage
-    (the agent forwards this process's signal; each stage ends at once, see
-    :mod:`pipeoptim.runtime.lifecycle`) and raises :class:`Interrupted`, whose message (the
-    command line's one line) names the signal, the last checkpoint and the command that
-    resumes; the command exits with 128 + the signal (130, 143, 129). A stage whose launcher is
-    killed outright (SIGKILL) ends by itself."""
+    for a lost stage or a failed run, 2 for bad input found by the workers). A signal (see the
+    module docstring) raises :class:`Interrupted`, whose message is the command line's one line."""
     with interrupt_on_signals():
         try:
             return _launch(cfg, out=out, timeout=timeout, device=device, threads=threads, json=json,

@@ -1,30 +1,17 @@
 """Plan a pipeline run from a profile: partition, method and micro-batch count (BaPipe-style).
 
-:func:`make_plan` profiles a task's model (:mod:`pipeoptim.profile`), splits it three ways
-(``uniform`` layers, balanced ``params``, balanced profiled ``time``; see
-:func:`pipeoptim.partition.time_partition`), and for every method and micro-batch count
-predicts throughput and memory per stage (:mod:`pipeoptim.prediction`). Per-micro-batch costs
-are **measured** by profiling again at the micro-batch size ``ceil(B / M)`` (default), or, with
-``scaling="linear"``, the mini-batch profile divided by M (cheaper, optimistic for small
-micro-batches whose fixed per-call costs do not shrink). With ``stage_timing="measured"``
-(default) the stages of each split that is predicted are then timed as whole stages, as the
-runtime runs them (:func:`pipeoptim.profile.measure_stages`), and these times replace the sums
-of the layers' times: layers timed alone add up to less than their stage (caches, the runtime's
-work per pass); the partitioners still use the per-layer profile. Each link is also a resource:
-the makespan is at least (micro-batches x the slowest cut's ``2 * bytes / bandwidth``). The
-chunked methods (interleaved, zb-v) are predicted on a split into stages x 2 pieces where the
-model has that many layers (else skipped, with the reason).
-
-With the ``time`` partitioner the split is recomputed on each micro-batch count's profile (the
-stage a candidate runs is balanced for its own micro-batch size); ``partitions`` in the plan
-reports the three splits of the whole mini-batch.
-
-Then it recommends one (method, M) by the rule of :func:`recommend` (a synchronous method wins
-a tie: the same result as non-pipelined training).
-
-The plan (JSON) holds the task, model, batch size, stages, partition, method and micro-batches
-that ``pipeoptim train --plan FILE`` uses (:func:`load_plan`), the predictions and the profile.
-"""
+:func:`make_plan` does what ``pipeoptim plan --help`` says (:mod:`pipeoptim.cli.plan`): the
+profile (:mod:`pipeoptim.profile`), three splits (``time``: :func:`pipeoptim.partition.
+time_partition`), the predictions per method and micro-batch count (:mod:`pipeoptim.prediction`)
+and the recommendation (:func:`recommend`). ``scaling="linear"`` is cheaper, optimistic for small
+micro-batches whose fixed per-call costs do not shrink. Measured stage times
+(:func:`pipeoptim.profile.measure_stages`) replace the sums of the layers' times, since layers
+timed alone add up to less than their stage (caches, the runtime's work per pass); the
+partitioners still use the per-layer profile. Each link is a resource too: the makespan is at
+least micro-batches x the slowest cut's ``2 * bytes / bandwidth``. A chunked method is skipped,
+with the reason, where the model has too few layers. With the ``time`` partitioner the split is
+recomputed on each micro-batch count's profile; ``partitions`` in the plan reports the three
+splits of the whole mini-batch. ``pipeoptim train --plan FILE`` reads it (:func:`load_plan`)."""
 from __future__ import annotations
 
 import json

@@ -2,17 +2,12 @@
 the global clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains (an epoch, K mini-batches with checkpoints,
-or every epoch with ``continuous``); each is its own schedule. The executors are fed one
-mini-batch at a time, so a segment of unknown length runs the orders of a schedule built for a
-*horizon* past the mini-batches fed, rebuilt (longer) as more come, and, when the data ends,
-continues with the orders built for exactly the mini-batches fed: the *drain*. Every runnable
-schedule agrees with the same schedule over more mini-batches up to each stage's first forward
-of a micro-batch beyond those fed, which is what makes that exact.
-
-:class:`~pipeoptim.runtime.local.LocalExecutor` (every stage in one process) and
-:class:`~pipeoptim.runtime.distributed.DistributedExecutor` (one stage per process) subclass
-:class:`StreamedSegment`; what differs between them is only how a message travels.
-"""
+or every epoch with ``continuous``), run on orders built for a horizon past the mini-batches
+fed, rebuilt longer as more come, and drained on those for exactly the mini-batches fed; why
+that is exact: (docs/architecture.md, "Schedules as data").
+:class:`~pipeoptim.runtime.local.LocalExecutor` and
+:class:`~pipeoptim.runtime.distributed.DistributedExecutor` subclass :class:`StreamedSegment`;
+they differ only in how a message travels."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple

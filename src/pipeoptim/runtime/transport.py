@@ -267,14 +267,10 @@ class PipeComm:
     def close(self) -> None:
         """Forget every message in flight and every process group this PipeComm holds.
 
-        Called when the process's part of the job ends (``Torchrun.leave``). The groups' C++
-        objects then die when torch's own references go (``destroy_process_group``), while the
-        interpreter is whole: each joins its gloo worker threads, which may still be releasing the
-        tensors of a collective that Python has finished with. Left to interpreter finalization,
-        such a release must take the GIL from a finalizing interpreter, which ends the thread by
-        unwinding it through a destructor: ``std::terminate`` ("terminate called without an active
-        exception", SIGABRT) after a clean run. Sends and receives still posted (a run cut off by
-        an error) are dropped first, so that no work object keeps a group's connections alive."""
+        Called when the process's part of the job ends (``Torchrun.leave``, which says why that
+        must happen while the interpreter is whole). Sends and receives still posted (a run cut
+        off by an error) are dropped first, so that no work object keeps a group's connections
+        alive."""
         self._pending.clear()
         for link in self._links.values():  # a traceback's frames may still hold a link
             link.posted.clear()

@@ -1,19 +1,15 @@
 """ZB-V: two model chunks per rank in a V shape, with split backwards (zero bubble, V schedule).
 
-The 2N stages of one chain sit on N ranks as a V: stage s on rank s for s < N, on rank
-2N - 1 - s for the others, so rank 0 holds the first and the last stage and rank N - 1 the two
-middle ones (their boundary stays inside one process). Each backward is split into ``I``
-(input gradient, which the previous stage waits for) and ``W`` (weight gradient, which waits for
-no one), as in the zero-bubble schedules.
-
-The orders are those of a list schedule with unit costs (F = I = W = 1, no transfer time): at
-each step every rank runs the ready action it prefers: an ``I`` (the oldest micro-batch first),
-then a forward of its second chunk, then a forward of its first chunk while fewer than N
-micro-batches it started there are in flight (not yet through its ``W``), then a ``W``. An order
-read off an execution respects every dependency, so it cannot deadlock. Each mini-batch ends
-with a flush and one update per stage: the result equals non-pipelined training. (torch's
-``ScheduleZBVZeroBubble`` uses a hand-written pattern; this one is derived, same placement.)
-"""
+The placement (rank 0 holds the first and the last stage, rank N - 1 the two middle ones, whose
+boundary stays in one process) and the halves ``I`` and ``W``: (docs/architecture.md, "Chunks:
+several stages per process" and "Split backward"). The orders are those of a list schedule with
+unit costs (F = I = W = 1, no transfer time): at each step every rank runs the ready action it
+prefers: an ``I`` (the oldest micro-batch first), then a forward of its second chunk, then a
+forward of its first chunk while fewer than N micro-batches it started there are in flight (not
+yet through its ``W``), then a ``W``. An order read off an execution respects every dependency,
+so it cannot deadlock. Each mini-batch ends with a flush and one update per stage: the result
+equals non-pipelined training. (torch's ``ScheduleZBVZeroBubble`` uses a hand-written pattern;
+this one is derived, same placement.)"""
 from __future__ import annotations
 
 from typing import Dict, List, Set, Tuple
