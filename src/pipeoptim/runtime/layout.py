@@ -1,12 +1,11 @@
 """Where a run's pieces go: the one function that turns (method, stages or partition, chunks,
 processes, replicas) into the layout every part of the package uses.
 
-A run of N pipeline stages, each holding V model chunks (pieces of the model), replicated D
-times, needs N x D processes under torchrun (or one process holding all N x V pieces). The
-Pipeline (through its world), the command line's launcher (how many processes to start) and
-its worker under a user's own torchrun (whether the job fits the run) all ask
-:func:`plan_layout`, so that they agree, and refuse the same settings with the same message.
-"""
+A run of N pipeline stages, each holding V model chunks, replicated D times, needs N x D
+processes under torchrun (or one process holding all N x V pieces). Who asks
+:func:`plan_layout`, so that all agree and refuse alike: (docs/architecture.md, "Layers"); the
+lab's launcher asks how many processes to start, its worker under a user's own torchrun whether
+the job fits the run."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,14 +1,12 @@
 """The action representation shared by every schedule, the simulator, the renderers and the executors.
 
-A schedule is data: for each rank, an ordered list of :class:`Action`. An action names a model
-stage, a kind of work, and an index. For compute and communication actions the index is the
-micro-batch, counted across the whole schedule (mini-batch ``t`` of a synchronous schedule with
-``M`` micro-batches owns micro-batches ``t*M .. t*M+M-1``). For an update ``U`` the index is the
-update's number at that stage: after ``U`` number ``u`` the stage holds weight version ``u + 1``.
+A schedule is data: for each rank, an ordered list of :class:`Action` (stage, kind, index;
+docs/architecture.md, "Schedules as data"). For compute and communication actions the index is
+the micro-batch, counted across the whole schedule ("Glossary"); for an update ``U`` the
+update's number at that stage.
 
 Actions print compactly, as in ``torch.distributed.pipelining``: ``2F5`` is stage 2's forward of
-micro-batch 5, ``0U3`` stage 0's fourth update, ``1SEND_F4`` the send of 4's activation.
-"""
+micro-batch 5, ``0U3`` stage 0's fourth update, ``1SEND_F4`` the send of 4's activation."""
 from __future__ import annotations
 
 import re

@@ -1,11 +1,8 @@
 """Asynchronous 1F1B (PipeDream, PipeOptim, SpecTrain, XPipe): no flush, an update per window.
 
-Stage k runs ``w_k = N-1-k`` warm-up forwards, then ``F(w_k + j), B(j)`` pairs, each backward
-followed by an update when it completes an update window, then drains the remaining backwards.
-With one micro-batch per update (the PipeDream / PipeOptim case) every backward is followed by
-an update, so the forward of mini-batch ``t`` at stage k sees ``min(t, w_k)`` fewer updates than
-its backward: the staleness that weight stashing and weight prediction deal with.
-"""
+The orders, and the staleness ``min(t, w_k)`` of mini-batch t's forward at stage k with one
+micro-batch per update, that weight stashing and weight prediction deal with: (docs/architecture.md,
+"Schedules as data")."""
 from __future__ import annotations
 
 from .actions import Kind, Schedule, actions_of, check_positive, straight

@@ -4,9 +4,8 @@ A schedule that drains at its end (every schedule here does) can be followed by 
 next mini-batches: stage k runs all of the first schedule's actions, then all of the second's,
 whose micro-batch and update numbers continue the first's. Nothing of the second depends on
 the first beyond the weights, so the result is a valid schedule (the simulator checks it like
-any other), and it keeps the streaming property of its parts (the orders for T and for more
-mini-batches agree up to the first forward beyond T), which the executors rely on.
-"""
+any other), and it keeps the streaming property of its parts (docs/architecture.md, "Schedules
+as data"), which the executors rely on."""
 from __future__ import annotations
 
 from .actions import Action, Kind, Schedule

@@ -1,10 +1,9 @@
 """Lowering: add the communication a compute-only schedule implies.
 
-Before a forward whose input comes from another rank, a ``RECV_F``; after it, a ``SEND_F`` when
-the next stage lives elsewhere; likewise ``RECV_B`` before and ``SEND_B`` after a backward (or
-the input-gradient half ``I`` of a split backward). Sends are non-blocking in the distributed
-executor, so this order never deadlocks where the compute-only order does not.
-"""
+``RECV_F``/``SEND_F`` around a forward and ``RECV_B``/``SEND_B`` around a backward (or its half
+``I``) whose neighbour lives on another rank (docs/architecture.md, "Schedules as data"). Sends
+are non-blocking in the distributed executor, so this order never deadlocks where the
+compute-only order does not."""
 from __future__ import annotations
 
 from dataclasses import replace

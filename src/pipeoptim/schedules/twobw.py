@@ -1,9 +1,7 @@
 """PipeDream-2BW: asynchronous 1F1B over micro-batches, one update every m >= N micro-batches.
 
-With ``m >= N`` every micro-batch of update window t runs forward and backward on weight version
-t-1 (the older of two buffers), whatever the depth: a delay of one update and two weight
-versions per stage.
-"""
+Window t runs on version t-1 (the older of two buffers), whatever the depth: a delay of one
+update (docs/architecture.md, "Weight versions per method")."""
 from __future__ import annotations
 
 from .actions import Schedule

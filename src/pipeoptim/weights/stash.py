@@ -1,11 +1,9 @@
 """Weight policies that keep older versions: weight stashing (PipeDream, vertical sync) and
 2BW's double buffer.
 
-Before an update, if the live version is still needed by in-flight or later forwards, the
-parameters move to fresh storage (a copy) and the old storage stays with the micro-batches that
-use it: their saved aliases keep reading the old values, and later forwards can alias it too.
-A stash costs one copy per *update that in-flight work still needs*, never one per micro-batch.
-"""
+How a stash keeps a version (docs/architecture.md, "Weight versions per method"): later forwards
+can alias the old storage too, and a stash costs one copy per *update that in-flight work still
+needs*, never one per micro-batch."""
 from __future__ import annotations
 
 from collections import Counter
