@@ -36,7 +36,8 @@ from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
-from .runtime.stage import Stage, to_device
+from .runtime.stage import Stage
+from .runtime.values import to_device
 from .runtime.tied import connect_exchanges
 from .runtime.transport import PipeComm
 from .runtime.wire import PipelineCommError, reason, signature

@@ -26,7 +26,8 @@ from .runtime.layout import Layout, plan_layout
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
-from .runtime.stage import Stage, to_device
+from .runtime.stage import Stage
+from .runtime.values import to_device
 
 DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .stage import as_tuple
+from .values import as_tuple
 from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, reason
 
 

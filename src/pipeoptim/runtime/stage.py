@@ -21,8 +21,7 @@ from ..weights.base import nbytes
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
 from .held import HeldActivations, signature
-
-Activation = Any  # a tensor or a tuple of tensors
+from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
 
 
 @dataclass(frozen=True)
@@ -46,38 +45,6 @@ class UpdateEntry:
 
 
 PRECISIONS = ("fp32", "bf16")
-
-
-def to_device(value: Activation, device: torch.device) -> Activation:
-    """``value`` (a tensor, a tuple of them, or anything else) with its tensors on ``device``;
-    tensors already there are returned as they are (no copy)."""
-    if torch.is_tensor(value):
-        return value if value.device == device else value.to(device, non_blocking=True)
-    if isinstance(value, tuple):
-        return tuple(to_device(v, device) for v in value)
-    if isinstance(value, dict):  # a first stage's keyword inputs
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
-
-
-def as_tuple(value: Activation) -> Tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def detach_for_send(value: Activation) -> Activation:
-    """What crosses a stage boundary: the values, cut from this stage's autograd graph."""
-    if isinstance(value, tuple):
-        return tuple(v.detach() if torch.is_tensor(v) else v for v in value)
-    return value.detach()
-
-
-def _leaf_inputs(value: Activation) -> Activation:
-    """Received activations as leaves, floating ones collecting their gradient."""
-    def leaf(v):
-        if torch.is_tensor(v) and v.is_floating_point():
-            return v.detach().requires_grad_(True)
-        return v
-    return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
 
 
 def _check_scalar(loss: Any) -> None:
@@ -172,7 +139,7 @@ class Stage:
             if extra:
                 self._tied_values[microbatch] = extra
             inputs = to_device(inputs, self.device)
-            leaves = _leaf_inputs(inputs) if not self.is_first else inputs
+            leaves = leaf_inputs(inputs) if not self.is_first else inputs
             target = to_device(target, self.device) if self.is_last else None
 
             def run(values: Activation) -> Activation:

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .segment import MicroBatch
-from .stage import as_tuple
+from .values import as_tuple
 
 
 # dtype <-> code for the metadata messages
