@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .methods import method_names
-from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.defaults import CLIP_SCOPES, DEFAULT_TIMEOUT, PRECISIONS
 
 #: The default of an option that must be given (the Pipeline's optimizer).
 REQUIRED = object()
@@ -122,12 +122,12 @@ OPTIONS: Tuple[Option, ...] = (
     Option("clip_scope", "stage", "stage: each stage clips its own gradient; global: by the norm over all "
            "stages, as a plain loop clips the whole model (as torchtitan does), for synchronous methods only: "
            "an asynchronous stage never holds the same mini-batch's gradients as the others when it updates",
-           "pipeline", Flag(choices=("stage", "global"), group="optimizer", default=NOT_GIVEN,
+           "pipeline", Flag(choices=CLIP_SCOPES, group="optimizer", default=NOT_GIVEN,
                             note="default: global for the synchronous methods (equal to sequential), stage "
                                  "for the others")),
     Option("precision", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
            "device; parameters, gradients, optimizer state and prediction stay fp32", "pipeline",
-           Flag(choices=("fp32", "bf16"), group="precision and devices")),
+           Flag(choices=PRECISIONS, group="precision and devices")),
     Option("recompute", False, "activation recomputation (True for every stage, or one bool per stage): a "
            "recomputing stage keeps only its input per micro-batch in flight and runs its forward again in "
            "the backward (torch's non-reentrant checkpointing), on the forward's random state and weights, so the losses equal those without it; "

@@ -22,13 +22,13 @@ from .methods import Method, get_method
 from .partition import plan_time_partition, split
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
+from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import chunks_of
 from .runtime.spec import RunSpec, resolve
-from .runtime.stage import PRECISIONS, Stage
+from .runtime.stage import Stage
 from .world import DeviceSpec, World
 
 PARTITIONERS = ("uniform", "params", "time")
-CLIP_SCOPES = ("stage", "global")
 
 
 @dataclass

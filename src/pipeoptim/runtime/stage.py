@@ -20,6 +20,7 @@ from torch.func import functional_call
 from ..weights.base import nbytes
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
+from .defaults import PRECISIONS
 from .held import HeldActivations, signature
 from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
 
@@ -44,7 +45,6 @@ class UpdateEntry:
     lrs: Tuple[float, ...]
 
 
-PRECISIONS = ("fp32", "bf16")
 
 
 def _check_scalar(loss: Any) -> None:

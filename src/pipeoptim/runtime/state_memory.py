@@ -28,7 +28,7 @@ def state_memory(stage: Any, design_versions: int) -> Dict[str, int]:
     """A stage's state in bytes: ``parameters``, ``gradients`` (the peak, at an update),
     ``optimizer``, ``weight_copies`` (the policy's peak), ``weights`` (parameters + copies),
     ``weights_closed_form`` (parameters x ``design_versions``) and ``total``."""
-    parameters = nbytes(stage.parameters())
+    parameters = stage.policy.param_bytes  # the trained parameters' bytes, as the policy counts them
     copies = int(stage.policy.copy_bytes_peak)
     report = {"parameters": parameters, "gradients": int(stage.grad_bytes_peak),
               "optimizer": optimizer_state_bytes(stage.optimizer), "weight_copies": copies,
