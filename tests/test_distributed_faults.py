@@ -103,25 +103,26 @@ def test_kill_9_of_one_stage_then_resume_gives_the_uninterrupted_losses(uninterr
     assert _losses(run) == expected  # every mini-batch, to the last bit
 
 
-#: a damaged stage file (a flipped byte here; a truncated one fails the same checksum comparison, both
-#: held in one process by tests/test_checkpoint.py) and a manifest that does not fit the run
+#: a damaged file of stage 1's process (a flipped byte here; a truncated one fails the same checksum
+#: comparison, both held in one process by tests/test_checkpoint.py) and a manifest that does not fit
+#: the run (the layout may change; what the data's position depends on may not)
 @pytest.mark.parametrize("damage,why", [
     ("flip", "checksum mismatch"),
-    ("manifest", "partition is [1, 3] but this run has [2, 2]"),
+    ("manifest", "but this run has"),
 ])
 def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, damage, why):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
     store = run / "checkpoints"
     folder = store / json.loads((store / "latest.json").read_text())["checkpoint"]
-    stage_file = folder / "stage-1.pt"
+    stage_file = folder / "__1_0.distcp"
     if damage == "flip":
         data = bytearray(stage_file.read_bytes())
         data[len(data) // 2] ^= 0xFF
         stage_file.write_bytes(bytes(data))
     else:
         manifest = json.loads((folder / "manifest.json").read_text())
-        manifest["partition"] = [1, 3]
+        manifest["batches_per_epoch"] += 1
         (folder / "manifest.json").write_text(json.dumps(manifest))
     done = subprocess.run(_cli("train", "--runtime", "distributed", "--resume", str(run), "--no-progress"),
                           env=_env(), capture_output=True, text=True, timeout=180)

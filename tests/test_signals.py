@@ -119,11 +119,12 @@ def _gone_within(pids: List[int], process: Optional[subprocess.Popen], seconds: 
 
 
 def _checkpoint_intact(folder: Path) -> None:
-    """The checkpoint's manifest is there and every stage file matches its checksum."""
+    """The checkpoint's manifest is there and every file matches its checksum."""
     from pipeoptim.checkpoint import read_manifest, sha256
 
     manifest = read_manifest(folder)
-    assert set(manifest["files"]) == {"stage-0.pt", "stage-1.pt"}
+    written = {p.name for p in folder.iterdir() if p.name != "manifest.json"}
+    assert ".metadata" in written and set(manifest["files"]) == written
     for name, digest in manifest["files"].items():
         assert sha256((folder / name).read_bytes()) == digest, name
 

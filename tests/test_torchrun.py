@@ -243,7 +243,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     assert not (tmp_path / "cut" / "result.json").exists()
     folder = latest_checkpoint(tmp_path / "cut" / "checkpoints")
     manifest = read_manifest(folder)
-    assert sorted(manifest["files"]) == ["stage-0.pt", "stage-1.pt"]
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     run([CHECKPOINT_SCRIPT, tmp_path / "cut", 40, 2], nproc=2)
     resumed = json.loads((tmp_path / "cut" / "result.json").read_text())
     assert resumed["losses"] == whole["losses"]

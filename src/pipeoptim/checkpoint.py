@@ -1,25 +1,29 @@
-"""Checkpoints of a pipeline run: written atomically, checked on load, refused with a reason.
+"""Checkpoints of a pipeline run in torch's distributed checkpoint format (DCP), written whole or
+not at all, checked on load, refused with a reason.
 
-A checkpoint is taken at a drained point (no micro-batch in flight). Each stage writes one file,
-``stage-K.pt``: its module's weights and the state :mod:`pipeoptim.runtime.named_state` keys by
-parameter name (optimizer, scheduler, weight policy: the version, the predictor's directions),
-the one state format of the package (``Pipeline.state_dict`` uses it too), with its counters and
-the RNG states of its process. A
-``manifest.json`` written last records the method, stages, partition, options, the data position
-and the SHA-256 of every stage file; ``latest.json`` in the checkpoint folder names the newest
-complete checkpoint. Every file goes to a temporary name first and is renamed into place, so a
-crash leaves either the old checkpoint or the new one, never half of one.
+A checkpoint is taken at a drained point (no micro-batch in flight), by every process of the job
+at once: ``torch.distributed.checkpoint.save`` of :func:`checkpoint_state`, each stage's weights
+and its state by the original model's parameter names (optimizer, scheduler, weight policy: the
+version, the predictor's directions, ``delta="ema"``'s averages; the format of
+:mod:`pipeoptim.runtime.named_state`), a sharded stage's tensors as shards. So it loads into any
+layout of the same model, torch resharding what it reads (:func:`load_state`): other stages,
+other replicas, sharded or not, one process. A ``manifest.json`` written last records the
+method, options, the data position and the SHA-256 of every file; ``latest.json`` in the
+checkpoint folder names the newest complete checkpoint (a crash mid-write leaves the previous
+one named). Its ``model`` entries are the model's ``state_dict``: torch's own
+``dcp_to_torch_save`` turns a checkpoint into one ``torch.save`` file whose ``["model"]`` loads
+into the user's ``nn.Module`` (README, "Checkpoints").
 
-Loading uses ``torch.load(..., weights_only=True)``; a missing, truncated, corrupted or
-mismatched file is refused with :class:`CheckpointError` naming the file and the reason.
+A missing, truncated, corrupted or mismatched file is refused with :class:`CheckpointError`
+naming the file and the reason, and so is a checkpoint of another model or of an older format.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -28,8 +32,11 @@ import torch
 from .errors import CheckpointError  # defined there so that the command line can catch it without torch
 from .runtime import named_state
 
-#: 2: each stage's state keyed by parameter name (1, before: torch's positional optimizer state)
-FORMAT = 2
+#: 3: torch's distributed checkpoint, keyed by the model's parameter names (2, before: a file per
+#: stage; 1: torch's positional optimizer state)
+FORMAT = 3
+#: what a checkpoint of each older format holds, for the message that refuses it
+FORMATS = {1: "torch's positional optimizer state", 2: "a file per stage"}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -48,7 +55,7 @@ def sha256(data: bytes) -> str:
 def rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": repr(random.getstate())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())  # one tensor: one checkpoint entry
     return state
 
 
@@ -58,25 +65,185 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     version, internal, gauss = ast.literal_eval(state["python"])
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def save_stage(stage, folder: Path) -> str:
-    """Write ``stage-K.pt`` into ``folder`` (the drained stage's weights and its state by parameter
-    name); return its SHA-256."""
-    state = {"format": FORMAT, "module": stage.module.state_dict(), **named_state.stage_state(stage),
-             "rng": rng_state()}
+def checkpoint_state(stages, rank: int) -> Dict[str, Any]:
+    """What this process writes of a drained pipeline: its stages' weights and their state by
+    parameter name (:mod:`pipeoptim.runtime.named_state`), in torch's distributed checkpoint
+    layout. Tensors go under ``model``, ``optim`` and ``policy`` keyed by the original model's
+    names (a sharded stage's as DTensors, which the checkpoint stores as shards); the rest of each
+    stage's state under ``stages.K``; this process's RNG under ``rng.RANK``."""
+    state: Dict[str, Any] = {"model": {}, "optim": {}, "policy": {}, "stages": {}, "rng": {str(rank): rng_state()}}
+    for stage in stages:
+        if stage.shards is not None:
+            stage.shards.release()  # its module's parameters: the shards, not gathered copies
+        entry = named_state.stage_state(stage)
+        state["model"].update(stage.module.state_dict())
+        for name, per in entry["optimizer"]["state"].items():
+            state["optim"][name] = per
+        policy = dict(entry["policy"])
+        tensors = {}
+        if "predictor" in policy:
+            tensors.update({name: {"stored": t} for name, t in policy["predictor"]["stored"].items()})
+            policy["predictor"] = {**policy["predictor"], "stored": sorted(policy["predictor"]["stored"])}
+        if "ema" in policy:
+            for name, t in policy["ema"]["average"].items():
+                tensors.setdefault(name, {})["ema"] = t
+            policy["ema"] = {**policy["ema"], "average": sorted(policy["ema"]["average"])}
+        state["policy"].update(tensors)
+        entry = {**entry, "policy": policy,
+                 "optimizer": {**entry["optimizer"], "state": sorted(entry["optimizer"]["state"])}}
+        try:  # one opaque entry (a checkpoint splits a dict into one entry per leaf)
+            state["stages"][str(stage.index)] = json.dumps(entry)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"stage {stage.index}'s optimizer or scheduler state cannot be written "
+                                  f"as JSON ({error}); give it numbers, strings and lists only") from None
+    return state
+
+
+def write_state(state: Dict[str, Any], folder: Path, group: Any = None) -> None:
+    """``dcp.save`` of :func:`checkpoint_state`, every process of the job at once (``group``:
+    the job's; None: this process alone). Replicas write what they hold alike once."""
+    import torch.distributed.checkpoint as dcp
+
     folder.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    _atomic_write(folder / f"stage-{stage.index}.pt", data)
-    return sha256(data)
+    with warnings.catch_warnings():  # (one process: torch warns that it assumes so)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
 
 
-def save_manifest(folder: Path, info: Dict[str, Any], checksums: Dict[int, str]) -> None:
+def checksums(folder: Path) -> Dict[str, str]:
+    """The SHA-256 of every file of a written checkpoint (its manifest aside)."""
+    return {p.name: sha256(p.read_bytes()) for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != "manifest.json" and ".tmp" not in p.name}
+
+
+def verify(folder: Path, manifest: Dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its checksum."""
+    for name, digest in manifest["files"].items():
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: missing")
+        data = path.read_bytes()
+        if sha256(data) != digest:
+            raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted; {len(data)} bytes)")
+
+
+def _template(meta: Any, prefix: str, names: Any, like: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, Any]]:
+    """The per-parameter entries under ``prefix`` to read for ``names``: an empty tensor of the
+    saved size (a DTensor sharded as the parameter where it has the parameter's shape), or a
+    placeholder for a value that is not a tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for key, path in meta.planner_data.items():
+        if len(path) != 3 or path[0] != prefix or path[1] not in names:
+            continue
+        stored = meta.state_dict_metadata[key]
+        if not isinstance(stored, TensorStorageMetadata):
+            out.setdefault(path[1], {})[path[2]] = ""
+            continue
+        param = like.get(path[1])
+        dtype = stored.properties.dtype
+        if param is not None and hasattr(param, "device_mesh") and tuple(stored.size) == tuple(param.shape):
+            value = torch.empty_like(param, dtype=dtype)
+        else:
+            device = param.device if param is not None and not hasattr(param, "device_mesh") else "cpu"
+            value = torch.empty(tuple(stored.size), dtype=dtype, device=device)
+        out.setdefault(path[1], {})[path[2]] = value
+    return out
+
+
+def plan_load(folder: Path, stages, rank: int) -> Dict[str, Any]:
+    """What this process reads of a checkpoint written by any layout of the same model (other
+    stages, replicas, sharding, one process): the tensors to read into, by name (its stages'
+    own weights, and empty ones for their optimizer and policy state) and every saved stage's
+    other state. Refuses, naming the checkpoint, one of another model; reads no tensor yet, so
+    that every process can learn of a refusal before they read together (:func:`load_state`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(folder)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure to read the metadata means a bad file
+        raise CheckpointError(f"{folder / '.metadata'}: cannot be read ({type(error).__name__}: {error})") from None
+    keys = {path[:2] for path in meta.planner_data.values()}
+    model, names, params = {}, set(), {}
+    for stage in stages:
+        if stage.shards is not None:
+            stage.shards.release()
+        model.update(stage.module.state_dict())
+        for group_names in named_state.stage_groups(stage):
+            names.update(group_names)
+        params.update(dict(stage.module.named_parameters()))
+    missing = sorted(k for k in model if ("model", k) not in keys)
+    if missing:
+        raise CheckpointError(f"{folder}: holds no {missing[0]!r} of this model (written for another "
+                              f"model?): resume with the model that wrote it, or train without resume")
+    for key, path in meta.planner_data.items():
+        if path[0] == "model" and path[1] in model:
+            saved, here = list(getattr(meta.state_dict_metadata[key], "size", [])), list(model[path[1]].shape)
+            if saved != here:
+                raise CheckpointError(f"{folder}: {path[1]} is {saved} there but {here} in this model (written "
+                                      f"for another model?): resume with the model that wrote it, or train "
+                                      f"without resume")
+    saved_stages = sorted({path[1] for path in meta.planner_data.values() if path[0] == "stages"}, key=int)
+    own_rng = str(rank) if ("rng", str(rank)) in keys else "0"
+    return {"model": model, "optim": _template(meta, "optim", names, params),
+            "policy": _template(meta, "policy", names, params),
+            "stages": {j: "" for j in saved_stages}, "rng": _template(meta, "rng", {own_rng}, {})}
+
+
+def load_state(folder: Path, stages, state: Dict[str, Any], group: Any = None) -> Dict[str, Any]:
+    """Read :func:`plan_load`'s ``state`` (every process of the job at once; ``group``: the
+    job's, None: this process alone; torch reshards what it reads) and load it into ``stages``:
+    weights in place, optimizer, scheduler and policy state by name. Returns this process's
+    saved RNG state (rank 0's where this rank wrote none)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved_stages = list(state["stages"])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
+    except BaseException as error:  # noqa: BLE001 - torch's reader raises its own (CheckpointException)
+        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
+            raise
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise CheckpointError(f"{folder}: does not fit this model or optimizer ({lines[-1] if lines else type(error).__name__})"
+                              ) from None
+    saved = []
+    for j in saved_stages:
+        entry = json.loads(state["stages"][j])
+        entry["optimizer"] = {**entry["optimizer"], "state": {n: state["optim"][n] for n in entry["optimizer"]["state"]
+                                                              if n in state["optim"]}}
+        policy = dict(entry["policy"])
+        if "predictor" in policy:
+            policy["predictor"] = {**policy["predictor"], "stored": {
+                n: state["policy"][n]["stored"] for n in policy["predictor"]["stored"] if n in state["policy"]}}
+        if "ema" in policy:
+            policy["ema"] = {**policy["ema"], "average": {
+                n: state["policy"][n]["ema"] for n in policy["ema"]["average"] if n in state["policy"]}}
+        entry["policy"] = policy
+        saved.append(entry)
+    try:
+        for stage in stages:
+            scheduler = getattr(stage, "scheduler", None)
+            if (scheduler is None) != (saved[0].get("scheduler") is None):
+                raise ValueError("the run has " + ("no" if scheduler is None else "a") + " learning-rate scheduler "
+                                 "but the checkpoint " + ("has one" if scheduler is None else "has none"))
+        named_state.load_stages(stages, saved)
+    except (RuntimeError, KeyError, ValueError) as error:
+        raise CheckpointError(f"{folder}: does not fit this model or optimizer ({error})") from None
+    for stage in stages:
+        if stage.shards is not None:
+            stage.shards.release()  # the next pass gathers the loaded shards
+    return next(iter(state["rng"].values()))
+
+
+def save_manifest(folder: Path, info: Dict[str, Any], files: Dict[str, str]) -> None:
     """Write the manifest (last), then point ``latest.json`` at this checkpoint."""
-    manifest = {"format": FORMAT, **info, "files": {f"stage-{k}.pt": h for k, h in sorted(checksums.items())}}
+    manifest = {"format": FORMAT, **info, "files": files}
     _atomic_write(folder / "manifest.json", json.dumps(manifest, indent=2).encode())
     _atomic_write(folder.parent / "latest.json", json.dumps({"checkpoint": folder.name}).encode())
 
@@ -103,43 +270,14 @@ def read_manifest(folder: Path, expect: Optional[Dict[str, Any]] = None) -> Dict
     except ValueError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT} (stage "
-                              f"state by parameter name): resume it with the pipeoptim that wrote it, or "
-                              f"start the run again")
+        held = FORMATS.get(manifest.get("format"), "unknown")
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r} ({held}), this version reads {FORMAT} "
+                              f"(torch's distributed checkpoint): resume it with the pipeoptim that wrote it, "
+                              f"or start the run again")
     for key, value in (expect or {}).items():
         if manifest.get(key) != value:
             raise CheckpointError(f"{path}: {key} is {manifest.get(key)!r} but this run has {value!r}")
     return manifest
-
-
-def load_stage(folder: Path, manifest: Dict[str, Any], stage) -> Dict[str, Any]:
-    """Check ``stage-K.pt`` against the manifest and load it into ``stage``."""
-    name = f"stage-{stage.index}.pt"
-    path = folder / name
-    if name not in manifest["files"]:
-        raise CheckpointError(f"{folder / 'manifest.json'}: lists no {name}")
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing")
-    data = path.read_bytes()
-    if sha256(data) != manifest["files"][name]:
-        raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted; "
-                              f"{len(data)} bytes)")
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
-    if state.get("stage") != stage.index:
-        raise CheckpointError(f"{path}: holds stage {state.get('stage')}, expected {stage.index}")
-    try:
-        scheduler = getattr(stage, "scheduler", None)
-        if (scheduler is None) != (state.get("scheduler") is None):
-            raise ValueError("the run has " + ("no" if scheduler is None else "a") + " learning-rate "
-                             "scheduler but the checkpoint " + ("has one" if scheduler is None else "has none"))
-        stage.module.load_state_dict(state["module"])
-        named_state.load_stages([stage], [state])
-    except (RuntimeError, KeyError, ValueError) as error:
-        raise CheckpointError(f"{path}: does not fit this model or optimizer ({error})") from None
-    return state
 
 
 def prune(root: Path, keep: int = 2) -> None:

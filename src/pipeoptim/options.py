@@ -156,6 +156,11 @@ OPTIONS: Tuple[Option, ...] = (
            "the last backward), so weights, optimizer state and predictions stay identical; losses and "
            "metrics are the means over the replicas", "pipeline",
            api_only="`pipeoptim train` runs one replica; `pipeoptim bench --data-parallel` times replicas"),
+    Option("shard_replicas", False, "under torchrun with D >= 2 replicas, shard each stage over its replicas "
+           "with torch's FSDP2 (fully_shard on a 2-D DeviceMesh 'pp' x 'dp') instead of replicating it: "
+           "parameters, gradients, optimizer state and every weight version the method keeps are held 1/D "
+           "per process, each pass gathering the version it needs (torch >= 2.6)", "pipeline",
+           api_only="`pipeoptim bench --data-parallel D --shard-replicas` times it"),
     Option("world", None, "where the stages run: default one stage per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),

@@ -72,7 +72,8 @@ class Pipeline:
                  clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
                  precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
                  devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
-                 data_parallel: Optional[int] = None, world: Optional[World] = None,
+                 data_parallel: Optional[int] = None, shard_replicas: bool = False,
+                 world: Optional[World] = None,
                  split_points: Optional[Sequence[str]] = None, example_input: Any = None,
                  chunks: Optional[int] = None,
                  **method_options: Any) -> None:
@@ -91,6 +92,7 @@ class Pipeline:
         self._settings = ModelSettings(
             method=method, stages=stages, partition=partition, split_points=split_points, partitioner=partitioner,
             micro_batches=micro_batches, method_options=method_options, data_parallel=data_parallel,
+            shard_replicas=shard_replicas,
             devices=devices, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
             clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None, precision=precision,
             diagnose_every=diagnose_every, recompute=recompute, chunks=chunks)
@@ -220,13 +222,21 @@ class Pipeline:
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which replica of the pipeline this process belongs to (its data shard)."""
-        return self.world.replica
+        """Which replica of the pipeline this process belongs to (its data shard); known before
+        a traced model is split (the layout says it)."""
+        if self.stages:
+            return self.world.replica
+        stages = self._layout().stages
+        return self.world.rank // stages if stages else 0
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas of the pipeline (1 without data parallelism)."""
-        return self.world.replicas
+        return self.world.replicas if self.stages else self._layout().replicas
+
+    def _layout(self) -> Any:
+        s = self._settings
+        return self.world.layout(self.method, s.stages, s.partition, s.chunks, s.data_parallel)
 
     @property
     def drained(self) -> bool:
@@ -315,6 +325,7 @@ class Pipeline:
         the synchronous methods; an asynchronous one resumes as after a drain, its optimizer and
         predictor state carried over by name). The pipeline must be drained."""
         self._require_drained("state_dict")
+        self._refuse_sharded("state_dict()")
         stages = self.world.all_stages([named_state.stage_state(stage) for stage in self.stages],
                                        "gathering the stages' state")
         return {"format": 1, "method": self.spec.method, "partition": list(self.spec.partition),
@@ -326,6 +337,7 @@ class Pipeline:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (from this partition or another)."""
         self._require_drained("load_state_dict")
+        self._refuse_sharded("load_state_dict()")
         if state.get("method") != self.spec.method:
             raise ValueError(f"state is of method {state.get('method')!r}, this pipeline runs "
                              f"{self.spec.method!r}")
@@ -337,6 +349,12 @@ class Pipeline:
         self.losses = list(state.get("losses", []))
         self.batches_done = int(state.get("batches_done", 0))
         self.samples_done = int(state.get("samples_done", 0))
+
+    def _refuse_sharded(self, what: str) -> None:
+        if any(stage.shards is not None for stage in self.stages):
+            raise ValueError(f"{what} holds whole tensors in one process; a pipeline sharded over its "
+                             f"replicas keeps its state with fit(checkpoint_dir=...), torch's distributed "
+                             f"checkpoint of the shards (pipe.model().state_dict() gives the weights)")
 
     # -- training loop ------------------------------------------------------------------------
     def fit(self, loader: Iterable[Batch], epochs: int = 1, *,

@@ -24,6 +24,7 @@ from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import chunks_of
+from .runtime.sharding import fsdp_available
 from .runtime.spec import RunSpec, resolve
 from .runtime.stage import Stage
 from .world import DeviceSpec, World
@@ -75,8 +76,28 @@ def check_model_settings(world: World, model: nn.Module, method: Method, setting
     """Refuse, when the Pipeline is built, the model settings that need no trace to be found
     wrong (the layout the world cannot hold, and :func:`check_split`), so that the error comes
     before the loader and the processes start, not at the first mini-batch."""
-    world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
+    layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
+    if settings.shard_replicas:
+        check_sharding(world, method, layout, settings)
     check_split(model, method, settings.stages, settings.partition, settings.split_points, settings.chunks)
+
+
+def check_sharding(world: World, method: Method, layout: Any, settings: "ModelSettings") -> None:
+    """``shard_replicas``: what the job and the method must be for it (each a ValueError naming
+    the fix)."""
+    if not isinstance(settings.shard_replicas, bool):
+        raise ValueError(f"shard_replicas must be True or False, got {settings.shard_replicas!r}")
+    if world.processes == 1:
+        raise ValueError("shard_replicas=True shards each stage over its data-parallel replicas, which "
+                         "run as processes: start N x D processes with torchrun (D >= 2), e.g. "
+                         "torchrun --nproc-per-node 4 for 2 stages x 2 replicas, or drop shard_replicas")
+    if layout.replicas < 2:
+        raise ValueError(f"shard_replicas=True needs D >= 2 replicas to shard over, but WORLD_SIZE "
+                         f"{world.processes} holds {layout.stages} stage(s) x 1 replica: start "
+                         f"{2 * (layout.stages or 1)} processes or give fewer stages")
+    if not fsdp_available():
+        raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
+                         f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
 
 
 def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
@@ -225,6 +246,7 @@ class ModelSettings:
     micro_batches: Optional[int]
     method_options: Dict[str, Any]
     data_parallel: Optional[int]
+    shard_replicas: bool
     devices: DeviceSpec
     loss_fn: Callable
     optimizer: OptimizerFactory
@@ -250,10 +272,11 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        agree=world.agree, chunks=settings.chunks,
                        late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
-    if prepared.ties and replicas > 1:
+    if prepared.ties and replicas > 1 and not method.synchronous:
         raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
-                         f"data_parallel > 1 yet: run one replica, or split points that keep every reader "
-                         f"of the tied weight on one stage")
+                         f"data_parallel > 1 with an asynchronous method yet: run one replica, a "
+                         f"synchronous method, or split points that keep every reader of the tied "
+                         f"weight on one stage")
     devices = world.place(settings.devices, spec.stages)
     check_tie_devices(prepared, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
@@ -264,7 +287,9 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                           lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
                           precision=settings.precision, devices=devices, only=only,
                           parts=prepared.parts, ties=prepared.ties,
-                          recompute=recompute_per_stage(settings.recompute, spec.stages))
+                          recompute=recompute_per_stage(settings.recompute, spec.stages),
+                          shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
+                          if settings.shard_replicas else None)
     world.connect(stages, replicas, placement=placement)
     for stage in stages:
         stage.diagnose_every = settings.diagnose_every

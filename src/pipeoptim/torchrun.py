@@ -29,13 +29,14 @@ from torch import nn
 from .graph_split import with_aliases
 from .methods import Method
 from .runtime.averaging import GradientAverager
-from .runtime.control import barrier, broadcast, gather_all, init_process_group
+from .runtime.control import broadcast, gather_all, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
+from .runtime.sharding import StageShards, pipeline_mesh
 from .runtime.stage import Stage
 from .runtime.values import to_device
 from .runtime.tied import connect_exchanges
@@ -89,6 +90,8 @@ class Torchrun:
     owns_job: bool = False
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
     _averager: Optional[GradientAverager] = None
+    _pipeline_group: Any = None
+    _job_group: Any = None
 
     @classmethod
     def join(cls, devices: Any, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1) -> Optional["Torchrun"]:
@@ -138,6 +141,7 @@ class Torchrun:
         comm, self.comm = self.comm, None
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
+        self._pipeline_group = self._job_group = None
         if comm is None and not self.owns_job and not made:
             return
         try:
@@ -199,9 +203,9 @@ class Torchrun:
             self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement)
         else:
             self._connect_replicas(count, replicas, placement)
-        averager = self.gradient_averager()
-        for stage in stages:
-            stage.grad_sync = averager
+        averager = self.gradient_averager() if stages[0].shards is None else None
+        for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
+            stage.grad_sync = averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
 
@@ -244,22 +248,35 @@ class Torchrun:
             connect_exchanges(tied.ties, self.rank, lambda k: self.placement[k], new_group)
 
 
-    def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:
-        import datetime
+    def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
+        """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
+        :attr:`stage_group` (its stage's replicas). Made once, every rank at the same point."""
+        if self._pipeline_group is None:
+            import datetime
 
-        delta = datetime.timedelta(seconds=self.timeout)
-        pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
-        own = None
-        for ranks in pipelines:
-            made = dist.new_group(ranks, timeout=delta)
-            if self.rank in ranks:
-                own = made
-                self._made.append(made)
-        for k in range(stages):
-            made = dist.new_group([d * stages + k for d in range(replicas)], timeout=delta)
-            if k == self.stage:
-                self.stage_group = made
-                self._made.append(made)
+            delta = datetime.timedelta(seconds=self.timeout)
+            pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
+            for ranks in pipelines:
+                made = dist.new_group(ranks, timeout=delta)
+                if self.rank in ranks:
+                    self._pipeline_group = made
+                    self._made.append(made)
+            for k in range(stages):
+                made = dist.new_group([d * stages + k for d in range(replicas)], timeout=delta)
+                if k == self.rank % stages:
+                    self.stage_group = made
+                    self._made.append(made)
+        return self._pipeline_group, [[d * stages + k for k in range(stages)] for d in range(replicas)]
+
+    def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], StageShards]:
+        """What shards each stage this rank builds over its replicas (``shard_replicas``): the
+        groups and the job's 2-D mesh ("pp", "dp") now, before the stages are built."""
+        own, _ = self._replica_groups(stages, replicas)
+        mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
+        return lambda: StageShards(mesh, synchronous)
+
+    def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:
+        own, pipelines = self._replica_groups(stages, replicas)
         self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
                              placement=placement)
 
@@ -274,7 +291,8 @@ class Torchrun:
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
         """Every stage's weights into every rank's copy of the whole model."""
-        own = {k: v.detach().to("cpu", copy=True) for stage in stages for k, v in stage.module.state_dict().items()}
+        own = {k: v.detach().to("cpu", copy=True) for stage in stages for k, v in
+               (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged: Dict[str, torch.Tensor] = {}
         for part in self.gather(own, "gathering the model's weights"):
             merged.update(part)
@@ -353,8 +371,25 @@ class Torchrun:
         by_stage = {s: value for rank, part in enumerate(parts) for s, value in zip(held[rank], part)}
         return [by_stage[s] for s in range(len(self.placement))]
 
-    def barrier(self, what: str) -> None:
-        barrier(self.comm, what)
+    def checkpoint_group(self) -> Any:
+        """A gloo group of every rank of the job (made once, with the pipeline's timeout)."""
+        if self._job_group is None:
+            import datetime
+
+            self._job_group = dist.new_group(list(range(self.world)), backend="gloo",
+                                             timeout=datetime.timedelta(seconds=self.timeout))
+            self._made.append(self._job_group)
+        return self._job_group
+
+    def everyone(self, value: Any, what: str) -> List[Any]:
+        """Every rank's ``value`` (rank order) on every rank, over :meth:`checkpoint_group`."""
+        values: List[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(values, value, group=self.checkpoint_group())
+        except RuntimeError as error:
+            raise PipelineCommError(f"{what}: a rank hung, died or is slower than the timeout "
+                                    f"({self.timeout:g} s): {reason(error)}") from error
+        return values
 
     # -- a pipelined forward ------------------------------------------------------------------
     @torch.no_grad()

@@ -6,9 +6,9 @@ runs a segment, how the losses of a segment reach every rank, how a value of one
 every stage reaches every rank, how the model is evaluated, and when the world ends.
 :class:`LocalWorld` holds every stage in this process (one or several devices);
 :class:`~pipeoptim.torchrun.Torchrun` one stage per process, sharing over the pipeline's control
-group. :func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the world's ``share``,
-``all_stages`` and ``barrier`` (docs/architecture.md, "The Pipeline under torchrun"); the
-manifest is written once every stage file is complete."""
+group. :func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the world's
+``everyone`` and ``checkpoint_group`` (docs/architecture.md, "The Pipeline under torchrun"); the
+manifest is written once every process's part of the checkpoint is complete."""
 from __future__ import annotations
 
 import json
@@ -18,14 +18,16 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequ
 import torch
 from torch import nn
 
-from .checkpoint import (checkpoint_name, latest_checkpoint, load_stage, prune, read_manifest,
-                         save_manifest, save_stage)
+from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_checkpoint, load_state, plan_load,
+                         prune,
+                         read_manifest, save_manifest, verify, write_state)
 from .errors import CheckpointError
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
+from .runtime.spec import RESUME_MATCHES
 from .runtime.stage import Stage
 from .runtime.values import to_device
 
@@ -77,8 +79,12 @@ class World(Protocol):
     def all_stages(self, own: List[T], what: str) -> List[T]:
         """One value per stage, in stage order, on every rank; ``own`` holds this process's stages'."""
 
-    def barrier(self, what: str) -> None:
-        """Wait until every stage of the pipeline is here."""
+    def everyone(self, value: T, what: str) -> List[T]:
+        """Every process's ``value``, in rank order, on every process of the job (every replica's
+        too)."""
+
+    def checkpoint_group(self) -> Any:
+        """The process group a checkpoint is written and read over (None: this process alone)."""
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """The mean of ``score(output, target)`` over the samples of ``loader``, a forward pass
@@ -188,8 +194,11 @@ class LocalWorld:
     def all_stages(self, own: List[T], what: str) -> List[T]:
         return list(own)
 
-    def barrier(self, what: str) -> None:
-        pass
+    def everyone(self, value: T, what: str) -> List[T]:
+        return [value]
+
+    def checkpoint_group(self) -> Any:
+        return None
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         total, count, values = 0.0, 0, []
@@ -233,58 +242,64 @@ class LocalWorld:
 
 def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tuple[int, int],
                     fields: Dict[str, Any]) -> Path:
-    """Checkpoint a drained pipeline at ``position`` = (epoch, batch): each process writes its
-    stages' files, the first stage the manifest (``fields`` in it as they are) once every file
-    is complete, then prunes the older checkpoints; nobody goes on before the manifest names
-    the new checkpoint as the latest. Every stage file is written once: by the first replica."""
+    """Checkpoint a drained pipeline at ``position`` = (epoch, batch): every process of the job
+    writes its part of one distributed checkpoint (replicas' equal values once, shards as
+    shards), then rank 0 the manifest (``fields`` in it as they are) with every file's checksum,
+    then prunes the older checkpoints; nobody goes on before the manifest names the new
+    checkpoint as the latest."""
     folder = store / checkpoint_name(*position)
-    if world.replica != 0:
-        return folder
-    written = []
-    for stage in stages:
-        try:
-            written.append((stage.index, save_stage(stage, folder), None))
-        except OSError as error:  # every rank must hear of it, or the others wait at the gather
-            written.append((stage.index, None, str(error)))
-    written = world.all_stages(written, "collecting the checkpoint's checksums")
-    for index, _, problem in written:
-        if problem is not None:
-            raise CheckpointError(f"{folder / f'stage-{index}.pt'}: cannot be written ({problem})")
-    if stages[0].index == 0:
+    problem = None
+    try:
+        write_state(checkpoint_state(stages, world.rank), folder, world.checkpoint_group())
+    except OSError as error:  # every rank must hear of it, or the others wait at the barrier
+        problem = str(error)
+    problems = [p for p in world.everyone(problem, "writing the checkpoint") if p]
+    if problems:
+        raise CheckpointError(f"{folder}: cannot be written ({problems[0]})")
+    if world.rank == 0:
         epoch, batch = position
-        save_manifest(folder, {**fields, "epoch": epoch, "batch": batch},
-                      {index: digest for index, digest, _ in written})
+        save_manifest(folder, {**fields, "epoch": epoch, "batch": batch}, checksums(folder))
         prune(store, keep=2)
-    world.barrier("waiting for the checkpoint's manifest")
+    world.everyone(None, "waiting for the checkpoint's manifest")
     return folder
 
 
 def load_checkpoint(world: World, store: Path, stages: List[Stage],
                     run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-    """Load this process's stages from the newest checkpoint in ``store`` (the first stage
-    picks it): its manifest and the saved RNG state (not applied), or None if the run has none
-    yet. A file refused on any rank is refused on all, with that rank's reason."""
+    """Load this process's stages from the newest checkpoint in ``store`` (rank 0 picks it and
+    checks its files), whatever layout wrote it: its manifest and this process's saved RNG
+    state (not applied), or None if the run has none yet. A checkpoint refused on any rank is
+    refused on all, with that rank's reason."""
     choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
-    if stages[0].index == 0:
+    if world.rank == 0:
         try:
             folder = latest_checkpoint(store)
+            if folder is not None:
+                expect = {k: v for k, v in run_info.items() if k in RESUME_MATCHES}
+                verify(folder, read_manifest(folder, expect=json.loads(json.dumps(expect))))
             choice = (folder.name if folder is not None else None, None)
         except CheckpointError as error:
             choice = (None, str(error))
-    name, problem = world.share(choice, 0, "agreeing on the checkpoint to resume from")
+    name, problem = world.everyone(choice, "agreeing on the checkpoint to resume from")[0]
     if problem:
         raise CheckpointError(problem)
     if name is None:
         return None
     folder = store / name
-    manifest, problem, rng = None, None, None
+    manifest, problem, planned = None, None, None
     try:
-        manifest = read_manifest(folder, expect=json.loads(json.dumps(run_info)))
-        for stage in stages:
-            rng = load_stage(folder, manifest, stage)["rng"]
+        manifest = read_manifest(folder)
+        planned = plan_load(folder, stages, world.rank)
     except CheckpointError as error:
         problem = str(error)
-    problems = [p for p in world.all_stages([problem] * len(stages), "loading the checkpoint") if p]
+    problems = [p for p in world.everyone(problem, "loading the checkpoint") if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    try:  # every rank reads (torch's reader tells every rank of a failure)
+        rng = load_state(folder, stages, planned, world.checkpoint_group())
+    except CheckpointError as error:
+        problem = str(error)
+    problems = [p for p in world.everyone(problem, "loading the checkpoint") if p]
     if problems:
         raise CheckpointError(problems[0])
     return manifest, rng

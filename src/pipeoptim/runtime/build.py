@@ -94,7 +94,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  devices: Optional[Sequence[torch.device]] = None,
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
-                 recompute: Optional[Sequence[bool]] = None) -> List[Stage]:
+                 recompute: Optional[Sequence[bool]] = None,
+                 shards: Optional[Callable[[], Any]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
     stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
@@ -103,7 +104,9 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
     ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
     stages that read it; only the first of them (the owner) optimizes it (with an asynchronous
-    method, the others read it per micro-batch from the owner: ``runtime/tied.py``)."""
+    method, the others read it per micro-batch from the owner: ``runtime/tied.py``). ``shards``:
+    makes the :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module
+    over its replicas (a sharded copy, before its optimizer is made)."""
     parts = list(parts) if parts is not None else split(model, sizes)
     ties = ties or {}
     exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
@@ -118,6 +121,18 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
 
         def owned(p: nn.Parameter, k: int = k) -> bool:
             return p.requires_grad and ties.get(id(p), [k])[0] == k
+        # each parameter under its model key (id of the original: how ``ties`` names it)
+        own = {id(p): (name, p) for name, p in part.named_parameters()}
+        sharded = shards() if shards is not None else None
+        if sharded is not None:  # the copy's parameters, owned and tied as the originals were
+            owned_names = {name for name, p in part.named_parameters() if owned(p)}
+            part = sharded.shard(part)
+            copied = dict(part.named_parameters())
+            own = {key: (name, copied[name]) for key, (name, _) in own.items()}
+            owned_ids = frozenset(id(copied[name]) for name in owned_names)
+
+            def owned(p: nn.Parameter, ids: frozenset = owned_ids) -> bool:  # noqa: F811
+                return id(p) in ids
         params = StageParameters([p for p in part.parameters() if owned(p)], part, k == n - 1)
         if not params:
             what = "units" if isinstance(part, torch.fx.GraphModule) else "layers"
@@ -125,13 +140,20 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                              f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
+        policy.sharded = sharded is not None
+        if sharded is not None and recompute is not None and recompute[k] and policy.recompute_copies:
+            raise ValueError(f"{method.name} with shard_replicas and recompute: its recomputed forward "
+                             f"needs the forward's weights, but a sharded stage recomputes on those FSDP "
+                             f"gathered for the backward; drop recompute, or use a method whose forward "
+                             f"and backward always share a version (a synchronous one, pipedream, "
+                             f"pipedream-2bw, pipeoptim-2bw)")
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
                       recompute=bool(recompute[k]) if recompute is not None else False)
+        stage.shards = sharded
         if ties:  # every tie of the model, held here or not: each rank makes the same groups
-            own = {id(p): (name, p) for name, p in part.named_parameters()}
             stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
                                              exchange=exchanges[key]) for key, holders in ties.items()],
                                      synchronous=method.synchronous)

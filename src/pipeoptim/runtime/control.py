@@ -3,7 +3,7 @@
 :func:`init_process_group` joins the job (gloo on CPU, NCCL on GPU) with a timeout. The control
 group of a :class:`~pipeoptim.runtime.transport.PipeComm` (gloo, the pipeline's ranks) carries
 what is not a stage-to-stage message: losses, timings, norms, state dicts (:func:`broadcast`,
-:func:`gather_all`, :func:`barrier`); a timeout or a dead peer there becomes a
+:func:`gather_all`); a timeout or a dead peer there becomes a
 :class:`~pipeoptim.runtime.wire.PipelineCommError` saying what the stages were doing.
 """
 from __future__ import annotations
@@ -79,7 +79,3 @@ def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
     _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
     return out
 
-
-def barrier(comm: PipeComm, what: str) -> None:
-    """Wait until every stage of the pipeline is here (over the control group)."""
-    _control(comm, what, lambda: dist.barrier(group=comm.control))

@@ -40,6 +40,11 @@ def _span(t: torch.Tensor) -> Span:
     return start, start + extent * size
 
 
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s storage starts (a DTensor: its local shard's)."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage().data_ptr()
+
+
 def signature(*values: Any) -> Optional[Tuple[Any, ...]]:
     """The shapes, dtypes and devices of a micro-batch's tensors, what the bytes it holds depend
     on (tuples, lists and dicts of them, None and numbers); None for anything else (measured
@@ -99,9 +104,10 @@ class HeldActivations:
 
     @contextlib.contextmanager
     def forward(self, microbatch: int, weights: Callable[[], Iterable[torch.Tensor]] | Iterable[torch.Tensor],
-                signature: Optional[Hashable] = None) -> Iterator[None]:
+                signature: Optional[Hashable] = None, refresh: bool = False) -> Iterator[None]:
         """Record what autograd saves within the block for ``microbatch`` (``weights``, or a
-        function that gives them: the parameters and buffers it runs on, left out). ``signature``
+        function that gives them: the parameters and buffers it runs on, left out; ``refresh``:
+        they change within the block, so ask again for a tensor not known as one). ``signature``
         (the shapes and dtypes of its inputs) lets a micro-batch of a shape already measured alike
         twice skip the hooks."""
         known = self.known_bytes(signature)
@@ -111,11 +117,19 @@ class HeldActivations:
             return
         if signature is not None:
             self._signature[microbatch] = signature
-        skip = {w.untyped_storage().data_ptr() for w in (weights() if callable(weights) else weights)}
+        skip: Set[int] = set()
         saved: List[torch.Tensor] = []
 
+        def is_weight(t: torch.Tensor) -> bool:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in skip and (refresh or not skip):  # read inside the forward: a sharded
+                # stage's weights are those FSDP gathers for it, after the forward's first saves
+                skip.update(_storage_ptr(w) for w in (weights() if callable(weights) else weights))
+            return ptr in skip
+
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
+            if not is_weight(t):
+                saved.append(t)
             # A detached alias (same storage, same version counter), not ``t``: a saved output
             # (ReLU's result) points to the node that saves it (its grad_fn), so keeping ``t``
             # would make node -> saved value -> grad_fn -> node, a cycle of C++ references that

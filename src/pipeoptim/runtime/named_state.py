@@ -24,10 +24,13 @@ PER_GROUP_SCHEDULER_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 def _names(stage: Stage) -> Dict[int, str]:
-    return {id(p): name for name, p in stage.module.named_parameters()}
+    # the policy's: the parameters the optimizer holds (a sharded module registers gathered
+    # copies in their place while it holds them)
+    return {id(p): name for name, p in stage.policy.named}
 
 
-def _groups(stage: Stage) -> List[List[str]]:
+def stage_groups(stage: Stage) -> List[List[str]]:
+    """The names of the parameters of each of ``stage``'s optimizer groups."""
     names = _names(stage)
     return [[names[id(p)] for p in group["params"]] for group in stage.optimizer.param_groups]
 
@@ -36,7 +39,7 @@ def stage_state(stage: Stage) -> Dict[str, Any]:
     """Optimizer, scheduler and policy state of one drained stage, by parameter name."""
     if stage.in_flight:
         raise RuntimeError(f"stage {stage.index} has micro-batches in flight; flush() first")
-    groups = _groups(stage)
+    groups = stage_groups(stage)
     order = [name for group in groups for name in group]
     torch_state = stage.optimizer.state_dict()
     optimizer = {
@@ -70,7 +73,7 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
                 owner[name] = (s, g)
         param_state.update(entry["optimizer"]["state"])
     for stage in stages:
-        groups = _groups(stage)
+        groups = stage_groups(stage)
         lost = [n for names in groups for n in names if n not in owner]
         if lost:
             raise ValueError(f"stage {stage.index}: the saved state has no parameter {lost[0]}")

@@ -72,11 +72,16 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
     return RunSpec(method, options, n * v, sizes, micro, v)
 
 
+#: what a resumed run must share with the run that wrote the checkpoint
+RESUME_MATCHES = ("method", "options", "batches_per_epoch", "segment", "eval_every")
+
+
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
                         continuous: bool, eval_every: Optional[int] = None) -> Tuple[int, Dict[str, Any]]:
-    """The checkpoint interval in mini-batches and the facts a checkpoint's manifest must match to
-    be resumed (method, stages, partition, micro-batches, options, batches per epoch, interval,
-    evaluation interval: a resumed run must cut its segments where the first one did).
+    """The checkpoint interval in mini-batches and the facts a checkpoint's manifest records of
+    the run: method, stages, partition, micro-batches, options, batches per epoch, interval,
+    evaluation interval. A resumed run must match those of :data:`RESUME_MATCHES` (it must cut
+    its segments where the first one did); the layout may change (a checkpoint loads into any).
 
     The pipeline also drains every ``eval_every`` mini-batches (to evaluate one set of weights);
     :func:`segments` and :func:`next_drain` cut at both kinds of points."""

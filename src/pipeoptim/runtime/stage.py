@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..weights.base import nbytes
+from ..weights.base import local, nbytes
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
 from .defaults import PRECISIONS
@@ -97,6 +97,9 @@ class Stage:
         #: per micro-batch in flight: the tied weights' values from their owner (a holder's own
         #: leaves, docs/architecture.md, "Tied weights")
         self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
+        #: the stage's module is sharded over its replicas (``runtime/sharding.StageShards``):
+        #: passes call it directly, with the version they need written into its shards
+        self.shards: Optional[Any] = None
         self._synced = False
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
@@ -129,6 +132,8 @@ class Stage:
             stale = [p.detach().clone() for _, p in self.policy.named]
             variants = getattr(self.policy, "prediction_variants", lambda _: {})(microbatch)
         use = self.policy.forward_weights(microbatch)
+        direct = use.direct or self.shards is not None
+        held_back = self.shards.hold(None if use.direct else use.weights) if self.shards is not None else None
         try:  # from here on the live storage may hold predicted weights until use.done()
             if probe:
                 used = [w.detach().clone() for w in (
@@ -144,7 +149,7 @@ class Stage:
 
             def run(values: Activation) -> Activation:
                 args = (values, target) if self.takes_target else (values,)
-                output = self.module(*args) if use.direct else functional_call(self.module, weights, args)
+                output = self.module(*args) if direct else functional_call(self.module, weights, args)
                 if self.is_last:
                     output = self.loss_fn(output, target) * loss_scale
                     _check_scalar(output)
@@ -153,16 +158,21 @@ class Stage:
             if self._buffers is None:  # updated in place (BatchNorm's statistics): found once
                 self._buffers = list(self.module.buffers())
             # what the forward saves that is a weight, not an activation (the tied values included)
-            not_activations = lambda: [*self.parameters(), *self._buffers,  # noqa: E731
-                                       *([] if use.direct else weights.values())]
+            # (read inside the forward: a sharded stage's weights are those FSDP gathered)
+            not_activations = lambda: [*(self.module.parameters() if self.shards is not None  # noqa: E731
+                                         else self.parameters()), *self._buffers,
+                                       *([] if direct else weights.values())]
             with torch.enable_grad(), self.autocast(), \
-                    self.held.forward(microbatch, not_activations, signature(leaves, target)):
+                    self.held.forward(microbatch, not_activations, signature(leaves, target),
+                                      refresh=self.shards is not None):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
                     output = recompute.checkpointed(run, leaves, kept)
                 else:
                     output = run(leaves)
         finally:
+            if held_back is not None:
+                held_back()
             use.done()
         self.policy.note_memory()
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "F", use.version, use.steps))
@@ -214,8 +224,12 @@ class Stage:
         hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
         try:
             with self.policy.backward_pass(microbatch, use) as used:
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
+                held_back = self._hold_backward_values(use, used)
+                try:
+                    if tensors:
+                        torch.autograd.backward(tensors, grads)
+                finally:
+                    held_back()
         finally:
             for hook in hooks:
                 hook.remove()
@@ -242,10 +256,14 @@ class Stage:
             self._record_probe(microbatch)
         tensors, grads = self._output_grads(outputs, grad_output)
         inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
-        weights = self.parameters() if use.direct else list(use.weights.values())
+        if self.shards is not None:  # what the graph holds: the weights FSDP gathered (kept to the update)
+            weights = [p for p in self.module.parameters() if p.requires_grad]
+        else:
+            weights = self.parameters() if use.direct else list(use.weights.values())
         weights += list(self._tied_values.get(microbatch, {}).values())
         scope = contextlib.ExitStack()
         used = scope.enter_context(self.policy.backward_pass(microbatch, use))
+        scope.callback(self._hold_backward_values(use, used))
         try:
             found, pending = split_backward.backward_input(tensors, grads, inputs, weights)
         except BaseException:
@@ -274,6 +292,13 @@ class Stage:
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
 
+    def _hold_backward_values(self, use: WeightUse, used: WeightUse) -> Callable[[], None]:
+        """A sharded stage: the backward's version into the shards FSDP gathers for it (and how
+        to put the live values back); nothing otherwise."""
+        if self.shards is None:
+            return lambda: None
+        return self.shards.hold(self.policy.backward_values(use, used))
+
     def _output_grads(self, outputs: Tuple[Any, ...], grad_output: Optional[Activation]):
         """The outputs a backward starts from and their gradients (None: the loss's 1)."""
         if self.is_last:
@@ -291,9 +316,16 @@ class Stage:
         self.sync_gradients()
         self._synced = False
         if grad_scale is not None:
-            grads = self.grads()
+            grads = [local(g) for g in self.grads()]
             if grads:
-                torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+        elif self.clip_grad_norm is not None and self.shards is not None:
+            grads = [local(g) for g in self.grads()]
+            if grads:  # torch's clip_grad_norm_'s coefficient, from the norm over the shards
+                scale = (self.clip_grad_norm / (self.grad_norm() + 1e-6)).clamp(max=1.0)
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, scale)
         elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad_norm)
         self.policy.before_update()
@@ -330,8 +362,9 @@ class Stage:
         holders, once per update (before its norm is taken for global clipping, or by the update
         itself)."""
         if not self._synced:
-            if self.grad_sync is not None:
-                self.grad_sync(self.parameters())
+            if self.grad_sync is not None:  # a tied weight's copy that another stage owns too
+                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied else []
+                self.grad_sync(self.parameters() + held)
             if self.tied is not None:
                 self.tied.before_update()
             self._synced = True
@@ -339,6 +372,8 @@ class Stage:
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of this stage's accumulated gradients (a 0-dim tensor on its device)."""
         grads = self.grads()
+        if self.shards is not None:
+            return self.shards.grad_norm(grads, self.device)
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..weights.base import local
+
 
 class LocalExchange:
     """One tie, every holder in this process: the owner's forward values and the holders'
@@ -144,7 +146,7 @@ class TiedWeights:
         for tie in self.held():
             p = tie.param
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(grad, group=tie.group)
+            dist.all_reduce(local(grad), group=tie.group)  # sharded: the holders' shards align
             p.grad = grad if tie.holders[0] == self.stage else None
 
     @torch.no_grad()
@@ -153,7 +155,7 @@ class TiedWeights:
         if not self.synchronous:
             return
         for tie in self.held():
-            dist.broadcast(tie.param.data, src=tie.owner_rank, group=tie.group)
+            dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
 
     # -- asynchronous methods: per micro-batch ---------------------------------------------------
     def _exchanged(self) -> List[Tie]:

@@ -27,8 +27,15 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.data.requires_grad_(True)
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: a DTensor's local shard (a stage sharded over its
+    replicas, ``runtime/sharding.py``), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this process holds of ``tensors`` (of a sharded one, its shard)."""
+    return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -87,6 +94,9 @@ class WeightPolicy:
         self.recompute_copy_bytes = 0
         self._forward_version: Dict[int, int] = {}
         self._order: List[Action] = []
+        #: the parameters are shards of the stage over its replicas (``runtime/sharding.py``):
+        #: versions are kept as copies, never by moving the live storage (FSDP gathers from it)
+        self.sharded = False
 
     # -- schedule knowledge -----------------------------------------------------------------
     def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),
@@ -169,6 +179,20 @@ class WeightPolicy:
         yield WeightUse(use.weights, self.version)
         self._forward_version.pop(microbatch, None)
 
+    def backward_values(self, use: WeightUse, used: WeightUse) -> Optional[Dict[str, torch.Tensor]]:
+        """Inside :meth:`backward_pass`: the values the backward of the forward ``use`` runs on
+        (``used``: what the pass yielded), for a sharded stage to write into its shards while
+        FSDP gathers them; None: the live weights. Without sharding the tensors the forward
+        saved already hold them."""
+        return None if use.direct else used.weights
+
+    @property
+    def recompute_copies(self) -> bool:
+        """Whether a recomputed forward may need weights other than its backward's (a copy of the
+        forward's, :meth:`forward_weights_kept`); a sharded stage, whose recomputation runs on
+        the weights FSDP gathered for the backward, refuses recomputation then."""
+        return True
+
     # -- updates ------------------------------------------------------------------------------
     def before_update(self) -> None:
         pass
@@ -215,6 +239,10 @@ class SynchronousPolicy(WeightPolicy):
 
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         return True  # no update between a forward and its backward
+
+    @property
+    def recompute_copies(self) -> bool:
+        return False
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:

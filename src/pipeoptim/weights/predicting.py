@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from .base import WeightPolicy, WeightUse, nbytes
+from .base import WeightPolicy, WeightUse, local, nbytes
 from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
                           horizon_rate)
 from .predict import Predictor
@@ -25,6 +25,7 @@ CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    dst, src = [local(t) for t in dst], [local(t) for t in src]  # shards: elementwise, so alike
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dst, src)
     else:  # pragma: no cover - torch < 2.1
@@ -179,7 +180,7 @@ class PredictingPolicy(WeightPolicy):
             self.average.observe(self.cache, self._applied_lrs)
 
     def _ensure_cache(self) -> None:
-        homes = [p.data_ptr() for _, p in self.named]
+        homes = [local(p).data_ptr() for _, p in self.named]
         if self.cache is None or homes != self._homes:
             self.cache = [torch.empty_like(p) for _, p in self.named]
             self._homes = homes
@@ -203,7 +204,7 @@ class PredictingPolicy(WeightPolicy):
                     continue
                 # p.data: its own version counter, so writing W_hat through it (write and
                 # restore) does not count as a change of the parameter (the Predictor's key)
-                items.append((p.data, delta, self.cache[i]))
+                items.append((local(p.data), local(delta), local(self.cache[i])))
                 if self._swap and p.numel():
                     self._storages.append((p.untyped_storage(), self.cache[i].untyped_storage()))
             self._work.append((group, items))
@@ -211,7 +212,10 @@ class PredictingPolicy(WeightPolicy):
 
     def _swappable(self) -> bool:
         """Whether each parameter owns its whole storage (nothing else lives there, so swapping
-        the storage's memory swaps exactly the parameter) and its cache has the same layout."""
+        the storage's memory swaps exactly the parameter) and its cache has the same layout.
+        Never for shards: FSDP gathers from the storage it made."""
+        if self.sharded:
+            return False
         seen = set()
         for (_, p), c in zip(self.named, self.cache):
             if p.numel() == 0:

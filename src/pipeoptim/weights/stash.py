@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List
 import torch
 
 from ..schedules.actions import Kind
-from .base import WeightPolicy, WeightUse, alias, nbytes
+from .base import WeightPolicy, WeightUse, alias, local, nbytes
 
 
 class VersionStore(WeightPolicy):
@@ -60,6 +60,19 @@ class VersionStore(WeightPolicy):
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         return True  # the version's storage is moved aside, never written, while it is used
 
+    @property
+    def recompute_copies(self) -> bool:
+        return False
+
+    def backward_values(self, use: WeightUse, used: WeightUse) -> Dict[str, torch.Tensor]:
+        # sharded, the live storage stays (an update writes it in place, its old values copied
+        # to ``kept``): a forward that aliased it reads that copy in its backward
+        if self.sharded and used.version != self.version and used.version in self.kept:
+            name, first = next(iter(use.weights.items()), (None, None))
+            if first is not None and local(first).data_ptr() == local(dict(self.named)[name].data).data_ptr():
+                return {n: t for (n, _), t in zip(self.named, self.kept[used.version])}
+        return used.weights
+
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
         yield WeightUse(use.weights, use.version)  # the aliases saved at forward hold that version
@@ -70,9 +83,12 @@ class VersionStore(WeightPolicy):
     def before_update(self) -> None:
         live = self.version
         if self.users[live] > 0 or self.future_needs(live):
-            self.kept[live] = [p.data for _, p in self.named]
-            for _, p in self.named:
-                p.data = p.data.clone()
+            if self.sharded:  # FSDP gathers from the live storage: copy, do not move it
+                self.kept[live] = [p.detach().clone() for _, p in self.named]
+            else:
+                self.kept[live] = [p.data for _, p in self.named]
+                for _, p in self.named:
+                    p.data = p.data.clone()
         self.note_memory()
 
     def after_update(self) -> None:
