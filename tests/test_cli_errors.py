@@ -43,6 +43,12 @@ CASES = [
     (["train", "--optimizer", "adam", "--adamw-lr", "0.01"], "--adamw-lr applies to muon (its AdamW part), not adam"),
     (["train", "--optimizer", "muon", "--adamw-lr", "0"], "--adamw-lr must be positive, got 0.0"),
     (["train", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["train", "--shard-replicas", *QUICK], "--data-parallel and --shard-replicas run the replicas as processes: "
+                                             "add --runtime distributed"),
+    (["train", "--runtime", "distributed", "--stages", "2", "--shard-replicas", *QUICK],
+     "--shard-replicas shards each stage over its replicas: give --data-parallel D with D >= 2"),
+    (["train", "--runtime", "distributed", "--stages", "2", "--data-parallel", "3", "--batch-size", "64", *QUICK],
+     "a mini-batch of 64 samples does not split into 3 equal replica shards"),
     (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),
     (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),

@@ -57,3 +57,22 @@ def test_resume_without_checkpoint_starts_fresh_and_mismatch_is_refused(tmp_path
 def test_continuous_runs_cannot_checkpoint_every_k(tmp_path):
     with pytest.raises(ValueError, match="continuous run never drains"):
         run(tmp_path, "pipeoptim", continuous=True)
+
+
+def test_checkpoints_written_in_the_background_resume_alike(tmp_path):
+    """async_checkpoint: the same losses; a run that dies while a checkpoint is being written
+    resumes from the one before (the one being written is named the latest only once whole)."""
+    expected = run(tmp_path / "full", "pipeoptim").losses
+    assert run(tmp_path / "bg", "pipeoptim", async_checkpoint=True).losses == expected
+    names = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    assert names(tmp_path / "bg") == names(tmp_path / "full")
+
+    def crash_at_7(index, loss):  # the checkpoint after 6 is written while 7 trains
+        if index == 7:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", "pipeoptim", async_checkpoint=True, on_batch=crash_at_7)
+    latest = (tmp_path / "cut" / "latest.json").read_text()
+    assert "batch000003" in latest  # 6's is not named: its writer was never waited for
+    assert run(tmp_path / "cut", "pipeoptim", async_checkpoint=True, resume=True).losses == expected

@@ -106,8 +106,9 @@ RESHARD = HERE / "torchrun_reshard.py"
 
 def test_a_sharded_checkpoint_resumes_in_other_layouts(tmp_path):
     """Written at 2 stages x 2 replicas, sharded (the run killed after 5 mini-batches, its newest
-    checkpoint at 4), resumed at 4 stages x 1 replica and in one process: both continue the
-    uninterrupted run's losses and reach its weights (1f1b-flush: the same sums, in other orders)."""
+    checkpoint at 4), resumed at 4 stages x 1 replica (writing its own checkpoints in the
+    background) and in one process: both continue the uninterrupted run's losses and reach its
+    weights (1f1b-flush: the same sums, in other orders)."""
     import shutil
     import subprocess
 
@@ -122,9 +123,10 @@ def test_a_sharded_checkpoint_resumes_in_other_layouts(tmp_path):
     assert done.returncode != 0 and not (cut / "result.json").exists()
     assert json.loads((cut / "checkpoints" / "latest.json").read_text())["checkpoint"].endswith("batch000004")
     shutil.copytree(cut, tmp_path / "alone")
-    run([RESHARD, cut, 4, 0, 0], nproc=4)               # 4 stages x 1 replica
+    run([RESHARD, cut, 4, 0, 0, 1], nproc=4)            # 4 stages x 1 replica, checkpoints in the background
     run([RESHARD, tmp_path / "alone", 2, 0, 0])          # one process
     for folder in (cut, tmp_path / "alone"):
         resumed = json.loads((folder / "result.json").read_text())
         assert len(resumed["losses"]) == 16
         assert relative(whole, resumed) < 1e-6
+    assert json.loads((cut / "checkpoints" / "latest.json").read_text())["checkpoint"] == "epoch0002-batch000000"

@@ -3,10 +3,11 @@ in whatever layout it is started: one process (python), or under torchrun N stag
 sharded over the replicas or not. Each replica trains on its shard of every mini-batch, so every
 layout trains on the same whole mini-batches; rank 0 writes RUN/result.json at the end.
 
-    script RUN STAGES SHARD STOP_AFTER
+    script RUN STAGES SHARD STOP_AFTER [ASYNC]
 
 SHARD: 1 shards each stage over its replicas; STOP_AFTER: every process ends at once
-(``os._exit(3)``) after that many mini-batches, as a crash would (0: never).
+(``os._exit(3)``) after that many mini-batches, as a crash would (0: never); ASYNC: 1 writes the
+checkpoints in the background (``async_checkpoint``).
 """
 import json
 import os
@@ -19,6 +20,7 @@ from torch import nn
 import pipeoptim
 
 run, stages, shard, stop_after = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+background = len(sys.argv) > 5 and sys.argv[5] == "1"
 seen = [0]
 
 
@@ -40,7 +42,7 @@ pipe = pipeoptim.Pipeline(model, method="1f1b-flush", stages=stages, loss_fn=nn.
 d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
 own = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in data]
 result = pipe.fit(own, epochs=2, checkpoint_dir=run / "checkpoints", checkpoint_every=2, resume=True,
-                  on_batch=on_batch)
+                  on_batch=on_batch, async_checkpoint=background)
 weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
 if pipe.rank == 0:
     (run / "result.json").write_text(json.dumps({"losses": result.losses, "weights": weights}))

@@ -102,15 +102,23 @@ def checkpoint_state(stages, rank: int) -> Dict[str, Any]:
     return state
 
 
-def write_state(state: Dict[str, Any], folder: Path, group: Any = None) -> None:
+def write_state(state: Dict[str, Any], folder: Path, group: Any = None, background: bool = False) -> Any:
     """``dcp.save`` of :func:`checkpoint_state`, every process of the job at once (``group``:
-    the job's; None: this process alone). Replicas write what they hold alike once."""
+    the job's; None: this process alone). Replicas write what they hold alike once.
+    ``background``: ``dcp.async_save``, which returns once the state is copied in memory; the
+    returned future completes when the files are written."""
     import torch.distributed.checkpoint as dcp
 
     folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # (one process: torch warns that it assumes so)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if background:
+            if group is None:  # the background thread warns as it starts, past this block's filter
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized, assuming the intent is to save in a single process")
+            return dcp.async_save(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
         dcp.save(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
+    return None
 
 
 def checksums(folder: Path) -> Dict[str, str]:

@@ -25,7 +25,7 @@ from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
 from .runtime.state_memory import state_memory
 from .runtime.stage import TraceEntry, UpdateEntry
-from .world import load_checkpoint, save_checkpoint
+from .world import PendingCheckpoint, load_checkpoint, save_checkpoint
 
 Batch = Tuple[Any, torch.Tensor]
 Metric = Callable[[Any, torch.Tensor], Any]
@@ -61,6 +61,7 @@ class FitSettings:
     checkpoint_every: Optional[int] = None
     resume: bool = False
     continuous: bool = False
+    async_checkpoint: bool = False
 
 
 class FitRun:
@@ -92,6 +93,8 @@ class FitRun:
         # eval_every, they include the epoch-end evaluations and the checkpoint writes)
         self.paused = {"eval": 0.0, "save": 0.0, "mid_eval": 0.0, "mid_eval_epoch": 0.0}
         self.started = self.epoch_start = 0.0
+        #: a checkpoint being written in the background (``async_checkpoint``), not named yet
+        self.pending: Optional[PendingCheckpoint] = None
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -111,6 +114,7 @@ class FitRun:
                     self.end_epoch(epoch, batches, samples)
             if settings.continuous:
                 self.end_continuous(sizes)
+        self.finish_pending()
         elapsed = time.perf_counter() - self.started - self.paused["mid_eval"]
         result = self.result(pipe.samples_done - samples_at_start, elapsed)
         result.metrics["evaluations"] = self.evaluations
@@ -266,8 +270,18 @@ class FitRun:
         fields = {**self.run_info, "losses": pipe.losses, "epoch_metrics": self.epoch_metrics,
                   "samples_done": pipe.samples_done, "epoch_rng": _encode_rng(rng),
                   "evaluations": self.evaluations, "train_seconds": self.train_seconds()}
-        save_checkpoint(pipe.world, self.settings.store, pipe.stages, (epoch, batch), fields)
+        self.finish_pending()  # (one in the background at a time: this one after the last is named)
+        self.pending = save_checkpoint(pipe.world, self.settings.store, pipe.stages, (epoch, batch), fields,
+                                       background=self.settings.async_checkpoint)
         self.paused["save"] += time.perf_counter() - began
+
+    def finish_pending(self) -> None:
+        """Wait for the checkpoint written in the background, then name it the latest."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            began = time.perf_counter()
+            pending.finish()
+            self.paused["save"] += time.perf_counter() - began
 
     # -- the result -------------------------------------------------------------------------
     def result(self, samples: int, elapsed: float) -> TrainResult:

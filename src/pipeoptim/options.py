@@ -155,12 +155,14 @@ OPTIONS: Tuple[Option, ...] = (
            "and each stage averages its gradients over its replicas before every update (buckets sent during "
            "the last backward), so weights, optimizer state and predictions stay identical; losses and "
            "metrics are the means over the replicas", "pipeline",
-           api_only="`pipeoptim train` runs one replica; `pipeoptim bench --data-parallel` times replicas"),
+           Flag("int", metavar="D", group="distributed runtime", only="distributed",
+                note="pipeoptim train starts N x D processes; each replica trains on its shard of every "
+                     "mini-batch (--batch-size is the whole mini-batch's)")),
     Option("shard_replicas", False, "under torchrun with D >= 2 replicas, shard each stage over its replicas "
            "with torch's FSDP2 (fully_shard on a 2-D DeviceMesh 'pp' x 'dp') instead of replicating it: "
            "parameters, gradients, optimizer state and every weight version the method keeps are held 1/D "
            "per process, each pass gathering the version it needs (torch >= 2.6)", "pipeline",
-           api_only="`pipeoptim bench --data-parallel D --shard-replicas` times it"),
+           Flag("switch", group="distributed runtime", only="distributed")),
     Option("world", None, "where the stages run: default one stage per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),
@@ -211,8 +213,14 @@ OPTIONS: Tuple[Option, ...] = (
            api_only="a function"),
     Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
     Option("on_eval", None, "on_eval(entry) after each evaluation", "fit", api_only="a function"),
-    Option("checkpoint_dir", None, "drain and save every stage there every checkpoint_every mini-batches and "
-           "at each epoch's end", "fit", api_only="the command line checkpoints into its run folder (--out)"),
+    Option("checkpoint_dir", None, "drain and write a checkpoint there (torch's distributed checkpoint, keyed by "
+           "the model's parameter names; it loads into any layout of the same model) every checkpoint_every "
+           "mini-batches and at each epoch's end", "fit",
+           api_only="the command line checkpoints into its run folder (--out)"),
+    Option("async_checkpoint", False, "write each checkpoint in the background (torch's dcp.async_save): training "
+           "goes on once the state is copied in memory, and the checkpoint becomes the latest when its files "
+           "are complete (at the next checkpoint, or at the end of fit; a run that dies first resumes from "
+           "the one before)", "fit", Flag("switch", group="output", only="train")),
     Option("checkpoint_every", None, "drain and checkpoint every K mini-batches of an epoch (and always at "
            "each epoch's end)", "fit",
            Flag("int", metavar="K", group="output", only="train")),

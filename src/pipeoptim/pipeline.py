@@ -365,7 +365,7 @@ class Pipeline:
             on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
             on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
             checkpoint_dir: Optional[Union[str, Path]] = None, checkpoint_every: Optional[int] = None,
-            resume: bool = False, continuous: bool = False) -> TrainResult:
+            async_checkpoint: bool = False, resume: bool = False, continuous: bool = False) -> TrainResult:
         """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)`` or of
         dict batches, see ``loss_fn``), iterated once per epoch; ``len()`` is used when it exists,
         not required. Returns the :class:`TrainResult` (its ``model``: the trained model, gathered
@@ -395,7 +395,7 @@ class Pipeline:
         self._require_drained("fit")
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,
-                               checkpoint_every, resume, continuous)
+                               checkpoint_every, resume, continuous, async_checkpoint)
         return FitRun(self, loader, settings).run()
 
 

@@ -91,7 +91,7 @@ class Torchrun:
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
     _averager: Optional[GradientAverager] = None
     _pipeline_group: Any = None
-    _job_group: Any = None
+    _job_groups: List[Any] = field(default_factory=list)
 
     @classmethod
     def join(cls, devices: Any, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1) -> Optional["Torchrun"]:
@@ -141,7 +141,7 @@ class Torchrun:
         comm, self.comm = self.comm, None
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
-        self._pipeline_group = self._job_group = None
+        self._pipeline_group, self._job_groups = None, []
         if comm is None and not self.owns_job and not made:
             return
         try:
@@ -371,15 +371,19 @@ class Torchrun:
         by_stage = {s: value for rank, part in enumerate(parts) for s, value in zip(held[rank], part)}
         return [by_stage[s] for s in range(len(self.placement))]
 
-    def checkpoint_group(self) -> Any:
-        """A gloo group of every rank of the job (made once, with the pipeline's timeout)."""
-        if self._job_group is None:
-            import datetime
+    def checkpoint_group(self, background: bool = False) -> Any:
+        """A gloo group of every rank of the job (made once, with the pipeline's timeout);
+        ``background``: a second one, which a checkpoint written beside training uses from its
+        own thread (a group serves one thread at a time)."""
+        import datetime
 
-            self._job_group = dist.new_group(list(range(self.world)), backend="gloo",
-                                             timeout=datetime.timedelta(seconds=self.timeout))
-            self._made.append(self._job_group)
-        return self._job_group
+        index = 1 if background else 0
+        while len(self._job_groups) <= index:  # made in order, on every rank alike
+            made = dist.new_group(list(range(self.world)), backend="gloo",
+                                  timeout=datetime.timedelta(seconds=self.timeout))
+            self._job_groups.append(made)
+            self._made.append(made)
+        return self._job_groups[index]
 
     def everyone(self, value: Any, what: str) -> List[Any]:
         """Every rank's ``value`` (rank order) on every rank, over :meth:`checkpoint_group`."""

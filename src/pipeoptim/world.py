@@ -12,6 +12,8 @@ manifest is written once every process's part of the checkpoint is complete."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
 
@@ -83,8 +85,9 @@ class World(Protocol):
         """Every process's ``value``, in rank order, on every process of the job (every replica's
         too)."""
 
-    def checkpoint_group(self) -> Any:
-        """The process group a checkpoint is written and read over (None: this process alone)."""
+    def checkpoint_group(self, background: bool = False) -> Any:
+        """The process group a checkpoint is written and read over (None: this process alone);
+        ``background``: another one, for the writes that go on beside training."""
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """The mean of ``score(output, target)`` over the samples of ``loader``, a forward pass
@@ -197,7 +200,7 @@ class LocalWorld:
     def everyone(self, value: T, what: str) -> List[T]:
         return [value]
 
-    def checkpoint_group(self) -> Any:
+    def checkpoint_group(self, background: bool = False) -> Any:
         return None
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
@@ -240,28 +243,64 @@ class LocalWorld:
 
 # -- the checkpoint of a run: one writer, one reader ------------------------------------------
 
+class PendingCheckpoint:
+    """A checkpoint whose files are being written (in the background, or just now): :meth:`finish`
+    waits for this process's part, then, once every process's part is complete, rank 0 moves the
+    folder into place, writes the manifest with every file's checksum and prunes the older
+    checkpoints; nobody goes on before the manifest names the new checkpoint as the latest."""
+
+    def __init__(self, world: World, store: Path, folder: Path, partial: Path, info: Dict[str, Any],
+                 written: Any = None) -> None:
+        self.world, self.store, self.folder, self.partial, self.info = world, store, folder, partial, info
+        self.written = written  #: the background write's future (None: written already)
+
+    def finish(self, problem: Optional[str] = None) -> Path:
+        world = self.world
+        if self.written is not None:
+            try:
+                self.written.result()
+            except Exception as error:  # noqa: BLE001 - every rank must hear of it
+                problem = f"{type(error).__name__}: {error}"
+        problems = [p for p in world.everyone(problem, "writing the checkpoint") if p]
+        if problems:
+            raise CheckpointError(f"{self.folder}: cannot be written ({problems[0]})")
+        if world.rank == 0:
+            if self.folder.exists():  # an older run's at this position (resumed from before it): not the latest
+                shutil.rmtree(self.folder)
+            os.replace(self.partial, self.folder)
+            save_manifest(self.folder, self.info, checksums(self.folder))
+            prune(self.store, keep=2)
+        world.everyone(None, "waiting for the checkpoint's manifest")
+        return self.folder
+
+
 def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tuple[int, int],
-                    fields: Dict[str, Any]) -> Path:
+                    fields: Dict[str, Any], *, background: bool = False) -> Optional[PendingCheckpoint]:
     """Checkpoint a drained pipeline at ``position`` = (epoch, batch): every process of the job
     writes its part of one distributed checkpoint (replicas' equal values once, shards as
-    shards), then rank 0 the manifest (``fields`` in it as they are) with every file's checksum,
-    then prunes the older checkpoints; nobody goes on before the manifest names the new
-    checkpoint as the latest."""
+    shards) into a partial folder, then :meth:`PendingCheckpoint.finish` names it (``fields`` in
+    its manifest as they are). ``background``: the files are written while training goes on,
+    and the caller finishes the returned checkpoint later; else it is finished now (None)."""
     folder = store / checkpoint_name(*position)
+    partial = store / f".partial-{folder.name}"  # renamed into place once whole
+    if world.rank == 0 and partial.exists():
+        shutil.rmtree(partial)  # left by a run that died while writing
+    world.everyone(None, "starting the checkpoint")
+    epoch, batch = position
+    # (as they are now: a checkpoint finished later must not record what came after it)
+    info = json.loads(json.dumps({**fields, "epoch": epoch, "batch": batch}))
+    pending = PendingCheckpoint(world, store, folder, partial, info)
     problem = None
     try:
-        write_state(checkpoint_state(stages, world.rank), folder, world.checkpoint_group())
-    except OSError as error:  # every rank must hear of it, or the others wait at the barrier
+        state = checkpoint_state(stages, world.rank)
+        if background:
+            pending.written = write_state(state, partial, world.checkpoint_group(background=True), background=True)
+            return pending
+        write_state(state, partial, world.checkpoint_group())
+    except OSError as error:  # every rank must hear of it, or the others wait for it
         problem = str(error)
-    problems = [p for p in world.everyone(problem, "writing the checkpoint") if p]
-    if problems:
-        raise CheckpointError(f"{folder}: cannot be written ({problems[0]})")
-    if world.rank == 0:
-        epoch, batch = position
-        save_manifest(folder, {**fields, "epoch": epoch, "batch": batch}, checksums(folder))
-        prune(store, keep=2)
-    world.everyone(None, "waiting for the checkpoint's manifest")
-    return folder
+    pending.finish(problem)
+    return None
 
 
 def load_checkpoint(world: World, store: Path, stages: List[Stage],

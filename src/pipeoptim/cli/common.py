@@ -96,6 +96,9 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
                      clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
                      precision=args.precision, recompute=args.recompute, device=args.device,
+                     data_parallel=getattr(args, "data_parallel", None),
+                     shard_replicas=getattr(args, "shard_replicas", False),
+                     async_checkpoint=getattr(args, "async_checkpoint", False),
                      eval_every=args.eval_every,
                      holdout=args.holdout)
 

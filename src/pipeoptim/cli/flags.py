@@ -32,10 +32,10 @@ GROUPS: Dict[str, Optional[str]] = {
     "optimizer": None,
     "precision and devices": None,
     "output": None,
-    "distributed runtime": "One process per stage (--runtime distributed). Without torchrun, torchrun is "
-                           "started for you on this machine; under torchrun (torchrun --nproc-per-node N -m "
-                           "pipeoptim train --runtime distributed ...) the world size is the number of "
-                           "stages. Several machines: run torchrun on each with --nnodes, --node-rank, "
+    "distributed runtime": "One process per stage of each replica (--runtime distributed). Without torchrun, "
+                           "torchrun is started for you on this machine; under torchrun (torchrun "
+                           "--nproc-per-node N -m pipeoptim train --runtime distributed ...) the world size is "
+                           "the number of stages, times D with --data-parallel D. Several machines: run torchrun on each with --nnodes, --node-rank, "
                            "--master-addr/--master-port (or --rdzv-backend c10d --rdzv-endpoint HOST:PORT). "
                            "See `python -m pydoc pipeoptim.lab.launcher`.",
 }

@@ -65,6 +65,14 @@ def run(args: argparse.Namespace) -> int:
         for key, value in load_plan(args.plan).items():
             setattr(args, key, value)
     check_numbers(args)
+    if args.runtime != "distributed" and (args.data_parallel is not None or args.shard_replicas):
+        raise ValueError("--data-parallel and --shard-replicas run the replicas as processes: add "
+                         "--runtime distributed")
+    if args.data_parallel is not None and args.data_parallel < 1:
+        raise ValueError(f"--data-parallel must be at least 1, got {args.data_parallel}")
+    if args.shard_replicas and (args.data_parallel or 1) < 2:
+        raise ValueError("--shard-replicas shards each stage over its replicas: give --data-parallel D "
+                         "with D >= 2")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.diagnose_every < 0:

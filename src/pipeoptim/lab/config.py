@@ -111,6 +111,7 @@ class RunConfig:
     seed: int = 0
     continuous: bool = False
     checkpoint_every: Optional[int] = None
+    async_checkpoint: bool = False
     method_options: Dict[str, Any] = field(default_factory=dict)
     lr_schedule: str = "constant"
     warmup_steps: Optional[int] = None
@@ -118,6 +119,8 @@ class RunConfig:
     clip_scope: str = "stage"
     precision: str = "fp32"
     recompute: bool = False
+    data_parallel: Optional[int] = None
+    shard_replicas: bool = False
     device: str = "auto"
     eval_every: Optional[int] = None
     holdout: Optional[int] = None

@@ -31,7 +31,7 @@ from ..methods import get_method
 from ..pipeline import Pipeline, TrainResult, resolve_devices
 from ..prepare import prepare
 from ..runtime.defaults import DEFAULT_TIMEOUT
-from ..runtime.microbatch import split_batch
+from ..runtime.microbatch import batch_size as samples_in, split_batch
 from ..runtime.spec import RunSpec, checkpoint_settings, resolve
 from ..schedules import Costs, simulate
 from .config import RunConfig
@@ -57,6 +57,8 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
     the run's length (:func:`fill_run_defaults`); a model that is not an ``nn.Sequential`` is
     traced on the first mini-batch and split as the Pipeline will split it (:func:`traced_spec`)."""
     fill_run_defaults(cfg, batches)
+    for inputs, _ in batches if cfg.data_parallel else ():
+        check_shards(samples_in(inputs), cfg.data_parallel)
     if isinstance(model, torch.nn.Sequential):
         spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
                        partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
@@ -166,11 +168,33 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
                     recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
-                    timeout=timeout, threads=threads, chunks=cfg.chunks, **cfg.method_options)
+                    timeout=timeout, threads=threads, chunks=cfg.chunks, data_parallel=cfg.data_parallel,
+                    shard_replicas=cfg.shard_replicas, **cfg.method_options)
+    own = replica_batches(pipe, data.train)
     if not pipe.prepared:  # a traced model: split on the first mini-batch, as fit would (nothing draws randomness between)
-        pipe.prepare(next(iter(data.train))[0])
-    check_spec(cfg, pipe.spec, data.train)
+        pipe.prepare(next(iter(own))[0])
+    check_spec(cfg, pipe.spec, own)
     return pipe
+
+
+def check_shards(samples: int, replicas: int) -> None:
+    if samples % replicas:
+        raise ValueError(f"a mini-batch of {samples} samples does not split into {replicas} equal replica "
+                         f"shards: give a --batch-size (and --limit) that {replicas} divides")
+
+
+def replica_batches(pipe: Pipeline, batches: List[Any]) -> List[Any]:
+    """What ``pipe``'s replica trains on: its equal share of every mini-batch (all of them with
+    one replica), so that the replicas' mean gradient is the whole mini-batch's."""
+    replicas, d = pipe.data_parallel_size, pipe.data_parallel_rank
+    if replicas == 1:
+        return batches
+    own = []
+    for inputs, target in batches:
+        check_shards(samples_in(inputs), replicas)
+        piece, piece_target, _ = split_batch(inputs, target, replicas)[d]
+        own.append((piece, piece_target))
+    return own
 
 
 def evaluation(pipe: Pipeline, task: Task, data: TaskData, split: str) -> Dict[str, Any]:
@@ -218,7 +242,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     pipe = build_pipeline(cfg, task, data, diagnose_every=diagnose_every, devices=settings.get("device"),
                           timeout=settings.get("timeout", DEFAULT_TIMEOUT), threads=settings.get("threads", 1))
     writes = pipe.rank == 0  # rank 0 writes the run folder (every rank trains and evaluates)
-    batches = data.train
+    batches = replica_batches(pipe, data.train)
     if cfg.lr_source is not None and not resume and writes:
         log(f"{cfg.method}: lr {cfg.lr:g}: {cfg.lr_source}")
     log_file = None
@@ -258,7 +282,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
         result = pipe.fit(batches, cfg.epochs, **evaluation(pipe, task, data, split), eval_every=cfg.eval_every,
                           on_batch=on_batch, on_epoch=on_epoch, on_eval=on_eval,
                           checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
-                          checkpoint_every=cfg.checkpoint_every, resume=resume, continuous=cfg.continuous)
+                          checkpoint_every=cfg.checkpoint_every, async_checkpoint=cfg.async_checkpoint,
+                          resume=resume, continuous=cfg.continuous)
         final_test = None
         if split != "test":  # the test split, once, on the final weights
             final_test = final_test_metric(pipe, task, data)

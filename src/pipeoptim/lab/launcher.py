@@ -120,11 +120,12 @@ def run_layout(cfg) -> Layout:
     """The layout of the run ``cfg`` (:func:`pipeoptim.runtime.layout.plan_layout`)."""
     from ..methods import get_method
 
-    return plan_layout(get_method(cfg.method), stages=cfg.stages, partition=cfg.partition, chunks=cfg.chunks)
+    return plan_layout(get_method(cfg.method), stages=cfg.stages, partition=cfg.partition, chunks=cfg.chunks,
+                       data_parallel=cfg.data_parallel)
 
 
 def stage_count(cfg) -> int:
-    """Processes a local launch starts: one per stage (the command line runs one replica)."""
+    """Processes a local launch starts: one per stage of each replica."""
     return run_layout(cfg).processes
 
 
@@ -133,14 +134,17 @@ def job_stages(cfg, world: int) -> int:
     process. Without ``--stages`` (and no ``--partition``) the job's size sets them; refused,
     with the fix, where the job holds another number of stages."""
     if not _stages_given() and cfg.partition is None and cfg.method != "sequential":
-        cfg = dataclasses.replace(cfg, stages=world)
+        cfg = dataclasses.replace(cfg, stages=world // (cfg.data_parallel or 1))
     layout = run_layout(cfg)
     if layout.processes != world:
         given = "sequential" if cfg.method == "sequential" else \
             f"--partition {','.join(map(str, cfg.partition))}" if cfg.partition is not None else f"--stages {cfg.stages}"
-        raise ValueError(f"{given} runs {layout.processes} stage process{'es' if layout.processes != 1 else ''} "
-                         f"but the world size is {world}: start one process per stage (torchrun "
-                         f"--nproc-per-node {layout.processes})")
+        replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
+        raise ValueError(f"{given}{replicas} runs {layout.processes} stage process{'es' if layout.processes != 1 else ''} "
+                         f"but the world size is {world}: start one process per stage of each replica "
+                         f"(torchrun --nproc-per-node {layout.processes})"
+                         + (f", or add --data-parallel {world // layout.processes}"
+                            if layout.replicas == 1 and world % layout.processes == 0 else ""))
     return layout.stages
 
 
@@ -196,7 +200,8 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
             "resume": resume, "diagnose_every": diagnose_every,
         }))
         if not json:
-            print(f"starting {nproc} process{'es' if nproc != 1 else ''} (one per stage), as torchrun "
+            each = "one per stage" + (f" of each of {cfg.data_parallel} replicas" if (cfg.data_parallel or 1) > 1 else "")
+            print(f"starting {nproc} process{'es' if nproc != 1 else ''} ({each}), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
         clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
         failures = run_workers(nproc, "pipeoptim.lab.stage_worker", [str(config)], torchrun_env(threads))
