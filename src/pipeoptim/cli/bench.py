@@ -27,6 +27,11 @@ stage keeps (``runtime/held.py``, not the process's memory) against the predicti
 simulator's peak count of micro-batches in flight x the profiled bytes one micro-batch holds);
 ``--recompute both`` runs every method with and without activation recomputation.
 
+With ``--data-parallel D``, ``--shard-replicas both`` runs every method with its stages replicated
+and sharded over their D replicas (torch's FSDP2, ``Pipeline(shard_replicas=True)``; the runs
+named 'METHOD xD sharded'): the training state table shows each process's bytes (parameters,
+gradients, optimizer state, weights against their closed form), a sharded stage's about 1/D.
+
 Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
 ``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
 "ratios": {...}, "settings": {...}, "detail": {"<method>": {..., "activations": [{"measured_bytes",
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
+from ..lab.bench_worker import SHARDED_SUFFIX
 from ..lab.optimizers import optimizer_names
 from .common import check_positive, known_methods, refuse_traced_model
 from .flags import add_table_flags
@@ -80,6 +86,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="activation recomputation in the pipelined runs: off (default), on, or both (each "
                         "method twice, the second named 'METHOD+recompute'); the report's memory table "
                         "shows per stage the peak of activations held, measured and predicted")
+    p.add_argument("--shard-replicas", default="off", choices=["off", "on", "both"],
+                   help="with --data-parallel D >= 2, each stage sharded over its D replicas with torch's "
+                        "FSDP2 instead of replicated: off (default), on, or both (each method twice, the "
+                        "second named 'METHOD xD sharded'); the report's state table shows each process's "
+                        "bytes of parameters, gradients, optimizer state and weights")
     p.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum")
     p.add_argument("--lr", type=float, default=0.01, help="default: 0.01")
     p.add_argument("--synthetic", action="store_true",
@@ -103,7 +114,31 @@ def _check(args: argparse.Namespace) -> List[str]:
         raise ValueError("--synthetic makes random images: use it with --task image")
     if args.model == "blocks" and args.task != "image":
         raise ValueError("the blocks model reads images: use --task image, or --model NAME of the task")
+    if args.shard_replicas != "off":
+        if (args.data_parallel or 1) < 2:
+            raise ValueError(f"--shard-replicas {args.shard_replicas} shards each stage over its replicas: "
+                             f"give --data-parallel D with D >= 2")
+        refused = _refused_sharded_recompute(methods) if args.recompute != "off" else []
+        if refused:
+            raise ValueError(f"{', '.join(refused)} cannot recompute sharded (the recomputed forward needs "
+                             f"the forward's weights, a sharded stage has the backward's): drop them from "
+                             f"--methods, or use --recompute off or --shard-replicas off")
     return methods
+
+
+def _refused_sharded_recompute(methods: List[str]) -> List[str]:
+    """The methods whose weight policy the runtime refuses to recompute sharded (runtime/build.py:
+    a recomputed forward that may need other weights than its backward's), asked of the policy
+    itself on a one-parameter stand-in, before any worker starts."""
+    import torch
+
+    from ..methods import get_method
+    from ..weights.policies import make_policy
+
+    probe = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
+    return [m for m in methods if make_policy(get_method(m).policy, probe, optimizer, stage=0, num_stages=2,
+                                              **get_method(m).options).recompute_copies]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
-                "recompute": args.recompute,
+                "recompute": args.recompute, "shard_replicas": args.shard_replicas,
                 "synthetic": args.synthetic, "baselines": not args.no_baselines,
                 "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
                 "verbose": not args.json}
@@ -182,7 +217,7 @@ def _children_cpu() -> float:
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
     """The ratios worth reading: each run against the baselines, pipeoptim against async-naive,
-    the asynchronous 1F1B methods against gpipe."""
+    the asynchronous 1F1B methods against gpipe, each sharded run against its replicated twin."""
     out: Dict[str, float] = {}
     runs = [name for name in sps if not name.startswith("sequential-")]
     for base in ("sequential-1dev", "sequential-all"):
@@ -195,6 +230,10 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
         for m in methods:
             if m in ASYNC_1F1B and m in sps:
                 out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
+    for name in runs:
+        replicated = name.replace(SHARDED_SUFFIX, "")
+        if replicated != name and replicated in sps:
+            out[f"{name}/{replicated}"] = sps[name] / sps[replicated]
     return out
 
 
@@ -212,11 +251,12 @@ def format_memory(result: Dict[str, Any]) -> List[str]:
             cells.append(f"{a['measured_bytes'] / 1024:.0f} ({a['measured_in_flight']}) / {pred}")
         if cells:
             lines.append(f"  {name}: " + "; ".join(cells))
-    lines.append("training state per stage, KiB: weights measured / closed form (parameters x the design's "
-                 "versions), + gradients + optimizer state")
+    lines.append("training state per stage, KiB of one process (a sharded stage: its shard): [parameters] "
+                 "weights measured / closed form (parameters x the design's versions), + gradients + "
+                 "optimizer state")
     for name, d in result["detail"].items():
-        cells = [f"{m['weights'] / 1024:.0f} / {m['weights_closed_form'] / 1024:.0f} + {m['gradients'] / 1024:.0f}"
-                 f" + {m['optimizer'] / 1024:.0f}" for m in d.get("state_memory", [])]
+        cells = [f"[{m['parameters'] / 1024:.0f}] {m['weights'] / 1024:.0f} / {m['weights_closed_form'] / 1024:.0f}"
+                 f" + {m['gradients'] / 1024:.0f} + {m['optimizer'] / 1024:.0f}" for m in d.get("state_memory", [])]
         if cells:
             lines.append(f"  {name}: " + "; ".join(cells))
     return lines

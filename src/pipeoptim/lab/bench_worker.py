@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Sequence
 
 BLOCK_WIDTH = 512
 RECOMPUTE_SUFFIX = "+recompute"  #: appended to a run's name when it recomputes its activations
+#: appended to a run's name (before RECOMPUTE_SUFFIX) when each stage is sharded over its replicas
+SHARDED_SUFFIX = " sharded"
 BLOCKS_PER_STAGE = 4
 
 
@@ -125,6 +127,16 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
             "final_loss": res.result.losses[-1]}
 
 
+def forget_closed_meshes() -> None:
+    """Drop torch's cached DTensor sharding decisions after a sharded Pipeline is closed. A
+    DeviceMesh compares equal to another of the same ranks and names whatever its process
+    groups, so the next run's FSDP parameters would be handed specs on the closed run's mesh,
+    whose groups no longer resolve (torch 2.13: "Could not resolve the process group")."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def bench_worker(spec: Dict[str, Any]) -> int:
     """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
     import time
@@ -175,9 +187,10 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             finally:
                 torch.set_num_threads(1)
 
-        def run_pipeline(method: str, chunk: List[Any], recompute: bool = False) -> PipelineRun:
+        def run_pipeline(method: str, chunk: List[Any], recompute: bool = False, sharded: bool = False) -> PipelineRun:
             """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
-            replica on its shard of every mini-batch; timed from a barrier to the last process's end."""
+            replica on its shard of every mini-batch (``sharded``: each stage's state too, FSDP2);
+            timed from a barrier to the last process's end."""
             chunks = get_method(method).chunks  # interleaved, zb-v: the model in stages x chunks pieces
             sizes = ([len(model)] if method == "sequential" else partition if chunks == 1 else
                      plan_partition(model, stages * chunks, "uniform"))
@@ -185,7 +198,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                 stages=None if method == "sequential" else stages,
                                 partition=None if method == "sequential" else sizes,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
-                                data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute)
+                                data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute,
+                                shard_replicas=sharded)
             try:
                 d = pipeline.data_parallel_rank
                 shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
@@ -204,21 +218,25 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                 return PipelineRun(batch * len(chunk) / wall, wall, share, result, m, predicted)
             finally:
                 pipeline.close()  # its process groups, before the next run makes its own
+                if sharded:
+                    forget_closed_meshes()
 
         # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
         # burst of other work on the machine hits all of them alike rather than one.
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
         label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
-        modes = {"off": [False], "on": [True], "both": [False, True]}[spec.get("recompute", "off")]
-        variants = [(m, r) for m in spec["methods"] for r in modes]  # (method, recompute)
-        name_of = lambda m, r: label(m) + (RECOMPUTE_SUFFIX if r else "")  # noqa: E731
-        runs = [(name, threads) for name, threads in baselines] + [(name_of(m, r), 1) for m, r in variants]
+        modes = {"off": [False], "on": [True], "both": [False, True]}
+        variants = [(m, r, s) for m in spec["methods"] for s in modes[spec.get("shard_replicas", "off")]
+                    for r in modes[spec.get("recompute", "off")]]  # (method, recompute, sharded)
+        def name_of(method: str, recompute: bool, sharded: bool) -> str:
+            return label(method) + (SHARDED_SUFFIX if sharded else "") + (RECOMPUTE_SUFFIX if recompute else "")
+        runs = [(name, threads) for name, threads in baselines] + [(name_of(*v), 1) for v in variants]
         rounds: Dict[str, List[PipelineRun]] = {name: [] for name, _ in runs}
 
         def record(r: int, name: str, res: PipelineRun) -> None:
             if r >= 0:
                 rounds[name].append(res)
-                say(f"  round {r + 1}: {name:>16}: {res.samples_per_second:.0f} samples/s")
+                say(f"  round {r + 1}: {name:>24}: {res.samples_per_second:.0f} samples/s")
 
         for r in range(-1 if warm else 0, spec["repeats"]):  # round -1: the warm-up
             chunk = batches[:warm] if r < 0 else batches[warm:]
@@ -227,8 +245,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     for name, threads in baselines:
                         record(r, name, run_baseline(threads, chunk))
                 dist.barrier()
-            for method, recompute in variants:
-                record(r, name_of(method, recompute), run_pipeline(method, chunk, recompute))
+            for method, recompute, sharded in variants:
+                record(r, name_of(method, recompute, sharded), run_pipeline(method, chunk, recompute, sharded))
         detail = {name: summary(rounds[name], threads, timed, 1 if name in dict(baselines) else world,
                                 1 if name in dict(baselines) else replicas)
                   for name, threads in runs if rounds[name]}
@@ -242,6 +260,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                              "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],
                              "recompute": spec.get("recompute", "off"),
+                             "shard_replicas": spec.get("shard_replicas", "off"),
                              "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
                              "parameters": sum(p.numel() for p in model.parameters()),
                              "backend": "gloo", "torch": torch.__version__},
