@@ -16,6 +16,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim.methods import get_method, method_names
+from conftest import has_image_data
 from test_torchrun import HERE, run
 
 SCRIPT = HERE / "torchrun_sharded.py"
@@ -130,3 +131,38 @@ def test_a_sharded_checkpoint_resumes_in_other_layouts(tmp_path):
         assert len(resumed["losses"]) == 16
         assert relative(whole, resumed) < 1e-6
     assert json.loads((cut / "checkpoints" / "latest.json").read_text())["checkpoint"] == "epoch0002-batch000000"
+
+
+@pytest.mark.skipif(not has_image_data(), reason="needs Fashion-MNIST (make setup installs it)")
+def test_the_command_line_runs_sharded_replicas_to_the_losses_of_one_process(tmp_path):
+    """`pipeoptim train --runtime distributed --data-parallel 2 --shard-replicas` starts 2 x 2
+    processes, each replica on its half of every mini-batch: the losses of the one-process run."""
+    import subprocess
+
+    from test_torchrun import _env
+
+    common = ["-m", "pipeoptim", "train", "--task", "image", "--model", "mlp", "--method", "pipeoptim",
+              "--stages", "2", "--limit", "512", "--epochs", "1", "--no-progress"]
+    losses = []
+    for extra, out in ((["--runtime", "local"], "one"),
+                       (["--runtime", "distributed", "--data-parallel", "2", "--shard-replicas"], "sharded")):
+        done = subprocess.run([sys.executable, *common, *extra, "--out", str(tmp_path / out)], env=_env(),
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in rows if r["type"] == "batch"])
+    assert "starting 4 processes (one per stage of each of 2 replicas)" in done.stdout
+    assert len(losses[0]) == 8 and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"shard_replicas": True}, "shards each stage over its data-parallel replicas, which run as processes: "
+                               "start N x D processes with torchrun"),
+    ({"shard_replicas": True, "data_parallel": 2}, "data_parallel=2 needs torchrun with N x 2 processes"),
+    ({"shard_replicas": "yes", "world": None}, "shard_replicas must be True or False"),
+])
+def test_sharding_without_replicas_to_shard_over_is_refused_when_the_pipeline_is_built(kwargs, says):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    with pytest.raises(ValueError, match=says):
+        pipeoptim.Pipeline(model, method="pipeoptim", stages=2, loss_fn=nn.functional.cross_entropy,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **kwargs)

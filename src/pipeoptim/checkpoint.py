@@ -110,12 +110,12 @@ def write_state(state: Dict[str, Any], folder: Path, group: Any = None, backgrou
     import torch.distributed.checkpoint as dcp
 
     folder.mkdir(parents=True, exist_ok=True)
+    if background and group is None:  # its thread warns as it runs, after any block's filter is gone
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                "uninitialized, assuming the intent is to save in a single process")
     with warnings.catch_warnings():  # (one process: torch warns that it assumes so)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if background:
-            if group is None:  # the background thread warns as it starts, past this block's filter
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
-                                        "uninitialized, assuming the intent is to save in a single process")
             return dcp.async_save(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
         dcp.save(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
     return None

@@ -139,6 +139,10 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
             raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
+        if sharded is not None and type(opt).__name__ in ("Muon", "MuonWithAdamW"):
+            raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage sharded over its "
+                             "replicas holds in pieces: drop shard_replicas (replicas hold whole matrices) or "
+                             "use an elementwise optimizer (AdamW, SGD)")
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.sharded = sharded is not None
         if sharded is not None and recompute is not None and recompute[k] and policy.recompute_copies:

@@ -315,17 +315,14 @@ class Stage:
         start = time.perf_counter()
         self.sync_gradients()
         self._synced = False
+        if grad_scale is None and self.clip_grad_norm is not None and self.shards is not None:
+            # torch's clip_grad_norm_ coefficient, from the norm over the shards
+            grad_scale = (self.clip_grad_norm / (self.grad_norm() + 1e-6)).clamp(max=1.0)
         if grad_scale is not None:
             grads = [local(g) for g in self.grads()]
             if grads:
                 with torch.no_grad():
                     torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
-        elif self.clip_grad_norm is not None and self.shards is not None:
-            grads = [local(g) for g in self.grads()]
-            if grads:  # torch's clip_grad_norm_'s coefficient, from the norm over the shards
-                scale = (self.clip_grad_norm / (self.grad_norm() + 1e-6)).clamp(max=1.0)
-                with torch.no_grad():
-                    torch._foreach_mul_(grads, scale)
         elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad_norm)
         self.policy.before_update()
