@@ -14,8 +14,8 @@ from pipeoptim.cli.bench import format_memory, ratios
 @pytest.mark.parametrize("argv, says", [
     (["--shard-replicas", "on"], "--shard-replicas on shards each stage over its replicas: give --data-parallel D"),
     (["--shard-replicas", "both", "--data-parallel", "1"], "give --data-parallel D with D >= 2"),
-    (["--shard-replicas", "on", "--data-parallel", "2", "--recompute", "both", "--methods", "1f1b-flush,pipeoptim"],
-     "pipeoptim cannot recompute sharded"),
+    (["--shard-replicas", "on", "--data-parallel", "2", "--optimizer", "muon"],
+     "--shard-replicas with --optimizer muon: Muon orthogonalizes each whole matrix"),
 ])
 def test_what_cannot_shard_is_refused_in_one_line_naming_the_fix(argv, says, capsys):
     assert main(["bench", "--synthetic", *argv]) == 2

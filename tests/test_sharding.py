@@ -21,13 +21,16 @@ from test_torchrun import HERE, run
 
 SCRIPT = HERE / "torchrun_sharded.py"
 PIPELINED = [m for m in method_names() if m != "sequential"]
-#: beyond each method's plain run: a tied GPT, global and per-stage clipping, recomputation, the
-#: method options that change which version a pass runs on, the delay corrections
+#: beyond each method's plain run: a tied GPT, global and per-stage clipping, recomputation (for
+#: the asynchronous methods a stage recomputes on a copy of the weights FSDP gathered for the
+#: forward), the method options that change which version a pass runs on, the delay corrections
 CASES = ["gpt:1f1b-flush", "gpt:gpipe+clip=0.5", "1f1b-flush+clip=0.05", "zb-h1+clip=0.05",
          "pipeoptim+stageclip=0.05", "gpipe+recompute", "pipedream+recompute", "pipeoptim-2bw+recompute",
+         "pipeoptim+recompute", "spectrain+recompute", "async-naive+recompute",
+         "pipeoptim+backward=predicted+recompute",
          "pipedream+vertical_sync=1", "pipeoptim+backward=predicted", "pipeoptim+delta=ema+ema_decay=0.9",
          "pipeoptim+lr_correction=delay+lr_correction_steps=4", "spectrain+sync_warmup=1"]
-REFUSED = ["pipeoptim+recompute", "spectrain+recompute", "gpt:pipeoptim"]
+REFUSED = ["pipeoptim+muon", "gpt:pipeoptim"]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +69,7 @@ def test_the_tied_gpt_keeps_its_tie_sharded(job):
 
 
 @pytest.mark.parametrize("entry, says", [
-    ("pipeoptim+recompute", "recomputes on those FSDP gathered for the backward"),
-    ("spectrain+recompute", "drop recompute"),
+    ("pipeoptim+muon", "torch.optim.Muon orthogonalizes each whole matrix"),
     ("gpt:pipeoptim", "tied across stages is not supported with data_parallel > 1 with an asynchronous"),
 ])
 def test_what_cannot_be_exact_is_refused_with_the_reason(job, entry, says):

@@ -4,7 +4,8 @@ shard of each mini-batch; rank 0 prints one JSON line per entry with both runs' 
 and per-rank state bytes, and for a synchronous method a third run: ``sequential`` in rank 0's
 process alone on the whole mini-batches. An entry is ``[gpt:]method[+setting...]``: ``gpt:``
 trains TinyGPT (head tied to the embedding) instead of an MLP; settings are ``clip=X`` (global
-clipping), ``stageclip=X``, ``recompute``, or a method option (``backward=predicted``,
+clipping), ``stageclip=X``, ``recompute``, ``muon`` (Muon on the hidden matrices, AdamW on the
+rest), or a method option (``backward=predicted``,
 ``vertical_sync=1``). An entry the Pipeline refuses prints its error instead.
 
     script ENTRIES STAGES MICRO_BATCHES
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import pipeoptim
+from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.world import LocalWorld
 from traced_models import TinyGPT, lm_batches, lm_loss
 
@@ -48,13 +50,15 @@ def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False
     settings = dict(settings)
     clip, stage_clip = settings.pop("clip", None), settings.pop("stageclip", None)
     recompute = settings.pop("recompute", None) is not None
+    muon = settings.pop("muon", None) is not None
     options = {k: (bool(int(v)) if k == "vertical_sync" else value(v)) for k, v in settings.items()}
     pipe = pipeoptim.Pipeline(
         model_for(kind, method), method="sequential" if alone else method,
         stages=None if alone else stages, loss_fn=lm_loss if kind == "gpt" else nn.functional.cross_entropy,
         # (SGD for the GPT: AdamW would amplify the rounding noise of a gradient that is zero in
         # exact arithmetic, the attention's key bias, into differences of the bias itself)
-        optimizer=(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) if method == "spectrain" or kind == "gpt"
+        optimizer=make_optimizer("muon", 0.01) if muon
+        else (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) if method == "spectrain" or kind == "gpt"
         else (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
         micro_batches=None if alone else micro, shard_replicas=shard, recompute=recompute,
         clip_grad_norm=float(clip or stage_clip) if (clip or stage_clip) else None,

@@ -36,7 +36,7 @@ from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
-from .runtime.sharding import StageShards, pipeline_mesh
+from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
 from .runtime.values import to_device
 from .runtime.tied import connect_exchanges
@@ -91,6 +91,7 @@ class Torchrun:
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
     _averager: Optional[GradientAverager] = None
     _pipeline_group: Any = None
+    _meshes: int = 0  #: device meshes made over this Pipeline's groups (sharded replicas)
     _job_groups: List[Any] = field(default_factory=list)
 
     @classmethod
@@ -141,7 +142,7 @@ class Torchrun:
         comm, self.comm = self.comm, None
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
-        self._pipeline_group, self._job_groups = None, []
+        self._pipeline_group, self._job_groups, meshes, self._meshes = None, [], self._meshes, 0
         if comm is None and not self.owns_job and not made:
             return
         try:
@@ -156,6 +157,8 @@ class Torchrun:
             if averager is not None:
                 averager.close()
             self.stage_group = None
+            if meshes:
+                forget_meshes()
             if dist.is_initialized():
                 if self.owns_job:
                     dist.destroy_process_group()  # every group of the job
@@ -273,6 +276,7 @@ class Torchrun:
         groups and the job's 2-D mesh ("pp", "dp") now, before the stages are built."""
         own, _ = self._replica_groups(stages, replicas)
         mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
+        self._meshes += 1
         return lambda: StageShards(mesh, synchronous)
 
     def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:

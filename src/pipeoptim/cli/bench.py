@@ -118,27 +118,10 @@ def _check(args: argparse.Namespace) -> List[str]:
         if (args.data_parallel or 1) < 2:
             raise ValueError(f"--shard-replicas {args.shard_replicas} shards each stage over its replicas: "
                              f"give --data-parallel D with D >= 2")
-        refused = _refused_sharded_recompute(methods) if args.recompute != "off" else []
-        if refused:
-            raise ValueError(f"{', '.join(refused)} cannot recompute sharded (the recomputed forward needs "
-                             f"the forward's weights, a sharded stage has the backward's): drop them from "
-                             f"--methods, or use --recompute off or --shard-replicas off")
+        if args.optimizer == "muon":
+            raise ValueError("--shard-replicas with --optimizer muon: Muon orthogonalizes each whole matrix, "
+                             "which a sharded stage holds in pieces; use --shard-replicas off or another optimizer")
     return methods
-
-
-def _refused_sharded_recompute(methods: List[str]) -> List[str]:
-    """The methods whose weight policy the runtime refuses to recompute sharded (runtime/build.py:
-    a recomputed forward that may need other weights than its backward's), asked of the policy
-    itself on a one-parameter stand-in, before any worker starts."""
-    import torch
-
-    from ..methods import get_method
-    from ..weights.policies import make_policy
-
-    probe = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
-    return [m for m in methods if make_policy(get_method(m).policy, probe, optimizer, stage=0, num_stages=2,
-                                              **get_method(m).options).recompute_copies]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -127,16 +127,6 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
             "final_loss": res.result.losses[-1]}
 
 
-def forget_closed_meshes() -> None:
-    """Drop torch's cached DTensor sharding decisions after a sharded Pipeline is closed. A
-    DeviceMesh compares equal to another of the same ranks and names whatever its process
-    groups, so the next run's FSDP parameters would be handed specs on the closed run's mesh,
-    whose groups no longer resolve (torch 2.13: "Could not resolve the process group")."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-
-
 def bench_worker(spec: Dict[str, Any]) -> int:
     """One process of `pipeoptim bench`: time each method; rank 0 writes the results file."""
     import time
@@ -218,8 +208,6 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                 return PipelineRun(batch * len(chunk) / wall, wall, share, result, m, predicted)
             finally:
                 pipeline.close()  # its process groups, before the next run makes its own
-                if sharded:
-                    forget_closed_meshes()
 
         # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
         # burst of other work on the machine hits all of them alike rather than one.

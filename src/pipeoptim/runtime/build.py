@@ -145,12 +145,6 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                              "use an elementwise optimizer (AdamW, SGD)")
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
         policy.sharded = sharded is not None
-        if sharded is not None and recompute is not None and recompute[k] and policy.recompute_copies:
-            raise ValueError(f"{method.name} with shard_replicas and recompute: its recomputed forward "
-                             f"needs the forward's weights, but a sharded stage recomputes on those FSDP "
-                             f"gathered for the backward; drop recompute, or use a method whose forward "
-                             f"and backward always share a version (a synchronous one, pipedream, "
-                             f"pipedream-2bw, pipeoptim-2bw)")
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,

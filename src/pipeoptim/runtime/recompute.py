@@ -32,12 +32,14 @@ class forward_values:  # noqa: N801 (used as a context manager, like contextlib'
     autograd version counters of the tensors the graph saved do not move. Reusable: torch
     enters the same object for every recomputation (a split backward recomputes in each half)."""
 
-    def __init__(self, kept: Optional[KeptValues]) -> None:
-        self.kept = kept
+    def __init__(self, kept: Optional[KeptValues], before: Optional[Callable[[], None]] = None) -> None:
+        self.kept, self.before = kept, before
         self.now: List[torch.Tensor] = []
 
     def __enter__(self) -> None:
         if self.kept:
+            if self.before is not None:  # a sharded stage: the gathered weights must exist first
+                self.before()
             with torch.no_grad():
                 self.now = [w.data.clone() for w, _ in self.kept]
                 for w, value in self.kept:
@@ -51,17 +53,19 @@ class forward_values:  # noqa: N801 (used as a context manager, like contextlib'
             self.now = []
 
 
-def checkpointed(fn: Callable[[Any], Any], inputs: Any, kept: Optional[KeptValues]) -> Any:
+def checkpointed(fn: Callable[[Any], Any], inputs: Any, kept: Optional[KeptValues],
+                 before: Optional[Callable[[], None]] = None) -> Any:
     """``fn(inputs)`` (a tensor or a tuple of them) under non-reentrant checkpointing; its
-    recomputation runs on ``kept`` (see :func:`forward_values`). The tuple's entries are passed
-    to torch separately, so that it finds their devices and keeps those devices' random state."""
+    recomputation runs on ``kept`` (see :func:`forward_values`; ``before``: called first, where
+    ``kept`` is not empty). The tuple's entries are passed to torch separately, so that it finds
+    their devices and keeps those devices' random state."""
     is_tuple = isinstance(inputs, tuple)
 
     def run(*values: Any) -> Any:
         return fn(tuple(values) if is_tuple else values[0])
 
     def contexts():
-        return contextlib.nullcontext(), forward_values(kept)
+        return contextlib.nullcontext(), forward_values(kept, before)
 
     values = inputs if is_tuple else (inputs,)
     return checkpoint(run, *values, use_reentrant=False, context_fn=contexts)

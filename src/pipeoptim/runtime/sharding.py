@@ -46,6 +46,18 @@ def pipeline_mesh(pipeline_group, replica_group, stages: int, replicas: int, dev
                                  mesh_dim_names=("pp", "dp"))
 
 
+def forget_meshes() -> None:
+    """Drop torch's cached DTensor sharding decisions once a sharded Pipeline's groups are gone:
+    a DeviceMesh compares equal to any other of the same ranks and names, so a later Pipeline's
+    parameters would be handed the closed one's mesh, whose groups no longer resolve (torch
+    2.13: "Could not resolve the process group")."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - a torch without the cache has nothing to forget
+        return
+    _clear_sharding_prop_cache()
+
+
 class StageShards:
     """One stage module sharded over its replicas, and how the stage's passes and update use it.
 
@@ -59,6 +71,7 @@ class StageShards:
         self.synchronous = synchronous
         self.module: Optional[nn.Module] = None
         self._named: Dict[str, nn.Parameter] = {}
+        self._keeping: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         #: tells the distributed executor's overlap signal apart (FSDP overlaps by itself)
         self.overlapping = False
 
@@ -73,6 +86,7 @@ class StageShards:
 
         part = copy.deepcopy(module)
         fully_shard(part, mesh=self.mesh["dp"], reshard_after_forward=not self.synchronous)
+        part.register_forward_pre_hook(self._copy_gathered)  # after FSDP's own: the weights are gathered
         self.module = part
         self._named = dict(part.named_parameters())
         if self.synchronous:
@@ -106,6 +120,25 @@ class StageShards:
                 for shard, live in saved:
                     shard.copy_(live)
         return restore
+
+    def keep_gathered(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """A list that the next forward fills with (gathered weight, a copy of its values), for
+        its recomputation in the backward (``runtime/recompute.forward_values``): FSDP gathers
+        into the same tensors for every pass, so writing the copies there makes the recomputed
+        forward the original one, while the backward's own values are put back after it."""
+        self._keeping = []
+        return self._keeping
+
+    def _copy_gathered(self, module: nn.Module, args) -> None:
+        if self._keeping is not None:
+            with torch.no_grad():
+                self._keeping.extend((p, p.detach().clone()) for p in module.parameters() if p.requires_grad)
+            self._keeping = None
+
+    def gather(self) -> None:
+        """Make FSDP gather the shards now, if it has not (a recomputation that runs before the
+        backward reached the module's output)."""
+        self.module.unshard()
 
     def overlap(self) -> None:
         """The distributed executor's "last backward before an update": FSDP's own reductions

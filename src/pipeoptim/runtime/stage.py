@@ -167,7 +167,9 @@ class Stage:
                                       refresh=self.shards is not None):
                 if self.recompute:
                     kept = self._keep_forward_values(microbatch, use)
-                    output = recompute.checkpointed(run, leaves, kept)
+                    output = recompute.checkpointed(run, leaves, kept, before=self.shards.gather
+                                                    if self.shards is not None else None)
+                    self._count_kept(microbatch, kept)
                 else:
                     output = run(leaves)
         finally:
@@ -191,14 +193,20 @@ class Stage:
 
     def _keep_forward_values(self, microbatch: int, use: WeightUse) -> Optional[recompute.KeptValues]:
         """What the recomputation of this forward runs on: nothing to keep where the forward's
-        tensors still hold its values at the backward, else a copy (counted as a weight copy)."""
+        tensors still hold its values at the backward, else a copy (counted as a weight copy).
+        A sharded stage copies the weights FSDP gathers for this forward, as it gathers them
+        (whole, not a shard: its recomputation writes them where FSDP gathered the backward's)."""
         if use.direct or self.policy.forward_weights_kept(microbatch, use):
             return None
-        kept = recompute.copy_forward_values(list(use.weights.values()))
-        size = sum(copy.numel() * copy.element_size() for _, copy in kept)
-        self._kept_bytes[microbatch] = size
-        self.policy.recompute_copy_bytes += size
-        return kept
+        if self.shards is not None:
+            return self.shards.keep_gathered()
+        return recompute.copy_forward_values(list(use.weights.values()))
+
+    def _count_kept(self, microbatch: int, kept: Optional[recompute.KeptValues]) -> None:
+        size = sum(copy.numel() * copy.element_size() for _, copy in kept or ())
+        if size:
+            self._kept_bytes[microbatch] = size
+            self.policy.recompute_copy_bytes += size
 
     def _release(self, microbatch: int) -> None:
         """A micro-batch's backward is over: its recomputation's copy, if any, goes."""

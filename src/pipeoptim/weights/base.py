@@ -186,13 +186,6 @@ class WeightPolicy:
         saved already hold them."""
         return None if use.direct else used.weights
 
-    @property
-    def recompute_copies(self) -> bool:
-        """Whether a recomputed forward may need weights other than its backward's (a copy of the
-        forward's, :meth:`forward_weights_kept`); a sharded stage, whose recomputation runs on
-        the weights FSDP gathered for the backward, refuses recomputation then."""
-        return True
-
     # -- updates ------------------------------------------------------------------------------
     def before_update(self) -> None:
         pass
@@ -239,10 +232,6 @@ class SynchronousPolicy(WeightPolicy):
 
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         return True  # no update between a forward and its backward
-
-    @property
-    def recompute_copies(self) -> bool:
-        return False
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:

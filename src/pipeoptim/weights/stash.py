@@ -60,10 +60,6 @@ class VersionStore(WeightPolicy):
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         return True  # the version's storage is moved aside, never written, while it is used
 
-    @property
-    def recompute_copies(self) -> bool:
-        return False
-
     def backward_values(self, use: WeightUse, used: WeightUse) -> Dict[str, torch.Tensor]:
         # sharded, the live storage stays (an update writes it in place, its old values copied
         # to ``kept``): a forward that aliased it reads that copy in its backward
