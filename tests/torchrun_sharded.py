@@ -2,8 +2,8 @@
 replicas, replicated and sharded over the replicas (``shard_replicas``), every replica on its
 shard of each mini-batch; rank 0 prints one JSON line per entry with both runs' losses, weights
 and per-rank state bytes, and for a synchronous method a third run: ``sequential`` in rank 0's
-process alone on the whole mini-batches. An entry is ``[gpt:]method[+setting...]``: ``gpt:``
-trains TinyGPT (head tied to the embedding) instead of an MLP; settings are ``clip=X`` (global
+process alone on the whole mini-batches. An entry is ``[gpt:|drop:]method[+setting...]``: ``gpt:``
+trains TinyGPT (head tied to the embedding) instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (global
 clipping), ``stageclip=X``, ``recompute``, ``muon`` (Muon on the hidden matrices, AdamW on the
 rest), or a method option (``backward=predicted``,
 ``vertical_sync=1``). An entry the Pipeline refuses prints its error instead.
@@ -31,6 +31,8 @@ def model_for(kind: str, method: str) -> nn.Module:
     if kind == "gpt":
         return TinyGPT(layers=2)
     layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]
+    if kind == "drop":  # dropout, which training draws alike in both runs and evaluation must turn off
+        layers[2:2] = [nn.Dropout(0.3)]
     if pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a layer with weights for each
         layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
     return nn.Sequential(*layers)
@@ -67,9 +69,12 @@ def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False
     batches = lm_batches(count=4) if kind == "gpt" else mlp_batches
     d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
     own = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in batches]
-    result = pipe.fit(own, epochs=2)
+    # an evaluation at each epoch's end (a pipelined forward through the stages, sharded ones too)
+    metric = (lambda out, y: lm_loss(out, y)) if kind == "gpt" else (lambda out, y: nn.functional.cross_entropy(out, y))
+    result = pipe.fit(own, epochs=2, eval_loader=own[:2], metric=metric)
     weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
-    return {"losses": result.losses, "weights": weights, "state_memory": result.metrics.get("state_memory")}
+    return {"losses": result.losses, "weights": weights, "state_memory": result.metrics.get("state_memory"),
+            "metrics": [e["metric"] for e in result.metrics["epochs"]]}
 
 
 for entry in entries:

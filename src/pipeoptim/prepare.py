@@ -312,17 +312,23 @@ class EvalMode:
     def evaluating(self) -> Iterator[None]:
         was_training = self.model.training
         self.model.eval()
+        for stage in self.stages:  # a sharded stage's module is a copy of the model's layers
+            stage.module.eval()
         swapped = []
         try:
             if self.traced is not None:
                 parts = self._parts()
                 for stage in self.stages:
+                    if stage.shards is not None:  # the eval trace runs over the model's own parameters
+                        parts[stage.index].load_state_dict(stage.shards.full_state_dict())
                     swapped.append((stage, stage.module))
                     stage.module = parts[stage.index]
             yield
         finally:
             for stage, module in swapped:
                 stage.module = module
+            for stage in self.stages:
+                stage.module.train(was_training)
             self.model.train(was_training)
 
     def _parts(self) -> List[nn.Module]:
