@@ -518,6 +518,9 @@ def test_failure_report_names_the_lost_stage_not_those_stopped_or_cut_off(tmp_pa
     assert lost == [2]
     assert text.startswith(f"stage 2 (rank 2, pid {os.getpid()}) was lost: killed by SIGKILL")
     assert text.endswith("No checkpoint was written yet")
+    # 2 stages x 2 replicas: rank 2 runs stage 0 of replica 1
+    text, _ = failure_report({0: (1, ""), 1: (-15, "SIGTERM"), 2: (-9, "SIGKILL"), 3: (-15, "SIGTERM")}, run, (2, 2))
+    assert text.startswith(f"stage 0 of replica 1 (rank 2, pid {os.getpid()}) was lost")
     (run / "checkpoints" / "epoch0001-batch000000").mkdir(parents=True)
     save_manifest(run / "checkpoints" / "epoch0001-batch000000", {}, {})
     # no signal death: the stage that failed on its own, not the one cut off from it

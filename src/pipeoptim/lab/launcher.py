@@ -62,7 +62,7 @@ from .run_folder import clear_statuses, last_checkpoint, read_statuses, resume_h
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..runtime.layout import Layout, plan_layout
 from ..runtime.lifecycle import under_torchrun
-from .stage_worker import LAUNCHER_PID, RESUME_COMMAND, guard_stage, worker
+from .stage_worker import LAUNCHER_PID, RESUME_COMMAND, guard_stage, rank_name, worker
 
 #: set in the stage processes of a local launch: the launcher's pid (it reports for them)
 #: seconds the agent gives a stage to end on a forwarded signal before SIGKILL (they take ms)
@@ -207,14 +207,16 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
         failures = run_workers(nproc, "pipeoptim.lab.stage_worker", [str(config)], torchrun_env(threads))
     if not failures:
         return 0
+    shape = run_layout(cfg)
+    layout = (shape.stages or nproc, shape.replicas)
     signalled = interrupted_stages(failures, out)
     if signalled:
         stage, status = signalled[0]
         hint = resume_hint(out, RESUME_COMMAND.format(out=out))
         raise Interrupted(getattr(signal, status["signal"], signal.SIGTERM),
-                          f"stage {stage} (rank {stage}, pid {status.get('pid')}) got {status['signal']}; "
+                          f"{rank_name(stage, *layout)}, pid {status.get('pid')}) got {status['signal']}; "
                           f"every stage was stopped" + (f". {hint}" if hint else ""))
-    text, lost = failure_report(failures, out)
+    text, lost = failure_report(failures, out, layout)
     print(f"pipeoptim train: error: {text}", file=sys.stderr, flush=True)
     return 2 if all(failures[r][0] == 2 for r in lost) else 1  # 2: bad input, found by a worker
 
@@ -298,9 +300,12 @@ def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]
     return sorted(found, key=lambda item: item[1].get("time", 0.0))
 
 
-def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) -> Tuple[str, List[int]]:
+def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path],
+                   layout: Tuple[int, int] = (0, 1)) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
-    last checkpoint (stage k is rank k); and the stages it names."""
+    last checkpoint (``layout``: the stages and replicas, for
+    :func:`~pipeoptim.lab.stage_worker.rank_name`); and the ranks
+    it names."""
     statuses = read_statuses(out)
     # A stage that died by a signal the agent did not send (kill -9, the OOM killer, a crash)
     # was lost; otherwise the stages that failed on their own, not for want of a peer.
@@ -328,9 +333,9 @@ def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path]) ->
         if code < 0:
             how = {"SIGKILL": "killed by SIGKILL (kill -9, or the out-of-memory killer)",
                    "SIGABRT": "aborted (SIGABRT)", "SIGSEGV": "crashed (SIGSEGV)"}.get(sig, f"killed by {sig}")
-            parts.append(f"stage {r} (rank {r}{pid}) was lost: {how}")
+            parts.append(f"{rank_name(r, *layout)}{pid}) was lost: {how}")
         else:
-            parts.append(f"stage {r} (rank {r}{pid}) failed (exit status {code})"
+            parts.append(f"{rank_name(r, *layout)}{pid}) failed (exit status {code})"
                          + (f": {status['message']}" if status.get("message") else ""))
     text = "; ".join(parts) + ". The other stages were stopped"
     if last is not None:

@@ -64,6 +64,14 @@ def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
                for r, st in read_statuses(out).items())
 
 
+def rank_name(rank: int, stages: int = 0, replicas: int = 1) -> str:
+    """How a message names a process: ``stage k (rank r`` (the caller closes the parenthesis),
+    with its replica where there are several (rank r runs stage r mod N of replica r // N)."""
+    if replicas > 1 and stages:
+        return f"stage {rank % stages} of replica {rank // stages} (rank {rank}"
+    return f"stage {rank} (rank {rank}"
+
+
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
     """One process of a distributed `pipeoptim train`: its stage of the run's Pipeline, built
@@ -87,7 +95,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         write_status(out, rank, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
         if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
-            print(f"pipeoptim train: stage {rank} (rank {rank}): error: {error} ({where})",
+            print(f"pipeoptim train: {rank_name(rank, cfg.stages, cfg.data_parallel or 1)}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
 
