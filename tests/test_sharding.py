@@ -24,13 +24,13 @@ PIPELINED = [m for m in method_names() if m != "sequential"]
 #: beyond each method's plain run: a tied GPT, global and per-stage clipping, recomputation (for
 #: the asynchronous methods a stage recomputes on a copy of the weights FSDP gathered for the
 #: forward), the method options that change which version a pass runs on, the delay corrections
-CASES = ["drop:pipeoptim", "drop:1f1b-flush", "gpt:1f1b-flush", "gpt:gpipe+clip=0.5", "1f1b-flush+clip=0.05", "zb-h1+clip=0.05",
+CASES = ["drop:pipeoptim", "drop:1f1b-flush", "gpt:1f1b-flush", "gpt:pipeoptim", "gpt:pipedream", "gpt:gpipe+clip=0.5", "1f1b-flush+clip=0.05", "zb-h1+clip=0.05",
          "pipeoptim+stageclip=0.05", "gpipe+recompute", "pipedream+recompute", "pipeoptim-2bw+recompute",
          "pipeoptim+recompute", "spectrain+recompute", "async-naive+recompute",
          "pipeoptim+backward=predicted+recompute",
          "pipedream+vertical_sync=1", "pipeoptim+backward=predicted", "pipeoptim+delta=ema+ema_decay=0.9",
          "pipeoptim+lr_correction=delay+lr_correction_steps=4", "spectrain+sync_warmup=1"]
-REFUSED = ["pipeoptim+muon", "gpt:pipeoptim"]
+REFUSED = ["pipeoptim+muon"]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +66,21 @@ def test_a_sharded_synchronous_method_equals_sequential_training(job, entry):
     assert relative(row["sequential"], row["sharded"]) < 1e-5  # a whole mini-batch's sums in another order
 
 
-def test_the_tied_gpt_keeps_its_tie_sharded(job):
-    weights = job["gpt:1f1b-flush"]["sharded"]["weights"]
+@pytest.mark.parametrize("entry", ["gpt:1f1b-flush", "gpt:pipeoptim", "gpt:pipedream"])
+def test_the_tied_gpt_keeps_its_tie_sharded(job, entry):
+    weights = job[entry]["sharded"]["weights"]
     assert weights["head.weight"] == weights["embed.weight"]
+
+
+@pytest.mark.parametrize("entry", ["gpt:pipeoptim", "gpt:pipedream"])
+def test_a_weight_tied_across_stages_trains_with_replicas_as_with_one(job, entry):
+    """An asynchronous method: the owner's values and the holders' gradients of each micro-batch
+    travel within each replica; 2 replicas on half mini-batches train as 1 on the whole."""
+    assert relative(job[entry]["local"], job[entry]["replicated"]) < 1e-5
 
 
 @pytest.mark.parametrize("entry, says", [
     ("pipeoptim+muon", "torch.optim.Muon orthogonalizes each whole matrix"),
-    ("gpt:pipeoptim", "tied across stages is not supported with data_parallel > 1 with an asynchronous"),
 ])
 def test_what_cannot_be_exact_is_refused_with_the_reason(job, entry, says):
     assert says in job[entry]["error"]

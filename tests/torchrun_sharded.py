@@ -2,7 +2,8 @@
 replicas, replicated and sharded over the replicas (``shard_replicas``), every replica on its
 shard of each mini-batch; rank 0 prints one JSON line per entry with both runs' losses, weights
 and per-rank state bytes, and for a synchronous method a third run: ``sequential`` in rank 0's
-process alone on the whole mini-batches. An entry is ``[gpt:|drop:]method[+setting...]``: ``gpt:``
+process alone on the whole mini-batches (for the tied GPT with an asynchronous method: the same
+method in rank 0's process alone, ``local``). An entry is ``[gpt:|drop:]method[+setting...]``: ``gpt:``
 trains TinyGPT (head tied to the embedding) instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (global
 clipping), ``stageclip=X``, ``recompute``, ``muon`` (Muon on the hidden matrices, AdamW on the
 rest), or a method option (``backward=predicted``,
@@ -48,7 +49,7 @@ def value(text: str):
     return text
 
 
-def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False) -> dict:
+def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False, local: bool = False) -> dict:
     settings = dict(settings)
     clip, stage_clip = settings.pop("clip", None), settings.pop("stageclip", None)
     recompute = settings.pop("recompute", None) is not None
@@ -64,11 +65,14 @@ def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False
         else (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
         micro_batches=None if alone else micro, shard_replicas=shard, recompute=recompute,
         clip_grad_norm=float(clip or stage_clip) if (clip or stage_clip) else None,
-        clip_scope="global" if clip else "stage", world=LocalWorld() if alone else None,
+        clip_scope="global" if clip else "stage", world=LocalWorld() if alone or local else None,
         **({} if alone else options))
     batches = lm_batches(count=4) if kind == "gpt" else mlp_batches
     d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
     own = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in batches]
+    if local:  # one replica on what the job's 2 run side by side: micro-batch j is their j-th ones
+        own = [tuple(torch.cat([t.chunk(2)[r].chunk(micro)[j] for j in range(micro) for r in range(2)])
+                     for t in batch) for batch in batches]
     # an evaluation at each epoch's end (a pipelined forward through the stages, sharded ones too)
     metric = (lambda out, y: lm_loss(out, y)) if kind == "gpt" else (lambda out, y: nn.functional.cross_entropy(out, y))
     result = pipe.fit(own, epochs=2, eval_loader=own[:2], metric=metric)
@@ -90,4 +94,6 @@ for entry in entries:
     if torch.distributed.get_rank() == 0:
         if "error" not in line and pipeoptim.get_method(method).synchronous:
             line["sequential"] = run(kind, method, settings, shard=False, alone=True)
+        elif "error" not in line and kind == "gpt":  # the tie's exchange per replica: as one replica
+            line["local"] = run(kind, method, settings, shard=False, local=True)
         print(json.dumps(line), flush=True)

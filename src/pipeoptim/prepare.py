@@ -272,11 +272,6 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        agree=world.agree, chunks=settings.chunks,
                        late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
-    if prepared.ties and replicas > 1 and not method.synchronous:
-        raise ValueError(f"{_describe_ties(prepared)}; a weight tied across stages is not supported with "
-                         f"data_parallel > 1 with an asynchronous method yet: run one replica, a "
-                         f"synchronous method, or split points that keep every reader of the tied "
-                         f"weight on one stage")
     devices = world.place(settings.devices, spec.stages)
     check_tie_devices(prepared, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage

@@ -230,8 +230,8 @@ class Torchrun:
     def _connect_ties(self, tied: Any, stages: int, replicas: int) -> None:
         """A group of the holders' ranks for each tied weight, in each replica (every rank makes
         every group, in the same order); with an asynchronous method, the 2-rank groups its
-        values and gradients travel on per micro-batch (``runtime/tied.connect_exchanges``; one
-        replica, ties being refused with more)."""
+        values and gradients travel on per micro-batch, in each replica
+        (``runtime/tied.connect_exchanges``)."""
         import datetime
 
         delta = datetime.timedelta(seconds=self.timeout)
@@ -248,7 +248,8 @@ class Torchrun:
                 if self.rank in ranks:
                     self._made.append(made)
                 return made
-            connect_exchanges(tied.ties, self.rank, lambda k: self.placement[k], new_group)
+            for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
+                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], new_group)
 
 
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:

@@ -121,6 +121,10 @@ class StageShards:
                     shard.copy_(live)
         return restore
 
+    def shard_of(self, name: str) -> nn.Parameter:
+        """The sharded parameter ``name`` (the module registers gathered copies while it holds them)."""
+        return self._named[name]
+
     def keep_gathered(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """A list that the next forward fills with (gathered weight, a copy of its values), for
         its recomputation in the backward (``runtime/recompute.forward_values``): FSDP gathers

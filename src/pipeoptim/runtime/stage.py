@@ -133,7 +133,7 @@ class Stage:
             variants = getattr(self.policy, "prediction_variants", lambda _: {})(microbatch)
         use = self.policy.forward_weights(microbatch)
         direct = use.direct or self.shards is not None
-        held_back = self.shards.hold(None if use.direct else use.weights) if self.shards is not None else None
+        held_back = None
         try:  # from here on the live storage may hold predicted weights until use.done()
             if probe:
                 used = [w.detach().clone() for w in (
@@ -143,6 +143,8 @@ class Stage:
             weights = {**use.weights, **extra} if extra else use.weights
             if extra:
                 self._tied_values[microbatch] = extra
+            if self.shards is not None:  # the pass's version (and the owner's tied values) into the shards
+                held_back = self.shards.hold({**({} if use.direct else use.weights), **extra})
             inputs = to_device(inputs, self.device)
             leaves = leaf_inputs(inputs) if not self.is_first else inputs
             target = to_device(target, self.device) if self.is_last else None
@@ -232,7 +234,7 @@ class Stage:
         hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
         try:
             with self.policy.backward_pass(microbatch, use) as used:
-                held_back = self._hold_backward_values(use, used)
+                held_back = self._hold_backward_values(microbatch, use, used)
                 try:
                     if tensors:
                         torch.autograd.backward(tensors, grads)
@@ -271,7 +273,7 @@ class Stage:
         weights += list(self._tied_values.get(microbatch, {}).values())
         scope = contextlib.ExitStack()
         used = scope.enter_context(self.policy.backward_pass(microbatch, use))
-        scope.callback(self._hold_backward_values(use, used))
+        scope.callback(self._hold_backward_values(microbatch, use, used))
         try:
             found, pending = split_backward.backward_input(tensors, grads, inputs, weights)
         except BaseException:
@@ -300,12 +302,14 @@ class Stage:
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
 
-    def _hold_backward_values(self, use: WeightUse, used: WeightUse) -> Callable[[], None]:
-        """A sharded stage: the backward's version into the shards FSDP gathers for it (and how
-        to put the live values back); nothing otherwise."""
+    def _hold_backward_values(self, microbatch: int, use: WeightUse, used: WeightUse) -> Callable[[], None]:
+        """A sharded stage: the backward's version (and the owner's tied values of
+        ``microbatch``) into the shards FSDP gathers for it, and how to put the live values back;
+        nothing otherwise."""
         if self.shards is None:
             return lambda: None
-        return self.shards.hold(self.policy.backward_values(use, used))
+        return self.shards.hold({**(self.policy.backward_values(use, used) or {}),
+                                 **self._tied_values.get(microbatch, {})})
 
     def _output_grads(self, outputs: Tuple[Any, ...], grad_output: Optional[Activation]):
         """The outputs a backward starts from and their gradients (None: the loss's 1)."""
@@ -367,8 +371,9 @@ class Stage:
         holders, once per update (before its norm is taken for global clipping, or by the update
         itself)."""
         if not self._synced:
-            if self.grad_sync is not None:  # a tied weight's copy that another stage owns too
-                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied else []
+            if self.grad_sync is not None:  # a synchronous method's copy of a weight another stage owns
+                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] \
+                    if self.tied is not None and self.tied.synchronous else []
                 self.grad_sync(self.parameters() + held)
             if self.tied is not None:
                 self.tied.before_update()
@@ -406,9 +411,16 @@ class Stage:
 
     def _tied_backward_done(self, microbatch: int) -> None:
         """A tied weight's gradient of ``microbatch``: a holder's to its owner, the holders' into
-        the owner's own (asynchronous methods; nothing otherwise)."""
+        the owner's own (asynchronous methods; nothing otherwise). A sharded holder's is its
+        copy's (FSDP reduced it there; its shard goes to the owner's same shard)."""
         if self.tied is not None:
-            self.tied.backward_done(microbatch, self._tied_values.pop(microbatch, {}))
+            extra = self._tied_values.pop(microbatch, {})
+            if self.shards is not None:
+                for name, leaf in extra.items():
+                    copy = self.shards.shard_of(name)
+                    leaf.grad = local(copy.grad) if copy.grad is not None else None
+                    copy.grad = None
+            self.tied.backward_done(microbatch, extra)
 
     def _collect_weight_grads(self, use: WeightUse) -> None:
         """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""

@@ -169,7 +169,7 @@ class TiedWeights:
         for tie in self._exchanged():
             if tie.holders[0] == self.stage:
                 value = weights[tie.name] if tie.name in weights else tie.param
-                tie.exchange.publish(microbatch, value.detach().clone())
+                tie.exchange.publish(microbatch, local(value.detach()).clone())
             else:
                 extra[tie.name] = tie.exchange.take(self.stage, microbatch).detach().requires_grad_(True)
         return extra
@@ -183,7 +183,10 @@ class TiedWeights:
                 grad = tie.exchange.collect(microbatch)
                 if grad is not None:
                     p = tie.param
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+                    if p.grad is None:
+                        p.grad = grad if not hasattr(p, "to_local") else torch.zeros_like(p)
+                    if p.grad is not grad:
+                        local(p.grad).add_(grad)  # (sharded: the holders' shards of it)
             else:
                 leaf = extra[tie.name]
                 tie.exchange.give(self.stage, microbatch, leaf.grad)
@@ -196,7 +199,7 @@ class TiedWeights:
         for tie in self._exchanged():
             tie.exchange.finish()
             if tie.group is not None:
-                dist.broadcast(tie.param.data, src=tie.owner_rank, group=tie.group)
+                dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
 
 
 def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
@@ -219,4 +222,4 @@ def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
             if rank == owner or rank == ranks[1]:
                 peers[holder] = (ranks[1], values, grads)
         if tie.param is not None and peers:  # the owner knows every other holder, a holder itself
-            tie.exchange = MessageExchange(owner, tie.param.detach(), peers)
+            tie.exchange = MessageExchange(owner, local(tie.param.detach()), peers)  # (sharded: shards travel)
