@@ -226,9 +226,9 @@ class FitRun:
     def finish_epoch_entry(self, epoch: int) -> None:
         """The last epoch's diagnostics and evaluation; then ``on_epoch``."""
         pipe, entry = self.pipe, self.epoch_metrics[-1]
-        if any(s.diagnose_every for s in pipe.stages):
-            own = [s.diagnostics_summary(i) for s, i in zip(pipe.stages, self.probes_seen)]
-            self.probes_seen = [len(s.diagnostics) for s in pipe.stages]
+        if any(s.probes.every for s in pipe.stages):
+            own = [s.probes.summary(i) for s, i in zip(pipe.stages, self.probes_seen)]
+            self.probes_seen = [len(s.probes.rows) for s in pipe.stages]
             entry["prediction_error"] = pipe.world.all_stages(own, "gathering the diagnostic")
         value = self.evaluation(epoch)
         if value is not None:
@@ -316,7 +316,7 @@ def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
             "state_memory": state_memory(stage, design_versions),
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
-            "diagnostics": stage.diagnostics_summary() if stage.diagnose_every else None,
+            "diagnostics": stage.probes.summary() if stage.probes.every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report()}
 
 

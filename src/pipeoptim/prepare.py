@@ -287,7 +287,7 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                           if settings.shard_replicas else None)
     world.connect(stages, replicas, placement=placement)
     for stage in stages:
-        stage.diagnose_every = settings.diagnose_every
+        stage.probes.every = settings.diagnose_every
         stage.takes_target = stage.is_last and settings.loss_fn is None  # the labels go into its module
     return (spec, stages, devices, prepared.split_points, EvalMode(model, prepared.traced, spec.partition, stages),
             placement)

@@ -22,6 +22,7 @@ from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
 from .defaults import PRECISIONS
 from .held import HeldActivations, signature
+from .probes import PredictionProbes
 from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
 
 
@@ -116,10 +117,8 @@ class Stage:
         #: micro-batches whose input half ran and whose weight half has not (split backward)
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
         self._losses: Dict[int, float] = {}
-        #: Every how many micro-batches to measure the prediction error (0: never).
-        self.diagnose_every = 0
-        self.diagnostics: List[Dict[str, float]] = []
-        self._probes: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], int, float, Dict]] = {}
+        #: the prediction-error diagnostic (``probes.every``: every how many micro-batches; 0: never)
+        self.probes = PredictionProbes()
 
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
@@ -127,18 +126,13 @@ class Stage:
         """Forward of one micro-batch. The last stage also computes the (scaled) loss and
         returns its value as a float; other stages return the activation to send on."""
         start = time.perf_counter()
-        probe = self.diagnose_every and (self.trace_offset + microbatch) % self.diagnose_every == 0
-        if probe:
-            stale = [p.detach().clone() for _, p in self.policy.named]
-            variants = getattr(self.policy, "prediction_variants", lambda _: {})(microbatch)
+        probe = self.probes.before_forward(microbatch, self.trace_offset + microbatch, self.policy)
         use = self.policy.forward_weights(microbatch)
         direct = use.direct or self.shards is not None
         held_back = None
         try:  # from here on the live storage may hold predicted weights until use.done()
             if probe:
-                used = [w.detach().clone() for w in (
-                    [p for _, p in self.policy.named] if use.direct else use.weights.values())]
-                self._probes[microbatch] = (stale, used, use.version, use.steps, variants)
+                self.probes.forward_weights(microbatch, use, self.policy)
             extra = self.tied.forward_values(microbatch, use.weights) if self.tied is not None else {}
             weights = {**use.weights, **extra} if extra else use.weights
             if extra:
@@ -228,8 +222,7 @@ class Stage:
         None for entries that carry no gradient."""
         start = time.perf_counter()
         leaves, outputs, use = self._saved.pop(microbatch)
-        if microbatch in self._probes:
-            self._record_probe(microbatch)
+        self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
         tensors, grads = self._output_grads(outputs, grad_output)
         hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
         try:
@@ -262,8 +255,7 @@ class Stage:
         spans both halves (it is entered here and left by the weight half)."""
         start = time.perf_counter()
         leaves, outputs, use = self._saved.pop(microbatch)
-        if microbatch in self._probes:
-            self._record_probe(microbatch)
+        self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
         tensors, grads = self._output_grads(outputs, grad_output)
         inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
         if self.shards is not None:  # what the graph holds: the weights FSDP gathered (kept to the update)
@@ -437,39 +429,6 @@ class Stage:
             else:
                 param.grad.add_(grad)
             tensor.grad = None
-
-    @torch.no_grad()
-    def _record_probe(self, microbatch: int) -> None:
-        """How far the forward's weights were from the weights live at this backward: the
-        prediction error ||W_used - W_b|| against the staleness error ||W_stale - W_b||, both
-        relative to ||W_b||, where W_stale is what the forward would have used unpredicted. With
-        delay corrections on, also the prediction error of the weights the forward would have used
-        with none of them, and without each (``variants``): what each correction changed."""
-        stale, used, version, steps, variants = self._probes.pop(microbatch)
-        now = [p.detach() for _, p in self.policy.named]
-        norm = torch.sqrt(sum((b.double() ** 2).sum() for b in now))
-        dist = lambda xs: float(torch.sqrt(sum(((x.double() - b.double()) ** 2).sum()  # noqa: E731
-                                               for x, b in zip(xs, now))) / norm)
-        row = {"microbatch": self.trace_offset + microbatch, "steps": float(steps),
-               "updates": self.policy.version - version,
-               "prediction_error": dist(used), "staleness_error": dist(stale)}
-        if variants:
-            row["variants"] = {name: dist(weights) for name, weights in variants.items()}
-        self.diagnostics.append(row)
-
-    def diagnostics_summary(self, start: int = 0) -> Dict[str, float]:
-        """Means over the probed micro-batches (from the ``start``-th probe on) that saw at least
-        one update before their backward."""
-        rows = [d for d in self.diagnostics[start:] if d["updates"] > 0]
-        if not rows:
-            return {"probes": 0}
-        mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-        summary = {"probes": len(rows), "prediction_error": mean("prediction_error"),
-                   "staleness_error": mean("staleness_error")}
-        names = [name for name in rows[-1].get("variants", {}) if all(name in r.get("variants", {}) for r in rows)]
-        if names:  # the same probes, predicted with none of the corrections / without one
-            summary["variants"] = {name: sum(r["variants"][name] for r in rows) / len(rows) for name in names}
-        return summary
 
     @property
     def in_flight(self) -> int:
