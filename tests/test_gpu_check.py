@@ -1,0 +1,36 @@
+"""scripts/gpu_check.sh: one line and exit 0 without CUDA; its table's path run on the CPU, where a
+synchronous method ends at sequential's loss."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the whole check")
+def test_without_cuda_it_says_so_in_one_line_and_exits_0():
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == [
+        f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}); nothing to check"]
+
+
+def test_the_table_on_the_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu",
+                           "--methods", "1f1b-flush,pipeoptim", "--updates", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["method"], r["precision"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {(m, p) for m in ("sequential", "1f1b-flush", "pipeoptim") for p in ("fp32", "bf16")}
+    assert rows["1f1b-flush", "fp32"]["loss"] == pytest.approx(rows["sequential", "fp32"]["loss"], rel=1e-5)
+    assert all(r["samples_per_second"] > 0 for r in rows.values())
+    header = done.stdout.splitlines()[1]
+    assert header.split() == ["method", "compiled", "precision", "loss", "sequential", "samples/s"]
