@@ -251,9 +251,9 @@ class PredictingPolicy(WeightPolicy):
         live = [p.data for _, p in self.named]
         _copy_all(self.cache, live)
         for index, (group, items) in enumerate(self._work):
-            alpha = -self.horizon_lr(index, group, steps)
-            for w, delta, _ in items:
-                torch.add(w, delta, alpha=alpha, out=w)
+            if items:  # one multi-tensor add per group (the same kernel per element as torch.add)
+                torch._foreach_add_([w for w, _, _ in items], [delta for _, delta, _ in items],
+                                    alpha=-self.horizon_lr(index, group, steps))
 
         def restore() -> None:
             with torch.no_grad():
