@@ -37,6 +37,9 @@ from .runtime import named_state
 FORMAT = 3
 #: what a checkpoint of each older format holds, for the message that refuses it
 FORMATS = {1: "torch's positional optimizer state", 2: "a file per stage"}
+#: the weight policy's per-parameter tensors, by section of its state: section -> its field of
+#: tensors by parameter name (the predictor's stored directions, ``delta="ema"``'s averages)
+POLICY_TENSORS = {"predictor": "stored", "ema": "average"}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -83,15 +86,11 @@ def checkpoint_state(stages, rank: int) -> Dict[str, Any]:
         for name, per in entry["optimizer"]["state"].items():
             state["optim"][name] = per
         policy = dict(entry["policy"])
-        tensors = {}
-        if "predictor" in policy:
-            tensors.update({name: {"stored": t} for name, t in policy["predictor"]["stored"].items()})
-            policy["predictor"] = {**policy["predictor"], "stored": sorted(policy["predictor"]["stored"])}
-        if "ema" in policy:
-            for name, t in policy["ema"]["average"].items():
-                tensors.setdefault(name, {})["ema"] = t
-            policy["ema"] = {**policy["ema"], "average": sorted(policy["ema"]["average"])}
-        state["policy"].update(tensors)
+        for section, field in POLICY_TENSORS.items():  # the tensors out, their names left in place
+            if section in policy:
+                for name, t in policy[section][field].items():
+                    state["policy"].setdefault(name, {})[section] = t
+                policy[section] = {**policy[section], field: sorted(policy[section][field])}
         entry = {**entry, "policy": policy,
                  "optimizer": {**entry["optimizer"], "state": sorted(entry["optimizer"]["state"])}}
         try:  # one opaque entry (a checkpoint splits a dict into one entry per leaf)
@@ -208,15 +207,14 @@ def load_state(folder: Path, stages, state: Dict[str, Any], group: Any = None) -
     weights in place, optimizer, scheduler and policy state by name. Returns this process's
     saved RNG state (rank 0's where this rank wrote none)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
 
     saved_stages = list(state["stages"])
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
-    except BaseException as error:  # noqa: BLE001 - torch's reader raises its own (CheckpointException)
-        if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
-            raise
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - torch names the mismatch
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         raise CheckpointError(f"{folder}: does not fit this model or optimizer ({lines[-1] if lines else type(error).__name__})"
                               ) from None
@@ -226,12 +224,10 @@ def load_state(folder: Path, stages, state: Dict[str, Any], group: Any = None) -
         entry["optimizer"] = {**entry["optimizer"], "state": {n: state["optim"][n] for n in entry["optimizer"]["state"]
                                                               if n in state["optim"]}}
         policy = dict(entry["policy"])
-        if "predictor" in policy:
-            policy["predictor"] = {**policy["predictor"], "stored": {
-                n: state["policy"][n]["stored"] for n in policy["predictor"]["stored"] if n in state["policy"]}}
-        if "ema" in policy:
-            policy["ema"] = {**policy["ema"], "average": {
-                n: state["policy"][n]["ema"] for n in policy["ema"]["average"] if n in state["policy"]}}
+        for section, field in POLICY_TENSORS.items():  # the tensors this process read, by name
+            if section in policy:
+                policy[section] = {**policy[section], field: {
+                    n: state["policy"][n][section] for n in policy[section][field] if n in state["policy"]}}
         entry["policy"] = policy
         saved.append(entry)
     try:

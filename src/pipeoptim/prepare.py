@@ -78,13 +78,12 @@ def check_model_settings(world: World, model: nn.Module, method: Method, setting
     before the loader and the processes start, not at the first mini-batch."""
     layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
     if settings.shard_replicas:
-        check_sharding(world, method, layout, settings)
+        check_sharding(world, layout, settings)
     check_split(model, method, settings.stages, settings.partition, settings.split_points, settings.chunks)
 
 
-def check_sharding(world: World, method: Method, layout: Any, settings: "ModelSettings") -> None:
-    """``shard_replicas``: what the job and the method must be for it (each a ValueError naming
-    the fix)."""
+def check_sharding(world: World, layout: Any, settings: "ModelSettings") -> None:
+    """``shard_replicas``: what the job must be for it (each a ValueError naming the fix)."""
     if not isinstance(settings.shard_replicas, bool):
         raise ValueError(f"shard_replicas must be True or False, got {settings.shard_replicas!r}")
     if world.processes == 1:

@@ -91,7 +91,7 @@ class Torchrun:
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
     _averager: Optional[GradientAverager] = None
     _pipeline_group: Any = None
-    _meshes: int = 0  #: device meshes made over this Pipeline's groups (sharded replicas)
+    _sharded: bool = False  #: a device mesh was made over this Pipeline's groups (sharded replicas)
     _job_groups: List[Any] = field(default_factory=list)
 
     @classmethod
@@ -142,7 +142,7 @@ class Torchrun:
         comm, self.comm = self.comm, None
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
-        self._pipeline_group, self._job_groups, meshes, self._meshes = None, [], self._meshes, 0
+        self._pipeline_group, self._job_groups, sharded, self._sharded = None, [], self._sharded, False
         if comm is None and not self.owns_job and not made:
             return
         try:
@@ -157,7 +157,7 @@ class Torchrun:
             if averager is not None:
                 averager.close()
             self.stage_group = None
-            if meshes:
+            if sharded:
                 forget_meshes()
             if dist.is_initialized():
                 if self.owns_job:
@@ -255,11 +255,11 @@ class Torchrun:
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
         """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
         :attr:`stage_group` (its stage's replicas). Made once, every rank at the same point."""
+        pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
         if self._pipeline_group is None:
             import datetime
 
             delta = datetime.timedelta(seconds=self.timeout)
-            pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
             for ranks in pipelines:
                 made = dist.new_group(ranks, timeout=delta)
                 if self.rank in ranks:
@@ -270,14 +270,14 @@ class Torchrun:
                 if k == self.rank % stages:
                     self.stage_group = made
                     self._made.append(made)
-        return self._pipeline_group, [[d * stages + k for k in range(stages)] for d in range(replicas)]
+        return self._pipeline_group, pipelines
 
     def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], StageShards]:
         """What shards each stage this rank builds over its replicas (``shard_replicas``): the
         groups and the job's 2-D mesh ("pp", "dp") now, before the stages are built."""
         own, _ = self._replica_groups(stages, replicas)
         mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
-        self._meshes += 1
+        self._sharded = True
         return lambda: StageShards(mesh, synchronous)
 
     def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:

@@ -325,20 +325,23 @@ def load_checkpoint(world: World, store: Path, stages: List[Stage],
     if name is None:
         return None
     folder = store / name
-    manifest, problem, planned = None, None, None
-    try:
-        manifest = read_manifest(folder)
-        planned = plan_load(folder, stages, world.rank)
-    except CheckpointError as error:
-        problem = str(error)
-    problems = [p for p in world.everyone(problem, "loading the checkpoint") if p]
-    if problems:
-        raise CheckpointError(problems[0])
-    try:  # every rank reads (torch's reader tells every rank of a failure)
-        rng = load_state(folder, stages, planned, world.checkpoint_group())
-    except CheckpointError as error:
-        problem = str(error)
-    problems = [p for p in world.everyone(problem, "loading the checkpoint") if p]
-    if problems:
-        raise CheckpointError(problems[0])
+    manifest, planned = _on_every_rank(world, "loading the checkpoint",
+                                       lambda: (read_manifest(folder), plan_load(folder, stages, world.rank)))
+    # every rank reads (before it, every rank knew of any rank's refusal)
+    rng = _on_every_rank(world, "loading the checkpoint",
+                         lambda: load_state(folder, stages, planned, world.checkpoint_group()))
     return manifest, rng
+
+
+def _on_every_rank(world: World, what: str, work: Callable[[], T]) -> T:
+    """``work()`` on this rank; a CheckpointError on any rank is raised on every rank (the first
+    rank's), so that none goes on alone."""
+    result, problem = None, None
+    try:
+        result = work()
+    except CheckpointError as error:
+        problem = str(error)
+    problems = [p for p in world.everyone(problem, what) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return result

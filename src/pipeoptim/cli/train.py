@@ -68,8 +68,6 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime != "distributed" and (args.data_parallel is not None or args.shard_replicas):
         raise ValueError("--data-parallel and --shard-replicas run the replicas as processes: add "
                          "--runtime distributed")
-    if args.data_parallel is not None and args.data_parallel < 1:
-        raise ValueError(f"--data-parallel must be at least 1, got {args.data_parallel}")
     if args.shard_replicas and (args.data_parallel or 1) < 2:
         raise ValueError("--shard-replicas shards each stage over its replicas: give --data-parallel D "
                          "with D >= 2")

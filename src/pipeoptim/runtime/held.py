@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opti
 
 import torch
 
+from ..weights.base import local
+
 Span = Tuple[int, int]  #: first and one-past-last byte of a view, in its storage
 
 
@@ -38,11 +40,6 @@ def _span(t: torch.Tensor) -> Span:
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
     start = t.storage_offset() * size
     return start, start + extent * size
-
-
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    """Where ``tensor``'s storage starts (a DTensor: its local shard's)."""
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage().data_ptr()
 
 
 def signature(*values: Any) -> Optional[Tuple[Any, ...]]:
@@ -124,7 +121,7 @@ class HeldActivations:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in skip and (refresh or not skip):  # read inside the forward: a sharded
                 # stage's weights are those FSDP gathers for it, after the forward's first saves
-                skip.update(_storage_ptr(w) for w in (weights() if callable(weights) else weights))
+                skip.update(local(w).untyped_storage().data_ptr() for w in (weights() if callable(weights) else weights))
             return ptr in skip
 
         def pack(t: torch.Tensor) -> torch.Tensor:

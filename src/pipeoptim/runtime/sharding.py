@@ -72,12 +72,6 @@ class StageShards:
         self.module: Optional[nn.Module] = None
         self._named: Dict[str, nn.Parameter] = {}
         self._keeping: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
-        #: tells the distributed executor's overlap signal apart (FSDP overlaps by itself)
-        self.overlapping = False
-
-    @property
-    def replicas(self) -> int:
-        return self.mesh["dp"].size()
 
     def shard(self, module: nn.Module) -> nn.Module:
         """A sharded copy of ``module`` (the user's model keeps its own layers untouched and
@@ -143,10 +137,6 @@ class StageShards:
         """Make FSDP gather the shards now, if it has not (a recomputation that runs before the
         backward reached the module's output)."""
         self.module.unshard()
-
-    def overlap(self) -> None:
-        """The distributed executor's "last backward before an update": FSDP's own reductions
-        already overlap the backward (a sharded synchronous stage reduces at the update)."""
 
     def __call__(self, params) -> None:
         """Before a synchronous stage's update: reduce-scatter the gradients of the mini-batch
