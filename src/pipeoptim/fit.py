@@ -303,6 +303,7 @@ class FitRun:
             "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
             "devices": [r["device"] for r in reports], "precision": pipe.precision,
             "processes": pipe.world.processes, "comm": [r["comm"] for r in reports],
+            "compilations": [r["compilations"] for r in reports],
         }
         updates = [u for r in reports for u in r["updates"]]
         return TrainResult(list(pipe.losses), trace, pipe.model(), metrics, updates)
@@ -311,13 +312,15 @@ class FitRun:
 def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]:
     """What one stage measured: weight copies at the peak, trace, updates, seconds per pass,
     diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited), the
-    activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight) and its
-    state's bytes beside the closed form of ``design_versions`` (``runtime/state_memory.py``)."""
+    activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight), its
+    state's bytes beside the closed form of ``design_versions`` (``runtime/state_memory.py``) and
+    the graphs torch.compile made of its forward (None: eager)."""
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
             "state_memory": state_memory(stage, design_versions),
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
             "diagnostics": stage.probes.summary() if stage.probes.every else None,
-            "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report()}
+            "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report(),
+            "compilations": stage.compiled.compilations if stage.compiled is not None else None}
 
 
 def _encode_rng(state: Optional[torch.Tensor]) -> Optional[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .methods import method_names
-from .runtime.defaults import CLIP_SCOPES, DEFAULT_TIMEOUT, PRECISIONS
+from .runtime.defaults import CLIP_SCOPES, COMPILE_BACKENDS as BACKENDS, DEFAULT_TIMEOUT, PRECISIONS
 
 #: The default of an option that must be given (the Pipeline's optimizer).
 REQUIRED = object()
@@ -135,6 +135,14 @@ OPTIONS: Tuple[Option, ...] = (
            "(async-naive, pipeoptim with backward=latest, spectrain, xpipe), it keeps a copy of the forward's "
            "weights per micro-batch in flight instead", "pipeline",
            Flag("switch", group="precision and devices", note="every stage")),
+    Option("compile", False, "run each stage's forward through torch.compile (True: the inductor backend, or "
+           "a backend's name: aot_eager, eager), for every method: the weight version of each pass is a "
+           "graph input, so swapping versions recompiles nothing; a mini-batch of another size recompiles "
+           "once, with that dimension dynamic after it; metrics['compilations'] counts each stage's graphs. "
+           "On the CPU inductor needs a C++ compiler and Python's headers. A compiled backward is one "
+           "graph: zb-h1 and zb-v compute both halves' gradients in the input half", "pipeline",
+           Flag(metavar="BACKEND", choices=BACKENDS, group="precision and devices",
+                note="inductor (torch's default), aot_eager or eager")),
     Option("devices", "auto", "auto (one GPU per stage when there are enough, else the CPU), one device for "
            "every stage, or one per stage (pipeline.resolve_devices); inputs go to the first stage's device, "
            "targets to the last's, activations and gradients between the stages' devices",

@@ -30,6 +30,7 @@ from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_mode
                       first_inputs, needs_example)
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
+from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.spec import RunSpec
@@ -75,7 +76,7 @@ class Pipeline:
                  data_parallel: Optional[int] = None, shard_replicas: bool = False,
                  world: Optional[World] = None,
                  split_points: Optional[Sequence[str]] = None, example_input: Any = None,
-                 chunks: Optional[int] = None,
+                 chunks: Optional[int] = None, compile: Union[bool, str] = False,
                  **method_options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
@@ -95,7 +96,7 @@ class Pipeline:
             shard_replicas=shard_replicas,
             devices=devices, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
             clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None, precision=precision,
-            diagnose_every=diagnose_every, recompute=recompute, chunks=chunks)
+            diagnose_every=diagnose_every, recompute=recompute, chunks=chunks, compile=backend_of(compile))
         check_model_settings(self.world, model, self.method, self._settings)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
@@ -139,6 +140,12 @@ class Pipeline:
     def microbatches(self) -> int:
         """Micro-batches per mini-batch."""
         return self.spec.microbatches
+
+    @property
+    def compilations(self) -> List[Optional[int]]:
+        """Per stage this process holds, the graphs torch.compile has made of its forward so far
+        (None: the stage runs eagerly). Swapping weight versions adds none."""
+        return [s.compiled.compilations if s.compiled is not None else None for s in self.stages]
 
     def step(self, inputs: Any, target: Optional[torch.Tensor] = None, *,
              segment_length: Optional[int] = None) -> List[float]:

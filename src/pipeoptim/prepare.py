@@ -22,6 +22,7 @@ from .methods import Method, get_method
 from .partition import plan_time_partition, split
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
+from .runtime.compiled import missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import chunks_of
 from .runtime.sharding import fsdp_available
@@ -79,6 +80,8 @@ def check_model_settings(world: World, model: nn.Module, method: Method, setting
     layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
     if settings.shard_replicas:
         check_sharding(world, layout, settings)
+    if settings.compile is not None:
+        check_compile(settings)
     check_split(model, method, settings.stages, settings.partition, settings.split_points, settings.chunks)
 
 
@@ -97,6 +100,20 @@ def check_sharding(world: World, layout: Any, settings: "ModelSettings") -> None
     if not fsdp_available():
         raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
                          f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
+
+
+def check_compile(settings: "ModelSettings") -> None:
+    """``compile``: what the run needs for it (a ValueError naming the fix, in one line)."""
+    if settings.shard_replicas:
+        raise ValueError("compile and shard_replicas do not run together yet (FSDP's hooks around a "
+                         "compiled stage): drop one of them")
+    spec = settings.devices
+    named = [spec] if isinstance(spec, (str, torch.device)) else list(spec)
+    types = {("cuda" if torch.cuda.is_available() else "cpu") if str(d) == "auto" else torch.device(d).type
+             for d in named}
+    problem = missing_toolchain(settings.compile, tuple(sorted(types)))
+    if problem:
+        raise ValueError(problem)
 
 
 def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
@@ -255,6 +272,7 @@ class ModelSettings:
     diagnose_every: int
     recompute: Union[bool, Sequence[bool]]
     chunks: Optional[int]
+    compile: Optional[str] = None   #: the torch.compile backend of every stage (None: eager)
 
 
 def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
@@ -283,7 +301,7 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                           parts=prepared.parts, ties=prepared.ties,
                           recompute=recompute_per_stage(settings.recompute, spec.stages),
                           shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
-                          if settings.shard_replicas else None)
+                          if settings.shard_replicas else None, compile=settings.compile)
     world.connect(stages, replicas, placement=placement)
     for stage in stages:
         stage.probes.every = settings.diagnose_every

@@ -95,7 +95,7 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      continuous=continuous, method_options=options,
                      lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
                      clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
-                     precision=args.precision, recompute=args.recompute, device=args.device,
+                     precision=args.precision, recompute=args.recompute, compile=args.compile, device=args.device,
                      data_parallel=getattr(args, "data_parallel", None),
                      shard_replicas=getattr(args, "shard_replicas", False),
                      async_checkpoint=getattr(args, "async_checkpoint", False),

@@ -119,6 +119,7 @@ class RunConfig:
     clip_scope: str = "stage"
     precision: str = "fp32"
     recompute: bool = False
+    compile: Optional[str] = None
     data_parallel: Optional[int] = None
     shard_replicas: bool = False
     device: str = "auto"

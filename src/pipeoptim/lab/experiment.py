@@ -169,7 +169,7 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                     clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
                     recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
                     timeout=timeout, threads=threads, chunks=cfg.chunks, data_parallel=cfg.data_parallel,
-                    shard_replicas=cfg.shard_replicas, **cfg.method_options)
+                    shard_replicas=cfg.shard_replicas, compile=cfg.compile or False, **cfg.method_options)
     own = replica_batches(pipe, data.train)
     if not pipe.prepared:  # a traced model: split on the first mini-batch, as fit would (nothing draws randomness between)
         pipe.prepare(next(iter(own))[0])

@@ -95,11 +95,12 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
                  recompute: Optional[Sequence[bool]] = None,
-                 shards: Optional[Callable[[], Any]] = None) -> List[Stage]:
+                 shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
     stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
-    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`).
+    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`); every stage's forward
+    runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
 
     ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
     ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
@@ -149,7 +150,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
-                      recompute=bool(recompute[k]) if recompute is not None else False)
+                      recompute=bool(recompute[k]) if recompute is not None else False, compile=compile)
         stage.shards = sharded
         if ties:  # every tie of the model, held here or not: each rank makes the same groups
             stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],

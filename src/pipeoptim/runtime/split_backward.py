@@ -47,6 +47,9 @@ class PendingWeightGrads:
     #: no input takes a gradient: the weight half is the whole backward (one autograd call,
     #: gradients accumulated by autograd itself)
     full: bool = False
+    #: the weights' gradients, computed with the input's (:func:`backward_together`); the weight
+    #: half only accumulates them
+    computed: Optional[List[Optional[torch.Tensor]]] = None
 
 
 def _node(tensor: torch.Tensor) -> Node:
@@ -144,6 +147,23 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     return input_grads, PendingWeightGrads(list(weights), kept, kept_grads, groups)
 
 
+def backward_together(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                      inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+                      ) -> Tuple[List[Optional[torch.Tensor]], PendingWeightGrads]:
+    """Both halves in one autograd call, for a graph that cannot be cut between them (a compiled
+    forward is one node, whose backward computes every gradient at once): the inputs' gradients
+    now, the weights' kept for :func:`backward_weight` to accumulate, as :func:`backward_input`
+    leaves them. Without inputs (a first stage) the whole backward waits for the weight half."""
+    if not inputs:
+        return backward_input(outputs, grads, inputs, weights)
+    grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grads)]
+    wanted = [w for w in weights if w.requires_grad]
+    found = torch.autograd.grad(outputs, [*inputs, *wanted], grads, allow_unused=True)
+    by_weight = iter(found[len(inputs):])
+    computed = [next(by_weight) if w.requires_grad else None for w in weights]
+    return list(found[:len(inputs)]), PendingWeightGrads(list(weights), [], [], [], computed=computed)
+
+
 def _recorder(group: WeightGroup, node: Node):
     def record(grad_outputs):
         group.grads[node] = grad_outputs
@@ -157,6 +177,12 @@ def backward_weight(pending: PendingWeightGrads) -> None:
     runs its seeds and the nodes between them and its weights, off the input path; a node off the
     path that leads to the weights of two groups would be crossed by the upward search from both
     weights, which would then meet the same seeds, and share a group."""
+    if pending.computed is not None:  # computed with the input half (backward_together)
+        for weight, grad in zip(pending.weights, pending.computed):
+            if grad is not None:
+                weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+        pending.computed = None
+        return
     if pending.full:  # no input half: the plain backward, into the leaves' .grad (as Stage.backward)
         outputs, grads = pending.outputs, pending.output_grads
         pending.outputs, pending.output_grads = [], []

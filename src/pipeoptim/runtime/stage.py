@@ -20,6 +20,7 @@ from torch.func import functional_call
 from ..weights.base import local, nbytes
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward
+from .compiled import CompiledForward
 from .defaults import PRECISIONS
 from .held import HeldActivations, signature
 from .probes import PredictionProbes
@@ -63,7 +64,7 @@ class Stage:
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
                  precision: str = "fp32", device: Optional[torch.device] = None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, compile: Optional[str] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.index = index
@@ -82,6 +83,8 @@ class Stage:
         #: keep only the input of each micro-batch in flight and run the forward again in its
         #: backward (``runtime/recompute.py``)
         self.recompute = recompute
+        #: the forward through torch.compile with this backend (``runtime/compiled.py``); None: eager
+        self.compiled = CompiledForward(module, compile) if compile else None
         self._kept_bytes: Dict[int, int] = {}
         #: the activations held per micro-batch in flight, measured (``runtime/held.py``)
         self.held = HeldActivations()
@@ -145,7 +148,10 @@ class Stage:
 
             def run(values: Activation) -> Activation:
                 args = (values, target) if self.takes_target else (values,)
-                output = self.module(*args) if direct else functional_call(self.module, weights, args)
+                if self.compiled is not None:
+                    output = self.compiled(None if direct else weights, args)
+                else:
+                    output = self.module(*args) if direct else functional_call(self.module, weights, args)
                 if self.is_last:
                     output = self.loss_fn(output, target) * loss_scale
                     _check_scalar(output)
@@ -267,7 +273,10 @@ class Stage:
         used = scope.enter_context(self.policy.backward_pass(microbatch, use))
         scope.callback(self._hold_backward_values(microbatch, use, used))
         try:
-            found, pending = split_backward.backward_input(tensors, grads, inputs, weights)
+            # a compiled forward's backward is one graph: both halves' gradients at once
+            halves = split_backward.backward_together if self.compiled is not None else \
+                split_backward.backward_input
+            found, pending = halves(tensors, grads, inputs, weights)
         except BaseException:
             scope.close()
             raise

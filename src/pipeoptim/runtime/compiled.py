@@ -1,0 +1,109 @@
+"""Compiled stages: a stage's forward through ``torch.compile``, its compilations counted.
+
+A stage runs each pass on the weight version the method hands it, a dict of tensors given to
+``torch.func.functional_call`` (or, for a synchronous method, the module's own parameters). The
+compiled function takes those tensors as graph inputs, so a pass on another version runs the
+same graph: dynamo guards on each tensor's dtype, shape, strides and ``requires_grad``, never on
+its values or identity. What does recompile: the first mini-batch of another size (or a sequence
+of another length), once, after which torch marks that dimension dynamic; a change of autocast
+or grad mode. Each compilation of a stage calls its backend once, and :class:`CompiledForward`
+counts those calls (``compilations``), so that a test can assert that swapping versions costs
+none.
+
+Each stage compiles its own copy of the pass function (a fresh code object): dynamo keeps its
+cache of graphs per code object, limited to ``recompile_limit`` entries (8), and stages sharing
+one code object would fill that cache together and fall back to eager without an error. The
+compiled graphs themselves are still shared where two stages trace the same graph: inductor's
+on-disk cache finds the second by its hash (a few tenths of a second instead of seconds).
+
+The backward of a compiled forward is one graph (AOT autograd's), which computes the input's
+and the weights' gradients together; a split backward (zb-h1, zb-v) therefore computes both in
+its input half and hands the weights' on in its weight half (``runtime/split_backward.py``,
+:func:`~pipeoptim.runtime.split_backward.backward_together`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import types
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .defaults import COMPILE_BACKENDS
+
+#: what ``compile=True`` means: torch's default backend
+DEFAULT_BACKEND = "inductor"
+
+#: the backends the command line offers (any name torch._dynamo.lookup_backend knows works in the API)
+BACKENDS = COMPILE_BACKENDS
+
+
+def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
+    """The backend that ``Pipeline(compile=...)`` names: None (off) for False/None, the default
+    for True, else the name given (a ValueError names the fix where torch has no such backend)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return DEFAULT_BACKEND
+    if not isinstance(compile, str):
+        raise ValueError(f"compile must be True, False or a torch.compile backend's name "
+                         f"({', '.join(BACKENDS)}), got {compile!r}")
+    try:
+        from torch._dynamo import lookup_backend
+        lookup_backend(compile)
+    except Exception:  # torch raises its own InvalidBackend; any failure means the same to the user
+        raise ValueError(f"compile={compile!r}: torch.compile has no backend of that name; use one of "
+                         f"{', '.join(BACKENDS)} (or True for {DEFAULT_BACKEND})") from None
+    return compile
+
+
+def missing_toolchain(backend: str, device_types: Tuple[str, ...]) -> Optional[str]:
+    """Why ``backend`` cannot compile here, in one line (None: it can). Inductor's CPU code is C++
+    built at run time, which needs a C++ compiler and Python's headers; the other backends and
+    the GPU's Triton kernels need neither."""
+    if backend != "inductor" or "cpu" not in device_types:
+        return None
+    compiler = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if compiler is None or not shutil.which(compiler):
+        return ("compile=True on the CPU needs a C++ compiler for torch's inductor backend and none was found "
+                "(install one: apt-get install g++), or pass compile='aot_eager' (no compiler, less speed)")
+    if not os.path.exists(headers):
+        return (f"compile=True on the CPU needs Python's headers for torch's inductor backend ({headers} is "
+                f"missing: apt-get install python3-dev), or pass compile='aot_eager'")
+    return None
+
+
+def _run(module: nn.Module, weights: Optional[Dict[str, torch.Tensor]], args: Tuple[Any, ...]) -> Any:
+    # the pass itself: the module on its own parameters, or on the version handed in
+    if weights is None:
+        return module(*args)
+    return functional_call(module, weights, args)
+
+
+class CompiledForward:
+    """``module``'s forward, compiled once per stage with ``backend`` and called with the weight
+    version of each pass (see the module docstring). ``compilations``: how many graphs the
+    backend has compiled for this stage so far."""
+
+    def __init__(self, module: nn.Module, backend: str) -> None:
+        from torch._dynamo import lookup_backend
+        self.module = module
+        self.backend = backend
+        self.compilations = 0
+        inner = lookup_backend(backend)
+
+        def counting(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            self.compilations += 1
+            return inner(graph, example_inputs)
+
+        # a code object of its own: its own cache of graphs (module docstring)
+        own = types.FunctionType(_run.__code__.replace(), _run.__globals__, f"stage_forward_{id(self):x}")
+        self._compiled = torch.compile(own, backend=counting)
+
+    def __call__(self, weights: Optional[Dict[str, torch.Tensor]], args: Tuple[Any, ...]) -> Any:
+        """The pass on ``weights`` (name -> tensor; None: the module's own parameters)."""
+        return self._compiled(self.module, weights, args)
