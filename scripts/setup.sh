@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(dataset-fashion-mnist sword-text-web sword-text-sparv libsword-utils)
+# torch.compile's inductor backend builds C++ on the CPU at run time (Pipeline(compile=True)):
+# a C++ compiler, and Python's headers where the interpreter has none of its own.
+command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 || APT_PACKAGES+=(g++)
+"${PYTHON:-python3}" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  || APT_PACKAGES+=(python3-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
