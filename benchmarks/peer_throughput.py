@@ -1,48 +1,43 @@
 """Our synchronous schedules against PyTorch's own ``torch.distributed.pipelining`` (issue 14,
-item 3): same model, data, split and optimizer, 2 processes (gloo, one compute thread each).
+item 3; issue 37, item 0): same model, data, split and optimizer, 2 processes (gloo, one compute
+thread each), the runs of :mod:`benchmarks.peer_runs` (the ``blocks`` model, split [4, 5], batch
+512, momentum SGD; ours ``gpipe``, ``1f1b-flush`` and ``pipeoptim``, torch's ``ScheduleGPipe`` and
+``Schedule1F1B``; with ``--runs chunks`` the schedules of two chunks per process).
 
-* model: the ``blocks`` model of ``pipeoptim bench`` (:func:`pipeoptim.lab.bench_worker.blocks_model`),
-  split [4, 5], batch 512, synthetic images, momentum SGD (lr 0.01);
-* ours: ``pipeoptim.Pipeline`` under the process group (one stage per process), ``gpipe`` and
-  ``1f1b-flush`` at M = 2 and 4, and ``pipeoptim`` (its own M);
-* the peer: ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B`` at M = 2 and 4, built as
-  in ``tests/test_pipelining_peer.py`` (the manual stage API; the loss term of a micro-batch is
-  weighted by its share of the mini-batch and ``scale_grads=False``, so both sides compute the
-  same gradients), the optimizer stepping after each ``step()``.
-
-Each of our runs is a Pipeline closed when it has been timed (its process groups, whose gloo
-threads wake even when idle, would otherwise pile up in both sides' processes round after
-round). Every run gets fresh weights, trains ``--warmup`` mini-batches untimed (shape agreement, first
-allocations), then is timed on ``--batches`` mini-batches from a barrier to a barrier. The runs
-take turns within each round (the order rotates from round to round), and each round also times
-a plain one-thread PyTorch loop of the whole model on rank 0 (the other rank waits), so that
-every run's throughput is read as a multiple of its own round's plain loop: the host's drift
-between rounds cancels. A pair's ratio is taken within each round (ours / torch, the same
-round's two runs), and reported as the median over rounds with its spread (min, max and the
-interquartile range).
+Every run gets fresh weights, trains ``--warmup`` mini-batches untimed, then is timed on
+``--batches`` mini-batches from a barrier to a barrier: wall time, and each process's CPU time
+(``time.process_time``: what it computed and spent in the runtimes, however loaded the host).
+Both sides' runs take turns within each round, in one job of two processes (the order rotates
+from round to round, so that no run always follows the same one), and each round also times a
+plain one-thread PyTorch loop of the whole model on rank 0 (the other rank waits), so that every
+run's throughput is read as a multiple of its own round's plain loop: the host's drift between
+rounds cancels. A pair's ratio is taken within each round (ours / torch, the same round's two
+runs), and reported as the median over rounds with its spread: min, max, the interquartile
+range, and the *spread of the median*, the half-width of its distribution-free 95 % confidence
+interval over the median (:func:`median_spread`). ``--until-spread 0.02`` keeps adding rounds
+until every pair's spread of the median is under 2 % (or ``--max-rounds`` is reached).
 
 Rank 0 writes ``benchmarks/results/peer_throughput.json`` and prints the table.
 
-    PYTHONPATH=src .venv/bin/python -m benchmarks.peer_throughput [--rounds 5] [--batches 16]
+    .venv/bin/python -m benchmarks.peer_throughput [--rounds 5] [--batches 16] [--runs 1f1b]
+    .venv/bin/python -m benchmarks.peer_throughput --runs 1f1b --until-spread 0.02 --max-rounds 60
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
+from benchmarks.peer_runs import BATCH, CHUNK_PARTITION, LR, PARTITION, build, launch, make_data
 from pipeoptim.lab.bench_worker import quartiles  # the same quartiles as `pipeoptim bench`
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peer_throughput.json"
-PARTITION = [4, 5]
-BATCH = 512
-LR = 0.01
 PLAIN = "plain (1 process)"
 # (label, side, schedule, micro-batches); side "ours" runs pipeoptim.Pipeline, "torch" the peer
 RUNS = [
@@ -69,8 +64,9 @@ CHUNK_RUNS = [
     ("ours zb-h1 M=4", "ours", "zb-h1", 4),
     ("torch ScheduleInterleavedZeroBubble (1 stage/process) M=4", "torch", "ScheduleInterleavedZeroBubble", 4),
 ]
-CHUNK_PARTITION = [2, 2, 2, 3]
-SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS}  #: --runs
+#: our 1F1B with a flush and torch's Schedule1F1B alone (issue 37's comparison; short rounds)
+ONE_F_ONE_B = [run for run in RUNS if run[2] in ("1f1b-flush", "Schedule1F1B")]
+SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS, "1f1b": ONE_F_ONE_B}  #: --runs
 TORCH_RUNS = [label for label, side, _, _ in RUNS if side == "torch"]
 CHUNK_PAIRS = [
     ("ours interleaved / torch ScheduleInterleaved1F1B, V=2 M=4", "ours interleaved M=4",
@@ -90,11 +86,45 @@ PAIRS = [  # (ratio name, numerator run, denominator run or the torch runs' best
 
 # ---- arithmetic (tested in tests/test_peer_throughput.py) -----------------------------------
 
+def median_interval(values: Sequence[float], level: float = 0.95) -> Optional[List[float]]:
+    """The distribution-free confidence interval of the median of ``values`` at ``level``:
+    order statistics x_(k) and x_(n+1-k) with the largest k whose coverage, 1 - 2 P(B < k) for
+    B ~ Binomial(n, 1/2), is at least ``level`` (no assumption on the rounds' distribution);
+    None where even the extremes do not cover that much (n < 6 at 95 %)."""
+    n, ordered = len(values), sorted(values)
+    below, found = 0.0, None  # below: P(B < k)
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2 ** n
+        if 1 - 2 * below < level:
+            break
+        found = [ordered[k - 1], ordered[n - k]]
+    return found
+
+
+def median_spread(values: Sequence[float], level: float = 0.95) -> float:
+    """The spread of the median of ``values``: half the width of its confidence interval
+    (:func:`median_interval`) over the median; infinite while there are too few values. Unlike
+    the interquartile range (the rounds' own scatter), it shrinks as rounds are added."""
+    interval = median_interval(values, level)
+    if interval is None:
+        return math.inf
+    return (interval[1] - interval[0]) / 2 / abs(quartiles(values)[1])
+
+
 def spread(values: Sequence[float]) -> Dict[str, Any]:
-    """The median of ``values`` with their spread: min, max, quartiles and interquartile range."""
+    """The median of ``values`` with their spread: min, max, quartiles, interquartile range, and
+    the spread of the median (:func:`median_spread`, None while undefined)."""
     q1, med, q3 = quartiles(values)
+    of_median = median_spread(values)
     return {"median": med, "min": min(values), "max": max(values), "q1": q1, "q3": q3,
-            "iqr": q3 - q1, "values": list(values)}
+            "iqr": q3 - q1, "median_spread": of_median if math.isfinite(of_median) else None,
+            "values": list(values)}
+
+
+def converged(ratios: Dict[str, Dict[str, Any]], target: float) -> bool:
+    """Whether every pair's spread of the median (``pair_ratios``' entries) is under ``target``."""
+    return bool(ratios) and all(r["median_spread"] is not None and r["median_spread"] < target
+                                for r in ratios.values())
 
 
 def normalise(rounds: List[Dict[str, float]], plain: str = PLAIN) -> List[Dict[str, float]]:
@@ -138,8 +168,9 @@ def format_table(summary: Dict[str, Any]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths))
 
     lines = []
-    head = ["ratio (per round)", "median", "min", "max", "IQR"]
-    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}", f"{s['iqr']:.3f}"]
+    head = ["ratio (per round)", "median", "min", "max", "IQR", "spread of median"]
+    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}", f"{s['iqr']:.3f}",
+             "-" if s.get("median_spread") is None else f"{100 * s['median_spread']:.1f} %"]
             for name, s in summary["ratios"].items()]
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     lines += [row(head, widths), row(["-" * w for w in widths], widths)] + [row(r, widths) for r in rows]
@@ -158,165 +189,101 @@ def format_table(summary: Dict[str, Any]) -> str:
 
 # ---- the worker (one per rank, under torch.distributed.run) ----------------------------------
 
-def _worker(args: argparse.Namespace) -> int:
-
+def _timed(run, warm, timed) -> Dict[str, Any]:
+    """Warm ``run`` up, time it on ``timed`` from a barrier to a barrier, close it: its wall
+    seconds and every process's CPU seconds (rank order)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    from pipeoptim.lab.bench_worker import blocks_model
-    from pipeoptim.lab.optimizers import make_optimizer
-    from pipeoptim.partition import split
-    from pipeoptim.pipeline import Pipeline
-    from pipeoptim.runtime.control import init_process_group
-
-    init_process_group(device="cpu", timeout=args.timeout, threads=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2, "two processes"
-    from torch.distributed import pipelining
-
-    loss_fn = nn.functional.cross_entropy
-    optimizer = make_optimizer("momentum", LR)
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(args.warmup + args.batches)]
-    warm, timed = data[:args.warmup], data[args.warmup:]
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
-
-    cpu_log: Dict[str, float] = {}  # the last timed region's CPU seconds, summed over the processes
-
-    def timed_region(fn) -> float:
+    try:
+        run.train(warm)
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
-        fn()
+        run.train(timed)
         spent = time.process_time() - cpu
         dist.barrier()
         wall = time.perf_counter() - start
-        total = torch.tensor([spent], dtype=torch.float64)
-        dist.all_reduce(total)
-        cpu_log["last"] = float(total)
-        return wall
+    finally:
+        run.close()
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([spent], dtype=torch.float64))
+    return {"wall": wall, "cpu": [float(t) for t in every]}
 
-    def plain() -> float:
-        """The whole model on rank 0, one thread, a plain loop; rank 1 waits at the barrier."""
-        model = blocks_model(2)
-        opt = optimizer(model.parameters())
 
-        def loop(chunk):
-            for x, y in chunk:
-                opt.zero_grad(set_to_none=True)
-                loss_fn(model(x), y).backward()
-                opt.step()
+def _round(chosen, r: int, rank: int, data, args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
+    """One round: the plain loop, then every run of ``chosen`` in an order rotated by ``r``."""
+    warm, timed = data[:args.warmup], data[args.warmup:]
+    shift = r % len(chosen)  # rotate the order so that no run always follows the same one
+    out = {PLAIN: _timed(build("plain", "", None, rank, 2, args.timeout), warm, timed)}
+    for label, side, schedule, micro in chosen[shift:] + chosen[:shift]:
+        out[label] = _timed(build(side, schedule, micro, rank, 2, args.timeout), warm, timed)
+    return out
 
-        if rank == 0:
-            loop(warm)
-        return timed_region(lambda: loop(timed) if rank == 0 else None)
 
-    def ours(method: str, micro: Optional[int]) -> float:
-        pipeline = Pipeline(blocks_model(2), method=method, loss_fn=loss_fn, optimizer=optimizer,
-                            stages=2, partition=PARTITION, micro_batches=micro, devices="cpu",
-                            timeout=args.timeout, threads=1)
-        with pipeline:  # its process groups go after the run (their gloo threads wake even idle)
-            if warm:
-                pipeline.fit(warm)
-            return timed_region(lambda: pipeline.fit(timed))
+def _cpu_summary(cpu_rounds: List[Dict[str, List[float]]], walls: List[Dict[str, float]]) -> Dict[str, Any]:
+    """CPU ms per mini-batch per run: all processes together and per rank, the pairs' ratios of
+    the totals, and the cores busy (CPU over wall time)."""
+    names = list(cpu_rounds[0])
+    total = [{n: sum(r[n]) for n in names} for r in cpu_rounds]
+    return {
+        # what the processes computed and spent in the runtimes, whatever else ran on the host
+        # (preemption does not inflate it): on a loaded host, the fairer comparison
+        "cpu_ms_per_batch": {n: spread([r[n] for r in total]) for n in names},
+        "cpu_ms_per_batch_by_rank": {n: [spread([r[n][k] for r in cpu_rounds]) for k in range(len(cpu_rounds[0][n]))]
+                                     for n in names},
+        "cpu_ratios": {name: spread([r[num] / r[den] for r in total]) for name, num, den in PAIRS + CHUNK_PAIRS
+                       if num in names and den in names},
+        "cores_busy": {n: spread([t[n] / w[n] for t, w in zip(total, walls)]) for n in names},
+    }
 
-    def peer(schedule_name: str, micro: int) -> float:
-        part = split(blocks_model(2), PARTITION)[rank]
-        stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
-        schedule = getattr(pipelining, schedule_name)(
-            stage, n_microbatches=micro, scale_grads=False,
-            loss_fn=lambda output, target: loss_fn(output, target) * (target.shape[0] / BATCH))
-        opt = optimizer(part.parameters())
 
-        def loop(chunk):
-            for x, y in chunk:
-                opt.zero_grad(set_to_none=True)
-                if rank == 0:
-                    schedule.step(x)
-                else:
-                    losses: list = []
-                    schedule.step(target=y, losses=losses)
-                opt.step()
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
 
-        loop(warm)
-        return timed_region(lambda: loop(timed))
+    from pipeoptim.runtime.control import init_process_group
 
-    def pieces_of(schedule: str) -> Tuple[List[int], List[int]]:
-        """The split and this process's pieces (in chain order) of a schedule."""
-        if schedule in ("interleaved", "ScheduleInterleaved1F1B"):
-            return CHUNK_PARTITION, [rank, rank + world]
-        if schedule in ("zb-v", "ScheduleZBVZeroBubble"):
-            return CHUNK_PARTITION, [rank, 2 * world - 1 - rank]
-        return PARTITION, [rank]
-
-    def ours_chunked(method: str, micro: int) -> float:
-        pipeline = Pipeline(blocks_model(2), method=method, loss_fn=loss_fn, optimizer=optimizer,
-                            stages=2, partition=pieces_of(method)[0], micro_batches=micro, devices="cpu",
-                            timeout=args.timeout, threads=1)
-        with pipeline:
-            if warm:
-                pipeline.fit(warm)
-            return timed_region(lambda: pipeline.fit(timed))
-
-    def peer_chunked(schedule_name: str, micro: int) -> float:
-        sizes, mine = pieces_of(schedule_name)
-        parts = split(blocks_model(2), sizes)
-        stages = [pipelining.PipelineStage(parts[s], s, len(sizes), torch.device("cpu")) for s in mine]
-        schedule = getattr(pipelining, schedule_name)(
-            stages, n_microbatches=micro, scale_grads=False,
-            loss_fn=lambda output, target: loss_fn(output, target) * (target.shape[0] / BATCH))
-        opt = optimizer([p for s in mine for p in parts[s].parameters()])
-        first, last = 0 in mine, len(sizes) - 1 in mine
-
-        def loop(chunk):
-            for x, y in chunk:
-                opt.zero_grad(set_to_none=True)
-                kwargs = {"target": y, "losses": []} if last else {}
-                schedule.step(*((x,) if first else ()), **kwargs)
-                opt.step()
-
-        loop(warm)
-        return timed_region(lambda: loop(timed))
-
-    def one(label: str, side: str, schedule: str, micro: Optional[int]) -> float:
-        if (label, side, schedule, micro) in CHUNK_RUNS:
-            return ours_chunked(schedule, micro) if side == "ours" else peer_chunked(schedule, micro)
-        return ours(schedule, micro) if side == "ours" else peer(schedule, micro)
-
-    rounds: List[Dict[str, float]] = []
-    cpu_rounds: List[Dict[str, float]] = []  # per round and run: CPU ms per mini-batch, all processes
+    init_process_group(device="cpu", timeout=args.timeout, threads=1)
+    rank = dist.get_rank()
+    assert dist.get_world_size() == 2, "two processes"
+    data = make_data(args.warmup + args.batches)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     chosen = SETS[args.runs]
-    for r in range(args.rounds):
-        shift = r % len(chosen)  # rotate the order so that no run always follows the same one
-        order = chosen[shift:] + chosen[:shift]
-        seconds = {PLAIN: plain()}
-        cpu_round: Dict[str, float] = {}
-        for label, side, schedule, micro in order:
-            seconds[label] = one(label, side, schedule, micro)
-            cpu_round[label] = cpu_log["last"] * 1e3 / args.batches
-        sps = {k: BATCH * args.batches / v for k, v in seconds.items()}
-        rounds.append(sps)
-        cpu_rounds.append(dict(cpu_round))
-        say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.0f}" for k, v in sps.items()) + " samples/s")
-    dist.barrier()
+    rounds: List[Dict[str, float]] = []
+    cpu_rounds: List[Dict[str, List[float]]] = []  # per round and run: CPU ms per mini-batch, per rank
+    walls: List[Dict[str, float]] = []             # per round and run: wall ms per mini-batch
+    limit = args.rounds if args.until_spread is None else args.max_rounds
+    done = False
+    while not done:
+        measured = _round(chosen, len(rounds), rank, data, args)
+        rounds.append({k: BATCH * args.batches / v["wall"] for k, v in measured.items()})
+        cpu_rounds.append({k: [c * 1e3 / args.batches for c in v["cpu"]] for k, v in measured.items() if k != PLAIN})
+        walls.append({k: v["wall"] * 1e3 / args.batches for k, v in measured.items() if k != PLAIN})
+        ratios = pair_ratios(normalise(rounds), pairs=PAIRS + CHUNK_PAIRS)
+        spreads = ", ".join(f"{r['median']:.3f} +- {100 * r['median_spread']:.1f} %" if r["median_spread"] else
+                            f"{r['median']:.3f}" for r in ratios.values())
+        say(f"round {len(rounds)}: " + ", ".join(f"{k} {v:.0f}" for k, v in rounds[-1].items())
+            + f" samples/s; ratios {spreads}")
+        done = len(rounds) >= limit or (args.until_spread is not None and len(rounds) >= args.rounds
+                                        and converged(ratios, args.until_spread))
+        box = [done]
+        dist.broadcast_object_list(box, src=0)  # rank 0's timings decide, for both
+        done = box[0]
     if rank == 0:
         summary = summarise(rounds)
         result = {
             "benchmark": "peer_throughput",
             "settings": {"model": "blocks", "partition": PARTITION, "chunk_partition": CHUNK_PARTITION,
                          "runs": args.runs, "batch_size": BATCH,
-                         "batches": args.batches, "warmup": args.warmup, "rounds": args.rounds,
-                         "optimizer": "momentum", "lr": LR, "processes": world, "threads_per_process": 1,
+                         "batches": args.batches, "warmup": args.warmup, "rounds": len(rounds),
+                         "until_spread": args.until_spread,
+                         "converged": args.until_spread is not None and converged(summary["ratios"], args.until_spread),
+                         "optimizer": "momentum", "lr": LR, "processes": 2, "threads_per_process": 1,
                          "backend": "gloo", "synthetic": True, "torch": torch.__version__,
                          "cores": os.cpu_count()},
             "rounds_samples_per_second": rounds,
-            # CPU time is what the processes computed and spent on the runtime, whatever else ran on
-            # the machine (preemption does not inflate it): on a loaded host, the fairer comparison
-            "cpu_ms_per_batch": {name: spread([r[name] for r in cpu_rounds]) for name in cpu_rounds[0]},
-            "cpu_ratios": {name: spread([r[num] / r[den] for r in cpu_rounds])
-                           for name, num, den in PAIRS + CHUNK_PAIRS
-                           if num in cpu_rounds[0] and den in cpu_rounds[0]},
+            "rounds_cpu_ms_per_batch": cpu_rounds,
+            **_cpu_summary(cpu_rounds, walls),
             **summary,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -325,38 +292,67 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_result(result: Dict[str, Any], out: Path) -> None:
+    s = result["settings"]
+    print(f"blocks {s['partition']}, batch {s['batch_size']}, {s['batches']} timed mini-batches per run "
+          f"(after {s['warmup']} warm-up), {s['rounds']} rounds, momentum SGD, 2 processes (gloo, 1 thread), "
+          f"torch {s['torch']}")
+    if s["until_spread"] is not None:
+        print(f"spread of every median under {100 * s['until_spread']:g} %: "
+              f"{'yes' if s['converged'] else 'no (the most rounds were reached)'}")
+    print(format_table(result))
+    print("\nCPU ms per mini-batch, all processes (ours / torch, per round; > 1: ours computes more):")
+    for name, c in result["cpu_ratios"].items():
+        print(f"  {name}: {c['median']:.3f} (min {c['min']:.3f}, max {c['max']:.3f}, IQR {c['iqr']:.3f})")
+    print("\nCPU ms per mini-batch by rank, and cores busy (CPU over wall time), medians:")
+    for name, ranks in result["cpu_ms_per_batch_by_rank"].items():
+        print(f"  {name}: " + ", ".join(f"rank {k} {r['median']:.1f}" for k, r in enumerate(ranks))
+              + f"; {result['cores_busy'][name]['median']:.2f} cores")
+    la = result["load_average"]
+    print("\nratios taken within each round; x plain: samples/s over the same round's plain one-thread loop; "
+          "spread of median: half its 95 % confidence interval over it")
+    print(f"load average before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
+          f"{', '.join(f'{x:.2f}' for x in la['after'])}; {result['wall_seconds']} s; wrote {out}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed rounds (default: 5); with --until-spread, the fewest")
+    parser.add_argument("--until-spread", type=float, default=None, metavar="FRACTION",
+                        help="add rounds until every pair's spread of the median (half its 95 %% confidence "
+                             "interval over it) is under FRACTION, e.g. 0.02, or --max-rounds are run")
+    parser.add_argument("--max-rounds", type=int, default=60, help="the most rounds with --until-spread (default: 60)")
     parser.add_argument("--batches", type=int, default=16, help="timed mini-batches per run (default: 16)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed mini-batches per run first (default: 1)")
     parser.add_argument("--runs", choices=sorted(SETS), default="all",
                         help="sync: gpipe, 1f1b-flush and pipeoptim against ScheduleGPipe and Schedule1F1B; "
+                             "1f1b: 1f1b-flush against Schedule1F1B alone (M = 2 and 4); "
                              "chunks: interleaved, zb-v and zb-h1 against ScheduleInterleaved1F1B, "
-                             "ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble; all (default): both")
+                             "ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble; all (default): sync and chunks")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a process waits for its peer")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results file (default: %(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("rounds", "batches"):
+    for name in ("rounds", "batches", "max_rounds"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
+    if args.until_spread is not None and not args.until_spread > 0:
+        parser.error("--until-spread must be above 0")
     if args.worker:
         return _worker(args)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="peer-throughput-") as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        src = str(Path(__file__).resolve().parents[1] / "src")
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds),
-               "--batches", str(args.batches), "--warmup", str(args.warmup), "--runs", args.runs,
-               "--timeout", str(args.timeout), "--out", str(out)]
+        worker_args = ["--rounds", str(args.rounds), "--max-rounds", str(args.max_rounds),
+                       "--batches", str(args.batches), "--warmup", str(args.warmup), "--runs", args.runs,
+                       "--timeout", str(args.timeout), "--out", str(out)]
+        if args.until_spread is not None:
+            worker_args += ["--until-spread", str(args.until_spread)]
         start = time.monotonic()
-        code = subprocess.call(cmd, env=env)
+        code = launch("benchmarks.peer_throughput", worker_args)
         if code != 0 or not out.exists():
             print(f"peer_throughput: the workers failed (exit status {code})", file=sys.stderr)
             return 1
@@ -365,18 +361,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result["wall_seconds"] = round(time.monotonic() - start, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    s = result["settings"]
-    print(f"blocks {s['partition']}, batch {s['batch_size']}, {s['batches']} timed mini-batches per run "
-          f"(after {s['warmup']} warm-up), {s['rounds']} rounds, momentum SGD, 2 processes (gloo, 1 thread), "
-          f"torch {s['torch']}")
-    print(format_table(result))
-    print("\nCPU ms per mini-batch, all processes (ours / torch, per round; > 1: ours computes more):")
-    for name, c in result["cpu_ratios"].items():
-        print(f"  {name}: {c['median']:.3f} (min {c['min']:.3f}, max {c['max']:.3f}, IQR {c['iqr']:.3f})")
-    la = result["load_average"]
-    print("\nratios taken within each round; x plain: samples/s over the same round's plain one-thread loop")
-    print(f"load average before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
-          f"{', '.join(f'{x:.2f}' for x in la['after'])}; {result['wall_seconds']} s; wrote {args.out}")
+    _print_result(result, args.out)
     return 0
 
 

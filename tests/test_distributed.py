@@ -142,11 +142,12 @@ def _train(model, data, method, **kw):
 
 
 def _links(comm):
-    """How a PipeComm's links are carried: process groups of their own, or tags of one group."""
-    groups = [link.group for link in comm._links.values()]
-    return {"own": comm.link_groups, "links": len(groups),
-            "distinct": len({id(g) for g in groups} | {id(comm.group)}) == len(groups) + 1,
-            "sizes": sorted(dist.get_world_size(g) for g in groups)}
+    """How a PipeComm's links are carried: process groups of their own, or tags of its control
+    group (which is it, the tags, and the control group's size)."""
+    links = list(comm._links.values())
+    return {"own": comm.link_groups, "links": len(links),
+            "on_control": all(link.group is comm.control for link in links),
+            "tags": sorted(link.tag for link in links), "control_size": dist.get_world_size(comm.control)}
 
 
 def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -156,8 +157,8 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
         results[("mlp", method, 4)] = _train(mlp(), batches(5), method, stages=4)
     results[("mlp", "pipeoptim+corrections", 4)] = _train(mlp(), batches(6), "pipeoptim", stages=4,
                                                            **CORRECTIONS)
-    # 2 stages x 2 replicas: ranks 0-1 and 2-3 are two pipelines, told of each other (every rank
-    # creates both pipelines' link groups, so their links are groups of their own)
+    # 2 stages x 2 replicas: ranks 0-1 and 2-3 are two pipelines, told of each other (each
+    # replica's own group carries its control messages and its links)
     for method in PIPELINED:
         results[("mlp", method, 2)] = _train(mlp(), batches(5), method, stages=2)
     results[("mlp", "pipeoptim", "2 told")] = results[("mlp", "pipeoptim", 2)]
@@ -171,7 +172,7 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
                                                 optimizer=adam)
     # sequential is one stage: 4 replicas of a 1-stage pipeline
     results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential")
-    # two pipelines on sub-groups that do not know of each other: their links are tags of the pair
+    # two pipelines on sub-groups that do not know of each other: their links are tags of the pair's group
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT)
     results[("links", rank)] = {"trace": None, "whole": results[("mlp", "pipeoptim", 4)]["links"],
@@ -234,18 +235,18 @@ def test_distributed_losses_equal_local(spawned, method, stages):
 
 
 @pytest.mark.timeout(420)
-def test_each_direction_of_a_pair_has_its_own_group(spawned):
-    """gloo: a pipeline over the whole job (or sub-group pipelines given pipelines= naming every
-    rank) gets a 2-rank process group per direction of each pair; sub-group pipelines that do
-    not know of each other fall back to tags of their group."""
-    ends = {0: 2, 1: 4, 2: 4, 3: 2}  # links of a rank in the 4-stage pipeline (both directions)
+def test_every_link_of_a_gloo_pipeline_is_a_tag_of_its_control_group(spawned):
+    """gloo: a pipeline's links are tags of its control group (a group of the whole pipeline
+    made for it, a replica's own group, or a sub-group pipeline's own group), one tag per
+    direction of each boundary, so that no link adds a gloo socket thread."""
+    tags = {0: [1, 2], 1: [1, 2, 3, 4], 2: [3, 4, 5, 6], 3: [5, 6]}  # of a rank in the 4-stage pipeline
     for rank in range(4):
         links = spawned[("links", rank)]
-        assert links["whole"] == {"own": True, "links": ends[rank], "distinct": True,
-                                  "sizes": [2] * ends[rank]}
-        assert links["told"] == {"own": True, "links": 2, "distinct": True, "sizes": [2, 2]}
-        assert links["pair"]["own"] is False and links["pair"]["links"] == 2
-        assert links["pair"]["distinct"] is False  # the pair's own group, with tags
+        assert links["whole"] == {"own": False, "links": len(tags[rank]), "on_control": True,
+                                  "tags": tags[rank], "control_size": 4}
+        for layout in ("told", "pair"):
+            assert links[layout] == {"own": False, "links": 2, "on_control": True, "tags": [1, 2],
+                                     "control_size": 2}, layout
     got = spawned[("mlp", "pipeoptim", "2 told")]
     local = _local(mlp(), batches(5), "pipeoptim", 2)
     _close(got["losses"], local.losses)

@@ -68,3 +68,43 @@ def test_without_overlap_everything_is_reduced_at_the_update(group):
     assert averager._in_flight == []
     stage.update()
     assert stage.policy.version == 1
+
+
+def test_a_weight_group_announced_at_once_goes_out_in_buckets_of_the_given_size(group):
+    """``ready_all``: what a split backward's weight half announces per weight group (issue 37,
+    item 3); buckets of at least ``bucket_bytes`` leave as they fill, the rest at the update."""
+    params = [torch.ones(n, requires_grad=True) for n in (4, 4, 8, 2)]  # float32: 16, 16, 32, 8 bytes
+    for p, value in zip(params, (1.0, 2.0, 3.0, 4.0)):
+        p.grad = torch.full_like(p, value)
+    averager = GradientAverager(group, replicas=1, timeout=30, bucket_bytes=30)
+    averager.ready_all(params[:2])                      # not overlapping: nothing leaves
+    assert averager._in_flight == [] and averager._bucket == []
+    averager.overlap()
+    averager.ready_all(params)                          # 16 + 16 >= 30, then 32 >= 30, then 8 left
+    assert [len(bucket) for _, _, bucket in averager._in_flight] == [2, 1]
+    assert averager._bucket == [params[3]] and averager._bucket_size == 8
+    averager(params)
+    assert averager._in_flight == [] and averager._bucket == [] and averager._bucket_size == 0
+    for p, value in zip(params, (1.0, 2.0, 3.0, 4.0)):
+        assert torch.equal(p.grad, torch.full_like(p, value))
+
+
+def test_a_split_backward_overlapped_before_its_weight_half_gives_the_plain_gradients(group):
+    """The executor calls overlap() before the last W before an update; what the weight half
+    does not announce is reduced at the update, and the gradients are the plain ones."""
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    plain = one_stage("zb-h1")
+    plain.forward(0, x, y)
+    plain.backward(0)
+    expected = [p.grad.clone() for p in plain.parameters()]
+    stage = one_stage("zb-h1")
+    averager = GradientAverager(group, replicas=1, timeout=30, bucket_bytes=1)
+    stage.grad_sync = averager
+    stage.forward(0, x, y)
+    stage.backward_input(0)
+    averager.overlap()
+    stage.backward_weight(0)
+    stage.sync_gradients()
+    assert averager._in_flight == [] and not averager.overlapping and averager._sent == {}
+    for p, g in zip(stage.parameters(), expected):
+        assert torch.equal(p.grad, g)

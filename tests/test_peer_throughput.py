@@ -36,6 +36,32 @@ def test_quartiles_interpolate_like_numpy():
 def test_spread(peer):
     s = peer.spread([3.0, 1.0, 2.0, 5.0, 4.0])
     assert (s["median"], s["min"], s["max"], s["q1"], s["q3"], s["iqr"]) == (3.0, 1.0, 5.0, 2.0, 4.0, 2.0)
+    assert s["median_spread"] is None  # five rounds: even the extremes cover the median 94 % of the time
+
+
+def test_the_median_interval_is_the_order_statistics_that_cover_95_percent(peer):
+    # coverage of [x_(k), x_(n+1-k)]: 1 - 2 P(Binomial(n, 1/2) < k)
+    assert peer.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None            # k = 1: 93.75 %
+    assert peer.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == [1.0, 6.0]  # k = 1: 96.9 %
+    values = [float(v) for v in range(1, 10)]                                  # n = 9: k = 2 (96.1 %)
+    assert peer.median_interval(values) == [2.0, 8.0]
+    assert peer.median_interval([float(v) for v in range(1, 31)]) == [10.0, 21.0]  # n = 30: k = 10
+    assert peer.median_spread(values) == pytest.approx((8.0 - 2.0) / 2 / 5.0)
+    assert peer.median_spread([1.0, 2.0]) == float("inf")
+
+
+def test_the_spread_of_the_median_shrinks_with_rounds_where_the_iqr_does_not(peer):
+    """The same scatter (ratios 0.92 .. 1.08, evenly), more rounds: the interquartile range stays
+    near 8 % of the median, the spread of the median falls under 2 %, and ``converged`` says so."""
+    def rounds(n):
+        return [0.92 + 0.16 * i / (n - 1) for i in range(n)]
+    few, many = peer.spread(rounds(9)), peer.spread(rounds(201))
+    assert few["iqr"] == pytest.approx(many["iqr"], rel=0.05) == pytest.approx(0.08, rel=0.05)
+    assert few["median_spread"] > 0.02 > many["median_spread"]
+    assert not peer.converged({"a": few, "b": many}, 0.02)
+    assert peer.converged({"b": many}, 0.02)
+    assert not peer.converged({"a": peer.spread([1.0, 1.0])}, 0.02)  # undefined: keep going
+    assert not peer.converged({}, 0.02)
 
 
 
@@ -74,4 +100,13 @@ def test_summarise_reports_every_run_and_the_five_ratios(peer):
     best = summary["ratios"]["pipeoptim / torch's best synchronous schedule"]
     assert best["median"] == pytest.approx(1820.0 / 1720.0)  # torch Schedule1F1B M=4 is the fastest torch run
     table = peer.format_table(summary)
-    assert "ours gpipe / torch ScheduleGPipe, M=2" in table and "IQR" in table
+    assert "ours gpipe / torch ScheduleGPipe, M=2" in table and "IQR" in table and "spread of median" in table
+
+
+def test_the_1f1b_set_pairs_our_1f1b_flush_with_torchs_schedule1f1b(peer):
+    assert [label for label, _, _, _ in peer.SETS["1f1b"]] == [
+        "ours 1f1b-flush M=2", "torch Schedule1F1B M=2", "ours 1f1b-flush M=4", "torch Schedule1F1B M=4"]
+    rounds = [dict({peer.PLAIN: 100.0}, **{label: 100.0 + r for label, _, _, _ in peer.SETS["1f1b"]})
+              for r in range(3)]
+    assert list(peer.summarise(rounds)["ratios"]) == ["ours 1f1b-flush / torch Schedule1F1B, M=2",
+                                                      "ours 1f1b-flush / torch Schedule1F1B, M=4"]

@@ -29,7 +29,7 @@ from torch import nn
 from .graph_split import with_aliases
 from .methods import Method
 from .runtime.averaging import GradientAverager
-from .runtime.control import broadcast, gather_all, init_process_group
+from .runtime.control import broadcast, gather_all, gather_tensors, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.layout import Layout, plan_layout
@@ -296,11 +296,9 @@ class Torchrun:
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
         """Every stage's weights into every rank's copy of the whole model."""
-        own = {k: v.detach().to("cpu", copy=True) for stage in stages for k, v in
+        own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
-        merged: Dict[str, torch.Tensor] = {}
-        for part in self.gather(own, "gathering the model's weights"):
-            merged.update(part)
+        merged = gather_tensors(own, self.comm, "gathering the model's weights")
         model.load_state_dict(with_aliases(model, merged))
 
     def evaluate_model(self, model: nn.Sequential, stages: List[Stage],

@@ -20,7 +20,14 @@ class GradientAverager:
     (:meth:`overlap`), each parameter is announced (:meth:`ready`) as soon as autograd has its final
     gradient, and every ``bucket_bytes`` of them are reduced asynchronously while the rest of the
     backward runs; the update (:meth:`__call__`) reduces what is left and waits for all. Every
-    replica runs the same graph, so the buckets go out in the same order on every rank."""
+    replica runs the same graph, so the buckets go out in the same order on every rank.
+
+    A split backward's weight half (``W``) computes its gradients group by group with
+    ``torch.autograd.grad`` and accumulates them itself, so no autograd hook sees them: the
+    executor calls :meth:`overlap` before the last ``W`` before an update as before the last
+    ``B``, and the stage announces each group's parameters with :meth:`ready_all` once their
+    gradients are accumulated (``Stage.backward_weight``; until it does, everything is reduced at
+    the update, as without overlap)."""
 
     #: gradient bytes per asynchronous reduction (the default of new averagers)
     bucket_bytes = 1 << 22
@@ -30,6 +37,7 @@ class GradientAverager:
         if bucket_bytes is not None:
             self.bucket_bytes = bucket_bytes
         self._bucket: List[torch.Tensor] = []
+        self._bucket_size = 0  # bytes of the gradients in _bucket
         self._in_flight: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
         self._sent: Dict[int, torch.Tensor] = {}
         self.overlapping = False
@@ -37,7 +45,7 @@ class GradientAverager:
     def close(self) -> None:
         """Forget the group and any reduction in flight (the process's part of the job ended;
         see :meth:`PipeComm.close`)."""
-        self.group, self._bucket, self._in_flight, self._sent = None, [], [], {}
+        self.group, self._bucket, self._bucket_size, self._in_flight, self._sent = None, [], 0, [], {}
 
     def overlap(self) -> None:
         """The next backward is the last before an update: reduce gradients as they are final."""
@@ -51,9 +59,16 @@ class GradientAverager:
             raise RuntimeError("a parameter received a gradient twice in one backward (a weight used "
                                "twice in a stage) after its gradient was sent to the other replicas")
         self._bucket.append(param)
-        if sum(p.numel() * p.element_size() for p in self._bucket) >= self.bucket_bytes:
+        self._bucket_size += param.numel() * param.element_size()
+        if self._bucket_size >= self.bucket_bytes:
             self._launch(self._bucket)
-            self._bucket = []
+            self._bucket, self._bucket_size = [], 0
+
+    def ready_all(self, params: Sequence[torch.Tensor]) -> None:
+        """Each of ``params`` has its final gradient for this update (a weight group of a split
+        backward's weight half, accumulated), in the order every replica announces them."""
+        for param in params:
+            self.ready(param)
 
     def _launch(self, params: List[torch.Tensor]) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -87,4 +102,5 @@ class GradientAverager:
         except RuntimeError as error:
             raise self._fail(error) from error
         finally:
-            self._bucket, self._in_flight, self._sent, self.overlapping = [], [], {}, False
+            self._bucket, self._bucket_size, self._in_flight, self._sent = [], 0, [], {}
+            self.overlapping = False

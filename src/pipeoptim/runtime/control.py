@@ -3,12 +3,13 @@
 :func:`init_process_group` joins the job (gloo on CPU, NCCL on GPU) with a timeout. The control
 group of a :class:`~pipeoptim.runtime.transport.PipeComm` (gloo, the pipeline's ranks) carries
 what is not a stage-to-stage message: losses, timings, norms, state dicts (:func:`broadcast`,
-:func:`gather_all`); a timeout or a dead peer there becomes a
+:func:`gather_all`, :func:`gather_tensors`); a timeout or a dead peer there becomes a
 :class:`~pipeoptim.runtime.wire.PipelineCommError` saying what the stages were doing.
 """
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -79,3 +80,29 @@ def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
     _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
     return out
 
+
+def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> Dict[str, torch.Tensor]:
+    """Every pipeline rank's named tensors (``own``: this rank's; a name several ranks hold: the
+    last rank's) on every rank, on the CPU, bit for bit. Only names, dtypes and shapes are
+    pickled; the values travel as one flat byte tensor per rank and dtype, broadcast from the
+    rank holding them (pickled into ``all_gather_object``, the 9-block benchmark model's weights
+    took about 30 ms, profiled, at the end of every ``fit``)."""
+    own = {k: v.detach().to("cpu") for k, v in own.items()}
+    layouts = gather_all([(k, v.dtype, tuple(v.shape)) for k, v in own.items()], comm, what)
+    out: Dict[str, torch.Tensor] = {}
+    for rank, layout in enumerate(layouts):
+        for dtype in dict.fromkeys(d for _, d, _ in layout):  # in order of first appearance
+            entries = [(k, shape) for k, d, shape in layout if d == dtype]
+            if rank == comm.stage:
+                flat = torch.cat([own[k].reshape(-1) for k, _ in entries])
+            else:
+                flat = torch.empty(sum(math.prod(shape) for _, shape in entries), dtype=dtype)
+            if flat.numel():  # as bytes: gloo broadcasts them whatever the dtype (bool, complex)
+                _control(comm, what, lambda: dist.broadcast(flat.view(torch.uint8), src=comm.ranks[rank],
+                                                            group=comm.control))
+            pos = 0
+            for k, shape in entries:
+                size = math.prod(shape)
+                out[k] = flat[pos:pos + size].view(shape)
+                pos += size
+    return out

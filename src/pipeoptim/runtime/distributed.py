@@ -125,6 +125,13 @@ class DistributedExecutor(StreamedSegment):
         self.schedule, self.horizon = schedule, schedule.num_updates
         self.order = lower(schedule).orders[self.comm.stage]
 
+    def _overlap_averaging(self, stage: Stage) -> None:
+        """Before a backward (``B``) or weight half (``W``) that is the last before an update:
+        the replicas' averaging may start as gradients become final (``averaging.GradientAverager``;
+        an ``I`` leaves every weight gradient to its ``W``)."""
+        if isinstance(stage.grad_sync, GradientAverager) and self._update_follows():
+            stage.grad_sync.overlap()
+
     def _update_follows(self) -> bool:
         """Whether this rank's next compute action after the current backward is an update."""
         for action in self.order[self._pointer + 1:]:
@@ -166,13 +173,14 @@ class DistributedExecutor(StreamedSegment):
             elif kind is Kind.RECV_B:
                 self._grads[(k, i)] = comm.recv_gradient(i, keys[i], stage=k)
             elif kind is Kind.B or kind is Kind.I:
-                if kind is Kind.B and isinstance(stage.grad_sync, GradientAverager) and self._update_follows():
-                    stage.grad_sync.overlap()  # (after I, the replicas' reduction waits for the update)
+                if kind is Kind.B:
+                    self._overlap_averaging(stage)
                 backward = stage.backward if kind is Kind.B else stage.backward_input
                 grad_in = backward(i, None if k == last else self._grads.pop((k, i)))
                 if k > 0:
                     self._hand_over(self._grads, k, k - 1, i, grad_in)
             elif kind is Kind.W:
+                self._overlap_averaging(stage)
                 stage.backward_weight(i)
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys[i], self._outgoing.pop((k, i)), stage=k)

@@ -3,16 +3,18 @@
 A :class:`Link` carries one ordered stream of messages (activations ``k -> k+1`` or gradients
 ``k+1 -> k``) over a process group and a tag. Sends are ``dist.isend``, their handles kept by the
 caller until waited on (gloo's send is a rendezvous: a blocking send in a 1F1B loop deadlocks).
-Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers allocated from the
-agreed layout (:mod:`~pipeoptim.runtime.wire`), and waited on when the action comes, so a
-message lands while the stage computes. Every wait has a timeout and fails with a
-:class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
+Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers of the agreed
+layout (:mod:`~pipeoptim.runtime.wire`), and waited on when the action comes, so a message
+lands while the stage computes. A link reuses its receive buffers across messages of one dtype
+and shape (:class:`ReceiveBuffers`), each only once nothing but the link holds it. Every wait
+has a timeout and fails with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the
+message.
 """
 from __future__ import annotations
 
 import datetime
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,6 +22,69 @@ import torch.distributed as dist
 
 from .values import as_tuple
 from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, reason
+
+#: how many references a tensor's storage has (torch's own count; None where this torch lacks it)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: a kept receive buffer: the tensor, its storage, and the storage's references when only the pool holds it
+Kept = Tuple[torch.Tensor, Any, int]
+
+
+class ReceiveBuffers:
+    """One link's receive buffers, reused across messages of the same dtype and shape.
+
+    A received tensor may be held long after its message: an activation by the stage's
+    autograd graph until its micro-batch's backward (weight half included) is over, a gradient
+    by a weight's ``.grad`` that autograd made of it, either by a send of the stage's output
+    that aliases it. So a buffer is reused only when nothing but this pool holds its memory: the
+    pool hands out an alias of each buffer it keeps (a second tensor on the same storage), and
+    a buffer is free when its storage's reference count is back to what the pool alone holds
+    (any tensor, view, saved tensor or send in flight on that memory counts, wherever it is).
+    Its next message then overwrites all of it, so reuse changes no number (on a GPU too: NCCL's
+    receive waits for the work queued before it on the current stream, the last reads of the
+    buffer among it). Where no kept
+    buffer is free, a new one is made (and kept, up to :attr:`per_shape`); the
+    :attr:`shapes` most recently received shapes are kept, so that inputs of many lengths do
+    not pile up buffers."""
+
+    #: buffers kept per (dtype, shape); 0: none (every message gets a new one)
+    per_shape = 16
+    #: (dtype, shape)s kept, the least recently used forgotten beyond
+    shapes = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._kept: "OrderedDict[Tuple[torch.dtype, Tuple[int, ...]], List[Kept]]" = OrderedDict()
+        self.made = 0    #: buffers made
+        self.reused = 0  #: messages received into a buffer made for an earlier one
+
+    def take(self, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` to receive into: a kept buffer's alias if one is
+        free, else a new tensor."""
+        key = (dtype, shape)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            for buffer, storage, alone in kept:
+                if _use_count(storage._cdata) == alone:
+                    self.reused += 1
+                    return buffer.detach()
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.made += 1
+        if _use_count is None or self.per_shape <= 0:
+            return buffer
+        if kept is None:
+            kept = self._kept[key] = []
+            while len(self._kept) > self.shapes:
+                self._kept.popitem(last=False)  # still in use elsewhere: it lives on there
+        if len(kept) >= self.per_shape:
+            return buffer
+        storage = buffer.untyped_storage()
+        kept.append((buffer, storage, _use_count(storage._cdata)))
+        return buffer.detach()
+
+    def clear(self) -> None:
+        """Forget every kept buffer (those in use live on with their users)."""
+        self._kept.clear()
 
 
 class Link:
@@ -38,6 +103,7 @@ class Link:
         self.layouts: Dict[Signature, Layout] = {}
         self._nbytes: Dict[Signature, int] = {}  # payload bytes per agreed layout (stats)
         self.stats = {"wait_seconds": 0.0, "messages": 0, "bytes": 0}
+        self.buffers = ReceiveBuffers(device)
         self.expected: Deque[Tuple[int, Signature]] = deque()
         self.posted: Deque[Tuple[int, Signature, List[Optional[torch.Tensor]], List[Any]]] = deque()
 
@@ -117,7 +183,7 @@ class Link:
                 if e is None:
                     buffers.append(None)
                     continue
-                buf = torch.empty(e[1], dtype=e[0], device=self.device)
+                buf = self.buffers.take(e[0], e[1])
                 buffers.append(buf)
                 works.append(self._irecv(buf))
             self.posted.append((i, key, buffers, works))

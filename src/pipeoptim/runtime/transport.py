@@ -2,13 +2,19 @@
 control group, over ``torch.distributed`` point to point (nothing home-made).
 
 Links, sends, receives and timeouts are as (docs/architecture.md, "The distributed executor")
-says. Each direction of a pair has a group of its own so that a send and an opposite receive
-never queue on one communicator stream or gloo connection (a large send being written could
-delay the receive behind it). The control group carries losses, timings and state dicts at the
-end of an epoch (:mod:`~pipeoptim.runtime.control`). Each send's handle is kept with its
-tensors until waited on (polled after every action, all waited at the end of the schedule); a
-tensor whose shape differs from its signature's agreed one is an error that says so. The
-timeout is ``PipeComm(timeout=...)``, ``--timeout``."""
+says. On gloo every link of a process is a tag of its pipeline's control group, so that the
+whole pipeline runs one gloo socket thread per process, as ``torch.distributed.pipelining`` does
+(each gloo group runs one that reads its sockets and wakes 100 times a second even when idle: a
+group per link cost 4 more of them under ``zb-v`` on 2 processes, and about 50 more context
+switches per mini-batch). That is safe on gloo: it matches point-to-point messages by tag, a
+send waits until its receiver has posted the matching receive (a rendezvous, so no message
+waits in a queue behind another link's), its sockets are full duplex, and its collectives use
+slots of their own. On NCCL, which matches a communicator's messages in posting order and runs
+them in order on one stream, each direction of each boundary keeps a group of its own. The
+control group also carries losses, timings and state dicts (:mod:`~pipeoptim.runtime.control`).
+Each send's handle is kept with its tensors until waited on (polled after every action, all
+waited at the end of the schedule); a tensor whose shape differs from its signature's agreed
+one is an error that says so. The timeout is ``PipeComm(timeout=...)``, ``--timeout``."""
 from __future__ import annotations
 
 import datetime
@@ -26,15 +32,14 @@ from .wire import PipelineCommError, Signature, reason
 class PipeComm:
     """The communication of one stage of a straight pipeline over a process group.
 
-    Stage k is rank k of ``group`` (default: the whole job). Each direction of each pair gets
-    its own process group (2 ranks), created with ``dist.new_group`` over the whole job: every
-    rank of the job creates the PipeComm, at the same point and in the same order as any other
-    groups. That holds when ``group`` is the whole job, or when ``pipelines`` names every rank of
-    the job (a data-parallel layout: every rank creates every replica's link groups). On NCCL it
-    is required. On gloo, a pipeline over part of the job without such ``pipelines`` (e.g. two
-    pipelines on two sub-groups, each PipeComm made by its own members only) falls back to tags
-    of ``group`` for its links: nothing is created, any sub-group works, but both directions of
-    a pair share one gloo connection.
+    Stage k is rank k of ``group`` (default: the whole job). The control group is a gloo group
+    of the pipeline's ranks made with ``dist.new_group`` (every rank of the job creates the
+    PipeComm at the same point, in the same order as any other groups), or ``group`` itself
+    where it already is one the pipeline owns: a replica's group given with ``pipelines``, or
+    a gloo pipeline over part of the job whose members alone build their PipeComm (e.g. two
+    pipelines on two sub-groups). On gloo the links are tags of the control group, so any
+    sub-group works; on NCCL each link is a 2-rank group that every rank of the job creates,
+    so ``group`` must be the whole job or ``pipelines`` name every replica.
     ``timeout`` bounds every wait on a peer and every created group (the group's own timeout
     bounds the control collectives).
 
@@ -51,8 +56,7 @@ class PipeComm:
                  placement: Optional[Sequence[int]] = None) -> None:
         """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
         global ranks of every replica's stages; each rank passes its own replica's group as
-        ``group``. Every rank creates every replica's link groups, in the same order (on gloo,
-        only when ``pipelines`` names every rank of the job; otherwise the links are tags)."""
+        ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
         self.group = group or dist.group.WORLD
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
@@ -77,69 +81,21 @@ class PipeComm:
             raise ValueError(f"a {self.backend} pipeline on part of the job needs pipelines=[the ranks "
                              f"of every replica]: its links are process groups that every rank creates")
         whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
-        # Control messages (losses, timings, weights): gloo over the pipeline's ranks, on a group
-        # of the pipeline's own, never the job's default group: torch modules imported after the
-        # default group exists keep it (as a default argument), so it may outlive every teardown
-        # and die in interpreter finalization, where a gloo worker still releasing a collective's
-        # tensor aborts the process (see close()). A gloo pipeline over part of the job, whose
-        # members alone build the PipeComm, cannot create groups: its own group carries them.
-        if gloo and not (whole_job and self.group is dist.group.WORLD):
-            self.control = self.group
-        else:
-            for ranks in replicas:
-                made = dist.new_group(ranks, timeout=delta, backend="gloo")
-                if ranks == self.ranks:
-                    self.control = made
-        # Links: a process group per direction per pair where every rank of the job builds this
-        # PipeComm at the same point (dist.new_group must be called by every rank of the job, in
-        # the same order). The pipeline(s) covering the whole job is how we know that: then every
-        # rank creates every replica's link groups, in pipeline order. use_local_synchronization
-        # (only the members call new_group) is not safe here: torch names such a group by hashing
-        # its ranks with the number of groups this process already holds, which differs between
-        # ranks (a rank in more sub-groups than its peer), and two members with different names
-        # never meet. So on gloo, a pipeline over part of the job (sub-groups whose members alone
-        # build their PipeComm) keeps today's links: tags 1 and 2 of the pipeline's group, one
-        # connection for both directions of a pair. NCCL requires the whole job (checked above).
-        own_groups = whole_job or not gloo
-        link_backend = "gloo" if gloo else None  # NCCL: the job's default backend
-        self.link_groups = own_groups  # whether the links have process groups of their own
+        self.control = self._control_group(replicas, delta, gloo and not (whole_job and self.group is dist.group.WORLD))
+        #: whether the links have process groups of their own (NCCL), or are tags of the control group (gloo)
+        self.link_groups = not gloo
         self._links: Dict[Tuple[str, int], Link] = {}
-        k = self.stage
-        place = self.placement
+        k, place = self.stage, self.placement
         for pipeline in replicas:
-            mine = pipeline == self.ranks
-            for j in range(len(place) - 1):
-                a, b = place[j], place[j + 1]  # the pipeline ranks of boundary j's two ends
-                if a == b:
-                    continue  # both stages in one process: no message
-                for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient")):
-                    # a group per direction (one stream / one gloo connection each, so that a send
-                    # and an opposite receive of the pair never queue behind each other), created
-                    # by every rank for every replica, in the same order
-                    if not own_groups and not mine:
-                        continue
-                    if own_groups:
-                        g = self._link_group(pipeline[a], pipeline[b], what, delta, link_backend)
-                    else:
-                        g = self.group
-                    if not mine:
-                        continue
-                    if not gloo and k in (a, b):
-                        # NCCL creates a communicator at its first point-to-point use, blocking until
-                        # both ends join: do that here, one message per link in pipeline order on
-                        # every rank, not at a first receive posted while the peer is blocked in its
-                        # first use of the opposite link (a deadlock). (gloo connects both ends
-                        # when the group is created.)
-                        probe = torch.zeros(1, device=self.device)
-                        if k == a:
-                            dist.isend(probe, dst=self.ranks[b], group=g).wait()
-                        else:
-                            dist.irecv(probe, src=self.ranks[a], group=g).wait()
-                        torch.cuda.synchronize(self.device)
-                    if k in (a, b):
-                        peer = self.ranks[b] if k == a else self.ranks[a]
-                        self._links[(what, j)] = Link(what, peer, g, 0 if own_groups else tag, self.device,
-                                                      self.timeout, prefetch)
+            for j, what, tag in self._boundaries():
+                # NCCL: a group per direction per boundary, made by every rank for every replica in
+                # the same order (dist.new_group's rule), and used by this replica's ends only
+                group = self._nccl_link(pipeline, j, what, delta) if not gloo else self.control
+                a, b = place[j], place[j + 1]
+                if pipeline == self.ranks and k in (a, b):
+                    peer = self.ranks[b] if k == a else self.ranks[a]
+                    self._links[(what, j)] = Link(what, peer, group, tag if gloo else 0, self.device,
+                                                  self.timeout, prefetch)
         #: the links this rank receives on: activations into its stages, gradients into them
         self._receiving = {what: [link for (w, j), link in self._links.items()
                                   if w == what and place[j + (what == "activation")] == k]
@@ -147,22 +103,62 @@ class PipeComm:
         self._pending: Deque[Tuple[Any, torch.Tensor, Link, int]] = deque()
         self._closed = False
 
-    def _link_group(self, a: int, b: int, what: str, timeout: datetime.timedelta, backend: Optional[str]):
-        """The process group of one link between global ranks ``a`` and ``b`` (every rank of the
-        job calls this, members or not; a gloo member blocks until the other end joins, bounded
-        by ``timeout``)."""
+    def _control_group(self, replicas: List[List[int]], delta: datetime.timedelta, own: bool):
+        """The control group (gloo, the pipeline's ranks), made by every rank for every replica;
+        ``own``: the pipeline's own group carries it (a gloo pipeline over part of the job, whose
+        members alone build the PipeComm, cannot create groups).
+
+        Never the job's default group: torch modules imported after the default group exists
+        keep it (as a default argument), so it may outlive every teardown and die in
+        interpreter finalization, where a gloo worker still releasing a collective's tensor
+        aborts the process (see :meth:`close`)."""
+        if own:
+            return self.group
+        control = None
+        for ranks in replicas:
+            made = dist.new_group(ranks, timeout=delta, backend="gloo")
+            if ranks == self.ranks:
+                control = made
+        return control
+
+    def _boundaries(self) -> List[Tuple[int, str, int]]:
+        """(boundary, "activation" or "gradient", tag) of each link of the chain: boundary j
+        joins stages j and j + 1 where they are on two ranks (in one process: no message)."""
+        place = self.placement
+        return [(j, what, tag) for j in range(len(place) - 1) if place[j] != place[j + 1]
+                for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient"))]
+
+    def _nccl_link(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta):
+        """The NCCL group of one direction of boundary ``j`` of ``pipeline`` (every rank of the
+        job calls this, members or not). NCCL matches a communicator's messages in posting order
+        (no tags) and runs its operations in order on one stream, so each link needs its own:
+        on one communicator a send and an opposite receive, or two links' receives posted in
+        another order than their peer's sends, would wait on each other. Its members exchange
+        one message now: NCCL creates a communicator at its first point-to-point use, blocking
+        until both ends join, which must not happen at a first receive posted while the peer
+        is blocked in its first use of the opposite link (a deadlock)."""
+        a, b = self.placement[j], self.placement[j + 1]
         try:
-            return dist.new_group([a, b], timeout=timeout, backend=backend)
+            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta)
         except RuntimeError as error:
             raise PipelineCommError(
-                f"creating the {what} link between ranks {a} and {b} failed: {reason(error)}. A peer "
-                f"stage hung, died or is slower than the timeout ({self.timeout:g} s); see its own "
-                f"error") from error
+                f"creating the {what} link between ranks {pipeline[a]} and {pipeline[b]} failed: "
+                f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
+                f"({self.timeout:g} s); see its own error") from error
+        if pipeline == self.ranks and self.stage in (a, b):
+            probe = torch.zeros(1, device=self.device)
+            if self.stage == a:
+                dist.isend(probe, dst=self.ranks[b], group=group).wait()
+            else:
+                dist.irecv(probe, src=self.ranks[a], group=group).wait()
+            torch.cuda.synchronize(self.device)
+        return group
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per link ("send activation", "recv gradient", ...): messages, bytes, and seconds this
         process spent blocked waiting on them (receives: the peer was late; sends: at the end of
-        a schedule, for the peer to take them)."""
+        a schedule, for the peer to take them); receives also the buffers made and the messages
+        received into a buffer made for an earlier one (``link.ReceiveBuffers``)."""
         out = {}
         straight = self.placement == list(range(self.num_stages))
         for (what, pair), link in self._links.items():
@@ -171,6 +167,8 @@ class PipeComm:
             if not straight:  # several links per direction: name the stages
                 name += f" {pair}->{pair + 1}" if what == "activation" else f" {pair + 1}->{pair}"
             out[name] = dict(link.stats)
+            if not sending:
+                out[name].update(buffers_made=link.buffers.made, buffers_reused=link.buffers.reused)
         return out
 
     def check_open(self) -> None:
@@ -275,6 +273,7 @@ class PipeComm:
         for link in self._links.values():  # a traceback's frames may still hold a link
             link.posted.clear()
             link.expected.clear()
+            link.buffers.clear()
             link.group = None
         self._links.clear()
         self.group = self.control = None
