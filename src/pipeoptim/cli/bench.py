@@ -32,6 +32,10 @@ and sharded over their D replicas (torch's FSDP2, ``Pipeline(shard_replicas=True
 named 'METHOD xD sharded'): the training state table shows each process's bytes (parameters,
 gradients, optimizer state, weights against their closed form), a sharded stage's about 1/D.
 
+``--compile both`` runs every method eagerly and with each stage's forward compiled
+(``Pipeline(compile=True)``; the runs named 'METHOD compiled', each compiled on an untimed
+mini-batch first), and reports each compiled run against its eager twin.
+
 Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
 ``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
 "ratios": {...}, "settings": {...}, "detail": {"<method>": {..., "activations": [{"measured_bytes",
@@ -50,7 +54,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
-from ..lab.bench_worker import SHARDED_SUFFIX
+from ..lab.bench_worker import COMPILED_SUFFIX, SHARDED_SUFFIX
 from ..lab.optimizers import optimizer_names
 from .common import check_positive, known_methods, refuse_traced_model
 from .flags import add_table_flags
@@ -86,6 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="activation recomputation in the pipelined runs: off (default), on, or both (each "
                         "method twice, the second named 'METHOD+recompute'); the report's memory table "
                         "shows per stage the peak of activations held, measured and predicted")
+    p.add_argument("--compile", default="off", choices=["off", "on", "both"],
+                   help="each stage's forward through torch.compile (inductor; Pipeline(compile=True)): on, or "
+                        "both (every method twice, the second named 'METHOD compiled'); a compiled run first "
+                        "trains one untimed mini-batch, in which it compiles (default: off)")
     p.add_argument("--shard-replicas", default="off", choices=["off", "on", "both"],
                    help="with --data-parallel D >= 2, each stage sharded over its D replicas with torch's "
                         "FSDP2 instead of replicated: off (default), on, or both (each method twice, the "
@@ -147,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
-                "recompute": args.recompute, "shard_replicas": args.shard_replicas,
+                "recompute": args.recompute, "shard_replicas": args.shard_replicas, "compile": args.compile,
                 "synthetic": args.synthetic, "baselines": not args.no_baselines,
                 "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
                 "verbose": not args.json}
@@ -200,7 +208,8 @@ def _children_cpu() -> float:
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
     """The ratios worth reading: each run against the baselines, pipeoptim against async-naive,
-    the asynchronous 1F1B methods against gpipe, each sharded run against its replicated twin."""
+    the asynchronous 1F1B methods against gpipe, each sharded run against its replicated twin and
+    each compiled run against its eager twin."""
     out: Dict[str, float] = {}
     runs = [name for name in sps if not name.startswith("sequential-")]
     for base in ("sequential-1dev", "sequential-all"):
@@ -213,10 +222,11 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
         for m in methods:
             if m in ASYNC_1F1B and m in sps:
                 out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
-    for name in runs:
-        replicated = name.replace(SHARDED_SUFFIX, "")
-        if replicated != name and replicated in sps:
-            out[f"{name}/{replicated}"] = sps[name] / sps[replicated]
+    for suffix in (SHARDED_SUFFIX, COMPILED_SUFFIX):  # each variant against its plain twin
+        for name in runs:
+            twin = name.replace(suffix, "")
+            if twin != name and twin in sps:
+                out[f"{name}/{twin}"] = sps[name] / sps[twin]
     return out
 
 

@@ -21,6 +21,8 @@ BLOCK_WIDTH = 512
 RECOMPUTE_SUFFIX = "+recompute"  #: appended to a run's name when it recomputes its activations
 #: appended to a run's name (before RECOMPUTE_SUFFIX) when each stage is sharded over its replicas
 SHARDED_SUFFIX = " sharded"
+#: appended to a run's name (after SHARDED_SUFFIX) when each stage's forward is compiled
+COMPILED_SUFFIX = " compiled"
 BLOCKS_PER_STAGE = 4
 
 
@@ -177,10 +179,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             finally:
                 torch.set_num_threads(1)
 
-        def run_pipeline(method: str, chunk: List[Any], recompute: bool = False, sharded: bool = False) -> PipelineRun:
+        def run_pipeline(method: str, chunk: List[Any], recompute: bool = False, sharded: bool = False,
+                         compiled: bool = False) -> PipelineRun:
             """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
-            replica on its shard of every mini-batch (``sharded``: each stage's state too, FSDP2);
-            timed from a barrier to the last process's end."""
+            replica on its shard of every mini-batch (``sharded``: each stage's state too, FSDP2;
+            ``compiled``: each stage's forward through torch.compile, compiled on one untimed
+            mini-batch first); timed from a barrier to the last process's end."""
             chunks = get_method(method).chunks  # interleaved, zb-v: the model in stages x chunks pieces
             sizes = ([len(model)] if method == "sequential" else partition if chunks == 1 else
                      plan_partition(model, stages * chunks, "uniform"))
@@ -189,10 +193,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                 partition=None if method == "sequential" else sizes,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute,
-                                shard_replicas=sharded)
+                                shard_replicas=sharded, compile=compiled)
             try:
                 d = pipeline.data_parallel_rank
                 shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
+                if compiled:  # the compilation (a fresh Pipeline's stages trace again) is not timed
+                    pipeline.fit(shard[:1])
                 dist.barrier()
                 start, cpu = time.perf_counter(), time.process_time()
                 result = pipeline.fit(shard)
@@ -214,10 +220,13 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
         label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
         modes = {"off": [False], "on": [True], "both": [False, True]}
-        variants = [(m, r, s) for m in spec["methods"] for s in modes[spec.get("shard_replicas", "off")]
-                    for r in modes[spec.get("recompute", "off")]]  # (method, recompute, sharded)
-        def name_of(method: str, recompute: bool, sharded: bool) -> str:
-            return label(method) + (SHARDED_SUFFIX if sharded else "") + (RECOMPUTE_SUFFIX if recompute else "")
+        variants = [(m, r, s, c) for m in spec["methods"] for s in modes[spec.get("shard_replicas", "off")]
+                    for r in modes[spec.get("recompute", "off")]
+                    for c in modes[spec.get("compile", "off")]]  # (method, recompute, sharded, compiled)
+
+        def name_of(method: str, recompute: bool, sharded: bool, compiled: bool) -> str:
+            return (label(method) + (SHARDED_SUFFIX if sharded else "") + (COMPILED_SUFFIX if compiled else "")
+                    + (RECOMPUTE_SUFFIX if recompute else ""))
         runs = [(name, threads) for name, threads in baselines] + [(name_of(*v), 1) for v in variants]
         rounds: Dict[str, List[PipelineRun]] = {name: [] for name, _ in runs}
 
@@ -233,8 +242,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     for name, threads in baselines:
                         record(r, name, run_baseline(threads, chunk))
                 dist.barrier()
-            for method, recompute, sharded in variants:
-                record(r, name_of(method, recompute, sharded), run_pipeline(method, chunk, recompute, sharded))
+            for variant in variants:
+                record(r, name_of(*variant), run_pipeline(variant[0], chunk, *variant[1:]))
         detail = {name: summary(rounds[name], threads, timed, 1 if name in dict(baselines) else world,
                                 1 if name in dict(baselines) else replicas)
                   for name, threads in runs if rounds[name]}
@@ -249,6 +258,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],
                              "recompute": spec.get("recompute", "off"),
                              "shard_replicas": spec.get("shard_replicas", "off"),
+                             "compile": spec.get("compile", "off"),
                              "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
                              "parameters": sum(p.numel() for p in model.parameters()),
                              "backend": "gloo", "torch": torch.__version__},
