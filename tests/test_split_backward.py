@@ -205,3 +205,51 @@ def test_a_split_backward_leaves_no_graph_behind():
         assert _live_tensors() == before
     finally:
         gc.enable()
+
+
+class _Announcements:
+    """A stage's gradient averager as the stage sees it, recording what it is handed (one
+    replica: nothing to average)."""
+
+    overlapping = True
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def ready(self, param) -> None:
+        self.seen.append(id(param))
+
+    def ready_all(self, params) -> None:
+        for param in params:
+            self.ready(param)
+
+    def __call__(self, params) -> None:
+        pass
+
+
+def test_a_weight_half_hands_each_groups_final_gradients_to_the_replicas_reduction():
+    """zb-h1, 2 stages, M = 2: in every weight half (the first stage's a full backward, seen by
+    autograd's hooks) each of the stage's parameters is announced once, with the losses unchanged;
+    so a data-parallel stage reduces them while the weight half goes on (tests/test_torchrun.py:
+    the replicas equal one replica)."""
+    import pipeoptim
+    from torch import nn
+
+    def run(record: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        pipe = pipeoptim.Pipeline(model, method="zb-h1", stages=2, micro_batches=2, loss_fn=nn.functional.mse_loss,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        seen = [_Announcements() for _ in pipe.stages] if record else []
+        for stage, averager in zip(pipe.stages, seen):
+            stage.grad_sync = averager
+        g = torch.Generator().manual_seed(1)
+        losses = pipe.fit([(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g))]).losses
+        return losses, seen, pipe
+
+    plain, _, _ = run(False)
+    losses, seen, pipe = run(True)
+    assert losses == plain
+    for stage, averager in zip(pipe.stages, seen):
+        params = [id(p) for p in stage.parameters()]
+        assert sorted(averager.seen) == sorted(params * 2)  # once per weight half, 2 micro-batches

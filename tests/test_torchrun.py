@@ -153,8 +153,9 @@ DP_SCRIPT = HERE / "torchrun_data_parallel.py"
 def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatenated_shards():
     """N = 2, D = 2 (four processes): gradients averaged over the replicas before every update
     make a synchronous method equal one replica on the concatenated shards, and pipeoptim its
-    single-replica run on the same concatenated micro-batches (float sums in another order)."""
-    methods = "gpipe,1f1b-flush,pipeoptim,pipedream"
+    single-replica run on the same concatenated micro-batches (float sums in another order).
+    zb-h1 sends each weight group's gradients while its weight half computes the next."""
+    methods = "gpipe,1f1b-flush,zb-h1,pipeoptim,pipedream"
     one = rows(run([DP_SCRIPT, methods, 2, 2, 2]))
     two = rows(run([DP_SCRIPT, methods, 2, 2, 2, 256], nproc=4, timeout=300))  # 256-byte buckets: overlapped
     for m in methods.split(","):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -170,8 +170,12 @@ def _recorder(group: WeightGroup, node: Node):
     return record
 
 
-def backward_weight(pending: PendingWeightGrads) -> None:
-    """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does.
+def backward_weight(pending: PendingWeightGrads,
+                    on_group: Optional[Callable[[List[torch.Tensor]], None]] = None) -> None:
+    """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does;
+    ``on_group(weights)`` after each group's are accumulated (their gradients are final then:
+    a data-parallel stage sends them to its replicas while the next group runs). The full
+    backward of a first stage accumulates in autograd, whose own hooks see it instead.
 
     Each group's call frees what it ran (no ``retain_graph``): no node runs in two groups. A call
     runs its seeds and the nodes between them and its weights, off the input path; a node off the
@@ -181,6 +185,8 @@ def backward_weight(pending: PendingWeightGrads) -> None:
         for weight, grad in zip(pending.weights, pending.computed):
             if grad is not None:
                 weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+        if on_group is not None:
+            on_group([w for w, g in zip(pending.weights, pending.computed) if g is not None])
         pending.computed = None
         return
     if pending.full:  # no input half: the plain backward, into the leaves' .grad (as Stage.backward)
@@ -219,4 +225,6 @@ def backward_weight(pending: PendingWeightGrads) -> None:
                 weight.grad = grad
             else:
                 weight.grad.add_(grad)
+        if on_group is not None:
+            on_group([w for w, g in zip(weights, found) if g is not None])
     pending.groups, pending.outputs, pending.output_grads = [], [], []  # the graph may go

@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ..weights.base import local, nbytes
 from ..weights.policies import WeightPolicy, WeightUse
-from . import recompute, split_backward
+from . import recompute, split_backward, weight_grads
 from .compiled import CompiledForward
 from .defaults import PRECISIONS
 from .held import HeldActivations, signature
@@ -230,7 +230,9 @@ class Stage:
         leaves, outputs, use = self._saved.pop(microbatch)
         self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
         tensors, grads = self._output_grads(outputs, grad_output)
-        hooks = self._announce_final_grads(use) if getattr(self.grad_sync, "overlapping", False) else []
+        overlap = getattr(self.grad_sync, "overlapping", False)  # the last backward before an update
+        hooks = weight_grads.announce_on_accumulate(self.grad_sync.ready, use, self.parameters(),
+                                                    self.policy.named) if overlap else []
         try:
             with self.policy.backward_pass(microbatch, use) as used:
                 held_back = self._hold_backward_values(microbatch, use, used)
@@ -242,7 +244,7 @@ class Stage:
         finally:
             for hook in hooks:
                 hook.remove()
-        self._collect_weight_grads(use)
+        weight_grads.collect(use, self.policy.named)
         self._tied_backward_done(microbatch)
         self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
@@ -294,9 +296,17 @@ class Stage:
         micro-batch whose input half ran, accumulated into the parameters' ``.grad``."""
         start = time.perf_counter()
         pending, use, scope, used = self._weight_halves.pop(microbatch)
-        with scope:
-            split_backward.backward_weight(pending)
-        self._collect_weight_grads(use)
+        overlap = getattr(self.grad_sync, "overlapping", False)  # the last W before an update
+        hooks = weight_grads.announce_on_accumulate(self.grad_sync.ready, use, self.parameters(),
+                                                    self.policy.named) if overlap and pending.full else []
+        try:
+            with scope:
+                split_backward.backward_weight(pending, weight_grads.announce_groups(
+                    self.grad_sync.ready_all, use, self.parameters()) if overlap else None)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        weight_grads.collect(use, self.policy.named)
         self._tied_backward_done(microbatch)
         self._release(microbatch)
         self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
@@ -389,27 +399,6 @@ class Stage:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
-    def _announce_final_grads(self, use: WeightUse) -> List[Any]:
-        """Hooks that hand each parameter to ``grad_sync.ready`` as soon as autograd has its final
-        gradient in this backward (the last before an update), so that the replicas' reduction
-        overlaps the rest of the backward."""
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):  # torch < 2.1
-            return []
-        ready = self.grad_sync.ready
-        if use.direct:
-            return [p.register_post_accumulate_grad_hook(ready) for p in self.parameters()]
-        params = dict(self.policy.named)
-
-        def collect(name: str):
-            def hook(alias: torch.Tensor) -> None:  # what _collect_weight_grads does, for one
-                param = params[name]
-                param.grad = alias.grad if param.grad is None else param.grad.add_(alias.grad)
-                alias.grad = None
-                ready(param)
-            return hook
-        return [t.register_post_accumulate_grad_hook(collect(n)) for n, t in use.weights.items()
-                if t.requires_grad]
-
     def _tied_backward_done(self, microbatch: int) -> None:
         """A tied weight's gradient of ``microbatch``: a holder's to its owner, the holders' into
         the owner's own (asynchronous methods; nothing otherwise). A sharded holder's is its
@@ -422,22 +411,6 @@ class Stage:
                     leaf.grad = local(copy.grad) if copy.grad is not None else None
                     copy.grad = None
             self.tied.backward_done(microbatch, extra)
-
-    def _collect_weight_grads(self, use: WeightUse) -> None:
-        """Hand the per-pass weight tensors' gradients to the parameters (accumulating)."""
-        if use.direct:
-            return  # autograd accumulated into the parameters' own .grad
-        params = dict(self.policy.named)
-        for name, tensor in use.weights.items():
-            grad = tensor.grad
-            if grad is None:
-                continue
-            param = params[name]
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
-            tensor.grad = None
 
     @property
     def in_flight(self) -> int:
