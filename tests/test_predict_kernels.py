@@ -239,9 +239,10 @@ def test_old_per_forward_delta_would_fail_the_allocation_test():
 def test_delta_is_computed_once_per_update(swap, monkeypatch):
     monkeypatch.setattr(policies_module.PredictingPolicy, "_swap_storage", swap)
     module, opt, policy = make_policy(PipeOptimPolicy, "adamw", steps="paper")
-    calls = []
-    original = Predictor._delta
-    monkeypatch.setattr(Predictor, "_delta", lambda self, p, out: calls.append(p) or original(self, p, out))
+    calls = []  # the parameters whose Delta is computed (per group, one call for its parameters)
+    original = Predictor._deltas
+    monkeypatch.setattr(Predictor, "_deltas",
+                        lambda self, group, ps, outs: calls.extend(ps) or original(self, group, ps, outs))
     n = len(policy.named)
     for update in range(3):
         train_step(module, opt, policy, seed=update)

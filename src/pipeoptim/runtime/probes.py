@@ -5,13 +5,39 @@ Every K-th micro-batch (by its number in the run), the stage keeps, at its forwa
 the forward would have used unpredicted (W_stale), those it used (W_used), and with delay
 corrections on, those it would have used with none of them and without each; at its backward it
 measures each against the weights live then (W_b). The copies cost memory and time only on the
-probed micro-batches.
+probed micro-batches. Copies and distances are multi-tensor operations over the stage's
+parameters (``weights/fused.py``): the differences are taken in the probe's own copies, in the
+weights' dtype (exact wherever the two values lie within a factor 2 of each other), and their
+norms accumulated in float64. On a sharded stage they run on the DTensors, so the norms are
+the whole stage's.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+
+from ..weights.fused import clone_all, norms64
+
+
+def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``tensors`` taken as one vector, accumulated in float64: one multi-tensor
+    norm per tensor, then the norm of those (a DTensor's over all its shards); 0 for none."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(norms64(tensors)))
+
+
+def relative_distance(copies: List[torch.Tensor], live: Sequence[torch.Tensor], live_norm: torch.Tensor) -> float:
+    """||copies - live|| / ||live||, the difference taken in ``copies`` (the probe's own, spent)."""
+    if copies:
+        torch._foreach_sub_(copies, list(live))
+    return float(_whole(norm_of(copies) / live_norm))
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's value on every shard (a sharded stage's norms), else ``value``."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 class PredictionProbes:
@@ -29,14 +55,14 @@ class PredictionProbes:
         probed; if so, W_stale and the variants are kept."""
         if not self.every or number % self.every:
             return False
-        stale = [p.detach().clone() for _, p in policy.named]
+        stale = clone_all([p for _, p in policy.named])
         variants = getattr(policy, "prediction_variants", lambda _: {})(microbatch)
         self._open[microbatch] = (stale, variants)
         return True
 
     def forward_weights(self, microbatch: int, use: Any, policy: Any) -> None:
         """The weights the probed forward runs on (``use``, the policy's)."""
-        used = [w.detach().clone() for w in ([p for _, p in policy.named] if use.direct else use.weights.values())]
+        used = clone_all([p for _, p in policy.named] if use.direct else list(use.weights.values()))
         self._used[microbatch] = (used, use.version, use.steps)
 
     @torch.no_grad()
@@ -48,9 +74,8 @@ class PredictionProbes:
         stale, variants = self._open.pop(microbatch)
         used, version, steps = self._used.pop(microbatch)
         now = [p.detach() for _, p in policy.named]
-        norm = torch.sqrt(sum((b.double() ** 2).sum() for b in now))
-        dist = lambda xs: float(torch.sqrt(sum(((x.double() - b.double()) ** 2).sum()  # noqa: E731
-                                               for x, b in zip(xs, now))) / norm)
+        norm = norm_of(now)
+        dist = lambda xs: relative_distance(xs, now, norm)  # noqa: E731
         row = {"microbatch": number, "steps": float(steps), "updates": policy.version - version,
                "prediction_error": dist(used), "staleness_error": dist(stale)}
         if variants:

@@ -20,17 +20,12 @@ from torch import nn
 
 from ..schedules.actions import Action, Kind
 from .corrections import LR_CORRECTIONS, delay_divisor
+from .fused import local
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
     """A leaf sharing ``tensor``'s storage with its own version counter, collecting a gradient."""
     return tensor.data.requires_grad_(True)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``tensor``: a DTensor's local shard (a stage sharded over its
-    replicas, ``runtime/sharding.py``), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def nbytes(tensors: Sequence[torch.Tensor]) -> int:

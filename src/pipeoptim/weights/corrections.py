@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .fused import batches, clone_all, local_all
+
 LR_CORRECTIONS = ("none", "delay")
 HORIZONS = ("constant", "scheduled")
 DELTAS = ("optimizer", "ema")
@@ -152,22 +154,30 @@ class UpdateAverage:
         position = {id(p): i for i, (_, p) in enumerate(self.named)}
         first, added = self.updates == 0, False
         for group, lr in zip(self.optimizer.param_groups, lrs):
-            if lr == 0.0:
-                continue
-            for p in group["params"]:
-                i = position.get(id(p))
-                if i is None:
-                    continue
-                d = before[i].sub_(p.detach()).div_(lr)
-                name = self.named[i][0]
-                if first or name not in self.average:
-                    added = added or name not in self.average
-                    self.average[name] = d.clone()
-                else:
-                    self.average[name].mul_(self.decay).add_(d, alpha=1.0 - self.decay)
+            mine = [position[id(p)] for p in group["params"] if id(p) in position]
+            if lr != 0.0:
+                for batch in batches(before, mine):
+                    added = self._fold(before, batch, lr, first) or added
         self.updates += 1
         if added or first:
             self._plan = []  # new tensors: the plan is rebuilt (else its tensors were updated in place)
+
+    def _fold(self, before: Sequence[torch.Tensor], positions: List[int], lr: float, first: bool) -> bool:
+        """:meth:`observe` for the parameters at ``positions`` (of one group, applied at ``lr``),
+        as multi-tensor ops on the local shards; whether an average was started for one."""
+        d = local_all([before[i] for i in positions])  # d = (W_before - W_after) / lr
+        torch._foreach_sub_(d, local_all([self.named[i][1].detach() for i in positions]))
+        torch._foreach_div_(d, lr)
+        names = [self.named[i][0] for i in positions]
+        new = [k for k, name in enumerate(names) if first or name not in self.average]
+        old = [k for k, name in enumerate(names) if not (first or name not in self.average)]
+        added = any(names[k] not in self.average for k in new)
+        self.average.update(zip([names[k] for k in new], clone_all([before[positions[k]] for k in new])))
+        if old:  # u <- g u + (1 - g) d
+            average = local_all([self.average[names[k]] for k in old])
+            torch._foreach_mul_(average, self.decay)
+            torch._foreach_add_(average, [d[k] for k in old], alpha=1.0 - self.decay)
+        return added
 
     def state_dict(self) -> Dict[str, Any]:
         return {"updates": self.updates, "average": {n: t.clone() for n, t in self.average.items()}}

@@ -6,17 +6,26 @@ table of :mod:`pipeoptim.weights.predict`). This module holds which formula an o
 before a step, and how the capture and the optimizer's state become Delta after it.
 :class:`DirectionFormulas` is the :class:`~pipeoptim.weights.predict.Predictor`'s half that
 knows the optimizers; the Predictor keeps the hooks, the cache of Delta and the predictions.
+
+Each formula runs over a parameter group at once, as multi-tensor operations (:mod:`.fused`),
+the same operations per element as one parameter at a time, so the same bits. The parameters of
+a group whose step counts differ (one without a gradient at some step) are taken by step count,
+since their scalars differ. Two pieces stay per parameter: the division ``m / d`` written into
+``d``'s own tensor (Adam, RAdam; torch has no multi-tensor op that writes ``a / b`` into ``b``,
+and a second tensor per parameter would cost a weight-sized buffer), and Muon's
+orthogonalisation, which is per matrix.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from .fused import Into, batches, copy_all, local_all
 from .muon_direction import muon_direction
 
 __all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported"]
@@ -69,11 +78,24 @@ def _betas(group: dict[str, Any]) -> tuple[float, float]:
     return float(b1), float(b2)
 
 
+def _by_key(indices: Sequence[int], key: Callable[[int], Any]) -> Iterator[tuple[Any, list[int]]]:
+    """``indices`` in runs of equal ``key`` (in first-seen order): the parameters of a group
+    whose per-parameter scalars (from the step count) are equal, so one multi-tensor op each."""
+    runs: dict[Any, list[int]] = {}
+    for i in indices:
+        runs.setdefault(key(i), []).append(i)
+    return iter(runs.items())
+
+
+def _states(states: Sequence[dict[str, Any]], name: str) -> list[Tensor]:
+    """The local shards of one state tensor of each parameter."""
+    return local_all([state[name] for state in states])
+
 
 class DirectionFormulas:
     """Delta's formulas for the Predictor (attributes it sets: ``optimizer``, ``sgd_momentum``,
     ``steps_taken``, ``uses_fallback``, ``_kind``, ``_composite``, ``_stored``, ``_step_lr``,
-    ``_group_of``, ``_computed``)."""
+    ``_group_of``, ``_computed``). Lists of parameters are of one group, in its order."""
 
     def _scratch(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
         """The tensor an adaptive formula computes ``p``'s Delta into (kept across updates);
@@ -87,7 +109,6 @@ class DirectionFormulas:
             buf = torch.empty_like(p)
             self._computed[p] = buf
         return buf
-
 
     def _kind_of(self, group: dict[str, Any]) -> str | None:
         """The formula of ``group``: the optimizer's, or that of the part holding the group."""
@@ -128,105 +149,153 @@ class DirectionFormulas:
             return 0.0
         return wd
 
-    def _capture_grad(self, group: dict[str, Any], p: Tensor, buf: Tensor) -> None:
-        """Pre-step: ``buf <- g`` as the optimizer will use it (sign, L2 decay)."""
-        grad = p.grad
-        if grad.is_sparse:
-            grad = grad.to_dense()
+    def _capture_grads(self, group: dict[str, Any], params: Sequence[Tensor], bufs: Sequence[Tensor]) -> None:
+        """Pre-step: ``bufs[i] <- g_i`` as the optimizer will use it (sign, L2 decay)."""
+        for batch in batches(bufs):
+            self._capture_batch(group, [params[i] for i in batch], [bufs[i] for i in batch])
+
+    def _capture_batch(self, group: dict[str, Any], params: Sequence[Tensor], bufs: Sequence[Tensor]) -> None:
+        """:meth:`_capture_grads` for one of its :func:`~.fused.batches`."""
+        grads = local_all([p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params])
+        own = local_all(bufs)
         if group.get("maximize", False):
-            torch.neg(grad, out=buf)
+            Into(own, grads)("neg")
         else:
-            buf.copy_(grad)
+            copy_all(own, grads)
         wd = self._l2(group)
         if wd != 0.0:
-            buf.add_(p.detach(), alpha=wd)
+            torch._foreach_add_(own, local_all([p.detach() for p in params]), alpha=wd)
         if self._kind_of(group) == "adadelta":  # numerator uses acc_delta *before* the step
             eps = group["eps"]
-            acc = self.optimizer.state.get(p, {}).get("acc_delta")
-            if acc is None:
-                buf.mul_(math.sqrt(eps))
-            else:
-                buf.mul_(acc.add(eps).sqrt_())
+            accs = [self.optimizer.state.get(p, {}).get("acc_delta") for p in params]
+            fresh = [b for b, acc in zip(own, accs) if acc is None]
+            if fresh:
+                torch._foreach_mul_(fresh, math.sqrt(eps))
+            seen = [i for i, acc in enumerate(accs) if acc is not None]
+            if seen:
+                roots = torch._foreach_add(local_all([accs[i] for i in seen]), eps)
+                torch._foreach_sqrt_(roots)
+                torch._foreach_mul_([own[i] for i in seen], roots)
 
-    def _finish(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], g: Tensor) -> None:
-        """Post-step: turn the captured gradient ``g`` into Delta, in place."""
-        kind = self._kind_of(group)
+    def _finish_all(self, group: dict[str, Any], params: Sequence[Tensor],
+                    states: Sequence[dict[str, Any]], bufs: Sequence[Tensor]) -> None:
+        """Post-step: turn the captured gradients ``bufs`` into Delta, in place."""
+        for batch in batches(bufs):
+            self._finish_batch(group, [params[i] for i in batch], [states[i] for i in batch],
+                               [bufs[i] for i in batch])
+
+    def _finish_batch(self, group: dict[str, Any], params: Sequence[Tensor],
+                      states: Sequence[dict[str, Any]], bufs: Sequence[Tensor]) -> None:
+        """:meth:`_finish_all` for one of its :func:`~.fused.batches`."""
+        kind, g = self._kind_of(group), local_all(bufs)
         if kind == "sgd":
             mu = group["momentum"]
             if mu == 0:
                 return
-            if group["nesterov"]:
-                g.add_(state["momentum_buffer"], alpha=mu)
-            else:  # "code" variant
-                g.mul_(1 - group["dampening"]).add_(state["momentum_buffer"], alpha=mu)
+            if not group["nesterov"]:  # "code" variant
+                torch._foreach_mul_(g, 1 - group["dampening"])
+            torch._foreach_add_(g, _states(states, "momentum_buffer"), alpha=mu)
         elif kind == "nadam":
-            b1, b2 = _betas(group)
-            step = float(state["step"])
-            decay = group["momentum_decay"]
-            mu = b1 * (1.0 - 0.5 * 0.96 ** (step * decay))
-            mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * decay))
-            prod = float(state["mu_product"])
-            denom = state["exp_avg_sq"].div(1 - b2**step).sqrt_().add_(group["eps"])
-            g.mul_((1 - mu) / (1 - prod))
-            g.add_(state["exp_avg"], alpha=mu_next / (1 - prod * mu_next)).div_(denom)
-            self._decoupled(group, p, g)
+            key = lambda i: (float(states[i]["step"]), float(states[i]["mu_product"]))  # noqa: E731
+            for (step, prod), run in _by_key(range(len(params)), key):
+                self._nadam(group, step, prod, [g[i] for i in run], [states[i] for i in run])
+            self._decoupled(group, params, g)
         elif kind == "rmsprop":
-            sq = state["square_avg"]
             if group["centered"]:
-                avg = torch.addcmul(sq, state["grad_avg"], state["grad_avg"], value=-1).sqrt_()
+                means = _states(states, "grad_avg")
+                avgs = torch._foreach_addcmul(_states(states, "square_avg"), means, means, value=-1)
+                torch._foreach_sqrt_(avgs)
             else:
-                avg = sq.sqrt()
-            g.div_(avg.add_(group["eps"]))
+                avgs = torch._foreach_sqrt(_states(states, "square_avg"))
+            torch._foreach_add_(avgs, group["eps"])
+            torch._foreach_div_(g, avgs)
         elif kind == "adagrad":
-            step = float(state["step"])
-            g.div_(state["sum"].sqrt().add_(group["eps"]))
-            g.div_(1 + (step - 1) * group["lr_decay"])
+            roots = torch._foreach_sqrt(_states(states, "sum"))
+            torch._foreach_add_(roots, group["eps"])
+            torch._foreach_div_(g, roots)
+            for step, run in _by_key(range(len(params)), lambda i: float(states[i]["step"])):
+                torch._foreach_div_([g[i] for i in run], 1 + (step - 1) * group["lr_decay"])
         elif kind == "adadelta":
-            g.div_(state["square_avg"].add(group["eps"]).sqrt_())
-        elif kind == "muon":
-            muon_direction(group, p, state["momentum_buffer"], g)
-            self._decoupled(group, p, g)
+            roots = torch._foreach_add(_states(states, "square_avg"), group["eps"])
+            torch._foreach_sqrt_(roots)
+            torch._foreach_div_(g, roots)
+        elif kind == "muon":  # the orthogonalisation is per matrix
+            for p, state, buf in zip(params, states, bufs):
+                muon_direction(group, p, state["momentum_buffer"], buf)
+            self._decoupled(group, params, g)
 
-    def _decoupled(self, group: dict[str, Any], p: Tensor, delta: Tensor) -> None:
-        """Add decoupled decay: ``delta <- (delta + wd * W_after) / (1 - lr_step * wd)``.
+    @staticmethod
+    def _nadam(group: dict[str, Any], step: float, prod: float, g: list[Tensor],
+               states: Sequence[dict[str, Any]]) -> None:
+        """NAdam's Delta from its gradients ``g`` (local shards) at one step count."""
+        b1, b2 = _betas(group)
+        decay = group["momentum_decay"]
+        mu = b1 * (1.0 - 0.5 * 0.96 ** (step * decay))
+        mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * decay))
+        denoms = torch._foreach_div(_states(states, "exp_avg_sq"), 1 - b2**step)
+        torch._foreach_sqrt_(denoms)
+        torch._foreach_add_(denoms, group["eps"])
+        torch._foreach_mul_(g, (1 - mu) / (1 - prod))
+        torch._foreach_add_(g, _states(states, "exp_avg"), alpha=mu_next / (1 - prod * mu_next))
+        torch._foreach_div_(g, denoms)
+
+    def _decoupled(self, group: dict[str, Any], params: Sequence[Tensor], deltas: list[Tensor]) -> None:
+        """Add decoupled decay to ``deltas`` (local shards): ``delta <- (delta + wd * W_after) /
+        (1 - lr_step * wd)``.
 
         Equals ``delta + wd * W_before`` since ``W_after = (1-lr*wd) W_before - lr*delta``.
         """
         wd = float(group.get("weight_decay", 0.0))
-        if wd == 0.0 or not (group.get("decoupled_weight_decay", False) or self._kind_of(group) == "muon"):
+        if not deltas or wd == 0.0 or not (group.get("decoupled_weight_decay", False)
+                                           or self._kind_of(group) == "muon"):
             return
-        delta.add_(p.detach(), alpha=wd).div_(1 - self._step_lr[id(group)] * wd)
+        torch._foreach_add_(deltas, local_all([p.detach() for p in params]), alpha=wd)
+        torch._foreach_div_(deltas, 1 - self._step_lr[id(group)] * wd)
 
     def _delta(self, p: Tensor, out: Tensor | None) -> Tensor | None:
-        """Delta of ``p``: a stored/state tensor (do not modify), or ``out`` filled with it.
+        """Delta of one parameter, as :meth:`_deltas` gives it."""
+        return self._deltas(self._group(p), [p], [out])[0]
 
-        ``out`` is scratch space of ``p``'s shape; one is allocated when None is given.
+    def _deltas(self, group: dict[str, Any], params: Sequence[Tensor],
+                outs: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Delta of each of ``params`` (of ``group``): a stored/state tensor (do not modify),
+        ``outs[i]`` filled with it, or None (no step yet, no state).
+
+        ``outs[i]`` is scratch space of the parameter's shape; one is allocated when None.
         """
         if self.steps_taken == 0:
-            return None
-        stored = self._stored.get(p)
-        group = self._group(p)
+            return [None] * len(params)
         if self.uses_fallback or self._needs_grad(group):
-            return stored
-        state = self.optimizer.state.get(p)
-        if not state:
-            return None
+            return [self._stored.get(p) for p in params]
+        states = [self.optimizer.state.get(p) for p in params]
+        if self._kind_of(group) in ("sgd", "rmsprop"):
+            # sgd: momentum, paper variant; rmsprop with momentum: the buffer holds g / avg
+            return [state["momentum_buffer"] if state else None for state in states]
+        deltas: list[Tensor | None] = [None] * len(params)
+        held = [i for i, state in enumerate(states) if state]
+        for i in held:
+            deltas[i] = torch.empty_like(params[i]) if outs[i] is None else outs[i]
+        for step, run in _by_key(held, lambda i: float(states[i]["step"])):
+            for batch in batches(deltas, run):
+                self._adaptive(group, step, [params[i] for i in batch], [states[i] for i in batch],
+                               local_all([deltas[i] for i in batch]))
+        return deltas
+
+    def _adaptive(self, group: dict[str, Any], step: float, params: Sequence[Tensor],
+                  states: Sequence[dict[str, Any]], out: list[Tensor]) -> None:
+        """Adam's, Adamax's or RAdam's Delta into ``out`` (local shards), at one step count."""
         kind = self._kind_of(group)
-        if kind == "sgd":  # momentum, paper variant: the buffer itself
-            return state["momentum_buffer"]
-        if kind == "rmsprop":  # with momentum: the buffer already holds g / avg
-            return state["momentum_buffer"]
-        if out is None:
-            out = torch.empty_like(p)
-        step = float(state["step"])
         b1, b2 = _betas(group)
         bc1 = 1 - b1**step
         if kind == "adam":
-            v = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-            torch.sqrt(v, out=out).div_(math.sqrt(1 - b2**step)).add_(group["eps"])
-            torch.div(state["exp_avg"], out, out=out).div_(bc1)
+            Into(out, _states(states, "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq"))("sqrt")
+            torch._foreach_div_(out, math.sqrt(1 - b2**step))
+            torch._foreach_add_(out, group["eps"])
+            self._numerators(states, out)
+            torch._foreach_div_(out, bc1)
         elif kind == "adamax":
-            torch.div(state["exp_avg"], state["exp_inf"], out=out).div_(bc1)
+            Into(out, _states(states, "exp_avg"), _states(states, "exp_inf"))("div")
+            torch._foreach_div_(out, bc1)
         elif kind == "radam":
             bc2 = 1 - b2**step
             rho_inf = 2 / (1 - b2) - 1
@@ -235,11 +304,19 @@ class DirectionFormulas:
                 rect = math.sqrt(
                     (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
                 )
-                torch.sqrt(state["exp_avg_sq"], out=out).add_(group["eps"])
-                torch.div(state["exp_avg"], out, out=out).mul_(rect * math.sqrt(bc2) / bc1)
+                Into(out, _states(states, "exp_avg_sq"))("sqrt")
+                torch._foreach_add_(out, group["eps"])
+                self._numerators(states, out)
+                torch._foreach_mul_(out, rect * math.sqrt(bc2) / bc1)
             else:
-                torch.div(state["exp_avg"], bc1, out=out)
+                Into(out, _states(states, "exp_avg"), bc1)("div")
         else:  # pragma: no cover - every known kind is handled above
             raise AssertionError(kind)
-        self._decoupled(group, p, out)
-        return out
+        self._decoupled(group, params, out)
+
+    @staticmethod
+    def _numerators(states: Sequence[dict[str, Any]], out: list[Tensor]) -> None:
+        """``out[i] <- exp_avg_i / out[i]``: per parameter, torch having no multi-tensor op that
+        writes ``a / b`` into ``b`` (see the module docstring)."""
+        for m, d in zip(_states(states, "exp_avg"), out):
+            torch.div(m, d, out=d)

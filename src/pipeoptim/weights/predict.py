@@ -30,8 +30,9 @@ optimizers whose ``param_groups`` are, dict for dict, the composite's. Decoupled
 (AdamW; NAdam / RAdam with ``decoupled_weight_decay=True``) is recovered from ``W_after``
 without storing ``W_before`` (:mod:`.formulas`). Delta is built lazily at the first prediction
 after a step, so a scheduler's change to a setting it reads (OneCycleLR's betas) is seen, and
-reused until it changes (:meth:`Predictor.directions`); a prediction is then one
-``torch.add(W, Delta, alpha=-lr*s)`` per parameter.
+reused until it changes (:meth:`Predictor.directions`); a prediction is then
+``W + (-lr*s) * Delta``, one multi-tensor add per parameter group. The hooks and the formulas
+run per group as multi-tensor operations too (:mod:`.formulas`, :mod:`.fused`).
 
 Memory: formulas read from the optimizer state (SGD momentum, RMSprop momentum) need nothing
 extra; those that need the step's gradient (SGD plain/Nesterov/``code``, NAdam, RMSprop without
@@ -49,6 +50,7 @@ import torch
 from torch import Tensor
 
 from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
+from .fused import copy_all, local_all
 
 __all__ = ["Predictor", "optimizer_direction_supported"]
 
@@ -199,12 +201,13 @@ class Predictor(DirectionFormulas):
         out: dict[Tensor, Tensor] = {}
         with torch.no_grad():
             for group in self.optimizer.param_groups:
-                alpha = -float(group.get("lr", 1.0)) * steps
-                for p in group["params"]:
-                    delta = by_param.get(p)
-                    w = p.detach()
-                    out[p] = w.clone() if delta is None else torch.add(w, delta, alpha=alpha)
-        return out
+                moved = [p for p in group["params"] if p in by_param]
+                if moved:  # one multi-tensor add per group
+                    out.update(zip(moved, torch._foreach_add([p.detach() for p in moved],
+                                                             [by_param[p] for p in moved],
+                                                             alpha=-float(group.get("lr", 1.0)) * steps)))
+                out.update((p, p.detach().clone()) for p in group["params"] if p not in by_param)
+        return {p: out[p] for group in self.optimizer.param_groups for p in group["params"]}
 
     def predict_into(self, param: Tensor, steps: float, out: Tensor) -> bool:
         """Write ``W - lr * steps * Delta`` into ``out``; False (``out`` untouched) if no Delta.
@@ -239,15 +242,12 @@ class Predictor(DirectionFormulas):
         if self.steps_taken > 0:
             with torch.no_grad():
                 for group in self.optimizer.param_groups:
-                    params, deltas = [], []
-                    for p in group["params"]:
-                        self._group_of[p] = group
-                        delta = self._delta(p, self._scratch(group, p))
-                        if delta is not None:
-                            params.append(p)
-                            deltas.append(delta)
-                            by_param[p] = delta
-                    plan.append((group, params, deltas))
+                    every = group["params"]
+                    self._group_of.update((p, group) for p in every)
+                    found = self._deltas(group, every, [self._scratch(group, p) for p in every])
+                    kept = [(p, delta) for p, delta in zip(every, found) if delta is not None]
+                    plan.append((group, [p for p, _ in kept], [delta for _, delta in kept]))
+                    by_param.update(kept)
         self._plan, self._delta_of = plan, by_param
 
     # ------------------------------------------------------------------ hooks
@@ -256,31 +256,37 @@ class Predictor(DirectionFormulas):
         with torch.no_grad():
             for group in optimizer.param_groups:
                 self._step_lr[id(group)] = float(group.get("lr", 1.0))
-                capture = self.uses_fallback or self._needs_grad(group)
-                for p in group["params"]:
-                    self._group_of[p] = group
-                    if not capture or (p.grad is None and not self.uses_fallback):
-                        continue
-                    buf = self._stored.get(p)
-                    if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-                        buf = torch.empty_like(p)
-                        self._stored[p] = buf
-                    if self.uses_fallback:
-                        buf.copy_(p.detach())
-                    else:
-                        self._capture_grad(group, p, buf)
-                    self._pending.append((group, p))
+                self._group_of.update((p, group) for p in group["params"])
+                if not (self.uses_fallback or self._needs_grad(group)):
+                    continue
+                params = [p for p in group["params"] if self.uses_fallback or p.grad is not None]
+                bufs = [self._buffer(p) for p in params]
+                if self.uses_fallback:
+                    copy_all(bufs, [p.detach() for p in params])
+                else:
+                    self._capture_grads(group, params, bufs)
+                if params:
+                    self._pending.append((group, params))
+
+    def _buffer(self, p: Tensor) -> Tensor:
+        """The tensor the hooks keep for ``p`` (kept from one step to the next)."""
+        buf = self._stored.get(p)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+            buf = torch.empty_like(p)
+            self._stored[p] = buf
+        return buf
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
         with torch.no_grad():
-            for group, p in self._pending:
-                buf = self._stored[p]
-                if self.uses_fallback:
-                    buf.sub_(p.detach())
+            for group, params in self._pending:
+                bufs = [self._stored[p] for p in params]
+                if self.uses_fallback:  # (W_before - W_after) / lr
+                    own = local_all(bufs)
+                    torch._foreach_sub_(own, local_all([p.detach() for p in params]))
                     lr = self._step_lr[id(group)]
                     if lr != 0.0:
-                        buf.div_(lr)
+                        torch._foreach_div_(own, lr)
                 else:
-                    self._finish(group, p, optimizer.state[p], buf)
+                    self._finish_all(group, params, [optimizer.state[p] for p in params], bufs)
         self._pending = []

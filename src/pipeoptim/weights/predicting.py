@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from .base import WeightPolicy, WeightUse, local, nbytes
 from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
                           horizon_rate)
+from .fused import Into, copy_all
 from .predict import Predictor
 
 
@@ -24,13 +25,13 @@ from .predict import Predictor
 CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    dst, src = [local(t) for t in dst], [local(t) for t in src]  # shards: elementwise, so alike
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dst, src)
-    else:  # pragma: no cover - torch < 2.1
-        for d, s in zip(dst, src):
-            d.copy_(s)
+class _GroupWork(NamedTuple):
+    """One parameter group's share of a prediction, made once per Delta (local shards)."""
+
+    group: dict
+    weights: List[torch.Tensor]   #: W, through ``p.data``
+    deltas: List[torch.Tensor]    #: Delta, in the same order
+    into_cache: Into              #: writes W + alpha*Delta into the cache (the swap)
 
 
 class PredictingPolicy(WeightPolicy):
@@ -42,13 +43,15 @@ class PredictingPolicy(WeightPolicy):
     Two ways, the same numbers:
 
     * swap (the default where the parameters own their storage and torch has
-      ``UntypedStorage._swap_data_ptr_``): ``W_hat`` is computed into the cache in one pass
-      (``torch.add(W, Delta, alpha=-lr*s, out=cache)``), then the memory of each parameter's
-      storage and of its cache are swapped, which every alias sees at once; after the pass they
-      are swapped back. No copy of W, no restore pass, nothing allocated per pass.
+      ``UntypedStorage._swap_data_ptr_``): ``W_hat`` is computed into the cache, per parameter
+      group by one multi-tensor copy of W and one multi-tensor add (on the CPU a large tensor
+      keeps its single ``torch.add(W, Delta, alpha=-lr*s, out=cache)`` pass: ``fused.Into``),
+      then the memory of each parameter's storage and of its cache are swapped, which every
+      alias sees at once; after the pass they are swapped back. No restore pass, nothing
+      allocated per pass.
     * write and restore (otherwise): the cache saves W (one multi-tensor copy), ``W_hat`` is
-      written into the live storage (``torch.add(W, Delta, alpha=-lr*s, out=W)``), and the cache
-      is copied back after the pass.
+      written into the live storage (one multi-tensor add per group), and the cache is copied
+      back after the pass.
 
     Delta comes from :meth:`Predictor.directions`, computed once per update.
     """
@@ -85,7 +88,7 @@ class PredictingPolicy(WeightPolicy):
         self._homes: List[int] = []      # each parameter's data_ptr when the cache was made
         self._swap = False               # whether the cache is used by swapping
         self._plan_seen: object = None   # the predictor's plan the work lists were made for
-        self._work: List[tuple] = []     # per group: (group, [(W, Delta, cache)])
+        self._work: List[_GroupWork] = []  # per parameter group, for the current Delta
         self._storages: List[tuple] = []  # (live storage, cache storage) of the predicted params
 
     def forward_steps(self, microbatch: int) -> float:
@@ -143,9 +146,10 @@ class PredictingPolicy(WeightPolicy):
         out = {}
         if source.has_direction and steps:
             for index, (group, params, deltas) in enumerate(source.directions()):
-                alpha = -self.horizon_lr(index, group, steps, disable)
-                for p, delta in zip(params, deltas):
-                    out[p] = torch.add(p.detach(), delta, alpha=alpha)
+                if params:  # one multi-tensor add per group (DTensors: torch's own sharded one)
+                    alpha = -self.horizon_lr(index, group, steps, disable)
+                    out.update(zip(params, torch._foreach_add([p.detach() for p in params], deltas,
+                                                              alpha=alpha)))
         return [out[p] if p in out else p.detach().clone() for _, p in self.named]
 
     def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
@@ -171,7 +175,7 @@ class PredictingPolicy(WeightPolicy):
             self.average = None  # e.g. the last stage of PipeOptim: nothing to predict, no buffer
         if self.average is not None:  # W before the update, into the cache (free between passes)
             self._ensure_cache()
-            _copy_all(self.cache, [p.data for _, p in self.named])
+            copy_all(self.cache, [p.data for _, p in self.named])
             self._applied_lrs = [float(g["lr"]) / self.lr_divisor() for g in self.optimizer.param_groups]
 
     def after_update(self) -> None:
@@ -197,17 +201,19 @@ class PredictingPolicy(WeightPolicy):
             return
         self._work, self._storages = [], []
         for group, params, deltas in plan:
-            items = []
+            weights, own, caches = [], [], []
             for p, delta in zip(params, deltas):
                 i = self._index.get(p)
                 if i is None:
                     continue
                 # p.data: its own version counter, so writing W_hat through it (write and
                 # restore) does not count as a change of the parameter (the Predictor's key)
-                items.append((local(p.data), local(delta), local(self.cache[i])))
+                weights.append(local(p.data))
+                own.append(local(delta))
+                caches.append(local(self.cache[i]))
                 if self._swap and p.numel():
                     self._storages.append((p.untyped_storage(), self.cache[i].untyped_storage()))
-            self._work.append((group, items))
+            self._work.append(_GroupWork(group, weights, own, Into(caches, weights, own)))
         self._plan_seen = plan
 
     def _swappable(self) -> bool:
@@ -236,10 +242,8 @@ class PredictingPolicy(WeightPolicy):
             return None
         self._prepare()
         if self._swap:
-            for index, (group, items) in enumerate(self._work):
-                alpha = -self.horizon_lr(index, group, steps)
-                for w, delta, buf in items:
-                    torch.add(w, delta, alpha=alpha, out=buf)
+            for index, work in enumerate(self._work):
+                work.into_cache("add", alpha=-self.horizon_lr(index, work.group, steps))
             storages = self._storages
             for live, buf in storages:
                 live._swap_data_ptr_(buf)
@@ -249,15 +253,14 @@ class PredictingPolicy(WeightPolicy):
                     live._swap_data_ptr_(buf)
             return swap_back
         live = [p.data for _, p in self.named]
-        _copy_all(self.cache, live)
-        for index, (group, items) in enumerate(self._work):
-            if items:  # one multi-tensor add per group (the same kernel per element as torch.add)
-                torch._foreach_add_([w for w, _, _ in items], [delta for _, delta, _ in items],
-                                    alpha=-self.horizon_lr(index, group, steps))
+        copy_all(self.cache, live)
+        for index, work in enumerate(self._work):
+            if work.weights:  # one multi-tensor add per group (the same kernel per element as torch.add)
+                torch._foreach_add_(work.weights, work.deltas, alpha=-self.horizon_lr(index, work.group, steps))
 
         def restore() -> None:
             with torch.no_grad():
-                _copy_all(live, self.cache)
+                copy_all(live, self.cache)
         return restore
 
     def copy_bytes(self) -> int:

@@ -14,14 +14,16 @@ import torch
 
 from ..schedules.actions import Kind
 from .base import WeightPolicy, WeightUse, alias, local, nbytes
+from .fused import clone_all
 
 
 class VersionStore(WeightPolicy):
     """Base of the stashing policies: keeps outgoing versions that in-flight or future forwards still need (stash, 2BW).
 
     Before an update, if the live version is still needed, the parameters move to fresh storage
-    (a copy) and the old storage stays with the micro-batches that use it: their saved aliases
-    keep reading the old values, and later forwards can alias it too.
+    (a copy, one multi-tensor copy for the stage) and the old storage stays with the
+    micro-batches that use it: their saved aliases keep reading the old values, and later
+    forwards can alias it too.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -80,11 +82,11 @@ class VersionStore(WeightPolicy):
         live = self.version
         if self.users[live] > 0 or self.future_needs(live):
             if self.sharded:  # FSDP gathers from the live storage: copy, do not move it
-                self.kept[live] = [p.detach().clone() for _, p in self.named]
-            else:
+                self.kept[live] = clone_all([p for _, p in self.named])
+            else:  # the old storage stays with its users; the parameters move to a copy
                 self.kept[live] = [p.data for _, p in self.named]
-                for _, p in self.named:
-                    p.data = p.data.clone()
+                for (_, p), fresh in zip(self.named, clone_all(self.kept[live])):
+                    p.data = fresh
         self.note_memory()
 
     def after_update(self) -> None:

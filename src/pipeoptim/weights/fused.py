@@ -1,0 +1,123 @@
+"""Multi-tensor arithmetic over a stage's parameters (docs/architecture.md, "Weight versions per
+method"): the prediction, the copies, Delta's formulas, the delay corrections and the diagnostic
+run as ``torch._foreach_*`` operations over lists of tensors, not a Python loop per parameter.
+
+Every helper here gives the bits the per-tensor operation it replaces gives (torch's foreach
+ops apply the same kernel per element; on the CPU they are a loop over the tensors in C++, on a
+GPU a few fused launches for the whole list). A sharded stage's tensors are DTensors: the
+elementwise helpers run on the local shards (:func:`local_all`), which computes each element as
+without sharding.
+
+An out-of-place result written into tensors that already exist (``out=``) has no multi-tensor
+form in torch (its ``_foreach_*.out`` variants allocate and copy), so :class:`Into` writes it
+as a copy followed by the in-place multi-tensor op: one extra pass over the memory. On the CPU,
+where a foreach op saves only the Python call, that pass costs more than the call for a large
+tensor, which then keeps one ``out=`` pass of its own (:data:`ONE_PASS_NUMEL`); and a formula of
+several operations runs them on such a tensor one after the other, while it is in cache, rather
+than each over the whole list (:func:`batches`)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+#: Per device type: from how many elements on a tensor takes one ``out=`` pass of its own
+#: instead of the copy and the multi-tensor op (the CPU's break-even, measured with
+#: ``torch.add``: about 8k elements at one thread). Devices not listed always fuse: there a
+#: launch saved is worth more than a pass over memory.
+ONE_PASS_NUMEL: Dict[str, int] = {"cpu": 8192}
+
+#: torch >= 2.1 has a multi-tensor copy; before it, a loop of ``copy_``
+_HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
+#: whether ``torch._foreach_norm`` takes the dtype to accumulate in (newer torch 2.x)
+_NORM_TAKES_DTYPE = "dtype" in str(torch.ops.aten._foreach_norm.Scalar._schema)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: a DTensor's local shard (a stage sharded over its
+    replicas, ``runtime/sharding.py``), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """This process's part of each tensor (:func:`local`)."""
+    return [local(t) for t in tensors]
+
+
+def _copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for lists already local (one multi-tensor copy)."""
+    if _HAS_FOREACH_COPY:
+        torch._foreach_copy_(dst, src)
+    else:  # pragma: no cover - torch 2.0
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, as one multi-tensor copy of the local shards."""
+    if dst:
+        _copy(local_all(dst), local_all(src))
+
+
+def clone_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``[t.detach().clone() for t in tensors]``: the same values in new memory (DTensors stay
+    DTensors), allocated per tensor as ``clone`` does and filled by one multi-tensor copy."""
+    out = [torch.empty_like(t.detach()) for t in tensors]
+    copy_all(out, [t.detach() for t in tensors])
+    return out
+
+
+def norms64(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each tensor's 2-norm, accumulated in float64 (one multi-tensor norm; DTensors: torch's
+    own sharded one, each the whole tensor's)."""
+    if _NORM_TAKES_DTYPE:
+        return list(torch._foreach_norm(list(tensors), dtype=torch.float64))
+    return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]  # pragma: no cover
+
+
+def one_pass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is cheaper with an ``out=`` pass of its own than in a fused pair."""
+    # (is_cpu first: reading .device makes an object, a cost per tensor per update)
+    limit = ONE_PASS_NUMEL.get("cpu" if tensor.is_cpu else tensor.device.type)
+    return limit is not None and tensor.numel() >= limit
+
+
+def batches(tensors: Sequence[torch.Tensor], positions: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """The lists (of positions in ``tensors``, default all) a formula of several multi-tensor
+    operations runs over, in order: those fused, then each tensor of :func:`one_pass` size alone
+    (measured on the CPU: Adam's Delta of 4 MB in 8 tensors 20 % slower with each operation over
+    all of them, the tensors dropping out of cache between operations)."""
+    positions = range(len(tensors)) if positions is None else positions
+    large = [one_pass(tensors[i]) for i in positions]
+    if not any(large):
+        return [list(positions)] if len(positions) else []
+    small = [i for i, big in zip(positions, large) if not big]
+    return ([small] if small else []) + [[i] for i, big in zip(positions, large) if big]
+
+
+class Into:
+    """``outs[i] <- torch.<op>(first[i], *others[i], **kwargs)`` for fixed lists of tensors
+    (local shards), bit for bit the per-tensor ``out=`` call: split once into the tensors that
+    take one pass of their own (:func:`one_pass`) and the rest, written by one multi-tensor copy
+    of ``first`` into ``outs`` and one in-place multi-tensor ``op``. ``outs[i]`` is none of
+    ``first[i]`` and ``others[i]`` (the copy would overwrite an input). An entry of ``others``
+    that is a number, not a list, is the same operand for every tensor."""
+
+    def __init__(self, outs: Sequence[torch.Tensor], first: Sequence[torch.Tensor],
+                 *others: Union[Sequence[torch.Tensor], float]) -> None:
+        large = [one_pass(t) for t in outs]
+        single = [i for i, big in enumerate(large) if big]
+        fused = [i for i, big in enumerate(large) if not big] if single else range(len(outs))
+        pick = lambda o, i: o[i] if isinstance(o, (list, tuple)) else o  # noqa: E731
+        self.single = [(outs[i], first[i], tuple(pick(o, i) for o in others)) for i in single]
+        self.outs = [outs[i] for i in fused]
+        self.first = [first[i] for i in fused]
+        self.others = [[o[i] for i in fused] if isinstance(o, (list, tuple)) else o for o in others]
+
+    def __call__(self, op: str, **kwargs) -> None:
+        function: Callable = getattr(torch, op)
+        for out, first, others in self.single:
+            function(first, *others, out=out, **kwargs)
+        if self.outs:
+            _copy(self.outs, self.first)
+            getattr(torch, f"_foreach_{op}_")(self.outs, *self.others, **kwargs)
