@@ -84,20 +84,25 @@ def plain(rank: int) -> Run:
     return Run(train)
 
 
-def ours(method: str, micro: Optional[int], timeout: float, rank: int = 0, world: int = 2) -> Run:
+def ours(method: str, micro: Optional[int], timeout: float, rank: int = 0, world: int = 2,
+         compile: bool = False) -> Run:
     """``pipeoptim.Pipeline`` with ``method`` at ``micro`` micro-batches (None: the method's own),
-    its stages placed as :func:`pieces_of` says."""
+    its stages placed as :func:`pieces_of` says (``compile``: each stage's forward through
+    torch.compile, inductor)."""
     from pipeoptim.lab.bench_worker import blocks_model
     from pipeoptim.pipeline import Pipeline
 
     pipeline = Pipeline(blocks_model(2), method=method, loss_fn=_loss(), optimizer=_optimizer(),
                         stages=world, partition=pieces_of(method, rank, world)[0], micro_batches=micro,
-                        devices="cpu", timeout=timeout, threads=1)
+                        devices="cpu", timeout=timeout, threads=1, compile=compile)
     return Run(lambda batches: pipeline.fit(list(batches)), pipeline.close)
 
 
-def torch_schedule(name: str, micro: int, rank: int, world: int) -> Run:
-    """torch.distributed.pipelining's schedule ``name`` with its stages on this process."""
+def torch_schedule(name: str, micro: int, rank: int, world: int, compile: bool = False) -> Run:
+    """torch.distributed.pipelining's schedule ``name`` with its stages on this process
+    (``compile``: each stage's module through torch.compile, inductor, as torchtitan compiles
+    its blocks; dynamo's caches are reset first, so that runs built round after round never
+    reach its recompilation limit and fall back to eager)."""
     import torch
     from torch.distributed import pipelining
 
@@ -106,7 +111,11 @@ def torch_schedule(name: str, micro: int, rank: int, world: int) -> Run:
 
     sizes, mine = pieces_of(name, rank, world)
     parts = split(blocks_model(2), sizes)
-    stages = [pipelining.PipelineStage(parts[s], s, len(sizes), torch.device("cpu")) for s in mine]
+    modules = dict(enumerate(parts))
+    if compile:
+        torch._dynamo.reset()
+        modules = {s: torch.compile(parts[s]) for s in mine}
+    stages = [pipelining.PipelineStage(modules[s], s, len(sizes), torch.device("cpu")) for s in mine]
     loss_fn = _loss()
     kind = getattr(pipelining, name)
     multi = issubclass(kind, pipelining.schedules.PipelineScheduleMulti)  # takes a list of stages
@@ -127,14 +136,17 @@ def torch_schedule(name: str, micro: int, rank: int, world: int) -> Run:
 
 
 def build(side: str, schedule: str, micro: Optional[int], rank: int, world: int, timeout: float) -> Run:
-    """The run of ``side`` ("plain", "ours" or "torch") with ``schedule`` (a method or a torch
-    schedule's class name) at ``micro`` micro-batches."""
+    """The run of ``side`` ("plain", "ours" or "torch", and "ours+compile" or "torch+compile" for
+    their stages compiled) with ``schedule`` (a method or a torch schedule's class name) at
+    ``micro`` micro-batches."""
+    compile = side.endswith("+compile")
+    side = side[:-len("+compile")] if compile else side
     if side == "plain":
         return plain(rank)
     if side == "ours":
-        return ours(schedule, micro, timeout, rank, world)
+        return ours(schedule, micro, timeout, rank, world, compile)
     if side == "torch":
-        return torch_schedule(schedule, micro, rank, world)
+        return torch_schedule(schedule, micro, rank, world, compile)
     raise ValueError(f"side must be plain, ours or torch, got {side!r}")
 
 

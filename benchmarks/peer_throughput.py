@@ -2,7 +2,9 @@
 item 3; issue 37, item 0): same model, data, split and optimizer, 2 processes (gloo, one compute
 thread each), the runs of :mod:`benchmarks.peer_runs` (the ``blocks`` model, split [4, 5], batch
 512, momentum SGD; ours ``gpipe``, ``1f1b-flush`` and ``pipeoptim``, torch's ``ScheduleGPipe`` and
-``Schedule1F1B``; with ``--runs chunks`` the schedules of two chunks per process).
+``Schedule1F1B``; with ``--runs chunks`` the schedules of two chunks per process; with ``--runs
+1f1b-compiled`` our 1F1B-flush and torch's Schedule1F1B at M = 2, eager and with both sides'
+stages through torch.compile).
 
 Every run gets fresh weights, trains ``--warmup`` mini-batches untimed, then is timed on
 ``--batches`` mini-batches from a barrier to a barrier: wall time, and each process's CPU time
@@ -66,7 +68,11 @@ CHUNK_RUNS = [
 ]
 #: our 1F1B with a flush and torch's Schedule1F1B alone (issue 37's comparison; short rounds)
 ONE_F_ONE_B = [run for run in RUNS if run[2] in ("1f1b-flush", "Schedule1F1B")]
-SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS, "1f1b": ONE_F_ONE_B}  #: --runs
+#: the same two with both sides' stages compiled (torch.compile, inductor), beside the eager pair
+COMPILED_RUNS = [("ours 1f1b-flush M=2 compiled", "ours+compile", "1f1b-flush", 2),
+                 ("torch Schedule1F1B M=2 compiled", "torch+compile", "Schedule1F1B", 2)]
+SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS, "1f1b": ONE_F_ONE_B,
+        "1f1b-compiled": [r for r in ONE_F_ONE_B if r[3] == 2] + COMPILED_RUNS}  #: --runs
 TORCH_RUNS = [label for label, side, _, _ in RUNS if side == "torch"]
 CHUNK_PAIRS = [
     ("ours interleaved / torch ScheduleInterleaved1F1B, V=2 M=4", "ours interleaved M=4",
@@ -81,6 +87,10 @@ PAIRS = [  # (ratio name, numerator run, denominator run or the torch runs' best
     ("ours 1f1b-flush / torch Schedule1F1B, M=2", "ours 1f1b-flush M=2", "torch Schedule1F1B M=2"),
     ("ours 1f1b-flush / torch Schedule1F1B, M=4", "ours 1f1b-flush M=4", "torch Schedule1F1B M=4"),
     ("pipeoptim / torch's best synchronous schedule", "ours pipeoptim", "best torch"),
+    ("ours 1f1b-flush / torch Schedule1F1B, M=2, both compiled", "ours 1f1b-flush M=2 compiled",
+     "torch Schedule1F1B M=2 compiled"),
+    ("ours 1f1b-flush compiled / eager, M=2", "ours 1f1b-flush M=2 compiled", "ours 1f1b-flush M=2"),
+    ("torch Schedule1F1B compiled / eager, M=2", "torch Schedule1F1B M=2 compiled", "torch Schedule1F1B M=2"),
 ]
 
 
