@@ -87,6 +87,8 @@ PAIRS = [  # (ratio name, numerator run, denominator run or the torch runs' best
     ("ours 1f1b-flush / torch Schedule1F1B, M=2", "ours 1f1b-flush M=2", "torch Schedule1F1B M=2"),
     ("ours 1f1b-flush / torch Schedule1F1B, M=4", "ours 1f1b-flush M=4", "torch Schedule1F1B M=4"),
     ("pipeoptim / torch's best synchronous schedule", "ours pipeoptim", "best torch"),
+]
+COMPILED_PAIRS = [  # --runs 1f1b-compiled
     ("ours 1f1b-flush / torch Schedule1F1B, M=2, both compiled", "ours 1f1b-flush M=2 compiled",
      "torch Schedule1F1B M=2 compiled"),
     ("ours 1f1b-flush compiled / eager, M=2", "ours 1f1b-flush M=2 compiled", "ours 1f1b-flush M=2"),
@@ -170,7 +172,7 @@ def summarise(samples_per_second: List[Dict[str, float]]) -> Dict[str, Any]:
         if name != PLAIN:
             entry["x_plain"] = spread([r[name] for r in norm])
         runs[name] = entry
-    return {"runs": runs, "ratios": pair_ratios(norm, pairs=PAIRS + CHUNK_PAIRS)}
+    return {"runs": runs, "ratios": pair_ratios(norm, pairs=PAIRS + CHUNK_PAIRS + COMPILED_PAIRS)}
 
 
 def format_table(summary: Dict[str, Any]) -> str:
@@ -241,7 +243,7 @@ def _cpu_summary(cpu_rounds: List[Dict[str, List[float]]], walls: List[Dict[str,
         "cpu_ms_per_batch": {n: spread([r[n] for r in total]) for n in names},
         "cpu_ms_per_batch_by_rank": {n: [spread([r[n][k] for r in cpu_rounds]) for k in range(len(cpu_rounds[0][n]))]
                                      for n in names},
-        "cpu_ratios": {name: spread([r[num] / r[den] for r in total]) for name, num, den in PAIRS + CHUNK_PAIRS
+        "cpu_ratios": {name: spread([r[num] / r[den] for r in total]) for name, num, den in PAIRS + CHUNK_PAIRS + COMPILED_PAIRS
                        if num in names and den in names},
         "cores_busy": {n: spread([t[n] / w[n] for t, w in zip(total, walls)]) for n in names},
     }
@@ -269,7 +271,7 @@ def _worker(args: argparse.Namespace) -> int:
         rounds.append({k: BATCH * args.batches / v["wall"] for k, v in measured.items()})
         cpu_rounds.append({k: [c * 1e3 / args.batches for c in v["cpu"]] for k, v in measured.items() if k != PLAIN})
         walls.append({k: v["wall"] * 1e3 / args.batches for k, v in measured.items() if k != PLAIN})
-        ratios = pair_ratios(normalise(rounds), pairs=PAIRS + CHUNK_PAIRS)
+        ratios = pair_ratios(normalise(rounds), pairs=PAIRS + CHUNK_PAIRS + COMPILED_PAIRS)
         spreads = ", ".join(f"{r['median']:.3f} +- {100 * r['median_spread']:.1f} %" if r["median_spread"] else
                             f"{r['median']:.3f}" for r in ratios.values())
         say(f"round {len(rounds)}: " + ", ".join(f"{k} {v:.0f}" for k, v in rounds[-1].items())
