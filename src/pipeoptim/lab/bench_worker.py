@@ -179,6 +179,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             finally:
                 torch.set_num_threads(1)
 
+        predictions: Dict[Any, Any] = {}  # the predicted activations per run's shape (run_pipeline)
+
         def run_pipeline(method: str, chunk: List[Any], recompute: bool = False, sharded: bool = False,
                          compiled: bool = False) -> PipelineRun:
             """One run through pipeoptim.Pipeline on all processes: stages x replicas, each
@@ -208,9 +210,13 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                 dist.all_gather_object(share, round((time.process_time() - cpu) / wall, 3))
                 m = pipeline.microbatches
                 rows = -(-shard[0][0].shape[0] // m)  # the largest micro-batch
-                profile = profile_model(model, shard[0][0][:rows], warmup=0, repeats=1)
-                predicted = predicted_activations(profile, sizes, method, 1 if method == "sequential" else stages,
-                                                  m, batches=len(chunk), recompute=recompute)
+                key = (method, m, rows, len(chunk), recompute)
+                if key not in predictions:  # the same every round: profiled once, not after every run
+                    profile = profile_model(model, shard[0][0][:rows], warmup=0, repeats=1)
+                    predictions[key] = predicted_activations(profile, sizes, method,
+                                                             1 if method == "sequential" else stages,
+                                                             m, batches=len(chunk), recompute=recompute)
+                predicted = predictions[key]
                 return PipelineRun(batch * len(chunk) / wall, wall, share, result, m, predicted)
             finally:
                 pipeline.close()  # its process groups, before the next run makes its own
