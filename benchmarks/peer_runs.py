@@ -85,17 +85,25 @@ def plain(rank: int) -> Run:
 
 
 def ours(method: str, micro: Optional[int], timeout: float, rank: int = 0, world: int = 2,
-         compile: bool = False) -> Run:
+         compile: bool = False, by_step: bool = False) -> Run:
     """``pipeoptim.Pipeline`` with ``method`` at ``micro`` micro-batches (None: the method's own),
     its stages placed as :func:`pieces_of` says (``compile``: each stage's forward through
-    torch.compile, inductor)."""
+    torch.compile, inductor). Trained with ``fit``, or with ``by_step``, as torch's loop drives
+    its schedule: ``step`` per mini-batch and a ``flush`` at the end (no result: nothing
+    gathered, no reports)."""
     from pipeoptim.lab.bench_worker import blocks_model
     from pipeoptim.pipeline import Pipeline
 
     pipeline = Pipeline(blocks_model(2), method=method, loss_fn=_loss(), optimizer=_optimizer(),
                         stages=world, partition=pieces_of(method, rank, world)[0], micro_batches=micro,
                         devices="cpu", timeout=timeout, threads=1, compile=compile)
-    return Run(lambda batches: pipeline.fit(list(batches)), pipeline.close)
+    def by_steps(batches: Batches) -> None:
+        segment = len(batches)
+        for x, y in batches:
+            pipeline.step(x, y, segment_length=segment)
+        pipeline.flush()
+
+    return Run(by_steps if by_step else (lambda batches: pipeline.fit(list(batches))), pipeline.close)
 
 
 def torch_schedule(name: str, micro: int, rank: int, world: int, compile: bool = False) -> Run:
@@ -136,15 +144,15 @@ def torch_schedule(name: str, micro: int, rank: int, world: int, compile: bool =
 
 
 def build(side: str, schedule: str, micro: Optional[int], rank: int, world: int, timeout: float) -> Run:
-    """The run of ``side`` ("plain", "ours" or "torch", and "ours+compile" or "torch+compile" for
-    their stages compiled) with ``schedule`` (a method or a torch schedule's class name) at
-    ``micro`` micro-batches."""
-    compile = side.endswith("+compile")
-    side = side[:-len("+compile")] if compile else side
+    """The run of ``side`` ("plain", "ours" or "torch"; "+compile": their stages compiled;
+    "ours+step": ours driven by ``step`` and ``flush`` instead of ``fit``) with ``schedule`` (a
+    method or a torch schedule's class name) at ``micro`` micro-batches."""
+    side, *extras = side.split("+")
+    compile = "compile" in extras
     if side == "plain":
         return plain(rank)
     if side == "ours":
-        return ours(schedule, micro, timeout, rank, world, compile)
+        return ours(schedule, micro, timeout, rank, world, compile, by_step="step" in extras)
     if side == "torch":
         return torch_schedule(schedule, micro, rank, world, compile)
     raise ValueError(f"side must be plain, ours or torch, got {side!r}")

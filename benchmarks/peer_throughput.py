@@ -4,7 +4,8 @@ thread each), the runs of :mod:`benchmarks.peer_runs` (the ``blocks`` model, spl
 512, momentum SGD; ours ``gpipe``, ``1f1b-flush`` and ``pipeoptim``, torch's ``ScheduleGPipe`` and
 ``Schedule1F1B``; with ``--runs chunks`` the schedules of two chunks per process; with ``--runs
 1f1b-compiled`` our 1F1B-flush and torch's Schedule1F1B at M = 2, eager and with both sides'
-stages through torch.compile).
+stages through torch.compile; with ``--runs 1f1b-step`` ours also driven by ``step`` and ``flush``
+as torch's loop drives its schedule, without ``fit``'s gathering of the trained model at its end).
 
 Every run gets fresh weights, trains ``--warmup`` mini-batches untimed, then is timed on
 ``--batches`` mini-batches from a barrier to a barrier: wall time, and each process's CPU time
@@ -71,8 +72,11 @@ ONE_F_ONE_B = [run for run in RUNS if run[2] in ("1f1b-flush", "Schedule1F1B")]
 #: the same two with both sides' stages compiled (torch.compile, inductor), beside the eager pair
 COMPILED_RUNS = [("ours 1f1b-flush M=2 compiled", "ours+compile", "1f1b-flush", 2),
                  ("torch Schedule1F1B M=2 compiled", "torch+compile", "Schedule1F1B", 2)]
+#: ours driven as torch's loop drives its schedule: step per mini-batch, a flush at the end
+BY_STEP = ("ours 1f1b-flush M=2 (step)", "ours+step", "1f1b-flush", 2)
 SETS = {"sync": RUNS, "chunks": CHUNK_RUNS, "all": RUNS + CHUNK_RUNS, "1f1b": ONE_F_ONE_B,
-        "1f1b-compiled": [r for r in ONE_F_ONE_B if r[3] == 2] + COMPILED_RUNS}  #: --runs
+        "1f1b-compiled": [r for r in ONE_F_ONE_B if r[3] == 2] + COMPILED_RUNS,
+        "1f1b-step": [r for r in ONE_F_ONE_B if r[3] == 2] + [BY_STEP]}  #: --runs
 TORCH_RUNS = [label for label, side, _, _ in RUNS if side == "torch"]
 CHUNK_PAIRS = [
     ("ours interleaved / torch ScheduleInterleaved1F1B, V=2 M=4", "ours interleaved M=4",
@@ -88,7 +92,9 @@ PAIRS = [  # (ratio name, numerator run, denominator run or the torch runs' best
     ("ours 1f1b-flush / torch Schedule1F1B, M=4", "ours 1f1b-flush M=4", "torch Schedule1F1B M=4"),
     ("pipeoptim / torch's best synchronous schedule", "ours pipeoptim", "best torch"),
 ]
-COMPILED_PAIRS = [  # --runs 1f1b-compiled
+COMPILED_PAIRS = [  # --runs 1f1b-compiled and 1f1b-step
+    ("ours 1f1b-flush by step / torch Schedule1F1B, M=2", "ours 1f1b-flush M=2 (step)", "torch Schedule1F1B M=2"),
+    ("ours 1f1b-flush by step / by fit, M=2", "ours 1f1b-flush M=2 (step)", "ours 1f1b-flush M=2"),
     ("ours 1f1b-flush / torch Schedule1F1B, M=2, both compiled", "ours 1f1b-flush M=2 compiled",
      "torch Schedule1F1B M=2 compiled"),
     ("ours 1f1b-flush compiled / eager, M=2", "ours 1f1b-flush M=2 compiled", "ours 1f1b-flush M=2"),
