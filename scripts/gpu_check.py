@@ -129,6 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--updates", type=int, default=8, help="updates K each method trains (default 8)")
     parser.add_argument("--methods", default=None, help="comma-separated (default: every method)")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default: fp32,bf16)")
     parser.add_argument("--backend", default="inductor", help="the compiled runs' torch.compile backend "
                         "(default inductor; aot_eager compiles in seconds, for a quick look)")
     args = parser.parse_args(argv)
@@ -148,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     modes = [None, args.backend]
     rows = []
     for compiled in modes:
-        for precision in ("fp32", "bf16"):
+        for precision in args.precisions.split(","):
             for method in methods:
                 try:
                     rows.append(run(method, precision, compiled, args.device, args.updates))
