@@ -162,3 +162,13 @@ def test_compiled_every_method_under_torchrun_equals_eager():
         assert close(row["eager"], row["compiled"]), (method, row)
         assert row["compilations"] == [1] * (2 * pipeoptim.get_method(method).chunks), (method, row)
         assert row["eager_compilations"] == [None] * len(row["compilations"])
+
+
+def test_the_command_line_compiles_and_reports_each_stages_graphs(tmp_path, capsys):
+    from pipeoptim.cli import main
+    assert main(["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "2",
+                 "--epochs", "1", "--limit", "256", "--compile", "aot_eager", "--out", str(tmp_path / "run"),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["compilations"] == [1, 1]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["compile"] == "aot_eager"

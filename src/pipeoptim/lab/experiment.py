@@ -327,6 +327,7 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: TrainResul
         "weight_copies_design": result.metrics["weight_versions_design"],
         "stage_seconds": result.metrics["stage_seconds"], "epochs_detail": result.metrics["epochs"],
         "prediction_error": result.metrics.get("prediction_error"),
+        "compilations": result.metrics.get("compilations"),
         "seconds": time.time() - started, "data": data.describe(),
     }
     if cfg.holdout is not None:
