@@ -147,6 +147,29 @@ def test_no_gloo_worker_thread_outlives_the_pipelines_teardown(mode):
         assert "a stage failed on purpose" in done.stderr and "Connection closed by peer" in done.stderr
 
 
+AGAIN = ("import json, torch, pipeoptim; from torch import nn\n"
+         "g = torch.Generator().manual_seed(1)\n"
+         "data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]\n"
+         "for i in range(3):\n"
+         "    torch.manual_seed(0)\n"
+         "    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))\n"
+         "    with pipeoptim.Pipeline(model, method='gpipe', loss_fn=nn.functional.cross_entropy, timeout=60,\n"
+         "                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:\n"
+         "        losses = pipe.fit(data).losses\n"
+         "    if pipe.rank == 0: print(json.dumps(losses), flush=True)\n")
+
+
+def test_a_pipeline_made_after_one_that_ended_the_job_joins_it_again(tmp_path):
+    """Three Pipelines in turn in one script, each closed (with ``with``) before the next: the
+    first two tear the job's process group down, and each later one joins it again, under a
+    store prefix of its own (the torn-down groups' addresses are still in torchrun's store:
+    joined without one, the new groups connected to sockets that were gone)."""
+    script = tmp_path / "again.py"
+    script.write_text(AGAIN)
+    lines = run([script], nproc=2, timeout=180).strip().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+
+
 DP_SCRIPT = HERE / "torchrun_data_parallel.py"
 
 

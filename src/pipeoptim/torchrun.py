@@ -86,6 +86,8 @@ class Torchrun:
     placement: List[int] = field(default_factory=list)
     comm: Optional[PipeComm] = None
     stage_group: Any = None
+    #: how many times a Pipeline of this process has torn the job's process group down
+    jobs_ended = 0
     #: whether this Pipeline started the job's process group (then it also tears it down)
     owns_job: bool = False
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
@@ -120,7 +122,8 @@ class Torchrun:
             # torch._dynamo), they would keep the group alive past leave(), into interpreter
             # finalization. Imported now, they hold None.
             import torch.distributed.nn.functional  # noqa: F401
-        device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None)
+        device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None,
+                                    generation=cls.jobs_ended if ours else 0)
         joined = cls(dist.get_rank(), world, device, float(timeout), owns_job=ours)
         # at the script's exit, while the interpreter is whole: see leave()
         atexit.register(joined.leave)
@@ -162,6 +165,7 @@ class Torchrun:
             if dist.is_initialized():
                 if self.owns_job:
                     dist.destroy_process_group()  # every group of the job
+                    Torchrun.jobs_ended += 1  # a Pipeline made later joins it again (init_process_group)
                 else:  # the user's job goes on: only the groups made for this pipeline
                     for group in made:
                         dist.destroy_process_group(group)

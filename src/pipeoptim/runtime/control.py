@@ -22,13 +22,18 @@ from .wire import PipelineCommError, reason
 
 def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
                        init_method: Optional[str] = None, rank: Optional[int] = None,
-                       world_size: Optional[int] = None, threads: Optional[int] = 1) -> torch.device:
+                       world_size: Optional[int] = None, threads: Optional[int] = 1,
+                       generation: int = 0) -> torch.device:
     """Join the job's default process group (gloo on CPU, NCCL on GPU) with a timeout; return
     this process's device (``cuda:LOCAL_RANK`` on GPU). Without ``init_method`` the torchrun
     environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
 
     ``threads``: intra-op threads of this process (default 1: one compute thread per stage,
-    so that N stages on N cores do not oversubscribe them); None leaves torch's setting."""
+    so that N stages on N cores do not oversubscribe them); None leaves torch's setting.
+    ``generation``: how many times this process has joined and torn down the job before. A
+    job joined again rendezvouses under a prefix of its own in the same store: without it the
+    new groups would read the addresses the torn-down ones left there, and connect to sockets
+    that are gone."""
     import os
 
     if threads is not None:
@@ -51,6 +56,10 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     if not dist.is_initialized():
+        if generation and init_method is None:
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
+            kwargs.update(store=dist.PrefixStore(f"pipeoptim-job-{generation}", store), rank=rank,
+                          world_size=world_size)
         dist.init_process_group(**kwargs)
     return dev
 
