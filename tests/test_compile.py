@@ -116,12 +116,13 @@ def test_a_compiled_traced_gpt_with_tied_weights_equals_eager(method):
     from traced_models import TinyGPT, lm_batches, lm_loss
     data = lm_batches(4)
     losses = []
-    for compile in (False, "inductor"):
+    for compile in (False, "aot_eager"):  # the tied values' path (inductor's kernels: the MLP tests')
         torch.manual_seed(0)
         pipe = pipeoptim.Pipeline(TinyGPT(layers=2), method=method, stages=2, loss_fn=lm_loss, compile=compile,
-                                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_input=data[0][0])
+                                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), example_input=data[0][0],
+                                  partitioner="params")  # the same cut in both runs (not by measured time)
         losses.append(pipe.fit(data).losses)
-    assert close(*losses), losses
+    assert losses[1] == losses[0]
     assert pipe.compilations == [1, 1]
 
 
@@ -147,19 +148,21 @@ def test_compile_refusals_name_the_fix(monkeypatch):
 
 def test_compiled_every_method_under_torchrun_equals_eager():
     """Two processes, one stage each: the same losses compiled and eager for every method, one
-    graph per stage (per chunk) on each rank."""
+    graph per stage (per chunk) on each rank. With aot_eager (torch's graphs run by eager
+    kernels) the losses are equal to the bit: what the distributed executor adds to a compiled
+    stage is exact; inductor's rounding is the one-process tests'."""
     from test_torchrun import _env
     env = _env()
     env["PYTHONPATH"] += ":" + str(HERE)
     methods = [m for m in method_names() if m != "sequential"]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "torchrun_compiled.py"), ",".join(methods), "inductor"],
+                           str(HERE / "torchrun_compiled.py"), ",".join(methods), "aot_eager"],
                           capture_output=True, text=True, env=env, cwd=HERE.parent, timeout=480)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = {r["method"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
     assert sorted(rows) == sorted(methods)
     for method, row in rows.items():
-        assert close(row["eager"], row["compiled"]), (method, row)
+        assert row["compiled"] == row["eager"], (method, row)
         assert row["compilations"] == [1] * (2 * pipeoptim.get_method(method).chunks), (method, row)
         assert row["eager_compilations"] == [None] * len(row["compilations"])
 

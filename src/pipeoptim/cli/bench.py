@@ -55,6 +55,7 @@ from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
 from ..lab.bench_worker import COMPILED_SUFFIX, SHARDED_SUFFIX
+from ..runtime.defaults import COMPILE_BACKENDS
 from ..lab.optimizers import optimizer_names
 from .common import check_positive, known_methods, refuse_traced_model
 from .flags import add_table_flags
@@ -94,6 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="each stage's forward through torch.compile (inductor; Pipeline(compile=True)): on, or "
                         "both (every method twice, the second named 'METHOD compiled'); a compiled run first "
                         "trains one untimed mini-batch, in which it compiles (default: off)")
+    p.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
+                   help="the compiled runs' torch.compile backend (default: inductor; aot_eager "
+                        "compiles in a second, for a look at the compiled path)")
     p.add_argument("--shard-replicas", default="off", choices=["off", "on", "both"],
                    help="with --data-parallel D >= 2, each stage sharded over its D replicas with torch's "
                         "FSDP2 instead of replicated: off (default), on, or both (each method twice, the "
@@ -156,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
                 "recompute": args.recompute, "shard_replicas": args.shard_replicas, "compile": args.compile,
+                "compile_backend": args.compile_backend,
                 "synthetic": args.synthetic, "baselines": not args.no_baselines,
                 "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
                 "verbose": not args.json}

@@ -195,7 +195,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                 partition=None if method == "sequential" else sizes,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute,
-                                shard_replicas=sharded, compile=compiled)
+                                shard_replicas=sharded,
+                                compile=spec.get("compile_backend", "inductor") if compiled else False)
             try:
                 d = pipeline.data_parallel_rank
                 shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
@@ -265,6 +266,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                              "recompute": spec.get("recompute", "off"),
                              "shard_replicas": spec.get("shard_replicas", "off"),
                              "compile": spec.get("compile", "off"),
+                             "compile_backend": spec.get("compile_backend", "inductor"),
                              "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
                              "parameters": sum(p.numel() for p in model.parameters()),
                              "backend": "gloo", "torch": torch.__version__},
