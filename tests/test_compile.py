@@ -17,6 +17,7 @@ import pipeoptim
 from pipeoptim.methods import method_names
 from pipeoptim.prepare import check_compile
 from pipeoptim.runtime.compiled import missing_toolchain
+from traced_models import TinyGPT, lm_batches, lm_loss
 
 HERE = Path(__file__).resolve().parent
 REL = 1e-5  #: compiled against eager: inductor fuses differently, so not bit for bit
@@ -112,8 +113,6 @@ def test_compiled_with_other_settings_equals_eager(method, settings):
 def test_a_compiled_traced_gpt_with_tied_weights_equals_eager(method):
     """A traced model (GraphModule stages) whose head is tied to the embedding: the owner's
     values travel into the holder's compiled graph as inputs."""
-    sys.path.insert(0, str(HERE))
-    from traced_models import TinyGPT, lm_batches, lm_loss
     data = lm_batches(4)
     losses = []
     for compile in (False, "aot_eager"):  # the tied values' path (inductor's kernels: the MLP tests')
@@ -153,7 +152,6 @@ def test_compiled_every_method_under_torchrun_equals_eager():
     stage is exact; inductor's rounding is the one-process tests'."""
     from test_torchrun import _env
     env = _env()
-    env["PYTHONPATH"] += ":" + str(HERE)
     methods = [m for m in method_names() if m != "sequential"]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(HERE / "torchrun_compiled.py"), ",".join(methods), "aot_eager"],

@@ -320,7 +320,7 @@ def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
             "diagnostics": stage.probes.summary() if stage.probes.every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report(),
-            "compilations": stage.compiled.compilations if stage.compiled is not None else None}
+            "compilations": stage.compilations}
 
 
 def _encode_rng(state: Optional[torch.Tensor]) -> Optional[str]:

@@ -145,7 +145,7 @@ class Pipeline:
     def compilations(self) -> List[Optional[int]]:
         """Per stage this process holds, the graphs torch.compile has made of its forward so far
         (None: the stage runs eagerly). Swapping weight versions adds none."""
-        return [s.compiled.compilations if s.compiled is not None else None for s in self.stages]
+        return [s.compilations for s in self.stages]
 
     def step(self, inputs: Any, target: Optional[torch.Tensor] = None, *,
              segment_length: Optional[int] = None) -> List[float]:

@@ -103,17 +103,12 @@ def check_sharding(world: World, layout: Any, settings: "ModelSettings") -> None
 
 
 def check_compile(settings: "ModelSettings") -> None:
-    """``compile``: what the run needs for it (a ValueError naming the fix, in one line)."""
+    """``compile`` beside the other settings (a ValueError naming the fix, in one line); the
+    toolchain it needs is checked on the stages' devices, once they are placed
+    (:func:`build_model_stages`)."""
     if settings.shard_replicas:
         raise ValueError("compile and shard_replicas do not run together yet (FSDP's hooks around a "
                          "compiled stage): drop one of them")
-    spec = settings.devices
-    named = [spec] if isinstance(spec, (str, torch.device)) else list(spec)
-    types = {("cuda" if torch.cuda.is_available() else "cpu") if str(d) == "auto" else torch.device(d).type
-             for d in named}
-    problem = missing_toolchain(settings.compile, tuple(sorted(types)))
-    if problem:
-        raise ValueError(problem)
 
 
 def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
@@ -290,6 +285,9 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
     devices = world.place(settings.devices, spec.stages)
+    problem = missing_toolchain(settings.compile, tuple(sorted({d.type for d in devices})))
+    if problem:
+        raise ValueError(problem)
     check_tie_devices(prepared, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
     rank = world.own_stage(spec.ranks)

@@ -60,10 +60,10 @@ def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
     return compile
 
 
-def missing_toolchain(backend: str, device_types: Tuple[str, ...]) -> Optional[str]:
-    """Why ``backend`` cannot compile here, in one line (None: it can). Inductor's CPU code is C++
-    built at run time, which needs a C++ compiler and Python's headers; the other backends and
-    the GPU's Triton kernels need neither."""
+def missing_toolchain(backend: Optional[str], device_types: Tuple[str, ...]) -> Optional[str]:
+    """Why ``backend`` (None: no compilation) cannot compile here, in one line (None: it can).
+    Inductor's CPU code is C++ built at run time, which needs a C++ compiler and Python's
+    headers; the other backends and the GPU's Triton kernels need neither."""
     if backend != "inductor" or "cpu" not in device_types:
         return None
     compiler = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)

@@ -413,6 +413,11 @@ class Stage:
             self.tied.backward_done(microbatch, extra)
 
     @property
+    def compilations(self) -> Optional[int]:
+        """The graphs torch.compile has made of this stage's forward so far (None: eager)."""
+        return self.compiled.compilations if self.compiled is not None else None
+
+    @property
     def in_flight(self) -> int:
         """Micro-batches whose backward has not finished (weight half included)."""
         return len(self._saved) + len(self._weight_halves)
