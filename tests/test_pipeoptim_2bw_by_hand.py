@@ -34,7 +34,10 @@ def order(k):
     return seq
 
 
-def hand_pipeline(weights, biases, data):
+def hand_pipeline(weights, biases, data, feedback=False):
+    """The per-mini-batch losses and final weights; ``feedback``: error feedback after each
+    update whose window ran on an older version than the live one,
+    ``W -= u_t - u_(t-1)`` (u = LR * momentum, the step SGD applied)."""
     W = [w.clone() for w in weights]
     b = [x.clone() for x in biases]
     mom = [[None, None] for _ in range(N)]
@@ -43,6 +46,8 @@ def hand_pipeline(weights, biases, data):
     saved = [dict() for _ in range(N)]
     acts, grads, losses = {}, {}, {}
     updates = [0] * N
+    previous = [None] * N                 # stage -> the step it applied at its last update
+    used = [[] for _ in range(N)]         # stage -> versions of the windows since its last update
     orders = [order(k) for k in range(N)]
     pointer = [0] * N
     micro = [(x[2 * j:2 * j + 2], y[2 * j:2 * j + 2]) for x, y in data for j in range(M)]
@@ -58,10 +63,10 @@ def hand_pipeline(weights, biases, data):
                     if t not in window[k]:
                         s = 1 if (k < N - 1 and t >= 1 and updates[k] > 0) else 0
                         if s:
-                            window[k][t] = (W[k] - LR * s * mom[k][0], b[k] - LR * s * mom[k][1])
+                            window[k][t] = (W[k] - LR * s * mom[k][0], b[k] - LR * s * mom[k][1], updates[k])
                         else:  # this version, kept even if the stage updates during the window
-                            window[k][t] = (W[k].clone(), b[k].clone())
-                    Wf, bf = window[k][t]
+                            window[k][t] = (W[k].clone(), b[k].clone(), updates[k])
+                    Wf, bf, _ = window[k][t]
                     z = x @ Wf.T + bf
                     a = torch.tanh(z) if k < N - 1 else z
                     saved[k][i] = (x, a)
@@ -77,7 +82,8 @@ def hand_pipeline(weights, biases, data):
                         if (k, i) not in grads:
                             break
                         gz = grads.pop((k, i)) * (1 - a ** 2)
-                    Wb, _ = window[k][i // M]    # the window's weights, as at its forward
+                    Wb, _, version = window[k][i // M]    # the window's weights, as at its forward
+                    used[k].append(version)
                     grad_sum[k][0] += gz.T @ x
                     grad_sum[k][1] += gz.sum(0)
                     if k > 0:
@@ -85,8 +91,12 @@ def hand_pipeline(weights, biases, data):
                 else:  # U: torch's SGD with momentum; the first buffer is the gradient itself
                     for j, g in enumerate(grad_sum[k]):
                         mom[k][j] = g.clone() if mom[k][j] is None else MU * mom[k][j] + g
-                    W[k] = W[k] - LR * mom[k][0]
-                    b[k] = b[k] - LR * mom[k][1]
+                    step = (LR * mom[k][0], LR * mom[k][1])
+                    W[k], b[k] = W[k] - step[0], b[k] - step[1]
+                    if feedback and previous[k] is not None and updates[k] - min(used[k]) >= 1:
+                        W[k] = W[k] - (step[0] - previous[k][0])
+                        b[k] = b[k] - (step[1] - previous[k][1])
+                    previous[k], used[k] = step, []
                     grad_sum[k] = [torch.zeros_like(W[k]), torch.zeros_like(b[k])]
                     updates[k] += 1
                 pointer[k] += 1
@@ -94,16 +104,18 @@ def hand_pipeline(weights, biases, data):
     return per_minibatch, W, b
 
 
-def test_pipeoptim_2bw_equals_hand_written_three_stage_loop():
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error-feedback"])
+def test_pipeoptim_2bw_equals_hand_written_three_stage_loop(feedback):
     torch.manual_seed(5)
     layers = [nn.Linear(i, o).double() for i, o in DIMS]
     model = nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Tanh(), layers[2])
     data = [(torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)) for _ in range(T)]
     expected, final_w, final_b = hand_pipeline([l.weight.detach() for l in layers],
-                                               [l.bias.detach() for l in layers], data)
+                                               [l.bias.detach() for l in layers], data, feedback)
     sgdm = lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MU)  # noqa: E731
+    options = {"error_feedback": True} if feedback else {}
     result = pipeoptim.train(model, data, method="pipeoptim-2bw", partition=[2, 2, 1], micro_batches=M,
-                             optimizer=sgdm, loss_fn=nn.functional.mse_loss)
+                             optimizer=sgdm, loss_fn=nn.functional.mse_loss, **options)
     assert result.losses == pytest.approx(expected, rel=1e-12, abs=1e-14)
     trained = [m for m in result.model if isinstance(m, nn.Linear)]
     for layer, w, bias in zip(trained, final_w, final_b):
@@ -113,3 +125,6 @@ def test_pipeoptim_2bw_equals_hand_written_three_stage_loop():
     stale = pipeoptim.train(model, data, method="pipedream-2bw", partition=[2, 2, 1], micro_batches=M,
                             optimizer=sgdm, loss_fn=nn.functional.mse_loss)
     assert max(abs(a - b) for a, b in zip(stale.losses, expected)) > 1e-6
+    if feedback:  # and the feedback mattered too
+        plain, _, _ = hand_pipeline([l.weight.detach() for l in layers], [l.bias.detach() for l in layers], data)
+        assert max(abs(a - b) for a, b in zip(plain, expected)) > 1e-6

@@ -38,8 +38,9 @@ FORMAT = 3
 #: what a checkpoint of each older format holds, for the message that refuses it
 FORMATS = {1: "torch's positional optimizer state", 2: "a file per stage"}
 #: the weight policy's per-parameter tensors, by section of its state: section -> its field of
-#: tensors by parameter name (the predictor's stored directions, ``delta="ema"``'s averages)
-POLICY_TENSORS = {"predictor": "stored", "ema": "average"}
+#: tensors by parameter name (the predictor's stored directions, ``delta="ema"``'s averages,
+#: ``error_feedback``'s previous updates)
+POLICY_TENSORS = {"predictor": "stored", "ema": "average", "error_feedback": "previous"}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -143,11 +143,22 @@ def _pipeoptim_versions(k: int, n: int, backward: str = "latest", delta: str = "
     return (2 if backward == "latest" else 2 + (n - 1 - k)) + _ema(delta)
 
 
-def _pipeoptim_2bw_versions(k: int, n: int, **_: Any) -> int:
+def _feedback(error_feedback: bool) -> int:
+    # error_feedback=True: the previous update and the scratch copy of the weights
+    return 2 if error_feedback else 0
+
+
+def _pipeoptim_2bw_versions(k: int, n: int, error_feedback: bool = False, **_: Any) -> int:
     # stages 0..N-2: the live weights and the predicted values of two windows in flight at once
     # (the next window starts before the last backwards of the current one); the last stage runs
     # each window on its live weights (s = 0), no update inside a window: nothing kept.
-    return 1 if k == n - 1 else 3
+    return (1 if k == n - 1 else 3) + _feedback(error_feedback)
+
+
+#: Error feedback (weights/error_feedback.py) for the methods whose every update is one update
+#: stale (2BW's schedule); off by default.
+FEEDBACK_OPTIONS: Dict[str, Any] = {"error_feedback": False}
+FEEDBACK_CHOICES: Dict[str, tuple] = {"error_feedback": (False, True)}
 
 
 METHODS: Dict[str, Method] = {m.name: m for m in [
@@ -180,10 +191,12 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            versions=_pipedream_versions),
     Method("pipedream-2bw", "2bw", "DoubleBufferPolicy",
            "async 1F1B over micro-batches, an update every m >= N, two buffers (PipeDream-2BW)", False,
-           default_microbatches=lambda n: n, versions=lambda k, n, **o: 1 if n == 1 else 2),
+           options=dict(FEEDBACK_OPTIONS), choices=dict(FEEDBACK_CHOICES), default_microbatches=lambda n: n,
+           versions=lambda k, n, error_feedback=False, **o: (1 if n == 1 else 2) + _feedback(error_feedback)),
     Method("pipeoptim-2bw", "2bw", "PipeOptim2BWPolicy",
            "2BW's schedule and windows, each window on weights predicted over the updates it misses", False,
-           default_microbatches=lambda n: n, versions=_pipeoptim_2bw_versions),
+           options=dict(FEEDBACK_OPTIONS), choices=dict(FEEDBACK_CHOICES), default_microbatches=lambda n: n,
+           versions=_pipeoptim_2bw_versions),
     Method("spectrain", "async-1f1b", "SpecTrainPolicy",
            "momentum-based prediction in both passes (SpecTrain)", False,
            options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),

@@ -199,6 +199,10 @@ OPTIONS: Tuple[Option, ...] = (
            Flag("float", metavar="G", group=CORRECTIONS)),
     Option("prediction_warmup", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
            "updates", "method", Flag("int", metavar="T", group=CORRECTIONS)),
+    Option("error_feedback", False, "the methods with a one-update delay (2BW's schedule): each update's "
+           "error against the one before, u_t - u_(t-1) (u = the step the optimizer applied), is added to the "
+           "weights with it, for any optimizer; one weight-sized buffer and a scratch copy per stage",
+           "method", Flag("switch", group=CORRECTIONS)),
     Option("sync_warmup", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------

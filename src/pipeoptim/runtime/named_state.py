@@ -113,11 +113,12 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
                 "steps_taken": pred["steps_taken"],
                 "stored": {i: stored[name] for i, name in enumerate(order) if name in stored},
                 "step_lr": [step_lr.get(names[0]) for names in groups]}
-        if "ema" in policy:  # averages are keyed by parameter name already: gather every stage's
-            average = {}
-            for s_entry in saved:
-                average.update(s_entry["policy"].get("ema", {}).get("average", {}))
-            policy["ema"] = {**policy["ema"], "average": average}
+        for section, field in (("ema", "average"), ("error_feedback", "previous")):
+            if section in policy:  # keyed by parameter name already: gather every stage's
+                tensors = {}
+                for s_entry in saved:
+                    tensors.update(s_entry["policy"].get(section, {}).get(field, {}))
+                policy[section] = {**policy[section], field: tensors}
         stage.policy.load_state_dict(policy)
         if first["stage"] == stage.index and len(saved) == len(stages):
             stage.count.update(first["counters"])

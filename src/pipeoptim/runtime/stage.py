@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..weights.base import local, nbytes
+from ..weights.error_feedback import GradientDelay
 from ..weights.policies import WeightPolicy, WeightUse
 from . import recompute, split_backward, weight_grads
 from .compiled import CompiledForward
@@ -111,6 +112,8 @@ class Stage:
         #: its own loss from the labels: they reach it the way a target does, and only it)
         self.takes_target = False
         self.trace: List[TraceEntry] = []
+        #: how stale the next update's gradients are (what error feedback and a delay-aware optimizer read)
+        self.delays = GradientDelay()
         #: Added to schedule-local micro-batch numbers in the trace (micro-batches of earlier epochs).
         self.trace_offset = 0
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
@@ -179,7 +182,7 @@ class Stage:
                 held_back()
             use.done()
         self.policy.note_memory()
-        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "F", use.version, use.steps))
+        self._traced(microbatch, "F", use)
         self._saved[microbatch] = (leaves, as_tuple(output), use)
         self.held.keep(microbatch, (() if self.is_first else as_tuple(leaves))
                        + (() if self.is_last else as_tuple(output)))
@@ -247,7 +250,7 @@ class Stage:
         weight_grads.collect(use, self.policy.named)
         self._tied_backward_done(microbatch)
         self._release(microbatch)
-        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "B", used.version, used.steps))
+        self._traced(microbatch, "B", used)
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
         if self.is_first:
@@ -283,7 +286,7 @@ class Stage:
             scope.close()
             raise
         self._weight_halves[microbatch] = (pending, use, scope, used)
-        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "I", used.version, used.steps))
+        self._traced(microbatch, "I", used)
         self.time["B"] += time.perf_counter() - start
         if self.is_first:
             return None
@@ -309,7 +312,7 @@ class Stage:
         weight_grads.collect(use, self.policy.named)
         self._tied_backward_done(microbatch)
         self._release(microbatch)
-        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, "W", used.version, used.steps))
+        self._traced(microbatch, "W", used)
         self.time["B"] += time.perf_counter() - start
         self.count["B"] += 1
 
@@ -330,6 +333,14 @@ class Stage:
         pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _traced(self, microbatch: int, kind: str, used: WeightUse) -> None:
+        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, kind, used.version, used.steps))
+        self.delays.saw(kind, microbatch, used.version)
+
+    def gradient_delay(self) -> int:
+        """The next update's delay (:class:`~pipeoptim.weights.error_feedback.GradientDelay`)."""
+        return self.delays.of(self.policy.version)
 
     def update(self, grad_scale: Optional[torch.Tensor] = None) -> None:
         """One optimizer step from the gradients accumulated since the last one, then the
@@ -357,7 +368,15 @@ class Stage:
         self.grad_bytes_peak = max(self.grad_bytes_peak, nbytes(self.grads()))
         self.updates.append(UpdateEntry(self.index, self.policy.version,
                                         tuple(float(g["lr"]) for g in self.optimizer.param_groups)))
+        delay, feedback = self.delays.take(self.policy.version), self.policy.feedback
+        tell_delay = getattr(self.optimizer, "set_pipeline_delay", None)  # a delay-aware optimizer
+        if tell_delay is not None:
+            tell_delay(delay)
+        if feedback is not None:
+            feedback.before_step()
         self.optimizer.step()
+        if feedback is not None:
+            feedback.after_step(delay)
         if divisor != 1.0:
             for g, lr in zip(self.optimizer.param_groups, scheduled):
                 g["lr"] = lr

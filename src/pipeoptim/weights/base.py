@@ -20,6 +20,7 @@ from torch import nn
 
 from ..schedules.actions import Action, Kind
 from .corrections import LR_CORRECTIONS, delay_divisor
+from .error_feedback import UpdateFeedback
 from .fused import local
 
 
@@ -61,7 +62,7 @@ class WeightPolicy:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
                  num_stages: int, lr_correction: str = "none", lr_correction_steps: Optional[int] = None,
-                 **options) -> None:
+                 error_feedback: bool = False, **options) -> None:
         if options:
             raise ValueError(f"{type(self).__name__} takes no options, got {', '.join(options)}")
         if lr_correction not in LR_CORRECTIONS:
@@ -81,6 +82,11 @@ class WeightPolicy:
         self._sync_micro: frozenset = frozenset()
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.param_bytes = nbytes([p for _, p in self.named])
+        if error_feedback not in (False, True):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        #: error_feedback=True: the update's error fed back (weights/error_feedback.py); the
+        #: stage runs it around each optimizer step
+        self.feedback = UpdateFeedback(self.named) if error_feedback else None
         self.version = 0                   #: live version: updates applied so far
         self.epoch_start_version = 0
         self.copy_bytes_peak = 0
@@ -193,11 +199,19 @@ class WeightPolicy:
         """The policy's state at a drained point of the pipeline (nothing in flight)."""
         if self._forward_version:
             raise RuntimeError(f"stage {self.stage}: cannot save a policy with micro-batches in flight")
-        return {"version": self.version, "copy_bytes_peak": self.copy_bytes_peak}
+        state = {"version": self.version, "copy_bytes_peak": self.copy_bytes_peak}
+        if self.feedback is not None:
+            state["error_feedback"] = self.feedback.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.version = int(state["version"])
         self.copy_bytes_peak = int(state["copy_bytes_peak"])
+        if self.feedback is not None:
+            if "error_feedback" not in state:
+                raise ValueError("the saved state has no error feedback (it was saved without "
+                                 "error_feedback=True); resume with the options it was saved with")
+            self.feedback.load_state_dict(state["error_feedback"])
 
     # -- memory -------------------------------------------------------------------------------
     def copy_bytes(self) -> int:
@@ -205,7 +219,8 @@ class WeightPolicy:
         return 0
 
     def note_memory(self) -> None:
-        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes() + self.recompute_copy_bytes)
+        feedback = self.feedback.nbytes() if self.feedback is not None else 0
+        self.copy_bytes_peak = max(self.copy_bytes_peak, self.copy_bytes() + self.recompute_copy_bytes + feedback)
 
     @property
     def versions_peak(self) -> float:
