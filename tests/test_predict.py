@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from pipeoptim.delay_nadamw import DelayNAdamW
 from pipeoptim.muon_adamw import MuonWithAdamW
 from pipeoptim.weights.predict import Predictor, optimizer_direction_supported
 
@@ -91,6 +92,14 @@ CASES = [
     ("adadelta-foreach", lambda g: O.Adadelta(g, weight_decay=0.1, foreach=True), 4),
 ]
 
+# pipeoptim's own optimizers, kept out of CASES while tests/test_fused_weights.py (which takes
+# CASES) has no per-parameter reference of their Delta; tests/test_delay_nadamw.py checks that
+OWN_CASES = [
+    ("delay-nadamw", lambda g: DelayNAdamW(g), 4),
+    ("delay-nadamw-wd-delay", lambda g: DelayNAdamW(g, weight_decay=0.5, delay=2), 4),
+    ("delay-nadamw-max", lambda g: DelayNAdamW(g, maximize=True, delay=1), 4),
+]
+
 
 def _check_property(opt: torch.optim.Optimizer, pred: Predictor, params, n_steps: int) -> None:
     """After every real step, direction(p) == (W_before - W_after) / lr of that step."""
@@ -108,7 +117,8 @@ def _check_property(opt: torch.optim.Optimizer, pred: Predictor, params, n_steps
             torch.testing.assert_close(delta, applied, rtol=1e-5, atol=1e-10)
 
 
-@pytest.mark.parametrize("factory,n_steps", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("factory,n_steps", [c[1:] for c in CASES + OWN_CASES],
+                         ids=[c[0] for c in CASES + OWN_CASES])
 def test_direction_equals_applied_step(factory, n_steps):
     params = _params()
     opt = factory(_groups(params))
@@ -133,6 +143,21 @@ def test_muon_alone_and_a_tall_matrix():
     pred = Predictor(opt)
     assert not pred.uses_fallback
     _check_property(opt, pred, params, 4)
+
+
+def test_delay_nadamw_has_an_exact_formula_that_follows_the_pipeline_delay():
+    """DelayNAdamW needs no fallback; a delay the pipeline sets between steps is the next
+    step's, and Delta follows it."""
+    params = _params()
+    opt = DelayNAdamW(_groups(params), weight_decay=0.2)
+    assert optimizer_direction_supported(opt)
+    assert optimizer_direction_supported(DelayNAdamW(_params(), delay=4))
+    pred = Predictor(opt)
+    assert not pred.uses_fallback
+    _check_property(opt, pred, params, 2)
+    opt.set_pipeline_delay(5)
+    assert [g["delay"] for g in opt.param_groups] == [5, 5]
+    _check_property(opt, pred, params, 2)
 
 
 def test_nadam_beta1_is_read_from_the_group():

@@ -6,11 +6,16 @@ optimizer per stage (:class:`pipeoptim.muon_adamw.MuonWithAdamW`; which paramete
 :func:`pipeoptim.muon_adamw.split_for_muon`): ``lr`` is Muon's, ``adamw_lr`` AdamW's (default
 ``lr / 10``), ``momentum`` Muon's (default 0.95), ``beta1`` AdamW's; a non-zero ``weight_decay``
 is both parts' (else torch's defaults, Muon 0.1 and AdamW 0.01, as ``adamw`` keeps AdamW's).
+``delay-nadamw`` is pipeoptim's own :class:`pipeoptim.delay_nadamw.DelayNAdamW`: NAdamW with a
+constant beta1 (default 0.99) whose Nesterov look-ahead spans the stage's gradient delay (after
+Ajanthan et al., ICML 2025; the formulation is ours); a zero ``weight_decay`` keeps its default,
+0.01 decoupled, as ``adamw`` keeps AdamW's.
 ``beta1`` sets the first moment's decay of the optimizers with ``betas`` (beta2 stays 0.999).
 
 The table names the classes rather than holding them, so that :func:`optimizer_names` (the
 choices of ``--optimizer``) is available without importing torch; :func:`make_optimizer`
-imports it."""
+imports it, and a class of pipeoptim's own is imported by its builder when the factory builds the
+optimizer (:data:`_OWN`)."""
 from __future__ import annotations
 
 import functools
@@ -19,7 +24,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, Tuple
 if TYPE_CHECKING:
     import torch
 
-#: name -> (class name in torch.optim, keyword arguments besides lr)
+#: name -> (class name in torch.optim, or in pipeoptim for a name of :data:`_OWN`, keyword
+#: arguments besides lr)
 _OPTIMIZERS: Dict[str, Tuple[str, Dict]] = {
     "sgd": ("SGD", {}),
     "momentum": ("SGD", {"momentum": 0.9}),
@@ -33,10 +39,11 @@ _OPTIMIZERS: Dict[str, Tuple[str, Dict]] = {
     "nadam": ("NAdam", {}),
     "radam": ("RAdam", {}),
     "muon": ("Muon", {}),
+    "delay-nadamw": ("DelayNAdamW", {}),
 }
 
 #: the optimizers ``beta1`` applies to (muon: its AdamW part)
-BETA1_OPTIMIZERS = ("adam", "adamw", "adamax", "nadam", "radam", "muon")
+BETA1_OPTIMIZERS = ("adam", "adamw", "adamax", "nadam", "radam", "muon", "delay-nadamw")
 
 
 def optimizer_names() -> list[str]:
@@ -46,6 +53,19 @@ def optimizer_names() -> list[str]:
 
 def _build(cls: type, kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return cls(params, **kwargs)
+
+
+def _build_delay_nadamw(kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from ..delay_nadamw import DelayNAdamW
+
+    return DelayNAdamW(params, **kwargs)
+
+
+#: the names whose class is pipeoptim's own -> a module-level builder ``(kwargs, params)``, which
+#: imports the class when it builds (so the factory stays picklable and this module torch-free)
+_OWN: Dict[str, Callable[[Dict, Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "delay-nadamw": _build_delay_nadamw,
+}
 
 
 def _build_muon(kwargs: Dict, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -102,7 +122,6 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: fl
             kwargs["betas"] = (beta1, 0.999)
         return functools.partial(_build_muon, kwargs)
     class_name, kwargs = _OPTIMIZERS[name]
-    cls = getattr(torch.optim, class_name)
     kwargs = dict(kwargs, lr=lr)
     if weight_decay:
         kwargs["weight_decay"] = weight_decay
@@ -110,4 +129,6 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, momentum: fl
         kwargs["momentum"] = momentum
     if beta1 is not None:
         kwargs["betas"] = (beta1, 0.999)
-    return functools.partial(_build, cls, kwargs)
+    if name in _OWN:
+        return functools.partial(_OWN[name], kwargs)
+    return functools.partial(_build, getattr(torch.optim, class_name), kwargs)

@@ -25,12 +25,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ..delay_nadamw import DelayNAdamW, delay_of, lookahead_coefficients
 from .fused import Into, batches, copy_all, local_all
 from .muon_direction import muon_direction
 
 __all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported"]
 
-#: (formula, optimizer class): the optimizers with an exact formula (Muon where torch has it)
+#: (formula, optimizer class): the optimizers with an exact formula (Muon where torch has it;
+#: DelayNAdamW is pipeoptim's own, :mod:`pipeoptim.delay_nadamw`)
 KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
     ("sgd", torch.optim.SGD),
     ("adam", torch.optim.Adam),
@@ -41,6 +43,7 @@ KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
     ("rmsprop", torch.optim.RMSprop),
     ("adagrad", torch.optim.Adagrad),
     ("adadelta", torch.optim.Adadelta),
+    ("delay-nadamw", DelayNAdamW),
 ) + ((("muon", torch.optim.Muon),) if hasattr(torch.optim, "Muon") else ())
 
 
@@ -139,13 +142,14 @@ class DirectionFormulas:
             )
         if kind == "rmsprop":
             return group["momentum"] == 0
-        return kind in ("nadam", "adagrad", "adadelta", "muon")
+        return kind in ("nadam", "adagrad", "adadelta", "muon", "delay-nadamw")
 
     def _l2(self, group: dict[str, Any]) -> float:
         """Weight decay that the optimizer adds to the gradient (0 when decoupled)."""
         wd = float(group.get("weight_decay", 0.0))
         kind = self._kind_of(group)
-        if kind == "muon" or (kind in ("nadam", "radam", "adam") and group.get("decoupled_weight_decay")):
+        if kind in ("muon", "delay-nadamw") or (kind in ("nadam", "radam", "adam")
+                                                and group.get("decoupled_weight_decay")):
             return 0.0
         return wd
 
@@ -200,6 +204,10 @@ class DirectionFormulas:
             for (step, prod), run in _by_key(range(len(params)), key):
                 self._nadam(group, step, prod, [g[i] for i in run], [states[i] for i in run])
             self._decoupled(group, params, g)
+        elif kind == "delay-nadamw":
+            for step, run in _by_key(range(len(params)), lambda i: float(states[i]["step"])):
+                self._delay_nadamw(group, step, [g[i] for i in run], [states[i] for i in run])
+            self._decoupled(group, params, g)
         elif kind == "rmsprop":
             if group["centered"]:
                 means = _states(states, "grad_avg")
@@ -239,6 +247,21 @@ class DirectionFormulas:
         torch._foreach_add_(g, _states(states, "exp_avg"), alpha=mu_next / (1 - prod * mu_next))
         torch._foreach_div_(g, denoms)
 
+    @staticmethod
+    def _delay_nadamw(group: dict[str, Any], step: float, g: list[Tensor],
+                      states: Sequence[dict[str, Any]]) -> None:
+        """DelayNAdamW's ``d = (a * m + b * g) / (sqrt(v_hat) + eps)`` from its gradients ``g``
+        (local shards) at one step count, with the delay the step used: the operations of
+        :meth:`DelayNAdamW.step <pipeoptim.delay_nadamw.DelayNAdamW.step>`, in its order."""
+        b1, b2 = _betas(group)
+        a, b = lookahead_coefficients(b1, step, delay_of(group))
+        torch._foreach_mul_(g, b)
+        torch._foreach_add_(g, _states(states, "exp_avg"), alpha=a)
+        denoms = torch._foreach_div(_states(states, "exp_avg_sq"), 1 - b2**step)
+        torch._foreach_sqrt_(denoms)
+        torch._foreach_add_(denoms, group["eps"])
+        torch._foreach_div_(g, denoms)
+
     def _decoupled(self, group: dict[str, Any], params: Sequence[Tensor], deltas: list[Tensor]) -> None:
         """Add decoupled decay to ``deltas`` (local shards): ``delta <- (delta + wd * W_after) /
         (1 - lr_step * wd)``.
@@ -247,7 +270,7 @@ class DirectionFormulas:
         """
         wd = float(group.get("weight_decay", 0.0))
         if not deltas or wd == 0.0 or not (group.get("decoupled_weight_decay", False)
-                                           or self._kind_of(group) == "muon"):
+                                           or self._kind_of(group) in ("muon", "delay-nadamw")):
             return
         torch._foreach_add_(deltas, local_all([p.detach() for p in params]), alpha=wd)
         torch._foreach_div_(deltas, 1 - self._step_lr[id(group)] * wd)
