@@ -38,7 +38,7 @@ CASES = [
     (["train", "--method", "gpipe", "--continuous"], "--continuous applies to asynchronous methods"),
     (["train", "--optimizer", "adam", "--momentum", "0.9", *QUICK], "--momentum applies to momentum, nesterov, rmsprop and muon"),
     (["train", "--weight-decay", "-1", *QUICK], "weight decay must be >= 0"),
-    (["train", "--optimizer", "sgd", "--beta1", "0.9"], "--beta1 applies to adam, adamw, adamax, nadam, radam, muon, not sgd"),
+    (["train", "--optimizer", "sgd", "--beta1", "0.9"], "--beta1 applies to adam, adamw, adamax, nadam, radam, muon, delay-nadamw, not sgd"),
     (["train", "--optimizer", "nadam", "--beta1", "1"], "--beta1 must lie in [0, 1), got 1.0"),
     (["train", "--optimizer", "adam", "--adamw-lr", "0.01"], "--adamw-lr applies to muon (its AdamW part), not adam"),
     (["train", "--optimizer", "muon", "--adamw-lr", "0"], "--adamw-lr must be positive, got 0.0"),
@@ -130,7 +130,7 @@ def test_bad_input_exits_2_with_one_line(argv, expected, capsys, tmp_path, monke
     assert not (tmp_path / "runs").exists(), "bad input must be refused before a run folder is made"
     assert expected in err, err
     assert "Traceback" not in err
-    message_lines = [l for l in err.splitlines() if "error" in l]
+    message_lines = [l for l in err.splitlines() if "error:" in l]  # (not the usage line's --error-feedback)
     assert len(message_lines) == 1, err
 
 

@@ -305,3 +305,35 @@ def test_delta_is_the_per_parameter_formula_bit_for_bit(regime):
             g.mul_(b).add_(state["exp_avg"], alpha=a).div_(denom)
             g.add_(p.detach(), alpha=wd).div_(1 - lr * wd)
             assert torch.equal(pred.direction(p), g), (step, p.shape)
+
+
+@pytest.mark.parametrize("method,delays", [("pipeoptim", [2, 1, 0]), ("pipedream-2bw", [1, 1, 1]),
+                                           ("pipeoptim-2bw", [1, 1, 0]), ("1f1b-flush", [0, 0, 0])])
+def test_a_pipeline_sets_each_stage_s_delay_before_every_step(method, delays):
+    """The stage tells the optimizer the delay of each update's gradients (Stage.gradient_delay):
+    here, the delays each stage's optimizer had at every step, against the method's."""
+    import pipeoptim
+    from torch import nn
+
+    seen: dict = {}
+
+    def recording(params):  # (a step hook, not a subclass: the Predictor keeps its exact formula)
+        opt = DelayNAdamW(params, lr=1e-3)
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs: seen.setdefault(id(o), []).append(o.param_groups[0]["delay"]))
+        return opt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    data = [(torch.randn(6, 4), torch.randn(6, 2)) for _ in range(8)]
+    pipe = pipeoptim.Pipeline(model, stages=3, method=method, optimizer=recording,
+                              loss_fn=nn.functional.mse_loss)
+    pipe.fit(data)
+    steady = [seen[id(stage.optimizer)][-1] for stage in pipe.stages]
+    assert steady == delays
+    assert all(seen[id(stage.optimizer)][0] == 0 for stage in pipe.stages)  # the first update: no delay yet
+    # a delay the user fixed stays
+    fixed = pipeoptim.Pipeline(model, stages=3, method=method, optimizer=lambda ps: DelayNAdamW(ps, delay=5),
+                               loss_fn=nn.functional.mse_loss)
+    fixed.fit(data[:3])
+    assert [stage.optimizer.param_groups[0]["delay"] for stage in fixed.stages] == [5, 5, 5]

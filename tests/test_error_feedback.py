@@ -98,7 +98,8 @@ def test_memory_and_versions_count_the_two_buffers():
     pipe = pipeoptim.Pipeline(model, stages=2, method="pipedream-2bw", partition=PARTITION, micro_batches=M,
                               optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, error_feedback=True)
     pipe.fit(data)
-    assert [s.policy.feedback.corrected for s in pipe.stages] == [T - 1] * 2  # every update but the first (no previous one)
+    # every update but the first (no previous one)
+    assert [s.policy.feedback.corrected for s in pipe.stages] == [T - 1] * 2
     assert pipe.method.weight_versions(2, error_feedback=True) == [4, 4]
     assert [round(s.policy.versions_peak, 6) for s in pipe.stages] == [4.0, 4.0]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeoptim.delay_nadamw import delay_of, lookahead_coefficients
 from pipeoptim.runtime.probes import norm_of, relative_distance
 from pipeoptim.schedules import build_schedule
 from pipeoptim.weights import PipeOptimPolicy, StashingPolicy
@@ -188,6 +189,13 @@ class ReferenceDelta:
                 g.mul_((1 - mu) / (1 - prod))
                 g.add_(state["exp_avg"], alpha=mu_next / (1 - prod * mu_next)).div_(denom)
                 self.decoupled(group, p, g)
+            elif kind == "delay-nadamw":
+                b1, b2 = group["betas"]
+                step = float(state["step"])
+                a, b = lookahead_coefficients(b1, step, delay_of(group))
+                denom = state["exp_avg_sq"].div(1 - b2**step).sqrt_().add_(group["eps"])
+                g.mul_(b).add_(state["exp_avg"], alpha=a).div_(denom)
+                self.decoupled(group, p, g)
             elif kind == "rmsprop":
                 sq = state["square_avg"]
                 avg = (torch.addcmul(sq, state["grad_avg"], state["grad_avg"], value=-1).sqrt_()
@@ -204,7 +212,7 @@ class ReferenceDelta:
 
     def decoupled(self, group, p, delta):
         wd = float(group.get("weight_decay", 0.0))
-        if wd and (group.get("decoupled_weight_decay", False) or self.pred._kind_of(group) == "muon"):
+        if wd and (group.get("decoupled_weight_decay", False) or self.pred._kind_of(group) in ("muon", "delay-nadamw")):
             delta.add_(p.detach(), alpha=wd).div_(1 - self.lrs[id(group)] * wd)
 
     def delta(self, group, p):

@@ -90,11 +90,7 @@ CASES = [
     ("adadelta", lambda g: O.Adadelta(g), 4),
     ("adadelta-wd", lambda g: O.Adadelta(g, weight_decay=0.1, rho=0.5), 4),
     ("adadelta-foreach", lambda g: O.Adadelta(g, weight_decay=0.1, foreach=True), 4),
-]
-
-# pipeoptim's own optimizers, kept out of CASES while tests/test_fused_weights.py (which takes
-# CASES) has no per-parameter reference of their Delta; tests/test_delay_nadamw.py checks that
-OWN_CASES = [
+    # pipeoptim's own: the delay-aware Nesterov step (tests/test_delay_nadamw.py has its rule)
     ("delay-nadamw", lambda g: DelayNAdamW(g), 4),
     ("delay-nadamw-wd-delay", lambda g: DelayNAdamW(g, weight_decay=0.5, delay=2), 4),
     ("delay-nadamw-max", lambda g: DelayNAdamW(g, maximize=True, delay=1), 4),
@@ -117,8 +113,7 @@ def _check_property(opt: torch.optim.Optimizer, pred: Predictor, params, n_steps
             torch.testing.assert_close(delta, applied, rtol=1e-5, atol=1e-10)
 
 
-@pytest.mark.parametrize("factory,n_steps", [c[1:] for c in CASES + OWN_CASES],
-                         ids=[c[0] for c in CASES + OWN_CASES])
+@pytest.mark.parametrize("factory,n_steps", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_direction_equals_applied_step(factory, n_steps):
     params = _params()
     opt = factory(_groups(params))

@@ -48,8 +48,8 @@ LAB_OPTIONS: Tuple[Option, ...] = (
            "AdamW 0.01, Muon 0.1)", "lab", Flag("float", group=OPTIMIZER)),
     Option("momentum", None, "momentum coefficient (momentum, nesterov, rmsprop; muon: Muon's, default "
            "0.95)", "lab", Flag("float", group=OPTIMIZER)),
-    Option("beta1", None, "first-moment decay beta1 of adam, adamw, adamax, nadam, radam and muon's AdamW "
-           "part (default 0.9; beta2 stays 0.999), e.g. --optimizer nadam --beta1 0.99", "lab",
+    Option("beta1", None, "first-moment decay beta1 of adam, adamw, adamax, nadam, radam, muon's AdamW "
+           "part (default 0.9) and delay-nadamw (default 0.99); beta2 stays 0.999; e.g. --optimizer nadam --beta1 0.99", "lab",
            Flag("float", metavar="B", group=OPTIMIZER)),
     Option("adamw_lr", None, "muon: the learning rate of its AdamW part (default: lr / 10); the lr schedule "
            "scales it as it scales lr", "lab", Flag("float", metavar="LR", group=OPTIMIZER)),
