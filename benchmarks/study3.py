@@ -46,6 +46,7 @@ from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from benchmarks.common import RESULTS, ROOT, append_line, parse_shard
+from benchmarks import study4_plan
 from benchmarks.study2_plan import LR_SCHEDULE, stop_point
 from benchmarks.study2_train import cached_data, curve, drop_checkpoints, has_checkpoint, quiet_options, train_until
 from benchmarks.study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs
@@ -210,8 +211,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     times = read_times(args.times or TIMES)
     rows2 = study2_rows(suite)
     runs_file = study / "runs.jsonl"
+    planner = plan_runs
+    if suite.get("planner") == "delay_fixes":  # issue 38's arm: planned over issue 23's rows
+        rows2 = load_rows(Path(suite["study3"]) / "runs.jsonl")
+        times = study4_plan.alias_times(times)
+        planner = study4_plan.plan_runs
     if args.plan:
-        print_plan(plan_runs(suite, load_rows(runs_file), times, rows2), args.budget_minutes)
+        budget = suite.get("budget_minutes", args.budget_minutes)
+        print_plan(planner(suite, load_rows(runs_file), times, rows2), budget)
         return 0
     torch.set_num_threads(args.threads)
     study.mkdir(parents=True, exist_ok=True)
@@ -220,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started, done_here, said = time.time(), 0, ""
     while True:
         rows = load_rows(runs_file)
-        everything = plan_runs(suite, rows, times, rows2)
+        everything = planner(suite, rows, times, rows2)
         drop_halved(everything, study)
         mine = [r for r in shard_runs(everything, args.shard) if selected(r, args)]
         ready = [r for r in mine if r.status == "ready"]

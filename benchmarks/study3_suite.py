@@ -35,6 +35,9 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, Any], Any]] = {
     "pipeoptim+M2": ("pipeoptim", {}, 2),             # item 3: fewer updates in flight, as XPipe runs
     "pipeoptim+MN": ("pipeoptim", {}, "N"),           # item 3: M = N
     "pipeoptim-2bw": ("pipeoptim-2bw", {}, None),     # item 3: 2BW's schedule, predicted weights
+    # issue 38: error feedback on the methods with a one-update delay (benchmarks/study4_plan.py)
+    "pipedream-2bw+ef": ("pipedream-2bw", {"error_feedback": True}, None),
+    "pipeoptim-2bw+ef": ("pipeoptim-2bw", {"error_feedback": True}, None),
 }
 
 #: variants that compute another variant's updates bit for bit, and which: a cell that runs both
@@ -106,6 +109,37 @@ SUITES: Dict[str, Dict[str, Any]] = {
         # variant whose local cost it shares (same micro-batches on the local runtime)
         "cost_like": {"pipeoptim+M2": "xpipe", "pipeoptim+MN": "pipedream-2bw", "pipeoptim-2bw": "pipedream-2bw"},
         "study2": str(STUDY2),
+    },
+    # issue 38's arm (benchmarks/study4_plan.py plans it, over issue 23's rows): the delay fixes
+    # and the close calls, at N = 8, within 360 core-minutes
+    "delay_fixes": {
+        "planner": "delay_fixes",
+        "study3": str(RESULTS / "study3"),
+        "tasks": copy.deepcopy(STUDY2_SUITES["default"]["tasks"]),
+        "arms": [
+            {"name": "error feedback", "kind": "fix", "task": "lm", "optimizer": "adamw", "stages": 8,
+             "variants": ["pipedream-2bw+ef", "pipeoptim-2bw+ef"], "seeds": [0, 1]},
+            {"name": "close calls", "kind": "seeds", "task": "lm", "optimizer": "muon", "stages": 8,
+             "variants": ["xpipe", "sequential"], "seeds": [2]},
+            {"name": "close calls", "kind": "seeds", "task": "image", "optimizer": "adamw", "stages": 8,
+             "variants": ["pipeoptim-2bw"], "seeds": [2]},
+            {"name": "error feedback", "kind": "fix", "task": "lm", "optimizer": "muon", "stages": 8,
+             "variants": ["pipedream-2bw+ef", "pipeoptim-2bw+ef"], "seeds": [0, 1]},
+            {"name": "delay-aware Nesterov", "kind": "fix", "task": "lm", "optimizer": "delay-nadamw", "stages": 8,
+             "variants": ["sequential", "pipeoptim", "xpipe", "pipeoptim-2bw"], "seeds": [0, 1]},
+            {"name": "error feedback", "kind": "fix", "task": "image", "optimizer": "momentum", "stages": 8,
+             "variants": ["pipeoptim-2bw+ef"], "seeds": [0, 1]},
+            {"name": "error feedback", "kind": "fix", "task": "image", "optimizer": "adamw", "stages": 8,
+             "variants": ["pipeoptim-2bw+ef"], "seeds": [0, 1]},
+        ],
+        # beta1 = 0.99 for the delay-aware step, the synchronous pipeline's too (the arm tunes it
+        # for no variant); the NAdam arm's beta1, whose lrs it starts from
+        "optimizer_arms": {"cells": [], "stages": [8], "methods": [], "beta1": {"delay-nadamw": 0.99, "nadam": 0.99}},
+        "decisive_gap": 0.4,
+        "budget_minutes": 360,
+        "halving": {"share": 1 / 3, "keep": 2},
+        "diagnose_every": 25,
+        "study2": None,
     },
     # a tiny suite for tests: seconds a run
     "smoke": {
