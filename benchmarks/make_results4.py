@@ -162,6 +162,21 @@ def arm_complete(arm: Optional[Path], task: str, stages: int) -> bool:
                if r.task == task and r.stages in (1, stages))
 
 
+def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]:
+    """The diagnostic (the forward's weights against the backward's, per stage) of each new arm."""
+    from benchmarks.make_results2_findings import diagnosis
+    from benchmarks.make_results3 import _Rows
+
+    out = []
+    for name, task, optimizer, variants in new_arms(suite):
+        st = next((s for s in settings if (s.task, s.optimizer, s.stages) == (task, optimizer, 8)), None)
+        for variant in variants:
+            if st is None or variant == "sequential" or not st.arms.get(variant) or not st.arms[variant].rows:
+                continue
+            out.append(f"  - {st.name()}, {variant}: {diagnosis(_Rows({variant: st.arms[variant]}), variant)}")
+    return out or ["  - none in yet"]
+
+
 def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
     """The section that opens docs/results.md (nothing where the arm has no rows)."""
     runs = planned(arm)
@@ -189,6 +204,9 @@ def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
     lines += ["**What each fix did to the LM with AdamW** (where every asynchronous method is furthest behind):", ""]
     lines += adamw_lines(settings) + [""]
     lines += ["**The close calls, with the third seeds:**", ""] + close_call_lines(settings, suite) + [""]
+    lines += ["**The diagnostic of each new arm, per stage** (how far the weights a forward ran on were from "
+              "those live at its backward, against the stale weights' distance):", ""]
+    lines += diagnostic_lines(settings, suite) + [""]
     if dropped:
         lines += ["**Runs cut as the arm went** (the decisive-gap cut):", ""]
         lines += [f"  - {r.task}, {r.optimizer}: {r.variant} seed {r.seed} ({r.why})" for r in dropped] + [""]
