@@ -26,7 +26,8 @@ dropped where seed 0 ended more than the decisive gap behind the synchronous pip
 same optimizer, as in issue 23's study.
 
 U_m and s_m: a ``+ef`` variant's are its base variant's (the correction is two passes over the
-weights per update, priced at its measured cost in the note: under 1 % of an update here), and
+weights per update: 1.5 ms of a 191 ms update of the LM's model on one thread, a fit 1.02x,
+benchmarks/error_feedback_cost.py), and
 the new optimizer's cell takes NAdam's budgets (one adaptive optimizer for another; the budget
 is the synchronous pipeline's compute). Minutes per run: the CPU minutes of the base variant's
 whole runs in issue 23's study (the plan of that study underestimated them 1.6-1.9x).
