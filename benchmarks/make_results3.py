@@ -291,13 +291,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"written: {readme} (advice block and demo line)")
         return 0
     if args.advice:
-        from benchmarks.make_results3_advice import advice_entries, advice_source, complete_cells
+        from benchmarks.make_results3_advice import advice_source
+        from benchmarks.make_results4 import package_advice
 
-        from benchmarks.make_results4 import arm_complete, merged
-
-        rows, times = merged(args.study, args.delay_fixes)
-        complete = [c for c in complete_cells(args.study, times) if arm_complete(args.delay_fixes, *c)]
-        print(advice_source(advice_entries(settings_of(rows, times), complete)))
+        print(advice_source(package_advice(args.study, args.delay_fixes)))
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes)

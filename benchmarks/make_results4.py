@@ -177,6 +177,21 @@ def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List
     return out or ["  - none in yet"]
 
 
+def package_advice(study: Path, arm: Optional[Path]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """The package's ADVICE entries: per (task, N) whose study runs are all in, from the study's
+    rows and the arm's where the arm's runs of that task are all in too, else from the study's
+    alone (the advice it gave before the arm), in the study's order."""
+    from benchmarks.make_results3_advice import advice_entries, complete_cells
+    from benchmarks.make_results3_arith import settings_of
+
+    times = json.loads((study / "times.json").read_text())
+    complete = complete_cells(study, times)
+    entries = advice_entries(settings_of(read_rows(study), times), complete)
+    rows, filled = merged(study, arm)
+    entries.update(advice_entries(settings_of(rows, filled), [c for c in complete if arm_complete(arm, *c)]))
+    return {c: entries[c] for c in complete if c in entries}
+
+
 def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
     """The section that opens docs/results.md (nothing where the arm has no rows)."""
     runs = planned(arm)
