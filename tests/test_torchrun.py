@@ -49,13 +49,15 @@ PIPELINED = [m for m in method_names() if m != "sequential"]
 #: the cases of the tests below beside every method's plain run: global clipping, evaluations every k
 CLIPPED = [f"{m}+clip=0.05" for m in ("gpipe", "1f1b-flush", "interleaved")]
 EVALUATED = "pipeoptim+eval=2"
+#: the delay fixes: error feedback, the delay-aware optimizer (each stage told its delay per step)
+FIXES = ["pipedream-2bw+ef=1", "pipeoptim-2bw+ef=1", "pipeoptim+opt=delay-nadamw"]
 
 
 @pytest.fixture(scope="module")
 def both():
     """One job in one process and one under torchrun (2 processes) for every entry the tests
     read (each entry starts from the same seed, so a job's line for it is the entry's alone)."""
-    entries = ",".join([*PIPELINED, *CLIPPED, EVALUATED])
+    entries = ",".join([*PIPELINED, *CLIPPED, EVALUATED, *FIXES])
     return rows(run([SCRIPT, entries, 2])), rows(run([SCRIPT, entries, 2], nproc=2))
 
 
@@ -96,6 +98,18 @@ def test_evaluations_every_k_under_torchrun_equal_one_process(both):
     assert spread["losses"] == local["losses"] and spread["evaluations"] == local["evaluations"]
     assert [e["batch"] for e in local["evaluations"]] == [2, 3, 5, 6]  # 3 mini-batches per epoch
     assert [e["updates"] for e in local["evaluations"]] == [5, 6, 8, 9]  # after 3 stepped by hand
+
+
+def test_the_delay_fixes_under_torchrun_equal_one_process(both):
+    local, spread = both
+    for entry in FIXES:
+        assert spread[entry]["losses"] == local[entry]["losses"], entry
+        assert spread[entry]["weights"] == local[entry]["weights"], entry
+        assert spread[entry]["weight_versions"] == local[entry]["weight_versions"], entry
+    for entry in FIXES[:2]:  # the feedback bites, and holds its two buffers
+        plain = local[entry.split("+")[0]]
+        assert local[entry]["losses"][4:] != plain["losses"][4:]
+        assert [v - p for v, p in zip(local[entry]["weight_versions"], plain["weight_versions"])] == [2, 2]
 
 
 def test_global_clipping_under_torchrun_equals_one_process(both):

@@ -3,7 +3,8 @@ process; rank 0 prints one JSON line per entry with its losses and weight copies
 Arguments: entries (comma-separated), stages, then optionally the global clipping norm ("-": none)
 and eval_every for fit. An entry is a method, optionally with settings of its own that replace
 those two: ``gpipe+clip=0.05``, ``pipeoptim+eval=2`` (its line's "method" is the whole entry), so
-that one job runs every case its tests read."""
+that one job runs every case its tests read; ``+ef=1`` turns error feedback on, ``+opt=delay-nadamw``
+trains with the delay-aware optimizer instead of SGD with momentum."""
 import json
 import sys
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import pipeoptim
+import pipeoptim.delay_nadamw
 
 entries, stages = sys.argv[1].split(","), int(sys.argv[2])
 job_clip = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
@@ -31,10 +33,14 @@ for entry in entries:
     elif pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a fourth layer with weights
         layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
     model = nn.Sequential(*layers)
+    options = {"error_feedback": True} if settings.get("ef") == "1" else {}
+    if settings.get("opt") == "delay-nadamw":
+        optimizer = lambda p: pipeoptim.delay_nadamw.DelayNAdamW(p, lr=0.01)  # noqa: E731
+    else:
+        optimizer = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" else stages,
-                              loss_fn=nn.functional.cross_entropy,
-                              optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                              clip_grad_norm=clip, clip_scope="global" if clip else "stage")
+                              loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
+                              clip_grad_norm=clip, clip_scope="global" if clip else "stage", **options)
     stepped = [loss for x, y in batches[:3] for loss in pipe.step(x, y)] + pipe.flush()
     result = pipe.fit(batches[3:], epochs=2, eval_every=eval_every,
                       eval_loader=batches[:2], metric=lambda out, y: (out.argmax(-1) == y).float().mean())
