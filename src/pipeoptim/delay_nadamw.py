@@ -25,7 +25,10 @@ the default momentum decay 0.004 is about ``0.5 * b1`` at the first step, ``0.58
 
 The delay is a group setting: ``delay=None`` (the default) counts as 0 until a pipeline sets the
 stage's delay with :meth:`DelayNAdamW.set_pipeline_delay`, which leaves a delay the user gave
-alone. The parameters of a group whose step counts differ (one without a gradient at some step)
+alone. A pipeline's delay is the one each update's gradients have (``Stage.gradient_delay``), which
+never exceeds the updates so far (``k <= t``), so ``b <= 1`` from the first step; a delay fixed
+from the start weights the first steps' gradient more (``b = 7.7`` at ``t = 1`` for ``b1 = 0.99``,
+``delay = 7``). The parameters of a group whose step counts differ (one without a gradient at some step)
 are stepped by step count, since their scalars differ. The Predictor's exact Delta for this
 optimizer (``weights/formulas.py``) uses :func:`lookahead_coefficients` too.
 """
