@@ -40,8 +40,10 @@ def adam(params):
 
 
 def stages_for(method: str) -> dict:
-    """4 stages (2 stages x 2 chunks for a chunked method: 4 pieces of the model either way)."""
-    return {} if method == "sequential" else {"stages": 2 if get_method(method).chunks > 1 else 4}
+    """4 stages (2 stages x 2 chunks for a chunked method: 4 pieces of the model either way; a
+    bidirectional one's 4 ranks hold 4 pieces and their replicas)."""
+    meth = get_method(method)
+    return {} if method == "sequential" else {"stages": 2 if meth.chunks > 1 and not meth.mirrored else 4}
 
 
 # -- the streaming property of every runnable schedule -----------------------------------------
@@ -72,8 +74,8 @@ def test_schedule_over_more_batches_starts_like_the_shorter_one(name):
 def whole_schedule_losses(method: str, batches, optimizer=sgdm, **options):
     """The pre-streaming way: every micro-batch of the epoch split up front, one schedule."""
     meth = get_method(method)
-    n = 1 if method == "sequential" else 4 // meth.chunks  # ranks, each holding meth.chunks stages
-    sizes = [7] if n == 1 else [2, 2, 2, 1]
+    n = 1 if method == "sequential" else 4 // meth.pieces_per_rank(meth.chunks)  # ranks
+    sizes = [7] if n == 1 else [2, 2, 2, 1] * (2 if meth.mirrored else 1)
     m = meth.microbatches(n, None)
     model = copy.deepcopy(mlp())
     stages = build_stages(model, sizes, meth, meth.resolve_options(options), optimizer, LOSS)

@@ -20,7 +20,8 @@ from conftest import has_image_data
 from test_torchrun import HERE, run
 
 SCRIPT = HERE / "torchrun_sharded.py"
-PIPELINED = [m for m in method_names() if m != "sequential"]
+# (bidirectional runs in one process for now: tests/test_bidirectional.py)
+PIPELINED = [m for m in method_names() if m != "sequential" and not get_method(m).mirrored]
 #: beyond each method's plain run: a tied GPT, global and per-stage clipping, recomputation (for
 #: the asynchronous methods a stage recomputes on a copy of the weights FSDP gathered for the
 #: forward), the method options that change which version a pass runs on, the delay corrections

@@ -180,7 +180,8 @@ def plan_load(folder: Path, stages, rank: int) -> Dict[str, Any]:
     for stage in stages:
         if stage.shards is not None:
             stage.shards.release()
-        model.update(stage.module.state_dict())
+        if getattr(stage, "replica_of", None) is None:  # a replica takes its piece's weights after the load
+            model.update(stage.module.state_dict())
         for group_names in named_state.stage_groups(stage):
             names.update(group_names)
         params.update(dict(stage.module.named_parameters()))

@@ -29,15 +29,28 @@ class Method:
     #: model chunks per process by default; above 1 the schedule places several stages on each
     #: rank (docs/architecture.md, "Chunks: several stages per process") and ``chunks=V`` applies
     chunks: int = 1
-    #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N) or "v" (two chunks,
-    #: 0 .. N-1 then back: rank 0 holds the first and the last stage)
+    #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N), "v" (two chunks,
+    #: 0 .. N-1 then back: rank 0 holds the first and the last stage) or "bidirectional" (stage s
+    #: of the first pipeline on rank s, stage N+j of the second on rank N-1-j)
     placement: str = "interleaved"
+    #: the second half of the stages replicates the first half's model pieces: two pipelines of
+    #: the same N pieces (stage N+j a replica of stage j) run in opposite directions, each
+    #: replica pair summing its gradients before the update (docs/architecture.md,
+    #: "Bidirectional pipelines"); the model is cut into N pieces, not N x chunks
+    mirrored: bool = False
 
     def stage_ranks(self, ranks: int, chunks: int) -> List[int]:
         """The rank of each of the ``ranks x chunks`` stages (the schedule's ``stage_to_rank``)."""
         if self.placement == "v":
             return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
+        if self.placement == "bidirectional":
+            return list(range(ranks)) + [ranks - 1 - j for j in range(ranks)]
         return [s % ranks for s in range(ranks * chunks)]
+
+    def pieces_per_rank(self, chunks: int) -> int:
+        """Model pieces per rank: its chunks, or half of them for a mirrored method (the rest
+        are replicas)."""
+        return chunks // 2 if self.mirrored else chunks
 
     def microbatches(self, stages: int, requested: Optional[int]) -> int:
         """Micro-batches per mini-batch (per update) for ``stages`` stages."""
@@ -181,6 +194,11 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            "two chunks per process in a V (stage k holds chunks k and 2N-1-k), backward split into "
            "input and weight halves, a flush before each update (zero bubble V)", True,
            default_microbatches=lambda n: n, chunks=2, placement="v"),
+    Method("bidirectional", "bidirectional", "SynchronousPolicy",
+           "two pipelines of the same pieces in opposite directions, half the micro-batches each, every "
+           "process holding a stage of each; the two replicas of a piece sum their gradients before the "
+           "update (Chimera's shape)", True, default_microbatches=lambda n: n + n % 2, chunks=2,
+           placement="bidirectional", mirrored=True),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
            options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),

@@ -33,6 +33,7 @@ from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_sta
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.microbatch import batch_size, split_batch
+from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
 from .torchrun import Torchrun
@@ -275,6 +276,12 @@ class Pipeline:
         if self._on_batch is not None:
             self._on_batch(index, loss)
 
+    @property
+    def model_stages(self) -> List[Stage]:
+        """The stages that make up the model once, in order: every stage, or a bidirectional
+        run's first pipeline (its second holds replicas of the same pieces)."""
+        return [s for s in self.stages if s.replica_of is None]
+
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, loader: Iterable[Batch], metric: Optional[Metric] = None) -> float:
@@ -286,9 +293,9 @@ class Pipeline:
         self._require_drained("evaluate")
         self._form.refuse_model_loss("evaluate(loader)")
         loader = self._form.pairs(loader)  # a dict batch as (inputs, labels)
-        score = metric or self.stages[-1].loss_fn
+        score = metric or self.model_stages[-1].loss_fn
         with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
-            return self.world.evaluate(self.stages, loader, score)
+            return self.world.evaluate(self.model_stages, loader, score)
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
         """``evaluate(model)`` of the trained model (a function written for a model on one
@@ -296,7 +303,7 @@ class Pipeline:
         on each replica's first stage, on the CPU), measured once and returned on every rank.
         The pipeline must be drained; the model is back in training mode afterwards."""
         self._require_drained("evaluate_model")
-        return self.world.evaluate_model(self._model, self.stages, evaluate)
+        return self.world.evaluate_model(self._model, self.model_stages, evaluate)
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
@@ -306,7 +313,7 @@ class Pipeline:
         self._form.refuse_model_loss("forward")
         self.prepare(inputs)
         with contextlib.nullcontext() if self._model.training else self._eval_mode.evaluating():
-            return self.world.forward(self.stages, inputs)  # a traced model: the graph of its mode
+            return self.world.forward(self.model_stages, inputs)  # a traced model: the graph of its mode
 
     def model(self) -> nn.Module:
         """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
@@ -315,7 +322,7 @@ class Pipeline:
         into every rank's copy. A tied weight is one tensor, as in the model given."""
         if not self.prepared:
             return self._model  # nothing trained yet
-        self.world.gather_model(self._model, self.stages)
+        self.world.gather_model(self._model, self.model_stages)
         return self._model
 
     # -- state --------------------------------------------------------------------------------
@@ -352,6 +359,7 @@ class Pipeline:
         if missing:
             raise ValueError(f"state does not fit this model: no {', '.join(sorted(missing)[:3])}")
         self._model.load_state_dict(state["model"])
+        copy_to_replicas(self.stages)  # a bidirectional run's second pipeline: copies of the model's pieces
         named_state.load_stages(self.stages, state["stages"])
         self.losses = list(state.get("losses", []))
         self.batches_done = int(state.get("batches_done", 0))

@@ -19,9 +19,9 @@ from torch import nn
 from .batches import LABELS, BatchForm, loader_item, model_loss
 from .graph_split import TracedModel, trace
 from .methods import Method, get_method
-from .partition import plan_time_partition, split
+from .partition import plan_time_partition
 from .profile import profile_model
-from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage
+from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage, split_for
 from .runtime.compiled import missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import chunks_of
@@ -170,11 +170,12 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
     if isinstance(model, nn.Sequential):
         sizes = partition
         if partitioner == "time" and partition is None and method != "sequential":
-            sizes = agree(_time_sizes(model, example, stages * v), "agreeing on the partition")
+            pieces = stages * get_method(method).pieces_per_rank(v)
+            sizes = agree(_time_sizes(model, example, pieces), "agreeing on the partition")
         spec = resolve(model, method=method, stages=stages, partition=sizes,
                        partitioner="uniform" if partitioner == "time" else partitioner,
                        micro_batches=micro_batches, method_options=method_options, chunks=chunks)
-        return PreparedModel(spec, split(model, spec.partition))
+        return PreparedModel(spec, split_for(get_method(method), model, spec.partition))
     traced = trace(model, example, late)
     if late is not None:
         model_loss(traced.output_example())  # refused now, on every process, if it holds no loss
@@ -277,6 +278,10 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     devices and connect them: (the resolved run, the stages, every stage's device, the split
     points of a traced model, the evaluation mode of the stages, the rank of every stage)."""
     layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
+    if method.mirrored and world.processes > 1:
+        raise ValueError(f"{method.name} runs every stage in one process for now (the local runtime); under "
+                         f"torchrun give the Pipeline world=pipeoptim.world.LocalWorld(), or use a one-pipeline method (zb-v, "
+                         f"interleaved)")
     replicas = layout.replicas
     prepared = prepare(model, example, method=settings.method, stages=layout.stages, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequ
 import torch
 from torch import nn
 
+from .runtime.replicas import copy_to_replicas
 from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_checkpoint, load_state, plan_load,
                          prune,
                          read_manifest, save_manifest, verify, write_state)
@@ -330,6 +331,7 @@ def load_checkpoint(world: World, store: Path, stages: List[Stage],
     # every rank reads (before it, every rank knew of any rank's refusal)
     rng = _on_every_rank(world, "loading the checkpoint",
                          lambda: load_state(folder, stages, planned, world.checkpoint_group()))
+    copy_to_replicas(stages)  # a bidirectional run read each piece once, into its first pipeline's stage
     return manifest, rng
 
 

@@ -1,6 +1,8 @@
 """Assemble the stages of a run: split the model, one optimizer, scheduler and weight policy per stage."""
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -75,6 +77,15 @@ def recompute_per_stage(recompute: Union[bool, Sequence[bool]], stages: int) -> 
                      f"[True] * {stages}), got {recompute!r}")
 
 
+def split_for(method: Method, model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Module]:
+    """The stage modules of ``model`` cut by ``sizes``: its own layers; a mirrored method's second
+    half of the stages copies of the first half's pieces (``sizes`` lists them twice)."""
+    if not method.mirrored:
+        return split(model, sizes)
+    pieces = split(model, sizes[:len(sizes) // 2])
+    return pieces + [copy.deepcopy(piece) for piece in pieces]
+
+
 class OwnedParameters:
     """What a stage's weight policy is made from: the stage module's parameters less the tied ones
     another stage owns (the policy keeps, predicts and clips only what this stage updates)."""
@@ -108,10 +119,13 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     method, the others read it per micro-batch from the owner: ``runtime/tied.py``). ``shards``:
     makes the :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module
     over its replicas (a sharded copy, before its optimizer is made)."""
-    parts = list(parts) if parts is not None else split(model, sizes)
+    parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
     exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
     n = len(parts)
+    # where each pipeline starts and ends: one chain 0..n-1, or a mirrored method's two of n/2
+    chains = [range(n // 2), range(n // 2, n)] if method.mirrored else [range(n)]
+    firsts, lasts = {c[0] for c in chains}, {c[-1] for c in chains}
     stages = []
     for k, part in enumerate(parts):
         if only is not None and k not in ((only,) if isinstance(only, int) else only):
@@ -134,7 +148,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
 
             def owned(p: nn.Parameter, ids: frozenset = owned_ids) -> bool:  # noqa: F811
                 return id(p) in ids
-        params = StageParameters([p for p in part.parameters() if owned(p)], part, k == n - 1)
+        params = StageParameters([p for p in part.parameters() if owned(p)], part, k in lasts)
         if not params:
             what = "units" if isinstance(part, torch.fx.GraphModule) else "layers"
             raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
@@ -148,10 +162,13 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         policy.sharded = sharded is not None
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
-        stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k == n - 1 else None, scheduler=scheduler,
+        stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
-                      recompute=bool(recompute[k]) if recompute is not None else False, compile=compile)
+                      recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
+                      first=k in firsts, last=k in lasts)
         stage.shards = sharded
+        if method.mirrored and k >= n // 2:  # the second pipeline's copy of piece k - n/2
+            stage.replica_of = k - n // 2
         if ties:  # every tie of the model, held here or not: each rank makes the same groups
             stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
                                              exchange=exchanges[key]) for key, holders in ties.items()],

@@ -22,13 +22,15 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
     elif chunks > 1 and method.chunks == 1:
         raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
                          f"places several: method='interleaved'")
-    elif method.placement == "v" and chunks != 2:
-        raise ValueError(f"{method.name} places exactly 2 chunks per stage (a V); drop chunks={chunks} "
+    elif method.placement in ("v", "bidirectional") and chunks != 2:
+        shape = "a V" if method.placement == "v" else "one of each pipeline"
+        raise ValueError(f"{method.name} places exactly 2 chunks per stage ({shape}); drop chunks={chunks} "
                          f"or use method='interleaved' for {chunks}")
     else:
         v = chunks
-    if partition is not None and len(partition) % v:
-        raise ValueError(f"a partition for {v} chunks per stage lists stages x {v} entries; "
+    pieces = method.pieces_per_rank(v) if hasattr(method, "pieces_per_rank") else v
+    if partition is not None and len(partition) % pieces:
+        raise ValueError(f"a partition for {pieces} chunks per stage lists stages x {pieces} entries; "
                          f"{list(partition)} has {len(partition)}")
     return v
 
@@ -67,7 +69,7 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
     if method.name == "sequential":
         n: Optional[int] = 1
     elif partition is not None:
-        n = len(partition) // v
+        n = len(partition) // method.pieces_per_rank(v)
         if stages is not None and stages != n:
             raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages"
                              + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedules.actions import Kind, Schedule
+from .replicas import ReplicaUpdates
 from .segment import (MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient,
                       stage_orders)
 from .stage import Stage
@@ -47,6 +48,11 @@ class LocalExecutor(StreamedSegment):
         self._gradients: Dict[Tuple[int, int], Any] = {}
         self._pointer: List[int] = []  # per rank: the next action of its order
         self._window_loss: Optional[WindowLosses] = None
+        #: two pipelines of the same pieces (a mirrored method): the second starts mid-list
+        self.mirrored = any(stage.is_first for stage in self.stages[1:])
+        self._replicas: Optional[ReplicaUpdates] = None
+        self._next: List[Optional[int]] = []
+        self._prev: List[Optional[int]] = []
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
@@ -81,8 +87,17 @@ class LocalExecutor(StreamedSegment):
 
     # -- internals ----------------------------------------------------------------------------
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        check_runnable(schedule, len(self.stages))
+        check_runnable(schedule, len(self.stages), self.mirrored)
+        if self.mirrored and self.clip_global is not None:
+            raise ValueError("global clipping over two pipelines of replicas is not supported yet: use "
+                             "clip_scope='stage'")
         first = self.schedule is None
+        self._next = [schedule.next_stage(k) for k in range(schedule.num_stages)]
+        self._prev = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
+        if self.mirrored and self._replicas is None:
+            self._replicas = ReplicaUpdates(self.stages, schedule)
+        elif self.mirrored:
+            self._replicas.use(schedule)
         self.schedule, self.horizon = schedule, schedule.num_updates
         if first:
             self._pointer = [0] * schedule.num_ranks
@@ -124,10 +139,10 @@ class LocalExecutor(StreamedSegment):
                         _, target, share = data[i]
                         out = stage.forward(i, inputs, target if stage.is_last else None, share)
                         if stage.is_last:
-                            del data[i]  # every stage has run this micro-batch's forward
+                            del data[i]  # every stage of its pipeline has run this micro-batch's forward
                             self._window_loss.add(i, out)
                         else:
-                            activations[(k + 1, i)] = out
+                            activations[(self._next[k], i)] = out
                     elif action.kind is Kind.B or action.kind is Kind.I:
                         if stage.is_last:
                             grad = None
@@ -138,10 +153,16 @@ class LocalExecutor(StreamedSegment):
                         backward = stage.backward if action.kind is Kind.B else stage.backward_input
                         grad_in = backward(i, grad)
                         if not stage.is_first:
-                            gradients[(k - 1, i)] = grad_in
+                            gradients[(self._prev[k], i)] = grad_in
+                        if self._replicas is not None and action.kind is Kind.B:
+                            self._replicas.backward_done(k, i)
                     elif action.kind is Kind.W:
                         stage.backward_weight(i)
+                        if self._replicas is not None:
+                            self._replicas.backward_done(k, i)
                     elif action.kind is Kind.U:
+                        if self._replicas is not None and not self._replicas.ready(k, i):
+                            break  # the other replica's backwards of this window are still to come
                         if self.clip_global is not None:  # one stage too: its norm is the model's
                             if not self._update_all(i):
                                 break

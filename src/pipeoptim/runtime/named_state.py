@@ -72,6 +72,7 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
             for name in names:
                 owner[name] = (s, g)
         param_state.update(entry["optimizer"]["state"])
+    taken = set()  # names a stage loaded already: a replica of the same piece gets its own copy
     for stage in stages:
         groups = stage_groups(stage)
         lost = [n for names in groups for n in names if n not in owner]
@@ -84,7 +85,10 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
             param_groups.append({**hyper, "params": list(range(index, index + len(names)))})
             for name in names:
                 if name in param_state:
-                    state[index] = param_state[name]
+                    # (torch keeps a loaded tensor that fits: two optimizers loading one would share it)
+                    state[index] = param_state[name] if name not in taken else \
+                        {k: v.clone() if torch.is_tensor(v) else v for k, v in param_state[name].items()}
+                    taken.add(name)
                 index += 1
         stage.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
         first = saved[sources[0][0]]

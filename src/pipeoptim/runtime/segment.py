@@ -20,14 +20,26 @@ MicroBatch = Tuple[Any, torch.Tensor, float]  # inputs, target, share of the min
 ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's schedule
 
 
-def check_runnable(schedule: Schedule, num_stages: int) -> None:
+def check_runnable(schedule: Schedule, num_stages: int, mirrored: bool = False) -> None:
     """The runtimes run one chain of ``num_stages`` stages, 0 -> 1 -> ... (full or split
     backwards), each rank holding one stage or several (chunks: Megatron's interleaved
-    placement, or a V shape); a schedule of two chains (bidirectional) is not runnable."""
-    if schedule.num_stages != num_stages or schedule.pipelines != [list(range(num_stages))]:
+    placement, or a V shape); or, ``mirrored``, two chains of half of them each, the second
+    replicating the first's pieces (a bidirectional schedule)."""
+    half = num_stages // 2
+    chains = [list(range(half)), list(range(half, num_stages))] if mirrored else [list(range(num_stages))]
+    if schedule.num_stages != num_stages or schedule.pipelines != chains:
         raise ValueError(f"schedule {schedule.name} runs {schedule.num_stages} stages in chains "
-                         f"{schedule.pipelines}; the runtimes run one chain of the pipeline's "
-                         f"{num_stages} stages (use it with `pipeoptim schedule` to simulate)")
+                         f"{schedule.pipelines}; the pipeline's {num_stages} stages run in {chains} "
+                         f"(use the schedule with `pipeoptim schedule` to simulate)")
+
+
+def replica_pairs(schedule: Schedule) -> Dict[int, int]:
+    """Stage -> the stage holding the other replica of its piece (two pipelines of the same
+    pieces: the j-th stage of each), both ways; empty for one chain."""
+    if len(schedule.pipelines) != 2:
+        return {}
+    first, second = schedule.pipelines
+    return {**dict(zip(first, second)), **dict(zip(second, first))}
 
 
 def stage_orders(schedule: Schedule) -> List[List[Any]]:

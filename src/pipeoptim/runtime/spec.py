@@ -25,8 +25,8 @@ class RunSpec:
 
     method: str
     options: Dict[str, Any]
-    stages: int          #: stages (model pieces, one Stage each): ranks x chunks
-    partition: List[int]
+    stages: int          #: stages (one Stage each): ranks x chunks (a mirrored method: 2 x its N pieces)
+    partition: List[int]  #: layers per stage (a mirrored method: the N pieces', twice)
     microbatches: int
     chunks: int = 1      #: stages per rank (interleaved: rank r holds stages r, r + N, ...)
 
@@ -56,10 +56,13 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
             raise ValueError("give stages=N or partition=[layers per stage]")
         n = layout.stages
         weighted = len(weighted_units(model))  # every piece needs a layer with parameters
-        if v > 1 and partition is None and weighted < n * v:
+        pieces = m.pieces_per_rank(v)
+        if pieces > 1 and partition is None and weighted < n * pieces:
             raise ValueError(f"{method} with {n} stages x {v} chunks needs {n * v} layers with parameters, "
                              f"the model has {weighted}: use chunks={max(1, weighted // n)} or fewer stages")
-        sizes = plan_partition(model, n * v, partitioner, partition)
+        sizes = plan_partition(model, n * pieces, partitioner, partition)
+        if m.mirrored:  # the second pipeline's stages: replicas of the first's pieces
+            sizes = list(sizes) + list(sizes)
     micro = m.microbatches(n, micro_batches)
     if v > 1 and m.placement == "interleaved" and micro % n:
         raise ValueError(f"{method} needs micro-batches to be a multiple of the {n} stages (got {micro}); "

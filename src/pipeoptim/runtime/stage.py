@@ -65,7 +65,8 @@ class Stage:
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
                  precision: str = "fp32", device: Optional[torch.device] = None,
-                 recompute: bool = False, compile: Optional[str] = None) -> None:
+                 recompute: bool = False, compile: Optional[str] = None,
+                 first: Optional[bool] = None, last: Optional[bool] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.index = index
@@ -106,8 +107,12 @@ class Stage:
         #: passes call it directly, with the version they need written into its shards
         self.shards: Optional[Any] = None
         self._synced = False
-        self.is_first = index == 0
-        self.is_last = index == num_stages - 1
+        #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
+        #: method's second pipeline starts and ends too)
+        self.is_first = index == 0 if first is None else first
+        self.is_last = index == num_stages - 1 if last is None else last
+        #: a bidirectional run's second-pipeline stage: the index of the stage whose piece it copies
+        self.replica_of: Optional[int] = None
         #: the last stage's module takes the target as a second argument (a model that computes
         #: its own loss from the labels: they reach it the way a target does, and only it)
         self.takes_target = False

@@ -69,7 +69,9 @@ def bidirectional(num_ranks: int, microbatches: int, batches: int = 1,
             free_at[rank] = end[action]
             orders[rank].append(action)
             (forwarded if action.kind is Kind.F else backwarded)[action.stage] += 1
-        for rank in range(n):
-            orders[rank] += [U(rank, t), U(2 * n - 1 - rank, t)]
+        for rank in range(n):  # in the order of their pieces, on every rank: the two replicas of
+            # a piece (ranks j and N-1-j) reach their update at the same point of their orders
+            pieces = sorted([rank, 2 * n - 1 - rank], key=lambda s: s % n)
+            orders[rank] += [U(s, t) for s in pieces]
     return Schedule("bidirectional", 2 * n, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
                     pipelines=[down, up], synchronous=True)

@@ -1,0 +1,84 @@
+"""The two replicas of a model piece in a bidirectional run, in one process: their gradients
+summed before the update (docs/architecture.md, "Bidirectional pipelines").
+
+A mirrored method runs two pipelines of the same N pieces in opposite directions: stage j of
+the first and stage N+j of the second hold copies of piece j, each seeing its pipeline's half of
+the micro-batches. Before update u, each replica's gradient becomes the sum of both replicas'
+over window u (the mini-batch's gradient, as one copy would have accumulated it), so that both
+apply the same update and stay equal. Each replica's update waits for the other's last backward
+of the window; whichever comes first sums for both.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, Sequence, Set, Tuple
+
+import torch
+
+from ..schedules.actions import Kind, Schedule
+from .segment import replica_pairs
+
+
+class ReplicaUpdates:
+    """When a replicated stage may update, and the sum of its replicas' gradients."""
+
+    def __init__(self, stages: Sequence, schedule: Schedule) -> None:
+        self.stages = list(stages)
+        self.partner: Dict[int, int] = {}
+        self.done: Counter = Counter()              # (stage, window) -> its backwards finished
+        self.summed: Set[Tuple[int, int]] = set()   # (stage, window) whose gradient is the sum already
+        self.use(schedule)
+
+    def use(self, schedule: Schedule) -> None:
+        """The current schedule (a segment's, or the same one known further): what each window's
+        update waits for; the backwards counted so far stay."""
+        self.partner = replica_pairs(schedule)
+        m = schedule.microbatches_per_update
+        self.expected = Counter((a.stage, a.index // m) for order in schedule.orders for a in order
+                                if a.kind is Kind.F)
+        self.m = m
+
+    def backward_done(self, stage: int, microbatch: int) -> None:
+        """``stage`` finished the (last half of the) backward of ``microbatch``."""
+        self.done[(stage, microbatch // self.m)] += 1
+
+    def ready(self, stage: int, update: int) -> bool:
+        """Whether ``stage`` may run update ``update`` now; the first of a pair to be ready sums
+        both replicas' gradients (into each), the second finds them summed."""
+        if (stage, update) in self.summed:
+            self.summed.discard((stage, update))
+            return True
+        other = self.partner.get(stage)
+        if other is None:
+            return True
+        if any(self.done[(s, update)] < self.expected[(s, update)] for s in (stage, other)):
+            return False
+        self._sum(self.stages[stage], self.stages[other])
+        self.summed.add((other, update))
+        for s in (stage, other):
+            del self.done[(s, update)]
+        return True
+
+    @staticmethod
+    @torch.no_grad()
+    def _sum(a, b) -> None:
+        """Both replicas' gradients become their sum (the same values in each)."""
+        for p, q in zip(a.parameters(), b.parameters()):
+            if p.grad is None and q.grad is None:
+                continue
+            total = p.grad if q.grad is None else q.grad if p.grad is None else p.grad + q.grad
+            p.grad, q.grad = total, total.clone()
+
+
+@torch.no_grad()
+def copy_to_replicas(stages: Sequence) -> None:
+    """Each replica stage (``replica_of`` set: the index of the stage whose piece it copies)
+    takes that stage's weights and buffers: after a load, which reads each piece once."""
+    by_index = {stage.index: stage for stage in stages}
+    for stage in stages:
+        original = by_index.get(getattr(stage, "replica_of", None))
+        if original is None:
+            continue
+        for mine, theirs in zip(stage.module.state_dict().values(), original.module.state_dict().values()):
+            mine.copy_(theirs)
+

@@ -1,0 +1,123 @@
+"""bidirectional (Chimera's shape) on the local runtime: two pipelines of the same pieces in
+opposite directions, half of each mini-batch's micro-batches through each, the two replicas of
+every piece summing their gradients before each update. Its losses and weights equal
+sequential training's; the replicas are equal after every update; a resume mid-epoch equals the
+uninterrupted run; under torchrun it is refused for now, saying what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipeoptim
+from pipeoptim.methods import get_method
+from pipeoptim.schedules import build_schedule
+
+LOSS = nn.functional.cross_entropy
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 10), nn.Tanh()]
+    for _ in range(3):
+        layers += [nn.Linear(10, 10), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(10, 3)).double()
+
+
+def data(n: int = 6):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(n)]
+
+
+ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+
+
+def replicas_equal(pipe: pipeoptim.Pipeline) -> bool:
+    half = len(pipe.stages) // 2
+    return all(torch.equal(p, q) for j in range(half)
+               for p, q in zip(pipe.stages[j].parameters(), pipe.stages[half + j].parameters()))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_bidirectional_equals_sequential_and_keeps_its_replicas_equal(stages):
+    micro = 4
+    reference = pipeoptim.train(model(), data(), method="sequential", optimizer=ADAMW, loss_fn=LOSS,
+                                micro_batches=micro, epochs=2)
+    pipe = pipeoptim.Pipeline(model(), method="bidirectional", stages=stages, micro_batches=micro,
+                              optimizer=ADAMW, loss_fn=LOSS)
+    equal_after = []
+    result = pipe.fit(data(), epochs=2, on_batch=lambda i, loss: equal_after.append(replicas_equal(pipe)))
+    assert len(pipe.stages) == 2 * stages and [s.is_last for s in pipe.stages].count(True) == 2
+    assert result.losses == pytest.approx(reference.losses, rel=1e-12)
+    for got, want in zip(result.model.parameters(), reference.model.parameters()):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert replicas_equal(pipe) and all(equal_after)
+    # each replica saw half of every mini-batch: the down pipeline micro-batches 0, 1 of 4
+    forwards = {s.index: {e.microbatch % micro for e in s.trace if e.kind == "F"} for s in pipe.stages}
+    assert forwards[0] == {0, 1} and forwards[stages] == {2, 3}
+    # and evaluation runs the model once, through the first pipeline
+    metric = lambda out, y: (out.argmax(-1) == y).double().mean()  # noqa: E731
+    assert pipe.evaluate(data(2), metric) == pytest.approx(pipeoptim.Pipeline(
+        reference.model, method="sequential", optimizer=ADAMW, loss_fn=LOSS).evaluate(data(2), metric))
+
+
+def test_the_updates_of_a_replica_pair_meet_in_the_same_order_on_every_rank():
+    """Each rank runs its two updates in the order of their pieces, so that the two replicas of
+    a piece, on ranks j and N-1-j, reach their update at the same point of their orders (what an
+    exchange of their gradients between processes needs)."""
+    for n in (2, 3, 4, 5):
+        schedule = build_schedule("bidirectional", n, n + n % 2, 2)
+        half = schedule.num_stages // 2
+        for order in schedule.orders:
+            for t in range(2):
+                pieces = [a.stage % half for a in order if a.kind.value == "U" and a.index == t]
+                assert len(pieces) == 2 and pieces == sorted(pieces)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    def run(folder, **kwargs):
+        return pipeoptim.train(model(), data(), method="bidirectional", stages=3, micro_batches=4,
+                               optimizer=ADAMW, loss_fn=LOSS, epochs=2, checkpoint_dir=folder,
+                               checkpoint_every=2, **kwargs)
+
+    expected = run(tmp_path / "full").losses
+
+    class Crash(Exception):
+        pass
+
+    def crash(index, loss):
+        if index == 7:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", on_batch=crash)
+    assert run(tmp_path / "cut", resume=True).losses == expected
+
+
+def test_its_settings_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="even number of micro-batches"):
+        pipeoptim.Pipeline(model(), method="bidirectional", stages=2, micro_batches=3, optimizer=ADAMW,
+                           loss_fn=LOSS).fit(data(1))
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        pipeoptim.Pipeline(model(), method="bidirectional", stages=2, chunks=3, optimizer=ADAMW, loss_fn=LOSS)
+    assert get_method("bidirectional").stage_ranks(3, 2) == [0, 1, 2, 2, 1, 0]
+
+
+def test_under_torchrun_it_is_refused_saying_what_to_do(tmp_path):
+    import subprocess
+    import sys
+
+    from test_torchrun import _env
+
+    script = tmp_path / "job.py"
+    script.write_text("import torch, pipeoptim\nfrom torch import nn\n"
+                      "model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))\n"
+                      "pipeoptim.Pipeline(model, method='bidirectional', stages=2, loss_fn=nn.functional.mse_loss,\n"
+                      "                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))"
+                      ".fit([(torch.randn(4, 4), torch.randn(4, 2))])\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode != 0
+    assert "bidirectional runs every stage in one process for now" in done.stderr
+    assert "world=pipeoptim.world.LocalWorld()" in done.stderr
