@@ -121,3 +121,10 @@ def test_under_torchrun_it_is_refused_saying_what_to_do(tmp_path):
     assert done.returncode != 0
     assert "bidirectional runs every stage in one process for now" in done.stderr
     assert "world=pipeoptim.world.LocalWorld()" in done.stderr
+
+
+def test_the_planner_says_it_does_not_predict_it_yet():
+    from pipeoptim.prediction import candidate_problem
+
+    assert "not predicted by the planner yet" in candidate_problem("bidirectional", 4, 4, 64)
+    assert candidate_problem("zb-v", 4, 4, 64) is None

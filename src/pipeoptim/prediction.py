@@ -264,6 +264,8 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
         return f"{method} needs micro-batches >= stages ({microbatches} < {stages})"
     if meth.schedule == "interleaved-1f1b" and microbatches % stages:
         return f"{method} needs micro-batches that are a multiple of the stages ({microbatches}, {stages} stages)"
+    if meth.mirrored:  # its time and memory (two replicas per process) are not modelled here yet
+        return f"{method} is not predicted by the planner yet (it runs on the local runtime: pipeoptim train)"
     if layers is not None and meth.chunks * stages > layers:
         return (f"{method} splits the model into {stages} x {meth.chunks} chunks but it has {layers} layers "
                 f"with parameters; use fewer stages")
