@@ -2,7 +2,8 @@
 opposite directions, half of each mini-batch's micro-batches through each, the two replicas of
 every piece summing their gradients before each update. Its losses and weights equal
 sequential training's; the replicas are equal after every update; a resume mid-epoch equals the
-uninterrupted run; under torchrun it is refused for now, saying what to do."""
+uninterrupted run; under torchrun (tests/test_torchrun.py) it equals one process, with data
+parallel replicas on top it is refused, saying what to do."""
 from __future__ import annotations
 
 import pytest
@@ -104,7 +105,9 @@ def test_its_settings_are_refused_with_the_fix():
     assert get_method("bidirectional").stage_ranks(3, 2) == [0, 1, 2, 2, 1, 0]
 
 
-def test_under_torchrun_it_is_refused_saying_what_to_do(tmp_path):
+def test_with_data_parallel_replicas_it_is_refused_saying_what_to_do(tmp_path):
+    """Under torchrun it runs one pipeline (tests/test_torchrun.py: equal to one process on 2
+    and 4 processes); replicas of that pipeline on top of its own two are refused."""
     import subprocess
     import sys
 
@@ -113,14 +116,14 @@ def test_under_torchrun_it_is_refused_saying_what_to_do(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import torch, pipeoptim\nfrom torch import nn\n"
                       "model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))\n"
-                      "pipeoptim.Pipeline(model, method='bidirectional', stages=2, loss_fn=nn.functional.mse_loss,\n"
+                      "pipeoptim.Pipeline(model, method='bidirectional', stages=1, loss_fn=nn.functional.mse_loss,\n"
                       "                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))"
                       ".fit([(torch.randn(4, 4), torch.randn(4, 2))])\n")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode != 0
-    assert "bidirectional runs every stage in one process for now" in done.stderr
-    assert "world=pipeoptim.world.LocalWorld()" in done.stderr
+    assert "bidirectional already holds two replicas of each piece" in done.stderr
+    assert "run one pipeline (WORLD_SIZE = stages)" in done.stderr
 
 
 def test_the_planner_says_it_does_not_predict_it_yet():

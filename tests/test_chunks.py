@@ -277,11 +277,15 @@ def test_bench_runs_the_chunked_methods(tmp_path, capfd):
     assert result["detail"]["interleaved"]["microbatches"] == result["detail"]["zb-v"]["microbatches"] == 2
 
 
-def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path):
-    """`interleaved` with 2 chunks per process under torchrun (2 processes, 4 pieces): a run whose
-    processes all end after 13 mini-batches (checkpoints every 5) resumes from the checkpoint at
-    mini-batch 10 to the losses and weights of the uninterrupted run (run in one process, which
-    gives the 2-process numbers: tests/test_torchrun.py)."""
+@pytest.mark.parametrize("method", ["interleaved", "bidirectional"])
+def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path, method):
+    """`interleaved` with 2 chunks per process under torchrun (2 processes, 4 pieces), and
+    `bidirectional` (2 pieces and their replicas, each process holding one piece and the other's
+    replica): a run whose processes all end after 13 mini-batches (checkpoints every 5) resumes
+    from the checkpoint at mini-batch 10 to the losses and weights of the uninterrupted run (run
+    in one process, which gives the 2-process numbers: tests/test_torchrun.py; bidirectional's
+    under torchrun too, since the model's dropout draws from one generator in one process in
+    another order than two processes' generators do with two pipelines)."""
     import json
     import subprocess
     import sys
@@ -290,9 +294,9 @@ def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run
 
     def job(folder, *extra, launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")):
         return subprocess.run([sys.executable, *launcher, str(CHECKPOINT_SCRIPT), str(folder), "16", "2", "0",
-                               "interleaved", *extra], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+                               method, *extra], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
 
-    whole = job(tmp_path / "whole", launcher=())
+    whole = job(tmp_path / "whole", **({"launcher": ()} if method == "interleaved" else {}))
     assert whole.returncode == 0, whole.stderr[-2000:]
     cut = job(tmp_path / "cut", "13")
     assert cut.returncode != 0 and not (tmp_path / "cut" / "result.json").exists()

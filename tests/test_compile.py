@@ -152,7 +152,7 @@ def test_compiled_every_method_under_torchrun_equals_eager():
     stage is exact; inductor's rounding is the one-process tests'."""
     from test_torchrun import _env
     env = _env()
-    # (bidirectional runs in one process for now: tests/test_bidirectional.py)
+    # (bidirectional under torchrun: tests/test_torchrun.py, test_bidirectional.py)
     methods = [m for m in method_names() if m != "sequential" and not pipeoptim.get_method(m).mirrored]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(HERE / "torchrun_compiled.py"), ",".join(methods), "aot_eager"],

@@ -37,7 +37,7 @@ from pipeoptim.runtime.wire import decode_layout, encode_layout, layout_of
 
 LOSS = nn.functional.cross_entropy
 PIPELINED = [m for m in pipeoptim.method_names()
-             # (bidirectional runs in one process for now: tests/test_bidirectional.py)
+             # (bidirectional under torchrun: tests/test_torchrun.py, test_bidirectional.py)
              if m != "sequential" and not pipeoptim.get_method(m).mirrored]
 GROUP_TIMEOUT = 120  # seconds; the spawns finish far sooner
 REPO = Path(__file__).resolve().parents[1]

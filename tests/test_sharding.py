@@ -20,7 +20,7 @@ from conftest import has_image_data
 from test_torchrun import HERE, run
 
 SCRIPT = HERE / "torchrun_sharded.py"
-# (bidirectional runs in one process for now: tests/test_bidirectional.py)
+# (bidirectional: refused with sharded replicas, tests/test_bidirectional.py)
 PIPELINED = [m for m in method_names() if m != "sequential" and not get_method(m).mirrored]
 #: beyond each method's plain run: a tied GPT, global and per-stage clipping, recomputation (for
 #: the asynchronous methods a stage recomputes on a copy of the weights FSDP gathered for the

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeoptim.methods import get_method, method_names
+from pipeoptim.methods import method_names
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -45,8 +45,7 @@ def rows(text: str) -> dict:
     return {r["method"]: r for r in map(json.loads, text.strip().splitlines())}
 
 
-# (bidirectional runs in one process for now: tests/test_bidirectional.py)
-PIPELINED = [m for m in method_names() if m != "sequential" and not get_method(m).mirrored]
+PIPELINED = [m for m in method_names() if m != "sequential"]
 #: the cases of the tests below beside every method's plain run: global clipping, evaluations every k
 CLIPPED = [f"{m}+clip=0.05" for m in ("gpipe", "1f1b-flush", "interleaved")]
 EVALUATED = "pipeoptim+eval=2"
@@ -77,9 +76,10 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
 
 
 def test_the_schedules_people_run_equal_sequential_on_four_processes():
-    """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces) on 4
-    processes: the same numbers as one process, and as sequential on the same model."""
-    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v"]
+    """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces), and
+    bidirectional (4 pieces and their replicas, 2 per process) on 4 processes: the same numbers
+    as one process, and as sequential on the same model."""
+    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional"]
     local = rows(run([SCRIPT, ",".join(["sequential", *methods]), 4]))
     spread = rows(run([SCRIPT, ",".join(methods), 4], nproc=4, timeout=300))
     reference = local["sequential"]

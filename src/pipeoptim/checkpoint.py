@@ -177,10 +177,11 @@ def plan_load(folder: Path, stages, rank: int) -> Dict[str, Any]:
         raise CheckpointError(f"{folder / '.metadata'}: cannot be read ({type(error).__name__}: {error})") from None
     keys = {path[:2] for path in meta.planner_data.values()}
     model, names, params = {}, set(), {}
+    held = {stage.index for stage in stages}
     for stage in stages:
         if stage.shards is not None:
             stage.shards.release()
-        if getattr(stage, "replica_of", None) is None:  # a replica takes its piece's weights after the load
+        if getattr(stage, "replica_of", None) not in held:  # a replica beside its piece copies it after the load
             model.update(stage.module.state_dict())
         for group_names in named_state.stage_groups(stage):
             names.update(group_names)

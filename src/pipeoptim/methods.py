@@ -197,7 +197,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("bidirectional", "bidirectional", "SynchronousPolicy",
            "two pipelines of the same pieces in opposite directions, half the micro-batches each, every "
            "process holding a stage of each; the two replicas of a piece sum their gradients before the "
-           "update (Chimera's shape)", True, default_microbatches=lambda n: n + n % 2, chunks=2,
+           "update (Chimera's shape; one pipeline, no data parallel on top yet)", True, default_microbatches=lambda n: n + n % 2, chunks=2,
            placement="bidirectional", mirrored=True),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,

@@ -183,7 +183,8 @@ class Pipeline:
             done = self._collect(wait=True)
             if self.world.losses_at_drain:  # every rank gets the last stage's losses, and checks them
                 start = self._segment_start
-                known = len(self.losses) - start - len(done)  # this rank's, already returned by step()
+                # this rank's, already returned by step() (none where they are halves of windows)
+                known = 0 if self.world.partial_losses else len(self.losses) - start - len(done)
                 segment = self.world.share_losses(self.losses[start:])
                 self.losses[start:] = segment
                 done = segment[max(0, known):]
@@ -265,7 +266,8 @@ class Pipeline:
             index = self._segment_start + window
             assert index == len(self.losses), "losses complete in mini-batch order"
             self.losses.append(loss)
-            done.append(loss)
+            if not self.world.partial_losses:
+                done.append(loss)
             if not self.world.losses_at_drain:
                 self._record(index, loss)
         return done

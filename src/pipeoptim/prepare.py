@@ -278,10 +278,9 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     devices and connect them: (the resolved run, the stages, every stage's device, the split
     points of a traced model, the evaluation mode of the stages, the rank of every stage)."""
     layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
-    if method.mirrored and world.processes > 1:
-        raise ValueError(f"{method.name} runs every stage in one process for now (the local runtime); under "
-                         f"torchrun give the Pipeline world=pipeoptim.world.LocalWorld(), or use a one-pipeline method (zb-v, "
-                         f"interleaved)")
+    if method.mirrored and (layout.replicas > 1 or settings.shard_replicas):
+        raise ValueError(f"{method.name} already holds two replicas of each piece; with data_parallel > 1 or "
+                         f"shard_replicas it is not supported yet: run one pipeline (WORLD_SIZE = stages)")
     replicas = layout.replicas
     prepared = prepare(model, example, method=settings.method, stages=layout.stages, partition=settings.partition,
                        split_points=settings.split_points, partitioner=settings.partitioner,

@@ -35,7 +35,8 @@ from .runtime.distributed import DistributedExecutor
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.microbatch import batch_size
-from .runtime.segment import ScheduleFor
+from .runtime.replicas import replica_pair_groups
+from .runtime.segment import ScheduleFor, add_halves
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
 from .runtime.values import to_device
@@ -84,6 +85,10 @@ class Torchrun:
     #: stages (model chunks) per process, and the rank of each stage (set by connect)
     chunks: int = 1
     placement: List[int] = field(default_factory=list)
+    #: a bidirectional run (two pipelines of the same pieces) and the 2-process groups of the
+    #: replica pairs this rank takes part in (piece -> group)
+    mirrored: bool = False
+    replica_groups: Dict[int, Any] = field(default_factory=dict)
     comm: Optional[PipeComm] = None
     stage_group: Any = None
     #: how many times a Pipeline of this process has torn the job's process group down
@@ -215,6 +220,10 @@ class Torchrun:
             stage.grad_sync = averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
+        self.mirrored = any(stage.replica_of is not None for stage in stages)
+        if self.mirrored:
+            made, self.replica_groups = replica_pair_groups(count, self.stage, self.timeout)
+            self._made += made
 
     def agree(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
@@ -292,7 +301,8 @@ class Torchrun:
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> DistributedExecutor:
         return DistributedExecutor(stages, self.comm, schedule_for, expected=expected,
-                                   trace_offset=trace_offset, clip_global=clip_global)
+                                   trace_offset=trace_offset, clip_global=clip_global,
+                                   replica_groups=self.replica_groups if self.mirrored else None)
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         raise RuntimeError("forward() runs the stages of one process; under torchrun use "
@@ -331,8 +341,18 @@ class Torchrun:
         return self.rank // self.stages
 
     @property
+    def last_rank(self) -> int:
+        """The rank of the model's last stage (a bidirectional run: its first pipeline's)."""
+        return self.placement[len(self.placement) // 2 - 1] if self.mirrored else self.placement[-1]
+
+    @property
     def is_last(self) -> bool:
-        return self.stage == self.placement[-1]  # the rank of the last stage
+        return self.stage == self.last_rank
+
+    @property
+    def partial_losses(self) -> bool:
+        """A bidirectional run whose two pipelines end on two ranks: each of those holds halves."""
+        return self.mirrored and self.placement[-1] != self.last_rank
 
     def gradient_averager(self) -> Optional[GradientAverager]:
         """What averages this stage's gradients over its replicas (None with one replica)."""
@@ -355,9 +375,13 @@ class Torchrun:
     # -- what every rank must see -------------------------------------------------------------
     def share_losses(self, losses: List[float]) -> List[float]:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
+        if self.mirrored and self.placement[-1] != self.last_rank:  # each pipeline's last rank: its halves
+            parts = self.gather(losses, "sharing the losses of the segment")
+            first, second = parts[self.last_rank], parts[self.placement[-1]]
+            return [add_halves([a, b]) for a, b in zip(first, second)]
         if self.is_last:
             losses = self._replica_mean(losses, "averaging the losses over the replicas")
-        return broadcast(losses if self.is_last else None, self.comm, self.placement[-1],
+        return broadcast(losses if self.is_last else None, self.comm, self.last_rank,
                          "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
@@ -407,12 +431,15 @@ class Torchrun:
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
-        last, held = stages[-1].num_stages - 1, {stage.index for stage in stages}
+        # the model's last stage (a bidirectional run's stages here are its first pipeline's)
+        last = (len(self.placement) // 2 if self.mirrored else len(self.placement)) - 1
+        held = {stage.index for stage in stages}
         comm, total, count, values = self.comm, 0.0, 0, []
         for j, (inputs, target) in enumerate(loader):
             ident = -1 - j  # evaluation messages: their own numbers on the links
             key = signature((inputs, target, 1.0))
-            comm.expect_more([(ident, key)], [])  # on each link into this process's stages
+            # on each link into this process's stages (two pipelines: the first's, the model once)
+            comm.expect_more([(ident, key)], [], (lambda j, i: j < last) if self.mirrored else None)
             value = inputs
             for stage in stages:  # this process's chunks in chain order; the others between them
                 k = stage.index
@@ -433,4 +460,4 @@ class Torchrun:
             summed, count = self._replica_mean([sum(float(v) * n for v, n in values), float(count)],
                                                "averaging the evaluation over the replicas")
             total = summed / count
-        return float(self.share(total, self.placement[-1], "sharing the evaluation"))
+        return float(self.share(total, self.last_rank, "sharing the evaluation"))

@@ -48,6 +48,9 @@ class World(Protocol):
     #: True where the losses are checked and reported at each drain, on every rank at once
     #: (:meth:`share_losses`); False where they are reported as each completes
     losses_at_drain: bool
+    #: this process's completed losses are one pipeline's halves of the windows (a bidirectional
+    #: run's last rank of one pipeline): kept for the drain, never returned by step()
+    partial_losses: bool
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
                chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
@@ -164,6 +167,7 @@ class LocalWorld:
 
     rank, replica, replicas, processes = 0, 0, 1, 1
     losses_at_drain = False
+    partial_losses = False
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
                chunks: Optional[int], data_parallel: Optional[int]) -> Layout:

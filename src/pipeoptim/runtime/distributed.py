@@ -44,7 +44,10 @@ class DistributedExecutor(StreamedSegment):
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: "PipeComm",
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,
-                 trace_offset: int = 0, clip_global: Optional[float] = None) -> None:
+                 trace_offset: int = 0, clip_global: Optional[float] = None,
+                 replica_groups: Optional[Dict[int, Any]] = None) -> None:
+        """``replica_groups``: a bidirectional run's 2-process group of each piece whose two
+        replicas are on two processes (piece -> group), for the sum of their gradients."""
         own = [stage] if isinstance(stage, Stage) else list(stage)
         n = own[0].num_stages
         held = [s.index for s in own]
@@ -60,7 +63,6 @@ class DistributedExecutor(StreamedSegment):
         self.order: List[Any] = []
         self.fed_micro = 0
         self._pointer = 0
-        self._first_own, self._last_own = held[0], held[-1]
         self._data: Dict[int, Tuple[Any, Any, float]] = {}
         self._keys: Dict[int, Signature] = {}
         # keyed by (stage, micro-batch): a stage's input received (or handed over), the gradient
@@ -70,10 +72,18 @@ class DistributedExecutor(StreamedSegment):
         self._outgoing: Dict[Tuple[int, int], Any] = {}
         self._clip_scale: Optional[Tuple[int, Any]] = None  # (update, coefficient) under global clipping
         self._window_loss: Optional[WindowLosses] = None
+        #: two pipelines of the same pieces (a bidirectional run): routing by the schedule's chains
+        self.mirrored = any(s.replica_of is not None for s in own)
+        self.replica_groups = replica_groups or {}
+        self._next: List[Optional[int]] = []
+        self._prev: List[Optional[int]] = []
+        self._chain_of: Dict[int, int] = {}
+        self._local_replicas: Optional[Any] = None
 
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         self._add_batch(len(microbatches))
-        first_held, last_held = 0 in self.stages, self.num_stages - 1 in self.stages
+        first_held = any(s.is_first for s in self.stages.values())
+        last_held = any(s.is_last for s in self.stages.values())
         first = self.fed_micro
         for inputs, target, share in microbatches:
             i = self.fed_micro
@@ -81,7 +91,8 @@ class DistributedExecutor(StreamedSegment):
             self._data[i] = (inputs if first_held else None, target if last_held else None, share)
             self.fed_micro += 1
         new = [(i, self._keys[i]) for i in range(first, self.fed_micro)]
-        self.comm.expect_more(new, new)  # on every link this rank receives on (none: nothing)
+        # on every link this rank receives on (none: nothing); two pipelines: each its half
+        self.comm.expect_more(new, new, self._travels if self.mirrored else None)
         self._run()
 
     def finish(self) -> None:
@@ -106,7 +117,22 @@ class DistributedExecutor(StreamedSegment):
         return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        check_runnable(schedule, self.num_stages)
+        check_runnable(schedule, self.num_stages, self.mirrored)
+        self._next = [schedule.next_stage(k) for k in range(schedule.num_stages)]
+        self._prev = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
+        self._chain_of = {k: c for c, chain in enumerate(schedule.pipelines) for k in chain}
+        # per chain: this process's last and first stage of it (a micro-batch's last forward
+        # here, and its last message here)
+        own_by_chain: Dict[int, List[int]] = {}
+        for k in self.stages:
+            own_by_chain.setdefault(self._chain_of[k], []).append(k)
+        self._last_own_in = {c: max(ks) for c, ks in own_by_chain.items()}
+        self._first_own_in = {c: min(ks) for c, ks in own_by_chain.items()}
+        if self.mirrored and self._local_replicas is None:  # both replicas of a piece in this process
+            from .replicas import ReplicaUpdates
+            self._local_replicas = ReplicaUpdates(self._stage_list(), schedule)
+        elif self.mirrored:
+            self._local_replicas.use(schedule)
         if schedule.stage_to_rank != self.comm.placement:
             raise ValueError(f"schedule {schedule.name} places its stages on ranks {schedule.stage_to_rank}, "
                              f"the links were made for {self.comm.placement}")
@@ -121,7 +147,10 @@ class DistributedExecutor(StreamedSegment):
                 stage.policy.extend_epoch(own[k], schedule.orders, open_ended=open_ended,
                                           synchronous_updates=sync)
         if self.schedule is None:
-            self._window_loss = WindowLosses(schedule.microbatches_per_update)
+            m = schedule.microbatches_per_update
+            lasts = sum(1 for s in self.stages.values() if s.is_last)  # a bidirectional rank: its half
+            self._window_loss = WindowLosses(m, halves=m // 2 if self.mirrored else None,
+                                             expected=m * lasts // 2 if self.mirrored else None)
         self.schedule, self.horizon = schedule, schedule.num_updates
         self.order = lower(schedule).orders[self.comm.stage]
 
@@ -149,7 +178,6 @@ class DistributedExecutor(StreamedSegment):
 
     def _run(self) -> None:
         comm, order, keys, stages = self.comm, self.order, self._keys, self.stages
-        last = self.num_stages - 1
         while self._pointer < len(order):
             action = order[self._pointer]
             k, i, kind = action.stage, action.index, action.kind
@@ -159,15 +187,15 @@ class DistributedExecutor(StreamedSegment):
             if kind is Kind.RECV_F:
                 self._received[(k, i)] = comm.recv_activation(i, keys[i], stage=k)
             elif kind is Kind.F:
-                inputs = self._data[i][0] if k == 0 else self._received.pop((k, i))
+                inputs = self._data[i][0] if stage.is_first else self._received.pop((k, i))
                 _, target, share = self._data[i]
-                if k == self._last_own:  # this process's last forward of the micro-batch
+                if k == self._last_own_in[self._chain_of[k]]:  # this process's last forward of it
                     del self._data[i]
                 out = stage.forward(i, inputs, target, share)
-                if k == last:
+                if stage.is_last:
                     self._window_loss.add(i, out)
                 else:
-                    self._hand_over(self._received, k, k + 1, i, out)
+                    self._hand_over(self._received, k, self._next[k], i, out)
             elif kind is Kind.SEND_F:
                 comm.send_activation(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.RECV_B:
@@ -176,25 +204,66 @@ class DistributedExecutor(StreamedSegment):
                 if kind is Kind.B:
                     self._overlap_averaging(stage)
                 backward = stage.backward if kind is Kind.B else stage.backward_input
-                grad_in = backward(i, None if k == last else self._grads.pop((k, i)))
-                if k > 0:
-                    self._hand_over(self._grads, k, k - 1, i, grad_in)
+                grad_in = backward(i, None if stage.is_last else self._grads.pop((k, i)))
+                if not stage.is_first:
+                    self._hand_over(self._grads, k, self._prev[k], i, grad_in)
+                if self._local_replicas is not None and kind is Kind.B:
+                    self._local_replicas.backward_done(k, i)
             elif kind is Kind.W:
                 self._overlap_averaging(stage)
                 stage.backward_weight(i)
+                if self._local_replicas is not None:
+                    self._local_replicas.backward_done(k, i)
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.U:
+                if self.mirrored:
+                    self._sum_replicas(k, i)
                 if self.clip_global is not None:  # one stage too: its norm is the model's
                     stage.update(grad_scale=self._global_scale(i))
                 else:
                     stage.update()
             else:
                 raise ValueError(f"the distributed executor cannot run {action}")
-            if k == self._first_own and (kind is Kind.SEND_B or (k == 0 and kind in (Kind.B, Kind.I))):
+            if k == self._first_own_in[self._chain_of[k]] and (
+                    kind is Kind.SEND_B or (stage.is_first and kind in (Kind.B, Kind.I))):
                 keys.pop(i, None)  # this process's last message of the micro-batch
             self._pointer += 1
             comm.poll()  # forget the sends that have completed
+
+    def _travels(self, boundary: int, microbatch: int) -> bool:
+        """Whether ``microbatch`` crosses ``boundary`` (stages boundary -> boundary + 1): a
+        bidirectional window's first half takes the first pipeline, the rest the second."""
+        m = self.schedule.microbatches_per_update
+        return self._chain_of[boundary] == (0 if microbatch % m < m // 2 else 1)
+
+    def _stage_list(self) -> List[Stage]:
+        """This process's stages, indexable by stage number (None where another process holds it)."""
+        return [self.stages.get(k) for k in range(self.num_stages)]
+
+    def _sum_replicas(self, k: int, update: int) -> None:
+        """Before update ``update`` of a replicated piece: both replicas' gradients summed, in
+        this process (both replicas here: the first of the two updates sums for both) or over
+        the piece's 2-process group (every rank reaches its pieces' updates in piece order, so the
+        two replicas' all-reduces meet). A parameter with no gradient in the window on either
+        replica takes a zero one there (one process: none), which only an optimizer that skips
+        parameters without a gradient tells apart."""
+        half = self.num_stages // 2
+        piece = k % half
+        if piece not in self.replica_groups:  # both replicas here
+            ready = self._local_replicas.ready(k, update)
+            assert ready, "a replica's update comes after both replicas' backwards in this process's order"
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stages[k].parameters()]
+        for p, g in zip(self.stages[k].parameters(), grads):
+            p.grad = g
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat, group=self.replica_groups[piece])
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _global_scale(self, update: int) -> Any:
         """The clipping coefficient of update ``update`` over every stage of every rank: at this

@@ -112,7 +112,8 @@ class LocalExecutor(StreamedSegment):
                 stage.policy.extend_epoch(own[stage.index], schedule.orders,
                                           open_ended=open_ended, synchronous_updates=sync)
         if first:
-            self._window_loss = WindowLosses(schedule.microbatches_per_update, self.on_loss)
+            m = schedule.microbatches_per_update
+            self._window_loss = WindowLosses(m, self.on_loss, halves=m // 2 if self.mirrored else None)
 
     def _run(self) -> None:
         """Run every rank's order as far as its inputs exist. A rank holds one stage or several

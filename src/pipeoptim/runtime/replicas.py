@@ -11,7 +11,7 @@ of the window; whichever comes first sums for both.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Sequence, Set, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -81,4 +81,22 @@ def copy_to_replicas(stages: Sequence) -> None:
             continue
         for mine, theirs in zip(stage.module.state_dict().values(), original.module.state_dict().values()):
             mine.copy_(theirs)
+
+
+def replica_pair_groups(ranks: int, rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
+    """A bidirectional run under torchrun: pieces j and N-1-j have their replicas on ranks j and
+    N-1-j, one 2-process group for both (every rank makes every group, in the same order; the
+    middle rank of an odd N holds both replicas of its piece). Returns (every group made, this
+    rank's: piece -> group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    made, own = [], {}
+    for j in range(ranks // 2):
+        group = dist.new_group([j, ranks - 1 - j], timeout=datetime.timedelta(seconds=timeout))
+        made.append(group)
+        if rank in (j, ranks - 1 - j):
+            own = {j: group, ranks - 1 - j: group}
+    return made, own
 

@@ -126,22 +126,36 @@ class WindowLosses(dict):
     waits for the device to queue more work: without ``on_loss``, a complete window's losses are
     copied to pinned host memory without blocking and taken once the copy is done
     (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
-    losses in micro-batch order."""
+    losses in micro-batch order.
 
-    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+    Two pipelines (a bidirectional run: ``halves``, the micro-batches of a window that the first
+    one takes) sum each pipeline's losses apart, in micro-batch order, and then the two sums; a
+    process holding one pipeline's last stage receives ``expected`` losses a window, its half,
+    and reports that half's sum (the job adds the halves, :func:`add_halves`)."""
+
+    def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None,
+                 halves: Optional[int] = None, expected: Optional[int] = None) -> None:
         super().__init__()
         self.microbatches = microbatches
         self.on_loss = on_loss
+        self.halves = halves
+        self.expected = microbatches if expected is None else expected
         self._parts: Dict[int, List[Any]] = {}
         self._ready: List[Tuple[int, Any, Any]] = []  # (window, floats or a pinned tensor, event)
 
     def add(self, microbatch: int, loss: Any) -> None:
         window = microbatch // self.microbatches
         parts = self._parts.setdefault(window, [])
-        parts.append(loss)
-        if len(parts) < self.microbatches:
+        parts.append((microbatch, loss))
+        if len(parts) < self.expected:
             return
-        parts = self._parts.pop(window)
+        ordered = sorted(self._parts.pop(window), key=lambda part: part[0])
+        if self.halves is not None and len(ordered) == self.microbatches:  # both pipelines here
+            first = [loss for i, loss in ordered if i % self.microbatches < self.halves]
+            second = [loss for i, loss in ordered if i % self.microbatches >= self.halves]
+            parts = [add_halves([_float_sum(first), _float_sum(second)])]
+        else:
+            parts = [loss for _, loss in ordered]
         on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
         if self.on_loss is None and on_device:
             device = on_device[0].device
@@ -174,6 +188,11 @@ class WindowLosses(dict):
             self._ready.pop(0)
             done.append((window, self[window]))
         return done
+
+
+def add_halves(halves: Sequence[float]) -> float:
+    """A bidirectional window's loss from its two pipelines' sums (first pipeline first)."""
+    return _float_sum(list(halves))
 
 
 def _float_sum(values: List[Any]) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -96,8 +96,9 @@ class PipeComm:
                     peer = self.ranks[b] if k == a else self.ranks[a]
                     self._links[(what, j)] = Link(what, peer, group, tag if gloo else 0, self.device,
                                                   self.timeout, prefetch)
-        #: the links this rank receives on: activations into its stages, gradients into them
-        self._receiving = {what: [link for (w, j), link in self._links.items()
+        #: the links this rank receives on, with their boundaries: activations into its stages,
+        #: gradients into them
+        self._receiving = {what: [(j, link) for (w, j), link in self._links.items()
                                   if w == what and place[j + (what == "activation")] == k]
                            for what in ("activation", "gradient")}
         self._pending: Deque[Tuple[Any, torch.Tensor, Link, int]] = deque()
@@ -216,19 +217,21 @@ class PipeComm:
         """The receives the next schedule will make on each link into this rank's stages
         (activations) and out of them (gradients), in order, and post the first ones."""
         for what, items in (("activation", activations), ("gradient", gradients)):
-            for link in self._receiving[what] if items else ():
+            for _, link in self._receiving[what] if items else ():
                 self.check_open()
                 link.expect(items)
         self._post_all()
 
     def expect_more(self, activations: Sequence[Tuple[int, Signature]],
-                    gradients: Sequence[Tuple[int, Signature]]) -> None:
+                    gradients: Sequence[Tuple[int, Signature]],
+                    travels: Optional[Callable[[int, int], bool]] = None) -> None:
         """More receives of the running schedule (a streamed segment learns its micro-batches as
         they are fed), appended in order on each receiving link, and posted as far as the
-        prefetch allows. Every such link carries every micro-batch once."""
+        prefetch allows. Every such link carries every micro-batch once; with ``travels``
+        (boundary, micro-batch) -> bool, those it says (two pipelines: each link its own's)."""
         for what, items in (("activation", activations), ("gradient", gradients)):
-            for link in self._receiving[what] if items else ():
-                link.expected.extend(items)
+            for j, link in self._receiving[what] if items else ():
+                link.expected.extend(items if travels is None else [it for it in items if travels(j, it[0])])
         self._post_all()
 
     def _post_all(self) -> None:
