@@ -102,6 +102,9 @@ def test_its_settings_are_refused_with_the_fix():
                            loss_fn=LOSS).fit(data(1))
     with pytest.raises(ValueError, match="exactly 2 chunks"):
         pipeoptim.Pipeline(model(), method="bidirectional", stages=2, chunks=3, optimizer=ADAMW, loss_fn=LOSS)
+    with pytest.raises(ValueError, match="clip_scope='global' over bidirectional's two replicas"):
+        pipeoptim.Pipeline(model(), method="bidirectional", stages=2, optimizer=ADAMW, loss_fn=LOSS,
+                           clip_grad_norm=1.0, clip_scope="global")
     assert get_method("bidirectional").stage_ranks(3, 2) == [0, 1, 2, 2, 1, 0]
 
 

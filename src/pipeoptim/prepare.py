@@ -67,6 +67,9 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
         raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
     if diagnose_every < 0:
         raise ValueError(f"diagnose_every must be 0 (off) or more, got {diagnose_every}")
+    if clip_scope == "global" and clip_grad_norm is not None and method.mirrored:
+        raise ValueError(f"clip_scope='global' over {method.name}'s two replicas of each piece is not supported "
+                         f"yet (the norm would count each piece twice): use clip_scope='stage'")
     if clip_scope == "global" and clip_grad_norm is not None and not method.synchronous:
         raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                          f"gradients when it updates, which only synchronous methods do; "

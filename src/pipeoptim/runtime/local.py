@@ -88,9 +88,6 @@ class LocalExecutor(StreamedSegment):
     # -- internals ----------------------------------------------------------------------------
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, len(self.stages), self.mirrored)
-        if self.mirrored and self.clip_global is not None:
-            raise ValueError("global clipping over two pipelines of replicas is not supported yet: use "
-                             "clip_scope='stage'")
         first = self.schedule is None
         self._next = [schedule.next_stage(k) for k in range(schedule.num_stages)]
         self._prev = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
