@@ -37,9 +37,9 @@ from typing import Dict, List, Optional, Sequence
 from benchmarks.common import RESULTS, ROOT, fmt
 from benchmarks.make_results2_findings import diagnosis
 # (the arithmetic, re-exported: the tests and the advice read it from here)
-from benchmarks.make_results3_arith import (SCALE, SYNC, Arm, Setting, arm_of, chosen_lr, mean_curve,  # noqa: F401
-                                            read_rows, recommendation, settings_of, word_at_equal_time,
-                                            word_to_target)
+from benchmarks.make_results3_arith import (SCALE, SYNC, Arm, Setting, _Rows, arm_of, chosen_lr,  # noqa: F401
+                                            mean_curve, read_rows, recommendation, settings_of,
+                                            word_at_equal_time, word_to_target)
 from pipeoptim.lab.tasks.advice import close_call
 
 
@@ -187,13 +187,6 @@ def closing_lines(settings: Sequence[Setting]) -> List[str]:
         out.append(f"  - {st.name()}: no asynchronous method beats the synchronous pipeline; the closest, "
                    f"{closest} ({word_at_equal_time(st, closest)[1] * st.scale:+.{st.digits}f}): {reading}")
     return out or ["  - none"]
-
-
-class _Rows:
-    """What make_results2.diagnosis reads of a setting: ``methods[variant].rows``."""
-
-    def __init__(self, arms: Dict[str, Arm]) -> None:
-        self.methods = arms
 
 
 def demoted(markdown: str) -> List[str]:

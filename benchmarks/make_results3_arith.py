@@ -194,3 +194,11 @@ def recommendation(settings: Sequence[Setting], task: str, stages: int) -> Optio
     rivals = [c for c in candidates if c != best]
     runner = max(rivals, key=key) if rivals else None
     return {"setting": best[0], "variant": best[1], "runner_up": runner, "synchronous": best_sync}
+
+
+class _Rows:
+    """What make_results2.diagnosis reads of a setting: ``methods[variant].rows``."""
+
+    def __init__(self, arms: Dict[str, Arm]) -> None:
+        self.methods = arms
+

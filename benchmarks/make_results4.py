@@ -165,7 +165,7 @@ def arm_complete(arm: Optional[Path], task: str, stages: int) -> bool:
 def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]:
     """The diagnostic (the forward's weights against the backward's, per stage) of each new arm."""
     from benchmarks.make_results2_findings import diagnosis
-    from benchmarks.make_results3 import _Rows
+    from benchmarks.make_results3_arith import _Rows
 
     out = []
     for name, task, optimizer, variants in new_arms(suite):
