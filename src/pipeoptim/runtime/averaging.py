@@ -32,8 +32,11 @@ class GradientAverager:
     #: gradient bytes per asynchronous reduction (the default of new averagers)
     bucket_bytes = 1 << 22
 
-    def __init__(self, group, replicas: int, timeout: float, bucket_bytes: Optional[int] = None) -> None:
-        self.group, self.replicas, self.timeout = group, replicas, timeout
+    def __init__(self, group, replicas: int, timeout: float, bucket_bytes: Optional[int] = None,
+                 mean: bool = True) -> None:
+        """``mean=False``: the sum over the group, not the mean (a bidirectional run's two
+        replicas of a piece, runtime/replicas.py: each holds half the mini-batch's gradient)."""
+        self.group, self.replicas, self.timeout, self.mean = group, replicas, timeout, mean
         if bucket_bytes is not None:
             self.bucket_bytes = bucket_bytes
         self._bucket: List[torch.Tensor] = []
@@ -83,11 +86,12 @@ class GradientAverager:
 
     def _fail(self, error: BaseException) -> PipelineCommError:
         return PipelineCommError(
-            f"averaging gradients over the {self.replicas} replicas of this stage failed: "
+            f"{'averaging' if self.mean else 'summing'} gradients over the {self.replicas} replicas of this "
+            f"stage failed: "
             f"{reason(error)}. A replica hung, died or is slower than the timeout ({self.timeout:g} s)")
 
     def __call__(self, params: Sequence[torch.Tensor]) -> None:
-        """Before the update: reduce what was not sent yet, wait for all, divide."""
+        """Before the update: reduce what was not sent yet, wait for all, divide (``mean``)."""
         rest = [p for p in list(self._bucket) + [q for q in params if id(q) not in self._sent]
                 if id(p) not in self._sent]
         if rest:
@@ -95,7 +99,8 @@ class GradientAverager:
         try:
             for work, flat, group in self._in_flight:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-                flat.div_(self.replicas)
+                if self.mean:
+                    flat.div_(self.replicas)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
                 for p, g in zip(group, torch._utils._unflatten_dense_tensors(flat, grads)):
                     p.grad = g

@@ -18,6 +18,7 @@ from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
 from .averaging import GradientAverager
 from .control import gather_all
+from .replicas import ReplicaUpdates
 from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient, stage_orders
 from .stage import Stage
 from .transport import PipeComm
@@ -74,11 +75,13 @@ class DistributedExecutor(StreamedSegment):
         self._window_loss: Optional[WindowLosses] = None
         #: two pipelines of the same pieces (a bidirectional run): routing by the schedule's chains
         self.mirrored = any(s.replica_of is not None for s in own)
-        self.replica_groups = replica_groups or {}
-        self._next: List[Optional[int]] = []
-        self._prev: List[Optional[int]] = []
         self._chain_of: Dict[int, int] = {}
-        self._local_replicas: Optional[Any] = None
+        # the sum of a piece's two replicas: in this process where both are here, else over the
+        # piece's 2-process group (one summer per group: pieces j and N-1-j share theirs)
+        self._local_replicas = ReplicaUpdates(self._stage_list()) if self.mirrored else None
+        groups = replica_groups or {}
+        summers = {id(g): GradientAverager(g, 2, comm.timeout, mean=False) for g in groups.values()}
+        self._replica_sums = {piece: summers[id(g)] for piece, g in groups.items()}
 
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         self._add_batch(len(microbatches))
@@ -118,8 +121,6 @@ class DistributedExecutor(StreamedSegment):
 
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, self.num_stages, self.mirrored)
-        self._next = [schedule.next_stage(k) for k in range(schedule.num_stages)]
-        self._prev = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
         self._chain_of = {k: c for c, chain in enumerate(schedule.pipelines) for k in chain}
         # per chain: this process's last and first stage of it (a micro-batch's last forward
         # here, and its last message here)
@@ -128,10 +129,7 @@ class DistributedExecutor(StreamedSegment):
             own_by_chain.setdefault(self._chain_of[k], []).append(k)
         self._last_own_in = {c: max(ks) for c, ks in own_by_chain.items()}
         self._first_own_in = {c: min(ks) for c, ks in own_by_chain.items()}
-        if self.mirrored and self._local_replicas is None:  # both replicas of a piece in this process
-            from .replicas import ReplicaUpdates
-            self._local_replicas = ReplicaUpdates(self._stage_list(), schedule)
-        elif self.mirrored:
+        if self._local_replicas is not None:
             self._local_replicas.use(schedule)
         if schedule.stage_to_rank != self.comm.placement:
             raise ValueError(f"schedule {schedule.name} places its stages on ranks {schedule.stage_to_rank}, "
@@ -195,7 +193,7 @@ class DistributedExecutor(StreamedSegment):
                 if stage.is_last:
                     self._window_loss.add(i, out)
                 else:
-                    self._hand_over(self._received, k, self._next[k], i, out)
+                    self._hand_over(self._received, k, self.schedule.next_stage(k), i, out)
             elif kind is Kind.SEND_F:
                 comm.send_activation(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.RECV_B:
@@ -206,7 +204,7 @@ class DistributedExecutor(StreamedSegment):
                 backward = stage.backward if kind is Kind.B else stage.backward_input
                 grad_in = backward(i, None if stage.is_last else self._grads.pop((k, i)))
                 if not stage.is_first:
-                    self._hand_over(self._grads, k, self._prev[k], i, grad_in)
+                    self._hand_over(self._grads, k, self.schedule.prev_stage(k), i, grad_in)
                 if self._local_replicas is not None and kind is Kind.B:
                     self._local_replicas.backward_done(k, i)
             elif kind is Kind.W:
@@ -248,22 +246,12 @@ class DistributedExecutor(StreamedSegment):
         two replicas' all-reduces meet). A parameter with no gradient in the window on either
         replica takes a zero one there (one process: none), which only an optimizer that skips
         parameters without a gradient tells apart."""
-        half = self.num_stages // 2
-        piece = k % half
-        if piece not in self.replica_groups:  # both replicas here
+        summer = self._replica_sums.get(k % (self.num_stages // 2))
+        if summer is None:  # both replicas here
             ready = self._local_replicas.ready(k, update)
             assert ready, "a replica's update comes after both replicas' backwards in this process's order"
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stages[k].parameters()]
-        for p, g in zip(self.stages[k].parameters(), grads):
-            p.grad = g
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, group=self.replica_groups[piece])
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        summer(self.stages[k].parameters())
 
     def _global_scale(self, update: int) -> Any:
         """The clipping coefficient of update ``update`` over every stage of every rank: at this

@@ -48,11 +48,9 @@ class LocalExecutor(StreamedSegment):
         self._gradients: Dict[Tuple[int, int], Any] = {}
         self._pointer: List[int] = []  # per rank: the next action of its order
         self._window_loss: Optional[WindowLosses] = None
-        #: two pipelines of the same pieces (a mirrored method): the second starts mid-list
-        self.mirrored = any(stage.is_first for stage in self.stages[1:])
-        self._replicas: Optional[ReplicaUpdates] = None
-        self._next: List[Optional[int]] = []
-        self._prev: List[Optional[int]] = []
+        #: two pipelines of the same pieces (a mirrored method): the second's stages are replicas
+        self.mirrored = any(stage.replica_of is not None for stage in self.stages)
+        self._replicas = ReplicaUpdates(self.stages) if self.mirrored else None
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
@@ -89,11 +87,7 @@ class LocalExecutor(StreamedSegment):
     def _use(self, schedule: Schedule, open_ended: bool) -> None:
         check_runnable(schedule, len(self.stages), self.mirrored)
         first = self.schedule is None
-        self._next = [schedule.next_stage(k) for k in range(schedule.num_stages)]
-        self._prev = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
-        if self.mirrored and self._replicas is None:
-            self._replicas = ReplicaUpdates(self.stages, schedule)
-        elif self.mirrored:
+        if self._replicas is not None:
             self._replicas.use(schedule)
         self.schedule, self.horizon = schedule, schedule.num_updates
         if first:
@@ -140,7 +134,7 @@ class LocalExecutor(StreamedSegment):
                             del data[i]  # every stage of its pipeline has run this micro-batch's forward
                             self._window_loss.add(i, out)
                         else:
-                            activations[(self._next[k], i)] = out
+                            activations[(self.schedule.next_stage(k), i)] = out
                     elif action.kind is Kind.B or action.kind is Kind.I:
                         if stage.is_last:
                             grad = None
@@ -151,7 +145,7 @@ class LocalExecutor(StreamedSegment):
                         backward = stage.backward if action.kind is Kind.B else stage.backward_input
                         grad_in = backward(i, grad)
                         if not stage.is_first:
-                            gradients[(self._prev[k], i)] = grad_in
+                            gradients[(self.schedule.prev_stage(k), i)] = grad_in
                         if self._replicas is not None and action.kind is Kind.B:
                             self._replicas.backward_done(k, i)
                     elif action.kind is Kind.W:

@@ -22,12 +22,15 @@ from .segment import replica_pairs
 class ReplicaUpdates:
     """When a replicated stage may update, and the sum of its replicas' gradients."""
 
-    def __init__(self, stages: Sequence, schedule: Schedule) -> None:
+    def __init__(self, stages: Sequence) -> None:
+        """``stages``: indexable by stage number (None where another process holds one); the
+        schedule comes with :meth:`use`."""
         self.stages = list(stages)
         self.partner: Dict[int, int] = {}
+        self.expected: Counter = Counter()          # (stage, window) -> the backwards its update waits for
+        self.m = 1
         self.done: Counter = Counter()              # (stage, window) -> its backwards finished
         self.summed: Set[Tuple[int, int]] = set()   # (stage, window) whose gradient is the sum already
-        self.use(schedule)
 
     def use(self, schedule: Schedule) -> None:
         """The current schedule (a segment's, or the same one known further): what each window's
