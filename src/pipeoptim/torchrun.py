@@ -34,15 +34,14 @@ from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
-from .runtime.microbatch import batch_size
+from .runtime.pipelined_forward import scored_forward
 from .runtime.replicas import replica_pair_groups
 from .runtime.segment import ScheduleFor, add_halves
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
-from .runtime.values import to_device
 from .runtime.tied import connect_exchanges
 from .runtime.transport import PipeComm
-from .runtime.wire import PipelineCommError, reason, signature
+from .runtime.wire import PipelineCommError, reason
 
 
 def world_size() -> int:
@@ -341,9 +340,14 @@ class Torchrun:
         return self.rank // self.stages
 
     @property
+    def last_model_stage(self) -> int:
+        """The model's last stage (a bidirectional run: its first pipeline's; the second's are replicas)."""
+        return (len(self.placement) // 2 if self.mirrored else len(self.placement)) - 1
+
+    @property
     def last_rank(self) -> int:
-        """The rank of the model's last stage (a bidirectional run: its first pipeline's)."""
-        return self.placement[len(self.placement) // 2 - 1] if self.mirrored else self.placement[-1]
+        """The rank of the model's last stage."""
+        return self.placement[self.last_model_stage]
 
     @property
     def is_last(self) -> bool:
@@ -375,7 +379,7 @@ class Torchrun:
     # -- what every rank must see -------------------------------------------------------------
     def share_losses(self, losses: List[float]) -> List[float]:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
-        if self.mirrored and self.placement[-1] != self.last_rank:  # each pipeline's last rank: its halves
+        if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
             parts = self.gather(losses, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
             return [add_halves([a, b]) for a, b in zip(first, second)]
@@ -427,37 +431,14 @@ class Torchrun:
         return values
 
     # -- a pipelined forward ------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
-        # the model's last stage (a bidirectional run's stages here are its first pipeline's)
-        last = (len(self.placement) // 2 if self.mirrored else len(self.placement)) - 1
-        held = {stage.index for stage in stages}
-        comm, total, count, values = self.comm, 0.0, 0, []
-        for j, (inputs, target) in enumerate(loader):
-            ident = -1 - j  # evaluation messages: their own numbers on the links
-            key = signature((inputs, target, 1.0))
-            # on each link into this process's stages (two pipelines: the first's, the model once)
-            comm.expect_more([(ident, key)], [], (lambda j, i: j < last) if self.mirrored else None)
-            value = inputs
-            for stage in stages:  # this process's chunks in chain order; the others between them
-                k = stage.index
-                if k > 0 and (k - 1) not in held:
-                    value = comm.recv_activation(ident, key, stage=k)
-                with stage.autocast():
-                    value = stage.module(to_device(value, stage.device))
-                    if k == last:
-                        values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
-                if k < last and (k + 1) not in held:
-                    comm.send_activation(ident, key, value, stage=k)
-            comm.poll()
-            count += batch_size(inputs)
-        comm.flush()
+        summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored)
         if count == 0:
             raise ValueError("the evaluation loader yielded no mini-batches")
+        total = 0.0
         if self.is_last:
-            summed, count = self._replica_mean([sum(float(v) * n for v, n in values), float(count)],
-                                               "averaging the evaluation over the replicas")
+            summed, count = self._replica_mean([summed, float(count)], "averaging the evaluation over the replicas")
             total = summed / count
         return float(self.share(total, self.last_rank, "sharing the evaluation"))
