@@ -94,3 +94,15 @@ def traced_under_torchrun():
     for row in torchrun(*args):
         found[names[row.pop("group")]].append(row)
     return found
+
+
+class Crash(Exception):
+    """What :func:`crash_at` raises: a run stopped there, as if killed, for a resume test."""
+
+
+def crash_at(stop: int):
+    """An ``on_batch`` callback that raises :class:`Crash` once mini-batch ``stop``'s loss is in."""
+    def on_batch(index: int, loss: float) -> None:
+        if index == stop:
+            raise Crash()
+    return on_batch

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import pipeoptim
+from conftest import Crash, crash_at
 from pipeoptim.methods import get_method
 from pipeoptim.schedules import build_schedule
 
@@ -84,15 +85,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
 
     expected = run(tmp_path / "full").losses
 
-    class Crash(Exception):
-        pass
-
-    def crash(index, loss):
-        if index == 7:
-            raise Crash()
-
     with pytest.raises(Crash):
-        run(tmp_path / "cut", on_batch=crash)
+        run(tmp_path / "cut", on_batch=crash_at(7))
     assert run(tmp_path / "cut", resume=True).losses == expected
 
 

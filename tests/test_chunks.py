@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipeoptim
-from conftest import batches, mlp
+from conftest import Crash, batches, crash_at, mlp
 from pipeoptim.methods import get_method
 
 LOSS = nn.functional.cross_entropy
@@ -235,15 +235,8 @@ def test_a_checkpointed_run_resumes_to_the_same_losses_and_loads_into_one_chunk(
     expected = run(tmp_path / "full").losses
     assert len(expected) == 12
 
-    class Crash(Exception):
-        pass
-
-    def crash_at_9(index, loss):
-        if index == 9:
-            raise Crash()
-
     with pytest.raises(Crash):
-        run(tmp_path / "cut", on_batch=crash_at_9)
+        run(tmp_path / "cut", on_batch=crash_at(9))
     assert run(tmp_path / "cut", resume=True).losses == expected
 
     pipe = pipeoptim.Pipeline(mlp(depth=8), method=method, stages=2, loss_fn=LOSS, optimizer=adam)

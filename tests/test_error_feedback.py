@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import pipeoptim
+from conftest import Crash, crash_at
 from pipeoptim.muon_adamw import MuonWithAdamW, split_for_muon
 from pipeoptim.runtime.build import StageParameters
 from pipeoptim.weights.error_feedback import UpdateFeedback
@@ -134,10 +135,6 @@ def test_error_feedback_is_refused_where_the_delay_is_not_one_update():
                            loss_fn=nn.functional.mse_loss, error_feedback=True)
 
 
-class _Crash(Exception):
-    pass
-
-
 def test_a_run_resumed_mid_epoch_keeps_the_previous_update(tmp_path):
     def run(folder, **kwargs):
         return pipeoptim.train(_model(), _data() * 2, method="pipeoptim-2bw", partition=PARTITION,
@@ -146,12 +143,8 @@ def test_a_run_resumed_mid_epoch_keeps_the_previous_update(tmp_path):
 
     expected = run(tmp_path / "full").losses
 
-    def crash(index, loss):
-        if index == 12:
-            raise _Crash()
-
-    with pytest.raises(_Crash):
-        run(tmp_path / "cut", on_batch=crash)
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", on_batch=crash_at(12))
     assert run(tmp_path / "cut", resume=True).losses == expected
     # and a resume that drops the option is refused, naming it
     with pytest.raises(pipeoptim.errors.CheckpointError, match="error_feedback"):

@@ -8,7 +8,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim.checkpoint import CheckpointError
-from conftest import batches
+from conftest import Crash, batches, crash_at
 
 LOSS = nn.functional.cross_entropy
 ADAM = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
@@ -18,10 +18,6 @@ def model_with_dropout():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 16), nn.Tanh()),
                          nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)).double()
-
-
-class Crash(Exception):
-    pass
 
 
 def run(tmp, method, **kwargs):
@@ -35,12 +31,8 @@ def test_interrupted_run_resumes_to_the_same_losses(tmp_path, method):
     expected = run(tmp_path / "full", method).losses
     assert len(expected) == 16
 
-    def crash_at_11(index, loss):
-        if index == 11:
-            raise Crash()
-
     with pytest.raises(Crash):
-        run(tmp_path / "cut", method, on_batch=crash_at_11)
+        run(tmp_path / "cut", method, on_batch=crash_at(11))
     # checkpoints: after 3, 6 and 8 mini-batches (epoch end), then 11; the crash comes in the
     # segment after that, so the resumed run redoes mini-batches 11.. from the last checkpoint
     resumed = run(tmp_path / "cut", method, resume=True)
@@ -67,12 +59,9 @@ def test_checkpoints_written_in_the_background_resume_alike(tmp_path):
     names = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
     assert names(tmp_path / "bg") == names(tmp_path / "full")
 
-    def crash_at_7(index, loss):  # the checkpoint after 6 is written while 7 trains
-        if index == 7:
-            raise Crash()
-
     with pytest.raises(Crash):
-        run(tmp_path / "cut", "pipeoptim", async_checkpoint=True, on_batch=crash_at_7)
+        run(tmp_path / "cut", "pipeoptim", async_checkpoint=True,
+            on_batch=crash_at(7))  # the checkpoint after 6 is written while 7 trains
     latest = (tmp_path / "cut" / "latest.json").read_text()
     assert "batch000003" in latest  # 6's is not named: its writer was never waited for
     assert run(tmp_path / "cut", "pipeoptim", async_checkpoint=True, resume=True).losses == expected

@@ -19,6 +19,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim.methods import get_method
+from conftest import Crash, crash_at
 from traced_models import SkipNet, SmallCNN, TinyGPT, as_sequential, lm_batches, lm_loss, skip_batches
 
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
@@ -279,10 +280,6 @@ def test_evaluate_runs_a_traced_model_in_eval_mode():
     assert len(run(pipe, data)) == 3  # back to training, on the training graph
 
 
-class Crash(Exception):
-    pass
-
-
 @pytest.mark.parametrize("method,micro", [("1f1b-flush", 2), ("pipeoptim", 1)])
 def test_a_tied_traced_model_resumes_from_its_checkpoint_to_the_same_losses(tmp_path, method, micro):
     """Checkpoints drain the pipeline, so nothing of the tie is in flight there (with an
@@ -297,11 +294,8 @@ def test_a_tied_traced_model_resumes_from_its_checkpoint_to_the_same_losses(tmp_
 
     expected = fit(tmp_path / "full").losses
 
-    def crash_at_6(index, loss):
-        if index == 6:
-            raise Crash()
     with pytest.raises(Crash):
-        fit(tmp_path / "cut", on_batch=crash_at_6)
+        fit(tmp_path / "cut", on_batch=crash_at(6))
     assert fit(tmp_path / "cut", resume=True).losses == expected
 
 
