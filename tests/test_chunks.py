@@ -255,28 +255,37 @@ def test_a_checkpointed_run_resumes_to_the_same_losses_and_loads_into_one_chunk(
 
 
 def test_bench_runs_the_chunked_methods(tmp_path, capfd):
-    """`pipeoptim bench --methods interleaved,zb-v`: the blocks model cut into stages x 2 pieces
-    (a partition of one entry per stage would be refused), two processes each."""
+    """`pipeoptim bench --methods interleaved,zb-v,bitpipe`: the blocks model cut into stages x 2
+    pieces (a partition of one entry per stage would be refused; bitpipe: the same 4 pieces, each
+    twice), two processes each; each run's bubble measured beside the simulator's, and the bytes
+    each process holds."""
     import json
 
     from pipeoptim.cli import main
 
     assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
-                 "--methods", "interleaved,zb-v", "--no-baselines", "--repeats", "1", "--json",
+                 "--methods", "interleaved,zb-v,bitpipe", "--no-baselines", "--repeats", "1", "--json",
                  "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
-    assert set(result["samples_per_second"]) == {"interleaved", "zb-v"}
+    detail = result["detail"]
+    assert set(result["samples_per_second"]) == {"interleaved", "zb-v", "bitpipe"}
     assert all(v > 0 for v in result["samples_per_second"].values())
-    assert result["detail"]["interleaved"]["microbatches"] == result["detail"]["zb-v"]["microbatches"] == 2
+    assert detail["interleaved"]["microbatches"] == detail["zb-v"]["microbatches"] == detail["bitpipe"]["microbatches"] == 2
+    assert detail["interleaved"]["partition"] == detail["zb-v"]["partition"] == detail["bitpipe"]["partition"][:4]
+    for d in detail.values():
+        assert 0 <= d["bubble"]["simulated"] < 1 and d["bubble"]["measured"] < 1
+    # bitpipe's two processes hold every piece twice between them: twice interleaved's weights
+    weights = {m: sum(d["process_bytes"]["weights"]) for m, d in detail.items()}
+    assert weights["bitpipe"] == 2 * weights["interleaved"] == 2 * weights["zb-v"]
 
 
-@pytest.mark.parametrize("method", ["interleaved", "bidirectional"])
+@pytest.mark.parametrize("method", ["interleaved", "bitpipe"])
 def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path, method):
     """`interleaved` with 2 chunks per process under torchrun (2 processes, 4 pieces), and
-    `bidirectional` (2 pieces and their replicas, each process holding one piece and the other's
-    replica): a run whose processes all end after 13 mini-batches (checkpoints every 5) resumes
+    `bitpipe` (4 pieces and their replicas, each process holding two pieces and the other's
+    two replicas, which it reads from the checkpoint): a run whose processes all end after 13 mini-batches (checkpoints every 5) resumes
     from the checkpoint at mini-batch 10 to the losses and weights of the uninterrupted run (run
-    in one process, which gives the 2-process numbers: tests/test_torchrun.py; bidirectional's
+    in one process, which gives the 2-process numbers: tests/test_torchrun.py; bitpipe's
     under torchrun too, since the model's dropout draws from one generator in one process in
     another order than two processes' generators do with two pipelines)."""
     import json

@@ -40,10 +40,10 @@ def adam(params):
 
 
 def stages_for(method: str) -> dict:
-    """4 stages (2 stages x 2 chunks for a chunked method: 4 pieces of the model either way; a
-    bidirectional one's 4 ranks hold 4 pieces and their replicas)."""
+    """4 pieces of the model: 4 stages, or 2 stages x 2 pieces for a chunked method and bitpipe;
+    bidirectional's 4 ranks hold 4 pieces (each rank with another's replica too)."""
     meth = get_method(method)
-    return {} if method == "sequential" else {"stages": 2 if meth.chunks > 1 and not meth.mirrored else 4}
+    return {} if method == "sequential" else {"stages": 4 // meth.pieces_per_rank(meth.chunks)}
 
 
 # -- the streaming property of every runnable schedule -----------------------------------------

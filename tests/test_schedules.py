@@ -31,7 +31,7 @@ def test_every_microbatch_has_one_forward_and_one_backward_per_stage(name, n, m,
     for stage in range(s.num_stages):
         forwards = {a.index for a in s.stage_actions(stage) if a.kind is Kind.F}
         # a bidirectional schedule sends half the micro-batches down, half up
-        expected = m * t // 2 if name == "bidirectional" else m * t
+        expected = m * t // 2 if name in ("bidirectional", "bitpipe") else m * t
         assert len(forwards) == counts[(stage, Kind.F)] == expected
         if s.split_backward:
             inputs = {a.index for a in s.stage_actions(stage) if a.kind is Kind.I}

@@ -76,10 +76,11 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
 
 
 def test_the_schedules_people_run_equal_sequential_on_four_processes():
-    """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces), and
-    bidirectional (4 pieces and their replicas, 2 per process) on 4 processes: the same numbers
-    as one process, and as sequential on the same model."""
-    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional"]
+    """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces),
+    bidirectional (4 pieces and their replicas, 2 per process) and bitpipe (8 pieces and their
+    replicas, 4 per process) on 4 processes: the same numbers as one process, and as sequential
+    on the same model."""
+    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional", "bitpipe"]
     local = rows(run([SCRIPT, ",".join(["sequential", *methods]), 4]))
     spread = rows(run([SCRIPT, ",".join(methods), 4], nproc=4, timeout=300))
     reference = local["sequential"]

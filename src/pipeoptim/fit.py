@@ -299,6 +299,8 @@ class FitRun:
             "weight_versions": [r["versions"] for r in reports],
             "weight_versions_design": design, "state_memory": [r["state_memory"] for r in reports],
             "stage_seconds": [r["seconds"] for r in reports],
+            "stage_busy_seconds": [r["busy_seconds"] for r in reports],
+            "stage_passes": [r["passes"] for r in reports],
             "activations": [r["activations"] for r in reports],
             "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
             "devices": [r["device"] for r in reports], "precision": pipe.precision,
@@ -310,7 +312,8 @@ class FitRun:
 
 
 def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]:
-    """What one stage measured: weight copies at the peak, trace, updates, seconds per pass,
+    """What one stage measured: weight copies at the peak, trace, updates, seconds per pass, in
+    all (``busy_seconds``, per kind: F, B with both halves of a split one, U) and passes run,
     diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited), the
     activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight), its
     state's bytes beside the closed form of ``design_versions`` (``runtime/state_memory.py``) and
@@ -318,6 +321,7 @@ def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
             "state_memory": state_memory(stage, design_versions),
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
+            "busy_seconds": dict(stage.time), "passes": dict(stage.count),
             "diagnostics": stage.probes.summary() if stage.probes.every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report(),
             "compilations": stage.compilations}

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .schedules import Schedule, build_schedule
 from .schedules.concat import concatenate
+from .schedules.bidirectional import bidirectional_placement, bitpipe_placement
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Method:
     chunks: int = 1
     #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N), "v" (two chunks,
     #: 0 .. N-1 then back: rank 0 holds the first and the last stage) or "bidirectional" (stage s
-    #: of the first pipeline on rank s, stage N+j of the second on rank N-1-j)
+    #: of the first pipeline on rank s, stage N+j of the second on rank N-1-j) or "bitpipe" (two
+    #: V-shaped pipelines of 2N stages each: the first a V from rank 0, the second from rank N-1)
     placement: str = "interleaved"
     #: the second half of the stages replicates the first half's model pieces: two pipelines of
     #: the same N pieces (stage N+j a replica of stage j) run in opposite directions, each
@@ -44,7 +46,9 @@ class Method:
         if self.placement == "v":
             return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
         if self.placement == "bidirectional":
-            return list(range(ranks)) + [ranks - 1 - j for j in range(ranks)]
+            return bidirectional_placement(ranks)
+        if self.placement == "bitpipe":
+            return bitpipe_placement(ranks)
         return [s % ranks for s in range(ranks * chunks)]
 
     def pieces_per_rank(self, chunks: int) -> int:
@@ -199,6 +203,12 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            "process holding a stage of each; the two replicas of a piece sum their gradients before the "
            "update (Chimera's shape; one pipeline, no data parallel on top yet)", True, default_microbatches=lambda n: n + n % 2, chunks=2,
            placement="bidirectional", mirrored=True),
+    Method("bitpipe", "bitpipe", "SynchronousPolicy",
+           "two V-shaped pipelines of the same 2N pieces in opposite directions, half the micro-batches "
+           "each, every process holding two stages of each, each V's turn a hand-off in memory; the two "
+           "replicas of a piece sum their gradients before the update (BitPipe; no data parallel on top "
+           "yet)", True, default_microbatches=lambda n: n + n % 2, chunks=4, placement="bitpipe",
+           mirrored=True),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
            options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),

@@ -11,10 +11,14 @@ of these and writes the plan).
   that crosses a cut. The W half of a split backward (zb-h1, zb-v) is priced at half the
   backward. A **chunked** method (interleaved, zb-v: V chunks per process) is priced on a split
   of the model into N x V pieces, each piece a model stage with its own costs, on the ranks the
-  method places it on (a rank's speed applies to each of its pieces). More than
+  method places it on (a rank's speed applies to each of its pieces). A **mirrored** method
+  (bidirectional, bitpipe) is priced on a split into its pieces, each of whose two replicas is a
+  stage costing what the piece does on its rank; the replicas' gradient sum before each update
+  adds the slowest rank's all-reduce seconds at the bandwidth to every mini-batch. More than
   :data:`EXACT_BATCHES` mini-batches are predicted from two simulations extrapolated linearly,
   exact once the pipeline has reached its periodic steady state.
-* **memory per stage** (bytes, per process: a chunked method's rows add its pieces): parameters x
+* **memory per stage** (bytes, per process: a chunked method's rows add its pieces, a mirrored
+  method's add both replicas of each piece it holds): parameters x
   the weight versions the method holds, plus one gradient buffer and the optimizer state, plus
   in-flight activations: the simulator's peak number of micro-batches whose activations a stage
   holds x the bytes one micro-batch holds there (:meth:`ModelProfile.held_bytes`, what
@@ -179,19 +183,71 @@ def schedule_makespan(schedule: str, ranks: int, microbatches: int, batches: int
                                  batches, costs)
 
 
+def stage_placement(method: str, sizes: Sequence[int]) -> List[int]:
+    """The rank of each stage of ``method`` on the split ``sizes`` (one entry per model piece: a
+    chunked method's processes x chunks; a mirrored method's processes x its pieces per process,
+    whose stages are those pieces twice, the second pipeline's replicas after the first's)."""
+    meth = get_method(method)
+    per_rank = meth.pieces_per_rank(meth.chunks)
+    if len(sizes) % per_rank:
+        raise ValueError(f"{method} holds {per_rank} model pieces per process: give a split into a multiple of "
+                         f"{per_rank} pieces, got {len(sizes)}")
+    ranks = len(sizes) // per_rank
+    return meth.stage_ranks(ranks, meth.chunks) if meth.chunks > 1 else list(range(ranks))
+
+
+def stage_slices(profile: ModelProfile, method: str, sizes: Sequence[int]) -> List[tuple]:
+    """The (first, end) layers of each stage of ``method`` on the split ``sizes`` (a mirrored
+    method's replicas: their pieces' layers again)."""
+    slices = profile.stage_slices(list(sizes))
+    return slices + slices if get_method(method).mirrored else slices
+
+
+def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optional[Sequence[float]]) -> Costs:
+    """A mirrored method's costs per stage from its pieces' (at speed 1): each replica costs what
+    its piece does, on the speed of the rank that holds it."""
+    half = len(placement) // 2
+    speed = [1.0 if speeds is None else float(speeds[r]) for r in placement]
+    f, b, w = piece_costs.forward, piece_costs.backward, piece_costs.weight
+    upd = piece_costs.update / min(speed)
+    return Costs([f[k % half] / speed[k] for k in range(2 * half)], [b[k % half] / speed[k] for k in range(2 * half)],
+                 [w[k % half] / speed[k] for k in range(2 * half)], update=upd, comm=piece_costs.comm)
+
+
+def replica_sum_seconds(profile: ModelProfile, method: str, sizes: Sequence[int],
+                        bandwidth: Optional[float]) -> List[float]:
+    """Per rank, the seconds a mirrored method's replica pairs take to sum their gradients before
+    each update: each piece whose other replica is on another rank sends and receives its
+    gradient once (a 2-process all-reduce, full duplex), at ``bandwidth`` bytes/s. It runs at the
+    update, not overlapped with the backward, so it adds to every mini-batch. Empty for a method
+    without replicas; zeros without a bandwidth (in one process the sum is in memory)."""
+    if not get_method(method).mirrored:
+        return []
+    placement = stage_placement(method, sizes)
+    half = len(placement) // 2
+    seconds = [0.0] * (1 + max(placement))
+    for piece, (a, b) in enumerate(profile.stage_slices(list(sizes))):
+        if bandwidth is None or placement[piece] == placement[half + piece]:
+            continue
+        size = sum(layer.parameter_bytes for layer in profile.layers[a:b])
+        for rank in (placement[piece], placement[half + piece]):
+            seconds[rank] += size / bandwidth
+    return seconds
+
+
 def stage_memory(method: str, profile: ModelProfile, sizes: Sequence[int], peak_activations: Sequence[int],
                  options: Optional[Dict[str, Any]] = None) -> List[Dict[str, int]]:
-    """Bytes per model stage (``sizes``: one entry per piece; a chunked method's pieces carry the
-    ``rank`` that holds them): weights (versions x parameters), gradients, optimizer state,
-    in-flight activations (the simulator's peak micro-batches x bytes held per micro-batch; also
-    with recomputation, ``*_recompute``, which keeps each micro-batch's input and output only)
-    and their total (without recomputation)."""
+    """Bytes per model stage (``sizes``: one entry per piece; a chunked method's stages carry the
+    ``rank`` that holds them, a mirrored method's replicas hold their pieces' weights again):
+    weights (versions x parameters), gradients, optimizer state, in-flight activations (the
+    simulator's peak micro-batches x bytes held per micro-batch; also with recomputation,
+    ``*_recompute``, which keeps each micro-batch's input and output only) and their total
+    (without recomputation)."""
     meth = get_method(method)
-    ranks = len(sizes) // meth.chunks
-    placement = meth.stage_ranks(ranks, meth.chunks) if meth.chunks > 1 else list(range(len(sizes)))
-    versions = meth.weight_versions(len(sizes), **(options or {}))
+    placement = stage_placement(method, sizes)
+    versions = meth.weight_versions(len(placement), **(options or {}))
     out = []
-    for k, (a, b) in enumerate(profile.stage_slices(list(sizes))):
+    for k, (a, b) in enumerate(stage_slices(profile, method, sizes)):
         layers = profile.layers[a:b]
         params = sum(l.parameter_bytes for l in layers)
         held, light = profile.held_bytes(a, b), profile.held_bytes(a, b, recompute=True)
@@ -225,14 +281,14 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     For a chunked method ``sizes`` has one entry per piece (processes x chunks) and ``speeds``
     one per process."""
     meth = get_method(method)
-    if len(sizes) % meth.chunks:
-        raise ValueError(f"{method} runs {meth.chunks} chunks per process: give a split into a multiple of "
-                         f"{meth.chunks} pieces, got {len(sizes)}")
-    ranks = len(sizes) // meth.chunks
-    placement = meth.stage_ranks(ranks, meth.chunks) if meth.chunks > 1 else list(range(ranks))
+    placement = stage_placement(method, sizes)
+    ranks = 1 + max(placement)
     costs = stage_costs(profile, sizes, None if speeds is None else [speeds[r] for r in placement],
-                        bandwidth, measured)
+                        bandwidth, measured) if not meth.mirrored else mirrored_costs(
+        stage_costs(profile, sizes, None, bandwidth, measured), placement, speeds)
     makespan, result, simulated = simulated_makespan(method, ranks, microbatches, batches, costs)
+    replica_sum = replica_sum_seconds(profile, method, sizes, bandwidth)
+    makespan += batches * max(replica_sum, default=0.0)
     links = cut_seconds(list(sizes), profile.boundary_bytes(), bandwidth)
     link_bound = batches * microbatches * max(links, default=0.0)
     limited_by_link = link_bound > makespan
@@ -245,6 +301,7 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
         "chunks": meth.chunks, "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
         "stage_costs": "measured" if measured is not None else "profile",
         "simulated_batches": simulated, "bubble_fraction": result.bubble_fraction,
+        "replica_sum_seconds": replica_sum,
         "limited_by_link": limited_by_link,
         "stage_forward_seconds": costs.forward, "stage_backward_seconds": costs.backward,
         "update_seconds": costs.update, "comm_seconds": costs.comm, "cut_seconds": links,
@@ -264,10 +321,11 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
         return f"{method} needs micro-batches >= stages ({microbatches} < {stages})"
     if meth.schedule == "interleaved-1f1b" and microbatches % stages:
         return f"{method} needs micro-batches that are a multiple of the stages ({microbatches}, {stages} stages)"
-    if meth.mirrored:  # its time and memory (two replicas per process) are not modelled here yet
-        return f"{method} is not predicted by the planner yet (it runs on the local runtime: pipeoptim train)"
-    if layers is not None and meth.chunks * stages > layers:
-        return (f"{method} splits the model into {stages} x {meth.chunks} chunks but it has {layers} layers "
+    if meth.mirrored and microbatches % 2:
+        return f"{method} needs an even number of micro-batches, half for each direction (got {microbatches})"
+    pieces = meth.pieces_per_rank(meth.chunks)
+    if layers is not None and pieces * stages > layers:
+        return (f"{method} splits the model into {stages} x {pieces} pieces but it has {layers} layers "
                 f"with parameters; use fewer stages")
     return None
 
@@ -281,7 +339,7 @@ def predicted_activations(profile: ModelProfile, sizes: Sequence[int], method: s
     prediction :mod:`pipeoptim.runtime.held`'s measured peak is read against."""
     peaks = peak_activations(get_method(method).build_schedule(ranks, microbatches, batches))
     out = []
-    for peak, (a, b) in zip(peaks, profile.stage_slices(list(sizes))):
+    for peak, (a, b) in zip(peaks, stage_slices(profile, method, sizes)):
         held = profile.held_bytes(a, b, recompute=recompute)
         out.append({"in_flight_microbatches": int(peak), "bytes_per_microbatch": held, "bytes": int(peak) * held})
     return out

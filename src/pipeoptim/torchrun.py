@@ -210,8 +210,11 @@ class Torchrun:
         self.stages, self.replicas = count, replicas
         placement = list(placement) if placement is not None else list(range(count))
         self.placement = placement
+        # two pipelines of the same pieces (every rank holds stages of both): no link between them
+        self.mirrored = any(stage.replica_of is not None for stage in stages)
         if replicas == 1:
-            self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement)
+            self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement,
+                                 chain_starts=(len(placement) // 2,) if self.mirrored else ())
         else:
             self._connect_replicas(count, replicas, placement)
         averager = self.gradient_averager() if stages[0].shards is None else None
@@ -219,9 +222,8 @@ class Torchrun:
             stage.grad_sync = averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
-        self.mirrored = any(stage.replica_of is not None for stage in stages)
         if self.mirrored:
-            made, self.replica_groups = replica_pair_groups(count, self.stage, self.timeout)
+            made, self.replica_groups = replica_pair_groups(placement, self.stage, self.timeout)
             self._made += made
 
     def agree(self, value: Any, what: str) -> Any:

@@ -260,6 +260,22 @@ def format_memory(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def format_bubbles(result: Dict[str, Any]) -> List[str]:
+    """Per pipelined run: its bubble measured (the ranks' idle share of the wall time) against
+    the simulator's on the measured stage costs."""
+    pipelined = {name: d for name, d in result["detail"].items() if "bubble" in d and not name.startswith("sequential")}
+    if not pipelined:
+        return []
+    lines = ["bubble (idle share of rank-time): measured / simulated on the measured stage costs; "
+             "KiB per process: weights, peak activations"]
+    for name, d in pipelined.items():
+        held = d["process_bytes"]
+        per_rank = " | ".join(f"{w / 1024:.0f}, {a / 1024:.0f}" for w, a in zip(held["weights"], held["activations"]))
+        lines.append(f"  {name}: {100 * d['bubble']['measured']:.1f} % / {100 * d['bubble']['simulated']:.1f} %;"
+                     f" {per_rank}")
+    return lines
+
+
 def format_report(result: Dict[str, Any]) -> str:
     s = result["settings"]
     sps = result["samples_per_second"]
@@ -284,7 +300,7 @@ def format_report(result: Dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-    lines += [""] + format_memory(result)
+    lines += [""] + format_memory(result) + format_bubbles(result)
     extra = {k: v for k, v in result["ratios"].items() if "sequential" not in k}
     if extra:
         lines.append("")

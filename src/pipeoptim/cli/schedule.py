@@ -35,13 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("name", metavar="NAME",
                         help=f"a schedule or a method name, one of: {', '.join(names)}")
     parser.add_argument("--stages", "-N", metavar="N", default="4",
-                        help="pipeline stages, one per rank (ranks for interleaved-1f1b and "
-                             "bidirectional, which put several stages on a rank); default 4")
+                        help="pipeline stages, one per rank (ranks for interleaved-1f1b, zb-v, "
+                             "bidirectional and bitpipe, which put several stages on a rank); default 4")
     parser.add_argument("--microbatches", "-M", metavar="M", default=None,
                         help="micro-batches per mini-batch, i.e. per update. Default: the "
                              "method's own (gpipe, 1f1b-flush, zb-h1, pipedream-2bw, pipeoptim-2bw: N; xpipe: 2; "
                              "others: 1); for a schedule name N for synchronous schedules and 2bw "
-                             "(rounded up to even for bidirectional), 1 for async-1f1b")
+                             "(rounded up to even for bidirectional and bitpipe), 1 for async-1f1b")
     parser.add_argument("--batches", "-T", metavar="T", default=None,
                         help="mini-batches (updates) to run; default 1 for synchronous schedules, "
                              "2N for asynchronous ones (async-1f1b, 2bw and the methods on them)")
@@ -101,10 +101,15 @@ def _costs(text: str) -> List[float]:
     return values
 
 
+#: the schedules whose order is list-scheduled against the costs (two pipelines, half the
+#: micro-batches each: an even M)
+LIST_SCHEDULED = ("bidirectional", "bitpipe")
+
+
 def _default_microbatches(schedule: str, stages: int) -> int:
     if schedule == "async-1f1b":
         return 1
-    if schedule == "bidirectional":
+    if schedule in LIST_SCHEDULED:
         return stages + stages % 2
     return stages
 
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks)
     costs = costs_for(schedule.num_stages)
-    if schedule_name == "bidirectional":  # its order is list-scheduled against the costs
+    if schedule_name in LIST_SCHEDULED:  # its order is list-scheduled against the costs
         schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks, costs)
     result = simulate(schedule, costs)
     analytic = analytic_bubble_fraction(schedule, costs)

@@ -103,6 +103,45 @@ def activations(measured: List[Dict[str, int]], predicted: Any) -> List[Dict[str
     return out
 
 
+def bubble(metrics: Dict[str, Any], seconds: float, batches: int) -> Dict[str, float]:
+    """The run's bubble, measured and simulated: ``measured`` is 1 - the stages' busy seconds
+    (forwards, backwards, updates) over the pipeline's ranks x the wall time of its ``batches``
+    mini-batches; ``simulated`` the schedule simulator's bubble of the method's schedule for
+    those mini-batches, priced with each stage's measured seconds per micro-batch (a split
+    backward's W at half the backward, as the planner prices it). The wall time also holds the
+    waits on messages and a mirrored method's replica sums, which the simulator does not charge."""
+    from ..methods import get_method
+    from ..schedules import Costs, simulate
+
+    busy, passes = metrics["stage_busy_seconds"], metrics["stage_passes"]
+    ranks = 1 if metrics["method"] == "sequential" else metrics["stages"] // metrics["chunks"]
+    measured = 1.0 - sum(sum(b.values()) for b in busy) / (ranks * seconds) if seconds > 0 else 0.0
+    forward = [b["F"] / max(1, p["F"]) for b, p in zip(busy, passes)]
+    backward = [b["B"] / max(1, p["F"]) for b, p in zip(busy, passes)]  # both halves of one micro-batch
+    update = max(b["U"] / max(1, p["U"]) for b, p in zip(busy, passes))
+    method = get_method(metrics["method"])
+    schedule = method.build_schedule(ranks, metrics["microbatches"], batches,
+                                     options=metrics.get("options"), chunks=metrics["chunks"])
+    simulated = simulate(schedule, Costs(forward, backward, [b / 2 for b in backward], update=update))
+    return {"measured": measured, "simulated": simulated.bubble_fraction}
+
+
+def process_bytes(metrics: Dict[str, Any]) -> Dict[str, List[int]]:
+    """Per pipeline rank, the bytes its stages hold: ``weights`` (every copy, both replicas of a
+    mirrored method's piece) and ``activations`` (the sum of its stages' measured peaks: an upper
+    bound of the peak of their sum)."""
+    from ..methods import get_method
+
+    ranks = 1 if metrics["method"] == "sequential" else metrics["stages"] // metrics["chunks"]
+    method = get_method(metrics["method"])
+    placement = method.stage_ranks(ranks, metrics["chunks"]) if metrics["chunks"] > 1 else list(range(ranks))
+    out = {"weights": [0] * ranks, "activations": [0] * ranks}
+    for rank, state, held in zip(placement, metrics["state_memory"], metrics["activations"]):
+        out["weights"][rank] += state["weights"]
+        out["activations"][rank] += held["peak_bytes"]
+    return out
+
+
 def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int, replicas: int) -> Dict[str, Any]:
     """The median round's figures (and every round's throughput, and its interquartile range):
     per stage, ms per pass (``stage_ms``) and per mini-batch computing, waiting on each link and
@@ -125,7 +164,8 @@ def summary(rounds: List[PipelineRun], threads: int, timed: int, processes: int,
             "stage_ms": [{k: round(v * 1e3, 3) for k, v in st.items()} for st in metrics["stage_seconds"]],
             "ms_per_batch": round(1e3 * res.seconds / timed, 3), "profile_ms_per_batch": profile,
             "activations": activations(metrics["activations"], res.predicted),
-            "state_memory": metrics["state_memory"],
+            "state_memory": metrics["state_memory"], "bubble": bubble(metrics, res.seconds, timed),
+            "process_bytes": process_bytes(metrics),
             "final_loss": res.result.losses[-1]}
 
 
@@ -187,9 +227,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
             replica on its shard of every mini-batch (``sharded``: each stage's state too, FSDP2;
             ``compiled``: each stage's forward through torch.compile, compiled on one untimed
             mini-batch first); timed from a barrier to the last process's end."""
-            chunks = get_method(method).chunks  # interleaved, zb-v: the model in stages x chunks pieces
-            sizes = ([len(model)] if method == "sequential" else partition if chunks == 1 else
-                     plan_partition(model, stages * chunks, "uniform"))
+            # interleaved, zb-v: the model in stages x chunks pieces; bidirectional, bitpipe: in
+            # stages x their pieces per process (each also holding replicas of others')
+            meth = get_method(method)
+            pieces = meth.pieces_per_rank(meth.chunks)
+            sizes = ([len(model)] if method == "sequential" else partition if meth.chunks == 1 else
+                     plan_partition(model, stages * pieces, "uniform"))
             pipeline = Pipeline(model, method=method, loss_fn=task.loss, optimizer=optimizer,
                                 stages=None if method == "sequential" else stages,
                                 partition=None if method == "sequential" else sizes,

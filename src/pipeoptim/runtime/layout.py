@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 
+#: placements whose chunks per stage are fixed by their shape (the method's own ``chunks``)
+FIXED_CHUNKS = {"v": "a V", "bidirectional": "one of each pipeline", "bitpipe": "two of each pipeline's V"}
+
+
 def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[int]] = None) -> int:
     """Stages per rank: ``chunks`` if given, else the method's own; refused where the method
     places one stage per rank, or the partition does not divide into that many chunks."""
@@ -22,9 +26,9 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
     elif chunks > 1 and method.chunks == 1:
         raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
                          f"places several: method='interleaved'")
-    elif method.placement in ("v", "bidirectional") and chunks != 2:
-        shape = "a V" if method.placement == "v" else "one of each pipeline"
-        raise ValueError(f"{method.name} places exactly 2 chunks per stage ({shape}); drop chunks={chunks} "
+    elif method.placement in FIXED_CHUNKS and chunks != method.chunks:
+        raise ValueError(f"{method.name} places exactly {method.chunks} chunks per stage "
+                         f"({FIXED_CHUNKS[method.placement]}); drop chunks={chunks} "
                          f"or use method='interleaved' for {chunks}")
     else:
         v = chunks

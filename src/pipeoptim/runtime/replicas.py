@@ -1,9 +1,9 @@
 """The two replicas of a model piece in a bidirectional run, in one process: their gradients
 summed before the update (docs/architecture.md, "Bidirectional pipelines").
 
-A mirrored method runs two pipelines of the same N pieces in opposite directions: stage j of
-the first and stage N+j of the second hold copies of piece j, each seeing its pipeline's half of
-the micro-batches. Before update u, each replica's gradient becomes the sum of both replicas'
+A mirrored method (bidirectional, bitpipe) runs two pipelines of the same P pieces in opposite
+directions: stage j of the first and stage P+j of the second hold copies of piece j, each seeing
+its pipeline's half of the micro-batches. Before update u, each replica's gradient becomes the sum of both replicas'
 over window u (the mini-batch's gradient, as one copy would have accumulated it), so that both
 apply the same update and stay equal. Each replica's update waits for the other's last backward
 of the window; whichever comes first sums for both.
@@ -86,20 +86,27 @@ def copy_to_replicas(stages: Sequence) -> None:
             mine.copy_(theirs)
 
 
-def replica_pair_groups(ranks: int, rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
-    """A bidirectional run under torchrun: pieces j and N-1-j have their replicas on ranks j and
-    N-1-j, one 2-process group for both (every rank makes every group, in the same order; the
-    middle rank of an odd N holds both replicas of its piece). Returns (every group made, this
-    rank's: piece -> group)."""
+def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
+    """A run of two pipelines of the same pieces under torchrun (``placement``: the rank of each
+    stage, the second half replicating the first): one 2-process group for each pair of ranks
+    that hold the two replicas of a piece, shared by every piece the pair holds (bidirectional:
+    pieces j and N-1-j on ranks j and N-1-j; bitpipe: four pieces). Every rank makes every group,
+    in the same order; a rank holding both replicas of a piece (the middle rank of an odd N)
+    needs none for it. Returns (every group made, this rank's: piece -> group)."""
     import datetime
 
     import torch.distributed as dist
 
+    half = len(placement) // 2
+    pairs: Dict[Tuple[int, int], List[int]] = {}
+    for piece in range(half):
+        a, b = placement[piece], placement[half + piece]
+        if a != b:
+            pairs.setdefault((min(a, b), max(a, b)), []).append(piece)
     made, own = [], {}
-    for j in range(ranks // 2):
-        group = dist.new_group([j, ranks - 1 - j], timeout=datetime.timedelta(seconds=timeout))
+    for ranks in sorted(pairs):
+        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
         made.append(group)
-        if rank in (j, ranks - 1 - j):
-            own = {j: group, ranks - 1 - j: group}
+        if rank in ranks:
+            own.update({piece: group for piece in pairs[ranks]})
     return made, own
-

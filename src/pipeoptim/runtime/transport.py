@@ -48,12 +48,14 @@ class PipeComm:
     boundary between stages on two ranks is then its own pair of links (boundary j: activations
     of stage j, gradients of stage j + 1); a boundary inside one rank has none (the executor
     hands the value over in memory). The send and receive methods take the stage they act for.
+    ``chain_starts``: the stages after the first that begin a chain of their own (two pipelines
+    of the same pieces: the second's first stage), whose boundary before them has no link.
     """
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
                  timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2,
                  pipelines: Optional[Sequence[Sequence[int]]] = None,
-                 placement: Optional[Sequence[int]] = None) -> None:
+                 placement: Optional[Sequence[int]] = None, chain_starts: Sequence[int] = ()) -> None:
         """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
         global ranks of every replica's stages; each rank passes its own replica's group as
         ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
@@ -63,6 +65,7 @@ class PipeComm:
         self.ranks = [dist.get_global_rank(self.group, k) for k in range(self.num_stages)]
         #: the pipeline rank of each stage of the chain (a straight pipeline: stage k on rank k)
         self.placement = list(placement) if placement is not None else list(range(self.num_stages))
+        self.chain_starts = frozenset(chain_starts)
         if sorted(set(self.placement)) != list(range(self.num_stages)):
             raise ValueError(f"placement {self.placement} must put stages on every one of the "
                              f"{self.num_stages} ranks of the pipeline, and on no other")
@@ -124,9 +127,11 @@ class PipeComm:
 
     def _boundaries(self) -> List[Tuple[int, str, int]]:
         """(boundary, "activation" or "gradient", tag) of each link of the chain: boundary j
-        joins stages j and j + 1 where they are on two ranks (in one process: no message)."""
+        joins stages j and j + 1 of one chain where they are on two ranks (in one process: no
+        message)."""
         place = self.placement
-        return [(j, what, tag) for j in range(len(place) - 1) if place[j] != place[j + 1]
+        return [(j, what, tag) for j in range(len(place) - 1)
+                if place[j] != place[j + 1] and j + 1 not in self.chain_starts
                 for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient"))]
 
     def _nccl_link(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta):

@@ -1,14 +1,26 @@
-"""Bidirectional pipelines (Chimera, BitPipe style): two pipelines run in opposite directions.
+"""Bidirectional pipelines: two pipelines of the same model pieces run in opposite directions.
 
-Rank r holds stage r of the "down" pipeline (model stages 0..N-1) and stage N-1-r of the "up"
-pipeline (model stages N..2N-1; stage N+j is the up pipeline's j-th stage, a replica of model
-stage j). The down pipeline takes the first half of a mini-batch's micro-batches, the up
-pipeline the rest, and each fills the other's bubbles. The two replicas of a model stage sum
-their gradients before the update (an all-reduce the simulator does not charge for).
+Two placements (docs/architecture.md, "Bidirectional pipelines"):
+
+* ``bidirectional`` (Chimera's shape): N pieces, each pipeline one stage per rank. Rank r holds
+  stage r of the "down" pipeline (stages 0..N-1) and stage N-1-r of the "up" pipeline (stages
+  N..2N-1; stage N+j is the up pipeline's j-th stage, a replica of stage j).
+* ``bitpipe`` (BitPipe's shape): 2N pieces, each pipeline a V over the ranks. The down pipeline
+  (stages 0..2N-1) goes 0, 1, ..., N-1, N-1, ..., 0, as ZB-V places it; the up pipeline
+  (stages 2N..4N-1, stage 2N+j a replica of stage j) goes N-1, ..., 0, 0, ..., N-1. Each V's
+  turn is two stages on one rank: a hand-off in memory, no message. Rank r holds four stages,
+  and the same four pieces as rank N-1-r.
+
+The down pipeline takes the first half of a mini-batch's micro-batches, the up pipeline the
+rest, and each fills the other's bubbles. The two replicas of a piece sum their gradients before
+the update (an all-reduce the simulator does not charge for).
 
 The order is found by list scheduling against the given costs: whenever a rank is free it runs
 the ready action that can start first, backwards before forwards, and a stage at position p of
-its pipeline starts a forward only while it holds fewer than N-p micro-batches, 1F1B's bound.
+its pipeline of L stages starts a forward only while it holds fewer than L-p micro-batches,
+1F1B's bound. An order read off such an execution respects every dependency, so it cannot
+deadlock. Each rank ends each mini-batch with its stages' updates in the order of their pieces,
+so the two replicas of a piece reach their update at the same point of their ranks' orders.
 """
 from __future__ import annotations
 
@@ -17,41 +29,69 @@ from typing import Dict, List, Optional
 from .actions import Action, B, F, Kind, Schedule, U, check_positive
 from .deps import schedule_dependencies
 from .simulate import Costs
+from .zbv import v_placement
+
+
+def bidirectional_placement(num_ranks: int) -> List[int]:
+    """The rank of each of ``bidirectional``'s 2N stages: 0, 1, ..., N-1, then N-1, ..., 0."""
+    return list(range(num_ranks)) + [num_ranks - 1 - j for j in range(num_ranks)]
+
+
+def bitpipe_placement(num_ranks: int) -> List[int]:
+    """The rank of each of ``bitpipe``'s 4N stages: the down V (0 .. N-1 .. 0), then the up V
+    (N-1 .. 0 .. N-1)."""
+    down = v_placement(num_ranks)
+    return down + [num_ranks - 1 - r for r in down]
 
 
 def bidirectional(num_ranks: int, microbatches: int, batches: int = 1,
                   costs: Optional[Costs] = None) -> Schedule:
+    """Chimera's two pipelines of N pieces over ``num_ranks`` ranks (2N stages)."""
+    return _two_pipelines("bidirectional", num_ranks, microbatches, batches, costs,
+                          bidirectional_placement)
+
+
+def bitpipe(num_ranks: int, microbatches: int, batches: int = 1,
+            costs: Optional[Costs] = None) -> Schedule:
+    """BitPipe's two V-shaped pipelines of 2N pieces over ``num_ranks`` ranks (4N stages)."""
+    return _two_pipelines("bitpipe", num_ranks, microbatches, batches, costs, bitpipe_placement)
+
+
+def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
+                   costs: Optional[Costs], placement) -> Schedule:
     check_positive(stages=num_ranks, microbatches=microbatches, batches=batches)
     if microbatches % 2:
-        raise ValueError(f"bidirectional needs an even number of micro-batches (got {microbatches}), "
+        raise ValueError(f"{name} needs an even number of micro-batches (got {microbatches}), "
                          f"half for each direction")
     n, m = num_ranks, microbatches
-    down, up = list(range(n)), list(range(n, 2 * n))
-    stage_to_rank = list(range(n)) + [n - 1 - j for j in range(n)]
-    costs = costs or Costs.uniform(2 * n)
-    position = {s: s for s in down} | {n + j: j for j in range(n)}
+    stage_to_rank = placement(n)
+    stages = len(stage_to_rank)
+    length = stages // 2  # stages per pipeline
+    down, up = list(range(length)), list(range(length, stages))
+    costs = costs or Costs.uniform(stages)
+    position = {s: s % length for s in range(stages)}
     orders: List[List[Action]] = [[] for _ in range(n)]
     for t in range(batches):
         base = t * m
         micro = {s: list(range(base, base + m // 2)) for s in down}
         micro |= {s: list(range(base + m // 2, base + m)) for s in up}
-        skeleton = Schedule("bidirectional", 2 * n, n, batches * m, m,
-                            [[F(s, i) for s in range(2 * n) if stage_to_rank[s] == r for i in micro[s]]
+        skeleton = Schedule(name, stages, n, batches * m, m,
+                            [[F(s, i) for s in range(stages) if stage_to_rank[s] == r for i in micro[s]]
                              for r in range(n)],
                             stage_to_rank=stage_to_rank, pipelines=[down, up], synchronous=True)
         deps_of = schedule_dependencies(skeleton)
-        forwarded = {s: 0 for s in range(2 * n)}
-        backwarded = {s: 0 for s in range(2 * n)}
+        forwarded = {s: 0 for s in range(stages)}
+        backwarded = {s: 0 for s in range(stages)}
         end: Dict[tuple, float] = {}
         free_at = [0.0] * n
-        for _ in range(2 * n * (m // 2) * 2):
+        for _ in range(stages * (m // 2) * 2):
             best = None
-            for s in range(2 * n):
+            for s in range(stages):
                 rank, mics = stage_to_rank[s], micro[s]
                 candidates = []
                 if backwarded[s] < len(mics):
                     candidates.append(B(s, mics[backwarded[s]]))
-                if forwarded[s] < len(mics) and forwarded[s] - backwarded[s] < n - position[s]:
+                if forwarded[s] < len(mics) and forwarded[s] - backwarded[s] < length - position[s]:
                     candidates.append(F(s, mics[forwarded[s]]))
                 for action in candidates:
                     deps = deps_of(action)
@@ -69,9 +109,9 @@ def bidirectional(num_ranks: int, microbatches: int, batches: int = 1,
             free_at[rank] = end[action]
             orders[rank].append(action)
             (forwarded if action.kind is Kind.F else backwarded)[action.stage] += 1
-        for rank in range(n):  # in the order of their pieces, on every rank: the two replicas of
-            # a piece (ranks j and N-1-j) reach their update at the same point of their orders
-            pieces = sorted([rank, 2 * n - 1 - rank], key=lambda s: s % n)
+        for rank in range(n):  # in the order of their pieces, on every rank
+            pieces = sorted((s for s in range(stages) if stage_to_rank[s] == rank),
+                            key=lambda s: (s % length, s))
             orders[rank] += [U(s, t) for s in pieces]
-    return Schedule("bidirectional", 2 * n, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
+    return Schedule(name, stages, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
                     pipelines=[down, up], synchronous=True)

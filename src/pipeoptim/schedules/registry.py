@@ -5,7 +5,7 @@ from typing import Callable, Dict, Optional
 
 from .actions import Schedule
 from .async_1f1b import async_1f1b
-from .bidirectional import bidirectional
+from .bidirectional import bidirectional, bitpipe
 from .flush_1f1b import one_f_one_b_flush
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b
@@ -23,6 +23,7 @@ _BUILDERS: Dict[str, Builder] = {
     "2bw": lambda n, m, t, v, c: two_bw(n, m, t),
     "interleaved-1f1b": lambda n, m, t, v, c: interleaved_1f1b(n, m, v, t),
     "bidirectional": lambda n, m, t, v, c: bidirectional(n, m, t, c),
+    "bitpipe": lambda n, m, t, v, c: bitpipe(n, m, t, c),
     "zb-h1": lambda n, m, t, v, c: zb_h1(n, m, t),
     "zb-v": lambda n, m, t, v, c: zb_v(n, m, t),
 }
@@ -33,7 +34,8 @@ DESCRIPTIONS: Dict[str, str] = {
     "async-1f1b": "1F1B with no flush, an update after every backward (PipeDream, PipeOptim)",
     "2bw": "async 1F1B over micro-batches, an update every m >= N (PipeDream-2BW)",
     "interleaved-1f1b": "v model chunks per rank, smaller bubble (Megatron-LM)",
-    "bidirectional": "two pipelines in opposite directions, two stages per rank (Chimera, BitPipe)",
+    "bidirectional": "two pipelines in opposite directions, two stages per rank (Chimera)",
+    "bitpipe": "two V-shaped pipelines in opposite directions, four stages per rank (BitPipe)",
     "zb-h1": "1F1B with split backward, weight gradients fill the bubble (zero bubble H1)",
     "zb-v": "two chunks per rank in a V, split backward, weight gradients fill the bubble (ZB-V)",
 }
