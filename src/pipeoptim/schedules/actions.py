@@ -3,7 +3,7 @@
 A schedule is data: for each rank, an ordered list of :class:`Action` (stage, kind, index;
 docs/architecture.md, "Schedules as data"). For compute and communication actions the index is
 the micro-batch, counted across the whole schedule ("Glossary"); for an update ``U`` the
-update's number at that stage.
+update's number at that stage; for a forward-only ``E`` the evaluation micro-batch's number.
 
 Actions print compactly, as in ``torch.distributed.pipelining``: ``2F5`` is stage 2's forward of
 micro-batch 5, ``0U3`` stage 0's fourth update, ``1SEND_F4`` the send of 4's activation."""
@@ -25,6 +25,9 @@ class Kind(str, Enum):
     I = "I"  #: backward for the input gradient only (zero-bubble split)  # noqa: E741
     W = "W"  #: backward for the weight gradient only (zero-bubble split)
     U = "U"  #: optimizer update of the stage
+    #: forward-only pass of an evaluation micro-batch (its own numbering), on the weights the
+    #: stage holds then; nothing of training depends on it (``schedules/fill.py``)
+    E = "E"
     SEND_F = "SEND_F"  #: send an activation to the next stage
     RECV_F = "RECV_F"  #: receive an activation from the previous stage
     SEND_B = "SEND_B"  #: send an input gradient to the previous stage
@@ -38,15 +41,15 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U)
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E)
 
     @property
     def is_comm(self) -> bool:
         return not self.is_compute
 
 
-COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U)
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)$")
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E)
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U|E)(\d+)$")
 
 
 class Action(NamedTuple):

@@ -5,7 +5,8 @@ The same rules serve the simulator, the greedy generators and the executors' che
 * ``F(s, i)`` needs the previous stage's ``F(s-1, i)`` (its activation);
 * ``B(s, i)`` / ``I(s, i)`` need ``F(s, i)`` and the next stage's backward of ``i`` (its gradient);
 * ``W(s, i)`` needs ``I(s, i)``;
-* ``U(s, u)`` needs every backward of stage s in update window u.
+* ``U(s, u)`` needs every backward of stage s in update window u;
+* ``E(s, j)`` (forward only, evaluation micro-batch j) needs the previous stage's ``E(s-1, j)``.
 
 Order within a rank is implied by the rank's list and is not a dependency here. Dependencies
 come back as plain ``(stage, kind, index)`` tuples, which hash and compare equal to the
@@ -20,7 +21,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from .actions import Action, Kind
 
-_F, _B, _I, _W, _U = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U
+_F, _B, _I, _W, _U, _E = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E
 Dep = Tuple[int, Kind, int]
 
 
@@ -29,7 +30,7 @@ class DependencyRules(NamedTuple):
 
     ``same_index[kind][stage]`` lists the ``(stage, kind)`` pairs whose action with the *same
     index* must finish before ``(stage, kind, index)`` may start, in the order they are checked.
-    It holds F, B, I and W, and U where every update window is the one micro-batch ``u``. Else
+    It holds F, B, I, W and E, and U where every update window is the one micro-batch ``u``. Else
     ``U(s, u)`` needs ``(s, window_kind, j)`` for each ``j`` of ``window(s, u)``.
     """
 
@@ -57,6 +58,7 @@ def dependency_rules(schedule, split: Optional[bool] = None) -> DependencyRules:
         _F: [[] if prev[s] is None else [(prev[s], _F)] for s in stages],
         _B: [[(s, _F)] if nxt[s] is None else [(s, _F), (nxt[s], backward_kind)] for s in stages],
         _W: [[(s, _I)] for s in stages],
+        _E: [[] if prev[s] is None else [(prev[s], _E)] for s in stages],
     }
     same_index[_I] = same_index[_B]
     window_kind, m = _W if split else _B, schedule.microbatches_per_update

@@ -26,17 +26,18 @@ TRACE_US_PER_UNIT = 1000.0
 
 KIND_NAMES: Dict[Kind, str] = {
     Kind.F: "forward", Kind.B: "backward", Kind.I: "input-grad backward",
-    Kind.W: "weight-grad backward", Kind.U: "update",
+    Kind.W: "weight-grad backward", Kind.U: "update", Kind.E: "evaluation forward",
 }
 
 #: Colours of the PNG: forward blue, backward orange, I and W lighter and darker orange.
 COLORS: Dict[Kind, str] = {
     Kind.F: "#3B75AF", Kind.B: "#EF8636", Kind.I: "#F7B479", Kind.W: "#B5561A", Kind.U: "#1A1A1A",
+    Kind.E: "#4C9F50",
 }
 IDLE_COLOR = "#E6E6E6"
 
 #: Characters that fill an action's box in the text timeline.
-TEXT_FILL: Dict[Kind, str] = {Kind.F: "-", Kind.B: "=", Kind.I: "~", Kind.W: "+", Kind.U: "#"}
+TEXT_FILL: Dict[Kind, str] = {Kind.F: "-", Kind.B: "=", Kind.I: "~", Kind.W: "+", Kind.U: "#", Kind.E: "e"}
 TEXT_IDLE = "."
 TEXT_INSTANT = "U"  # an update that takes no time, on the last column of the box before it
 
@@ -134,7 +135,7 @@ def to_text(result: SimResult, width: int = 120) -> str:
     end_label = f"{makespan:g}"
     lines.append(f"{'time':>{pad}}  0{end_label:>{max(columns - 1, len(end_label))}}")
     kinds = {t.action.kind for t in result.timeline}
-    legend = [f"{TEXT_FILL[k]} {KIND_NAMES[k]}" for k in (Kind.F, Kind.B, Kind.I, Kind.W)
+    legend = [f"{TEXT_FILL[k]} {KIND_NAMES[k]}" for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.E)
               if k in kinds]
     if Kind.U in kinds:
         legend.append(f"{TEXT_INSTANT} update (# where it takes time)")

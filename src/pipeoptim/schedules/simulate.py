@@ -34,13 +34,15 @@ class DeadlockError(ValueError):
 
 @dataclass
 class Costs:
-    """Per-stage costs. ``weight`` is the W part of a split backward (I costs backward - weight)."""
+    """Per-stage costs. ``weight`` is the W part of a split backward (I costs backward - weight);
+    ``evaluation``: a forward-only evaluation micro-batch ``E`` (None: the forward's)."""
 
     forward: List[float]
     backward: List[float]
     weight: List[float]
     update: float = 0.0
     comm: float = 0.0
+    evaluation: Optional[List[float]] = None
 
     @classmethod
     def uniform(cls, num_stages: int, forward: Number = 1.0, backward: Number = 1.0,
@@ -63,6 +65,8 @@ class Costs:
             return self.weight[s]
         if action.kind is Kind.U:
             return self.update
+        if action.kind is Kind.E:
+            return self.forward[s] if self.evaluation is None else self.evaluation[s]
         return 0.0
 
     def by_kind(self) -> Dict[Kind, List[float]]:
@@ -70,7 +74,8 @@ class Costs:
         n = len(self.forward)
         return {Kind.F: list(self.forward), Kind.B: list(self.backward),
                 Kind.I: [b - w for b, w in zip(self.backward, self.weight)],
-                Kind.W: list(self.weight), Kind.U: [self.update] * n}
+                Kind.W: list(self.weight), Kind.U: [self.update] * n,
+                Kind.E: list(self.forward if self.evaluation is None else self.evaluation)}
 
     @property
     def equal_stages(self) -> bool:
