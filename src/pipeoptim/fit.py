@@ -62,6 +62,7 @@ class FitSettings:
     resume: bool = False
     continuous: bool = False
     async_checkpoint: bool = False
+    eval_in_bubbles: bool = False
 
 
 class FitRun:
@@ -175,7 +176,11 @@ class FitRun:
                 pipe.flush()  # a segment ends at every checkpoint and every evaluation
                 if eval_due:
                     began = time.perf_counter()
-                    self.evaluation(epoch)
+                    # a checkpoint here records the evaluations so far: this one must be among them
+                    if settings.eval_in_bubbles and not (checkpoint_due and settings.store is not None):
+                        self.evaluation_in_bubbles(epoch)
+                    else:
+                        self.evaluation(epoch)
                     self.paused["mid_eval_epoch"] += time.perf_counter() - began
                 if checkpoint_due and settings.store is not None:
                     self.save(epoch, batch, epoch_rng_now)
@@ -263,6 +268,22 @@ class FitRun:
         if settings.on_eval is not None:
             settings.on_eval(entry)
         return value
+
+    def evaluation_in_bubbles(self, epoch: int) -> None:
+        """Ask for the evaluation of the drained pipeline's weights in the next mini-batch's
+        bubbles (``eval_in_bubbles``); it is recorded, as :meth:`evaluation` records it, once its
+        value is known (its ``seconds``: the training time at this point)."""
+        pipe, settings = self.pipe, self.settings
+        entry = {"epoch": epoch, "batch": pipe.batches_done - self.batch_base,
+                 "updates": int(pipe.stages[0].policy.version), "metric": None, "seconds": self.train_seconds()}
+
+        def record(value: float) -> None:
+            entry["metric"] = value
+            self.evaluations.append(entry)
+            if settings.on_eval is not None:
+                settings.on_eval(entry)
+
+        pipe.evaluate_in_bubbles(settings.eval_loader, settings.metric, on_done=record)
 
     def save(self, epoch: int, batch: int, rng: Optional[torch.Tensor]) -> None:
         """Checkpoint the drained pipeline at (epoch, batch); ``rng``: the epoch's RNG at its start."""

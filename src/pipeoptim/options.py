@@ -221,6 +221,14 @@ OPTIONS: Tuple[Option, ...] = (
            "seconds); synchronous methods train the same whatever K, asynchronous ones restart their "
            "warm-up after each drain, so their results depend on K; not with continuous", "fit",
            Flag("int", metavar="K", group="evaluation during training")),
+    Option("eval_in_bubbles", False, "run each eval_every evaluation of eval_loader in the idle time (bubbles) "
+           "of the next mini-batch instead of after the drain: each stage's eval-mode forward of every "
+           "evaluation mini-batch is placed by list scheduling before that stage's next update, on the weights "
+           "the drained evaluation would use, so the metric is the same to the bit "
+           "(docs/architecture.md, \"Evaluation in the bubbles\"); what the bubbles cannot hold runs just before "
+           "the update; synchronous methods with one stage per process, in one process (gpipe, 1f1b-flush, "
+           "zb-h1, sequential); the epoch-end evaluations, and one where a checkpoint is written, stay drained",
+           "fit", api_only="not yet on the command line (the lab's run configuration would carry it)"),
     Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
            api_only="a function"),
     Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),

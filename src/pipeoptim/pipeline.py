@@ -32,10 +32,13 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.forward_only import ForwardOnly
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
+from .schedules.fill import FillPlan, check_fillable, plan_fill
+from .schedules.simulate import Costs
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 
@@ -114,6 +117,9 @@ class Pipeline:
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
         self.samples_done = 0
         self._executor: Optional[Any] = None
+        #: an evaluation asked for in the bubbles, for the next segment to run (evaluate_in_bubbles)
+        self._forward_only: Optional[ForwardOnly] = None
+        self._fill: Optional[FillPlan] = None  #: where the open segment's schedule runs it
         self._segment_start = 0          #: index of the open segment's first mini-batch
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
@@ -164,9 +170,14 @@ class Pipeline:
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
+            extra = {}
+            if self._forward_only is not None:  # this segment's first mini-batch holds it in its bubbles
+                work, self._forward_only = self._forward_only, None
+                self._fill = self._plan_fill(work, size)
+                extra["forward_only"] = work
             self._executor = self.world.executor(self.stages, self._schedule_for, expected=segment_length,
                                                  trace_offset=self.batches_done * self.spec.microbatches,
-                                                 clip_global=self.clip_global)
+                                                 clip_global=self.clip_global, **extra)
             self._segment_start = self.batches_done
         self.batches_done += 1
         self.samples_done += size
@@ -175,7 +186,12 @@ class Pipeline:
 
     def flush(self) -> List[float]:
         """Drain: finish every mini-batch fed, so that every stage holds one set of weights.
-        Returns the losses completed meanwhile."""
+        Returns the losses completed meanwhile. An evaluation asked for in the bubbles that no
+        mini-batch came to hold runs now, drained."""
+        if self._forward_only is not None and self._executor is None:
+            work, self._forward_only = self._forward_only, None
+            with torch.no_grad():
+                work.run_drained(self.model_stages)
         if self._executor is None:
             return []
         try:
@@ -193,6 +209,7 @@ class Pipeline:
             return done
         finally:
             self._executor = None
+            self._fill = None
 
     @contextlib.contextmanager
     def reporting(self, on_batch: Optional[Callable[[int, float], None]] = None,
@@ -252,10 +269,11 @@ class Pipeline:
         """No mini-batch fed since the last :meth:`flush` (every stage holds one set of weights)."""
         return self._executor is None or not self._executor.fed_batches
 
-    def _schedule_for(self, batches: int):
-        return self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
-                                          first_batch=self._segment_start, options=self.spec.options,
-                                          chunks=self.spec.chunks)
+    def _schedule_for(self, batches: int, first_batch: Optional[int] = None):
+        schedule = self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
+                                              first_batch=self._segment_start if first_batch is None else first_batch,
+                                              options=self.spec.options, chunks=self.spec.chunks)
+        return self._fill.apply(schedule) if self._fill is not None and first_batch is None else schedule
 
     def _collect(self, wait: bool = False) -> List[float]:
         """The losses completed in this process. Where the world shares them at the drain, they
@@ -298,6 +316,49 @@ class Pipeline:
         score = metric or self.model_stages[-1].loss_fn
         with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
             return self.world.evaluate(self.model_stages, loader, score)
+
+    def evaluate_in_bubbles(self, loader: Iterable[Batch], metric: Optional[Metric] = None,
+                            on_done: Optional[Callable[[float], None]] = None) -> None:
+        """:meth:`evaluate` of the weights the drained pipeline holds now, run in the bubbles of
+        the next mini-batch instead of now (docs/architecture.md, "Evaluation in the bubbles"):
+        the next segment's schedule places each stage's forward of every evaluation mini-batch
+        into that stage's idle time before its first update (``schedules/fill.py``; the rest
+        just before that update), and ``on_done(value)`` receives what :meth:`evaluate` would
+        have returned now, equal to the bit, as soon as the last stage has scored every
+        mini-batch (in one process: during the next :meth:`step`; at the next :meth:`flush` if
+        none comes). The loader is read now, whole (the random state moves as evaluate's would)
+        and held until then, with a copy of the stages' buffers. A synchronous method with one
+        stage per rank in one process (gpipe, 1f1b-flush, zb-h1, sequential); others refuse."""
+        self._require_drained("evaluate_in_bubbles")
+        self._form.refuse_model_loss("evaluate_in_bubbles(loader)")
+        self.check_fills_bubbles()
+        if self._forward_only is not None:
+            raise RuntimeError("an evaluation in the bubbles is already waiting for the next mini-batch; "
+                               "feed one (step) or flush() first")
+        items = list(self._form.pairs(loader))
+        score = metric or self.model_stages[-1].loss_fn
+        self._forward_only = ForwardOnly(items, score, self._eval_mode.evaluating, self.model_stages, on_done)
+
+    def check_fills_bubbles(self) -> None:
+        """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""
+        if not getattr(self.world, "fills_bubbles", False):
+            raise ValueError("evaluation in the bubbles runs in one process for now; under torchrun "
+                             "evaluate drained (eval_in_bubbles=False)")
+        if not self.method.synchronous:
+            raise ValueError(f"{self.spec.method} is asynchronous: no stretch of its schedule holds one "
+                             f"update's weights on every stage; evaluate drained (eval_in_bubbles=False)")
+        check_fillable(self._schedule_for(2, first_batch=self.batches_done))
+
+    def _plan_fill(self, work: ForwardOnly, size: int) -> FillPlan:
+        """Where the next segment's schedule runs ``work``: planned on its first two mini-batches
+        (all a plan reads) against nominal costs, a backward twice a forward and an evaluation
+        mini-batch's forward in proportion to its samples (deterministic: the same plan on every
+        run, whatever the machine's timing)."""
+        n, per_micro = self.spec.ranks, size / self.spec.microbatches
+        eval_samples = sum(batch_size(inputs) for inputs, _ in work.items) / len(work)
+        costs = Costs.uniform(n, forward=1.0, backward=2.0, weight=1.0)
+        costs.evaluation = [eval_samples / per_micro] * n
+        return plan_fill(self._schedule_for(2, first_batch=self.batches_done), len(work), costs)
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
         """``evaluate(model)`` of the trained model (a function written for a model on one
@@ -382,7 +443,8 @@ class Pipeline:
             on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
             on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
             checkpoint_dir: Optional[Union[str, Path]] = None, checkpoint_every: Optional[int] = None,
-            async_checkpoint: bool = False, resume: bool = False, continuous: bool = False) -> TrainResult:
+            async_checkpoint: bool = False, resume: bool = False, continuous: bool = False,
+            eval_in_bubbles: bool = False) -> TrainResult:
         """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)`` or of
         dict batches, see ``loss_fn``), iterated once per epoch; ``len()`` is used when it exists,
         not required. Returns the :class:`TrainResult` (its ``model``: the trained model, gathered
@@ -407,12 +469,17 @@ class Pipeline:
         if eval_every is not None and evaluate is None and eval_loader is None:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
+        if eval_in_bubbles and (eval_every is None or eval_loader is None):
+            raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: give "
+                             "eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, drained)")
         if not self.prepared:
             self.prepare(first_inputs(loader, self._form))
         self._require_drained("fit")
+        if eval_in_bubbles:
+            self.check_fills_bubbles()
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,
-                               checkpoint_every, resume, continuous, async_checkpoint)
+                               checkpoint_every, resume, continuous, async_checkpoint, eval_in_bubbles)
         return FitRun(self, loader, settings).run()
 
 

@@ -27,6 +27,7 @@ from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_ch
 from .errors import CheckpointError
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
+from .runtime.forward_only import ForwardOnly, Scores
 from .runtime.local import LocalExecutor
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
@@ -70,7 +71,9 @@ class World(Protocol):
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> Any:
-        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` / ``take_completed``)."""
+        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` / ``take_completed``).
+        A world that runs forward-only work in a segment's bubbles (:class:`LocalWorld`) also
+        takes ``forward_only=`` (``runtime/forward_only.ForwardOnly``)."""
 
     def agree(self, value: T, what: str) -> T:
         """Rank 0's ``value`` on every rank of the job, before the stages are connected (a
@@ -185,10 +188,14 @@ class LocalWorld:
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         pass  # the stages hand their values over in memory
 
+    #: runs forward-only work (an evaluation) in a synchronous segment's bubbles
+    fills_bubbles = True
+
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
-                 trace_offset: int, clip_global: Optional[float]) -> LocalExecutor:
+                 trace_offset: int, clip_global: Optional[float],
+                 forward_only: Optional[ForwardOnly] = None) -> LocalExecutor:
         return LocalExecutor(stages, schedule_for, expected=expected, trace_offset=trace_offset,
-                             clip_global=clip_global)
+                             clip_global=clip_global, forward_only=forward_only)
 
     def agree(self, value: T, what: str) -> T:
         return value
@@ -209,18 +216,12 @@ class LocalWorld:
         return None
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
-        total, count, values = 0.0, 0, []
-        for inputs, target in loader:
+        scores = Scores()  # summed as an evaluation in the bubbles sums: the same bits
+        for index, (inputs, target) in enumerate(loader):
             out = self.forward(stages, inputs)
-            n = batch_size(inputs)
             with stages[-1].autocast():
-                values.append((score(out, to_device(target, stages[-1].device)), n))
-            count += n
-        if count == 0:
-            raise ValueError("the evaluation loader yielded no mini-batches")
-        for value, n in values:  # read back once the device has all the work queued
-            total += float(value) * n
-        return total / count
+                scores.add(index, score(out, to_device(target, stages[-1].device)), batch_size(inputs))
+        return scores.mean()  # read back once the device has all the work queued
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         value = inputs

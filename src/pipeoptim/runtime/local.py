@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedules.actions import Kind, Schedule
+from .forward_only import ForwardOnly
 from .replicas import ReplicaUpdates
 from .segment import (MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient,
                       stage_orders)
@@ -31,13 +32,18 @@ class LocalExecutor(StreamedSegment):
     all stages before each update (synchronous schedules only: every stage's update waits for
     the others'). ``on_loss(window, loss)`` is called as each mini-batch's loss completes
     (windows counted from 0 in this segment); :meth:`take_completed` returns them too.
+    ``forward_only``: the micro-batches the schedule's ``E`` actions forward (an evaluation in
+    the bubbles, ``runtime/forward_only.py``); a schedule with E actions needs it.
     """
 
     def __init__(self, stages: Sequence[Stage], schedule_for: ScheduleFor, *,
                  expected: Optional[int] = None, trace_offset: int = 0,
                  clip_global: Optional[float] = None,
-                 on_loss: Optional[Callable[[int, float], None]] = None) -> None:
+                 on_loss: Optional[Callable[[int, float], None]] = None,
+                 forward_only: Optional[ForwardOnly] = None) -> None:
         super().__init__(schedule_for, expected)
+        self.forward_only = forward_only
+        self._passing: Dict[Tuple[int, int], Any] = {}  # (stage, E micro-batch) -> its input
         self.stages = list(stages)
         self.trace_offset = trace_offset
         self.clip_global = clip_global
@@ -152,6 +158,9 @@ class LocalExecutor(StreamedSegment):
                         stage.backward_weight(i)
                         if self._replicas is not None:
                             self._replicas.backward_done(k, i)
+                    elif action.kind is Kind.E:
+                        if not self._forward_only(k, i):
+                            break
                     elif action.kind is Kind.U:
                         if self._replicas is not None and not self._replicas.ready(k, i):
                             break  # the other replica's backwards of this window are still to come
@@ -165,6 +174,23 @@ class LocalExecutor(StreamedSegment):
                         raise ValueError(f"the local executor runs compute actions, not {action}")
                     pointer[r] += 1
                     progressed = True
+
+    def _forward_only(self, k: int, i: int) -> bool:
+        """Stage ``k``'s forward-only pass of E micro-batch ``i``, if its input is here."""
+        work, stage = self.forward_only, self.stages[k]
+        if work is None:
+            raise ValueError(f"{self.schedule.name} holds forward-only actions (E) but this executor "
+                             f"was given no forward-only work (Pipeline.evaluate_in_bubbles)")
+        if stage.is_first:
+            inputs = work.inputs(i)
+        elif (k, i) in self._passing:
+            inputs = self._passing.pop((k, i))
+        else:
+            return False
+        out = work.forward(stage, i, inputs)
+        if not stage.is_last:
+            self._passing[(self.schedule.next_stage(k), i)] = out
+        return True
 
     def _update_all(self, update: int) -> bool:
         """Global clipping: when every stage's next action is update ``update`` (on each rank,

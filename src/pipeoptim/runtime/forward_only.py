@@ -1,0 +1,134 @@
+"""Forward-only micro-batches that a schedule's ``E`` actions run: an evaluation in the bubbles of
+the mini-batch after the weights it evaluates (docs/architecture.md, "Evaluation in the bubbles").
+
+:class:`ForwardOnly` holds an evaluation's mini-batches (each one ``E`` micro-batch, whole, as
+the drained evaluation forwards it) and runs one stage's forward of one of them, as the drained
+evaluation (:meth:`pipeoptim.world.LocalWorld.evaluate`) does: without gradients, in eval mode
+(the Pipeline's ``EvalMode``: a traced model's eval-mode graph), under the stage's autocast. So
+that a training forward run meanwhile changes nothing it reads, the stage runs in eval mode only
+for the span of the pass (dropout draws no random numbers in eval mode, so the training
+forwards' random streams stay theirs) and on the buffers the stage held when the evaluation was
+asked for (batch norm's running statistics, which training forwards update in place): a copy
+taken then is swapped in for the pass and the live buffers put back after. The last stage
+scores each micro-batch; :class:`Scores` sums the scores over the samples in micro-batch order,
+as the drained evaluation does, so the two results are equal to the bit."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .microbatch import batch_size
+from .stage import Stage
+from .values import to_device
+
+
+class Scores:
+    """An evaluation's scores per micro-batch: ``add(j, value, samples)``; :meth:`mean` is the
+    mean over the samples, summed in micro-batch order (values read back only then, so that an
+    accelerator is never waited for while work is queued)."""
+
+    def __init__(self) -> None:
+        self._values: Dict[int, Tuple[Any, int]] = {}
+
+    def add(self, index: int, value: Any, samples: int) -> None:
+        self._values[index] = (value, samples)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def mean(self) -> float:
+        total, count = 0.0, 0
+        for index in sorted(self._values):
+            value, samples = self._values[index]
+            total += float(value) * samples
+            count += samples
+        if count == 0:
+            raise ValueError("the evaluation loader yielded no mini-batches")
+        return total / count
+
+
+class ForwardOnly:
+    """An evaluation's ``E`` micro-batches over ``stages`` (the model's, in chain order).
+
+    ``items``: the evaluation's ``(inputs, target)`` mini-batches, micro-batch j being item j;
+    ``score(output, target)``: a mini-batch's value (a mean over it); ``eval_mode()``: the
+    context in which the stages run as the drained evaluation runs them; ``on_done(mean)`` is
+    called once the last stage has scored every micro-batch. Built while the pipeline is
+    drained: the stages' buffers are copied then (the weights need no copy: a synchronous
+    stage's do not change before its next update, which the schedule runs after its E's)."""
+
+    def __init__(self, items: Sequence[Tuple[Any, Any]], score: Callable[[Any, Any], Any],
+                 eval_mode: Callable[[], ContextManager[Any]], stages: Sequence[Stage],
+                 on_done: Optional[Callable[[float], None]] = None) -> None:
+        if not items:
+            raise ValueError("the evaluation loader yielded no mini-batches")
+        self.items = list(items)
+        self.score = score
+        self.eval_mode = eval_mode
+        self.on_done = on_done
+        self.scores = Scores()
+        self.value: Optional[float] = None  #: the mean, once every micro-batch is scored
+        with torch.no_grad(), eval_mode():
+            self._buffers = {stage.index: [b.detach().clone() for b in stage.module.buffers()]
+                             for stage in stages}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def done(self) -> bool:
+        return self.value is not None
+
+    def inputs(self, index: int) -> Any:
+        """Micro-batch ``index``'s inputs (what the first stage's E reads)."""
+        return self.items[index][0]
+
+    def forward(self, stage: Stage, index: int, inputs: Any) -> Optional[Any]:
+        """``stage``'s forward of micro-batch ``index``: the output to hand to the next stage,
+        or, at the last stage, None once the micro-batch is scored."""
+        with torch.no_grad(), self.eval_mode(), self._eval_point_buffers(stage):
+            with stage.autocast():
+                output = stage.module(to_device(inputs, stage.device))
+            if not stage.is_last:
+                return output
+            inputs_of, target = self.items[index]
+            with stage.autocast():
+                value = self.score(output, to_device(target, stage.device))
+        self.scores.add(index, value, batch_size(inputs_of))
+        if len(self.scores) == len(self.items):
+            self.value = self.scores.mean()
+            if self.on_done is not None:
+                self.on_done(self.value)
+        return None
+
+    def run_drained(self, stages: Sequence[Stage]) -> float:
+        """Every micro-batch through every stage now (no schedule came to hold them)."""
+        for index in range(len(self.items)):
+            value = self.inputs(index)
+            for stage in stages:
+                value = self.forward(stage, index, value)
+        return self.value
+
+    @contextlib.contextmanager
+    def _eval_point_buffers(self, stage: Stage) -> Iterator[None]:
+        """The stage's buffers as they were when the evaluation was asked for, for one pass.
+        ``.data`` is swapped, not copied into: a copy would bump the version counters that a
+        pending training backward checks."""
+        saved = self._buffers.get(stage.index)
+        if not saved:
+            yield
+            return
+        live = list(stage.module.buffers())
+        if len(live) != len(saved):
+            raise RuntimeError(f"stage {stage.index}'s module has {len(live)} buffers, "
+                               f"{len(saved)} when the evaluation began")
+        held: List[torch.Tensor] = [b.data for b in live]
+        for buffer, copy in zip(live, saved):
+            buffer.data = copy
+        try:
+            yield
+        finally:
+            for buffer, data in zip(live, held):
+                buffer.data = data

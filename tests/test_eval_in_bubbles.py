@@ -1,0 +1,106 @@
+"""Evaluation in the bubbles (``fit(eval_every=K, eval_in_bubbles=True)``, issue 39 item 2): the
+evaluation's forward-only micro-batches run in the idle time of the mini-batch after the K-th,
+and give the drained evaluation's metrics to the bit, for a model with dropout and batch norm;
+the training is untouched; methods it does not apply to are refused with the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipeoptim
+from pipeoptim import Pipeline
+from conftest import batches
+
+LOSS = nn.functional.cross_entropy
+ADAM = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+EVAL = batches(3, size=5, seed=7)  # three evaluation mini-batches of 5 (training micro-batches: 4)
+
+
+def noisy_model() -> nn.Sequential:
+    """Dropout (random in training, not in eval mode) and batch norm (running statistics that
+    every training forward updates in place): what an evaluation between training forwards must
+    not disturb, nor be disturbed by."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(16, 16), nn.Dropout(0.2), nn.ReLU(), nn.BatchNorm1d(16),
+                         nn.Linear(16, 4)).double()
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output.argmax(-1) == target).double().mean()
+
+
+def run(method: str, bubbles: bool, stages: int = 2, metric=None):
+    """Two epochs of 10 mini-batches, evaluated every 3; each evaluation with the number of
+    mini-batches fed when its value became known."""
+    torch.manual_seed(3)  # the dropout masks
+    pipe = Pipeline(noisy_model(), method=method, stages=stages, optimizer=ADAM, loss_fn=LOSS)
+    known_at = []
+    result = pipe.fit(batches(10), epochs=2, eval_loader=EVAL, metric=metric, eval_every=3,
+                      eval_in_bubbles=bubbles, on_eval=lambda entry: known_at.append(pipe.batches_done))
+    return result, known_at
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b-flush", "zb-h1"])
+def test_evaluation_in_the_bubbles_equals_the_drained_evaluation(method):
+    drained, drained_at = run(method, bubbles=False)
+    filled, filled_at = run(method, bubbles=True)
+    assert filled.losses == drained.losses  # training untouched: dropout's draws and batch norm's statistics
+    keys = ("epoch", "batch", "updates", "metric")
+    assert [[e[k] for k in keys] for e in filled.metrics["evaluations"]] == \
+        [[e[k] for k in keys] for e in drained.metrics["evaluations"]]
+    assert [e["batch"] for e in filled.metrics["evaluations"]] == [3, 6, 9, 10, 13, 16, 19, 20]
+    # the mid-epoch ones became known during the next mini-batch, the epoch-end ones drained
+    assert drained_at == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert filled_at == [4, 7, 10, 10, 14, 17, 20, 20]
+    assert len({e["metric"] for e in filled.metrics["evaluations"]}) == 8  # every update moved it
+
+
+def test_three_stages_and_a_metric_of_its_own():
+    drained, _ = run("1f1b-flush", bubbles=False, stages=3, metric=accuracy)
+    filled, _ = run("1f1b-flush", bubbles=True, stages=3, metric=accuracy)
+    assert filled.losses == drained.losses
+    assert [e["metric"] for e in filled.metrics["evaluations"]] == \
+        [e["metric"] for e in drained.metrics["evaluations"]]
+
+
+def test_by_hand_it_runs_in_the_next_step_or_drained_at_the_flush():
+    """evaluate_in_bubbles on a drained pipeline: the value is evaluate()'s now, delivered during
+    the next step; with no step before the flush, the flush runs it drained."""
+    torch.manual_seed(3)
+    pipe = Pipeline(noisy_model(), method="gpipe", stages=2, optimizer=ADAM, loss_fn=LOSS)
+    data = batches(4)
+    for x, y in data[:2]:
+        pipe.step(x, y)
+    pipe.flush()
+    expected = pipe.evaluate(EVAL)
+    got = []
+    pipe.evaluate_in_bubbles(EVAL, on_done=got.append)
+    with pytest.raises(RuntimeError, match="already waiting"):
+        pipe.evaluate_in_bubbles(EVAL)
+    assert got == []
+    pipe.step(*data[2])
+    assert got == [expected]
+    pipe.flush()
+    expected = pipe.evaluate(EVAL)
+    pipe.evaluate_in_bubbles(EVAL, on_done=got.append)
+    pipe.flush()
+    assert got[1] == expected != got[0]
+
+
+@pytest.mark.parametrize("method, stages, words", [
+    ("pipeoptim", 2, "asynchronous"),
+    ("interleaved", 2, "several stages per rank"),
+])
+def test_methods_without_one_update_per_stretch_are_refused_with_the_fix(method, stages, words):
+    with pytest.raises(ValueError, match=f"{words}.*eval_in_bubbles=False"):
+        pipeoptim.train(noisy_model(), batches(4), method=method, stages=stages, optimizer=ADAM, loss_fn=LOSS,
+                        eval_loader=EVAL, eval_every=2, eval_in_bubbles=True)
+
+
+def test_it_needs_eval_every_and_an_eval_loader():
+    for options in ({"eval_loader": EVAL}, {"evaluate": lambda model: 0.0, "eval_every": 2}):
+        with pytest.raises(ValueError, match="give eval_every=K and eval_loader="):
+            pipeoptim.train(noisy_model(), batches(4), method="gpipe", stages=2, optimizer=ADAM, loss_fn=LOSS,
+                            eval_in_bubbles=True, **options)
