@@ -81,6 +81,12 @@ class FitRun:
                                                           settings.continuous, settings.eval_every)
         if settings.resume and settings.store is None:
             raise ValueError("resume=True needs checkpoint_dir")
+        if settings.eval_in_bubbles:
+            if settings.eval_every is None or settings.eval_loader is None:
+                raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: "
+                                 "give eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, "
+                                 "drained)")
+            pipe.check_fills_bubbles()
         self.epoch_metrics: List[Dict[str, Any]] = []
         self.evaluations: List[Dict[str, Any]] = []
         self.seconds_before = 0.0       #: training time of the run before its checkpoint (after a resume)

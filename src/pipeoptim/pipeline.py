@@ -32,13 +32,12 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.forward_only import ForwardOnly
+from .runtime.forward_only import ForwardOnly, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
-from .schedules.fill import FillPlan, check_fillable, plan_fill
-from .schedules.simulate import Costs
+from .schedules.fill import FillPlan
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 
@@ -173,7 +172,8 @@ class Pipeline:
             extra = {}
             if self._forward_only is not None:  # this segment's first mini-batch holds it in its bubbles
                 work, self._forward_only = self._forward_only, None
-                self._fill = self._plan_fill(work, size)
+                self._fill = work.plan(self._schedule_for(2, first_batch=self.batches_done),
+                                       size / self.spec.microbatches)
                 extra["forward_only"] = work
             self._executor = self.world.executor(self.stages, self._schedule_for, expected=segment_length,
                                                  trace_offset=self.batches_done * self.spec.microbatches,
@@ -319,16 +319,11 @@ class Pipeline:
 
     def evaluate_in_bubbles(self, loader: Iterable[Batch], metric: Optional[Metric] = None,
                             on_done: Optional[Callable[[float], None]] = None) -> None:
-        """:meth:`evaluate` of the weights the drained pipeline holds now, run in the bubbles of
-        the next mini-batch instead of now (docs/architecture.md, "Evaluation in the bubbles"):
-        the next segment's schedule places each stage's forward of every evaluation mini-batch
-        into that stage's idle time before its first update (``schedules/fill.py``; the rest
-        just before that update), and ``on_done(value)`` receives what :meth:`evaluate` would
-        have returned now, equal to the bit, as soon as the last stage has scored every
-        mini-batch (in one process: during the next :meth:`step`; at the next :meth:`flush` if
-        none comes). The loader is read now, whole (the random state moves as evaluate's would)
-        and held until then, with a copy of the stages' buffers. A synchronous method with one
-        stage per rank in one process (gpipe, 1f1b-flush, zb-h1, sequential); others refuse."""
+        """:meth:`evaluate` of the drained pipeline's weights, run in the idle time of the next
+        mini-batch's schedule before each stage's update (docs/architecture.md, "Evaluation in
+        the bubbles"): ``on_done(value)`` receives what :meth:`evaluate` returns now, to the bit,
+        during the next :meth:`step` (or at the next :meth:`flush` if none comes). The loader is
+        read now, whole, and held until then. Synchronous methods, one stage per process."""
         self._require_drained("evaluate_in_bubbles")
         self._form.refuse_model_loss("evaluate_in_bubbles(loader)")
         self.check_fills_bubbles()
@@ -341,24 +336,8 @@ class Pipeline:
 
     def check_fills_bubbles(self) -> None:
         """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""
-        if not getattr(self.world, "fills_bubbles", False):
-            raise ValueError("evaluation in the bubbles runs in one process for now; under torchrun "
-                             "evaluate drained (eval_in_bubbles=False)")
-        if not self.method.synchronous:
-            raise ValueError(f"{self.spec.method} is asynchronous: no stretch of its schedule holds one "
-                             f"update's weights on every stage; evaluate drained (eval_in_bubbles=False)")
-        check_fillable(self._schedule_for(2, first_batch=self.batches_done))
-
-    def _plan_fill(self, work: ForwardOnly, size: int) -> FillPlan:
-        """Where the next segment's schedule runs ``work``: planned on its first two mini-batches
-        (all a plan reads) against nominal costs, a backward twice a forward and an evaluation
-        mini-batch's forward in proportion to its samples (deterministic: the same plan on every
-        run, whatever the machine's timing)."""
-        n, per_micro = self.spec.ranks, size / self.spec.microbatches
-        eval_samples = sum(batch_size(inputs) for inputs, _ in work.items) / len(work)
-        costs = Costs.uniform(n, forward=1.0, backward=2.0, weight=1.0)
-        costs.evaluation = [eval_samples / per_micro] * n
-        return plan_fill(self._schedule_for(2, first_batch=self.batches_done), len(work), costs)
+        check_fills(getattr(self.world, "fills_bubbles", False), self.spec.method, self.method.synchronous,
+                    self._schedule_for(2, first_batch=self.batches_done))
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
         """``evaluate(model)`` of the trained model (a function written for a model on one
@@ -469,14 +448,9 @@ class Pipeline:
         if eval_every is not None and evaluate is None and eval_loader is None:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
-        if eval_in_bubbles and (eval_every is None or eval_loader is None):
-            raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: give "
-                             "eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, drained)")
         if not self.prepared:
             self.prepare(first_inputs(loader, self._form))
         self._require_drained("fit")
-        if eval_in_bubbles:
-            self.check_fills_bubbles()
         settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
                                Path(checkpoint_dir) if checkpoint_dir is not None else None,
                                checkpoint_every, resume, continuous, async_checkpoint, eval_in_bubbles)

@@ -19,6 +19,9 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
+from ..schedules.actions import Schedule
+from ..schedules.fill import FillPlan, check_fillable, plan_fill
+from ..schedules.simulate import Costs
 from .microbatch import batch_size
 from .stage import Stage
 from .values import to_device
@@ -103,6 +106,16 @@ class ForwardOnly:
                 self.on_done(self.value)
         return None
 
+    def plan(self, schedule: Schedule, samples_per_micro: float) -> FillPlan:
+        """Where ``schedule`` (a segment's first two mini-batches: all a plan reads) runs these
+        micro-batches, planned against nominal costs: a backward twice a forward, an evaluation
+        forward in proportion to its samples against a training micro-batch's
+        ``samples_per_micro`` (deterministic: the same plan whatever the machine's timing)."""
+        costs = Costs.uniform(schedule.num_stages, forward=1.0, backward=2.0, weight=1.0)
+        mean_samples = sum(batch_size(inputs) for inputs, _ in self.items) / len(self.items)
+        costs.evaluation = [mean_samples / samples_per_micro] * schedule.num_stages
+        return plan_fill(schedule, len(self.items), costs)
+
     def run_drained(self, stages: Sequence[Stage]) -> float:
         """Every micro-batch through every stage now (no schedule came to hold them)."""
         for index in range(len(self.items)):
@@ -132,3 +145,15 @@ class ForwardOnly:
         finally:
             for buffer, data in zip(live, held):
                 buffer.data = data
+
+
+def check_fills(fills_bubbles: bool, method: str, synchronous: bool, schedule: Schedule) -> None:
+    """Raise ValueError, naming the fix, unless forward-only work can fill ``schedule``'s bubbles
+    (``method``'s, in a world that ``fills_bubbles``)."""
+    if not fills_bubbles:
+        raise ValueError("evaluation in the bubbles runs in one process for now; under torchrun "
+                         "evaluate drained (eval_in_bubbles=False)")
+    if not synchronous:
+        raise ValueError(f"{method} is asynchronous: no stretch of its schedule holds one update's "
+                         f"weights on every stage; evaluate drained (eval_in_bubbles=False)")
+    check_fillable(schedule)
