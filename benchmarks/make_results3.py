@@ -272,6 +272,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--advice", action="store_true",
                         help="print the recommendation per (task, N) whose runs are all in, as "
                              "src/pipeoptim/lab/tasks/advice.py's ADVICE, and write nothing")
+    parser.add_argument("--targets", action="store_true",
+                        help="print the ratio of updates to the target per variant and (task, optimizer, N) of "
+                             "the advice's settings, as src/pipeoptim/lab/tasks/updates_to_target.py's "
+                             "UPDATES_TO_TARGET, and write nothing")
     parser.add_argument("--readme", action="store_true",
                         help="rewrite README.md's advice block and demo line from the package's ADVICE "
                              "(paste --advice first), and write nothing else")
@@ -288,6 +292,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from benchmarks.make_results4 import package_advice
 
         print(advice_source(package_advice(args.study, args.delay_fixes)))
+        return 0
+    if args.targets:
+        from benchmarks.make_results3_targets import package_targets, targets_source
+
+        print(targets_source(package_targets(args.study, args.delay_fixes)))
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes)

@@ -225,8 +225,16 @@ def test_plan_json_has_the_fields_and_a_recommendation(plan_json):
     assert plan["partitions"]["time"]["cycle_seconds"] <= min(
         plan["partitions"][h]["cycle_seconds"] for h in ("uniform", "params")) + 1e-12
     assert len(plan["candidates"]) == 8 and all(c["samples_per_second"] > 0 for c in plan["candidates"])
-    best = max(c["samples_per_second"] for c in plan["candidates"])
-    assert plan["predicted"]["samples_per_second"] >= 0.98 * best
+    # the study never ran the MLP: the fastest synchronous candidate (within the 2 % tie), and the
+    # fastest asynchronous one named as the one to try
+    best = max(c["samples_per_second"] for c in plan["candidates"] if c["synchronous"])
+    assert plan["recommendation"]["synchronous"] and plan["predicted"]["samples_per_second"] >= 0.98 * best
+    assert plan["study"]["covered"] is False and plan["predicted"]["time_to_target_seconds"] is None
+    assert plan["recommendation"]["notes"][0] == ("the equal-time study (docs/results.md) ran image's model vgg, not "
+                                                  "mlp: no ratio of updates to the target for it (--model vgg plans "
+                                                  "the studied one).")
+    fastest = max((c for c in plan["candidates"] if not c["synchronous"]), key=lambda c: c["samples_per_second"])
+    assert f"{fastest['method']} (M = {fastest['microbatches']})" in plan["recommendation"]["notes"][1]
     assert plan["recommendation"]["method"] == plan["method"] and "synchronous" in plan["recommendation"]["rule"]
     assert len(plan["memory"]["per_stage"]) == 2 and plan["memory"]["max_stage"] > 0
     assert len(plan["profile"]["layers"]) == 4 and plan["settings"]["speeds"] == [1.0, 2.0]
@@ -326,3 +334,78 @@ def test_zb_h1_is_a_default_candidate_and_its_weight_half_fills_the_bubble():
     assert flush["makespan_seconds"] == pytest.approx(0.015)
     assert zb["makespan_seconds"] == pytest.approx(0.013)
     assert zb["synchronous"] is True
+
+
+def test_the_rule_is_in_the_help():
+    import re
+
+    text = " ".join(plan_parser()._subparsers._group_actions[0].choices["plan"].format_help().split())
+    assert "Recommendation rule: by predicted time to a model as good as synchronous training's" in text
+    assert re.search(r"an asynchronous method only where the study's advice for the task and N recommends it", text)
+    assert "recommends the fastest synchronous candidate and names the fastest asynchronous one" in text
+
+
+def test_a_model_of_your_own_gets_a_synchronous_method_and_why():
+    """plan_model, the planner's entry point for any nn.Sequential: no study covers it, so the
+    fastest synchronous candidate, with the reason and the asynchronous one to try."""
+    import torch
+    from torch import nn
+
+    from pipeoptim.lab.planner import format_plan, plan_model
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    plan = plan_model(net, batch, nn.functional.cross_entropy, stages=2, batches=4, warmup=0, repeats=1,
+                      methods=["gpipe", "zb-h1", "pipedream", "pipeoptim"], microbatches=[1, 2],
+                      stage_timing="profile", scaling="linear")
+    assert (plan["task"], plan["model"], plan["batch_size"], plan["settings"]["optimizer"]) == (None, None, 16,
+                                                                                                 "momentum")
+    assert plan["recommendation"]["synchronous"] and plan["method"] in ("gpipe", "zb-h1")
+    fastest_sync = max(c["samples_per_second"] for c in plan["candidates"] if c["synchronous"])
+    assert plan["predicted"]["samples_per_second"] >= 0.98 * fastest_sync
+    notes = plan["recommendation"]["notes"]
+    assert notes[0] == ("a model of your own: the equal-time study (docs/results.md) has no ratio of updates to "
+                        "the target for it.")
+    assert notes[1].startswith(f"so the fastest synchronous candidate is recommended, {plan['method']} "
+                               f"(M = {plan['microbatches']}); ")
+    fast = max((c for c in plan["candidates"] if not c["synchronous"]), key=lambda c: c["samples_per_second"])
+    if fast["samples_per_second"] >= 1.005 * plan["predicted"]["samples_per_second"]:  # the one to try, and how
+        assert f"the fastest asynchronous one, {fast['method']} (M = {fast['microbatches']})" in notes[1]
+        assert notes[1].endswith("train them on your data for the same time and compare the models (pipeoptim.train "
+                                 f"with method='{plan['method']}' and method='{fast['method']}')")
+    else:
+        assert "no asynchronous one is predicted faster" in notes[1]
+    text = format_plan(plan)
+    assert text.startswith("your model / nn.Sequential: 2 stages, batch 16")
+    assert "a model of your own" in text and f"recommended: {plan['method']} with" in text
+    with pytest.raises(ValueError, match="the planner profiles an nn.Sequential layer by layer, got Linear"):
+        plan_model(nn.Linear(2, 2), batch, nn.functional.cross_entropy, stages=1)
+
+
+@needs_data
+def test_plan_and_compare_name_the_same_method(tmp_path, capsys):
+    """Issue 40: on the same task and N, `plan` recommends what `compare`'s advice (the study's
+    ADVICE, the README's) recommends: on image at N = 8, the synchronous pipeline's zb-h1."""
+    from pipeoptim.cli import main
+    from pipeoptim.lab.tasks.advice import ADVICE
+
+    assert main(["plan", "--task", "image", "--stages", "8", "--limit", "128", "--warmup", "0", "--repeats", "1",
+                 "--batches", "8", "--threads", "1", "--stage-timing", "profile", "--scaling", "linear",
+                 "--methods", "gpipe,1f1b-flush,zb-h1,pipedream,pipeoptim", "--microbatches", "2,8",
+                 "--json", "--out", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(["compare", "--task", "image", "--model", "mlp", "--limit", "128", "--batch-size", "64",
+                 "--epochs", "1", "--methods", "sequential", "--stages", "8", "--no-progress", "--json",
+                 "--out", str(tmp_path / "cmp")]) == 0
+    compared = json.loads(capsys.readouterr().out)
+    assert plan["method"] == compared["recommended"] == plan["study"]["advised_method"] == ADVICE[("image", 8)].method
+    assert plan["study"]["advice"] == compared["advice"]
+    assert plan["study"]["setting"] == "image, momentum, N = 8"
+    # every candidate has its time to target or says why not
+    for c in plan["candidates"]:
+        if c["synchronous"]:
+            assert c["updates_ratio"] == 1.0 and c["time_to_target_seconds"] == pytest.approx(
+                c["makespan_seconds"] / c["batches"] * 1900)
+        else:
+            assert c["eligible"] is False and c["ratio_source"]

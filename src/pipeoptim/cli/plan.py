@@ -24,11 +24,24 @@ peak micro-batches in flight x the profiled bytes of one micro-batch, also with 
 "activations_recompute" in the JSON). The chunked methods (interleaved, zb-v) are predicted on a
 split into stages x 2 pieces, where the model has that many layers with parameters.
 
-Recommendation rule: the highest predicted throughput among the candidates whose largest stage
-memory fits --memory-limit (all, without a limit); candidates within --tie of the best are
-tied, and among tied ones a synchronous method (gpipe, 1f1b-flush, zb-h1: the same result as
-non-pipelined training) wins, then the smaller largest-stage memory, then fewer micro-batches,
-then the earlier method in --methods.
+Recommendation rule: by predicted time to a model as good as synchronous training's, not by
+samples per second alone. A candidate's time to target is its predicted seconds per mini-batch
+times the updates it needs to reach 99 % of sequential's validation metric (101 % for
+perplexity): the synchronous pipeline's updates in the equal-time study (docs/results.md) for
+the task, --optimizer and the studied N nearest --stages, times the method's ratio to them as the
+study measured it (1 for a synchronous method: gpipe, 1f1b-flush, zb-h1, interleaved, zb-v
+compute the updates of non-pipelined training; "never reached" where the study saw that; unknown
+where it did not run the method at that micro-batch count). Among the candidates whose largest
+stage memory fits --memory-limit (all, without a limit), the shortest time to target is
+recommended, taking an asynchronous method only where the study's advice for the task and N
+recommends it with this optimizer (the advice `pipeoptim compare` ends with and the README
+lists: the same table); candidates within --tie of the best are tied, and among tied ones a
+synchronous method wins, then the study's method, then the smaller largest-stage memory, then
+fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
+task, --model, --batch-size or --optimizer the study did not run), the plan says so in one
+line, recommends the fastest synchronous candidate and names the fastest asynchronous one as
+the one to try with `pipeoptim compare`. The table by time to target shows, per candidate, its
+samples/s, its ratio of updates, its time to target and where the ratio came from.
 
 Writes the plan (task, model, batch size, stages, partition, method, micro-batches,
 predictions, per-stage memory, the profile) to --out; `pipeoptim train --plan FILE` runs it."""
@@ -43,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
     add_table_flags(g, "limit", "seed")
     g.add_argument("--optimizer", default="momentum", choices=optimizer_names(),
-                   help="optimizer whose update time and state are profiled (default: momentum)")
+                   help="optimizer whose update time and state are profiled, and whose ratios of updates to "
+                        "the target (the equal-time study's, for this task) rank the candidates (default: momentum)")
     g = p.add_argument_group("pipeline and devices")
     g.add_argument("--stages", type=int, default=4, help="pipeline stages (default: 4)")
     g.add_argument("--device", default="cpu", help="where to profile: cpu, cuda, cuda:1 ... (default: cpu)")
@@ -60,8 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--partitioner", default="time", choices=PARTITIONERS,
                    help="split the predictions use (default: time)")
     g.add_argument("--memory-limit", help="bytes per stage, e.g. 2GiB; candidates above it are not recommended")
-    g.add_argument("--tie", type=float, default=0.02, help="relative throughput difference counted as a tie "
-                                                           "(default: 0.02)")
+    g.add_argument("--tie", type=float, default=0.02,
+                   help="relative difference in predicted time to target (in throughput where no study covers "
+                        "the case) counted as a tie (default: 0.02)")
     g.add_argument("--scaling", default="measure", choices=["measure", "linear"],
                    help="per-micro-batch costs: profile each micro-batch size (measure, default) or divide "
                         "the mini-batch profile by M (linear)")

@@ -1,10 +1,13 @@
 """Plan a pipeline run from a profile: partition, method and micro-batch count (BaPipe-style).
 
-:func:`make_plan` does what ``pipeoptim plan --help`` says (:mod:`pipeoptim.cli.plan`): the
-profile (:mod:`pipeoptim.profile`), three splits (``time``: :func:`pipeoptim.partition.
-time_partition`), the predictions per method and micro-batch count (:mod:`pipeoptim.prediction`)
-and the recommendation (:func:`recommend`). ``scaling="linear"`` is cheaper, optimistic for small
-micro-batches whose fixed per-call costs do not shrink. Measured stage times
+:func:`make_plan` does what ``pipeoptim plan --help`` says (:mod:`pipeoptim.cli.plan`) for a
+task's model; :func:`plan_model` the same for any ``nn.Sequential`` with one mini-batch of its
+data. The profile (:mod:`pipeoptim.profile`), three splits (``time``: :func:`pipeoptim.partition.
+time_partition`), the predictions per method and micro-batch count (:mod:`pipeoptim.prediction`),
+each one's predicted time to a model as good as synchronous training's and the recommendation
+(:mod:`pipeoptim.lab.plan_targets`: the equal-time study's ratios of updates to the target and its
+advice, the tables ``pipeoptim compare`` and the README read). ``scaling="linear"`` is cheaper,
+optimistic for small micro-batches whose fixed per-call costs do not shrink. Measured stage times
 (:func:`pipeoptim.profile.measure_stages`) replace the sums of the layers' times, since layers
 timed alone add up to less than their stage (caches, the runtime's work per pass); the
 partitioners still use the per-layer profile. Each link is a resource too: the makespan is at
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -27,18 +31,15 @@ from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from ..prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                           profile_sizes)
 from ..profile import measure_stages
+from .plan_targets import RULE, annotate, notes, recommend  # noqa: F401 (recommend: the planner's rule)
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-RECOMMENDATION_RULE = ("highest predicted throughput among candidates whose largest stage memory fits "
-                       "the memory limit; within {tie:.0%} of the best counts as a tie, and ties go to a "
-                       "synchronous method, then less memory, then fewer micro-batches, then the "
-                       "earlier method")
+RECOMMENDATION_RULE = RULE
 
 #: plan field -> the `pipeoptim train` option (argparse destination) it sets
 TRAIN_FIELDS = {"task": "task", "model": "model", "batch_size": "batch_size", "stages": "stages",
                 "partition": "partition", "method": "method", "microbatches": "micro_batches"}
-
 
 # -- parsing ---------------------------------------------------------------------------------------
 
@@ -92,49 +93,11 @@ def parse_int_list(text: Any, what: str) -> List[int]:
     return values
 
 
-
-def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None,
-              tie: float = 0.02, order: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """The recommended candidate: the highest ``samples_per_second`` among those whose
-    ``max_stage_memory`` fits ``memory_limit`` (all, without a limit); candidates within ``tie``
-    (relative) of the best are tied, and among them a synchronous method wins, then the smaller
-    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
-    Raises ValueError when no candidate fits."""
-    if not candidates:
-        raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
-    fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
-    if not fits:
-        least = min(candidates, key=lambda c: c["max_stage_memory"])
-        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
-                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
-                         f"{least['max_stage_memory']} bytes")
-    best = max(c["samples_per_second"] for c in fits)
-    tied = [c for c in fits if c["samples_per_second"] >= (1.0 - tie) * best]
-    rank = {m: i for i, m in enumerate(order or [])}
-    return min(tied, key=lambda c: (not c["synchronous"], c["max_stage_memory"], c["microbatches"],
-                                    rank.get(c["method"], len(rank))))
-
-
-# -- the whole plan --------------------------------------------------------------------------------
-
-def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: str = "cpu",
-              speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
-              batch_size: Optional[int] = None, methods: Sequence[str] = DEFAULT_METHODS,
-              microbatches: Sequence[int] = DEFAULT_MICROBATCHES, memory_limit: Optional[float] = None,
-              partitioner: str = "time", scaling: str = "measure", batches: Optional[int] = None,
-              limit: Optional[int] = None, seed: int = 0, optimizer: str = "momentum",
-              warmup: int = 2, repeats: int = 5, statistic: str = "median", stage_timing: str = "measured",
-              tie: float = 0.02, log=None) -> Dict[str, Any]:
-    """Profile ``task``'s ``model``, partition it, predict every (method, micro-batches) and
-    recommend one (see the module docstring). Returns the plan as a JSON-ready dict.
-
-    ``batches``: mini-batches per predicted run (default: one epoch of the loaded data).
-    ``speeds``: one relative speed per stage (device k runs stage k). ``bandwidth``: bytes per
-    second of each link (None: free transfers). ``memory_limit``: bytes per stage."""
-    from .optimizers import make_optimizer
-    from .tasks import get_task
-
-    log = log or (lambda *a, **k: None)
+def check_options(stages: int, methods: Sequence[str], microbatches: Any, speeds: Optional[Sequence[float]],
+                  bandwidth: Optional[float], memory_limit: Optional[float], partitioner: str, tie: float,
+                  stage_timing: str) -> Any:
+    """(methods, micro-batch counts, speeds) as lists, checked; a one-line ValueError naming the
+    option otherwise (before any data is loaded or layer profiled)."""
     methods = list(methods)
     for m in methods:
         get_method(m)
@@ -153,14 +116,35 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
         raise ValueError(f"--memory-limit must be positive, got {memory_limit}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose one of: {', '.join(PARTITIONERS)}")
-    for name, value in (("batch-size", batch_size), ("batches", batches), ("limit", limit)):
-        if value is not None and value < 1:
-            raise ValueError(f"--{name} must be at least 1, got {value}")
     if not 0 <= tie < 1:
         raise ValueError(f"--tie must be in [0, 1), got {tie}")
     if stage_timing not in ("measured", "profile"):
         raise ValueError(f"stage timing must be measured or profile, got {stage_timing!r}")
+    return methods, microbatches, speeds
 
+
+# -- the whole plan --------------------------------------------------------------------------------
+
+def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: str = "cpu",
+              speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
+              batch_size: Optional[int] = None, methods: Sequence[str] = DEFAULT_METHODS,
+              microbatches: Sequence[int] = DEFAULT_MICROBATCHES, memory_limit: Optional[float] = None,
+              partitioner: str = "time", scaling: str = "measure", batches: Optional[int] = None,
+              limit: Optional[int] = None, seed: int = 0, optimizer: str = "momentum",
+              warmup: int = 2, repeats: int = 5, statistic: str = "median", stage_timing: str = "measured",
+              tie: float = 0.02, log=None) -> Dict[str, Any]:
+    """Profile ``task``'s ``model``, partition it, predict every (method, micro-batches) and
+    recommend one (see the module docstring). Returns the plan as a JSON-ready dict.
+
+    ``batches``: mini-batches per predicted run (default: one epoch of the loaded data).
+    ``speeds``: one relative speed per stage (device k runs stage k). ``bandwidth``: bytes per
+    second of each link (None: free transfers). ``memory_limit``: bytes per stage."""
+    from .tasks import get_task
+
+    check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit, partitioner, tie, stage_timing)
+    for name, value in (("batch-size", batch_size), ("batches", batches), ("limit", limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
     the_task = get_task(task)
     model_name = model or the_task.default_model
     if model_name not in the_task.model_names():
@@ -171,15 +155,56 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
     if not data.train:
         raise ValueError("the task gave no training mini-batch")
     net = the_task.build_model(model_name, data, seed=seed)
+    plan = plan_model(net, data.train[0], the_task.loss, stages=stages, device=device, speeds=speeds,
+                      bandwidth=bandwidth, batch_size=batch_size, methods=methods, microbatches=microbatches,
+                      memory_limit=memory_limit, partitioner=partitioner, scaling=scaling,
+                      batches=batches or len(data.train), seed=seed, optimizer=optimizer,
+                      lr=the_task.default_lr.get(optimizer, 1e-3), warmup=warmup, repeats=repeats,
+                      statistic=statistic, stage_timing=stage_timing, tie=tie, log=log, task=task,
+                      model_name=model_name)
+    plan["settings"]["limit"] = limit
+    return plan
+
+
+def plan_model(net: torch.nn.Sequential, batch: Sequence[Any], loss: Callable[[Any, Any], torch.Tensor], *,
+               stages: int, batch_size: Optional[int] = None, batches: int = 100, device: str = "cpu",
+               speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
+               methods: Sequence[str] = DEFAULT_METHODS, microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+               memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+               seed: int = 0, optimizer: str = "momentum", lr: float = 1e-3, warmup: int = 2, repeats: int = 5,
+               statistic: str = "median", stage_timing: str = "measured", tie: float = 0.02, log=None,
+               task: Optional[str] = None, model_name: Optional[str] = None) -> Dict[str, Any]:
+    """The plan (as :func:`make_plan`'s) of any ``nn.Sequential``: ``batch`` is one mini-batch
+    ``(inputs, target)`` of its data, ``loss(output, target)`` its loss, ``batch_size`` its rows
+    (default: the inputs' first dimension), ``batches`` the mini-batches per predicted run,
+    ``optimizer`` and ``lr`` the optimizer whose update time and state are profiled. ``task`` and
+    ``model_name``: the lab's task and model the net is (what says whether the equal-time study
+    covers it); without them the net is a model of the user's own, for which the study has no
+    ratio of updates to the target: the fastest synchronous candidate is recommended, and the
+    fastest asynchronous one named as the one to try."""
+    from .optimizers import make_optimizer
+
+    log = log or (lambda *a, **k: None)
+    methods, microbatches, speeds = check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit,
+                                                  partitioner, tie, stage_timing)
+    if not isinstance(net, torch.nn.Sequential):
+        raise ValueError(f"the planner profiles an nn.Sequential layer by layer, got {type(net).__name__}; "
+                         "write the model as nn.Sequential(layer, layer, ...)")
+    sample, target = batch
+    first = sample[0] if isinstance(sample, tuple) else sample
+    batch_size = batch_size or (len(first) if torch.is_tensor(first) else None)
+    if not batch_size or batch_size < 1:
+        raise ValueError("give batch_size: the rows of one mini-batch (the inputs are not a tensor to count)")
+    if batches < 1:
+        raise ValueError(f"--batches must be at least 1, got {batches}")
     layers = len(net)
+    shown = model_name or type(net).__name__
     if stages > layers:
-        raise ValueError(f"--stages {stages} is more than the {layers} layers of {model_name}")
-    batches = batches or len(data.train)
-    sample, target = data.train[0]
-    opt_factory = make_optimizer(optimizer, the_task.default_lr.get(optimizer, 1e-3))
-    log(f"profiling {task}/{model_name} ({layers} layers) on {device}, batch {batch_size}, "
+        raise ValueError(f"--stages {stages} is more than the {layers} layers of {shown}")
+    opt_factory = make_optimizer(optimizer, lr)
+    log(f"profiling {task + '/' if task else ''}{shown} ({layers} layers) on {device}, batch {batch_size}, "
         f"micro-batch counts {microbatches} ({scaling})")
-    profiles = profile_sizes(net, sample, target, the_task.loss, batch_size=batch_size, microbatches=microbatches,
+    profiles = profile_sizes(net, sample, target, loss, batch_size=batch_size, microbatches=microbatches,
                              scaling=scaling, device=device, warmup=warmup, repeats=repeats,
                              statistic=statistic, optimizer=opt_factory, optimizer_name=optimizer, seed=seed)
     full = profiles[1]
@@ -192,7 +217,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
         rows = microbatch_size(batch_size, m) if scaling == "measure" else batch_size
         key = (tuple(sizes), rows)
         if key not in timings:
-            timings[key] = measure_stages(net, list(sizes), head_rows(sample, rows), target[:rows], the_task.loss,
+            timings[key] = measure_stages(net, list(sizes), head_rows(sample, rows), target[:rows], loss,
                                           device=device, optimizer=opt_factory, warmup=warmup, repeats=repeats,
                                           statistic=statistic)
         times = timings[key]
@@ -233,8 +258,9 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
                 continue
             split_sizes = sizes if n == stages else [layers]
             meth = get_method(method)
-            if n == stages and meth.chunks > 1:  # stages x chunks pieces, each on its rank's device
-                placement = tuple(meth.stage_ranks(stages, meth.chunks))
+            if n == stages and meth.chunks > 1:  # stages x pieces per rank, each on its rank's device
+                # (a mirrored method's stages past its pieces are their replicas: not split again)
+                placement = tuple(meth.stage_ranks(stages, meth.chunks)[:stages * meth.pieces_per_rank(meth.chunks)])
                 if placement not in pieces:
                     pieces[placement] = partition_for(partitioner, net, prof, len(placement),
                                                       None if speeds is None else [speeds[r] for r in placement],
@@ -246,8 +272,10 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
             row["speedup"] = row["samples_per_second"] / reference["samples_per_second"]
             row["fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
             candidates.append(row)
-    best = recommend(candidates, memory_limit, tie, order=methods)
-    rule = RECOMMENDATION_RULE.format(tie=tie)
+    study = annotate(candidates, task=task, model=model_name, batch_size=batch_size, optimizer=optimizer,
+                     stages=stages)
+    best = recommend(candidates, memory_limit, tie, order=methods, prefer=study["advised_method"])
+    said = notes(study, candidates, best, task=task, model=model_name, stages=stages, optimizer=optimizer)
     n_best = 1 if best["method"] == "sequential" else stages
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
@@ -256,14 +284,18 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
         "method": best["method"], "microbatches": best["microbatches"],
         "predicted": {k: best[k] for k in ("samples_per_second", "makespan_seconds", "batches", "bubble_fraction",
                                             "speedup", "stage_forward_seconds", "stage_backward_seconds",
-                                            "update_seconds", "comm_seconds", "limited_by_link")},
+                                            "update_seconds", "comm_seconds", "limited_by_link",
+                                            "seconds_per_batch", "updates_ratio", "time_to_target_seconds")},
         "memory": {"per_stage": best["memory"], "max_stage": best["max_stage_memory"], "limit": memory_limit},
-        "recommendation": {"method": best["method"], "microbatches": best["microbatches"], "rule": rule},
+        "recommendation": {"method": best["method"], "microbatches": best["microbatches"],
+                           "synchronous": best["synchronous"], "rule": RECOMMENDATION_RULE.format(tie=tie),
+                           "notes": said},
+        "study": study,
         "settings": {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
-                     "microbatch_counts": microbatches, "scaling": scaling, "batches": batches, "limit": limit,
-                     "seed": seed, "optimizer": optimizer, "warmup": warmup, "repeats": repeats,
+                     "microbatch_counts": microbatches, "scaling": scaling, "batches": batches, "limit": None,
+                     "seed": seed, "optimizer": optimizer, "lr": lr, "warmup": warmup, "repeats": repeats,
                      "statistic": statistic, "stage_timing": stage_timing, "threads": torch.get_num_threads(),
-                     "tie": tie},
+                     "tie": tie, "stages": stages},
         "partitions": partitions,
         "reference": {"method": "sequential", "samples_per_second": reference["samples_per_second"]},
         "candidates": candidates, "skipped": skipped,
@@ -324,10 +356,11 @@ def load_plan(path: Any) -> Dict[str, Any]:
     if (not isinstance(sizes, list) or not sizes
             or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes)):
         raise bad("partition", "must be a list of positive layer counts")
-    chunks = get_method(plan["method"]).chunks
-    if len(sizes) != plan["stages"] * chunks:
+    meth = get_method(plan["method"])
+    pieces = meth.pieces_per_rank(meth.chunks)  # a mirrored method's other chunks are replicas
+    if len(sizes) != plan["stages"] * pieces:
         raise ValueError(f"plan {path}: partition {sizes} has {len(sizes)} stages but stages is {plan['stages']}"
-                         + (f" x {chunks} chunks" if chunks > 1 else ""))
+                         + (f" x {pieces} pieces" if pieces > 1 else ""))
     problem = candidate_problem(plan["method"], plan["stages"], plan["microbatches"], plan["batch_size"],
                                 sum(sizes))
     if problem:
@@ -337,8 +370,8 @@ def load_plan(path: Any) -> Dict[str, Any]:
 
 def format_plan(plan: Dict[str, Any]) -> str:
     """The plan as text: partitions, candidates, recommendation."""
-    lines = [f"{plan['task']} / {plan['model']}: {plan['stages']} stages, batch {plan['batch_size']}, "
-             f"{plan['settings']['device']}, {plan['settings']['threads']} thread(s)"]
+    lines = [f"{plan['task'] or 'your model'} / {plan['model'] or 'nn.Sequential'}: {plan['stages']} stages, "
+             f"batch {plan['batch_size']}, {plan['settings']['device']}, {plan['settings']['threads']} thread(s)"]
     lines.append("")
     lines.append("partition   layers per stage        slowest stage ms   cycle ms   slowest/mean   "
                  "measured slowest stage ms")
@@ -362,9 +395,36 @@ def format_plan(plan: Dict[str, Any]) -> str:
     for s in plan["skipped"]:
         lines.append(f"{s['method']:<14} {s['microbatches']:>2}  skipped: {s['reason']}")
     lines.append("")
+    lines += target_table(plan)
+    lines.append("")
+    lines += [textwrap.fill(note, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+              for note in plan["recommendation"]["notes"]]
+    to_target = plan["predicted"].get("time_to_target_seconds")
     lines.append(f"recommended: {plan['method']} with {plan['microbatches']} micro-batch(es), partition "
-                 f"{plan['partition']}: {plan['predicted']['samples_per_second']:.0f} samples/s predicted")
-    lines.append(f"rule: {plan['recommendation']['rule']}")
+                 f"{plan['partition']}: {plan['predicted']['samples_per_second']:.0f} samples/s"
+                 + (f", {to_target:.1f} s to target" if to_target is not None else "") + " predicted")
+    lines.append(textwrap.fill(f"rule: {plan['recommendation']['rule']}", 100, subsequent_indent="  ",
+                               break_long_words=False, break_on_hyphens=False))
     lines.append("activations: the largest stage's peak of in-flight activations (simulated micro-batches in "
                  "flight x bytes per micro-batch), without and (in brackets) with --recompute")
     return "\n".join(lines)
+
+
+def target_table(plan: Dict[str, Any]) -> List[str]:
+    """The candidates by predicted time to target (unknown ones last, by throughput): samples/s,
+    the ratio of updates to the target and where it comes from, whether it may be recommended."""
+    study = plan["study"]
+    head = (f"by predicted time to target ({study['setting']} of the equal-time study: "
+            f"{study['target_updates']:.0f} updates of the synchronous pipeline to the target):" if study["covered"]
+            else "by predicted time to target (no study covers this case: ratios unknown but the synchronous 1):")
+    lines = [head, "method          M   samples/s  updates x  to target s  may recommend  ratio from"]
+    ranked = sorted(plan["candidates"], key=lambda c: (c.get("time_to_target_seconds") is None,
+                                                       c.get("time_to_target_seconds") or 0.0,
+                                                       -c["samples_per_second"]))
+    for c in ranked:
+        ratio, to_target = c.get("updates_ratio"), c.get("time_to_target_seconds")
+        lines.append(f"{c['method']:<14} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
+                     f"{(f'{ratio:.2f}' if ratio is not None else '-'):>9}  "
+                     f"{(f'{to_target:.1f}' if to_target is not None else '-'):>11}  "
+                     f"{'yes' if c.get('eligible', True) else 'no':<13}  {c.get('ratio_source', '')}")
+    return lines

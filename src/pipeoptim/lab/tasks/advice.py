@@ -12,14 +12,16 @@ synchronous pipeline is (the same model as non-pipelined training, for the same 
 :data:`ADVICE` holds a (task, N) only once every run the study planned for it is in;
 ``benchmarks/make_results3.py --advice`` prints the table from the committed rows, and a test
 holds this one to it. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
-task and stage count.
+task and stage count, the README lists every entry, and ``pipeoptim plan``
+(:mod:`pipeoptim.lab.plan_targets`) recommends an asynchronous method only where the entry for
+its task and depth does: the four read this one table, so that they cannot disagree.
 
 This module imports nothing heavy (no torch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 #: where the advice comes from (printed beside it)
 SOURCE = "the equal-time study (docs/results.md)"
@@ -151,17 +153,25 @@ ADVICE: Dict[Tuple[str, int], Advice] = {
 }
 
 
+def nearest_depth(studied: Iterable[int], stages: int) -> int:
+    """The studied depth nearest ``stages`` (the deeper of two as near): what ``compare``'s advice
+    and ``plan``'s ratios of updates to target (:mod:`.updates_to_target`) both fall back on."""
+    depths = sorted(set(studied))
+    if not depths:
+        raise ValueError("no studied depth to choose from")
+    return min(depths, key=lambda n: (abs(n - stages), -n))
+
+
 def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
     """(the recommendation for ``task`` at ``stages`` stages, or None; a sentence saying where it
     comes from or why there is none). Another depth gets the nearest studied one, said so."""
     if (task, stages) in ADVICE:
         return ADVICE[(task, stages)], ADVICE[(task, stages)].describe()
-    studied = sorted(n for t, n in ADVICE if t == task)
+    studied = [n for t, n in ADVICE if t == task]
     if not studied:
         return None, (f"{SOURCE[0].upper() + SOURCE[1:]} has no finished recommendation for {task} yet (it "
                       "runs N = 8 on image, sentiment and lm); until it has, the synchronous pipeline is "
                       "the safe choice: at equal updates every asynchronous method ended behind it (the second "
                       "study, same file)")
-    nearest = min(studied, key=lambda n: (abs(n - stages), -n))
-    entry = ADVICE[(task, nearest)]
+    entry = ADVICE[(task, nearest_depth(studied, stages))]
     return entry, f"(no study at N = {stages}; the nearest studied depth) " + entry.describe()

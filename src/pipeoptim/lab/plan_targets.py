@@ -1,0 +1,177 @@
+"""Rank a plan's candidates by predicted time to a model as good as synchronous training's, and
+recommend one with the equal-time study's voice (:mod:`pipeoptim.lab.planner` calls it).
+
+A candidate's **time to target** is its predicted seconds per mini-batch times the updates it
+needs to reach the target (99 % of sequential's validation metric, 101 % for perplexity): the
+synchronous pipeline's updates in the study's setting for the task, optimizer and nearest N,
+times the method's ratio to them (:mod:`pipeoptim.lab.tasks.updates_to_target`; 1 for a
+synchronous method, which computes sequential's updates; None where the study did not run the
+method at that micro-batch count, or saw it never reach the target). The recommendation
+(:func:`recommend`) takes the shortest among the candidates that may be recommended: every
+synchronous one, and an asynchronous one only where the study's advice for the task and depth
+(:data:`pipeoptim.lab.tasks.advice.ADVICE`, what ``pipeoptim compare`` and the README say)
+recommends it with this optimizer. Reaching the target sooner is not enough: in image and
+sentiment some asynchronous methods reach 99 % first, yet at the end of the same time their
+models are no better than the synchronous pipeline's beyond the seed spread, and the synchronous
+one is the model non-pipelined training gives. Where no study covers the case (another task,
+model, batch size or optimizer, or a model of the user's own), the fastest synchronous candidate
+is recommended and the fastest asynchronous one named as the one to try with
+``pipeoptim compare``.
+
+This module imports nothing heavy (no torch)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+from .tasks.advice import Advice, advice
+from .tasks.updates_to_target import StudiedSetting, VariantRatio, studied_setting
+
+RULE = ("the shortest predicted time to target (seconds per mini-batch x the updates to 99 % of sequential's "
+        "validation metric, 101 % for perplexity: the synchronous pipeline's in the equal-time study for the "
+        "task, optimizer and nearest N, times the method's ratio to them, 1 for a synchronous method) among "
+        "candidates whose largest stage memory fits the memory limit: every synchronous one, and an "
+        "asynchronous one only where the study's advice for the task and N recommends it (as pipeoptim compare "
+        "says); within {tie:.0%} of the best counts as a tie, and ties go to a synchronous method, then the "
+        "study's method, then less memory, then fewer micro-batches, then the earlier method. Where no study "
+        "covers the task, model, batch size or optimizer: the fastest synchronous candidate, and the fastest "
+        "asynchronous one is named as the one to try with pipeoptim compare")
+
+
+def advised_variant(setting: Optional[StudiedSetting], entry: Optional[Advice],
+                    optimizer: str) -> Optional[VariantRatio]:
+    """The study's variant that ``entry`` (the advice for the task and depth) recommends, where it
+    is asynchronous, with ``optimizer``, at ``setting``'s depth, and reached the target; else None."""
+    if setting is None or entry is None or entry.synchronous or entry.optimizer != optimizer \
+            or entry.stages != setting.stages:
+        return None
+    options = tuple(o for o in entry.options if o[0] != "beta1")  # beta1: the optimizer's, not the method's
+    for v in setting.variants:
+        if (v.method, v.microbatches, v.options) == (entry.method, entry.microbatches, options) and not v.same_as:
+            return v if v.ratio is not None else None
+    return None
+
+
+def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model: Optional[str],
+             batch_size: int, optimizer: str, stages: int) -> Dict[str, Any]:
+    """Add to each candidate ``seconds_per_batch``, ``updates_ratio``, ``ratio_source``,
+    ``time_to_target_seconds`` (None: unknown or never reached) and ``eligible`` (whether it may be
+    recommended); return the plan's ``study`` section: whether a study covers the case and which
+    setting, the target's updates, the advice for the task and depth."""
+    setting, line = studied_setting(task, optimizer, stages, model, batch_size)
+    entry, text = advice(task, stages) if task is not None and setting is not None else (None, None)
+    advised = advised_variant(setting, entry, optimizer)
+    for c in candidates:
+        c["seconds_per_batch"] = c["makespan_seconds"] / c["batches"]
+        variant = None
+        if c["synchronous"]:
+            ratio, source = 1.0, "synchronous: sequential's updates"
+        elif setting is None:
+            ratio, source = None, "not studied"
+        else:
+            variant = setting.lookup(c["method"], c["microbatches"], stages)
+            ratio = None if variant is None else variant.ratio
+            source = (variant.describe() if variant
+                      else f"the study did not run {c['method']} at M = {c['microbatches']}")
+        c["updates_ratio"], c["ratio_source"] = ratio, source
+        c["time_to_target_seconds"] = (c["seconds_per_batch"] * ratio * setting.sync_updates
+                                       if setting is not None and ratio is not None else None)
+        c["eligible"] = bool(c["synchronous"] or (advised is not None and variant is not None and ratio is not None
+                                                  and advised.variant in (variant.variant, variant.same_as)))
+    return {"covered": setting is not None, "line": line, "setting": None if setting is None else setting.name(),
+            "target": None if setting is None else setting.target,
+            "target_updates": None if setting is None else setting.sync_updates,
+            "advice": text, "advised_method": None if entry is None else entry.method,
+            "advised_synchronous": None if entry is None else entry.synchronous,
+            "advised_optimizer": None if entry is None else entry.optimizer}
+
+
+def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None, tie: float = 0.02,
+              order: Optional[Sequence[str]] = None, prefer: Optional[str] = None) -> Dict[str, Any]:
+    """The recommended candidate: among those whose ``max_stage_memory`` fits ``memory_limit``
+    (all, without a limit) and may be recommended (``eligible``, True where absent; all that fit,
+    where none may), the shortest ``time_to_target_seconds`` where every one has it, else the
+    highest ``samples_per_second``. Candidates within ``tie`` (relative) of the best are tied, and
+    among them a synchronous method wins, then ``prefer`` (the study's method), then the smaller
+    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
+    Raises ValueError when no candidate fits."""
+    if not candidates:
+        raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
+    fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
+    if not fits:
+        least = min(candidates, key=lambda c: c["max_stage_memory"])
+        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
+                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
+                         f"{least['max_stage_memory']} bytes")
+    pool = [c for c in fits if c.get("eligible", True)] or fits
+    timed = all(c.get("time_to_target_seconds") is not None for c in pool)
+    cost = (lambda c: c["time_to_target_seconds"]) if timed else (lambda c: 1.0 / c["samples_per_second"])
+    best = min(cost(c) for c in pool)
+    tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
+    rank = {m: i for i, m in enumerate(order or [])}
+    return min(tied, key=lambda c: (not c["synchronous"], c["method"] != prefer, c["max_stage_memory"],
+                                    c["microbatches"], rank.get(c["method"], len(rank))))
+
+
+def compare_command(task: Optional[str], model: Optional[str], stages: int, optimizer: str,
+                    methods: Sequence[str]) -> str:
+    """The ``pipeoptim compare`` that measures ``methods`` against each other on the task."""
+    if task is None:
+        return ("train them on your data for the same time and compare the models (pipeoptim.train with "
+                f"method={methods[0]!r} and method={methods[-1]!r})")
+    flags = [f"--task {task}"] + ([f"--model {model}"] if model else []) + [
+        f"--stages {stages}", f"--optimizer {optimizer}", f"--methods {','.join(dict.fromkeys(methods))}"]
+    return "pipeoptim compare " + " ".join(flags)
+
+
+def _m(c: Dict[str, Any]) -> str:
+    return f"{c['method']} (M = {c['microbatches']})"
+
+
+def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str, Any], *, task: Optional[str],
+          model: Optional[str], stages: int, optimizer: str) -> List[str]:
+    """What the plan says beside its recommendation ``best``: whether a study covers the case
+    (``study``: :func:`annotate`'s), the study's advice, and the asynchronous candidate to try
+    where the recommendation is not it."""
+    out = [study["line"] + "."]
+    fits = [c for c in cands if c["fits"]]
+    if not best["eligible"]:
+        out.append(f"no synchronous candidate fits or was asked for: {_m(best)} is recommended on "
+                   + ("time to target" if best.get("time_to_target_seconds") is not None else "throughput alone"))
+    rivals = [c for c in fits if not c["synchronous"] and c is not best]
+    if not study["covered"]:
+        if rivals and best["synchronous"]:
+            fast = max(rivals, key=lambda c: c["samples_per_second"])
+            if fast["samples_per_second"] < 1.005 * best["samples_per_second"]:
+                out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; no asynchronous one is "
+                           f"predicted faster (the fastest, {_m(fast)}, {fast['samples_per_second']:.0f} samples/s)")
+                return out
+            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; the fastest asynchronous "
+                       f"one, {_m(fast)}, predicts {fast['samples_per_second']:.0f} samples/s "
+                       f"({fast['samples_per_second'] / best['samples_per_second']:.2f}x), but what its staleness "
+                       f"costs in updates is unmeasured here: try it with "
+                       + compare_command(task, model, stages, optimizer, [best["method"], fast["method"]]))
+        return out
+    out.append(f"the study's advice: {study['advice']}")
+    if study["advised_optimizer"] != optimizer:
+        out.append(f"(that advice is for {study['advised_optimizer']}; this plan is for {optimizer}: "
+                   f"--optimizer {study['advised_optimizer']} plans it)")
+    if best["synchronous"] and study["advised_synchronous"] and best["method"] != study["advised_method"]:
+        out.append(f"{_m(best)} computes the updates of the study's {study['advised_method']} (every synchronous "
+                   f"schedule computes sequential's): it is the fastest synchronous one on this profile")
+    sooner = [c for c in rivals if c.get("time_to_target_seconds") is not None
+              and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
+    if sooner and best["synchronous"]:
+        first = min(sooner, key=lambda c: c["time_to_target_seconds"])
+        out.append(f"{_m(first)} is predicted to reach the target sooner ({first['time_to_target_seconds']:.1f} s "
+                   f"against {best['time_to_target_seconds']:.1f} s), but at equal time the study found no "
+                   f"asynchronous model better than the synchronous pipeline's beyond the seed spread here, so it is "
+                   f"not recommended; to see it on your task: "
+                   + compare_command(task, model, stages, optimizer, [best["method"], first["method"]]))
+    elif study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
+        mine = [c["time_to_target_seconds"] for c in fits if c["eligible"] and not c["synchronous"]]
+        out.append(f"the study's {study['advised_method']} is " + (
+            f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
+            f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
+            + ", so the synchronous pipeline is recommended")
+    return out
