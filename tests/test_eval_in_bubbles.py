@@ -104,3 +104,46 @@ def test_it_needs_eval_every_and_an_eval_loader():
         with pytest.raises(ValueError, match="give eval_every=K and eval_loader="):
             pipeoptim.train(noisy_model(), batches(4), method="gpipe", stages=2, optimizer=ADAM, loss_fn=LOSS,
                             eval_in_bubbles=True, **options)
+
+
+def test_a_traced_model_runs_its_eval_mode_graph_in_the_bubbles():
+    """A traced graph keeps the mode it was traced in: each E runs the eval-mode trace (batch
+    norm's running statistics as at the drain, no dropout), as the drained evaluation does."""
+    from traced_models import SmallCNN
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 1, 5, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(5)]
+    metrics, losses = [], []
+    for bubbles in (False, True):
+        torch.manual_seed(0)
+        pipe = Pipeline(SmallCNN(), method="gpipe", split_points=["body.0"], micro_batches=2, loss_fn=LOSS,
+                        optimizer=ADAM)
+        result = pipe.fit(data, eval_loader=data[:2], eval_every=2, eval_in_bubbles=bubbles)
+        metrics.append([e["metric"] for e in result.metrics["evaluations"]])
+        losses.append(result.losses)
+    assert metrics[0] == metrics[1] and len(set(metrics[0])) == 3 and losses[0] == losses[1]
+
+
+def test_a_loader_without_len_global_clipping_and_one_stage():
+    """The segment's orders grow with the data (no len(): a horizon), the updates wait for each
+    other (clip_scope=global), or nothing idles (sequential: every E runs before the update)."""
+    for method, stages, extra in (("1f1b-flush", 2, {"clip_grad_norm": 0.5, "clip_scope": "global"}),
+                                  ("sequential", None, {})):
+        values = []
+        for bubbles in (False, True):
+            torch.manual_seed(3)
+            pipe = Pipeline(noisy_model(), method=method, stages=stages, optimizer=ADAM, loss_fn=LOSS, **extra)
+            result = pipe.fit((b for b in batches(7)), eval_loader=EVAL, eval_every=2, eval_in_bubbles=bubbles)
+            values.append((result.losses, [(e["batch"], e["metric"]) for e in result.metrics["evaluations"]]))
+        assert values[0] == values[1] and [b for b, _ in values[1][1]] == [2, 4, 6, 7], method
+
+
+def test_where_a_checkpoint_is_written_the_evaluation_stays_drained(tmp_path):
+    """The checkpoint records the evaluations so far, this one among them: drained there."""
+    torch.manual_seed(3)
+    pipe = Pipeline(noisy_model(), method="gpipe", stages=2, optimizer=ADAM, loss_fn=LOSS)
+    known_at = []
+    result = pipe.fit(batches(6), eval_loader=EVAL, eval_every=2, eval_in_bubbles=True, checkpoint_dir=tmp_path,
+                      checkpoint_every=4, on_eval=lambda entry: known_at.append(pipe.batches_done))
+    assert [e["batch"] for e in result.metrics["evaluations"]] == [2, 4, 6]
+    assert known_at == [3, 4, 6]
