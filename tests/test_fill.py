@@ -56,12 +56,14 @@ def test_what_the_bubbles_cannot_hold_runs_before_the_update_and_costs_less_than
     ("gpipe", 4, 4, 42.0, 42.0, 46.0),
     ("gpipe", 8, 8, 42.0, 42.0, 50.0),
     ("1f1b-flush", 4, 4, 42.0, 42.0, 46.0),
-    ("1f1b-flush", 8, 7, 42.0, 43.0, 50.0),
-    ("zb-h1", 4, 2, 30.0, 32.0, 34.0),
+    ("1f1b-flush", 8, 5, 42.0, 45.0, 50.0),
+    ("zb-h1", 4, 1, 30.0, 33.0, 34.0),
 ])
 def test_four_stages_with_backwards_twice_the_forwards(name, evaluations, filled, base, fill, drained):
     """N=4, M=4, two mini-batches, F=1, B=2 (zb-h1: I=W=1): how many evaluation micro-batches
-    run free, and the makespans without evaluation, filled and drained."""
+    run free, and the makespans without evaluation, filled and drained. (1f1b-flush and zb-h1
+    idle between the forwards of stages 1..3 too, but an E there would cross the activation
+    link ahead of a forward's that stage 0 sent before it.)"""
     costs = Costs.uniform(4, forward=1, backward=2, weight=1)
     schedule = build_schedule(name, 4, 4, 2)
     plan = plan_fill(schedule, evaluations, costs)
@@ -91,6 +93,18 @@ def test_one_plan_serves_the_schedule_of_any_length_as_a_prefix():
         one, two, five = (built[t].orders[rank] for t in (1, 2, 5))
         assert two[:len(one)] == one and five[:len(two)] == two
     assert all(simulate(s).makespan > 0 for s in built.values())  # none deadlocks
+
+
+def test_every_link_carries_mini_batch_0_then_the_evaluation_then_mini_batch_1():
+    """The distributed executor's links deliver in order: on every stage the E's come after its
+    last forward of mini-batch 0 and before its first of mini-batch 1, in micro-batch order."""
+    costs = Costs.uniform(4, forward=1, backward=2, weight=1)
+    for name in ("gpipe", "1f1b-flush", "zb-h1"):
+        base = build_schedule(name, 4, 4, 2)
+        for order in plan_fill(base, 8, costs).apply(base).orders:
+            seen = [(a.kind, a.index) for a in order if a.kind in (Kind.F, Kind.E)]
+            assert seen == [(Kind.F, i) for i in range(4)] + [(Kind.E, j) for j in range(8)] + \
+                [(Kind.F, i) for i in range(4, 8)], name
 
 
 def test_e_depends_on_the_previous_stages_e_and_parses():

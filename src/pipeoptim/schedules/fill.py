@@ -11,8 +11,10 @@ update's cost (docs/architecture.md, "Evaluation in the bubbles").
 
 :func:`plan_fill` places the E actions by list scheduling against costs: each evaluation
 micro-batch in turn, each stage in chain order, into the first idle gap of that stage (from the
-simulated timeline of the schedule) that holds its cost after its previous stage's ``E`` has
-ended. A micro-batch whose every ``E`` lands in a gap is *filled*: it moves no training action,
+simulated timeline of the schedule) after its last forward of mini-batch 0 that holds its cost
+after its previous stage's ``E`` has ended (so every link carries mini-batch 0's activations,
+then the evaluation's in order, then mini-batch 1's: the distributed executor's links deliver in
+the order sent). A micro-batch whose every ``E`` lands in a gap is *filled*: it moves no training action,
 so the schedule's makespan stays. Where no gap holds an ``E``, it goes after the stage's last
 backward of mini-batch 0, before the update (the rest, which delays the next mini-batch by about
 what draining for it would cost). The plan reads only mini-batch 0 and the first forward of
@@ -110,8 +112,9 @@ def plan_fill(schedule: Schedule, evaluations: int, costs: Optional[Costs] = Non
         first_update = next(p for p, a in enumerate(order) if a.kind is Kind.U)
         after = order[first_update + 1] if first_update + 1 < len(order) else None
         region_end = (when[after][0] if after is not None else result.makespan) - costs.update
-        stage_gaps, free = [], 0.0
-        for action in order[:first_update]:
+        last_forward = max(p for p, a in enumerate(order[:first_update]) if a.kind is Kind.F)
+        stage_gaps, free = [], when[order[last_forward]][1]
+        for action in order[last_forward + 1:first_update]:
             start, end = when[action]
             if start > free:
                 stage_gaps.append(_Gap(free, start, action))
