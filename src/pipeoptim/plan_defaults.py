@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 PARTITIONERS = ("uniform", "params", "time")  #: the splits a plan compares (see pipeoptim.partition)
-DEFAULT_METHODS = ("gpipe", "1f1b-flush", "zb-h1", "interleaved", "zb-v", "pipedream", "pipedream-2bw",
-                   "pipeoptim")  #: methods predicted
+DEFAULT_METHODS = ("gpipe", "1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional", "bitpipe",
+                   "pipedream", "pipedream-2bw", "pipeoptim")  #: methods predicted
 DEFAULT_MICROBATCHES = (1, 2, 4, 8)  #: micro-batch counts predicted
