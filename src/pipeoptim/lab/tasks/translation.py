@@ -33,7 +33,9 @@ Models (``nn.Sequential``; every block takes one tuple and returns one tuple or 
 
 Evaluation: greedy decoding (:func:`greedy_decode`) of the first ``eval_limit`` (500) sentences
 of the test split, scored against the original Spanish verse text with ``sacrebleu``'s corpus
-BLEU and chrF."""
+BLEU and chrF. The validation split (for tuning: ``split="validation"``) is the fixed valid split
+(all of it, or its first ``holdout`` pairs), scored the same way on its first ``eval_limit``
+sentences."""
 from __future__ import annotations
 
 import json
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .base import MissingDataError, Task, TaskData
+from .base import MissingDataError, Task, TaskData, check_holdout
 from .bible import EN_MODULE, ES_MODULE, PARSER_VERSION, dump_module, parse_mod2imp
 from .common import cache_dir, evaluation_mode, seeded, seeded_permutation
 from .translation_models import build_gnmt, build_transformer
@@ -201,11 +203,11 @@ class TranslationTask(Task):
         ``eval_limit`` test sentences are a random sample of the test split. ``extra`` also
         holds, in the order of the test (validation) batches, the test source sentences
         (``test_src``), their references (``test_refs``, which :meth:`scores` reads) and verse
-        keys (``test_keys``), and the validation references (``valid_refs``). ``holdout`` is not
-        taken yet (its validation split is not scored by :meth:`evaluate`)."""
-        if holdout is not None:
-            raise ValueError("the translation task takes no holdout yet (its validation split is "
-                             "not scored); tune on the image, lm or sentiment task, or drop --holdout")
+        keys (``test_keys``), and the validation sources and references (``valid_src``,
+        ``valid_refs``). The validation split (``validation``, also ``extra['valid']``) is the
+        fixed valid split, or its first ``holdout`` pairs (at most its size; the training data is
+        the same either way)."""
+        check_holdout(holdout, None, "pairs of the fixed validation split")
         pairs = read_pairs()
         by_split: Dict[str, List[Pair]] = {"train": [], "valid": [], "test": []}
         for p in pairs:
@@ -223,6 +225,8 @@ class TranslationTask(Task):
             enc[name] = [enc[name][i] for i in seeded_permutation(len(enc[name]), 0)]
         train = enc["train"][:limit] if limit else enc["train"]
         test = enc["test"]
+        check_holdout(holdout, len(enc["valid"]), "pairs of the fixed validation split")
+        valid = enc["valid"][:holdout] if holdout is not None else enc["valid"]
         info: Dict[str, Any] = {
             "source": f"SWORD {EN_MODULE} -> {ES_MODULE} via mod2imp",
             "spm_model": str(sp_path),
@@ -233,9 +237,13 @@ class TranslationTask(Task):
                       "valid": len(enc["valid"]), "test": len(test)},
             "eval_limit": self.eval_limit,
         }
+        if holdout is not None:
+            info["n_validation"] = holdout
+        validation = make_batches(valid, self.max_tokens, batch_size)
         extra: Dict[str, Any] = {
-            "valid": make_batches(enc["valid"], self.max_tokens, batch_size),
-            "valid_refs": [p[2] for p, _, _ in enc["valid"]],
+            "valid": validation,
+            "valid_src": [p[1] for p, _, _ in valid],
+            "valid_refs": [p[2] for p, _, _ in valid],
             "test_src": [p[1] for p, _, _ in test],
             "test_refs": [p[2] for p, _, _ in test],
             "test_keys": [p[0] for p, _, _ in test],
@@ -243,6 +251,7 @@ class TranslationTask(Task):
         return TaskData(
             train=make_batches(train, self.max_tokens, batch_size, seed=seed, drop_last=True),
             test=make_batches(test, self.max_tokens, batch_size),
+            validation=validation,
             info=info,
             extra=extra,
         )
@@ -278,19 +287,22 @@ class TranslationTask(Task):
             out = greedy_decode(model, src_ids, max_len or self.max_tokens + 1)
         return ids_to_text(self.sentencepiece(data), out)
 
-    def scores(self, model: nn.Module, data: TaskData, limit: int | None = None) -> Dict[str, float]:
-        """``{"bleu", "chrf", "sentences"}`` on the first ``limit`` (default ``eval_limit``) test pairs."""
-        n = min(limit or int(data.info.get("eval_limit", self.eval_limit)), len(data.extra["test_refs"]))
-        src = torch.cat([x[0] for x, _ in data.test])[:n]
+    def scores(self, model: nn.Module, data: TaskData, limit: int | None = None,
+               split: str = "test") -> Dict[str, float]:
+        """``{"bleu", "chrf", "sentences"}`` on the first ``limit`` (default ``eval_limit``) pairs
+        of ``split`` ("test" or "validation")."""
+        batches = data.split(split, f"task {self.name}")  # names the fix for a split it does not have
+        refs = data.extra["test_refs" if split == "test" else "valid_refs"]
+        n = min(limit or int(data.info.get("eval_limit", self.eval_limit)), len(refs))
+        src = torch.cat([x[0] for x, _ in batches])[:n]
         hyps: List[str] = []
         for i in range(0, n, self.eval_batch_size):
             hyps += self.translate(model, data, src[i : i + self.eval_batch_size])
-        result = bleu_chrf(hyps, data.extra["test_refs"][:n])
+        result = bleu_chrf(hyps, refs[:n])
         result["sentences"] = float(n)
         return result
 
     def evaluate(self, model: nn.Module, data: TaskData, split: str = "test") -> float:
-        """Corpus BLEU (0-100) of greedy translations of the first ``eval_limit`` test sentences
-        (``split="validation"`` is refused: this task has no scored validation split yet)."""
-        data.split(split, f"task {self.name}")  # names the fix for a split it does not have
-        return self.scores(model, data)["bleu"]
+        """Corpus BLEU (0-100) of greedy translations of the first ``eval_limit`` sentences of
+        ``split`` (the test split, or the validation split for tuning)."""
+        return self.scores(model, data, split=split)["bleu"]
