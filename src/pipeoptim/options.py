@@ -226,8 +226,9 @@ OPTIONS: Tuple[Option, ...] = (
            "evaluation mini-batch is placed by list scheduling before that stage's next update, on the weights "
            "the drained evaluation would use, so the metric is the same to the bit "
            "(docs/architecture.md, \"Evaluation in the bubbles\"); what the bubbles cannot hold runs just before "
-           "the update; synchronous methods with one stage per process, in one process (gpipe, 1f1b-flush, "
-           "zb-h1, sequential); the epoch-end evaluations, and one where a checkpoint is written, stay drained",
+           "the update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, sequential), in "
+           "one process or under torchrun with one replica; the epoch-end evaluations, and one where a "
+           "checkpoint is written, stay drained",
            "fit", api_only="not yet on the command line (the lab's run configuration would carry it)"),
     Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
            api_only="a function"),

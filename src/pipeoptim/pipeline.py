@@ -32,7 +32,7 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.forward_only import ForwardOnly, check_fills
+from .runtime.forward_only import ForwardOnly, check_fills, stage_in_eval_mode
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
@@ -190,12 +190,15 @@ class Pipeline:
         mini-batch came to hold runs now, drained."""
         if self._forward_only is not None and self._executor is None:
             work, self._forward_only = self._forward_only, None
-            with torch.no_grad():
-                work.run_drained(self.model_stages)
+            with torch.no_grad(), self._eval_mode.evaluating():  # as evaluate() would have
+                work.deliver(self.world.evaluate(self.model_stages, work.items, work.score))
         if self._executor is None:
             return []
         try:
             self._executor.finish()
+            work = getattr(self._executor, "forward_only", None)
+            if work is not None and work.at_drain:  # scored on the last stage's process: every rank's now
+                work.deliver(float(self.world.share(work.value, self.spec.stages - 1, "sharing the evaluation")))
             done = self._collect(wait=True)
             if self.world.losses_at_drain:  # every rank gets the last stage's losses, and checks them
                 start = self._segment_start
@@ -332,7 +335,10 @@ class Pipeline:
                                "feed one (step) or flush() first")
         items = list(self._form.pairs(loader))
         score = metric or self.model_stages[-1].loss_fn
-        self._forward_only = ForwardOnly(items, score, self._eval_mode.evaluating, self.model_stages, on_done)
+        mode = self._eval_mode  # a traced model swaps in its eval-mode graph; else each stage's own mode
+        eval_mode = stage_in_eval_mode if mode.traced is None else lambda stage: mode.evaluating()
+        self._forward_only = ForwardOnly(items, score, eval_mode, self.model_stages, on_done,
+                                         at_drain=self.world.losses_at_drain)
 
     def check_fills_bubbles(self) -> None:
         """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""

@@ -32,6 +32,7 @@ from .runtime.averaging import GradientAverager
 from .runtime.control import broadcast, gather_all, gather_tensors, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
+from .runtime.forward_only import ForwardOnly
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.pipelined_forward import scored_forward
@@ -299,11 +300,18 @@ class Torchrun:
         self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
                              placement=placement)
 
+    @property
+    def fills_bubbles(self) -> bool:
+        """Whether an evaluation can run in a segment's bubbles (one replica of the pipeline)."""
+        return self.replicas == 1
+
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
-                 trace_offset: int, clip_global: Optional[float]) -> DistributedExecutor:
+                 trace_offset: int, clip_global: Optional[float],
+                 forward_only: Optional[ForwardOnly] = None) -> DistributedExecutor:
         return DistributedExecutor(stages, self.comm, schedule_for, expected=expected,
                                    trace_offset=trace_offset, clip_global=clip_global,
-                                   replica_groups=self.replica_groups if self.mirrored else None)
+                                   replica_groups=self.replica_groups if self.mirrored else None,
+                                   forward_only=forward_only)
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         raise RuntimeError("forward() runs the stages of one process; under torchrun use "

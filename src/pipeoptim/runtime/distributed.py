@@ -18,6 +18,7 @@ from ..schedules.actions import Kind, Schedule
 from ..schedules.lower import lower
 from .averaging import GradientAverager
 from .control import gather_all
+from .forward_only import ForwardOnly
 from .replicas import ReplicaUpdates
 from .segment import MicroBatch, StreamedSegment, WindowLosses, check_runnable, clip_coefficient, stage_orders
 from .stage import Stage
@@ -41,12 +42,16 @@ class DistributedExecutor(StreamedSegment):
     everything before that needs only data fed so far on every rank (tested on the local
     executor), so waiting on a peer there never waits for a feed that has not happened.
     ``clip_global`` clips by the norm over all stages, gathered before each update.
+    ``forward_only``: the micro-batches of the schedule's ``E`` actions (an evaluation in the
+    bubbles): their activations travel on the links as the drained evaluation's do (micro-batch
+    ``-1 - j``), after the first mini-batch's, where every rank's plan puts them.
     """
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: "PipeComm",
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,
                  trace_offset: int = 0, clip_global: Optional[float] = None,
-                 replica_groups: Optional[Dict[int, Any]] = None) -> None:
+                 replica_groups: Optional[Dict[int, Any]] = None,
+                 forward_only: Optional[ForwardOnly] = None) -> None:
         """``replica_groups``: a bidirectional run's 2-process group of each piece whose two
         replicas are on two processes (piece -> group), for the sum of their gradients."""
         own = [stage] if isinstance(stage, Stage) else list(stage)
@@ -72,6 +77,10 @@ class DistributedExecutor(StreamedSegment):
         self._grads: Dict[Tuple[int, int], Any] = {}
         self._outgoing: Dict[Tuple[int, int], Any] = {}
         self._clip_scale: Optional[Tuple[int, Any]] = None  # (update, coefficient) under global clipping
+        self.forward_only = forward_only
+        #: per E micro-batch j: its message key (its inputs' shapes, as the drained evaluation's)
+        self._e_keys = [signature((x, y, 1.0)) for x, y in forward_only.items] if forward_only else []
+        self._e_values: Dict[Tuple[int, int], Any] = {}  # (stage, j): an E's input received, or output to send
         self._window_loss: Optional[WindowLosses] = None
         #: two pipelines of the same pieces (a bidirectional run): routing by the schedule's chains
         self.mirrored = any(s.replica_of is not None for s in own)
@@ -96,6 +105,8 @@ class DistributedExecutor(StreamedSegment):
         new = [(i, self._keys[i]) for i in range(first, self.fed_micro)]
         # on every link this rank receives on (none: nothing); two pipelines: each its half
         self.comm.expect_more(new, new, self._travels if self.mirrored else None)
+        if self.fed_batches == 1 and self._e_keys:  # the E's follow mini-batch 0's forwards on every link
+            self.comm.expect_more([(-1 - j, key) for j, key in enumerate(self._e_keys)], [])
         self._run()
 
     def finish(self) -> None:
@@ -214,6 +225,15 @@ class DistributedExecutor(StreamedSegment):
                     self._local_replicas.backward_done(k, i)
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys[i], self._outgoing.pop((k, i)), stage=k)
+            elif kind is Kind.RECV_E:
+                self._e_values[(k, i)] = comm.recv_activation(-1 - i, self._e_keys[i], stage=k)
+            elif kind is Kind.E:
+                work = self.forward_only
+                out = work.forward(stage, i, work.inputs(i) if stage.is_first else self._e_values.pop((k, i)))
+                if out is not None:
+                    self._e_values[(k, i)] = out
+            elif kind is Kind.SEND_E:
+                comm.send_activation(-1 - i, self._e_keys[i], self._e_values.pop((k, i)), stage=k)
             elif kind is Kind.U:
                 if self.mirrored:
                     self._sum_replicas(k, i)

@@ -56,15 +56,18 @@ class ForwardOnly:
     """An evaluation's ``E`` micro-batches over ``stages`` (the model's, in chain order).
 
     ``items``: the evaluation's ``(inputs, target)`` mini-batches, micro-batch j being item j;
-    ``score(output, target)``: a mini-batch's value (a mean over it); ``eval_mode()``: the
-    context in which the stages run as the drained evaluation runs them; ``on_done(mean)`` is
-    called once the last stage has scored every micro-batch. Built while the pipeline is
+    ``score(output, target)``: a mini-batch's value (a mean over it); ``eval_mode(stage)``: the
+    context in which a stage runs as the drained evaluation runs it (:func:`stage_in_eval_mode`,
+    or the Pipeline's ``EvalMode`` for a traced model's eval-mode graph); ``on_done(mean)`` is
+    called once the last stage has scored every micro-batch, or with ``at_drain`` when
+    :meth:`deliver` gives the value at the segment's drain (every rank at once, under torchrun).
+    Built while the pipeline is
     drained: the stages' buffers are copied then (the weights need no copy: a synchronous
     stage's do not change before its next update, which the schedule runs after its E's)."""
 
     def __init__(self, items: Sequence[Tuple[Any, Any]], score: Callable[[Any, Any], Any],
-                 eval_mode: Callable[[], ContextManager[Any]], stages: Sequence[Stage],
-                 on_done: Optional[Callable[[float], None]] = None) -> None:
+                 eval_mode: Callable[[Stage], ContextManager[Any]], stages: Sequence[Stage],
+                 on_done: Optional[Callable[[float], None]] = None, at_drain: bool = False) -> None:
         if not items:
             raise ValueError("the evaluation loader yielded no mini-batches")
         self.items = list(items)
@@ -73,9 +76,12 @@ class ForwardOnly:
         self.on_done = on_done
         self.scores = Scores()
         self.value: Optional[float] = None  #: the mean, once every micro-batch is scored
-        with torch.no_grad(), eval_mode():
-            self._buffers = {stage.index: [b.detach().clone() for b in stage.module.buffers()]
-                             for stage in stages}
+        self.at_drain = at_drain
+        self._reported = False
+        self._buffers = {}
+        for stage in stages:
+            with torch.no_grad(), eval_mode(stage):
+                self._buffers[stage.index] = [b.detach().clone() for b in stage.module.buffers()]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -91,7 +97,7 @@ class ForwardOnly:
     def forward(self, stage: Stage, index: int, inputs: Any) -> Optional[Any]:
         """``stage``'s forward of micro-batch ``index``: the output to hand to the next stage,
         or, at the last stage, None once the micro-batch is scored."""
-        with torch.no_grad(), self.eval_mode(), self._eval_point_buffers(stage):
+        with torch.no_grad(), self.eval_mode(stage), self._eval_point_buffers(stage):
             with stage.autocast():
                 output = stage.module(to_device(inputs, stage.device))
             if not stage.is_last:
@@ -102,8 +108,8 @@ class ForwardOnly:
         self.scores.add(index, value, batch_size(inputs_of))
         if len(self.scores) == len(self.items):
             self.value = self.scores.mean()
-            if self.on_done is not None:
-                self.on_done(self.value)
+            if not self.at_drain:
+                self.deliver(self.value)
         return None
 
     def plan(self, schedule: Schedule, samples_per_micro: float) -> FillPlan:
@@ -116,13 +122,14 @@ class ForwardOnly:
         costs.evaluation = [mean_samples / samples_per_micro] * schedule.num_stages
         return plan_fill(schedule, len(self.items), costs)
 
-    def run_drained(self, stages: Sequence[Stage]) -> float:
-        """Every micro-batch through every stage now (no schedule came to hold them)."""
-        for index in range(len(self.items)):
-            value = self.inputs(index)
-            for stage in stages:
-                value = self.forward(stage, index, value)
-        return self.value
+    def deliver(self, value: float) -> None:
+        """The evaluation's value, as the drain shares it (under torchrun only the last stage's
+        process scored it) or as a drained evaluation found it: recorded and reported, once."""
+        self.value = value
+        if not self._reported:
+            self._reported = True
+            if self.on_done is not None:
+                self.on_done(value)
 
     @contextlib.contextmanager
     def _eval_point_buffers(self, stage: Stage) -> Iterator[None]:
@@ -147,12 +154,25 @@ class ForwardOnly:
                 buffer.data = data
 
 
+@contextlib.contextmanager
+def stage_in_eval_mode(stage: Stage) -> Iterator[None]:
+    """``stage``'s module in eval mode for the span, its mode put back after (a model that is an
+    nn.Sequential: its layers are the stages' modules, and eval mode is theirs alone)."""
+    was = stage.module.training
+    stage.module.eval()
+    try:
+        yield
+    finally:
+        stage.module.train(was)
+
+
 def check_fills(fills_bubbles: bool, method: str, synchronous: bool, schedule: Schedule) -> None:
     """Raise ValueError, naming the fix, unless forward-only work can fill ``schedule``'s bubbles
     (``method``'s, in a world that ``fills_bubbles``)."""
     if not fills_bubbles:
-        raise ValueError("evaluation in the bubbles runs in one process for now; under torchrun "
-                         "evaluate drained (eval_in_bubbles=False)")
+        raise ValueError("evaluation in the bubbles runs on one replica of the pipeline (its last stage's "
+                         "value is the evaluation's); with data_parallel replicas evaluate drained "
+                         "(eval_in_bubbles=False)")
     if not synchronous:
         raise ValueError(f"{method} is asynchronous: no stretch of its schedule holds one update's "
                          f"weights on every stage; evaluate drained (eval_in_bubbles=False)")

@@ -32,6 +32,8 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"  #: receive an activation from the previous stage
     SEND_B = "SEND_B"  #: send an input gradient to the previous stage
     RECV_B = "RECV_B"  #: receive an output gradient from the next stage
+    SEND_E = "SEND_E"  #: send a forward-only (evaluation) activation to the next stage
+    RECV_E = "RECV_E"  #: receive a forward-only (evaluation) activation from the previous stage
 
     # The simulator hashes millions of actions: use str's C-level hash, not Enum's Python one.
     __hash__ = str.__hash__
@@ -49,7 +51,7 @@ class Kind(str, Enum):
 
 
 COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E)
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U|E)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_E|RECV_E|F|B|I|W|U|E)(\d+)$")
 
 
 class Action(NamedTuple):

@@ -1,7 +1,8 @@
 """Lowering: add the communication a compute-only schedule implies.
 
-``RECV_F``/``SEND_F`` around a forward and ``RECV_B``/``SEND_B`` around a backward (or its half
-``I``) whose neighbour lives on another rank (docs/architecture.md, "Schedules as data"). Sends
+``RECV_F``/``SEND_F`` around a forward, ``RECV_B``/``SEND_B`` around a backward (or its half
+``I``) and ``RECV_E``/``SEND_E`` around a forward-only ``E`` whose neighbour lives on another
+rank (docs/architecture.md, "Schedules as data"). Sends
 are non-blocking in the distributed executor, so this order never deadlocks where the
 compute-only order does not."""
 from __future__ import annotations
@@ -26,12 +27,13 @@ def lower(schedule: Schedule) -> Schedule:
                 if a.kind is not Kind.U else (None, None)
             remote_prev = prev is not None and rank_of[prev] != rank
             remote_next = nxt is not None and rank_of[nxt] != rank
-            if a.kind is Kind.F:
+            if a.kind is Kind.F or a.kind is Kind.E:
+                recv, send = (Kind.RECV_F, Kind.SEND_F) if a.kind is Kind.F else (Kind.RECV_E, Kind.SEND_E)
                 if remote_prev:
-                    lowered.append(Action(a.stage, Kind.RECV_F, a.index))
+                    lowered.append(Action(a.stage, recv, a.index))
                 lowered.append(a)
                 if remote_next:
-                    lowered.append(Action(a.stage, Kind.SEND_F, a.index))
+                    lowered.append(Action(a.stage, send, a.index))
             elif a.kind is grad_kind:
                 if remote_next:
                     lowered.append(Action(a.stage, Kind.RECV_B, a.index))

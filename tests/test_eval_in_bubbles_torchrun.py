@@ -1,0 +1,30 @@
+"""Evaluation in the bubbles under torchrun (issue 39 item 2, step 4): the E actions' activations
+cross the processes on the same links as training's, after the first mini-batch's, and the
+evaluations equal the drained ones and the one-process run's, to the bit (gloo, one compute
+thread per process; a model with batch norm, no dropout: each process draws its own)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_torchrun import run
+
+SCRIPT = Path(__file__).resolve().parent / "torchrun_eval_in_bubbles.py"
+
+
+def rows(text: str) -> dict:
+    return {(r["method"], r["bubbles"]): r for r in map(json.loads, text.strip().splitlines())}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_under_torchrun_the_bubbles_give_the_drained_evaluations_and_one_process_the_same(stages):
+    alone, spread = rows(run([SCRIPT, stages])), rows(run([SCRIPT, stages], nproc=stages))
+    assert set(spread) == {(m, b) for m in ("gpipe", "1f1b-flush", "zb-h1") for b in (False, True)}
+    for (method, bubbles), row in spread.items():
+        assert row == alone[(method, bubbles)], (method, bubbles)
+        assert row["evaluations"] == spread[(method, False)]["evaluations"], method
+        assert [e[0] for e in row["evaluations"]] == [2, 4, 5, 7, 9, 10]
+        assert row["losses"] == spread[(method, False)]["losses"]
+    assert len({e[2] for e in spread[("gpipe", True)]["evaluations"]}) == 6  # each evaluation saw new weights
