@@ -147,3 +147,31 @@ def test_where_a_checkpoint_is_written_the_evaluation_stays_drained(tmp_path):
                       checkpoint_every=4, on_eval=lambda entry: known_at.append(pipe.batches_done))
     assert [e["batch"] for e in result.metrics["evaluations"]] == [2, 4, 6]
     assert known_at == [3, 4, 6]
+
+
+def test_a_users_forward_only_work_fills_the_bubbles_the_same_way():
+    """forward_in_bubbles: the model's eval-mode outputs for the user's inputs on the drained
+    weights, delivered during the next step, equal to a forward of the drained model in eval
+    mode; with no step before the flush, at the flush."""
+    torch.manual_seed(3)
+    pipe = Pipeline(noisy_model(), method="1f1b-flush", stages=3, optimizer=ADAM, loss_fn=LOSS)
+    data = batches(4)
+    for x, y in data[:2]:
+        pipe.step(x, y)
+    pipe.flush()
+    inputs = [x for x, _ in EVAL]
+    pipe.model().eval()
+    expected = [pipe.forward(x) for x in inputs]
+    pipe.model().train()
+    got = {}
+    pipe.forward_in_bubbles(inputs, lambda j, out: got.setdefault(j, out))
+    assert got == {}
+    pipe.step(*data[2])
+    assert sorted(got) == [0, 1, 2] and all(torch.equal(got[j], expected[j]) for j in range(3))
+    assert not got[0].requires_grad
+    pipe.flush()
+    later = {}
+    pipe.forward_in_bubbles(inputs[:1], lambda j, out: later.setdefault(j, out))
+    pipe.flush()
+    pipe.model().eval()
+    assert torch.equal(later[0], pipe.forward(inputs[0])) and not torch.equal(later[0], got[0])

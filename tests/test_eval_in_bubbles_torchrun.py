@@ -21,7 +21,10 @@ def rows(text: str) -> dict:
 @pytest.mark.parametrize("stages", [2, 3])
 def test_under_torchrun_the_bubbles_give_the_drained_evaluations_and_one_process_the_same(stages):
     alone, spread = rows(run([SCRIPT, stages])), rows(run([SCRIPT, stages], nproc=stages))
-    assert set(spread) == {(m, b) for m in ("gpipe", "1f1b-flush", "zb-h1") for b in (False, True)}
+    assert set(spread) == {(m, b) for m in ("gpipe", "1f1b-flush", "zb-h1") for b in (False, True)} | \
+        {("forward_in_bubbles", True)}
+    user = spread.pop(("forward_in_bubbles", True))  # a user's forward-only work, on the last stage's process
+    assert user == alone[("forward_in_bubbles", True)] and len(user["outputs"]) == 3
     for (method, bubbles), row in spread.items():
         assert row == alone[(method, bubbles)], (method, bubbles)
         assert row["evaluations"] == spread[(method, False)]["evaluations"], method

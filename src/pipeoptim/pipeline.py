@@ -190,15 +190,14 @@ class Pipeline:
         mini-batch came to hold runs now, drained."""
         if self._forward_only is not None and self._executor is None:
             work, self._forward_only = self._forward_only, None
-            with torch.no_grad(), self._eval_mode.evaluating():  # as evaluate() would have
-                work.deliver(self.world.evaluate(self.model_stages, work.items, work.score))
+            work.run_drained(self.world, self.model_stages, self._eval_mode.evaluating)
         if self._executor is None:
             return []
         try:
             self._executor.finish()
             work = getattr(self._executor, "forward_only", None)
             if work is not None and work.at_drain:  # scored on the last stage's process: every rank's now
-                work.deliver(float(self.world.share(work.value, self.spec.stages - 1, "sharing the evaluation")))
+                work.deliver(self.world.share(work.value, self.spec.stages - 1, "sharing the evaluation"))
             done = self._collect(wait=True)
             if self.world.losses_at_drain:  # every rank gets the last stage's losses, and checks them
                 start = self._segment_start
@@ -327,18 +326,26 @@ class Pipeline:
         the bubbles"): ``on_done(value)`` receives what :meth:`evaluate` returns now, to the bit,
         during the next :meth:`step` (or at the next :meth:`flush` if none comes). The loader is
         read now, whole, and held until then. Synchronous methods, one stage per process."""
-        self._require_drained("evaluate_in_bubbles")
         self._form.refuse_model_loss("evaluate_in_bubbles(loader)")
+        self._in_bubbles("evaluate_in_bubbles", lambda: list(self._form.pairs(loader)),
+                         score=metric or self.model_stages[-1].loss_fn, on_done=on_done)
+
+    def forward_in_bubbles(self, inputs: Iterable[Any], on_output: Callable[[int, Any], None]) -> None:
+        """A user's forward-only work, run as :meth:`evaluate_in_bubbles` runs an evaluation:
+        ``on_output(j, output)`` receives the model's output (eval mode, no gradients, the last
+        stage's device and, under torchrun, process) for the j-th of ``inputs``, each run whole."""
+        self._in_bubbles("forward_in_bubbles", lambda: [(x, None) for x in inputs], on_output=on_output)
+
+    def _in_bubbles(self, what: str, read: Callable[[], List[Any]], **work: Any) -> None:
+        self._require_drained(what)
         self.check_fills_bubbles()
         if self._forward_only is not None:
-            raise RuntimeError("an evaluation in the bubbles is already waiting for the next mini-batch; "
+            raise RuntimeError("forward-only work is already waiting for the next mini-batch's bubbles; "
                                "feed one (step) or flush() first")
-        items = list(self._form.pairs(loader))
-        score = metric or self.model_stages[-1].loss_fn
         mode = self._eval_mode  # a traced model swaps in its eval-mode graph; else each stage's own mode
         eval_mode = stage_in_eval_mode if mode.traced is None else lambda stage: mode.evaluating()
-        self._forward_only = ForwardOnly(items, score, eval_mode, self.model_stages, on_done,
-                                         at_drain=self.world.losses_at_drain)
+        self._forward_only = ForwardOnly(read(), eval_mode, self.model_stages, at_drain=self.world.losses_at_drain,
+                                         **work)
 
     def check_fills_bubbles(self) -> None:
         """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""

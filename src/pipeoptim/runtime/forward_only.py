@@ -53,30 +53,38 @@ class Scores:
 
 
 class ForwardOnly:
-    """An evaluation's ``E`` micro-batches over ``stages`` (the model's, in chain order).
+    """The ``E`` micro-batches of an evaluation, or of a user's forward-only work, over
+    ``stages`` (the model's, in chain order).
 
-    ``items``: the evaluation's ``(inputs, target)`` mini-batches, micro-batch j being item j;
-    ``score(output, target)``: a mini-batch's value (a mean over it); ``eval_mode(stage)``: the
-    context in which a stage runs as the drained evaluation runs it (:func:`stage_in_eval_mode`,
-    or the Pipeline's ``EvalMode`` for a traced model's eval-mode graph); ``on_done(mean)`` is
-    called once the last stage has scored every micro-batch, or with ``at_drain`` when
-    :meth:`deliver` gives the value at the segment's drain (every rank at once, under torchrun).
-    Built while the pipeline is
-    drained: the stages' buffers are copied then (the weights need no copy: a synchronous
-    stage's do not change before its next update, which the schedule runs after its E's)."""
+    ``items``: ``(inputs, target)`` pairs, micro-batch j being item j, each run whole;
+    ``eval_mode(stage)``: the context in which a stage runs as the drained evaluation runs it
+    (:func:`stage_in_eval_mode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
+    graph). At the last stage ``on_output(j, output)`` receives the output (a user's work), or
+    else ``score(output, target)`` gives an evaluation mini-batch's value (a mean over it; the
+    evaluation's value is :class:`Scores`' mean; a process without the last stage may have none). ``on_done(value)`` is called once the last stage has run every
+    micro-batch (``value``: the evaluation's, None for ``on_output``), or with ``at_drain`` when
+    :meth:`deliver` gives it at the segment's drain (every rank at once, under torchrun). Built
+    while the pipeline is drained: the stages' buffers are copied then (the weights need no
+    copy: a synchronous stage's do not change before its next update, which the schedule runs
+    after its E's)."""
 
-    def __init__(self, items: Sequence[Tuple[Any, Any]], score: Callable[[Any, Any], Any],
-                 eval_mode: Callable[[Stage], ContextManager[Any]], stages: Sequence[Stage],
-                 on_done: Optional[Callable[[float], None]] = None, at_drain: bool = False) -> None:
+    def __init__(self, items: Sequence[Tuple[Any, Any]], eval_mode: Callable[[Stage], ContextManager[Any]],
+                 stages: Sequence[Stage], *, score: Optional[Callable[[Any, Any], Any]] = None,
+                 on_output: Optional[Callable[[int, Any], None]] = None,
+                 on_done: Optional[Callable[[Optional[float]], None]] = None, at_drain: bool = False) -> None:
         if not items:
-            raise ValueError("the evaluation loader yielded no mini-batches")
+            raise ValueError("the evaluation loader yielded no mini-batches" if on_output is None
+                             else "no inputs to run forward in the bubbles")
         self.items = list(items)
         self.score = score
+        self.on_output = on_output
         self.eval_mode = eval_mode
         self.on_done = on_done
         self.scores = Scores()
-        self.value: Optional[float] = None  #: the mean, once every micro-batch is scored
+        self.value: Optional[float] = None  #: the evaluation's mean, once every micro-batch is scored
+        self.done = False                   #: the last stage has run every micro-batch
         self.at_drain = at_drain
+        self._outputs = 0
         self._reported = False
         self._buffers = {}
         for stage in stages:
@@ -85,10 +93,6 @@ class ForwardOnly:
 
     def __len__(self) -> int:
         return len(self.items)
-
-    @property
-    def done(self) -> bool:
-        return self.value is not None
 
     def inputs(self, index: int) -> Any:
         """Micro-batch ``index``'s inputs (what the first stage's E reads)."""
@@ -103,14 +107,36 @@ class ForwardOnly:
             if not stage.is_last:
                 return output
             inputs_of, target = self.items[index]
-            with stage.autocast():
-                value = self.score(output, to_device(target, stage.device))
-        self.scores.add(index, value, batch_size(inputs_of))
-        if len(self.scores) == len(self.items):
-            self.value = self.scores.mean()
+            if self.on_output is not None:
+                self.on_output(index, output)
+                self._outputs += 1
+            else:
+                with stage.autocast():
+                    value = self.score(output, to_device(target, stage.device))
+                self.scores.add(index, value, batch_size(inputs_of))
+        if max(self._outputs, len(self.scores)) == len(self.items):
+            self.done = True
+            self.value = self.scores.mean() if self.on_output is None else None
             if not self.at_drain:
                 self.deliver(self.value)
         return None
+
+    def run_drained(self, world: Any, stages: Sequence[Stage], evaluating: Callable[[], ContextManager[Any]]) -> None:
+        """The work no schedule came to hold, now, on the drained pipeline: an evaluation as
+        ``world.evaluate`` runs one (pipelined under torchrun, every rank), in ``evaluating()``;
+        a user's work through ``stages``, every stage in this process."""
+        if self.on_output is None:
+            with torch.no_grad(), evaluating():
+                self.deliver(world.evaluate(stages, self.items, self.score))
+            return
+        if world.processes > 1:
+            raise RuntimeError("under torchrun forward_in_bubbles runs in the next mini-batch's bubbles: "
+                               "step() once before flush()")
+        for index in range(len(self.items)):
+            value = self.inputs(index)
+            for stage in stages:
+                value = self.forward(stage, index, value)
+        self.deliver(self.value)
 
     def plan(self, schedule: Schedule, samples_per_micro: float) -> FillPlan:
         """Where ``schedule`` (a segment's first two mini-batches: all a plan reads) runs these
@@ -122,7 +148,7 @@ class ForwardOnly:
         costs.evaluation = [mean_samples / samples_per_micro] * schedule.num_stages
         return plan_fill(schedule, len(self.items), costs)
 
-    def deliver(self, value: float) -> None:
+    def deliver(self, value: Optional[float]) -> None:
         """The evaluation's value, as the drain shares it (under torchrun only the last stage's
         process scored it) or as a drained evaluation found it: recorded and reported, once."""
         self.value = value
