@@ -272,6 +272,8 @@ class Pipeline:
         return self._executor is None or not self._executor.fed_batches
 
     def _schedule_for(self, batches: int, first_batch: Optional[int] = None):
+        """The open segment's schedule for ``batches`` mini-batches, with the forward-only work
+        it carries; ``first_batch``: the plain schedule of a segment starting there instead."""
         schedule = self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
                                               first_batch=self._segment_start if first_batch is None else first_batch,
                                               options=self.spec.options, chunks=self.spec.chunks)

@@ -11,7 +11,8 @@ forwards' random streams stay theirs) and on the buffers the stage held when the
 asked for (batch norm's running statistics, which training forwards update in place): a copy
 taken then is swapped in for the pass and the live buffers put back after. The last stage
 scores each micro-batch; :class:`Scores` sums the scores over the samples in micro-batch order,
-as the drained evaluation does, so the two results are equal to the bit."""
+as the drained evaluation does, so the two results are equal to the bit. A user's forward-only
+work (``Pipeline.forward_in_bubbles``) runs the same way, its outputs handed to a callable."""
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,9 @@ class ForwardOnly:
     (:func:`stage_in_eval_mode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
     graph). At the last stage ``on_output(j, output)`` receives the output (a user's work), or
     else ``score(output, target)`` gives an evaluation mini-batch's value (a mean over it; the
-    evaluation's value is :class:`Scores`' mean; a process without the last stage may have none). ``on_done(value)`` is called once the last stage has run every
-    micro-batch (``value``: the evaluation's, None for ``on_output``), or with ``at_drain`` when
+    evaluation's value is :class:`Scores`' mean; a process without the last stage may have no
+    ``score``). ``on_done(value)`` is called once the last stage has run every micro-batch
+    (``value``: the evaluation's, None for ``on_output``), or with ``at_drain`` when
     :meth:`deliver` gives it at the segment's drain (every rank at once, under torchrun). Built
     while the pipeline is drained: the stages' buffers are copied then (the weights need no
     copy: a synchronous stage's do not change before its next update, which the schedule runs
@@ -121,7 +123,8 @@ class ForwardOnly:
                 self.deliver(self.value)
         return None
 
-    def run_drained(self, world: Any, stages: Sequence[Stage], evaluating: Callable[[], ContextManager[Any]]) -> None:
+    def run_drained(self, world: Any, stages: Sequence[Stage],
+                    evaluating: Callable[[], ContextManager[Any]]) -> None:
         """The work no schedule came to hold, now, on the drained pipeline: an evaluation as
         ``world.evaluate`` runs one (pipelined under torchrun, every rank), in ``evaluating()``;
         a user's work through ``stages``, every stage in this process."""
