@@ -32,7 +32,7 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.forward_only import ForwardOnly, check_fills, stage_in_eval_mode
+from .runtime.forward_only import ForwardOnly, StageEvalMode, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
@@ -345,7 +345,7 @@ class Pipeline:
             raise RuntimeError("forward-only work is already waiting for the next mini-batch's bubbles; "
                                "feed one (step) or flush() first")
         mode = self._eval_mode  # a traced model swaps in its eval-mode graph; else each stage's own mode
-        eval_mode = stage_in_eval_mode if mode.traced is None else lambda stage: mode.evaluating()
+        eval_mode = StageEvalMode() if mode.traced is None else lambda stage: mode.evaluating()
         self._forward_only = ForwardOnly(read(), eval_mode, self.model_stages, at_drain=self.world.losses_at_drain,
                                          **work)
 

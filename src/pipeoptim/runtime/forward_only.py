@@ -59,7 +59,7 @@ class ForwardOnly:
 
     ``items``: ``(inputs, target)`` pairs, micro-batch j being item j, each run whole;
     ``eval_mode(stage)``: the context in which a stage runs as the drained evaluation runs it
-    (:func:`stage_in_eval_mode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
+    (:class:`StageEvalMode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
     graph). At the last stage ``on_output(j, output)`` receives the output (a user's work), or
     else ``score(output, target)`` gives an evaluation mini-batch's value (a mean over it; the
     evaluation's value is :class:`Scores`' mean; a process without the last stage may have no
@@ -183,16 +183,36 @@ class ForwardOnly:
                 buffer.data = data
 
 
-@contextlib.contextmanager
-def stage_in_eval_mode(stage: Stage) -> Iterator[None]:
-    """``stage``'s module in eval mode for the span, its mode put back after (a model that is an
-    nn.Sequential: its layers are the stages' modules, and eval mode is theirs alone)."""
-    was = stage.module.training
-    stage.module.eval()
-    try:
-        yield
-    finally:
-        stage.module.train(was)
+class StageEvalMode:
+    """``mode(stage)``: a context in which ``stage``'s module is in eval mode, its modes put back
+    after (a model that is an nn.Sequential: its layers are the stages' modules, and eval mode is
+    theirs alone). Each module's flag is set directly, as ``nn.Module.train`` sets it, except
+    where a class overrides ``train``: an evaluation's E actions switch modes twice per stage
+    and mini-batch, and ``train()``'s recursion costs more than a small stage's forward."""
+
+    def __init__(self) -> None:
+        self._modules: Dict[int, List[Tuple[Any, bool]]] = {}  # stage -> (module, overrides train)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: Stage) -> Iterator[None]:
+        modules = self._modules.get(stage.index)
+        if modules is None or (modules and modules[0][0] is not stage.module):
+            modules = self._modules[stage.index] = [
+                (m, type(m).train is not torch.nn.Module.train) for m in stage.module.modules()]
+        modes = [m.training for m, _ in modules]
+        for m, own in modules:
+            if own:
+                m.train(False)
+            else:
+                m.training = False
+        try:
+            yield
+        finally:
+            for (m, own), mode in zip(modules, modes):
+                if own:
+                    m.train(mode)
+                else:
+                    m.training = mode
 
 
 def check_fills(fills_bubbles: bool, method: str, synchronous: bool, schedule: Schedule) -> None:
