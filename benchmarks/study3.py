@@ -46,7 +46,7 @@ from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from benchmarks.common import RESULTS, ROOT, append_line, parse_shard
-from benchmarks import study4_plan
+from benchmarks import study4_plan, study5_plan
 from benchmarks.study2_plan import LR_SCHEDULE, stop_point
 from benchmarks.study2_train import cached_data, curve, drop_checkpoints, has_checkpoint, quiet_options, train_until
 from benchmarks.study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs
@@ -208,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     suite = SUITES[args.suite]
     study = args.out or RESULTS / ("study3" if args.suite == "default" else f"study3-{args.suite}")
-    times = read_times(args.times or TIMES)
+    times = read_times(args.times or Path(suite.get("times") or TIMES))
     rows2 = study2_rows(suite)
     runs_file = study / "runs.jsonl"
     planner = plan_runs
@@ -216,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows2 = load_rows(Path(suite["study3"]) / "runs.jsonl")
         times = study4_plan.alias_times(times)
         planner = study4_plan.plan_runs
+    elif suite.get("planner") == "translation":  # issue 41's cell: tuned afresh
+        times = study4_plan.alias_times(times)
+        planner = study5_plan.plan_runs
     if args.plan:
         budget = suite.get("budget_minutes", args.budget_minutes)
         print_plan(planner(suite, load_rows(runs_file), times, rows2), budget)

@@ -141,6 +141,50 @@ SUITES: Dict[str, Dict[str, Any]] = {
         "diagnose_every": 25,
         "study2": None,
     },
+    # issue 41's cell (benchmarks/study5_plan.py plans it): translation at N = 8 with AdamW and
+    # with Muon, within 360 core-minutes
+    "translation": {
+        "planner": "translation",
+        # its own budgets (benchmarks/study3_times.py --suite translation writes them)
+        "times": str(RESULTS / "study3-translation" / "times.json"),
+        "tasks": {
+            # transformer-deep: 9 blocks, the task's model that 8 stages can split (the default
+            # transformer has 7). Its recipe (the task's: warm-up and cosine, clipped at 1.0,
+            # batch 64) over 6 epochs of the full training split: 1,224 updates; sequential with
+            # AdamW 1e-3 reaches test BLEU 0.9 / 3.0 / 4.6 / 6.1 / 7.0 / 7.2 after epochs 1-6. The validation
+            # split: the first 300 pairs of the task's fixed valid split (BLEU, ~1 s to decode).
+            "translation": {"model": "transformer-deep", "limit": None, "holdout": 300, "train_examples": 13085,
+                            "batch_size": 64, "epochs": 6, "eval_every": 102, "clip_grad": 1.0,
+                            "lr": {"adamw": (1e-3, 2e-3), "muon": (0.02, 0.04)},
+                            "seconds_per_step": 0.33, "eval_seconds": 1.5, "test_seconds": 2.5},
+        },
+        "cells": [("translation", "adamw"), ("translation", "muon")],
+        "stages": [8],
+        "arms": [
+            {"optimizer": "adamw", "stages": 8,
+             "variants": ["sequential", "xpipe", "pipeoptim", "pipeoptim-2bw", "pipedream-2bw", "spectrain",
+                          "pipeoptim-2bw+ef"]},
+            {"optimizer": "muon", "stages": 8,
+             "variants": ["sequential", "xpipe", "pipeoptim", "pipeoptim-2bw", "pipedream-2bw"]},
+        ],
+        # the synchronous pipeline and the asynchronous variant closest to it: 3 seeds; the rest 2
+        "seeds": [0, 1],
+        "close_seeds": [2],
+        # CPU seconds per update on the local runtime at N = 8 (10 updates of the study's model and
+        # mini-batches, one thread: benchmarks/translation_cost.py), per optimizer and variant
+        "cpu_seconds_per_update": {
+            "adamw": {"sequential": 0.342, "xpipe": 0.326, "pipeoptim": 0.365, "pipeoptim-2bw": 0.385,
+                      "pipedream-2bw": 0.377, "spectrain": 0.353, "pipeoptim-2bw+ef": 0.375},
+            "muon": {"sequential": 0.303, "xpipe": 0.339, "pipeoptim": 0.365, "pipeoptim-2bw": 0.395,
+                     "pipedream-2bw": 0.374},
+        },
+        "optimizer_arms": {"cells": [], "stages": [8], "methods": [], "beta1": {}},
+        "decisive_gap": 0.4,
+        "budget_minutes": 360,
+        "halving": {"share": 1 / 3, "keep": 2},
+        "diagnose_every": 25,
+        "study2": None,
+    },
     # a tiny suite for tests: seconds a run
     "smoke": {
         "cells": [("image", "momentum")],

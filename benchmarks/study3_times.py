@@ -363,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds of timing every split and size, the lowest price kept (default 4)")
     args = parser.parse_args(argv)
-    out = args.out or TIMES
+    out = args.out or Path(SUITES[args.suite].get("times") or TIMES)
     if args.show:
         print(format_table(read_times(out)))
         return 0
