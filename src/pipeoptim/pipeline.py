@@ -32,12 +32,11 @@ from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.forward_only import ForwardOnly, StageEvalMode, check_fills
+from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
-from .schedules.fill import FillPlan
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 
@@ -116,9 +115,7 @@ class Pipeline:
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
         self.samples_done = 0
         self._executor: Optional[Any] = None
-        #: an evaluation asked for in the bubbles, for the next segment to run (evaluate_in_bubbles)
-        self._forward_only: Optional[ForwardOnly] = None
-        self._fill: Optional[FillPlan] = None  #: where the open segment's schedule runs it
+        self._bubbles = BubbleWork()     #: forward-only work for the next segment's bubbles
         self._segment_start = 0          #: index of the open segment's first mini-batch
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
@@ -169,12 +166,8 @@ class Pipeline:
         size = batch_size(inputs)
         micro = split_batch(inputs, target, self.spec.microbatches)
         if self._executor is None:
-            extra = {}
-            if self._forward_only is not None:  # this segment's first mini-batch holds it in its bubbles
-                work, self._forward_only = self._forward_only, None
-                self._fill = work.plan(self._schedule_for(2, first_batch=self.batches_done),
+            extra = self._bubbles.open(lambda: self._schedule_for(2, first_batch=self.batches_done),
                                        size / self.spec.microbatches)
-                extra["forward_only"] = work
             self._executor = self.world.executor(self.stages, self._schedule_for, expected=segment_length,
                                                  trace_offset=self.batches_done * self.spec.microbatches,
                                                  clip_global=self.clip_global, **extra)
@@ -188,16 +181,15 @@ class Pipeline:
         """Drain: finish every mini-batch fed, so that every stage holds one set of weights.
         Returns the losses completed meanwhile. An evaluation asked for in the bubbles that no
         mini-batch came to hold runs now, drained."""
-        if self._forward_only is not None and self._executor is None:
-            work, self._forward_only = self._forward_only, None
+        if self._bubbles.waiting is not None and self._executor is None:
+            work, self._bubbles.waiting = self._bubbles.waiting, None
             work.run_drained(self.world, self.model_stages, self._eval_mode.evaluating)
         if self._executor is None:
             return []
         try:
             self._executor.finish()
-            work = getattr(self._executor, "forward_only", None)
-            if work is not None and work.at_drain:  # scored on the last stage's process: every rank's now
-                work.deliver(self.world.share(work.value, self.spec.stages - 1, "sharing the evaluation"))
+            self._bubbles.drained(lambda value: self.world.share(value, self.spec.stages - 1,
+                                                                  "sharing the evaluation"))
             done = self._collect(wait=True)
             if self.world.losses_at_drain:  # every rank gets the last stage's losses, and checks them
                 start = self._segment_start
@@ -211,7 +203,7 @@ class Pipeline:
             return done
         finally:
             self._executor = None
-            self._fill = None
+            self._bubbles.drained(None)
 
     @contextlib.contextmanager
     def reporting(self, on_batch: Optional[Callable[[int, float], None]] = None,
@@ -277,7 +269,7 @@ class Pipeline:
         schedule = self.method.build_schedule(self.spec.ranks, self.spec.microbatches, batches,
                                               first_batch=self._segment_start if first_batch is None else first_batch,
                                               options=self.spec.options, chunks=self.spec.chunks)
-        return self._fill.apply(schedule) if self._fill is not None and first_batch is None else schedule
+        return self._bubbles.carried(schedule) if first_batch is None else schedule
 
     def _collect(self, wait: bool = False) -> List[float]:
         """The losses completed in this process. Where the world shares them at the drain, they
@@ -341,13 +333,10 @@ class Pipeline:
     def _in_bubbles(self, what: str, read: Callable[[], List[Any]], **work: Any) -> None:
         self._require_drained(what)
         self.check_fills_bubbles()
-        if self._forward_only is not None:
-            raise RuntimeError("forward-only work is already waiting for the next mini-batch's bubbles; "
-                               "feed one (step) or flush() first")
         mode = self._eval_mode  # a traced model swaps in its eval-mode graph; else each stage's own mode
         eval_mode = StageEvalMode() if mode.traced is None else lambda stage: mode.evaluating()
-        self._forward_only = ForwardOnly(read(), eval_mode, self.model_stages, at_drain=self.world.losses_at_drain,
-                                         **work)
+        self._bubbles.queue(lambda: ForwardOnly(read(), eval_mode, self.model_stages,
+                                                at_drain=self.world.losses_at_drain, **work))
 
     def check_fills_bubbles(self) -> None:
         """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""

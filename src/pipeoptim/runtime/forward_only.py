@@ -183,6 +183,44 @@ class ForwardOnly:
                 buffer.data = data
 
 
+class BubbleWork:
+    """The forward-only work a Pipeline hands its segments: at most one piece waiting (asked for
+    while drained) and the one the open segment's schedule carries, with its plan."""
+
+    def __init__(self) -> None:
+        self.waiting: Optional[ForwardOnly] = None
+        self.running: Optional[ForwardOnly] = None
+        self.plan: Optional[FillPlan] = None  #: where the open segment's schedule runs ``running``
+
+    def queue(self, make: Callable[[], ForwardOnly]) -> None:
+        """``make()``'s work waits for the next segment (one piece at a time)."""
+        if self.waiting is not None:
+            raise RuntimeError("forward-only work is already waiting for the next mini-batch's bubbles; "
+                               "feed one (step) or flush() first")
+        self.waiting = make()
+
+    def open(self, first_two: Callable[[], Schedule], samples_per_micro: float) -> Dict[str, Any]:
+        """A segment opens: the waiting work goes into its schedule (planned on ``first_two()``,
+        its first two mini-batches); what to give the executor."""
+        if self.waiting is None:
+            return {}
+        self.running, self.waiting = self.waiting, None
+        self.plan = self.running.plan(first_two(), samples_per_micro)
+        return {"forward_only": self.running}
+
+    def carried(self, schedule: Schedule) -> Schedule:
+        """The open segment's ``schedule`` with the work it carries."""
+        return self.plan.apply(schedule) if self.plan is not None else schedule
+
+    def drained(self, share: Optional[Callable[[Optional[float]], Optional[float]]]) -> None:
+        """The segment has ended: where only the last stage's process has the value (torchrun),
+        ``share(value)`` gives it to every rank (None: a segment cut off by an error); the next
+        segment carries nothing of it."""
+        work, self.running, self.plan = self.running, None, None
+        if work is not None and work.at_drain and share is not None:
+            work.deliver(share(work.value))
+
+
 class StageEvalMode:
     """``mode(stage)``: a context in which ``stage``'s module is in eval mode, its modes put back
     after (a model that is an nn.Sequential: its layers are the stages' modules, and eval mode is
