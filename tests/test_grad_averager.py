@@ -108,3 +108,37 @@ def test_a_split_backward_overlapped_before_its_weight_half_gives_the_plain_grad
     assert averager._in_flight == [] and not averager.overlapping and averager._sent == {}
     for p, g in zip(stage.parameters(), expected):
         assert torch.equal(p.grad, g)
+
+
+def test_a_replica_sum_launched_when_its_gradient_is_final_is_not_sent_again(group):
+    """A bidirectional run's replica sum (``mean=False``) starts after the piece's last backward
+    of the window: every gradient announced at once, the bucket smaller than ``bucket_bytes``
+    sent by ``launch_bucketed``; the update waits for it and sends nothing more."""
+    stage = one_stage("gpipe")
+    stage.forward(0, torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    stage.backward(0)
+    expected = [p.grad.clone() for p in stage.parameters()]
+    summer = GradientAverager(group, replicas=2, timeout=30, mean=False)  # the default 4 MiB buckets
+    summer.overlap()
+    summer.ready_all(list(stage.parameters()))
+    assert summer._in_flight == []                      # 0.6 KiB: still bucketed
+    summer.launch_bucketed()
+    assert len(summer._in_flight) == 1                  # one all-reduce, in flight before the update
+    summer(stage.parameters())
+    assert summer._in_flight == [] and not summer.overlapping
+    for p, g in zip(stage.parameters(), expected):     # a group of one: the sum is the gradient, not halved
+        assert torch.equal(p.grad, g)
+
+
+def test_the_replicas_of_a_piece_count_its_window_done_once():
+    from pipeoptim.runtime.replicas import ReplicaUpdates
+    from pipeoptim.schedules import build_schedule
+
+    updates = ReplicaUpdates([None] * 4)
+    updates.use(build_schedule("bidirectional", 2, 4, 2))  # stage 0: micro-batches 0, 1 of window 0; 4, 5 of 1
+    updates.backward_done(0, 0)
+    assert not updates.window_done(0, 0)
+    updates.backward_done(0, 1)
+    assert updates.window_done(0, 1) and not updates.window_done(0, 1)  # forgotten once said
+    updates.backward_done(0, 4)
+    assert not updates.window_done(0, 4)

@@ -14,7 +14,8 @@ of these and writes the plan).
   method places it on (a rank's speed applies to each of its pieces). A **mirrored** method
   (bidirectional, bitpipe) is priced on a split into its pieces, each of whose two replicas is a
   stage costing what the piece does on its rank; the replicas' gradient sum before each update
-  adds the slowest rank's all-reduce seconds at the bandwidth to every mini-batch. More than
+  adds the slowest rank's all-reduce seconds at the bandwidth to every mini-batch (an upper
+  bound: the runtime overlaps it with the rest of the window). More than
   :data:`EXACT_BATCHES` mini-batches are predicted from two simulations extrapolated linearly,
   exact once the pipeline has reached its periodic steady state.
 * **memory per stage** (bytes, per process: a chunked method's rows add its pieces, a mirrored
@@ -218,8 +219,9 @@ def replica_sum_seconds(profile: ModelProfile, method: str, sizes: Sequence[int]
                         bandwidth: Optional[float]) -> List[float]:
     """Per rank, the seconds a mirrored method's replica pairs take to sum their gradients before
     each update: each piece whose other replica is on another rank sends and receives its
-    gradient once (a 2-process all-reduce, full duplex), at ``bandwidth`` bytes/s. It runs at the
-    update, not overlapped with the backward, so it adds to every mini-batch. Empty for a method
+    gradient once (a 2-process all-reduce, full duplex), at ``bandwidth`` bytes/s. Added to every
+    mini-batch whole: the runtime starts it after the piece's last backward of the window, and
+    what the rest of the window hides is not credited (an upper bound). Empty for a method
     without replicas; zeros without a bandwidth (in one process the sum is in memory)."""
     if not get_method(method).mirrored:
         return []

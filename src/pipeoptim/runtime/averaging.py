@@ -73,6 +73,13 @@ class GradientAverager:
         for param in params:
             self.ready(param)
 
+    def launch_bucketed(self) -> None:
+        """Start reducing the gradients announced but not sent yet (a bucket smaller than
+        ``bucket_bytes``): the caller knows no more will come before the update."""
+        if self._bucket:
+            self._launch(self._bucket)
+            self._bucket, self._bucket_size = [], 0
+
     def _launch(self, params: List[torch.Tensor]) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)

@@ -89,8 +89,7 @@ class DistributedExecutor(StreamedSegment):
         # piece's 2-process group (one summer per group: pieces j and N-1-j share theirs)
         self._local_replicas = ReplicaUpdates(self._stage_list()) if self.mirrored else None
         groups = replica_groups or {}
-        summers = {id(g): GradientAverager(g, 2, comm.timeout, mean=False) for g in groups.values()}
-        self._replica_sums = {piece: summers[id(g)] for piece, g in groups.items()}
+        self._replica_sums = {piece: GradientAverager(g, 2, comm.timeout, mean=False) for piece, g in groups.items()}
 
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         self._add_batch(len(microbatches))
@@ -217,12 +216,12 @@ class DistributedExecutor(StreamedSegment):
                 if not stage.is_first:
                     self._hand_over(self._grads, k, self.schedule.prev_stage(k), i, grad_in)
                 if self._local_replicas is not None and kind is Kind.B:
-                    self._local_replicas.backward_done(k, i)
+                    self._replica_backward_done(k, i)
             elif kind is Kind.W:
                 self._overlap_averaging(stage)
                 stage.backward_weight(i)
                 if self._local_replicas is not None:
-                    self._local_replicas.backward_done(k, i)
+                    self._replica_backward_done(k, i)
             elif kind is Kind.SEND_B:
                 comm.send_gradient(i, keys[i], self._outgoing.pop((k, i)), stage=k)
             elif kind is Kind.RECV_E:
@@ -259,11 +258,23 @@ class DistributedExecutor(StreamedSegment):
         """This process's stages, indexable by stage number (None where another process holds it)."""
         return [self.stages.get(k) for k in range(self.num_stages)]
 
+    def _replica_backward_done(self, k: int, i: int) -> None:
+        """Stage ``k`` finished its backward of ``i``. A replicated piece whose other replica is
+        on another process starts summing its gradients asynchronously after its last backward
+        of the window, overlapped with the rest of the schedule until its update waits for it."""
+        self._local_replicas.backward_done(k, i)
+        summer = self._replica_sums.get(k % (self.num_stages // 2))
+        if summer is not None and self._local_replicas.window_done(k, i):
+            summer.overlap()
+            summer.ready_all(list(self.stages[k].parameters()))
+            summer.launch_bucketed()
+
     def _sum_replicas(self, k: int, update: int) -> None:
         """Before update ``update`` of a replicated piece: both replicas' gradients summed, in
         this process (both replicas here: the first of the two updates sums for both) or over
-        the piece's 2-process group (every rank reaches its pieces' updates in piece order, so the
-        two replicas' all-reduces meet). A parameter with no gradient in the window on either
+        the piece's 2-process group, where the sum started after the piece's last backward of the
+        window (:meth:`_replica_backward_done`) and the update waits for it. A parameter with no
+        gradient in the window on either
         replica takes a zero one there (one process: none), which only an optimizer that skips
         parameters without a gradient tells apart."""
         summer = self._replica_sums.get(k % (self.num_stages // 2))

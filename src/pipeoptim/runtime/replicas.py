@@ -45,6 +45,15 @@ class ReplicaUpdates:
         """``stage`` finished the (last half of the) backward of ``microbatch``."""
         self.done[(stage, microbatch // self.m)] += 1
 
+    def window_done(self, stage: int, microbatch: int) -> bool:
+        """Whether ``stage``'s backwards of the window of ``microbatch`` are all done (its
+        gradient for that update is final); the count is forgotten once it says so."""
+        key = (stage, microbatch // self.m)
+        if self.done[key] < self.expected[key]:
+            return False
+        del self.done[key]
+        return True
+
     def ready(self, stage: int, update: int) -> bool:
         """Whether ``stage`` may run update ``update`` now; the first of a pair to be ready sums
         both replicas' gradients (into each), the second finds them summed."""
@@ -88,25 +97,25 @@ def copy_to_replicas(stages: Sequence) -> None:
 
 def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
     """A run of two pipelines of the same pieces under torchrun (``placement``: the rank of each
-    stage, the second half replicating the first): one 2-process group for each pair of ranks
-    that hold the two replicas of a piece, shared by every piece the pair holds (bidirectional:
-    pieces j and N-1-j on ranks j and N-1-j; bitpipe: four pieces). Every rank makes every group,
-    in the same order; a rank holding both replicas of a piece (the middle rank of an odd N)
-    needs none for it. Returns (every group made, this rank's: piece -> group)."""
+    stage, the second half replicating the first): one 2-process group for each piece whose two
+    replicas are on two ranks (bidirectional: piece j on ranks j and N-1-j; bitpipe: ranks r and
+    N-1-r share four pieces, one group each). One group per piece, not per pair of ranks: each
+    piece's sum starts as soon as its gradient is final, and two pieces of one pair may become
+    final in another order on each rank, which one group would pair up wrongly. Every rank makes
+    every group, in piece order; a rank holding both replicas of a piece (the middle rank of an
+    odd N) needs none for it. Returns (every group made, this rank's: piece -> group)."""
     import datetime
 
     import torch.distributed as dist
 
     half = len(placement) // 2
-    pairs: Dict[Tuple[int, int], List[int]] = {}
-    for piece in range(half):
-        a, b = placement[piece], placement[half + piece]
-        if a != b:
-            pairs.setdefault((min(a, b), max(a, b)), []).append(piece)
     made, own = [], {}
-    for ranks in sorted(pairs):
-        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
+    for piece in range(half):
+        ranks = sorted({placement[piece], placement[half + piece]})
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
         made.append(group)
         if rank in ranks:
-            own.update({piece: group for piece in pairs[ranks]})
+            own[piece] = group
     return made, own
