@@ -63,6 +63,24 @@ def test_cli_train_with_eval_every_and_holdout(tmp_path, capsys):
     assert "final test accuracy: " in capsys.readouterr().out
 
 
+def test_cli_train_evaluates_in_the_bubbles_to_the_drained_numbers(tmp_path, capsys):
+    """`--eval-in-bubbles`: each mid-epoch evaluation runs in the next mini-batch's bubbles, with
+    the metrics and losses of the drained run."""
+    runs = {}
+    for name, extra in (("drained", []), ("filled", ["--eval-in-bubbles"])):
+        assert main(["train", *QUICK, "--method", "1f1b-flush", "--stages", "2", "--epochs", "1", "--eval-every", "3",
+                     "--holdout", "500", "--json", "--out", str(tmp_path / name), *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    drained, filled = runs["drained"], runs["filled"]
+    assert [e["batch"] for e in filled["evaluations"]] == [3, 6, 9, 10]
+    assert [e["metric"] for e in filled["evaluations"]] == [e["metric"] for e in drained["evaluations"]]
+    assert filled["losses"] == drained["losses"] and filled["final_metric"] == drained["final_metric"]
+    # an asynchronous method is refused in one line, naming the fix
+    assert main(["train", *QUICK, "--method", "pipeoptim", "--stages", "2", "--epochs", "1", "--eval-every", "3",
+                 "--eval-in-bubbles", "--out", str(tmp_path / "async")]) != 0
+    assert "evaluate drained (eval_in_bubbles=False)" in capsys.readouterr().err
+
+
 def test_cli_compare_reports_test_and_validation_columns(tmp_path, capsys):
     assert main(["compare", *QUICK, "--methods", "sequential,gpipe", "--stages", "2", "--epochs", "1", "--holdout", "500",
                  "--eval-every", "5", "--out", str(tmp_path / "cmp")]) == 0

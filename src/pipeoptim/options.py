@@ -229,7 +229,7 @@ OPTIONS: Tuple[Option, ...] = (
            "the update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, sequential), in "
            "one process or under torchrun with one replica; the epoch-end evaluations, and one where a "
            "checkpoint is written, stay drained",
-           "fit", api_only="not yet on the command line (the lab's run configuration would carry it)"),
+           "fit", Flag("switch", group="evaluation during training")),
     Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
            api_only="a function"),
     Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),

@@ -100,6 +100,7 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
                      shard_replicas=getattr(args, "shard_replicas", False),
                      async_checkpoint=getattr(args, "async_checkpoint", False),
                      eval_every=args.eval_every,
+                     eval_in_bubbles=getattr(args, "eval_in_bubbles", False),
                      holdout=args.holdout)
 
 

@@ -124,6 +124,7 @@ class RunConfig:
     shard_replicas: bool = False
     device: str = "auto"
     eval_every: Optional[int] = None
+    eval_in_bubbles: bool = False
     holdout: Optional[int] = None
 
     def devices(self) -> Any:

@@ -280,6 +280,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     started = time.time()
     try:
         result = pipe.fit(batches, cfg.epochs, **evaluation(pipe, task, data, split), eval_every=cfg.eval_every,
+                          eval_in_bubbles=cfg.eval_in_bubbles,
                           on_batch=on_batch, on_epoch=on_epoch, on_eval=on_eval,
                           checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
                           checkpoint_every=cfg.checkpoint_every, async_checkpoint=cfg.async_checkpoint,
