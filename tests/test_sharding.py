@@ -27,7 +27,6 @@ PIPELINED = [m for m in method_names() if m != "sequential" and not get_method(m
 #: forward), the method options that change which version a pass runs on, the delay corrections
 CASES = ["drop:pipeoptim", "drop:1f1b-flush", "gpt:1f1b-flush", "gpt:pipeoptim", "gpt:pipedream", "gpt:gpipe+clip=0.5", "1f1b-flush+clip=0.05", "zb-h1+clip=0.05",
          "pipeoptim+stageclip=0.05", "gpipe+recompute", "pipedream+recompute", "pipeoptim-2bw+recompute",
-         "pipeoptim+recompute", "spectrain+recompute", "async-naive+recompute",
          "pipeoptim+backward=predicted+recompute",
          "pipedream+vertical_sync=1", "pipeoptim+backward=predicted", "pipeoptim+delta=ema+ema_decay=0.9",
          "pipeoptim+lr_correction=delay+lr_correction_steps=4", "spectrain+sync_warmup=1"]

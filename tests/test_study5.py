@@ -34,8 +34,8 @@ def test_the_plan_before_any_run(arm, inputs):
     suite, times, _ = inputs
     runs = arm.plan_runs(suite, {}, times)
     ready = [(r.optimizer, r.variant, r.lr) for r in runs if r.status == "ready"]
-    assert ready[:4] == [("adamw", "sequential", 0.001), ("adamw", "sequential", 0.002),
-                         ("adamw", "xpipe", 0.001), ("adamw", "xpipe", 0.002)]
+    assert ready[:4] == [("adamw", "sequential", 0.002), ("adamw", "sequential", 0.004),
+                         ("adamw", "xpipe", 0.002), ("adamw", "xpipe", 0.004)]
     # 7 variants x 2 lrs with AdamW, 5 x 2 with Muon: every tuning run is ready at once
     assert len(ready) == 24 and {r.seed for r in runs if r.status == "ready"} == {0}
     # then seeds 1 (and the synchronous pipeline's seed 2) and the closest variant's seed 2 wait
@@ -59,14 +59,14 @@ def test_seeds_follow_the_better_lr_and_the_closest_variant_gets_a_third(arm, in
     tune = [r for r in arm.plan_runs(suite, {}, times) if (r.optimizer, r.phase) == ("adamw", "tune")]
     scores = {"sequential": (10, 9), "xpipe": (9.5, 9.2), "pipeoptim": (8, 8.5), "pipeoptim-2bw": (9, 8.9),
               "pipedream-2bw": (4, 4.2), "spectrain": (3, 2), "pipeoptim-2bw+ef": (9.1, 9.0)}
-    for run in tune:  # the lr 1e-3 run is better on validation except for pipeoptim
+    for run in tune:  # the lr 2e-3 run is better on validation except for pipeoptim
         low, high = scores[run.variant]
-        value = max(low, high) if (run.lr == 0.001) != (run.variant == "pipeoptim") else min(low, high)
+        value = max(low, high) if (run.lr == 0.002) != (run.variant == "pipeoptim") else min(low, high)
         put(run, value, value)
     runs = arm.plan_runs(suite, rows, times)
     seeds = {(r.variant, r.seed): r for r in runs if r.optimizer == "adamw" and r.phase != "tune"}
-    assert seeds[("sequential", 1)].lr == seeds[("sequential", 2)].lr == 0.001
-    assert seeds[("pipeoptim", 1)].lr == 0.002 and seeds[("pipeoptim", 1)].status == "ready"
+    assert seeds[("sequential", 1)].lr == seeds[("sequential", 2)].lr == 0.002
+    assert seeds[("pipeoptim", 1)].lr == 0.004 and seeds[("pipeoptim", 1)].status == "ready"
     # spectrain's seed 0 ended 78 % behind the synchronous pipeline's 10: its seed 1 is cut
     assert seeds[("spectrain", 1)].status == "dropped" and "decisive-gap" in seeds[("spectrain", 1)].why
     closest = [r for r in runs if r.optimizer == "adamw" and "closest" in r.lr_source]
@@ -76,4 +76,4 @@ def test_seeds_follow_the_better_lr_and_the_closest_variant_gets_a_third(arm, in
             put(run, 9.0, {"xpipe": 9.4, "pipeoptim-2bw+ef": 9.3}.get(run.variant, 8.0))
     again = arm.plan_runs(suite, rows, times)
     third = [r for r in again if r.optimizer == "adamw" and "closest" in r.lr_source][0]
-    assert (third.variant, third.seed, third.lr, third.status) == ("xpipe", 2, 0.001, "ready")
+    assert (third.variant, third.seed, third.lr, third.status) == ("xpipe", 2, 0.002, "ready")
