@@ -170,6 +170,10 @@ SUITES: Dict[str, Dict[str, Any]] = {
             {"optimizer": "muon", "stages": 8,
              "variants": ["sequential", "xpipe", "pipeoptim", "pipeoptim-2bw", "pipedream-2bw"]},
         ],
+        # a variant whose better lr lies at an edge of the grid tunes one more, a factor 2 beyond
+        # (after the first runs: the synchronous pipeline's best was the top edge, 4e-3, xpipe's
+        # the bottom, 2e-3, each well apart from its other lr on validation)
+        "extend_edges": True,
         # the synchronous pipeline and the asynchronous variant closest to it: 3 seeds; the rest 2
         "seeds": [0, 1],
         "close_seeds": [2],

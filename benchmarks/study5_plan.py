@@ -11,7 +11,8 @@ No earlier study tuned this task, so every variant is tuned afresh. Per arm (Ada
 in this order, so that an interrupted arm has the most telling rows first:
 
 1. ``tune``, seed 0: each variant at the arm's two lrs (the suite's ``lr`` grid for the task),
-   both to the end, the synchronous pipeline first;
+   both to the end, the synchronous pipeline first; where the better lies at an edge of the
+   grid (``extend_edges``), one more a factor 2 beyond it, to the end;
 2. ``reference`` / ``seeds``, seed 1: each variant at the lr that was better on validation (the
    decisive-gap cut drops the seed of a variant whose seed 0 ended more than ``decisive_gap`` of
    the synchronous pipeline's BLEU behind it); the synchronous pipeline's seed 2;
@@ -93,11 +94,25 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
             run.status = "done"
         runs.append(run)
 
+    def tune_row(optimizer: str, variant: str, stages: int, lr: float) -> Optional[Dict[str, Any]]:
+        return rows.get(row_key(Run("tune", TASK, optimizer, variant, stages, 0, lr,
+                                    updates=updates_of(optimizer, variant, stages)).key_fields()))
+
+    def tune_lrs(optimizer: str, variant: str, stages: int) -> List[float]:
+        """The grid's two lrs, and (``extend_edges``) once both are in, one a factor 2 beyond the
+        better where it lies at an edge of the grid: an optimum the grid does not bracket."""
+        lrs = list(grid[optimizer])
+        found = [(lr, tune_row(optimizer, variant, stages, lr)) for lr in lrs]
+        if not suite.get("extend_edges") or any(r is None for _, r in found):
+            return lrs
+        ranked = study2_plan.ranked_lrs(found, higher)
+        if ranked and ranked[0] in (min(lrs), max(lrs)):
+            lrs.append(ranked[0] * 2 if ranked[0] == max(lrs) else ranked[0] / 2)
+        return lrs
+
     def chosen(optimizer: str, variant: str, stages: int) -> Tuple[Optional[float], str, str]:
-        """(the better lr on validation of the two tuned, status, why)."""
-        found = [(lr, rows.get(row_key(Run("tune", TASK, optimizer, variant, stages, 0, lr,
-                                           updates=updates_of(optimizer, variant, stages)).key_fields())))
-                 for lr in grid[optimizer]]
+        """(the best lr on validation of those tuned, status, why)."""
+        found = [(lr, tune_row(optimizer, variant, stages, lr)) for lr in tune_lrs(optimizer, variant, stages)]
         missing = [f"{lr:g}" for lr, r in found if r is None]
         if missing:
             return None, "waiting", f"{variant}'s tuning at lr {', '.join(missing)}"
@@ -108,9 +123,11 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
         optimizer = arm["optimizer"]
         stages_of = {v: 1 if v == "sequential" else arm["stages"] for v in arm["variants"]}
         for variant in arm["variants"]:
-            for lr in grid[optimizer]:
+            for lr in tune_lrs(optimizer, variant, stages_of[variant]):
+                beyond = lr not in grid[optimizer]
                 add(Run("tune", TASK, optimizer, variant, stages_of[variant], 0, lr,
-                        lr_source=f"the cell's grid {', '.join(f'{x:g}' for x in grid[optimizer])} (seed 0)"))
+                        lr_source=("one beyond the grid's edge, where the better of its two lay (seed 0)" if beyond
+                                   else f"the cell's grid {', '.join(f'{x:g}' for x in grid[optimizer])} (seed 0)")))
         picks = {v: chosen(optimizer, v, stages_of[v]) for v in arm["variants"]}
         reference_lr = picks["sequential"][0]
         for variant in arm["variants"]:

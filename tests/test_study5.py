@@ -51,6 +51,7 @@ def test_the_plan_before_any_run(arm, inputs):
 
 def test_seeds_follow_the_better_lr_and_the_closest_variant_gets_a_third(arm, inputs):
     suite, times, plan3 = inputs
+    suite = {**suite, "extend_edges": False}  # (the extension: the next test)
     rows = {}
 
     def put(run, validation, final):
@@ -77,3 +78,36 @@ def test_seeds_follow_the_better_lr_and_the_closest_variant_gets_a_third(arm, in
     again = arm.plan_runs(suite, rows, times)
     third = [r for r in again if r.optimizer == "adamw" and "closest" in r.lr_source][0]
     assert (third.variant, third.seed, third.lr, third.status) == ("xpipe", 2, 0.002, "ready")
+
+
+def test_an_optimum_at_an_edge_of_the_grid_tunes_one_lr_beyond_it(arm, inputs):
+    """Once a variant's two tuning runs are in, the better one at an edge of the grid adds a
+    third a factor 2 beyond it (up from the top, down from the bottom); its seeds wait for it and
+    then follow the best of the three."""
+    suite, times, plan3 = inputs
+    rows = {}
+
+    def put(run, value):
+        rows[plan3.row_key(run.key_fields())] = _row(run, value, value)
+
+    tune = {(r.variant, r.lr): r for r in arm.plan_runs(suite, {}, times) if r.optimizer == "adamw"}
+    put(tune[("sequential", 0.002)], 11.6)
+    put(tune[("sequential", 0.004)], 15.3)    # the top edge: 8e-3 next
+    put(tune[("xpipe", 0.002)], 4.1)
+    put(tune[("xpipe", 0.004)], 1.9)          # the bottom edge: 1e-3 next
+    runs = arm.plan_runs(suite, rows, times)
+    extra = {(r.variant, r.lr): r for r in runs if r.phase == "tune" and r.optimizer == "adamw"
+             and r.lr not in (0.002, 0.004)}
+    assert set(extra) == {("sequential", 0.008), ("xpipe", 0.001)}
+    assert all(r.status == "ready" and "beyond the grid's edge" in r.lr_source for r in extra.values())
+    seeds = {(r.variant, r.seed): r for r in runs if r.optimizer == "adamw" and r.phase != "tune"}
+    assert seeds[("sequential", 1)].status == "waiting" and "0.008" in seeds[("sequential", 1)].why
+    put(extra[("sequential", 0.008)], 14.0)   # worse than 4e-3: the choice stays 4e-3
+    put(extra[("xpipe", 0.001)], 5.0)         # better: 1e-3
+    again = {(r.variant, r.seed): r for r in arm.plan_runs(suite, rows, times)
+             if r.optimizer == "adamw" and r.phase != "tune"}
+    assert (again[("sequential", 1)].lr, again[("sequential", 1)].status) == (0.004, "ready")
+    # xpipe's seed 0 at 1e-3 ended 67 % behind the synchronous pipeline: its seed 1 is cut
+    assert (again[("xpipe", 1)].lr, again[("xpipe", 1)].status) == (0.001, "dropped")
+    # one extension only: the 1e-3 at xpipe's new edge does not add 5e-4
+    assert not [r for r in arm.plan_runs(suite, rows, times) if r.lr == 0.0005]
