@@ -195,18 +195,22 @@ def demoted(markdown: str) -> List[str]:
 
 
 def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md",
-             equal_updates: Optional[Path] = None, delay_fixes: Optional[Path] = None) -> str:
+             equal_updates: Optional[Path] = None, delay_fixes: Optional[Path] = None,
+             translation: Optional[Path] = None) -> str:
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``). With ``delay_fixes`` (issue 38's arm's
-    folder, benchmarks/make_results4.py) its rows join the study's and its section opens the report."""
+    folder, benchmarks/make_results4.py) its rows join the study's and its section opens the report;
+    with ``translation`` (issue 41's cell's folder, benchmarks/make_results5.py) its rows and
+    budgets join too, and its section follows."""
     from benchmarks.make_results3_advice import cut_lines, same_as_lines, status_line
     from benchmarks.make_results3_plot import curves_plot
     from benchmarks.make_results4 import arm_lines, merged
+    from benchmarks.make_results5 import section_lines, with_translation
 
     study_rows = read_rows(study)
     written = sum(1 for line in (study / "runs.jsonl").read_text().splitlines() if line.strip())
-    rows, times = merged(study, delay_fixes)
+    rows, times = with_translation(*merged(study, delay_fixes), translation)
     settings = settings_of(rows, times)
     figures = out / "results3"
     if plots:
@@ -229,6 +233,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              "perplexity) of sequential's mean final validation metric.", "",
              ]
     lines += arm_lines(settings, delay_fixes) if delay_fixes is not None else []
+    lines += section_lines(settings, translation)
     lines += ["**The budget** (the fastest synchronous schedule and its M, against the second study's M = N):", ""]
     lines += budget_table(settings) + [""]
     lines += cut_lines(study, times)
@@ -266,6 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--alone", action="store_true", help="the equal-time report only, without the second study's")
     parser.add_argument("--delay-fixes", type=Path, default=RESULTS / "study3-delay_fixes",
                         help="issue 38's arm's folder, whose rows join the study's and whose section opens the report")
+    parser.add_argument("--translation", type=Path, default=RESULTS / "study3-translation",
+                        help="issue 41's cell's folder, whose rows and budgets join the study's and whose section "
+                             "follows issue 38's")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
@@ -291,7 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from benchmarks.make_results3_advice import advice_source
         from benchmarks.make_results4 import package_advice
 
-        print(advice_source(package_advice(args.study, args.delay_fixes)))
+        print(advice_source(package_advice(args.study, args.delay_fixes, args.translation)))
         return 0
     if args.targets:
         from benchmarks.make_results3_targets import package_targets, targets_source
@@ -299,7 +307,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(targets_source(package_targets(args.study, args.delay_fixes)))
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
-                    equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes)
+                    equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes,
+                    translation=args.translation)
     print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")
     return 0
 

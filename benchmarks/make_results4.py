@@ -177,18 +177,24 @@ def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List
     return out or ["  - none in yet"]
 
 
-def package_advice(study: Path, arm: Optional[Path]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def package_advice(study: Path, arm: Optional[Path],
+                   translation: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
     """The package's ADVICE entries: per (task, N) whose study runs are all in, from the study's
     rows and the arm's where the arm's runs of that task are all in too, else from the study's
-    alone (the advice it gave before the arm), in the study's order."""
+    alone (the advice it gave before the arm), in the study's order; then translation at N = 8
+    once issue 41's cell (``translation``, benchmarks/make_results5.py) has every planned run in."""
     from benchmarks.make_results3_advice import advice_entries, complete_cells
     from benchmarks.make_results3_arith import settings_of
+    from benchmarks.make_results5 import TASK, complete as translation_complete, with_translation
 
     times = json.loads((study / "times.json").read_text())
     complete = complete_cells(study, times)
     entries = advice_entries(settings_of(read_rows(study), times), complete)
     rows, filled = merged(study, arm)
     entries.update(advice_entries(settings_of(rows, filled), [c for c in complete if arm_complete(arm, *c)]))
+    if translation_complete(translation):
+        complete = complete + [(TASK, 8)]
+        entries.update(advice_entries(settings_of(*with_translation(rows, filled, translation)), [(TASK, 8)]))
     return {c: entries[c] for c in complete if c in entries}
 
 

@@ -1,0 +1,117 @@
+"""Issue 41's section of the equal-time report: translation, the paper's third task, at N = 8
+with AdamW and with Muon (the cell's plan and rules: benchmarks/study5_plan.py).
+
+``make_results3.py`` merges the cell's rows (its folder, ``benchmarks/results/study3-translation``)
+and its budgets (that folder's own ``times.json``) into the study's, so that translation's
+settings take part in every part of the report: the recommendation, the verdicts per method, and
+a table and a figure per setting. :func:`section_lines` adds the cell's own section: how far its
+plan is, and the verdicts of the paper's two claims on translation. "PipeOptim trains as well as
+synchronous training" is read for pipeoptim and for xpipe, which is PipeOptim at M = 2 in this
+library. "PipeOptim beats GPipe, PipeDream, PipeDream-2BW and SpecTrain" compares it with GPipe
+(the synchronous pipeline, which computes sequential's updates), with pipedream-2bw and with
+spectrain. PipeDream (weight stashing at M = 1) is not run: issue 23's study found it matched or
+beaten by spectrain in every setting. The package's advice takes the translation entry once every
+planned run of the cell is in (:func:`complete`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks.common import verdict
+from benchmarks.make_results3_arith import SYNC, Setting, read_rows
+from benchmarks.study3_suite import SUITES
+from benchmarks.study4_plan import alias_times
+from benchmarks.study5_plan import TASK, plan_runs, total_minutes
+
+SUITE = "translation"
+#: the claims' rivals: (report name, variant)
+RIVALS = (("GPipe (the synchronous pipeline)", SYNC), ("PipeDream-2BW", "pipedream-2bw"), ("SpecTrain", "spectrain"))
+#: PipeOptim's lines: the method at M = 1, and at M = 2 (xpipe, the same computation)
+PIPEOPTIM = (("pipeoptim", "pipeoptim (M = 1)"), ("xpipe", "xpipe (PipeOptim at M = 2)"))
+
+
+def cell_times(folder: Path) -> Optional[Dict[str, Any]]:
+    """The cell's budgets (its own times file), with a ``+ef`` variant's filled in from its base."""
+    path = folder / "times.json"
+    return alias_times(json.loads(path.read_text())) if path.exists() else None
+
+
+def with_translation(rows: List[Dict[str, Any]], times: Dict[str, Any],
+                     folder: Optional[Path]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """``rows`` and ``times`` with the cell's rows and budgets merged in (unchanged where the
+    folder has no rows or no budgets)."""
+    cell = cell_times(folder) if folder is not None else None
+    if cell is None or not (folder / "runs.jsonl").exists():
+        return rows, times
+    merged = copy.deepcopy(times)
+    merged["cells"][TASK] = cell["cells"][TASK]
+    return rows + read_rows(folder), merged
+
+
+def planned(folder: Path) -> List[Any]:
+    """The cell's plan against its rows (empty where the folder has none)."""
+    from benchmarks.study3_plan import load_rows
+
+    cell = cell_times(folder)
+    if cell is None or not (folder / "runs.jsonl").exists():
+        return []
+    return plan_runs(SUITES[SUITE], load_rows(folder / "runs.jsonl"), cell)
+
+
+def complete(folder: Optional[Path]) -> bool:
+    """Whether every planned run of the cell is in or cut (the advice's translation entry waits)."""
+    runs = planned(folder) if folder is not None else []
+    return bool(runs) and all(r.status in ("done", "dropped") for r in runs)
+
+
+def claim_lines(settings: Sequence[Setting]) -> List[str]:
+    """Per translation setting, the two claims' verdicts by the study's rule (a difference beyond
+    the larger standard deviation over the seeds, else a tie), on the final test BLEU at equal time."""
+    out = []
+    for st in [s for s in settings if s.task == TASK]:
+        for variant, name in PIPEOPTIM:
+            if not (st.arms.get(variant) and st.arms[variant].rows):
+                continue
+            cells = []
+            for rival_name, rival in RIVALS:
+                if not (st.arms.get(rival) and st.arms[rival].rows):
+                    continue
+                word, diff, spread = verdict(st.final(variant), st.final(rival), st.higher)
+                said = {"wins": "beats", "ties": "ties", "loses": "loses to"}[word]
+                cells.append(f"{said} {rival_name} ({diff:+.1f} BLEU, spread {spread:.1f})")
+            if cells:
+                out.append(f"  - {st.optimizer}, {name}: " + "; ".join(cells))
+    return out or ["  - not in yet"]
+
+
+def section_lines(settings: Sequence[Setting], folder: Optional[Path]) -> List[str]:
+    """The cell's section (nothing where it has no rows)."""
+    runs = planned(folder) if folder is not None else []
+    if not runs:
+        return []
+    counted = [r for r in runs if r.status != "dropped"]
+    done = sum(r.status == "done" for r in counted)
+    left = sum(r.minutes for r in counted if r.status != "done")
+    status = (f"All {len(counted)} planned runs are in." if done == len(counted) else
+              f"**The cell is still running: {done} of {len(counted)} planned runs are in** (about {left:.0f} "
+              f"core-minutes to go of {total_minutes(runs):.0f} planned); every number below may still move.")
+    lines = ["## Issue 41: translation at equal time", "",
+             "English to Spanish Bible verses, test BLEU of greedy translations (the first 500 test sentences), "
+             "the model `transformer-deep` (9 blocks) at N = 8, the task's recipe over sequential's 1,224 updates "
+             "(6 epochs), every variant's lr tuned afresh on the validation split (its first 300 pairs): two lrs "
+             "of a grid, and a third beyond the better where it lay at an edge. Rows: "
+             f"`{folder.relative_to(folder.parents[2]) if len(folder.parents) > 2 else folder}/runs.jsonl` "
+             "(`python -m benchmarks.study3 --suite translation`; the plan and its rules in "
+             "`benchmarks/study5_plan.py`). Each optimizer's table is in its setting below. " + status, "",
+             "**The paper's claims on translation** (PipeOptim against synchronous training and against the "
+             "methods it was compared with; PipeDream with weight stashing is not run, matched or beaten by "
+             "SpecTrain in every setting of issue 23's study):", ""]
+    lines += claim_lines(settings) + [""]
+    dropped = [r for r in runs if r.status == "dropped"]
+    if dropped:
+        lines += ["**Runs cut as the cell went** (the decisive-gap cut):", ""]
+        lines += [f"  - {r.optimizer}: {r.variant} seed {r.seed} ({r.why})" for r in dropped] + [""]
+    return lines
