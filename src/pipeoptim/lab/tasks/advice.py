@@ -170,8 +170,8 @@ def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
     studied = [n for t, n in ADVICE if t == task]
     if not studied:
         return None, (f"{SOURCE[0].upper() + SOURCE[1:]} has no finished recommendation for {task} yet (it "
-                      "runs N = 8 on image, sentiment and lm); until it has, the synchronous pipeline is "
-                      "the safe choice: at equal updates every asynchronous method ended behind it (the second "
-                      "study, same file)")
+                      "runs N = 8 on image, sentiment, lm and translation); until it has, the synchronous "
+                      "pipeline is the safe choice: at equal updates every asynchronous method ended behind it "
+                      "(the second study, same file)")
     entry = ADVICE[(task, nearest_depth(studied, stages))]
     return entry, f"(no study at N = {stages}; the nearest studied depth) " + entry.describe()
