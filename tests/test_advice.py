@@ -120,3 +120,19 @@ def test_the_readme_says_what_the_package_recommends():
     # the demo's printed advice is the one for its task and depth
     demo = readme[readme.index("which method to use: "):readme.index("```", readme.index("which method to use: "))]
     assert " ".join(line.strip() for line in demo.splitlines()) == "which method to use: " + advice("image", 4)[1]
+
+
+@pytest.mark.skipif(__import__("shutil").which("mod2imp") is None, reason="needs the Bible modules and mod2imp "
+                    "(make setup: sword-text-web sword-text-sparv libsword-utils)")
+def test_compare_on_translation_ends_with_its_advice(tmp_path, capsys):
+    """The paper's third task: `pipeoptim compare --task translation` ends with what the package
+    says for translation (the equal-time study's entry once its translation cell is in; until
+    then, that it has none and what is safe)."""
+    from pipeoptim.cli import main
+
+    args = ["compare", "--task", "translation", "--limit", "128", "--batch-size", "64", "--epochs", "1",
+            "--methods", "sequential", "--stages", "2", "--no-progress", "--out", str(tmp_path / "cmp")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    last = out[out.index("which method to use: "):]
+    assert " ".join(line.strip() for line in last.splitlines()) == "which method to use: " + advice("translation", 2)[1]
