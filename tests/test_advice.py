@@ -3,6 +3,8 @@ table itself is held to the committed rows in test_make_results3.py), what it pr
 it gives, the nearest studied depth, and what ``pipeoptim compare`` ends with."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from pipeoptim.lab.tasks import advice as advice_module
@@ -122,7 +124,7 @@ def test_the_readme_says_what_the_package_recommends():
     assert " ".join(line.strip() for line in demo.splitlines()) == "which method to use: " + advice("image", 4)[1]
 
 
-@pytest.mark.skipif(__import__("shutil").which("mod2imp") is None, reason="needs the Bible modules and mod2imp "
+@pytest.mark.skipif(shutil.which("mod2imp") is None, reason="needs the Bible modules and mod2imp "
                     "(make setup: sword-text-web sword-text-sparv libsword-utils)")
 def test_compare_on_translation_ends_with_its_advice(tmp_path, capsys):
     """The paper's third task: `pipeoptim compare --task translation` ends with what the package
