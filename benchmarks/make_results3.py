@@ -304,7 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.targets:
         from benchmarks.make_results3_targets import package_targets, targets_source
 
-        print(targets_source(package_targets(args.study, args.delay_fixes)))
+        print(targets_source(package_targets(args.study, args.delay_fixes, args.translation)))
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes,

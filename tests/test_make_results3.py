@@ -287,7 +287,8 @@ def test_the_package_holds_the_ratios_the_committed_rows_give():
 
     results = ROOT / "benchmarks" / "results"
     expected = load_benchmark("make_results3_targets").package_targets(results / "study3",
-                                                                        results / "study3-delay_fixes")
+                                                                        results / "study3-delay_fixes",
+                                                                        results / "study3-translation")
     assert UPDATES_TO_TARGET == {
         key: StudiedSetting(**{**entry, "variants": tuple(VariantRatio(**v) for v in entry["variants"])})
         for key, entry in expected.items()}, \
