@@ -59,6 +59,19 @@ def test_a_runner_up_better_on_the_mean_within_the_spread_is_said_so():
     assert "gives the best model" not in higher.describe() and "gives the best model" in ASYNC.describe()
 
 
+def test_bleu_is_higher_is_better_and_written_as_bleu():
+    # translation's entry: the winner's mean ahead of the runner-up's is "the best model", not a
+    # runner-up "lower on the mean" (BLEU, as accuracy and unlike perplexity, is higher-is-better)
+    bleu = Advice(task="translation", stages=8, method="zb-h1", synchronous=True, microbatches=8, options=(),
+                  optimizer="adamw", lr=0.004, metric="bleu", value=15.4, spread=0.35, seeds=3,
+                  runner_up="pipeoptim-2bw with adamw", runner_up_value=14.8, runner_up_spread=0.3, margin=0.6)
+    assert ("the synchronous pipeline (zb-h1, M = 8) with adamw gives the best model: test BLEU 15.4 ± 0.3 over "
+            "3 seeds; next pipeoptim-2bw with adamw 14.8 (margin +0.6, seed spread 0.3: only just beyond it") \
+        in bleu.describe()
+    behind = Advice(**{**bleu.__dict__, "value": 14.6, "margin": -0.2})
+    assert "pipeoptim-2bw with adamw 14.8 is 0.2 better on the mean, within the seed spread (0.3)" in behind.describe()
+
+
 def test_another_depth_gets_the_nearest_studied_one(monkeypatch):
     monkeypatch.setattr(advice_module, "ADVICE", {("image", 8): ASYNC, ("image", 4): ASYNC.__class__(
         **{**ASYNC.__dict__, "stages": 4, "method": "xpipe"})})

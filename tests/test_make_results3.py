@@ -224,8 +224,10 @@ def test_the_package_holds_what_the_committed_rows_recommend(report):
     from pipeoptim.lab.tasks.advice import ADVICE, Advice
 
     results = ROOT / "benchmarks" / "results"
-    # issue 23's rows, and issue 38's arm's for the tasks whose arm runs are all in
-    expected = load_benchmark("make_results4").package_advice(results / "study3", results / "study3-delay_fixes")
+    # issue 23's rows, issue 38's arm's for the tasks whose arm runs are all in, and issue 41's
+    # translation cell once its runs are all in
+    expected = load_benchmark("make_results4").package_advice(results / "study3", results / "study3-delay_fixes",
+                                                              results / "study3-translation")
     assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
         "src/pipeoptim/lab/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python benchmarks/make_results3.py --advice"
 

@@ -49,6 +49,25 @@ def test_the_claims_on_translation_by_the_verdict_rule(report):
     assert lines[1] == ("  - adamw, xpipe (PipeOptim at M = 2): ties GPipe (the synchronous pipeline) (-0.4 BLEU, "
                         "spread 0.7); beats PipeDream-2BW (+6.9 BLEU, spread 0.4); beats SpecTrain (+3.1 BLEU, spread 0.4)")
     assert report.claim_lines([]) == ["  - not in yet"]
+    # the two claims counted: against GPipe one tie (xpipe) and one loss (pipeoptim): does not
+    # hold; against every rival 3 wins, 1 tie, 2 losses: does not hold
+    assert report.claim_summary(settings) == [
+        '  - "PipeOptim trains as well as synchronous training": does not hold on translation (0 wins, 1 tie, '
+        '1 loss of 2 against the synchronous pipeline).',
+        '  - "PipeOptim beats GPipe, PipeDream-2BW and SpecTrain": does not hold on translation (3 wins, 1 tie, '
+        '2 losses of 6).', ""]
+    assert report.claim_summary([]) == []
+
+
+def test_a_verdict_between_single_seeds_says_it_has_no_spread(report):
+    arith = load_benchmark("make_results3_arith")
+    rows = [row("sequential", 0, 15.0, phase="tune"), row("xpipe", 0, 15.0), row("spectrain", 0, 14.5)]
+    lines = report.claim_lines(arith.settings_of(rows, times()))
+    assert lines == ["  - adamw, xpipe (PipeOptim at M = 2): ties GPipe (the synchronous pipeline) (+0.0 BLEU, "
+                     "one seed each: no spread to judge by); beats SpecTrain (+0.5 BLEU, one seed each: no spread "
+                     "to judge by)"]
+    summary = report.claim_summary(arith.settings_of(rows, times()))
+    assert summary[0].startswith('  - "PipeOptim trains as well as synchronous training": holds on translation')
 
 
 def test_the_cell_joins_the_study_and_its_advice_waits_for_every_run(report, tmp_path):

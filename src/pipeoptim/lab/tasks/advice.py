@@ -25,6 +25,10 @@ from typing import Dict, Iterable, Optional, Tuple
 
 #: where the advice comes from (printed beside it)
 SOURCE = "the equal-time study (docs/results.md)"
+#: the studied metrics where a lower value is the better model (every other one: higher is better)
+LOWER_IS_BETTER = ("perplexity",)
+#: how a metric is written in a sentence, where not as its name
+METRIC_NAMES = {"bleu": "BLEU"}
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,11 @@ class Advice:
         """One paragraph: what to use, by how much it wins (or why, where the runner-up's mean is
         better but within the seed spread), and the command."""
         scale, digits = (100.0, 2) if self.metric == "accuracy" else (1.0, 1)
-        higher = self.metric == "accuracy"
+        higher = self.metric not in LOWER_IS_BETTER
         what = (f"the synchronous pipeline ({self.method}, M = {self.microbatches})" if self.synchronous
                 else f"{self.method}" + "".join(f", {o} {v}" for o, v in self.options)
                 + f" (M = {self.microbatches})")
-        mine = f"test {self.metric} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
+        mine = f"test {METRIC_NAMES.get(self.metric, self.metric)} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
         rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
         spread = max(self.spread, self.runner_up_spread) * scale
         if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
@@ -149,6 +153,24 @@ ADVICE: Dict[Tuple[str, int], Advice] = {
         runner_up_value=46.978482,
         runner_up_spread=0.337244,
         margin=-0.370983,
+    ),
+    ('translation', 8): Advice(
+        task='translation',
+        stages=8,
+        method='zb-h1',
+        synchronous=True,
+        microbatches=8,
+        options=(),
+        optimizer='adamw',
+        lr=0.004,
+        metric='bleu',
+        value=15.406714,
+        spread=0.346222,
+        seeds=3,
+        runner_up='the synchronous pipeline with muon',
+        runner_up_value=14.892429,
+        runner_up_spread=0.107265,
+        margin=0.514284,
     ),
 }
 
