@@ -100,8 +100,11 @@ def test_where_the_advice_is_asynchronous_the_time_to_target_decides():
     ({"batch_size": 32}, "the equal-time study (docs/results.md) ran image at batch 64, not 32: its ratios of "
                          "updates to the target need not hold (--batch-size 64 plans the studied one)"),
     ({"task": "translation", "model": "transformer"},
-     "the equal-time study (docs/results.md) did not run translation (it ran image, lm, sentiment): no ratio of "
-     "updates to the target for it"),
+     "the equal-time study (docs/results.md) ran translation's model transformer-deep, not transformer: no ratio "
+     "of updates to the target for it (--model transformer-deep plans the studied one)"),
+    ({"task": "speech", "model": "conformer"},
+     "the equal-time study (docs/results.md) did not run speech (it ran image, lm, sentiment, translation): no "
+     "ratio of updates to the target for it"),
 ])
 def test_where_no_study_covers_the_case_the_fastest_synchronous_one_and_the_one_to_try(case, line):
     cands = [cand("gpipe", 8, 5000), cand("zb-h1", 8, 6400), cand("pipeoptim", 2, 16000), cand("pipedream", 1, 12000)]
