@@ -91,7 +91,9 @@ def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, in
             micro = variant_microbatches(variant, stages)
         beta1 = st.arms[variant].rows[0].get("beta1")
         options = {**options, **({"beta1": beta1} if beta1 is not None else {})}
-        rst, rv = rec["runner_up"]
+        # a synchronous recommendation is weighed against the best asynchronous setting, the
+        # choice the advice is about, even where another optimizer's synchronous pipeline is closer
+        rst, rv = rec["asynchronous"] if variant == SYNC and rec["asynchronous"] else rec["runner_up"]
         runner, runner_sd = rst.final(rv)
         out[(task, stages)] = {
             "task": task, "stages": stages, "method": method, "synchronous": variant == SYNC,

@@ -178,7 +178,8 @@ def word_to_target(st: Setting, variant: str) -> Tuple[str, Optional[float]]:
 def recommendation(settings: Sequence[Setting], task: str, stages: int) -> Optional[Dict[str, Any]]:
     """The method to use on ``task`` at N = ``stages``: the best mean final metric at equal time
     over the task's optimizers; an asynchronous one only where it beats the best synchronous
-    pipeline beyond the seed spread."""
+    pipeline beyond the seed spread. Beside it: the runner-up (the next best of all), the best
+    synchronous candidate and the best asynchronous one (None where there is none)."""
     here = [st for st in settings if (st.task, st.stages) == (task, stages)]
     candidates = [(st, v) for st in here for v, arm in st.arms.items() if arm.rows]
     if not candidates:
@@ -193,7 +194,9 @@ def recommendation(settings: Sequence[Setting], task: str, stages: int) -> Optio
             best = best_sync
     rivals = [c for c in candidates if c != best]
     runner = max(rivals, key=key) if rivals else None
-    return {"setting": best[0], "variant": best[1], "runner_up": runner, "synchronous": best_sync}
+    best_async = max([c for c in candidates if c[1] != SYNC], key=key, default=None)
+    return {"setting": best[0], "variant": best[1], "runner_up": runner, "synchronous": best_sync,
+            "asynchronous": best_async}
 
 
 class _Rows:

@@ -211,6 +211,15 @@ def test_the_advice_per_finished_task_and_depth(report, settings):
     assert (entry["method"], entry["synchronous"], entry["microbatches"], entry["options"]) == (
         "interleaved", True, 8, (("chunks", "2"),))
     assert entry["runner_up"] == "pipeoptim with momentum"
+    # a synchronous winner is weighed against the best asynchronous setting, even where another
+    # optimizer's synchronous pipeline comes closer (translation's case)
+    near = dataclasses.replace(at4.arms[report.SYNC], rows=[dict(r, optimizer="adamw", final_metric=r["final_metric"]
+                                                                 - 0.001) for r in at4.arms[report.SYNC].rows])
+    other = report.Setting(at4.task, "adamw", 4, at4.metric, at4.higher, at4.budget, {report.SYNC: near})
+    assert report.recommendation([only_sync, other], "image", 4)["runner_up"][0] is other  # the next best of all
+    entry = advice.advice_entries([only_sync, other], [("image", 4)])[("image", 4)]
+    assert (entry["optimizer"], entry["runner_up"], entry["runner_up_value"]) == ("momentum", "pipeoptim with momentum",
+                                                                                  0.8)
     # the hand-made folder has no plan: nothing counts as finished, and the report says nothing of it
     assert advice.complete_cells(DATA, {}) == [] and advice.status_line(DATA, [], {}) == ""
     # the literal the package holds, read back
