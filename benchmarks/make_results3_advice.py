@@ -91,9 +91,11 @@ def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, in
             micro = variant_microbatches(variant, stages)
         beta1 = st.arms[variant].rows[0].get("beta1")
         options = {**options, **({"beta1": beta1} if beta1 is not None else {})}
-        # a synchronous recommendation is weighed against the best asynchronous setting, the
-        # choice the advice is about, even where another optimizer's synchronous pipeline is closer
-        rst, rv = rec["asynchronous"] if variant == SYNC and rec["asynchronous"] else rec["runner_up"]
+        # weighed against the other side of the choice the advice is about: a synchronous winner
+        # against the best asynchronous setting, an asynchronous one against the best synchronous
+        # pipeline, even where a setting of its own side comes closer
+        other = rec["asynchronous"] if variant == SYNC else rec["synchronous"]
+        rst, rv = other or rec["runner_up"]
         runner, runner_sd = rst.final(rv)
         out[(task, stages)] = {
             "task": task, "stages": stages, "method": method, "synchronous": variant == SYNC,

@@ -24,6 +24,10 @@ def test_the_command_trains_the_recommended_setting():
                                "--optimizer momentum --lr 0.005 --lr-correction delay")
     assert SYNC.command() == ("pipeoptim train --task lm --method zb-h1 --stages 4 --micro-batches 16 "
                               "--optimizer nadam --lr 0.002 --beta1 0.99")
+    # a switch is a bare flag (the command line's store_true), one left off is not written
+    switched = Advice(**{**ASYNC.__dict__, "method": "pipeoptim-2bw", "options": (("error_feedback", "True"),
+                                                                                   ("horizon_scheduled", "False"))})
+    assert switched.command().endswith("--optimizer momentum --lr 0.005 --error-feedback")
 
 
 def test_the_description_gives_the_margin_and_the_spread_in_the_metrics_unit():

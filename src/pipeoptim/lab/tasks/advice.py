@@ -49,8 +49,9 @@ class Advice:
     value: float                #: mean final test metric at equal time (accuracy as a fraction)
     spread: float               #: its standard deviation over the seeds
     seeds: int
-    #: the next best, "<method or synchronous> with <optimizer>"; for a synchronous recommendation,
-    #: the best asynchronous setting (what the choice is between)
+    #: what the recommendation is weighed against, "<method or synchronous> with <optimizer>": for a
+    #: synchronous one the best asynchronous setting, for an asynchronous one the best synchronous
+    #: pipeline (the choice the advice is about)
     runner_up: str
     runner_up_value: float
     runner_up_spread: float     #: the runner-up's standard deviation over its seeds
@@ -60,7 +61,9 @@ class Advice:
         """The flags that train the recommended setting with ``pipeoptim train``."""
         flags = [f"--task {self.task}", f"--method {self.method}", f"--stages {self.stages}",
                  f"--micro-batches {self.microbatches}", f"--optimizer {self.optimizer}", f"--lr {self.lr:g}"]
-        flags += [f"--{option.replace('_', '-')} {value}" for option, value in self.options]
+        # a switch (error_feedback=True) is a bare flag on the command line; one left off is not written
+        flags += [f"--{option.replace('_', '-')}" + ("" if value == "True" else f" {value}")
+                  for option, value in self.options if value != "False"]
         return "pipeoptim train " + " ".join(flags)
 
     def describe(self) -> str:
