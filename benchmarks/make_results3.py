@@ -40,7 +40,7 @@ from benchmarks.make_results2_findings import diagnosis
 from benchmarks.make_results3_arith import (SCALE, SYNC, Arm, Setting, _Rows, arm_of, chosen_lr,  # noqa: F401
                                             mean_curve, read_rows, recommendation, settings_of,
                                             word_at_equal_time, word_to_target)
-from pipeoptim.lab.tasks.advice import METRIC_NAMES, close_call
+from pipeoptim.lab.tasks.advice import close_call, metric_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def budget_table(settings: Sequence[Setting]) -> List[str]:
 
 
 def setting_table(st: Setting) -> List[str]:
-    m = METRIC_NAMES.get(st.metric, st.metric)
+    m = metric_name(st.metric)
     lines = [f"| method | lr (source; tried: validation {m}) | seeds | s / mini-batch (ms) | updates | final test {m} "
              f"at equal time | against synchronous | time to target (s, per seed) | against synchronous |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -142,7 +142,7 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
         final = st.final(variant)
         name = (f"the synchronous pipeline ({st.budget['fastest']['schedule']}, M = "
                 f"{st.budget['fastest']['microbatches']})" if variant == SYNC else f"`{variant}`")
-        text = f"  - {task}, N = {stages}: {name} with {st.optimizer}, final test {METRIC_NAMES.get(st.metric, st.metric)} " \
+        text = f"  - {task}, N = {stages}: {name} with {st.optimizer}, final test {metric_name(st.metric)} " \
                f"{fmt(final, st.scale, st.digits)}"
         if rec["runner_up"] is not None:
             rst, rv = rec["runner_up"]

@@ -18,7 +18,6 @@ gets the other's numbers under its own method and micro-batch count, so the plan
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -97,23 +96,14 @@ def target_entries(settings: Sequence[Setting],
 
 def package_targets(study: Path, arm: Optional[Path],
                     translation: Optional[Path] = None) -> Dict[Tuple[str, str, int], Dict[str, Any]]:
-    """The package's UPDATES_TO_TARGET entries, from the rows the package's ADVICE comes from:
-    the study's for every finished (task, N), replaced by the study's and the arm's together
-    where the arm's runs of that task are all in, then translation at N = 8 once issue 41's cell
-    (``translation``) has every planned run in (make_results4.package_advice's rule)."""
-    from benchmarks.make_results3_advice import complete_cells
-    from benchmarks.make_results4 import arm_complete, merged
-    from benchmarks.make_results5 import TASK, complete as translation_complete, with_translation
+    """The package's UPDATES_TO_TARGET entries, from the rows the package's ADVICE comes from
+    (make_results4.package_sources): each source replaces the entries of the (task, N) it decides."""
+    from benchmarks.make_results4 import package_sources
 
-    times = json.loads((study / "times.json").read_text())
-    complete = complete_cells(study, times)
-    entries = target_entries(settings_of(read_rows(study), times), complete)
-    rows, filled = merged(study, arm)
-    finished = [c for c in complete if arm_complete(arm, *c)]
-    entries = {k: v for k, v in entries.items() if (k[0], k[2]) not in finished}
-    entries.update(target_entries(settings_of(rows, filled), finished))
-    if translation_complete(translation):
-        entries.update(target_entries(settings_of(*with_translation(rows, filled, translation)), [(TASK, 8)]))
+    entries: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
+    for settings, cells in package_sources(study, arm, translation):
+        entries = {k: v for k, v in entries.items() if (k[0], k[2]) not in cells}
+        entries.update(target_entries(settings, cells))
     return dict(sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])))
 
 

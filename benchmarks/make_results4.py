@@ -177,25 +177,40 @@ def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List
     return out or ["  - none in yet"]
 
 
-def package_advice(study: Path, arm: Optional[Path],
-                   translation: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
-    """The package's ADVICE entries: per (task, N) whose study runs are all in, from the study's
-    rows and the arm's where the arm's runs of that task are all in too, else from the study's
-    alone (the advice it gave before the arm), in the study's order; then translation at N = 8
-    once issue 41's cell (``translation``, benchmarks/make_results5.py) has every planned run in."""
-    from benchmarks.make_results3_advice import advice_entries, complete_cells
+def package_sources(study: Path, arm: Optional[Path], translation: Optional[Path] = None
+                    ) -> List[Tuple[List[Setting], List[Tuple[str, int]]]]:
+    """What the package's tables (ADVICE, UPDATES_TO_TARGET) are read from, in the order each takes
+    over: (settings, the (task, N) they decide). Issue 23's rows for every (task, N) whose study
+    runs are all in; the study's and the arm's together where the arm's runs of that task are all
+    in too; then translation at N = 8 once issue 41's cell (``translation``,
+    benchmarks/make_results5.py) has every planned run in."""
+    from benchmarks.make_results3_advice import complete_cells
     from benchmarks.make_results3_arith import settings_of
     from benchmarks.make_results5 import TASK, complete as translation_complete, with_translation
 
     times = json.loads((study / "times.json").read_text())
     complete = complete_cells(study, times)
-    entries = advice_entries(settings_of(read_rows(study), times), complete)
     rows, filled = merged(study, arm)
-    entries.update(advice_entries(settings_of(rows, filled), [c for c in complete if arm_complete(arm, *c)]))
+    sources = [(settings_of(read_rows(study), times), complete),
+               (settings_of(rows, filled), [c for c in complete if arm_complete(arm, *c)])]
     if translation_complete(translation):
-        complete = complete + [(TASK, 8)]
-        entries.update(advice_entries(settings_of(*with_translation(rows, filled, translation)), [(TASK, 8)]))
-    return {c: entries[c] for c in complete if c in entries}
+        sources.append((settings_of(*with_translation(rows, filled, translation)), [(TASK, 8)]))
+    return sources
+
+
+def package_advice(study: Path, arm: Optional[Path],
+                   translation: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """The package's ADVICE entries, per (task, N), from :func:`package_sources` (where the arm's
+    runs of a task are not all in, the study's alone: the advice it gave before the arm), in the
+    study's order, translation last."""
+    from benchmarks.make_results3_advice import advice_entries
+
+    sources = package_sources(study, arm, translation)
+    entries: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    for settings, cells in sources:
+        entries.update(advice_entries(settings, cells))
+    order = dict.fromkeys(c for _, cells in sources for c in cells)
+    return {c: entries[c] for c in order if c in entries}
 
 
 def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from benchmarks.common import verdict
 from benchmarks.make_results3_arith import SYNC, Setting, read_rows
@@ -67,11 +67,22 @@ def complete(folder: Optional[Path]) -> bool:
     return bool(runs) and all(r.status in ("done", "dropped") for r in runs)
 
 
-def verdicts(settings: Sequence[Setting]) -> List[Tuple[str, str, str, str, float, float, bool]]:
-    """Per translation setting, PipeOptim's line and rival: (optimizer, PipeOptim's line, rival's
-    report name, "wins" / "ties" / "loses", difference in BLEU, the larger standard deviation,
-    whether both rest on one seed), by the study's rule (a difference beyond the larger standard
-    deviation over the seeds, else a tie) on the final test BLEU at equal time."""
+class Verdict(NamedTuple):
+    """PipeOptim's line against one rival in one translation setting."""
+
+    optimizer: str
+    line: str       #: PipeOptim's line, as PIPEOPTIM names it
+    rival: str      #: the rival's report name, as RIVALS names it
+    word: str       #: "wins", "ties" or "loses"
+    diff: float     #: the difference in BLEU
+    spread: float   #: the larger standard deviation over the seeds
+    single: bool    #: whether both rest on one seed
+
+
+def verdicts(settings: Sequence[Setting]) -> List[Verdict]:
+    """Per translation setting, PipeOptim's lines against each rival, by the study's rule (a
+    difference beyond the larger standard deviation over the seeds, else a tie) on the final
+    test BLEU at equal time."""
     out = []
     for st in [s for s in settings if s.task == TASK]:
         for variant, name in PIPEOPTIM:
@@ -82,17 +93,17 @@ def verdicts(settings: Sequence[Setting]) -> List[Tuple[str, str, str, str, floa
                     continue
                 word, diff, spread = verdict(st.final(variant), st.final(rival), st.higher)
                 single = max(len(st.arms[variant].rows), len(st.arms[rival].rows)) < 2
-                out.append((st.optimizer, name, rival_name, word, diff, spread, single))
+                out.append(Verdict(st.optimizer, name, rival_name, word, diff, spread, single))
     return out
 
 
 def claim_lines(settings: Sequence[Setting]) -> List[str]:
     """Per translation setting and PipeOptim's line, its verdict against each rival."""
     out: Dict[Tuple[str, str], List[str]] = {}
-    for optimizer, name, rival_name, word, diff, spread, single in verdicts(settings):
-        said = {"wins": "beats", "ties": "ties", "loses": "loses to"}[word]
-        judged = "one seed each: no spread to judge by" if single else f"spread {spread:.1f}"
-        out.setdefault((optimizer, name), []).append(f"{said} {rival_name} ({diff:+.1f} BLEU, {judged})")
+    for v in verdicts(settings):
+        said = {"wins": "beats", "ties": "ties", "loses": "loses to"}[v.word]
+        judged = "one seed each: no spread to judge by" if v.single else f"spread {v.spread:.1f}"
+        out.setdefault((v.optimizer, v.line), []).append(f"{said} {v.rival} ({v.diff:+.1f} BLEU, {judged})")
     return [f"  - {optimizer}, {name}: " + "; ".join(cells) for (optimizer, name), cells in out.items()] \
         or ["  - not in yet"]
 
@@ -104,15 +115,15 @@ def claim_summary(settings: Sequence[Setting]) -> List[str]:
     if not found:
         return []
 
-    def counted(rows: Sequence[Tuple[Any, ...]]) -> str:
-        words = [r[3] for r in rows]
+    def counted(rows: Sequence[Verdict]) -> str:
+        words = [r.word for r in rows]
         counts = [(words.count(w), one, many) for w, one, many in
                   (("wins", "win", "wins"), ("ties", "tie", "ties"), ("loses", "loss", "losses"))]
         return ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts) + f" of {len(words)}"
 
-    sync = [r for r in found if r[2] == RIVALS[0][0]]
-    held = sync and all(r[3] != "loses" for r in sync)
-    beats = sum(r[3] == "wins" for r in found) == len(found)
+    sync = [r for r in found if r.rival == RIVALS[0][0]]
+    held = sync and all(r.word != "loses" for r in sync)
+    beats = all(r.word == "wins" for r in found)
     return [f"  - \"PipeOptim trains as well as synchronous training\": {'holds' if held else 'does not hold'} "
             f"on translation ({counted(sync)} against the synchronous pipeline).",
             f"  - \"PipeOptim beats GPipe, PipeDream-2BW and SpecTrain\": {'holds' if beats else 'does not hold'} "

@@ -31,6 +31,11 @@ LOWER_IS_BETTER = ("perplexity",)
 METRIC_NAMES = {"bleu": "BLEU"}
 
 
+def metric_name(metric: str) -> str:
+    """``metric`` as a sentence writes it (BLEU; accuracy and perplexity as they are)."""
+    return METRIC_NAMES.get(metric, metric)
+
+
 @dataclass(frozen=True)
 class Advice:
     """The study's recommendation for one task at one pipeline depth."""
@@ -74,7 +79,7 @@ class Advice:
         what = (f"the synchronous pipeline ({self.method}, M = {self.microbatches})" if self.synchronous
                 else f"{self.method}" + "".join(f", {o} {v}" for o, v in self.options)
                 + f" (M = {self.microbatches})")
-        mine = f"test {METRIC_NAMES.get(self.metric, self.metric)} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
+        mine = f"test {metric_name(self.metric)} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
         rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
         spread = max(self.spread, self.runner_up_spread) * scale
         if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
