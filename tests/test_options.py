@@ -64,12 +64,14 @@ def test_fit_takes_exactly_the_fit_options_with_their_defaults():
 
 
 def test_train_takes_every_pipeline_and_fit_option():
-    """train is Pipeline(...).fit(...): its signature is the two tables' (and runtime)."""
-    expected = {o.name: o.default for o in of_scope("pipeline", "fit") if o.name != "method"}
+    """train is Pipeline(...).fit(...): its signature is the two tables' (and runtime), the
+    method's default included (the Pipeline's: a synchronous pipeline)."""
+    expected = {o.name: o.default for o in of_scope("pipeline", "fit")}
     expected["runtime"] = "local"
     got = parameters(pipeoptim.train)
-    assert got.pop("method") is REQUIRED  # train names its method
     assert got == expected
+    assert got["method"] == parameters(pipeoptim.Pipeline)["method"] == "zb-h1"
+    assert pipeoptim.train.__kwdefaults__["method"] == "zb-h1"  # the function's own, not only its signature
 
 
 def test_every_method_option_is_defined_and_every_defined_one_is_a_methods():
@@ -112,7 +114,7 @@ def test_train_help_lists_every_training_option_with_its_meaning():
     for option in ALL:
         if option.flag is not None and option.flag.only in (None, "train", "distributed"):
             assert option.flag.flag_name(option.name) in text
-            first = " ".join(option.help.split()[:6])
+            first = " ".join((option.flag.help or option.help).split()[:6])  # in the command line's words
             assert first in text, option.name
 
 
@@ -130,3 +132,11 @@ def test_a_flag_default_never_leaks_a_sentinel():
             assert cli_default(option) is not NOT_GIVEN
     assert set(GROUPS) >= {o.flag.group for o in ALL if o.flag is not None}
     assert BY_NAME["stages"].flag.default is NOT_GIVEN  # the recipe's 4, not the API's None
+
+
+def test_a_flag_with_a_const_takes_its_value_optionally():
+    """--compile alone: inductor; --compile BACKEND: that one; not given: no compilation."""
+    parser = subcommand("train")
+    assert parser.parse_args(["--compile"]).compile == "inductor"
+    assert parser.parse_args(["--compile", "aot_eager"]).compile == "aot_eager"
+    assert parser.parse_args([]).compile is False

@@ -25,12 +25,15 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
 from .errors import CheckpointError  # defined there so that the command line can catch it without torch
 from .runtime import named_state
+
+if TYPE_CHECKING:
+    from .graph_split import StateNames
 
 #: 3: torch's distributed checkpoint, keyed by the model's parameter names (2, before: a file per
 #: stage; 1: torch's positional optimizer state)
@@ -72,18 +75,22 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def checkpoint_state(stages, rank: int) -> Dict[str, Any]:
+def checkpoint_state(stages, rank: int, names: Optional["StateNames"] = None) -> Dict[str, Any]:
     """What this process writes of a drained pipeline: its stages' weights and their state by
     parameter name (:mod:`pipeoptim.runtime.named_state`), in torch's distributed checkpoint
     layout. Tensors go under ``model``, ``optim`` and ``policy`` keyed by the original model's
     names (a sharded stage's as DTensors, which the checkpoint stores as shards); the rest of each
-    stage's state under ``stages.K``; this process's RNG under ``rng.RANK``."""
+    stage's state under ``stages.K``; this process's RNG under ``rng.RANK``. ``names``: the
+    model's state-dict names (a traced model's), so that ``model`` holds every name of a tied
+    weight and no buffer the model does not save: converted by ``dcp_to_torch_save``, it loads
+    into the model's class with ``strict=True``."""
     state: Dict[str, Any] = {"model": {}, "optim": {}, "policy": {}, "stages": {}, "rng": {str(rank): rng_state()}}
     for stage in stages:
         if stage.shards is not None:
             stage.shards.release()  # its module's parameters: the shards, not gathered copies
         entry = named_state.stage_state(stage)
-        state["model"].update(stage.module.state_dict())
+        weights = stage.module.state_dict()
+        state["model"].update(weights if names is None else names.complete(weights))
         for name, per in entry["optimizer"]["state"].items():
             state["optim"][name] = per
         policy = dict(entry["policy"])
@@ -163,12 +170,14 @@ def _template(meta: Any, prefix: str, names: Any, like: Dict[str, torch.Tensor])
     return out
 
 
-def plan_load(folder: Path, stages, rank: int) -> Dict[str, Any]:
+def plan_load(folder: Path, stages, rank: int, state_names: Optional["StateNames"] = None) -> Dict[str, Any]:
     """What this process reads of a checkpoint written by any layout of the same model (other
     stages, replicas, sharding, one process): the tensors to read into, by name (its stages'
     own weights, and empty ones for their optimizer and policy state) and every saved stage's
     other state. Refuses, naming the checkpoint, one of another model; reads no tensor yet, so
-    that every process can learn of a refusal before they read together (:func:`load_state`)."""
+    that every process can learn of a refusal before they read together (:func:`load_state`).
+    ``state_names``: as :func:`checkpoint_state`'s ``names`` (a tied weight is read by one of its
+    names; a buffer the model does not save is not read)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -182,7 +191,8 @@ def plan_load(folder: Path, stages, rank: int) -> Dict[str, Any]:
         if stage.shards is not None:
             stage.shards.release()
         if getattr(stage, "replica_of", None) not in held:  # a replica beside its piece copies it after the load
-            model.update(stage.module.state_dict())
+            weights = stage.module.state_dict()
+            model.update(weights if state_names is None else state_names.persistent(weights))
         for group_names in named_state.stage_groups(stage):
             names.update(group_names)
         params.update(dict(stage.module.named_parameters()))

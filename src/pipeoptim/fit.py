@@ -136,7 +136,8 @@ class FitRun:
     def resume(self) -> None:
         """Load the newest checkpoint, if any, and continue from its position."""
         pipe = self.pipe
-        found = load_checkpoint(pipe.world, self.settings.store, pipe.stages, self.run_info)
+        found = load_checkpoint(pipe.world, self.settings.store, pipe.stages, self.run_info,
+                                pipe.state_names)
         if found is None:
             return
         manifest, self.resume_rng = found
@@ -299,7 +300,7 @@ class FitRun:
                   "evaluations": self.evaluations, "train_seconds": self.train_seconds()}
         self.finish_pending()  # (one in the background at a time: this one after the last is named)
         self.pending = save_checkpoint(pipe.world, self.settings.store, pipe.stages, (epoch, batch), fields,
-                                       background=self.settings.async_checkpoint)
+                                       background=self.settings.async_checkpoint, names=pipe.state_names)
         self.paused["save"] += time.perf_counter() - began
 
     def finish_pending(self) -> None:

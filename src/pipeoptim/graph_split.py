@@ -13,8 +13,12 @@ stage before returned, in a fixed order; a stage that needs a size reads it from
 holds. A late input is refused if an earlier stage reads it."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
@@ -22,6 +26,14 @@ from torch.utils import _pytree as pytree
 
 #: containers whose items are candidate points of their own (called in order by the forward)
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+#: the keyword a forward takes to return a cache for generation (``transformers``' ``use_cache``,
+#: on by default there): a training step never reads the cache, which is no tensor, so a model whose
+#: forward takes it is traced with it off unless the mini-batch gives it
+CACHE_OPTION = "use_cache"
+
+#: operations that check a traced tensor's metadata and compute nothing (left out of the stages)
+ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 class TraceError(ValueError):
@@ -76,23 +88,73 @@ def trace(model: nn.Module, inputs: Any, late: Optional[str] = None) -> "TracedM
                          f"arguments), got ({kinds}); give the mini-batches, or example_input=, in that form")
     if late is not None and late not in kwargs:
         raise ValueError(f"the model's inputs {sorted(kwargs)} hold no {late!r} for the last stage")
+    args, kwargs = _distinct(args, kwargs)
     dynamic = {k: _dynamic(v) for k, v in kwargs.items()} if kwargs else tuple(_dynamic(a) for a in args)
     try:
-        program = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=dynamic,
-                                      strict=False)
+        with _without_cache(model, kwargs):
+            program = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=dynamic,
+                                          strict=False)
     except Exception as error:  # torch raises many kinds; all mean "this forward does not export"
-        where = _first_user_frame(error)
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise TraceError(
-            f"torch.export cannot trace {type(model).__name__}.forward"
-            + (f" at {where}" if where else "") + f" ({type(error).__name__}: {first[:300]}). "
-            f"Make forward exportable: no data-dependent control flow (an `if` on a tensor's "
-            f"value, .item()), inputs and outputs tensors or tuples, lists and dicts of them; or "
-            f"give the model as an nn.Sequential of blocks that each take and return tensors") from error
+        raise _trace_error(model, error) from error
     traced = TracedModel(model, program.module(), program.call_spec.out_spec, inputs if kwargs else args)
     if kwargs:
         traced.use_keywords(program.call_spec.in_spec, late)
     return traced
+
+
+def _distinct(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The inputs with a tensor given twice (``labels`` that is ``input_ids``, as causal-LM scripts
+    write it) copied for the trace: the export would read both names as one input, while each
+    travels on its own (the labels to the last stage, the ids to the first)."""
+    seen: set = set()
+
+    def once(value: Any) -> Any:
+        if torch.is_tensor(value):
+            if value.untyped_storage().data_ptr() in seen:
+                return value.clone()
+            seen.add(value.untyped_storage().data_ptr())
+        return value
+
+    return tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module, kwargs: Dict[str, Any]) -> Iterator[None]:
+    """``model``'s forward with :data:`CACHE_OPTION` off while it is traced, where it takes it
+    and the mini-batch does not give it; the model itself is left as it was."""
+    try:
+        takes = CACHE_OPTION in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes or CACHE_OPTION in kwargs or "forward" in vars(model):
+        yield
+        return
+    model.forward = functools.partial(model.forward, **{CACHE_OPTION: False})  # this instance only
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
+    """The :class:`TraceError` for an export that failed: where, why, and the fix."""
+    where = _first_user_frame(error)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    found = re.search(r"Found <class '([^']+)'> in output", str(error))
+    if found:
+        kind = found.group(1).rsplit(".", 1)[-1]
+        return TraceError(
+            f"{type(model).__name__}'s output holds a {kind}, which is no tensor, so the stages cannot "
+            f"pass it on: turn off the option of the model that returns it (for a transformers model a "
+            f"config flag, e.g. config.output_attentions = False or config.output_hidden_states = False; "
+            f"pipeoptim already traces with {CACHE_OPTION}=False where forward takes it), or return "
+            f"tensors only")
+    return TraceError(
+        f"torch.export cannot trace {type(model).__name__}.forward"
+        + (f" at {where}" if where else "") + f" ({type(error).__name__}: {first[:300]}). "
+        f"Make forward exportable: no data-dependent control flow (an `if` on a tensor's "
+        f"value, .item()), inputs and outputs tensors or tuples, lists and dicts of them; or "
+        f"give the model as an nn.Sequential of blocks that each take and return tensors")
 
 
 def _module_paths(node: fx.Node) -> List[str]:
@@ -148,9 +210,11 @@ class TracedModel:
         self.output = next(n for n in nodes if n.op == "output")
         graph_module.add_module(OUTPUT_BUILDER, OutputBuilder(out_spec))
         # the export's input guard (a compiled check of the traced input shapes) is left out: the
-        # stages are called with micro-batches, and a copy of it fails outside its program
+        # stages are called with micro-batches, and a copy of it fails outside its program; so are
+        # its dtype assertions (a library's `.to(dtype)`), which bf16's autocast would trip
         self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
-                        and not (n.op == "call_module" and n.target == "_guards_fn")]
+                        and not (n.op == "call_module" and n.target == "_guards_fn")
+                        and n.target not in ASSERTIONS]
         first: Dict[str, int] = {}
         for position, node in enumerate(self.compute):
             for path in _module_paths(node):
@@ -379,20 +443,39 @@ def _item(values: Any, index: Any) -> Any:
     return values[index]
 
 
+class StateNames:
+    """The names of ``model``'s ``state_dict``, for a state gathered from stage modules: there a
+    tied tensor appears under the one name the trace read it by, and a non-persistent buffer of
+    the model (Llama's rotary ``inv_freq``, a constant) as a buffer of the stage's own, which the
+    model's state has no entry for."""
+
+    def __init__(self, model: nn.Module) -> None:
+        own = model.state_dict(keep_vars=True)
+        #: buffers the model does not save (each stage module holds them as its own)
+        self.transient = {name for name, _ in model.named_buffers(remove_duplicate=False)} - set(own)
+        #: every name of the model's state with more than one: all the names of its tensor
+        self.aliases: Dict[str, List[str]] = {}
+        by_tensor: Dict[int, List[str]] = {}
+        for name, tensor in own.items():
+            by_tensor.setdefault(id(tensor), []).append(name)
+        for names in by_tensor.values():
+            if len(names) > 1:
+                self.aliases.update({name: names for name in names})
+
+    def persistent(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``state`` without the model's non-persistent buffers."""
+        return {k: v for k, v in state.items() if k not in self.transient}
+
+    def complete(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``state`` as ``model.state_dict()`` names it: without the non-persistent buffers, a tied
+        tensor under every name the model gives it, so that it loads into the model strictly."""
+        full = self.persistent(state)
+        for name, value in list(full.items()):
+            full.update({alias: value for alias in self.aliases.get(name, ()) if alias not in full})
+        return full
+
+
 def with_aliases(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``state`` (gathered from stage modules, where a tied tensor appears under the one name the
-    trace read it by) completed with the other names ``model`` gives the same tensor, so that it
-    loads into ``model`` strictly. A non-persistent buffer of ``model`` (Llama's rotary
-    ``inv_freq``, a constant) is left out: a stage module holds it as a buffer of its own, but
-    the model's state has no entry for it."""
-    own = model.state_dict(keep_vars=True)
-    transient = {name for name, _ in model.named_buffers(remove_duplicate=False)} - set(own)
-    names: Dict[int, List[str]] = {}
-    for name, tensor in own.items():
-        names.setdefault(id(tensor), []).append(name)
-    full = {k: v for k, v in state.items() if k not in transient}
-    for aliases in names.values():
-        known = next((state[a] for a in aliases if a in state), None)
-        if known is not None:
-            full.update({a: known for a in aliases if a not in full})
-    return full
+    """``state`` (gathered from stage modules) as ``model.state_dict()`` names it
+    (:meth:`StateNames.complete`), so that it loads into ``model`` strictly."""
+    return StateNames(model).complete(state)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .methods import method_names
-from .runtime.defaults import CLIP_SCOPES, COMPILE_BACKENDS as BACKENDS, DEFAULT_TIMEOUT, PRECISIONS
+from .runtime.defaults import CLIP_SCOPES, COMPILE_BACKENDS as BACKENDS, DEFAULT_METHOD, DEFAULT_TIMEOUT, PRECISIONS
 
 #: The default of an option that must be given (the Pipeline's optimizer).
 REQUIRED = object()
@@ -37,7 +37,9 @@ class Flag:
     run configuration that holds it, where it is named otherwise (``method_options``: the dict
     of the method's options). ``default``: the command line's own default where it differs from
     the API's (``NOT_GIVEN``: None, and the task's recipe, the method or the run decides). ``note``: what ``--help`` adds (the
-    command line's form of the value)."""
+    command line's form of the value). ``help``: the meaning in the command line's words, where the
+    option's own speaks of Python (a bool, a list, a keyword): ``--help`` prints it instead.
+    ``const``: the value of the flag given without one (its value is then optional)."""
 
     type: str = "str"
     group: str = "pipeline"
@@ -51,6 +53,8 @@ class Flag:
     only: Optional[str] = None
     #: held in the lab's run configuration (False: the command passes it to the run apart)
     in_config: bool = True
+    help: str = ""
+    const: Any = None
 
     def flag_name(self, option: str) -> str:
         return self.name or "--" + option.replace("_", "-")
@@ -75,8 +79,12 @@ CORRECTIONS = "delay corrections (asynchronous methods; all off by default)"
 
 OPTIONS: Tuple[Option, ...] = (
     # -- the Pipeline: the method, the cut, the devices -------------------------------------
-    Option("method", "pipeoptim", "the training method: a (schedule, weight policy) pair from the registry, "
-           "by name (pipeoptim.method_names())", "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
+    Option("method", DEFAULT_METHOD, "the training method: a (schedule, weight policy) pair from the registry, "
+           "by name (pipeoptim.method_names()). The default, zb-h1, is a synchronous zero-bubble pipeline: it "
+           "trains exactly as the plain loop with gradient accumulation over its micro-batches, and the study "
+           "found a synchronous pipeline gives the better model in the same time on three of its four tasks; "
+           "the asynchronous methods (pipeoptim, pipeoptim-2bw, ...) trade that equality for fewer bubbles",
+           "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
                             note="`pipeoptim compare` takes --methods, a list")),
     Option("loss_fn", None, "loss_fn(output, target) -> scalar tensor, a mean over the mini-batch, of the output "
            "as the model returns it (a tensor, a tuple, a dict, a ModelOutput). A mini-batch is (inputs, target) "
@@ -94,10 +102,14 @@ OPTIONS: Tuple[Option, ...] = (
            Flag("int", default=NOT_GIVEN, note="default: the --partition's, else 4; sequential uses 1")),
     Option("partition", None, "layers per stage of an nn.Sequential (units per stage of a traced model), "
            "e.g. [3, 3, 2]; with chunks, the layers of every one of the stages x chunks pieces", "pipeline",
-           Flag("ints", metavar="N,N,...")),
-    Option("partitioner", None, "how stages=N is cut: uniform (the default for an nn.Sequential), params, or "
-           "time (the default for a traced model: balanced by each unit's forward+backward time profiled on "
-           "the example input; under torchrun, rank 0's choice)", "pipeline",
+           Flag("ints", metavar="N,N,...", help="layers per stage of the model, e.g. 3,3,2 (a traced model: units "
+                "per stage); with --chunks, the layers of every one of the stages x chunks pieces")),
+    Option("partitioner", "uniform", "how stages=N is cut: uniform (the same number of layers, or of a traced "
+           "model's units that hold parameters, per stage), params (balanced parameter counts), both a function "
+           "of the model alone, the same in every launcher and run; or time (opt-in: balanced by each layer's "
+           "forward+backward time profiled on the example input, which differs between runs and machines; "
+           "under torchrun rank 0's; the cut it chose is printed, to be given again as partition= or "
+           "split_points=)", "pipeline",
            Flag(choices=("uniform", "params"), default="uniform")),
     Option("split_points", None, "a traced model's cut: the qualified names of the submodules where stages "
            "2..N begin (['layers.4', 'layers.8']), in call order", "pipeline",
@@ -108,7 +120,11 @@ OPTIONS: Tuple[Option, ...] = (
     Option("chunks", None, "model chunks per stage, for interleaved (default 2): the model is cut into "
            "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
            "least that many layers and micro-batches a multiple of the stages); zb-v always holds 2, in a V "
-           "(pieces k and 2N-1-k)", "pipeline", Flag("int")),
+           "(pieces k and 2N-1-k)", "pipeline",
+           Flag("int", help="model chunks per stage, for interleaved (default 2): the model is cut into stages x "
+                "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
+                "that many layers, and --micro-batches a multiple of the stages); zb-v always holds 2, in a V "
+                "(pieces k and 2N-1-k)")),
     Option("micro_batches", None, "micro-batches per mini-batch for the methods that use them (default: the "
            "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2 for xpipe, "
            "1 for the others)", "pipeline", Flag("int")),
@@ -118,13 +134,16 @@ OPTIONS: Tuple[Option, ...] = (
            api_only="a factory; the command line builds one from --lr-schedule"),
     Option("clip_grad_norm", None, "clip the gradient norm to this before every update (see clip_scope)",
            "pipeline", Flag("norm", group="optimizer", name="--clip-grad", metavar="MAX_NORM", config="clip_grad",
-                            default=NOT_GIVEN, note="none: no clipping (default: the task's recipe)")),
-    Option("clip_scope", "stage", "stage: each stage clips its own gradient; global: by the norm over all "
-           "stages, as a plain loop clips the whole model (as torchtitan does), for synchronous methods only: "
-           "an asynchronous stage never holds the same mini-batch's gradients as the others when it updates",
-           "pipeline", Flag(choices=CLIP_SCOPES, group="optimizer", default=NOT_GIVEN,
-                            note="default: global for the synchronous methods (equal to sequential), stage "
-                                 "for the others")),
+                            default=NOT_GIVEN, help="clip the gradient norm to MAX_NORM before every update (see "
+                            "--clip-scope)", note="none: no clipping (default: the task's recipe)")),
+    Option("clip_scope", "auto", "global: clip by the norm over all stages, as a plain loop's "
+           "clip_grad_norm_ clips the whole model (as torchtitan does), for synchronous methods only: an "
+           "asynchronous stage never holds the same mini-batch's gradients as the others when it updates; "
+           "stage: each stage clips by its own gradient's norm; auto: global where the method allows it (the "
+           "synchronous methods with one copy of each stage, so that they equal the plain loop), stage for the "
+           "others (the asynchronous methods, and bidirectional and bitpipe, whose two replicas of each piece a "
+           "global norm would count twice)",
+           "pipeline", Flag(choices=CLIP_SCOPES, group="optimizer")),
     Option("precision", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
            "device; parameters, gradients, optimizer state and prediction stay fp32", "pipeline",
            Flag(choices=PRECISIONS, group="precision and devices")),
@@ -134,29 +153,48 @@ OPTIONS: Tuple[Option, ...] = (
            "where a method's weights change between a forward and its backward without a copy kept "
            "(async-naive, pipeoptim with backward=latest, spectrain, xpipe), it keeps a copy of the forward's "
            "weights per micro-batch in flight instead", "pipeline",
-           Flag("switch", group="precision and devices", note="every stage")),
+           Flag("switch", group="precision and devices",
+                help="activation recomputation on every stage: a stage keeps only its input per micro-batch in "
+                "flight and runs its forward again in the backward (torch's non-reentrant checkpointing), on the "
+                "forward's random state and weights, so the losses equal those without it; where a method's "
+                "weights change between a forward and its backward without a copy kept (async-naive, pipeoptim "
+                "with --backward latest, spectrain, xpipe), it keeps a copy of the forward's weights per "
+                "micro-batch in flight instead")),
     Option("compile", False, "run each stage's forward through torch.compile (True: the inductor backend, or "
            "a backend's name: aot_eager, eager), for every method: the weight version of each pass is a "
            "graph input, so swapping versions recompiles nothing; a mini-batch of another size recompiles "
            "once, with that dimension dynamic after it; metrics['compilations'] counts each stage's graphs. "
            "On the CPU inductor needs a C++ compiler and Python's headers. A compiled backward is one "
            "graph: zb-h1 and zb-v compute both halves' gradients in the input half", "pipeline",
-           Flag(metavar="BACKEND", choices=BACKENDS, group="precision and devices",
-                note="inductor (torch's default), aot_eager or eager")),
+           Flag(metavar="BACKEND", choices=BACKENDS, group="precision and devices", const=BACKENDS[0],
+                help="run each stage's forward through torch.compile, for every method: --compile alone uses "
+                "inductor (torch's default), or name the backend: aot_eager, eager; the weight version of each "
+                "pass is a graph input, so swapping versions recompiles nothing; a mini-batch of another size "
+                "recompiles once, with that dimension dynamic after it; the summary counts each stage's graphs "
+                "(compilations). On the CPU inductor needs a C++ compiler and Python's headers. A compiled "
+                "backward is one graph: zb-h1 and zb-v compute both halves' gradients in the input half")),
     Option("devices", "auto", "auto (one GPU per stage when there are enough, else the CPU), one device for "
            "every stage, or one per stage (pipeline.resolve_devices); inputs go to the first stage's device, "
            "targets to the last's, activations and gradients between the stages' devices",
            "pipeline", Flag(name="--device", metavar="DEV", group="precision and devices", config="device",
-                            note="one per stage separated by commas: cuda:0,cuda:1")),
+                            help="auto (one GPU per stage when there are enough, else the CPU), one device for "
+                            "every stage (cpu, cuda, cuda:1), or one per stage separated by commas: cuda:0,cuda:1; "
+                            "inputs go to the first stage's device, targets to the last's, activations and "
+                            "gradients between the stages' devices")),
     Option("diagnose_every", 0, "every K-th micro-batch, measure per stage how far the weights its forward "
            "used were from those live at its backward, against the stale weights' distance "
            "(metrics['prediction_error']); 0: off", "pipeline",
-           Flag("int", metavar="K", group="evaluation during training", only="train", in_config=False)),
+           Flag("int", metavar="K", group="evaluation during training", only="train", in_config=False,
+                help="every K-th micro-batch, measure per stage how far the weights its forward used were from "
+                "those live at its backward, against the stale weights' distance (the summary's "
+                "prediction_error); 0: off")),
     Option("timeout", DEFAULT_TIMEOUT, "under torchrun, seconds a stage waits for a peer before the run fails",
            "pipeline", Flag("float", group="distributed runtime", only="distributed", in_config=False)),
     Option("threads", 1, "under torchrun on the CPU, compute threads per stage process (1, so that N "
            "processes on N cores do not oversubscribe them); None leaves torch's", "pipeline",
-           Flag("int", group="distributed runtime", only="distributed", in_config=False)),
+           Flag("int", group="distributed runtime", only="distributed", in_config=False,
+                help="compute threads per stage process on the CPU (1, so that N processes on N cores do not "
+                "oversubscribe them)")),
     Option("data_parallel", None, "under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D; "
            "default: inferred from WORLD_SIZE and the stages); each replica reads its own shard of the data "
            "(a DistributedSampler with num_replicas=pipe.data_parallel_size, rank=pipe.data_parallel_rank) "
@@ -164,13 +202,19 @@ OPTIONS: Tuple[Option, ...] = (
            "the last backward), so weights, optimizer state and predictions stay identical; losses and "
            "metrics are the means over the replicas", "pipeline",
            Flag("int", metavar="D", group="distributed runtime", only="distributed",
-                note="pipeoptim train starts N x D processes; each replica trains on its shard of every "
-                     "mini-batch (--batch-size is the whole mini-batch's)")),
+                help="D replicas of the N-stage pipeline, N x D processes (under torchrun: inferred from the "
+                "world size and --stages); each replica trains on its shard of every mini-batch (--batch-size "
+                "is the whole mini-batch's) and each stage averages its gradients over its replicas before "
+                "every update, so weights, optimizer state and predictions stay identical; losses and metrics "
+                "are the means over the replicas")),
     Option("shard_replicas", False, "under torchrun with D >= 2 replicas, shard each stage over its replicas "
            "with torch's FSDP2 (fully_shard on a 2-D DeviceMesh 'pp' x 'dp') instead of replicating it: "
            "parameters, gradients, optimizer state and every weight version the method keeps are held 1/D "
            "per process, each pass gathering the version it needs (torch >= 2.6)", "pipeline",
-           Flag("switch", group="distributed runtime", only="distributed")),
+           Flag("switch", group="distributed runtime", only="distributed",
+                help="with --data-parallel D >= 2, shard each stage over its replicas with torch's FSDP2 instead "
+                "of replicating it: parameters, gradients, optimizer state and every weight version the method "
+                "keeps are held 1/D per process, each pass gathering the version it needs (torch >= 2.6)")),
     Option("world", None, "where the stages run: default one stage per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),
@@ -220,7 +264,11 @@ OPTIONS: Tuple[Option, ...] = (
            "metric against updates and time (metrics['evaluations']: epoch, batch, updates, metric, "
            "seconds); synchronous methods train the same whatever K, asynchronous ones restart their "
            "warm-up after each drain, so their results depend on K; not with continuous", "fit",
-           Flag("int", metavar="K", group="evaluation during training")),
+           Flag("int", metavar="K", group="evaluation during training",
+                help="also drain and evaluate every K mini-batches of an epoch, for curves of the metric against "
+                "updates and time (the run folder's evaluations); synchronous methods train the same whatever K, "
+                "asynchronous ones restart their warm-up after each drain, so their results depend on K; not "
+                "with --continuous")),
     Option("eval_in_bubbles", False, "run each eval_every evaluation of eval_loader in the idle time (bubbles) "
            "of the next mini-batch instead of after the drain: each stage's eval-mode forward of every "
            "evaluation mini-batch is placed by list scheduling before that stage's next update, on the weights "
@@ -229,7 +277,13 @@ OPTIONS: Tuple[Option, ...] = (
            "the update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, sequential), in "
            "one process or under torchrun with one replica; the epoch-end evaluations, and one where a "
            "checkpoint is written, stay drained",
-           "fit", Flag("switch", group="evaluation during training")),
+           "fit", Flag("switch", group="evaluation during training",
+                       help="run each --eval-every evaluation in the idle time (bubbles) of the next mini-batch "
+                       "instead of after the drain, on the weights the drained evaluation would use, so the "
+                       "metric is the same to the bit; what the bubbles cannot hold runs just before the "
+                       "update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, "
+                       "sequential), one replica; the epoch-end evaluations, and one where a checkpoint is "
+                       "written, stay drained")),
     Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
            api_only="a function"),
     Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
@@ -241,7 +295,12 @@ OPTIONS: Tuple[Option, ...] = (
     Option("async_checkpoint", False, "write each checkpoint in the background (torch's dcp.async_save): training "
            "goes on once the state is copied in memory, and the checkpoint becomes the latest when its files "
            "are complete (at the next checkpoint, or at the end of fit; a run that dies first resumes from "
-           "the one before)", "fit", Flag("switch", group="output", only="train")),
+           "the one before)", "fit",
+           Flag("switch", group="output", only="train",
+                help="write each checkpoint in the background (torch's dcp.async_save): training goes on once "
+                "the state is copied in memory, and the checkpoint becomes the latest when its files are "
+                "complete (at the next checkpoint, or at the end of the run; a run that dies first resumes "
+                "from the one before)")),
     Option("checkpoint_every", None, "drain and checkpoint every K mini-batches of an epoch (and always at "
            "each epoch's end)", "fit",
            Flag("int", metavar="K", group="output", only="train")),
@@ -250,7 +309,8 @@ OPTIONS: Tuple[Option, ...] = (
            "mini-batches: a list, or a DataLoader that shuffles with torch's global generator)", "fit",
            Flag("path", name="--resume", metavar="RUN_DIR", group="output", only="train", default=NOT_GIVEN,
                 in_config=False,
-                note="the run in RUN_DIR, with its settings")),
+                help="continue the run in RUN_DIR, with its settings, from its newest checkpoint, to the losses "
+                "of an uninterrupted run")),
     Option("continuous", False, "every epoch in one schedule, no drain between epochs (asynchronous "
            "methods; evaluation only at the end)", "fit", Flag("switch")),
 )

@@ -23,15 +23,16 @@ from torch import nn
 
 from .batches import BatchForm
 from .errors import NonFiniteLoss
+from .graph_split import StateNames
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
 from .options import describe, of_scope
 from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_model_settings, check_settings,
-                      first_inputs, needs_example)
+                      clip_scope_for, first_inputs, needs_example)
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
-from .runtime.defaults import DEFAULT_TIMEOUT
+from .runtime.defaults import DEFAULT_METHOD, DEFAULT_TIMEOUT
 from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
@@ -66,13 +67,13 @@ class Pipeline:
     ``stages`` defaults to the number of processes.
     """
 
-    def __init__(self, model: nn.Module, *, method: str = "pipeoptim",
+    def __init__(self, model: nn.Module, *, method: str = DEFAULT_METHOD,
                  loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
                  optimizer: OptimizerFactory,
                  stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
-                 partitioner: Optional[str] = None, micro_batches: Optional[int] = None,
+                 partitioner: str = "uniform", micro_batches: Optional[int] = None,
                  lr_scheduler: Optional[SchedulerFactory] = None,
-                 clip_grad_norm: Optional[float] = None, clip_scope: str = "stage",
+                 clip_grad_norm: Optional[float] = None, clip_scope: str = "auto",
                  precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
                  devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
                  data_parallel: Optional[int] = None, shard_replicas: bool = False,
@@ -86,6 +87,7 @@ class Pipeline:
         self.method = get_method(method)
         check_settings(self.method, loss_fn, optimizer, lr_scheduler, precision, clip_grad_norm, clip_scope,
                        diagnose_every)
+        clip_scope = clip_scope_for(self.method, clip_scope)  #: "auto" resolved: global or stage
         self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
                                                              or LocalWorld())
         self.precision = precision
@@ -117,6 +119,8 @@ class Pipeline:
         self._executor: Optional[Any] = None
         self._bubbles = BubbleWork()     #: forward-only work for the next segment's bubbles
         self._segment_start = 0          #: index of the open segment's first mini-batch
+        #: the model's state-dict names, for checkpoints of a traced model (graph_split.StateNames)
+        self.state_names: Optional[StateNames] = None
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
         if example_input is not None or not needs_example(model, partitioner):
@@ -136,6 +140,8 @@ class Pipeline:
             return
         built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
         self.spec, self.stages, self.devices, self.split_points, self._eval_mode, self.placement = built
+        if self.split_points is not None:  # a traced model: its stages name a tied weight once
+            self.state_names = StateNames(self._model)
         self.recompute = recompute_per_stage(self._settings.recompute, self.spec.stages)
 
     # -- driving by hand ----------------------------------------------------------------------

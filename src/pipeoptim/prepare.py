@@ -2,14 +2,16 @@
 
 An ``nn.Sequential`` is split by layers (``partition`` = layers per stage); any other module is
 traced (:mod:`pipeoptim.graph_split`) and cut at candidate points, ``partition`` then counting
-units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner counts
-the units that hold parameters, and ``time`` balances each unit's profiled forward+backward time
-on the example input. A tied weight stays one parameter, owned by the first stage that reads it
+units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner (the
+default) counts the units that hold parameters, and ``time`` (opt-in: a profile differs between
+runs and machines) balances each unit's profiled forward+backward time on the example input and
+prints the cut it chose, so that it can be given again. A tied weight stays one parameter, owned by the first stage that reads it
 (docs/architecture.md, "Tied weights")."""
 from __future__ import annotations
 
 import contextlib
 import difflib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -62,7 +64,7 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if clip_scope not in CLIP_SCOPES:
-        raise ValueError(f"clip_scope must be 'stage' or 'global', got {clip_scope!r}")
+        raise ValueError(f"clip_scope must be one of {', '.join(map(repr, CLIP_SCOPES))}, got {clip_scope!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be a positive max norm, got {clip_grad_norm}")
     if diagnose_every < 0:
@@ -74,6 +76,15 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
         raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                          f"gradients when it updates, which only synchronous methods do; "
                          f"{method.name} updates each stage at its own time: use clip_scope='stage'")
+
+
+def clip_scope_for(method: Method, clip_scope: str) -> str:
+    """``clip_scope`` with ``auto`` resolved: ``global`` for a synchronous method with one copy of
+    each stage (it then clips as the plain loop's ``clip_grad_norm_`` over the whole model),
+    ``stage`` otherwise (options.py, ``clip_scope``)."""
+    if clip_scope != "auto":
+        return clip_scope
+    return "global" if method.synchronous and not method.mirrored else "stage"
 
 
 def check_model_settings(world: World, model: nn.Module, method: Method, settings: "ModelSettings") -> None:
@@ -156,8 +167,8 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
             chunks: Optional[int] = None, late: Optional[str] = None) -> PreparedModel:
     """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
     train) into stages. ``example`` is an input mini-batch (needed for a traced model and for
-    ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform`` for an
-    ``nn.Sequential``, ``time`` for a traced model. ``agree(value, what)`` gives every process
+    ``partitioner="time"``; None otherwise). ``partitioner`` None: ``uniform``, a cut that depends on
+    the model alone (the same in every launcher and run). ``agree(value, what)`` gives every process
     rank 0's value (a partition from a profile, which would differ between processes).
     ``chunks``: model chunks per process for a chunked method (``stages`` then counts processes
     and the model is cut into ``stages x chunks`` pieces). ``late``: the keyword input of
@@ -165,7 +176,7 @@ def prepare(model: nn.Module, example: Any, *, method: str, stages: Optional[int
     settings raise ValueError naming the fix."""
     if late is not None and isinstance(model, nn.Sequential):
         raise ValueError("an nn.Sequential returns no loss of its own: give the Pipeline loss_fn=fn(output, target)")
-    partitioner = partitioner or ("uniform" if isinstance(model, nn.Sequential) else "time")
+    partitioner = partitioner or "uniform"
     v = chunks_of(get_method(method), chunks, partition)
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose {', '.join(PARTITIONERS)}")
@@ -220,6 +231,15 @@ def _find_ties(traced: TracedModel, prepared: PreparedModel) -> None:
 def _describe_ties(prepared: PreparedModel) -> str:
     return "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
                      f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
+
+
+def say_cut(model: nn.Module, prepared: PreparedModel) -> None:
+    """Print the cut the ``time`` partitioner chose (on stderr, once per job), as the keyword that
+    gives it again: a profile is measured, so another run may choose another."""
+    given = (f"split_points={prepared.split_points}" if prepared.split_points is not None
+             else f"partition={list(prepared.spec.partition)}")
+    print(f"pipeoptim: partitioner='time' cut {type(model).__name__} into {prepared.spec.stages} stages: "
+          f"give Pipeline({given}) to use this cut again", file=sys.stderr, flush=True)
 
 
 def check_tie_devices(prepared: PreparedModel, devices: Sequence[torch.device], local: bool) -> None:
@@ -291,6 +311,8 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        agree=world.agree, chunks=settings.chunks,
                        late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
+    if settings.partitioner == "time" and world.rank == 0:
+        say_cut(model, prepared)
     devices = world.place(settings.devices, spec.stages)
     problem = missing_toolchain(settings.compile, tuple(sorted({d.type for d in devices})))
     if problem:

@@ -21,17 +21,19 @@ from torch import nn
 from .errors import NonFiniteLoss
 from .options import REQUIRED, describe, of_scope
 from .pipeline import Batch, Pipeline, TrainResult
+from .runtime.defaults import DEFAULT_METHOD
 
 __all__ = ["train", "TrainResult", "NonFiniteLoss"]
 
 _FIT = {o.name for o in of_scope("fit")}
 
 
-def train(model: nn.Module, batches: Iterable[Batch], *, method: str, runtime: str = "local",
+def train(model: nn.Module, batches: Iterable[Batch], *, method: str = DEFAULT_METHOD, runtime: str = "local",
           **options: Any) -> TrainResult:
     """Train a copy of ``model`` on ``batches`` (one epoch of mini-batches, any iterable, iterated
-    once per epoch) with a pipeline method: ``Pipeline(model, method=method, ...).fit(batches,
-    ...)``, each option given to the one that takes it. ``runtime`` must be ``"local"``.
+    once per epoch) with a pipeline method (default: the Pipeline's, zb-h1): ``Pipeline(model,
+    method=method, ...).fit(batches, ...)``, each option given to the one that takes it.
+    ``runtime`` must be ``"local"``.
 
     Options (:mod:`pipeoptim.options`):
 {options}
@@ -50,7 +52,7 @@ def _signature() -> inspect.Signature:
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=nn.Module),
               inspect.Parameter("batches", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("method", keyword, annotation=str)]
+              inspect.Parameter("method", keyword, default=DEFAULT_METHOD, annotation=str)]
     for option in of_scope("pipeline", "fit"):
         if option.name != "method":
             default = inspect.Parameter.empty if option.default is REQUIRED else option.default

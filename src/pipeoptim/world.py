@@ -25,6 +25,7 @@ from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_ch
                          prune,
                          read_manifest, save_manifest, verify, write_state)
 from .errors import CheckpointError
+from .graph_split import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
 from .runtime.forward_only import ForwardOnly, Scores
@@ -281,12 +282,14 @@ class PendingCheckpoint:
 
 
 def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tuple[int, int],
-                    fields: Dict[str, Any], *, background: bool = False) -> Optional[PendingCheckpoint]:
+                    fields: Dict[str, Any], *, background: bool = False,
+                    names: Optional[StateNames] = None) -> Optional[PendingCheckpoint]:
     """Checkpoint a drained pipeline at ``position`` = (epoch, batch): every process of the job
     writes its part of one distributed checkpoint (replicas' equal values once, shards as
     shards) into a partial folder, then :meth:`PendingCheckpoint.finish` names it (``fields`` in
     its manifest as they are). ``background``: the files are written while training goes on,
-    and the caller finishes the returned checkpoint later; else it is finished now (None)."""
+    and the caller finishes the returned checkpoint later; else it is finished now (None).
+    ``names``: a traced model's state-dict names (:func:`pipeoptim.checkpoint.checkpoint_state`)."""
     folder = store / checkpoint_name(*position)
     partial = store / f".partial-{folder.name}"  # renamed into place once whole
     if world.rank == 0 and partial.exists():
@@ -298,7 +301,7 @@ def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tu
     pending = PendingCheckpoint(world, store, folder, partial, info)
     problem = None
     try:
-        state = checkpoint_state(stages, world.rank)
+        state = checkpoint_state(stages, world.rank, names)
         if background:
             pending.written = write_state(state, partial, world.checkpoint_group(background=True), background=True)
             return pending
@@ -309,8 +312,8 @@ def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tu
     return None
 
 
-def load_checkpoint(world: World, store: Path, stages: List[Stage],
-                    run_info: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+def load_checkpoint(world: World, store: Path, stages: List[Stage], run_info: Dict[str, Any],
+                    names: Optional[StateNames] = None) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
     """Load this process's stages from the newest checkpoint in ``store`` (rank 0 picks it and
     checks its files), whatever layout wrote it: its manifest and this process's saved RNG
     state (not applied), or None if the run has none yet. A checkpoint refused on any rank is
@@ -332,7 +335,7 @@ def load_checkpoint(world: World, store: Path, stages: List[Stage],
         return None
     folder = store / name
     manifest, planned = _on_every_rank(world, "loading the checkpoint",
-                                       lambda: (read_manifest(folder), plan_load(folder, stages, world.rank)))
+                                       lambda: (read_manifest(folder), plan_load(folder, stages, world.rank, names)))
     # every rank reads (before it, every rank knew of any rank's refusal)
     rng = _on_every_rank(world, "loading the checkpoint",
                          lambda: load_state(folder, stages, planned, world.checkpoint_group()))

@@ -106,13 +106,14 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
 
 def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Optional[float]) -> str:
     """--clip-scope for ``method``: global clipping needs a synchronous method (an error for one
-    method; per stage for the asynchronous ones of a comparison). Without --clip-scope, a
-    synchronous method clips as a plain loop does (by the whole model's norm: the same numbers as
-    sequential), an asynchronous one per stage (no stage holds a mini-batch's whole gradient)."""
+    method; per stage for the asynchronous ones of a comparison). Without --clip-scope (or with
+    auto), the engine's ``auto``: a synchronous method clips as a plain loop does (by the whole
+    model's norm: the same numbers as sequential), an asynchronous one per stage (no stage holds a
+    mini-batch's whole gradient)."""
     scope = getattr(args, "clip_scope", None)
     synchronous = get_method(method).synchronous
-    if scope is None:
-        return "global" if synchronous and clip is not None else "stage"
+    if scope in (None, "auto"):  # the engine's default: global where the method allows it
+        return "auto"
     if clip is None:
         raise ValueError(f"--clip-scope applies with clipping, and the {args.task} recipe does not clip: "
                          f"give --clip-grad MAX_NORM")

@@ -13,12 +13,18 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..options import NOT_GIVEN, Flag, Option
+from ..runtime.defaults import DEFAULT_METHOD
 from .lr_schedules import LR_SCHEDULES
 from .optimizers import optimizer_names
 from .tasks import task_names
+from .tasks.recipes import RECIPES
 
 if TYPE_CHECKING:
     from .tasks import Task
+
+#: the recipes' optimizers, as --optimizer's help says them (pipeoptim bench and plan default to adamw)
+RECIPE_OPTIMIZERS = ("adamw for every task" if {r.optimizer for r in RECIPES.values()} == {"adamw"} else
+                     ", ".join(f"{task}: {r.optimizer}" for task, r in RECIPES.items()))
 
 TASK = "task and data"  # the --help groups of the lab's flags
 OPTIMIZER = "optimizer"
@@ -38,10 +44,11 @@ LAB_OPTIONS: Tuple[Option, ...] = (
            "training chapters; sentiment: the first N of its fixed validation split. Default: no "
            "validation split", "lab", Flag("int", metavar="N", group="evaluation during training")),
     Option("optimizer", "momentum", "the optimizer by name (momentum is SGD with 0.9). muon: torch.optim.Muon "
-           "on the hidden weight matrices (the 2-D weights of nn.Linear layers except the model's output "
+           "on the hidden weight matrices (the 2-D weights of the linear layers except the model's output "
            "layer), AdamW on the rest (embeddings, norms, biases, the output layer), one optimizer per "
-           "stage; lr is Muon's, adamw_lr AdamW's", "lab",
-           Flag(group=OPTIMIZER, choices=tuple(optimizer_names()), default=NOT_GIVEN, note="default: the task's recipe")),
+           "stage; --lr is Muon's, --adamw-lr AdamW's", "lab",
+           Flag(group=OPTIMIZER, choices=tuple(optimizer_names()), default=NOT_GIVEN,
+                note=f"default: the task's recipe's, which sets the lr and schedule with it ({RECIPE_OPTIMIZERS})")),
     Option("lr", None, "peak learning rate (default: the one the study tuned for this method, task and "
            "optimizer, else the recipe's; the run prints which)", "lab", Flag("float", group=OPTIMIZER)),
     Option("weight_decay", 0.0, "weight decay (0, i.e. none, except that adamw and muon keep torch's own: "
@@ -90,7 +97,7 @@ class RunConfig:
 
     task: str = "image"
     model: Optional[str] = None
-    method: str = "pipeoptim"
+    method: str = DEFAULT_METHOD
     stages: int = 4
     micro_batches: Optional[int] = None
     chunks: Optional[int] = None
@@ -116,7 +123,7 @@ class RunConfig:
     lr_schedule: str = "constant"
     warmup_steps: Optional[int] = None
     clip_grad: Optional[float] = None
-    clip_scope: str = "stage"
+    clip_scope: str = "auto"
     precision: str = "fp32"
     recompute: bool = False
     compile: Optional[str] = None
