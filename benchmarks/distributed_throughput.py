@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = ["bench", "--stages", str(args.stages), "--batches", str(args.batches), "--warmup",
                str(args.warmup), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size),
-               "--methods", args.methods, "--out", str(args.out)]
+               "--methods", args.methods, "--optimizer", "momentum",  # SGD momentum, as the results were measured
+               "--out", str(args.out)]
     if args.synthetic:
         command.append("--synthetic")
     code = pipeoptim_main(command)

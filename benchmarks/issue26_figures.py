@@ -10,7 +10,7 @@
   N = 4 is simulated only: 4 processes on this machine's 2 cores would measure the sharing of
   cores, not the schedule.
 * ``docs/memory.png``: per stage, the peak of activations held with and without activation
-  recomputation (``pipeoptim bench --recompute both``, gpipe and 1f1b-flush, N = 2, M = 4,
+  recomputation (``pipeoptim bench --ablate recompute``, gpipe and 1f1b-flush, N = 2, M = 4,
   micro-batches of 64), measured from the tensors each stage keeps beside the prediction (the
   simulator's micro-batches in flight x the profiled bytes of one micro-batch).
 
@@ -38,7 +38,7 @@ def bench(args: List[str]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "pipeoptim", "bench", "--synthetic", "--no-baselines", "--json",
-               "--out", str(out), *args]
+               "--optimizer", "momentum", "--out", str(out), *args]  # SGD momentum, as the figures were made
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -69,7 +69,7 @@ def measure(args: argparse.Namespace) -> int:
                   "simulated_n2": simulated_bubble(m, 2, stage_ms),
                   "simulated_n4": simulated_bubble(m, 4, stage_ms)} for m in METHODS}
     memory_run = bench(["--stages", "2", "--micro-batches", str(M), "--methods", "gpipe,1f1b-flush",
-                        "--recompute", "both", "--batch-size", "256", "--batches", "2", "--warmup", "0",
+                        "--ablate", "recompute", "--batch-size", "256", "--batches", "2", "--warmup", "0",
                         "--repeats", "1"])
     memory = {name: d["activations"] for name, d in memory_run["detail"].items()}
     result = {"bubble": bubble, "stage_ms_mean": stage_ms, "memory": memory,

@@ -1,5 +1,5 @@
-"""`pipeoptim bench --shard-replicas`: each method replicated and sharded over its replicas (FSDP2),
-the sharded runs named 'METHOD xD sharded' beside their replicated twins, each process's state
+"""`pipeoptim bench --ablate shard-replicas`: each method replicated and sharded over its replicas
+(FSDP2; `--shard-replicas` alone: sharded only), the sharded runs named 'METHOD xD sharded' beside their replicated twins, each process's state
 bytes in the report; refused, with the fix, where it cannot run."""
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from pipeoptim.cli.bench import format_memory, ratios
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--shard-replicas", "on"], "--shard-replicas on shards each stage over its replicas: give --data-parallel D"),
-    (["--shard-replicas", "both", "--data-parallel", "1"], "give --data-parallel D with D >= 2"),
-    (["--shard-replicas", "on", "--data-parallel", "2", "--optimizer", "muon"],
+    (["--shard-replicas"], "--shard-replicas shards each stage over its replicas: give --data-parallel D"),
+    (["--ablate", "shard-replicas", "--data-parallel", "1"],
+     "--ablate shard-replicas shards each stage over its replicas: give --data-parallel D with D >= 2"),
+    (["--shard-replicas", "--data-parallel", "2", "--optimizer", "muon"],
      "--shard-replicas with --optimizer muon: Muon orthogonalizes each whole matrix"),
+    (["--ablate", "compile,sharded"],
+     "--ablate takes comma-separated settings of compile, recompute, shard-replicas, got 'compile,sharded'"),
 ])
 def test_what_cannot_shard_is_refused_in_one_line_naming_the_fix(argv, says, capsys):
     assert main(["bench", "--synthetic", *argv]) == 2
@@ -40,12 +43,12 @@ def test_bench_times_each_method_replicated_and_sharded(tmp_path, capfd):
     sharded run after the first one's groups are gone); each process of a sharded stage holds
     about half its parameters, gradients and optimizer state (FSDP2's dim-0 chunks)."""
     assert main(["bench", "--synthetic", "--methods", "1f1b-flush", "--stages", "2", "--data-parallel", "2",
-                 "--shard-replicas", "both", "--batches", "2", "--warmup", "1", "--batch-size", "16",
+                 "--ablate", "shard-replicas", "--batches", "2", "--warmup", "1", "--batch-size", "16",
                  "--no-baselines", "--repeats", "1", "--json", "--out", str(tmp_path / "bench.json"),
                  "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == {"1f1b-flush x2", "1f1b-flush x2 sharded"}
-    assert result["settings"]["shard_replicas"] == "both"
+    assert (result["settings"]["shard_replicas"], result["settings"]["ablate"]) == (False, ["shard_replicas"])
     assert "1f1b-flush x2 sharded/1f1b-flush x2" in result["ratios"]
     replicated = result["detail"]["1f1b-flush x2"]["state_memory"]
     sharded = result["detail"]["1f1b-flush x2 sharded"]["state_memory"]

@@ -50,7 +50,7 @@ CASES = [
     (["train", "--runtime", "distributed", "--stages", "2", "--data-parallel", "3", "--batch-size", "64", *QUICK],
      "a mini-batch of 64 samples does not split into 3 equal replica shards"),
     (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),
-    (["train", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
+    (["train", "--method", "pipeoptim", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--stages", "9", *QUICK], "9 stages need at least 9 layers with parameters"),
@@ -75,13 +75,13 @@ CASES = [
      "--clip-scope global needs every stage to update the same mini-batch at once"),
     (["train", "--horizon", "future"], "invalid choice: 'future'"),
     (["train", "--delta", "adam"], "invalid choice: 'adam'"),
-    (["train", "--lr-correction", "delay", "--lr-correction-steps", "0"],
+    (["train", "--method", "pipeoptim", "--lr-correction", "delay", "--lr-correction-steps", "0"],
      "--lr-correction-steps must be a number of updates >= 1, got 0"),
-    (["train", "--lr-correction-steps", "10"], "--lr-correction-steps applies with --lr-correction 'delay'"),
-    (["train", "--delta", "ema", "--ema-decay", "1.0"], "--ema-decay must lie strictly between 0 and 1"),
-    (["train", "--ema-decay", "0.5"], "--ema-decay applies with --delta 'ema'"),
-    (["train", "--prediction-warmup", "-2"], "--prediction-warmup must be 0 (off)"),
-    (["train", "--sync-warmup", "-1"], "--sync-warmup must be 0 (off)"),
+    (["train", "--method", "pipeoptim", "--lr-correction-steps", "10"], "--lr-correction-steps applies with --lr-correction 'delay'"),
+    (["train", "--method", "pipeoptim", "--delta", "ema", "--ema-decay", "1.0"], "--ema-decay must lie strictly between 0 and 1"),
+    (["train", "--method", "pipeoptim", "--ema-decay", "0.5"], "--ema-decay applies with --delta 'ema'"),
+    (["train", "--method", "pipeoptim", "--prediction-warmup", "-2"], "--prediction-warmup must be 0 (off)"),
+    (["train", "--method", "pipeoptim", "--sync-warmup", "-1"], "--sync-warmup must be 0 (off)"),
     (["train", "--method", "gpipe", "--sync-warmup", "3"],
      "--sync-warmup applies to async-naive, pipedream, spectrain, xpipe, pipeoptim, not gpipe"),
     (["train", "--method", "pipedream", "--delta", "ema"], "--delta applies to spectrain, xpipe, pipeoptim, not pipedream"),
@@ -105,12 +105,16 @@ CASES = [
                                                       "model gpt-tied is traced by torch.export instead"),
     (["bench", "--task", "lm", "--model", "gpt-tied-small", "--stages", "2"], "bench one of gpt, gpt-small, "
                                                                                "gpt-narrow, or train gpt-tied-small"),
+    # bench's --compile takes a backend as train's does; with and without is --ablate compile
+    (["bench", "--compile", "both"], "argument --compile: invalid choice: 'both'"),
+    (["bench", "--ablate", "compile,recompute,sharded"], "--ablate takes comma-separated settings of compile, "
+                                                        "recompute, shard-replicas, got 'compile,recompute,sharded'"),
     (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
     (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
     (["schedule", "nope"], "unknown schedule or method"),
     (["schedule", "gpipe", "--stages", "0"], "must be"),
-    (["schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"], "multiple of the ranks"),
-    (["schedule", "2bw", "--stages", "4", "--microbatches", "2"], "m >= stages N"),
+    (["schedule", "interleaved-1f1b", "--stages", "4", "--micro-batches", "6"], "multiple of the ranks"),
+    (["schedule", "2bw", "--stages", "4", "--micro-batches", "2"], "m >= stages N"),
 ]
 
 

@@ -45,12 +45,12 @@ def test_pipeoptim_2bw_and_micro_batched_pipeoptim_json(capsys):
     assert ours["weight_copies"] == [3, 3, 3, 1] and twobw["weight_copies"] == [2, 2, 2, 2]
     assert ours["makespan"] == twobw["makespan"] == 70
     for m, makespan in ((2, 38), (4, 70)):   # pipeoptim with M micro-batches per update
-        report = run_json(capsys, "pipeoptim", "--stages", "4", "--batches", "8", "--microbatches", str(m))
+        report = run_json(capsys, "pipeoptim", "--stages", "4", "--batches", "8", "--micro-batches", str(m))
         assert (report["schedule"], report["microbatches"], report["makespan"]) == ("async-1f1b", m, makespan)
 
 
 def test_gpipe_json_matches_the_closed_form(capsys):
-    report = run_json(capsys, "gpipe", "--stages", "4", "--microbatches", "8")
+    report = run_json(capsys, "gpipe", "--stages", "4", "--micro-batches", "8")
     assert report["analytic_bubble_fraction"] == pytest.approx(3 / 11, abs=1e-15)
     assert report["bubble_fraction"] == pytest.approx(report["analytic_bubble_fraction"], abs=1e-12)
     assert report["peak_activations"] == [8, 8, 8, 8]
@@ -140,7 +140,7 @@ def test_default_out_is_in_the_current_directory(tmp_path, monkeypatch, capsys):
     (["nope"], "unknown schedule or method 'nope'"),
     (["gpipe", "--stages", "0"], "--stages must be at least 1, got 0"),
     (["gpipe", "--stages", "two"], "--stages must be an integer, got 'two'"),
-    (["gpipe", "--microbatches", "-1"], "--microbatches must be at least 1"),
+    (["gpipe", "--micro-batches", "-1"], "--micro-batches must be at least 1"),
     (["gpipe", "--costs", "1"], "--costs takes F,B or F,B,W"),
     (["gpipe", "--costs", "1,x"], "--costs must be a number, got 'x'"),
     (["gpipe", "--costs", "1,0"], "forward and backward must take some time"),
@@ -163,7 +163,7 @@ def test_help_exits_0_and_documents_every_option(capsys):
         main(["schedule", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--stages", "--microbatches", "--batches", "--chunks", "--costs", "--comm",
+    for option in ("--stages", "--micro-batches", "--batches", "--chunks", "--costs", "--comm",
                    "--update-cost", "--format", "--out", "--width", "--json", "NAME"):
         assert option in out
     assert "pipeoptim" in out and "async-1f1b" in out

@@ -551,7 +551,8 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     out = tmp_path / "bench.json"
     # 3 timed mini-batches: stage 0's third forward comes after its first update, so PipeOptim predicts
     assert main(["bench", "--synthetic", "--batches", "3", "--warmup", "1", "--batch-size", "16",
-                 "--methods", "gpipe,pipeoptim", "--json", "--out", str(out), "--timeout", "60"]) == 0
+                 "--methods", "gpipe,pipeoptim", "--optimizer", "momentum", "--json", "--out", str(out),
+                 "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == {"sequential-1dev", "sequential-all", "gpipe", "pipeoptim"}
     assert all(v > 0 for v in result["samples_per_second"].values())

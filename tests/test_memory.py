@@ -148,7 +148,7 @@ def test_chunked_candidates_need_layers_and_a_multiple_of_the_stages():
 
 
 def test_bench_reports_the_measured_peak_against_the_prediction(tmp_path, capfd):
-    """`pipeoptim bench --recompute both`: every pipelined run twice; per stage the measured peak
+    """`pipeoptim bench --ablate recompute`: every pipelined run twice; per stage the measured peak
     of activations held against the prediction, equal on the first stage of the blocks model
     (1f1b-flush and gpipe at N = M = 2: 2 micro-batches in flight, each the profiled bytes)."""
     import json
@@ -156,11 +156,11 @@ def test_bench_reports_the_measured_peak_against_the_prediction(tmp_path, capfd)
     from pipeoptim.cli import main
 
     assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "0", "--batch-size", "16",
-                 "--methods", "1f1b-flush,gpipe", "--recompute", "both", "--no-baselines", "--repeats", "1",
+                 "--methods", "1f1b-flush,gpipe", "--ablate", "recompute", "--no-baselines", "--repeats", "1",
                  "--json", "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == {"1f1b-flush", "1f1b-flush+recompute", "gpipe", "gpipe+recompute"}
-    assert result["settings"]["recompute"] == "both"
+    assert result["settings"]["ablate"] == ["recompute"]
     rows, image, width = 8, 28 * 28 * 4, 512 * 4  # micro-batch rows; bytes of one row's image, of one feature row
     for name in result["samples_per_second"]:
         first = result["detail"][name]["activations"][0]

@@ -99,7 +99,8 @@ OPTIONS: Tuple[Option, ...] = (
            "and --lr (the lab's options)"),
     Option("stages", None, "pipeline stages N (processes under torchrun; default there: the processes of a "
            "replica), cut by the partitioner", "pipeline",
-           Flag("int", default=NOT_GIVEN, note="default: the --partition's, else 4; sequential uses 1")),
+           Flag("int", default=NOT_GIVEN, help="pipeline stages N (one process each with --runtime distributed), "
+                "cut by --partitioner", note="default: the --partition's, else 4; sequential uses 1")),
     Option("partition", None, "layers per stage of an nn.Sequential (units per stage of a traced model), "
            "e.g. [3, 3, 2]; with chunks, the layers of every one of the stages x chunks pieces", "pipeline",
            Flag("ints", metavar="N,N,...", help="layers per stage of the model, e.g. 3,3,2 (a traced model: units "
@@ -240,7 +241,7 @@ OPTIONS: Tuple[Option, ...] = (
            "weight decay, clipping, schedules; any optimizer); one more weight copy per stage", "method",
            Flag(group=CORRECTIONS)),
     Option("ema_decay", None, "the decay of delta=ema (default 0.9)", "method",
-           Flag("float", metavar="G", group=CORRECTIONS)),
+           Flag("float", metavar="G", group=CORRECTIONS, help="the decay of --delta ema (default 0.9)")),
     Option("prediction_warmup", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
            "updates", "method", Flag("int", metavar="T", group=CORRECTIONS)),
     Option("error_feedback", False, "the methods with a one-update delay (2BW's schedule): each update's "
@@ -251,7 +252,8 @@ OPTIONS: Tuple[Option, ...] = (
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------
     Option("epochs", 1, "passes over the loader (iterated once per epoch; len() is used when it exists)",
-           "fit", Flag("int", group="task and data", default=NOT_GIVEN)),
+           "fit", Flag("int", group="task and data", default=NOT_GIVEN,
+                       help="passes over the training data (default: the task's recipe)")),
     Option("eval_loader", None, "after each epoch (and every eval_every), evaluate() on this loader with "
            "metric; the value is the epoch's metric", "fit", api_only="an iterable; the command line "
            "evaluates the task's test (or --holdout validation) split"),

@@ -22,19 +22,25 @@ weight gradient cost what another block's forward, input gradient and weight gra
 :mod:`pipeoptim.lab.bench_worker`; this module parses, starts them and prints. ``--model NAME`` benches one of the task's
 own models instead, split by ``--partitioner``.
 
+``--recompute``, ``--compile [BACKEND]`` and ``--shard-replicas`` are the flags of ``pipeoptim
+train``: each turns its setting on for every method. ``--ablate`` names settings to compare
+instead: each method runs without and with each of them (every combination), beside one
+another in the same rounds.
+
 Per run and stage it also reports the peak of activations held, measured from the tensors the
 stage keeps (``runtime/held.py``, not the process's memory) against the prediction (the
 simulator's peak count of micro-batches in flight x the profiled bytes one micro-batch holds);
-``--recompute both`` runs every method with and without activation recomputation.
+``--ablate recompute`` runs every method with and without activation recomputation (the second
+named 'METHOD+recompute').
 
-With ``--data-parallel D``, ``--shard-replicas both`` runs every method with its stages replicated
+With ``--data-parallel D``, ``--ablate shard-replicas`` runs every method with its stages replicated
 and sharded over their D replicas (torch's FSDP2, ``Pipeline(shard_replicas=True)``; the runs
 named 'METHOD xD sharded'): the training state table shows each process's bytes (parameters,
 gradients, optimizer state, weights against their closed form), a sharded stage's about 1/D.
 
-``--compile both`` runs every method eagerly and with each stage's forward compiled
-(``Pipeline(compile=True)``; the runs named 'METHOD compiled', each compiled on an untimed
-mini-batch first), and reports each compiled run against its eager twin.
+``--ablate compile`` runs every method eagerly and with each stage's forward compiled (with
+``--compile``'s backend, inductor where it names none; the runs named 'METHOD compiled', each
+compiled on an untimed mini-batch first), and reports each compiled run against its eager twin.
 
 Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
 ``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
@@ -55,7 +61,6 @@ from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
 from ..lab.bench_worker import COMPILED_SUFFIX, SHARDED_SUFFIX
-from ..runtime.defaults import COMPILE_BACKENDS
 from ..lab.optimizers import optimizer_names
 from .common import check_positive, known_methods, refuse_traced_model
 from .flags import add_table_flags
@@ -64,47 +69,60 @@ DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
 
 
+#: what --ablate compares, by its flag's name -> the setting of the workers' spec
+ABLATIONS = {"compile": "compile", "recompute": "recompute", "shard-replicas": "shard_replicas"}
+
+
+def ablations(text: str) -> List[str]:
+    """--ablate: comma-separated names of :data:`ABLATIONS` (an unknown one refused with the choices)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown or not names:
+        raise ValueError(f"--ablate takes comma-separated settings of {', '.join(ABLATIONS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure the methods' throughput on the distributed runtime",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     add_table_flags(p, "task")
     p.add_argument("--model", default="blocks",
-                   help="blocks (default: identical blocks, balanced stages) or a model of the task")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages (default: 2)")
+                   help="blocks (default: identical blocks, so that every stage does the same work and the "
+                        "runs compare the methods, not the split) or a model of the task")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated methods to time (default: every pipelined method, %(default)s; "
+                        "sequential is timed as the baselines)")
+    p.add_argument("--stages", type=int, default=2,
+                   help="pipeline stages, one process each (default: 2, so that each process of a two-core "
+                        "machine has a core of its own)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="D",
                    help="D replicas of the pipeline (stages x D processes), each on its shard of "
                         "every mini-batch, the runs named 'METHOD xD'; with --stages 1, the whole model "
                         "data parallel ('sequential xD'). Default: 1")
-    p.add_argument("--batches", type=int, default=32, help="timed mini-batches per run (default: 32)")
+    p.add_argument("--batches", type=int, default=32,
+                   help="timed mini-batches per run (default: 32; every run times the same number, not an epoch)")
     p.add_argument("--warmup", type=int, default=2, help="untimed mini-batches first (default: 2)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed rounds, the runs taking turns; the median is reported with the "
                         "interquartile range (default: 5)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="mini-batch size (default: 512 for blocks, else the task's)")
-    add_table_flags(p, "micro_batches")
-    p.add_argument("--partitioner", default="params", choices=["uniform", "params"],
-                   help="split of a task model's blocks (default: params, balanced by parameter "
-                        "count); the blocks model has its own balanced split")
-    p.add_argument("--recompute", default="off", choices=["off", "on", "both"],
-                   help="activation recomputation in the pipelined runs: off (default), on, or both (each "
-                        "method twice, the second named 'METHOD+recompute'); the report's memory table "
-                        "shows per stage the peak of activations held, measured and predicted")
-    p.add_argument("--compile", default="off", choices=["off", "on", "both"],
-                   help="each stage's forward through torch.compile (inductor; Pipeline(compile=True)): on, or "
-                        "both (every method twice, the second named 'METHOD compiled'); a compiled run first "
-                        "trains one untimed mini-batch, in which it compiles (default: off)")
-    p.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
-                   help="the compiled runs' torch.compile backend (default: inductor; aot_eager "
-                        "compiles in a second, for a look at the compiled path)")
-    p.add_argument("--shard-replicas", default="off", choices=["off", "on", "both"],
-                   help="with --data-parallel D >= 2, each stage sharded over its D replicas with torch's "
-                        "FSDP2 instead of replicated: off (default), on, or both (each method twice, the "
-                        "second named 'METHOD xD sharded'); the report's state table shows each process's "
-                        "bytes of parameters, gradients, optimizer state and weights")
-    p.add_argument("--optimizer", default="momentum", choices=optimizer_names(), help="default: momentum")
-    p.add_argument("--lr", type=float, default=0.01, help="default: 0.01")
+    add_table_flags(p, "micro_batches", "partitioner", "recompute", "compile", "shard_replicas", notes={
+        "partitioner": "a model of the task's; the blocks model has its own balanced split",
+        "recompute": "in every method's runs; the report's memory table shows per stage the peak of "
+                     "activations held, measured and predicted",
+        "compile": "a compiled run first trains one untimed mini-batch, in which it compiles",
+        "shard_replicas": "the report's state table shows each process's bytes of parameters, gradients, "
+                          "optimizer state and weights"})
+    p.add_argument("--ablate", default="", metavar="SETTING,...",
+                   help="run each method without and with each of these settings (every combination), "
+                        "beside one another: compile (the runs named 'METHOD compiled'; with --compile's "
+                        "backend, default inductor), recompute ('METHOD+recompute'), shard-replicas "
+                        "('METHOD xD sharded'); default: none")
+    p.add_argument("--optimizer", default="adamw", choices=optimizer_names(), help="default: adamw")
+    p.add_argument("--lr", type=float, default=0.01,
+                   help="learning rate (default: 0.01; the speed does not depend on it, so bench takes "
+                        "neither the recipe's nor a tuned one)")
     p.add_argument("--synthetic", action="store_true",
                    help="random inputs of the image shape instead of the data set (speed does not "
                         "depend on the values; for machines without the data)")
@@ -116,6 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> List[str]:
+    args.ablate = ablations(args.ablate) if args.ablate else []
     check_positive(args, ("stages", "batches", "repeats", "batch_size", "micro_batches", "data_parallel"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
@@ -126,13 +145,13 @@ def _check(args: argparse.Namespace) -> List[str]:
         raise ValueError("--synthetic makes random images: use it with --task image")
     if args.model == "blocks" and args.task != "image":
         raise ValueError("the blocks model reads images: use --task image, or --model NAME of the task")
-    if args.shard_replicas != "off":
+    if args.shard_replicas or "shard-replicas" in args.ablate:
+        flag = "--shard-replicas" if args.shard_replicas else "--ablate shard-replicas"
         if (args.data_parallel or 1) < 2:
-            raise ValueError(f"--shard-replicas {args.shard_replicas} shards each stage over its replicas: "
-                             f"give --data-parallel D with D >= 2")
+            raise ValueError(f"{flag} shards each stage over its replicas: give --data-parallel D with D >= 2")
         if args.optimizer == "muon":
-            raise ValueError("--shard-replicas with --optimizer muon: Muon orthogonalizes each whole matrix, "
-                             "which a sharded stage holds in pieces; use --shard-replicas off or another optimizer")
+            raise ValueError(f"{flag} with --optimizer muon: Muon orthogonalizes each whole matrix, which a "
+                             f"sharded stage holds in pieces; drop {flag} or use another optimizer")
     return methods
 
 
@@ -159,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
                 "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
                 "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
                 "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
-                "recompute": args.recompute, "shard_replicas": args.shard_replicas, "compile": args.compile,
-                "compile_backend": args.compile_backend,
+                "recompute": args.recompute, "shard_replicas": args.shard_replicas,
+                "compile": args.compile or ("inductor" if "compile" in args.ablate else False),
+                "ablate": [ABLATIONS[name] for name in args.ablate],
                 "synthetic": args.synthetic, "baselines": not args.no_baselines,
                 "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
                 "verbose": not args.json}

@@ -82,14 +82,16 @@ def cli_default(option: Option) -> Any:
     return None if option.scope == "method" else option.default
 
 
-def flag_help(option: Option) -> str:
-    """What ``--help`` says of the flag: the option's meaning, the methods that take a method's
-    option, the command line's note, the default."""
-    text = option.help
+def flag_help(option: Option, note: str = "") -> str:
+    """What ``--help`` says of the flag: the option's meaning (in the command line's words where
+    the flag has its own), the methods that take a method's option, the command line's note and
+    the command's own ``note``, the default."""
+    text = option.flag.help or option.help
     if option.scope == "method" and option.flag.group != CORRECTIONS:
         text = f"{', '.join(takers(option.name, METHODS))}: {text}"
-    if option.flag.note:
-        text += f"; {option.flag.note}"
+    for extra in (option.flag.note, note):
+        if extra:
+            text += f"; {extra}"
     text = text.replace("%", "%%")
     default = cli_default(option)
     if default not in (None, False) and "default:" not in text:
@@ -103,16 +105,19 @@ def method_choices(name: str) -> Optional[tuple]:
     return tuple(dict.fromkeys(allowed)) or None
 
 
-def add_flag(group: Any, option: Option) -> None:
+def add_flag(group: Any, option: Option, note: str = "") -> None:
     """The option's flag in ``group``: its name, parser, choices (a method's option: the values
-    the methods allow), default and ``--help`` text, stored under the RunConfig field's name."""
+    the methods allow), default and ``--help`` text (with the command's ``note``), stored under
+    the RunConfig field's name; a flag with a ``const`` takes its value optionally."""
     flag = option.flag
     dest = flag.config if flag.config and option.scope != "method" else option.name  # the RunConfig field
-    kwargs: Dict[str, Any] = {"dest": dest, "help": flag_help(option), "default": cli_default(option)}
+    kwargs: Dict[str, Any] = {"dest": dest, "help": flag_help(option, note), "default": cli_default(option)}
     if flag.type == "switch":
         kwargs["action"] = "store_true"
     else:
         kwargs["type"] = TYPES[flag.type]
+        if flag.const is not None:
+            kwargs.update(nargs="?", const=flag.const)
         choices = flag.choices or (method_choices(option.name) if option.scope == "method" else None)
         if choices:
             kwargs["choices"] = list(choices)
@@ -133,10 +138,11 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
         add_flag(groups[option.flag.group], option)
 
 
-def add_table_flags(group: Any, *names: str) -> None:
-    """The flags of the options ``names`` as the tables define them, in ``group``."""
+def add_table_flags(group: Any, *names: str, notes: Optional[Dict[str, str]] = None) -> None:
+    """The flags of the options ``names`` as the tables define them, in ``group``; ``notes``:
+    what the command adds to an option's ``--help`` (by the option's name)."""
     for option in (o for o in (*LAB_OPTIONS, *OPTIONS) if o.name in names):
-        add_flag(group, option)
+        add_flag(group, option, (notes or {}).get(option.name, ""))
 
 
 def add_run_options(parser: argparse.ArgumentParser, command: str) -> None:

@@ -2,7 +2,7 @@
 
 NAME is a schedule (``gpipe``, ``async-1f1b``, ...) or a training method (``pipeoptim``,
 ``pipedream``, ...). For a method, the command shows the method's schedule, uses its default
-number of micro-batches when ``--microbatches`` is not given, and reports the weight versions
+number of micro-batches when ``--micro-batches`` is not given, and reports the weight versions
 each stage holds.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stages", "-N", metavar="N", default="4",
                         help="pipeline stages, one per rank (ranks for interleaved-1f1b, zb-v, "
                              "bidirectional and bitpipe, which put several stages on a rank); default 4")
-    parser.add_argument("--microbatches", "-M", metavar="M", default=None,
+    parser.add_argument("--micro-batches", "-M", metavar="M", default=None,
                         help="micro-batches per mini-batch, i.e. per update. Default: the "
                              "method's own (gpipe, 1f1b-flush, zb-h1, pipedream-2bw, pipeoptim-2bw: N; xpipe: 2; "
                              "others: 1); for a schedule name N for synchronous schedules and 2bw "
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batches", "-T", metavar="T", default=None,
                         help="mini-batches (updates) to run; default 1 for synchronous schedules, "
                              "2N for asynchronous ones (async-1f1b, 2bw and the methods on them)")
-    parser.add_argument("--chunks", "-V", metavar="V", default="2",
+    parser.add_argument("--chunks", "-V", metavar="V", default=None,
                         help="model chunks per rank for interleaved-1f1b; default 2")
     parser.add_argument("--costs", metavar="F,B[,W]", default="1,1",
                         help="time of one forward and one backward per stage (and of the weight "
@@ -126,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown schedule or method {name!r}; schedules: {', '.join(schedule_names())}; "
                          f"methods: {', '.join(method_names())}")
     stages = _integer("--stages", args.stages)
-    chunks = _integer("--chunks", args.chunks)
+    chunks = _integer("--chunks", args.chunks) if args.chunks is not None else 2
     width = _integer("--width", args.width)
-    if args.microbatches is not None:
-        microbatches = _integer("--microbatches", args.microbatches)
+    if args.micro_batches is not None:
+        microbatches = _integer("--micro-batches", args.micro_batches)
     elif method is not None:
         microbatches = method.microbatches(stages, None)
     else:

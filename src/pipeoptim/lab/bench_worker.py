@@ -239,7 +239,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute,
                                 shard_replicas=sharded,
-                                compile=spec.get("compile_backend", "inductor") if compiled else False)
+                                compile=spec["compile"] if compiled else False)
             try:
                 d = pipeline.data_parallel_rank
                 shard = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in chunk]
@@ -269,10 +269,11 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         # burst of other work on the machine hits all of them alike rather than one.
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
         label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
-        modes = {"off": [False], "on": [True], "both": [False, True]}
-        variants = [(m, r, s, c) for m in spec["methods"] for s in modes[spec.get("shard_replicas", "off")]
-                    for r in modes[spec.get("recompute", "off")]
-                    for c in modes[spec.get("compile", "off")]]  # (method, recompute, sharded, compiled)
+        # each setting on or off as its flag says, or both where --ablate names it
+        modes = {key: [False, True] if key in spec["ablate"] else [bool(spec[key])]
+                 for key in ("recompute", "shard_replicas", "compile")}
+        variants = [(m, r, s, c) for m in spec["methods"] for s in modes["shard_replicas"]
+                    for r in modes["recompute"] for c in modes["compile"]]  # (method, recompute, sharded, compiled)
 
         def name_of(method: str, recompute: bool, sharded: bool, compiled: bool) -> str:
             return (label(method) + (SHARDED_SUFFIX if sharded else "") + (COMPILED_SUFFIX if compiled else "")
@@ -306,10 +307,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                              "partition": partition, "batch_size": batch, "batches": timed,
                              "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],
-                             "recompute": spec.get("recompute", "off"),
-                             "shard_replicas": spec.get("shard_replicas", "off"),
-                             "compile": spec.get("compile", "off"),
-                             "compile_backend": spec.get("compile_backend", "inductor"),
+                             "recompute": spec["recompute"], "shard_replicas": spec["shard_replicas"],
+                             "compile": spec["compile"], "ablate": spec["ablate"],
                              "synthetic": spec["synthetic"], "threads_per_stage": 1, "cores": cores,
                              "parameters": sum(p.numel() for p in model.parameters()),
                              "backend": "gloo", "torch": torch.__version__},
