@@ -1,12 +1,25 @@
-"""The example a user copies runs as it is, on a few hundred images."""
+"""The examples a user copies run as they are: the Fashion-MNIST script on a few hundred images,
+and the transformers GPT-2 script on a tiny config, in one process and under torchrun (2 stages x
+2 replicas, sharded), to the same losses, its exports loading back into GPT-2's own class."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist_pipeline.py"
+import pytest
+
+from test_torchrun import _env
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = EXAMPLES / "fashion_mnist_pipeline.py"
+GPT2 = EXAMPLES / "transformers_causal_lm.py"
+
+#: the GPT-2 example's tiny config: dropout off, so that every launcher draws the same losses
+TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--vocab", "64", "--seq", "16", "--sequences", "64",
+        "--batch-size", "8", "--epochs", "1", "--dropout", "0"]
 
 
 def test_the_fashion_mnist_example_trains_and_reports_test_accuracy():
@@ -19,3 +32,66 @@ def test_the_fashion_mnist_example_trains_and_reports_test_accuracy():
                      r"weight copies per stage \[2\.0, 2\.0, 2\.0, 1\.0\]", lines[-1])
     assert final, lines[-1]
     assert 0.1 < float(final.group(1)) <= 1.0  # ten classes: above chance after 12 updates
+
+
+def gpt2_run(out: Path, *extra: str, nproc: int = 0) -> Dict[str, object]:
+    """Run the GPT-2 example on the tiny config (under torchrun with ``nproc`` processes) and read
+    what rank 0 printed: the epoch losses, the summary line's fields, the export line."""
+    launcher = [] if not nproc else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run([sys.executable, *launcher, str(GPT2), *TINY, "--out", str(out), *extra],
+                          capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.strip().splitlines()
+    epochs: List[float] = [float(m.group(1)) for line in lines if (m := re.match(r"epoch \d+: loss (\S+)$", line))]
+    summary = [m for line in lines if (m := re.match(
+        r"(\S+) on (\d+) stages x (\d+) replica\(s\): (\d+) updates, final loss (\S+)$", line))]
+    assert len(summary) == 1, done.stdout
+    method, stages, replicas, updates, final = summary[0].groups()
+    return {"epochs": epochs, "method": method, "stages": int(stages), "replicas": int(replicas),
+            "updates": int(updates), "final": float(final), "export": lines[-1]}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt2-one") / "run"
+    return out, gpt2_run(out)
+
+
+def test_the_gpt2_example_trains_and_its_checkpoint_loads_strictly_into_gpt2(one_process):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out, run = one_process
+    assert (run["stages"], run["replicas"], run["updates"]) == (2, 1, 8)  # 64 sequences, 8 a mini-batch
+    assert len(run["epochs"]) == 1 and run["final"] < 4.2  # log(64) = 4.16 at the start: it learns
+    assert run["export"].endswith("loaded with strict=True; save_pretrained -> "
+                                  f"{out / 'hf'}; the same logits from all three: True"), run["export"]
+    # what the script exported, loaded here again with nothing but torch and transformers
+    config = GPT2Config.from_pretrained(out / "hf")
+    fresh = GPT2LMHeadModel(config)
+    fresh.load_state_dict(torch.load(out / "model.pt", weights_only=False)["model"], strict=True)
+    loaded = GPT2LMHeadModel.from_pretrained(out / "hf")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[name]), name
+
+
+def test_the_synchronous_default_trains_as_plain_training(one_process, tmp_path):
+    """The default method is a synchronous pipeline: its losses are those of the model trained in
+    one piece (``sequential``, one stage) on the same mini-batches."""
+    _, run = one_process
+    plain = gpt2_run(tmp_path / "run", "--method", "sequential", "--stages", "1")
+    assert plain["method"] == "sequential"
+    assert run["epochs"] == pytest.approx(plain["epochs"], rel=1e-5, abs=2e-6)
+    assert run["final"] == pytest.approx(plain["final"], rel=1e-5, abs=2e-6)
+
+
+def test_the_gpt2_example_under_torchrun_sharded_2x2_gives_the_one_process_losses(one_process, tmp_path):
+    """`torchrun --nproc-per-node 4 ... --shard-replicas`: 2 stages x 2 replicas, each stage
+    sharded over its replicas (FSDP2), each replica reading half of every mini-batch."""
+    _, run = one_process
+    sharded = gpt2_run(tmp_path / "run", "--shard-replicas", nproc=4)
+    assert (sharded["method"], sharded["stages"], sharded["replicas"], sharded["updates"]) == \
+        (run["method"], 2, 2, run["updates"])
+    assert sharded["epochs"] == pytest.approx(run["epochs"], rel=1e-5, abs=2e-6)
+    assert sharded["final"] == pytest.approx(run["final"], rel=1e-5, abs=2e-6)
+    assert sharded["export"].endswith("the same logits from all three: True"), sharded["export"]
