@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeoptim.lab.plan_targets import annotate, compare_command, notes, recommend
+from pipeoptim.lab.plan_targets import annotate, compare_command, notes
+from pipeoptim.planning import recommend
 from pipeoptim.methods import get_method
 
 BATCHES = 10
@@ -116,7 +117,7 @@ def test_where_no_study_covers_the_case_the_fastest_synchronous_one_and_the_one_
     task, model = case.get("task", "image"), case.get("model", "vgg")
     assert said[1] == ("so the fastest synchronous candidate is recommended, zb-h1 (M = 8); the fastest asynchronous "
                        "one, pipeoptim (M = 2), predicts 16000 samples/s (2.50x), but what its staleness costs in "
-                       "updates is unmeasured here: try it with "
+                       "updates is unmeasured here; to try it: "
                        + compare_command(task, model, 8, case.get("optimizer", "momentum"), ["zb-h1", "pipeoptim"]))
     assert len(said) == 2
 

@@ -2,7 +2,7 @@
 and the methods it is compared with, on one runtime, for any PyTorch 2.x, CPU or GPU.
 
 ``import pipeoptim`` does not import torch: :class:`Pipeline`, :func:`train`,
-:class:`TrainResult` and :class:`NonFiniteLoss` are imported on first use, so that the
+:func:`plan`, :class:`TrainResult` and :class:`NonFiniteLoss` are imported on first use, so that the
 command line (``pipeoptim --help``, ``pipeoptim schedule``) starts without it.
 """
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any
 from .methods import METHODS, get_method, method_names
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "train", "TrainResult", "NonFiniteLoss", "METHODS", "get_method", "method_names"]
+__all__ = ["Pipeline", "train", "plan", "TrainResult", "NonFiniteLoss", "METHODS", "get_method", "method_names"]
 
 #: served on first use from the module that defines them (they import torch)
-_LAZY = {"train": "train", "TrainResult": "pipeline", "Pipeline": "pipeline", "NonFiniteLoss": "errors"}
+_LAZY = {"train": "train", "plan": "planning", "TrainResult": "pipeline", "Pipeline": "pipeline",
+         "NonFiniteLoss": "errors"}
 
 
 def __getattr__(name: str) -> Any:

@@ -49,10 +49,13 @@ def microbatch_size(batch_size: int, microbatches: int) -> int:
 
 
 def head_rows(value: Any, rows: int) -> Any:
+    """The first ``rows`` samples of a batch: a tensor, or each tensor of a tuple or a dict."""
     if torch.is_tensor(value):
         return value[:rows]
     if isinstance(value, tuple):
         return tuple(head_rows(v, rows) for v in value)
+    if isinstance(value, dict):
+        return {k: head_rows(v, rows) for k, v in value.items()}
     return value
 
 

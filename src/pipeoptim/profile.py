@@ -185,42 +185,31 @@ def parameter_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def _mapped(value: Activation, fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
+    """``value`` with ``fn`` applied to each of its tensors (in tuples, lists and dicts)."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [_mapped(v, fn) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        return {k: _mapped(v, fn) for k, v in value.items()}
+    return value
+
+
 def _to_device(value: Activation, device: torch.device) -> Activation:
     """A copy on ``device`` with storage of its own (a slice of a bigger tensor would make the
     saved-bytes count see the whole storage)."""
-    if torch.is_tensor(value):
-        return value.detach().to(device).clone()
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    return _mapped(value, lambda t: t.detach().to(device).clone())
 
 
 def _leaf(value: Activation) -> Activation:
     """A detached copy of the activation whose floating tensors collect gradients."""
-    if torch.is_tensor(value):
-        v = value.detach()
-        return v.requires_grad_(True) if v.is_floating_point() else v
-    if isinstance(value, tuple):
-        return tuple(_leaf(v) for v in value)
-    if isinstance(value, list):
-        return [_leaf(v) for v in value]
-    return value
+    return _mapped(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t.detach())
 
 
 def _detached(value: Activation) -> Activation:
-    if torch.is_tensor(value):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    return _mapped(value, lambda t: t.detach())
 
 
 def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
@@ -400,45 +389,73 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
                         statistic=statistic)
 
 
+class StageTimer:
+    """One split of ``model`` (layers per stage ``sizes``) as the runtime runs it: copied, cut
+    into :class:`pipeoptim.runtime.stage.Stage` s (the synchronous weight policy) driven by the
+    local executor, every forward, backward and update timed. :meth:`run` trains one mini-batch
+    of one micro-batch; :meth:`summary` gives each stage's seconds over the runs kept. Several
+    timers taking turns see the same load on a machine shared with other work
+    (:func:`pipeoptim.planning.time_splits`). The caller's model is not touched."""
+
+    def __init__(self, model: nn.Sequential, sizes: List[int], sample: Activation, target: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], *, device: str = "cpu",
+                 optimizer: Optional[OptimizerFactory] = None) -> None:
+        from .methods import get_method
+        from .runtime.build import build_stages
+
+        dev = torch.device(device)
+        self.clock = _Clock(dev)
+        work = copy.deepcopy(model).to(dev)
+        work.train()
+        self.method = get_method("gpipe")
+        self.stages = build_stages(work, list(sizes), self.method, {},
+                                   optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0)), loss_fn)
+        self.log: List[Dict[str, List[float]]] = [{"forward": [], "backward": [], "update": []}
+                                                  for _ in self.stages]
+        for stage, record in zip(self.stages, self.log):
+            for name in ("forward", "backward", "update"):
+                def timed(*args: Any, _call=getattr(stage, name), _log=record[name], **kwargs: Any) -> Any:
+                    seconds, out = self.clock.time(lambda: _call(*args, **kwargs))
+                    _log.append(seconds)
+                    return out
+                setattr(stage, name, timed)
+        self.batch = (_to_device(_detached(sample), dev), None if target is None else _to_device(target, dev), 1.0)
+
+    def run(self, count: int = 1) -> None:
+        """Train ``count`` mini-batches (each one micro-batch), every call timed."""
+        from .runtime.local import run_schedule
+
+        run_schedule(self.stages, self.method.build_schedule(len(self.stages), 1, count), [self.batch] * count)
+
+    def totals(self, skip: int = 0) -> List[float]:
+        """Seconds of each run after the first ``skip``: every stage's forward + backward + update."""
+        return [sum(sum(record[name][r] for name in record) for record in self.log)
+                for r in range(skip, len(self.log[0]["update"]))]
+
+    def summary(self, skip: int = 0, statistic: str = "median") -> Dict[str, List[float]]:
+        """``{"forward": [...], "backward": [...], "update": [...]}``: per stage, the ``statistic``
+        of its runs after the first ``skip``."""
+        return {name: [_summary(record[name][skip:], statistic) for record in self.log]
+                for name in ("forward", "backward", "update")}
+
+
 def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, target: torch.Tensor,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
                    optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
                    statistic: str = "median") -> Dict[str, List[float]]:
     """Seconds of each stage's forward, backward and update for the split ``sizes``, measured
-    as the runtime runs them: the model split into :class:`pipeoptim.runtime.stage.Stage` s (the
-    synchronous weight policy) and driven by the local executor through ``warmup + repeats``
-    mini-batches of ``sample`` (one micro-batch each), every call timed. Returns
-    ``{"forward": [...], "backward": [...], "update": [...]}`` per stage (median, or min).
+    as the runtime runs them (:class:`StageTimer`) over ``warmup + repeats`` mini-batches of
+    ``sample``. Returns ``{"forward": [...], "backward": [...], "update": [...]}`` per stage
+    (median, or min, of the repeats).
 
     Layers timed one by one add up to less than a whole stage (caches: a stage's weights and
     activations do not all stay warm; the runtime's own work per pass), so the planner predicts
     from these. The model is copied; the caller's is not touched."""
-    from .methods import get_method
-    from .runtime.build import build_stages
-    from .runtime.local import run_schedule
-
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
-    dev = torch.device(device)
-    clock = _Clock(dev)
-    work = copy.deepcopy(model).to(dev)
-    work.train()
-    factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0))
-    method = get_method("gpipe")
-    stages = build_stages(work, list(sizes), method, {}, factory, loss_fn)
-    log: List[Dict[str, List[float]]] = [{"forward": [], "backward": [], "update": []} for _ in stages]
-    for stage, record in zip(stages, log):
-        for name in ("forward", "backward", "update"):
-            def timed(*args: Any, _call=getattr(stage, name), _log=record[name], **kwargs: Any) -> Any:
-                seconds, out = clock.time(lambda: _call(*args, **kwargs))
-                _log.append(seconds)
-                return out
-            setattr(stage, name, timed)
-    runs = warmup + repeats
-    x, y = _to_device(_detached(sample), dev), _to_device(target, dev)
-    run_schedule(stages, method.build_schedule(len(stages), 1, runs), [(x, y, 1.0)] * runs)
-    return {name: [_summary(record[name][warmup:], statistic) for record in log]
-            for name in ("forward", "backward", "update")}
+    timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
+    timer.run(warmup + repeats)
+    return timer.summary(warmup, statistic)
 
 
 def format_profile(profile: ModelProfile) -> str:

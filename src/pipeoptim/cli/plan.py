@@ -1,28 +1,39 @@
-"""`pipeoptim plan`: profile a task's model, partition it, predict every method and
+"""`pipeoptim plan`: profile a task's model or your own, partition it, predict every method and
 micro-batch count, recommend one and write a plan file for `pipeoptim train --plan FILE`."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, Tuple
 
 from ..lab.optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .common import check_positive, known_methods, log_for, print_json, refuse_traced_model
+from .common import check_positive, known_methods, log_for, print_json
 from .flags import add_table_flags
 
 DESCRIPTION = """\
-Profile every layer of a task's model (forward, backward and update time, activation and
-parameter bytes; median of --repeats after --warmup, on --device), split it into --stages
-three ways (uniform layers, balanced parameters, balanced profiled time) and report each
-split's slowest stage. Then, on the --partitioner split (default: time), predict for every
-method and micro-batch count the throughput (the schedule simulator with the profiled
-per-stage costs of one micro-batch, measured at the micro-batch size, or scaled linearly with
---scaling linear; with --stage-timing measured, the default, each split's stages are then
-timed as whole stages the way the runtime runs them; transfers cost bytes / --bandwidth) and the memory of every stage (weights x
-the method's weight versions, gradients, optimizer state, in-flight activations: the simulator's
-peak micro-batches in flight x the profiled bytes of one micro-batch, also with recomputation,
-"activations_recompute" in the JSON). The chunked methods (interleaved, zb-v) are predicted on a
-split into stages x 2 pieces, where the model has that many layers with parameters.
+Profile every layer of a model (forward, backward and update time, activation and parameter
+bytes, after --warmup runs, on --device): a task's model (--task, --model), or your own
+(--model-fn: any PyTorch module, a transformers model too, cut where the Pipeline would cut it,
+at its blocks). Split it into --stages three ways (uniform layers, balanced parameters, balanced
+profiled time) and report each split's slowest stage. Then, on the --partitioner split (default:
+time), predict for every method and micro-batch count the throughput (the schedule simulator
+with the per-stage costs of one micro-batch, measured at the micro-batch size, or scaled
+linearly with --scaling linear; with --stage-timing measured, the default, each split's stages
+are timed as whole stages the way a training run runs them; transfers cost bytes /
+--bandwidth) and the memory of every stage (weights x the method's weight versions, gradients,
+optimizer state, in-flight activations: the simulator's peak micro-batches in flight x the
+profiled bytes of one micro-batch, also with activation recomputation). The chunked and mirrored methods
+(interleaved, zb-v, bidirectional, bitpipe) are predicted on a split into stages x their pieces,
+where the model is a chain of layers with that many layers with parameters.
+
+On a busy machine: the sequential reference (the whole model as one stage) and every split's
+stages are timed the same way and in turns, one mini-batch of each per round, so that other
+work slows all of them alike; rounds go on from --repeats until each one's first and second
+halves agree within 5 % (at most --max-rounds; the plan reports the rounds and each one's
+spread), and --statistic min (the default) keeps each one's fastest round, what the machine can
+do. A candidate predicted more than --stages times faster than the sequential reference is one
+no split can give: it is flagged and not recommended.
 
 Recommendation rule: by predicted time to a model as good as synchronous training's, not by
 samples per second alone. A candidate's time to target is its predicted seconds per mini-batch
@@ -38,26 +49,41 @@ recommends it with this optimizer (the advice `pipeoptim compare` ends with and 
 lists: the same table); candidates within --tie of the best are tied, and among tied ones a
 synchronous method wins, then the study's method, then the smaller largest-stage memory, then
 fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
-task, --model, --batch-size or --optimizer the study did not run), the plan says so in one
-line, recommends the fastest synchronous candidate and names the fastest asynchronous one as
-the one to try with `pipeoptim compare`. The table by time to target shows, per candidate, its
-samples/s, its ratio of updates, its time to target and where the ratio came from.
+task, --model, --batch-size or --optimizer the study did not run, or --model-fn), the plan says
+so in one line, recommends the fastest synchronous candidate and names the fastest asynchronous
+one as the one to try with `pipeoptim compare` (your own model: by training both on your data).
+The table by time to target shows, per candidate, its samples/s, its ratio of updates, its time
+to target and where the ratio came from.
 
 Writes the plan (task, model, batch size, stages, partition, method, micro-batches,
-predictions, per-stage memory, the profile) to --out; `pipeoptim train --plan FILE` runs it."""
+predictions, per-stage memory, the profile) to --out; `pipeoptim train --plan FILE` runs a
+task's plan; for your own model it prints the Pipeline call that runs it."""
+
+MODEL_FN = """\
+your own model instead of a task's: MODULE:FUNCTION (an importable module, e.g. my_models:build)
+or FILE.py:FUNCTION (e.g. models/gpt.py:build). The function takes no arguments and returns
+(model, batch) or (model, batch, loss_fn): the model (any PyTorch module, e.g. a transformers
+GPT-2), one mini-batch of its data as training feeds it, and the loss. A batch that is a dict of
+the model's keyword inputs with "labels" and no loss_fn is a model that computes its own loss
+(a transformers model's); otherwise the batch is (inputs, target) and loss_fn(output, target)
+is the loss. The plan's partition counts the model's blocks (the points it can be cut at, which
+the plan lists). Not with --task, --model, --batch-size or --limit."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="profile a model and recommend a partition, method and micro-batches",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("task")
+    g = p.add_argument_group("model")
     add_table_flags(g, "task")
     g.add_argument("--model", help="model of the task (default: the task's)")
+    g.add_argument("--model-fn", metavar="MODULE:FUNCTION", help=MODEL_FN)
     g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
     add_table_flags(g, "limit", "seed")
-    g.add_argument("--optimizer", default="momentum", choices=optimizer_names(),
+    p.set_defaults(task=None)  # --task image when neither --task nor --model-fn is given (the table's default)
+    g.add_argument("--optimizer", default="adamw", choices=optimizer_names(),
                    help="optimizer whose update time and state are profiled, and whose ratios of updates to "
-                        "the target (the equal-time study's, for this task) rank the candidates (default: momentum)")
+                        "the target (the equal-time study's, for this task) rank the candidates (default: adamw, "
+                        "as pipeoptim train's recipes)")
     g = p.add_argument_group("pipeline and devices")
     g.add_argument("--stages", type=int, default=4, help="pipeline stages (default: 4)")
     g.add_argument("--device", default="cpu", help="where to profile: cpu, cuda, cuda:1 ... (default: cpu)")
@@ -69,60 +95,119 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "per-stage thread count of the run you plan)")
     g = p.add_argument_group("search")
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods to consider (default: %(default)s)")
-    g.add_argument("--microbatches", default=",".join(map(str, DEFAULT_MICROBATCHES)),
-                   help="micro-batch counts to consider (default: %(default)s)")
+    g.add_argument("--micro-batches", default=",".join(map(str, DEFAULT_MICROBATCHES)),
+                   help="micro-batch counts to consider, comma-separated (default: %(default)s)")
     g.add_argument("--partitioner", default="time", choices=PARTITIONERS,
-                   help="split the predictions use (default: time)")
+                   help="split the predictions use (default: time, the split balancing the profiled time; "
+                        "pipeoptim train and bench default to uniform, which needs no profile, but plan has "
+                        "the profile, and the time split is never predicted slower; the table lists all three)")
     g.add_argument("--memory-limit", help="bytes per stage, e.g. 2GiB; candidates above it are not recommended")
     g.add_argument("--tie", type=float, default=0.02,
                    help="relative difference in predicted time to target (in throughput where no study covers "
                         "the case) counted as a tie (default: 0.02)")
     g.add_argument("--scaling", default="measure", choices=["measure", "linear"],
                    help="per-micro-batch costs: profile each micro-batch size (measure, default) or divide "
-                        "the mini-batch profile by M (linear)")
+                        "the mini-batch's by M (linear)")
     g.add_argument("--stage-timing", default="measured", choices=["measured", "profile"],
-                   help="stage costs of the predictions: time each split's stages as the runtime runs them "
+                   help="stage costs of the predictions: time each split's stages as a training run runs them "
                         "(measured, default) or add up the profiled layers (profile, faster, optimistic)")
-    g.add_argument("--batches", type=int, help="mini-batches per predicted run (default: one epoch of the data)")
-    g.add_argument("--warmup", type=int, default=2, help="unmeasured runs per layer (default 2)")
-    g.add_argument("--repeats", type=int, default=5, help="measured runs per layer (default 5)")
-    g.add_argument("--statistic", default="median", choices=["median", "min"],
-                   help="time kept of the repeats: median (default) or min (on a machine shared with "
-                        "other jobs, closer to what the device can do)")
+    g.add_argument("--batches", type=int, help="mini-batches per predicted run (default: one epoch of the "
+                                               "task's data; 100 with --model-fn)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed runs first, per layer and per split (default 2)")
+    g.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per layer, and the fewest timed rounds of the splits (default 5)")
+    g.add_argument("--max-rounds", type=int,
+                   help="the most timed rounds of the splits while their halves disagree (default: 3 x --repeats)")
+    g.add_argument("--statistic", default="min", choices=["median", "min"],
+                   help="time kept of the runs: min (default: the fastest, what the machine can do when no "
+                        "other work takes its cores) or median")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("plan.json"), help="plan file (default: plan.json)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
     p.set_defaults(func=run)
 
 
+def load_model_fn(spec: str) -> Tuple[Any, Any, Any]:
+    """``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` -> what the function returns, as (model, batch,
+    loss_fn or None); each problem a one-line ValueError naming the fix."""
+    import importlib
+    import importlib.util
+    import sys
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--model-fn {spec!r} must be MODULE:FUNCTION or FILE.py:FUNCTION, e.g. my_models:build")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"--model-fn: no file {where}; give FILE.py:FUNCTION with a path from here")
+        loader = importlib.util.spec_from_file_location(f"_pipeoptim_model_fn_{path.stem}", path)
+        module = importlib.util.module_from_spec(loader)
+        sys.path.insert(0, str(path.resolve().parent))  # the file's own imports, as `python FILE.py` finds them
+        try:
+            loader.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as error:
+            raise ValueError(f"--model-fn: cannot import {where} ({error}); give MODULE:FUNCTION of a module on "
+                             f"the Python path or in this folder, or FILE.py:FUNCTION") from None
+        finally:
+            sys.path.remove(str(Path.cwd()))
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--model-fn: {where} has no function {name}; define def {name}(): return model, batch")
+    made = fn()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise ValueError(f"--model-fn: {name}() returned {type(made).__name__}; return (model, batch) or "
+                         f"(model, batch, loss_fn)")
+    return made[0], made[1], made[2] if len(made) == 3 else None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..lab.planner import format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, write_plan
+    from ..lab.planner import (format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, pipeline_call,
+                               plan_model, write_plan)
 
-    check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats"))
+    check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats", "max_rounds"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
-    refuse_traced_model(args.task, args.model, "plan")
+    if args.model_fn is not None:
+        given = [f for f, v in (("--task", args.task), ("--model", args.model), ("--batch-size", args.batch_size),
+                                ("--limit", args.limit)) if v is not None]
+        if given:
+            raise ValueError(f"--model-fn plans your own model on the batch its function returns; drop "
+                             f"{', '.join(given)}")
     methods = known_methods(args.methods)
-    microbatches = parse_int_list(args.microbatches, "--microbatches")
+    microbatches = parse_int_list(args.micro_batches, "--micro-batches")
     speeds = parse_speeds(args.speeds, args.stages)
     bandwidth = None if args.bandwidth is None else parse_bytes(args.bandwidth, "--bandwidth")
     memory_limit = None if args.memory_limit is None else parse_bytes(args.memory_limit, "--memory-limit")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     log = log_for(args)
-    plan = make_plan(task=args.task, model=args.model, stages=args.stages, device=args.device, speeds=speeds,
-                     bandwidth=bandwidth, batch_size=args.batch_size, methods=methods,
-                     microbatches=microbatches, memory_limit=memory_limit, partitioner=args.partitioner,
-                     scaling=args.scaling, batches=args.batches, limit=args.limit, seed=args.seed,
-                     optimizer=args.optimizer, warmup=args.warmup, repeats=args.repeats,
-                     statistic=args.statistic, stage_timing=args.stage_timing, tie=args.tie, log=log)
+    common = dict(stages=args.stages, device=args.device, speeds=speeds, bandwidth=bandwidth, methods=methods,
+                  microbatches=microbatches, memory_limit=memory_limit, partitioner=args.partitioner,
+                  scaling=args.scaling, seed=args.seed, optimizer=args.optimizer, warmup=args.warmup,
+                  repeats=args.repeats, max_rounds=args.max_rounds, statistic=args.statistic,
+                  stage_timing=args.stage_timing, tie=args.tie, log=log)
+    if args.model_fn is not None:
+        model, batch, loss_fn = load_model_fn(args.model_fn)
+        plan = plan_model(model, batch, loss_fn, batches=args.batches or 100, **common)
+    else:
+        plan = make_plan(task=args.task or "image", model=args.model, batch_size=args.batch_size,
+                         batches=args.batches, limit=args.limit, **common)
     path = write_plan(plan, args.out)
     if args.json:
         print_json(plan)
     else:
         print(format_plan(plan))
-        print(f"plan: {path}  (run it: pipeoptim train --plan {path})")
+        if plan["task"] is None:
+            print(f"plan: {path}  (run it: {pipeline_call(plan)})")
+        else:
+            print(f"plan: {path}  (run it: pipeoptim train --plan {path})")
     return 0
-

@@ -86,33 +86,6 @@ def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model
             "advised_optimizer": None if entry is None else entry.optimizer}
 
 
-def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None, tie: float = 0.02,
-              order: Optional[Sequence[str]] = None, prefer: Optional[str] = None) -> Dict[str, Any]:
-    """The recommended candidate: among those whose ``max_stage_memory`` fits ``memory_limit``
-    (all, without a limit) and may be recommended (``eligible``, True where absent; all that fit,
-    where none may), the shortest ``time_to_target_seconds`` where every one has it, else the
-    highest ``samples_per_second``. Candidates within ``tie`` (relative) of the best are tied, and
-    among them a synchronous method wins, then ``prefer`` (the study's method), then the smaller
-    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
-    Raises ValueError when no candidate fits."""
-    if not candidates:
-        raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
-    fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
-    if not fits:
-        least = min(candidates, key=lambda c: c["max_stage_memory"])
-        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
-                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
-                         f"{least['max_stage_memory']} bytes")
-    pool = [c for c in fits if c.get("eligible", True)] or fits
-    timed = all(c.get("time_to_target_seconds") is not None for c in pool)
-    cost = (lambda c: c["time_to_target_seconds"]) if timed else (lambda c: 1.0 / c["samples_per_second"])
-    best = min(cost(c) for c in pool)
-    tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
-    rank = {m: i for i, m in enumerate(order or [])}
-    return min(tied, key=lambda c: (not c["synchronous"], c["method"] != prefer, c["max_stage_memory"],
-                                    c["microbatches"], rank.get(c["method"], len(rank))))
-
-
 def compare_command(task: Optional[str], model: Optional[str], stages: int, optimizer: str,
                     methods: Sequence[str]) -> str:
     """The ``pipeoptim compare`` that measures ``methods`` against each other on the task."""
@@ -132,26 +105,20 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
           model: Optional[str], stages: int, optimizer: str) -> List[str]:
     """What the plan says beside its recommendation ``best``: whether a study covers the case
     (``study``: :func:`annotate`'s), the study's advice, and the asynchronous candidate to try
-    where the recommendation is not it."""
+    where the recommendation is not it (and, as the engine's rule says, the candidates no split can
+    reach)."""
+    from ..planning import reach_notes, unstudied_notes  # torch: only once a plan is made
+
     out = [study["line"] + "."]
-    fits = [c for c in cands if c["fits"]]
+    if not study["covered"]:
+        return out + unstudied_notes(cands, best, lambda methods: compare_command(task, model, stages, optimizer,
+                                                                                   methods))
+    out += reach_notes(cands, best)
+    fits = [c for c in cands if c["fits"] and c.get("reachable", True)]
     if not best["eligible"]:
         out.append(f"no synchronous candidate fits or was asked for: {_m(best)} is recommended on "
                    + ("time to target" if best.get("time_to_target_seconds") is not None else "throughput alone"))
     rivals = [c for c in fits if not c["synchronous"] and c is not best]
-    if not study["covered"]:
-        if rivals and best["synchronous"]:
-            fast = max(rivals, key=lambda c: c["samples_per_second"])
-            if fast["samples_per_second"] < 1.005 * best["samples_per_second"]:
-                out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; no asynchronous one is "
-                           f"predicted faster (the fastest, {_m(fast)}, {fast['samples_per_second']:.0f} samples/s)")
-                return out
-            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; the fastest asynchronous "
-                       f"one, {_m(fast)}, predicts {fast['samples_per_second']:.0f} samples/s "
-                       f"({fast['samples_per_second'] / best['samples_per_second']:.2f}x), but what its staleness "
-                       f"costs in updates is unmeasured here: try it with "
-                       + compare_command(task, model, stages, optimizer, [best["method"], fast["method"]]))
-        return out
     out.append(f"the study's advice: {study['advice']}")
     if study["advised_optimizer"] != optimizer:
         out.append(f"(that advice is for {study['advised_optimizer']}; this plan is for {optimizer}: "

@@ -1,0 +1,480 @@
+"""Plan a pipeline run of any model from a profile: which method, how many micro-batches, which
+split (``pipeoptim.plan``; the command line's ``pipeoptim plan`` adds the lab's study to it).
+
+**Any model.** An ``nn.Sequential`` is planned layer by layer; any other module (a
+``transformers`` model, a model of your own) is traced as the Pipeline traces it
+(:func:`pipeoptim.graph_split.trace`) and planned unit by unit
+(:meth:`~pipeoptim.graph_split.TracedModel.unit_modules`): a partition then counts units, as the
+Pipeline's ``partition=`` does for that model. A dict batch with ``"labels"`` and no ``loss_fn``
+is a model that computes its own loss (:mod:`pipeoptim.batches`). Chunked and mirrored methods
+(interleaved, zb-v, bidirectional, bitpipe) need an ``nn.Sequential``, as the Pipeline does.
+
+**Measured on a busy machine.** The per-unit profile (:mod:`pipeoptim.profile`) feeds the
+partitioners and the memory; the predictions' stage costs are the splits timed as the runtime
+runs them (:class:`pipeoptim.profile.StageTimer`), every split and the sequential reference
+(the whole model as one stage) the same way and in turns (:func:`time_splits`): one mini-batch
+of each per round, so that other work on the machine slows all of them alike, and rounds go on
+until each one's first and second halves agree within ``tolerance`` (or ``max_rounds``; the
+spread is reported either way). A candidate predicted faster than its process count times the
+sequential reference is one no split can give: it is flagged (``reachable`` False, why in
+``unreachable``) and not recommended.
+
+**The rule for a model no study measured** (:data:`RULE`, :func:`recommend`): the fastest
+synchronous candidate (they compute the updates of non-pipelined training), and the fastest
+asynchronous one named as the one to try (what its staleness costs in updates is unmeasured)."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .batches import LABELS, BatchForm, loader_item, model_loss
+from .graph_split import TracedModel, trace
+from .methods import get_method
+from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
+from .prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
+                         profile_sizes)
+from .profile import STATISTICS, ModelProfile, StageTimer, tensors_of
+
+RULE = ("the fastest synchronous candidate (predicted samples/s) among those whose largest process memory fits the "
+        "memory limit and whose speedup a split can reach (at most the process count); within {tie:.0%} of the "
+        "best counts as a tie, and ties go to less memory, then fewer micro-batches, then the earlier method; the "
+        "fastest asynchronous candidate is named as the one to try")
+
+Split = Tuple[Tuple[int, ...], int]  #: (layers or units per stage, rows of the micro-batch timed)
+
+
+@dataclass
+class Units:
+    """A model as the planner cuts it: ``net`` chains its layers (an ``nn.Sequential``) or units
+    (a traced model's), ``sample`` is what the first takes, ``loss(output, target)`` the loss
+    (the model's own where ``target`` is None), ``traced`` the trace (None: an nn.Sequential)."""
+
+    net: nn.Sequential
+    sample: Any
+    target: Any
+    loss: Callable[[Any, Any], torch.Tensor]
+    traced: Optional[TracedModel]
+    batch_size: int
+    name: str
+
+    def split_points(self, sizes: Sequence[int]) -> Optional[List[str]]:
+        """Where stages 2.. begin in a traced model (the Pipeline's ``split_points=``)."""
+        return None if self.traced is None else self.traced.points_for_sizes(list(sizes))
+
+
+def _own_loss(output: Any, target: Any = None) -> torch.Tensor:
+    return model_loss(output)
+
+
+def model_units(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None) -> Units:
+    """``model`` with one mini-batch ``batch`` of its data, as the planner cuts it (:class:`Units`).
+    ``batch``: ``(inputs, target)`` with a ``loss_fn``, or a dict of the forward's keyword tensors
+    with ``"labels"`` (the target with a ``loss_fn``; without one the model computes its loss).
+    Bad combinations raise ValueError naming the fix."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module torch.export can trace), "
+                         f"got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model that "
+                         f"computes its own loss from batch['{LABELS}']")
+    if isinstance(model, nn.Sequential) and loss_fn is None:
+        raise ValueError("an nn.Sequential returns no loss of its own: give loss_fn=fn(output, target)")
+    form = BatchForm(model_loss=loss_fn is None)
+    inputs, target = form.pair(*loader_item(batch))
+    sample = form.example(inputs, target)
+    first = tensors_of(sample)
+    if not first or first[0].dim() == 0:
+        raise ValueError("the example batch holds no tensor with a batch dimension (dimension 0)")
+    rows = int(first[0].shape[0])
+    if isinstance(model, nn.Sequential):
+        if len(model) == 0:
+            raise ValueError("the nn.Sequential has no layers to plan")
+        return Units(model, sample, target, loss_fn, None, rows, type(model).__name__)
+    with torch.random.fork_rng(devices=[]):
+        traced = trace(model, sample, LABELS if loss_fn is None else None)
+    if loss_fn is None:
+        model_loss(traced.output_example())  # refused here if the model returns no loss
+    return Units(traced.unit_modules(), sample, None if loss_fn is None else target,
+                 loss_fn or _own_loss, traced, rows, type(model).__name__)
+
+
+def check_options(stages: int, methods: Sequence[str], microbatches: Sequence[int],
+                  speeds: Optional[Sequence[float]], bandwidth: Optional[float], memory_limit: Optional[float],
+                  partitioner: str, tie: float, stage_timing: str, flag: Callable[[str], str] = lambda n: n) -> Any:
+    """(methods, micro-batch counts, speeds) as lists, checked; a one-line ValueError naming the
+    option (``flag(name)``: its name where it is given, e.g. ``--micro-batches``) otherwise."""
+    methods = list(methods)
+    for m in methods:
+        get_method(m)
+    counts = list(microbatches)
+    if not counts or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in counts):
+        raise ValueError(f"{flag('micro_batches')} must be positive integers, got {microbatches!r}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"{flag('stages')} must be at least 1, got {stages}")
+    if speeds is not None:
+        speeds = [float(s) for s in speeds]
+        if len(speeds) != stages:
+            raise ValueError(f"{flag('speeds')} has {len(speeds)} values but {flag('stages')} is {stages} "
+                             f"(give one per stage)")
+        if any(not (s > 0 and s < float("inf")) for s in speeds):
+            raise ValueError(f"{flag('speeds')} must all be positive, got {speeds}")
+    if bandwidth is not None and not (0 < bandwidth < float("inf")):
+        raise ValueError(f"{flag('bandwidth')} must be positive (bytes per second), got {bandwidth}")
+    if memory_limit is not None and not memory_limit > 0:
+        raise ValueError(f"{flag('memory_limit')} must be positive, got {memory_limit}")
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner {partitioner!r}; choose one of: {', '.join(PARTITIONERS)}")
+    if not 0 <= tie < 1:
+        raise ValueError(f"{flag('tie')} must be in [0, 1), got {tie}")
+    if stage_timing not in ("measured", "profile"):
+        raise ValueError(f"{flag('stage_timing')} must be measured or profile, got {stage_timing!r}")
+    return methods, counts, speeds
+
+
+# -- timing the splits -----------------------------------------------------------------------------
+
+def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target: Any, loss_fn: Callable, *,
+                device: str = "cpu", optimizer: Optional[Callable] = None, warmup: int = 2, repeats: int = 5,
+                max_rounds: Optional[int] = None, tolerance: float = 0.05, statistic: str = "median",
+                ) -> Tuple[Dict[Split, Dict[str, List[float]]], Dict[str, Any]]:
+    """Each split's stage seconds as the runtime runs them, all measured in turns.
+
+    ``splits``: (layers per stage, rows): the split of ``net`` timed on the first ``rows``
+    samples of ``sample`` (one micro-batch). Every round trains one mini-batch on each split in
+    turn, after ``warmup`` untimed rounds; from ``repeats`` rounds on, it stops once, for every
+    split, the ``statistic`` of its first half of rounds and of its second half (forward +
+    backward + update, all stages) differ by at most ``tolerance`` (relative), or at
+    ``max_rounds`` (default 3 x ``repeats``). Returns ({split: {"forward", "backward", "update":
+    seconds per stage}}, the measurement: rounds, whether stable, the largest disagreement of
+    halves, and per split its spread, the interquartile range of its rounds over their median)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    limit = max(repeats, max_rounds if max_rounds is not None else 3 * repeats)
+    timers = {split: StageTimer(net, list(split[0]), head_rows(sample, split[1]),
+                                None if target is None else target[:split[1]], loss_fn, device=device,
+                                optimizer=optimizer) for split in dict.fromkeys(splits)}
+    summary = statistics.median if statistic == "median" else min
+    rounds, worst = 0, float("inf")
+    for _ in range(warmup):
+        for timer in timers.values():
+            timer.run()
+    while rounds < limit:
+        for timer in timers.values():
+            timer.run()
+        rounds += 1
+        if rounds >= max(repeats, 2):
+            half = rounds // 2
+            worst = max(abs(summary(t[half:]) / summary(t[:half]) - 1.0)
+                        for t in (timer.totals(warmup) for timer in timers.values()))
+            if rounds >= repeats and worst <= tolerance:
+                break
+
+    def spread(totals: List[float]) -> float:
+        if len(totals) < 4:
+            return (max(totals) - min(totals)) / statistics.median(totals)
+        q = statistics.quantiles(totals, n=4)
+        return (q[2] - q[0]) / statistics.median(totals)
+
+    times = {split: timer.summary(warmup, statistic) for split, timer in timers.items()}
+    return times, {"rounds": rounds, "stable": worst <= tolerance, "halves_disagree": worst, "tolerance": tolerance,
+                   "spread": {f"{list(s[0])} x {s[1]} rows": spread(t.totals(warmup)) for s, t in timers.items()}}
+
+
+# -- the candidates --------------------------------------------------------------------------------
+
+def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu",
+           speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
+           methods: Sequence[str] = DEFAULT_METHODS, microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+           memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+           seed: int = 0, optimizer: Optional[Callable] = None, optimizer_name: Optional[str] = None,
+           warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
+           statistic: str = "median", stage_timing: str = "measured", log: Optional[Callable] = None
+           ) -> Dict[str, Any]:
+    """Profile ``units``, split them three ways and predict every (method, micro-batch count):
+    ``{"profiles": {M: profile of one micro-batch}, "partitions", "reference", "candidates",
+    "skipped", "measurement"}`` (the arguments: :func:`plan`'s). Each candidate carries its
+    ``speedup`` over the sequential reference, its ``processes`` and whether that speedup is
+    ``reachable`` (at most the process count)."""
+    log = log or (lambda *a, **k: None)
+    net, layers, batch_size = units.net, len(units.net), units.batch_size
+    what = "units" if units.traced is not None else "layers"
+    if stages > layers:
+        raise ValueError(f"{stages} stages are more than the {layers} {what} of {units.name}: plan {layers} "
+                         f"stages or fewer" + (f" (it can be cut before {', '.join(units.traced.candidates[1:])})"
+                                               if units.traced is not None else ""))
+    log(f"profiling {units.name} ({layers} {what}) on {device}, batch {batch_size}, micro-batch counts "
+        f"{list(microbatches)} ({scaling})")
+    profiles = profile_sizes(net, units.sample, units.target, units.loss if units.target is not None else None,
+                             batch_size=batch_size, microbatches=microbatches, scaling=scaling, device=device,
+                             warmup=warmup, repeats=repeats, statistic=statistic, optimizer=optimizer,
+                             optimizer_name=optimizer_name, seed=seed)
+    full = profiles[1]
+    weighted = sum(1 for layer in net if any(True for _ in layer.parameters()))  # what chunks split
+    splits = {how: partition_for(how, net, full, stages, speeds, bandwidth) for how in PARTITIONERS}
+    plans, skipped = [], []  # (method, M, split) to predict
+    for m in microbatches:
+        sizes = partition_for(partitioner, net, profiles[m], stages, speeds, bandwidth)
+        pieces: Dict[Any, List[int]] = {}  # the split of a chunked method, by its placement
+        for method in methods:
+            n, meth = (1 if method == "sequential" else stages), get_method(method)
+            if method == "sequential" and m != 1:
+                continue
+            problem = candidate_problem(method, n, m, batch_size, weighted)
+            if problem is None and units.traced is not None and n > 1 and meth.chunks > 1:
+                problem = (f"{method} places {meth.chunks} model pieces per process, which needs an nn.Sequential; "
+                           f"give the model as an nn.Sequential of its blocks to plan it")
+            if problem:
+                skipped.append({"method": method, "microbatches": m, "reason": problem})
+                continue
+            split = sizes if n == stages else [layers]
+            if n == stages and meth.chunks > 1:  # stages x pieces per rank, each on its rank's device
+                # (a mirrored method's stages past its pieces are their replicas: not split again)
+                placement = tuple(meth.stage_ranks(stages, meth.chunks)[:stages * meth.pieces_per_rank(meth.chunks)])
+                if placement not in pieces:
+                    pieces[placement] = partition_for(partitioner, net, profiles[m], len(placement),
+                                                      None if speeds is None else [speeds[r] for r in placement],
+                                                      bandwidth)
+                split = pieces[placement]
+            plans.append((method, m, list(split)))
+    rows = (lambda m: microbatch_size(batch_size, m)) if scaling == "measure" else (lambda m: batch_size)
+    keys = [((layers,), batch_size)] + [(tuple(s), batch_size) for s in splits.values()] + \
+        [(tuple(split), rows(m)) for _, m, split in plans]
+    times, measurement = {}, None
+    if stage_timing == "measured":
+        log(f"timing {len(dict.fromkeys(keys))} splits as the runtime runs them, in turns, until stable")
+        times, measurement = time_splits(net, keys, units.sample, units.target, units.loss, device=device,
+                                         optimizer=optimizer, warmup=warmup, repeats=repeats, max_rounds=max_rounds,
+                                         tolerance=tolerance, statistic=statistic)
+
+    def measured(split: Sequence[int], m: int) -> Optional[Dict[str, List[float]]]:
+        """Measured stage times of one micro-batch of ``M = m`` on ``split`` (None: from the profile)."""
+        if stage_timing != "measured":
+            return None
+        found = times[(tuple(split), rows(m))]
+        factor = microbatch_size(batch_size, m) / rows(m)
+        if factor == 1:
+            return found
+        return {"forward": [t * factor for t in found["forward"]],  # linear scaling of the mini-batch's times
+                "backward": [t * factor for t in found["backward"]], "update": list(found["update"])}
+
+    partitions = {}
+    for how, sizes in splits.items():
+        partitions[how] = describe_partition(full, sizes, speeds, bandwidth)
+        found = measured(sizes, 1)
+        if found is not None:
+            speed = speeds or [1.0] * stages
+            per_stage = [(f + b) / v for f, b, v in zip(found["forward"], found["backward"], speed)]
+            partitions[how]["measured_stage_seconds"] = per_stage
+            partitions[how]["measured_slowest_stage_seconds"] = max(per_stage)
+        if units.traced is not None:
+            partitions[how]["split_points"] = units.split_points(sizes)
+    reference = predict("sequential", full, [layers], microbatches=1, batches=batches, batch_size=batch_size,
+                        measured=measured([layers], 1))
+    candidates = []
+    for method, m, split in plans:
+        n = 1 if method == "sequential" else stages
+        row = predict(method, profiles[m], split, microbatches=m, batches=batches, batch_size=batch_size,
+                      speeds=speeds if n == stages else None, bandwidth=bandwidth, measured=measured(split, m))
+        row["memory_fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
+        reach(row, reference["samples_per_second"], n, speeds)
+        if units.traced is not None and get_method(method).chunks == 1:
+            row["split_points"] = units.split_points(split)
+        candidates.append(row)
+    return {"profiles": profiles, "partitions": partitions, "candidates": candidates, "skipped": skipped,
+            "reference": {"method": "sequential", "samples_per_second": reference["samples_per_second"],
+                          "stage_seconds": reference["stage_forward_seconds"][0]
+                          + reference["stage_backward_seconds"][0]},
+            "measurement": measurement}
+
+
+def reach(row: Dict[str, Any], reference: float, processes: int, speeds: Optional[Sequence[float]] = None) -> None:
+    """Set ``row``'s ``speedup`` over the sequential ``reference`` (samples/s), ``processes``,
+    ``fits`` and ``reachable``: a pipeline over P processes runs at most P times the sequential
+    speed (the sum of the speeds, with ``speeds``), and a prediction above it says the profile
+    was disturbed; ``unreachable`` says so (where it is)."""
+    bound = processes if speeds is None or processes == 1 else sum(speeds) / max(speeds)
+    row["speedup"] = row["samples_per_second"] / reference
+    row["processes"] = processes
+    row["reachable"] = row["speedup"] <= bound * (1 + 1e-9)
+    row["fits"] = row.get("memory_fits", True)
+    if not row["reachable"]:
+        row["unreachable"] = (f"predicted {row['speedup']:.2f}x sequential on {processes} processes, more than "
+                              f"any split can give ({bound:g}x): the timings were disturbed")
+
+
+def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None, tie: float = 0.02,
+              order: Optional[Sequence[str]] = None, prefer: Optional[str] = None) -> Dict[str, Any]:
+    """The recommended candidate: among those whose ``max_stage_memory`` fits ``memory_limit``
+    (all, without a limit), whose speedup a split can reach (``reachable``, True where absent) and
+    which may be recommended (``eligible``, True where absent; all that fit and reach, where none
+    may; all that fit, where none reaches), the shortest ``time_to_target_seconds`` where every
+    one has it, else the highest ``samples_per_second``. Candidates within ``tie`` (relative) of
+    the best are tied, and among them a synchronous method wins, then ``prefer``, then the smaller
+    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
+    Raises ValueError when no candidate fits."""
+    if not candidates:
+        raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
+    fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
+    if not fits:
+        least = min(candidates, key=lambda c: c["max_stage_memory"])
+        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
+                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
+                         f"{least['max_stage_memory']} bytes")
+    reached = [c for c in fits if c.get("reachable", True)] or fits
+    pool = [c for c in reached if c.get("eligible", True)] or reached
+    timed = all(c.get("time_to_target_seconds") is not None for c in pool)
+    cost = (lambda c: c["time_to_target_seconds"]) if timed else (lambda c: 1.0 / c["samples_per_second"])
+    best = min(cost(c) for c in pool)
+    tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
+    rank = {m: i for i, m in enumerate(order or [])}
+    return min(tied, key=lambda c: (not c["synchronous"], c["method"] != prefer, c["max_stage_memory"],
+                                    c["microbatches"], rank.get(c["method"], len(rank))))
+
+
+def _m(c: Dict[str, Any]) -> str:
+    return f"{c['method']} (M = {c['microbatches']})"
+
+
+def unstudied_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any],
+                    try_it: Callable[[List[str]], str]) -> List[str]:
+    """What a plan says beside ``best`` where no study measured the updates the asynchronous
+    methods need: the flagged candidates, and the fastest asynchronous one, to try with
+    ``try_it([methods])`` (the command or the code that compares them)."""
+    out = reach_notes(candidates, best)
+    if not best.get("eligible", True):
+        out.append(f"no synchronous candidate fits or was asked for: {_m(best)} is recommended on throughput alone")
+    rivals = [c for c in candidates if c["fits"] and c.get("reachable", True) and not c["synchronous"]
+              and c is not best]
+    if rivals and best["synchronous"]:
+        fast = max(rivals, key=lambda c: c["samples_per_second"])
+        if fast["samples_per_second"] < 1.005 * best["samples_per_second"]:
+            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; no asynchronous one is "
+                       f"predicted faster (the fastest, {_m(fast)}, {fast['samples_per_second']:.0f} samples/s)")
+        else:
+            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; the fastest asynchronous "
+                       f"one, {_m(fast)}, predicts {fast['samples_per_second']:.0f} samples/s "
+                       f"({fast['samples_per_second'] / best['samples_per_second']:.2f}x), but what its staleness "
+                       f"costs in updates is unmeasured here; to try it: " + try_it([best["method"], fast["method"]]))
+    return out
+
+
+def reach_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any]) -> List[str]:
+    """The line on the candidates no split can reach (none where every one can)."""
+    flagged = [c for c in candidates if not c.get("reachable", True)]
+    if not flagged:
+        return []
+    top = max(flagged, key=lambda c: c["speedup"])
+    line = (f"{len(flagged)} candidate(s) predict more than their process count times sequential, which no split "
+            f"can give (the most: {_m(top)}, {top['speedup']:.2f}x on {top['processes']}): flagged, not "
+            f"recommended; the machine's other work disturbed the timings: plan again on a quieter machine, with "
+            f"more repeats, or with the min statistic")
+    if not best.get("reachable", True):
+        line += f"; every candidate that fits is flagged, so {_m(best)} is recommended on these numbers alone"
+    return [line]
+
+
+# -- the plan --------------------------------------------------------------------------------------
+
+def try_in_code(methods: List[str]) -> str:
+    """How to compare ``methods`` on a model of your own."""
+    return ("train them on your data for the same time and compare the models (pipeoptim.train with "
+            f"method={methods[0]!r} and method={methods[-1]!r})")
+
+
+def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stages: int, partitioner: str,
+             memory_limit: Optional[float], rule: str, notes: List[str], settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The plan as a JSON-ready dict: the recommendation ``best`` of ``found`` (:func:`survey`'s),
+    how the Pipeline runs it (``pipeline``: its keyword arguments), and everything predicted."""
+    n_best = 1 if best["method"] == "sequential" else stages
+    keys = ("samples_per_second", "makespan_seconds", "batches", "bubble_fraction", "speedup", "reachable",
+            "stage_forward_seconds", "stage_backward_seconds", "update_seconds", "comm_seconds", "limited_by_link",
+            "seconds_per_batch", "updates_ratio", "time_to_target_seconds")
+    run = {"method": best["method"], "stages": n_best, "partition": best["partition"],
+           "micro_batches": best["microbatches"]}
+    profiles = found["profiles"]
+    return {
+        "batch_size": units.batch_size, "stages": n_best, "partition": best["partition"],
+        "split_points": units.split_points(best["partition"]) if get_method(best["method"]).chunks == 1 else None,
+        "partitioner": partitioner if n_best == stages else "uniform", "method": best["method"],
+        "microbatches": best["microbatches"], "pipeline": run,
+        "predicted": {k: best.get(k) for k in keys},
+        "memory": {"per_stage": best["memory"], "max_stage": best["max_stage_memory"], "limit": memory_limit},
+        "recommendation": {"method": best["method"], "microbatches": best["microbatches"],
+                           "synchronous": best["synchronous"], "rule": rule, "notes": notes},
+        "settings": dict(settings, threads=torch.get_num_threads(), stages=stages),
+        "units": {"traced": units.traced is not None, "count": len(units.net),
+                  "cut_points": None if units.traced is None else list(units.traced.candidates)},
+        "partitions": found["partitions"], "reference": found["reference"], "measurement": found["measurement"],
+        "candidates": found["candidates"], "skipped": found["skipped"], "profile": profiles[1].to_dict(),
+        "microbatch_profiles": {str(m): p.to_dict() for m, p in profiles.items() if m != 1},
+    }
+
+
+def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, *,
+         stages: int, optimizer: Optional[Callable] = None, batches: int = 100, device: str = "cpu",
+         speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
+         methods: Sequence[str] = DEFAULT_METHODS, micro_batches: Sequence[int] = DEFAULT_MICROBATCHES,
+         memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+         warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
+         statistic: str = "median", stage_timing: str = "measured", tie: float = 0.02, seed: int = 0,
+         log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Which method, how many micro-batches and which split for ``model`` on ``stages`` processes,
+    predicted from a profile of one mini-batch ``batch`` of its data (see the module docstring).
+
+    ``model``: an ``nn.Sequential`` or any module the Pipeline traces (a ``transformers`` model).
+    ``batch``: ``(inputs, target)`` with ``loss_fn(output, target)``, or a dict of the forward's
+    keyword tensors with ``"labels"`` (with no ``loss_fn`` the model computes its own loss).
+    ``optimizer``: the Pipeline's factory ``params -> torch.optim.Optimizer`` whose update time and
+    state are profiled (default: AdamW). ``batches``: mini-batches per predicted run. ``device``:
+    where to profile (cpu, cuda, cuda:1 ...). ``speeds``: one relative speed per stage's device
+    (default: all equal). ``bandwidth``: bytes per second of each link (None: free transfers).
+    ``methods``, ``micro_batches``: what to predict. ``memory_limit``: bytes per process; larger
+    candidates are not recommended. ``partitioner``: the split the predictions use (uniform,
+    params or time: balanced profiled time, the default, since a plan has the profile).
+    ``scaling``: profile every micro-batch size (measure) or scale the mini-batch's (linear).
+    ``warmup``, ``repeats``, ``statistic`` (median or min): the profile's and the timed splits'
+    untimed runs, timed runs and summary; ``max_rounds`` (default 3 x ``repeats``) and
+    ``tolerance``: the timed splits take turns until stable (:func:`time_splits`).
+    ``stage_timing``: measured (the splits timed as the runtime runs them) or profile (the sums
+    of the profiled layers: faster, optimistic). ``tie``: the relative difference in samples/s
+    counted as a tie. ``seed``: of the profile's random gradients. ``log``: called with progress.
+
+    Returns the plan as a JSON-ready dict: ``pipeline`` (the Pipeline's ``method``, ``stages``,
+    ``partition``, ``micro_batches``: ``Pipeline(model, **plan["pipeline"], ...)``),
+    ``split_points`` (a traced model's), ``predicted``, ``memory``, ``recommendation`` (the rule,
+    :data:`RULE`, and notes), ``candidates`` (each: samples/s, speedup, reachable, memory per
+    stage), ``skipped`` (with the reason), ``partitions``, ``reference``, ``measurement``,
+    ``profile``. Bad arguments raise ValueError naming the fix."""
+    methods, counts, speeds = check_options(stages, methods, micro_batches, speeds, bandwidth, memory_limit,
+                                            partitioner, tie, stage_timing)
+    if not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"batches must be at least 1, got {batches}")
+    if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
+        raise ValueError("optimizer must be a factory called with each stage's parameters, e.g. "
+                         "lambda params: torch.optim.AdamW(params, lr=1e-3), not an optimizer")
+    units = model_units(model, batch, loss_fn)
+    found = survey(units, stages=stages, batches=batches, device=device, speeds=speeds, bandwidth=bandwidth,
+                   methods=methods, microbatches=counts, memory_limit=memory_limit, partitioner=partitioner,
+                   scaling=scaling, seed=seed, optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+                   optimizer_name="adamw" if optimizer is None else "yours", warmup=warmup, repeats=repeats,
+                   max_rounds=max_rounds, tolerance=tolerance, statistic=statistic, stage_timing=stage_timing,
+                   log=log)
+    for c in found["candidates"]:
+        c["eligible"] = c["synchronous"]
+    best = recommend(found["candidates"], memory_limit, tie, order=methods)
+    notes = (["a model of your own: no study measured the updates the asynchronous methods need on it."]
+             + unstudied_notes(found["candidates"], best, try_in_code))
+    settings = {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
+                "microbatch_counts": counts, "scaling": scaling, "batches": batches, "seed": seed,
+                "optimizer": "adamw" if optimizer is None else "yours", "warmup": warmup, "repeats": repeats,
+                "max_rounds": max_rounds, "tolerance": tolerance, "statistic": statistic,
+                "stage_timing": stage_timing, "tie": tie}
+    out = assemble(units, found, best, stages=stages, partitioner=partitioner, memory_limit=memory_limit,
+                   rule=RULE.format(tie=tie), notes=notes, settings=settings)
+    return {"model": units.name, **out}
