@@ -182,6 +182,11 @@ def candidate_names(model: nn.Module, prefix: str = "") -> List[str]:
     return names
 
 
+def _reads_size(node: fx.Node, of: fx.Node) -> bool:
+    """Whether ``node`` reads a dimension of ``of`` (``aten.sym_size.int``)."""
+    return node.target is torch.ops.aten.sym_size.int and node.args[0] is of
+
+
 def _is_size(value: Any) -> bool:
     return isinstance(value, (torch.SymInt, int, float, bool, torch.SymFloat, torch.SymBool))
 
@@ -293,13 +298,16 @@ class TracedModel:
                     for node in self.compute}
         last_input = self._late_node() if late else None
         if last_input is not None:
+            # a size read off the late input (the batch dimension the export found equal to an
+            # input's) is read again, where it is needed, off a tensor the stage holds
+            stage_of = {n: k for n, k in stage_of.items() if not _reads_size(n, last_input)}
             self._check_late(last_input, stage_of, len(sizes))
         boundaries = self._boundaries(stage_of, len(sizes), last_input)
         parts = []
         for k in range(len(sizes)):
             incoming = [n for n in self.inputs if n is not last_input] if k == 0 else boundaries[k - 1].nodes
             outgoing = None if k == len(sizes) - 1 else boundaries[k].nodes
-            own = [n for n in self.compute if stage_of[n] == k]
+            own = [n for n in self.compute if stage_of.get(n) == k]
             graph = self._stage_graph(own, incoming, outgoing, self.names if k == 0 else None,
                                       last_input if outgoing is None else None)
             parts.append(fx.GraphModule(self.graph_module, graph, class_name=f"Stage{k}"))
@@ -334,7 +342,7 @@ class TracedModel:
         crossing = []
         for k in range(stages - 1):
             values = [n for n in self.inputs + self.compute
-                      if defined[n] <= k < last_use.get(n, -1) and not _is_size(n.meta.get("val"))]
+                      if defined.get(n, stages) <= k < last_use.get(n, -1) and not _is_size(n.meta.get("val"))]
             for n in values:
                 if not torch.is_tensor(n.meta.get("val")):
                     raise ValueError(f"{n.format_node()} crosses a stage boundary but is not a tensor "

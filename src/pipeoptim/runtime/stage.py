@@ -278,6 +278,8 @@ class Stage:
             weights = [p for p in self.module.parameters() if p.requires_grad]
         else:
             weights = self.parameters() if use.direct else list(use.weights.values())
+            if self.tied is not None:  # a weight another stage owns, read here: its gradient is summed too
+                weights += self.tied.read_not_owned()
         weights += list(self._tied_values.get(microbatch, {}).values())
         scope = contextlib.ExitStack()
         used = scope.enter_context(self.policy.backward_pass(microbatch, use))

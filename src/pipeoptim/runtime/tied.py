@@ -138,6 +138,14 @@ class TiedWeights:
         """The ties this stage holds a copy of in a run of one process per stage."""
         return [t for t in self.ties if t.param is not None and t.group is not None]
 
+    def read_not_owned(self) -> List[nn.Parameter]:
+        """Synchronous methods: the tied weights this stage reads and another owns (in one process
+        the owner's tensor, under torchrun this rank's copy), whose gradient a split backward's
+        weight half must compute as well as its own parameters'."""
+        if not self.synchronous:
+            return []
+        return [t.param for t in self.ties if t.param is not None and t.holders[0] != self.stage]
+
     def before_update(self) -> None:
         """Synchronous methods: sum the holders' gradients into the owner's (a holder's own is
         then dropped)."""
