@@ -21,9 +21,8 @@ SOURCE = textwrap.dedent('''
         torch.manual_seed(0)
         config = T.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=100, n_positions=32,
                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        config.use_cache = False
         ids = torch.randint(0, 100, (8, 32))
-        return T.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids.clone()}
+        return T.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
 ''')
 UNITS = ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
          "transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"]
@@ -116,7 +115,7 @@ def test_plan_model_fn_on_the_command_line(tmp_path, capsys):
     (["--model-fn", "missing.py:build"], "--model-fn: no file missing.py; give FILE.py:FUNCTION"),
     (["--model-fn", "no_such_module_here:build"], "--model-fn: cannot import no_such_module_here"),
     (["--model-fn", "json:build"], "--model-fn: json has no function build; define def build"),
-    (["--model-fn", "json:dumps", "--task", "image"], "--model-fn plans your own model on the batch its function "
+    (["--model-fn", "json:dumps", "--task", "lm"], "--model-fn plans your own model on the batch its function "
                                                       "returns; drop --task"),
     (["--model-fn", "json:dumps", "--model", "mlp", "--limit", "9"], "drop --model, --limit"),
 ])
@@ -129,7 +128,7 @@ def test_model_fn_mistakes_are_one_line_naming_the_fix(argv, message, tmp_path):
 def test_a_function_returning_something_else_is_named(tmp_path):
     (tmp_path / "bad.py").write_text("def build():\n    return 3\n")
     with pytest.raises(ValueError, match=r"--model-fn: build\(\) returned int; return \(model, batch\) or "
-                                         r"\(model, batch, loss_fn\)"):
+                                         r"\(model, batch, loss\)"):
         run(["plan", "--model-fn", f"{tmp_path / 'bad.py'}:build", "--out", str(tmp_path / "p.json")])
 
 

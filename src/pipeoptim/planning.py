@@ -191,7 +191,7 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
 def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu",
            speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
            methods: Sequence[str] = DEFAULT_METHODS, microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
-           memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+           memory_limit: Optional[float] = None, partitioner: str = "uniform", scaling: str = "measure",
            seed: int = 0, optimizer: Optional[Callable] = None, optimizer_name: Optional[str] = None,
            warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
            statistic: str = "median", stage_timing: str = "measured", log: Optional[Callable] = None
@@ -420,7 +420,7 @@ def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], to
          stages: int, optimizer: Optional[Callable] = None, batches: int = 100, device: str = "cpu",
          speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
          methods: Sequence[str] = DEFAULT_METHODS, micro_batches: Sequence[int] = DEFAULT_MICROBATCHES,
-         memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+         memory_limit: Optional[float] = None, partitioner: str = "uniform", scaling: str = "measure",
          warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
          statistic: str = "median", stage_timing: str = "measured", tie: float = 0.02, seed: int = 0,
          log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
@@ -436,7 +436,7 @@ def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], to
     (default: all equal). ``bandwidth``: bytes per second of each link (None: free transfers).
     ``methods``, ``micro_batches``: what to predict. ``memory_limit``: bytes per process; larger
     candidates are not recommended. ``partitioner``: the split the predictions use (uniform,
-    params or time: balanced profiled time, the default, since a plan has the profile).
+    the Pipeline's default; params; or time, balanced profiled time).
     ``scaling``: profile every micro-batch size (measure) or scale the mini-batch's (linear).
     ``warmup``, ``repeats``, ``statistic`` (median or min): the profile's and the timed splits'
     untimed runs, timed runs and summary; ``max_rounds`` (default 3 x ``repeats``) and

@@ -17,7 +17,7 @@ bytes, after --warmup runs, on --device): a task's model (--task, --model), or y
 (--model-fn: any PyTorch module, a transformers model too, cut where the Pipeline would cut it,
 at its blocks). Split it into --stages three ways (uniform layers, balanced parameters, balanced
 profiled time) and report each split's slowest stage. Then, on the --partitioner split (default:
-time), predict for every method and micro-batch count the throughput (the schedule simulator
+uniform), predict for every method and micro-batch count the throughput (the schedule simulator
 with the per-stage costs of one micro-batch, measured at the micro-batch size, or scaled
 linearly with --scaling linear; with --stage-timing measured, the default, each split's stages
 are timed as whole stages the way a training run runs them; transfers cost bytes /
@@ -62,11 +62,11 @@ task's plan; for your own model it prints the Pipeline call that runs it."""
 MODEL_FN = """\
 your own model instead of a task's: MODULE:FUNCTION (an importable module, e.g. my_models:build)
 or FILE.py:FUNCTION (e.g. models/gpt.py:build). The function takes no arguments and returns
-(model, batch) or (model, batch, loss_fn): the model (any PyTorch module, e.g. a transformers
-GPT-2), one mini-batch of its data as training feeds it, and the loss. A batch that is a dict of
-the model's keyword inputs with "labels" and no loss_fn is a model that computes its own loss
-(a transformers model's); otherwise the batch is (inputs, target) and loss_fn(output, target)
-is the loss. The plan's partition counts the model's blocks (the points it can be cut at, which
+(model, batch) or (model, batch, loss): the model (any PyTorch module, e.g. a transformers
+GPT-2), one mini-batch of its data as training feeds it, and the loss function. A batch that is
+a dict of the model's keyword inputs with "labels", and no loss function, is a model that
+computes its own loss (a transformers model's); otherwise the batch is (inputs, target) and
+loss(output, target) is the loss. The plan's partition counts the model's blocks (the points it can be cut at, which
 the plan lists). Not with --task, --model, --batch-size or --limit."""
 
 
@@ -79,7 +79,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model-fn", metavar="MODULE:FUNCTION", help=MODEL_FN)
     g.add_argument("--batch-size", type=int, help="mini-batch size (default: the task's)")
     add_table_flags(g, "limit", "seed")
-    p.set_defaults(task=None)  # --task image when neither --task nor --model-fn is given (the table's default)
     g.add_argument("--optimizer", default="adamw", choices=optimizer_names(),
                    help="optimizer whose update time and state are profiled, and whose ratios of updates to "
                         "the target (the equal-time study's, for this task) rank the candidates (default: adamw, "
@@ -97,10 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods to consider (default: %(default)s)")
     g.add_argument("--micro-batches", default=",".join(map(str, DEFAULT_MICROBATCHES)),
                    help="micro-batch counts to consider, comma-separated (default: %(default)s)")
-    g.add_argument("--partitioner", default="time", choices=PARTITIONERS,
-                   help="split the predictions use (default: time, the split balancing the profiled time; "
-                        "pipeoptim train and bench default to uniform, which needs no profile, but plan has "
-                        "the profile, and the time split is never predicted slower; the table lists all three)")
+    g.add_argument("--partitioner", default="uniform", choices=PARTITIONERS,
+                   help="split the predictions use: uniform (default, as pipeoptim train splits: equal numbers "
+                        "of layers with parameters), params (balanced parameters) or time (balanced profiled "
+                        "time); the plan's first table gives all three splits' slowest stage")
     g.add_argument("--memory-limit", help="bytes per stage, e.g. 2GiB; candidates above it are not recommended")
     g.add_argument("--tie", type=float, default=0.02,
                    help="relative difference in predicted time to target (in throughput where no study covers "
@@ -163,7 +162,7 @@ def load_model_fn(spec: str) -> Tuple[Any, Any, Any]:
     made = fn()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise ValueError(f"--model-fn: {name}() returned {type(made).__name__}; return (model, batch) or "
-                         f"(model, batch, loss_fn)")
+                         f"(model, batch, loss)")
     return made[0], made[1], made[2] if len(made) == 3 else None
 
 
@@ -176,9 +175,9 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats", "max_rounds"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
-    if args.model_fn is not None:
-        given = [f for f, v in (("--task", args.task), ("--model", args.model), ("--batch-size", args.batch_size),
-                                ("--limit", args.limit)) if v is not None]
+    if args.model_fn is not None:  # (--task image, the default, is ignored)
+        given = [f for f, v in (("--task", None if args.task == "image" else args.task), ("--model", args.model),
+                                ("--batch-size", args.batch_size), ("--limit", args.limit)) if v is not None]
         if given:
             raise ValueError(f"--model-fn plans your own model on the batch its function returns; drop "
                              f"{', '.join(given)}")
@@ -199,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         model, batch, loss_fn = load_model_fn(args.model_fn)
         plan = plan_model(model, batch, loss_fn, batches=args.batches or 100, **common)
     else:
-        plan = make_plan(task=args.task or "image", model=args.model, batch_size=args.batch_size,
+        plan = make_plan(task=args.task, model=args.model, batch_size=args.batch_size,
                          batches=args.batches, limit=args.limit, **common)
     path = write_plan(plan, args.out)
     if args.json:

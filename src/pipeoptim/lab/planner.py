@@ -104,7 +104,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
               speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
               batch_size: Optional[int] = None, methods: Sequence[str] = DEFAULT_METHODS,
               microbatches: Sequence[int] = DEFAULT_MICROBATCHES, memory_limit: Optional[float] = None,
-              partitioner: str = "time", scaling: str = "measure", batches: Optional[int] = None,
+              partitioner: str = "uniform", scaling: str = "measure", batches: Optional[int] = None,
               limit: Optional[int] = None, seed: int = 0, optimizer: str = "adamw",
               warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, statistic: str = "min",
               stage_timing: str = "measured", tie: float = 0.02, log=None) -> Dict[str, Any]:
@@ -146,7 +146,7 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
                stages: int, batch_size: Optional[int] = None, batches: int = 100, device: str = "cpu",
                speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
                methods: Sequence[str] = DEFAULT_METHODS, microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
-               memory_limit: Optional[float] = None, partitioner: str = "time", scaling: str = "measure",
+               memory_limit: Optional[float] = None, partitioner: str = "uniform", scaling: str = "measure",
                seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3, warmup: int = 2, repeats: int = 5,
                max_rounds: Optional[int] = None, statistic: str = "min", stage_timing: str = "measured",
                tie: float = 0.02, log=None, task: Optional[str] = None,
