@@ -286,14 +286,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "UPDATES_TO_TARGET, and write nothing")
     parser.add_argument("--readme", action="store_true",
                         help="rewrite README.md's advice block and demo line from the package's ADVICE "
-                             "(paste --advice first), and write nothing else")
+                             "(paste --advice first) and its options table from pipeoptim.options, and "
+                             "write nothing else")
     args = parser.parse_args(argv)
     if args.readme:
-        from benchmarks.make_results3_advice import readme_with_advice
+        from benchmarks.make_results3_advice import readme_with_advice, readme_with_options
 
         readme = ROOT / "README.md"
-        readme.write_text(readme_with_advice(readme.read_text()))
-        print(f"written: {readme} (advice block and demo line)")
+        readme.write_text(readme_with_options(readme_with_advice(readme.read_text())))
+        print(f"written: {readme} (advice block, demo line and options table)")
         return 0
     if args.advice:
         from benchmarks.make_results3_advice import advice_source

@@ -4,7 +4,8 @@ another's line), and the
 recommendation per finished (task, N) as ``pipeoptim.lab.tasks.advice.ADVICE`` holds it
 (``python -m benchmarks.make_results3 --advice`` prints it; tests/test_make_results3.py holds the
 package's table to the committed rows); and the README's advice block and demo line written from
-that table (``--readme``; tests/test_advice.py holds the README to it)."""
+that table (``--readme``; tests/test_advice.py holds the README to it), with the README's options
+table written from ``pipeoptim.options.OPTIONS`` (tests/test_docs.py holds the README to it)."""
 from __future__ import annotations
 
 import json
@@ -190,3 +191,37 @@ def readme_with_advice(readme: str) -> str:
     demo = readme.index("which method to use: ")
     line = wrapped("which method to use: " + advice("image", 4)[1], "", "  ")
     return readme[:demo] + line + "\n" + readme[readme.index("```", demo):]
+
+
+#: the README's options table: its markers
+OPTIONS_START = "<!-- options: pipeoptim.options.OPTIONS, written by python -m benchmarks.make_results3 --readme (tests/test_docs.py) -->\n"
+OPTIONS_END = "<!-- /options -->"
+
+
+def options_table() -> str:
+    """The README's table of every option (``pipeoptim.options.OPTIONS``): a row per place that
+    takes it (the Pipeline, a method, the delay corrections, ``fit``), each option as
+    ``name=default`` with its command-line flag, in the table's order."""
+    from pipeoptim.options import CORRECTIONS, OPTIONS, REQUIRED
+
+    def item(option) -> str:
+        default = option.default
+        text = f"`{option.name}` (required)" if default is REQUIRED else \
+            f"`{option.name}`" if default is None or default is False else f"`{option.name}={default!r}`"
+        return text + (f" `{option.flag.flag_name(option.name)}`" if option.flag else "")
+
+    rows = [("`Pipeline(model, ...)`", lambda o: o.scope == "pipeline"),
+            ("a method's own (`Pipeline(...)`)",
+             lambda o: o.scope == "method" and not (o.flag and o.flag.group == CORRECTIONS)),
+            ("delay corrections (`Pipeline(...)`; asynchronous methods, all off by default)",
+             lambda o: o.scope == "method" and o.flag is not None and o.flag.group == CORRECTIONS),
+            ("`fit(loader, ...)`, `train(model, loader, ...)`", lambda o: o.scope == "fit")]
+    lines = ["| where | keyword (default) and command-line flag |", "|---|---|"]
+    lines += [f"| {where} | " + ", ".join(item(o) for o in OPTIONS if chosen(o)) + " |" for where, chosen in rows]
+    return "\n".join(lines) + "\n"
+
+
+def readme_with_options(readme: str) -> str:
+    """``readme`` with its options table written from ``pipeoptim.options.OPTIONS``."""
+    start = readme.index(OPTIONS_START) + len(OPTIONS_START)
+    return readme[:start] + options_table() + readme[readme.index(OPTIONS_END):]

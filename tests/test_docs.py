@@ -1,8 +1,8 @@
 """The documentation stands alone: docs/architecture.md maps every module of the package, every
-section the code, the tests and the documents cite by its heading exists, and nothing cites a
-file outside the repository.
+section the code, the tests and the documents cite by its heading exists, nothing cites a file
+outside the repository, and the README's options table is the one the option table writes.
 
-Read as text, nothing imported.
+Read as text; only the README's options table imports what writes it (pipeoptim.options, no torch).
 """
 from __future__ import annotations
 
@@ -132,6 +132,33 @@ def test_nothing_cites_a_file_outside_the_repository():
             if any(name in line for name in OUTSIDE):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert found == [], "cite docs/architecture.md instead:\n" + "\n".join(found)
+
+
+def test_the_readme_lists_every_option_as_the_option_table_has_it():
+    from benchmarks.make_results3_advice import OPTIONS_END, OPTIONS_START, options_table, readme_with_options
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme_with_options(readme) == readme, \
+        "README.md's options table is out of date: run .venv/bin/python -m benchmarks.make_results3 --readme"
+    # a stale table is rewritten whole
+    start = readme.index(OPTIONS_START) + len(OPTIONS_START)
+    stale = readme[:start] + "| old |\n" + readme[readme.index(OPTIONS_END):]
+    assert stale != readme and readme_with_options(stale) == readme
+    from pipeoptim.options import OPTIONS
+
+    table = options_table()
+    assert all(f"`{o.name}" in table for o in OPTIONS)
+
+
+def test_the_readme_opens_with_what_a_user_needs_and_stays_short():
+    """Install and the quickstart come first, the two commands of the contract are there, and the
+    README stays a user's page (the studies and measurements live in docs/)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    assert len(lines) <= 320, f"README.md has {len(lines)} lines: move detail to docs/ (at most 320)"
+    sections = [line for line in lines if line.startswith("## ")]
+    assert sections[:2] == ["## Install", "## Quickstart: a transformers causal LM"], sections
+    assert "make demo" in readme and "make test" in readme
 
 
 # ---------------------------------------------------------------------------------------------
