@@ -10,7 +10,8 @@ computes its own loss. The data is a small synthetic corpus made here: nothing i
     torchrun --nproc-per-node 4 examples/transformers_causal_lm.py --shard-replicas
                                                             # 2 stages x 2 replicas, each stage sharded
 
-With a synchronous method (the default) the three print the same losses. At the end, the
+With --dropout 0 and a synchronous method (the default) the three print the same losses (with
+dropout on, each launcher draws its own masks). At the end, the
 checkpoint that `fit` wrote becomes a plain state dict with torch alone, which a fresh
 `GPT2LMHeadModel` loads with `strict=True`, and `pipe.model()` (the trained model, of its own
 class) goes through `save_pretrained` / `from_pretrained`.
