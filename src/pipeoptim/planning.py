@@ -44,7 +44,9 @@ RULE = ("the fastest synchronous candidate (predicted samples/s) among those who
         "best counts as a tie, and ties go to less memory, then fewer micro-batches, then the earlier method; the "
         "fastest asynchronous candidate is named as the one to try")
 
-Split = Tuple[Tuple[int, ...], int]  #: (layers or units per stage, rows of the micro-batch timed)
+#: (layers or units per stage, rows timed, the method that runs them, its micro-batches): gpipe and
+#: 1 for a split timed stage by stage; a chunked or mirrored method's pieces run as it runs them
+Split = Tuple[Tuple[int, ...], int, str, int]
 
 
 @dataclass
@@ -143,8 +145,9 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
                 ) -> Tuple[Dict[Split, Dict[str, List[float]]], Dict[str, Any]]:
     """Each split's stage seconds as the runtime runs them, all measured in turns.
 
-    ``splits``: (layers per stage, rows): the split of ``net`` timed on the first ``rows``
-    samples of ``sample`` (one micro-batch). Every round trains one mini-batch on each split in
+    ``splits``: (layers per stage, rows, method, micro-batches): the split of ``net`` timed on
+    the first ``rows`` samples of ``sample`` under the method (:class:`~pipeoptim.profile.
+    StageTimer`; gpipe with one micro-batch: each stage alone). Every round trains one mini-batch on each split in
     turn, after ``warmup`` untimed rounds; from ``repeats`` rounds on, it stops once, for every
     split, the ``statistic`` of its first half of rounds and of its second half (forward +
     backward + update, all stages) differ by at most ``tolerance`` (relative), or at
@@ -158,7 +161,8 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
     limit = max(repeats, max_rounds if max_rounds is not None else 3 * repeats)
     timers = {split: StageTimer(net, list(split[0]), head_rows(sample, split[1]),
                                 None if target is None else target[:split[1]], loss_fn, device=device,
-                                optimizer=optimizer) for split in dict.fromkeys(splits)}
+                                optimizer=optimizer, method=split[2], microbatches=split[3])
+              for split in dict.fromkeys(splits)}
     summary = statistics.median if statistic == "median" else min
     rounds, worst = 0, float("inf")
     for _ in range(warmup):
@@ -183,7 +187,8 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
 
     times = {split: timer.summary(warmup, statistic) for split, timer in timers.items()}
     return times, {"rounds": rounds, "stable": worst <= tolerance, "halves_disagree": worst, "tolerance": tolerance,
-                   "spread": {f"{list(s[0])} x {s[1]} rows": spread(t.totals(warmup)) for s, t in timers.items()}}
+                   "spread": {f"{list(s[0])} x {s[1]} rows" + (f" ({s[2]}, M = {s[3]})" if s[2] != "gpipe" else ""):
+                              spread(t.totals(warmup)) for s, t in timers.items()}}
 
 
 # -- the candidates --------------------------------------------------------------------------------
@@ -243,8 +248,16 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
                 split = pieces[placement]
             plans.append((method, m, list(split)))
     rows = (lambda m: microbatch_size(batch_size, m)) if scaling == "measure" else (lambda m: batch_size)
-    keys = [((layers,), batch_size)] + [(tuple(s), batch_size) for s in splits.values()] + \
-        [(tuple(split), rows(m)) for _, m, split in plans]
+
+    def key(split: Sequence[int], m: int, method: str = "gpipe") -> Split:
+        """What times ``split`` for ``method`` at ``M = m``: a chunked or mirrored method's pieces
+        as it runs them (in turns on a process), any other split stage by stage."""
+        if get_method(method).chunks > 1:
+            return tuple(split), batch_size, method, m
+        return tuple(split), rows(m), "gpipe", 1
+
+    keys = [key([layers], 1)] + [key(s, 1) for s in splits.values()] + [key(split, m, meth)
+                                                                        for meth, m, split in plans]
     times, measurement = {}, None
     if stage_timing == "measured":
         log(f"timing {len(dict.fromkeys(keys))} splits as the runtime runs them, in turns, until stable")
@@ -252,12 +265,12 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
                                          optimizer=optimizer, warmup=warmup, repeats=repeats, max_rounds=max_rounds,
                                          tolerance=tolerance, statistic=statistic)
 
-    def measured(split: Sequence[int], m: int) -> Optional[Dict[str, List[float]]]:
+    def measured(split: Sequence[int], m: int, method: str = "gpipe") -> Optional[Dict[str, List[float]]]:
         """Measured stage times of one micro-batch of ``M = m`` on ``split`` (None: from the profile)."""
         if stage_timing != "measured":
             return None
-        found = times[(tuple(split), rows(m))]
-        factor = microbatch_size(batch_size, m) / rows(m)
+        found = times[key(split, m, method)]
+        factor = microbatch_size(batch_size, m) / key(split, m, method)[1] if key(split, m, method)[3] == 1 else 1
         if factor == 1:
             return found
         return {"forward": [t * factor for t in found["forward"]],  # linear scaling of the mini-batch's times
@@ -280,7 +293,8 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
     for method, m, split in plans:
         n = 1 if method == "sequential" else stages
         row = predict(method, profiles[m], split, microbatches=m, batches=batches, batch_size=batch_size,
-                      speeds=speeds if n == stages else None, bandwidth=bandwidth, measured=measured(split, m))
+                      speeds=speeds if n == stages else None, bandwidth=bandwidth,
+                      measured=measured(split, m, method))
         row["memory_fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
         reach(row, reference["samples_per_second"], n, speeds)
         if units.traced is not None and get_method(method).chunks == 1:

@@ -153,8 +153,11 @@ def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Se
         ends = [sum(sizes[:k + 1]) for k in range(n - 1)]
         comm = max(profile.layers[e - 1].output_bytes for e in ends) / bandwidth
     # The W half of a split backward (zb-h1) is not profiled apart: take half the backward, as
-    # for matmul layers, whose input and weight gradients are two products of the same size.
-    return Costs(fwd, bwd, [g / 2 for g in bwd], update=max(upd), comm=comm)
+    # for matmul layers, whose input and weight gradients are two products of the same size;
+    # where the split was timed as the method runs it, its measured W.
+    weight = [g / 2 for g in bwd] if measured is None or "weight" not in measured else \
+        [w / speed[k] for k, w in enumerate(measured["weight"][:n])]
+    return Costs(fwd, bwd, weight, update=max(upd), comm=comm)
 
 
 def extrapolated_makespan(build: Callable[[int], Schedule], batches: int, costs: Costs):
@@ -216,6 +219,19 @@ def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optiona
     upd = piece_costs.update / min(speed)
     return Costs([f[k % half] / speed[k] for k in range(2 * half)], [b[k % half] / speed[k] for k in range(2 * half)],
                  [w[k % half] / speed[k] for k in range(2 * half)], update=upd, comm=piece_costs.comm)
+
+
+def measured_costs(measured: Dict[str, List[float]], placement: Sequence[int], speeds: Optional[Sequence[float]],
+                   comm: float) -> Costs:
+    """Costs of every stage of a mirrored method, replicas too, from its stages timed as it runs
+    them (:class:`pipeoptim.profile.StageTimer` with the method: two replicas per process, their
+    gradients summed), each at the speed of the rank that holds it."""
+    speed = [1.0 if speeds is None else float(speeds[r]) for r in placement]
+    f, b = measured["forward"], measured["backward"]
+    w = measured.get("weight") or [g / 2 for g in b]
+    return Costs([x / v for x, v in zip(f, speed)], [x / v for x, v in zip(b, speed)],
+                 [x / v for x, v in zip(w, speed)], update=max(u / v for u, v in zip(measured["update"], speed)),
+                 comm=comm)
 
 
 def replica_sum_seconds(profile: ModelProfile, method: str, sizes: Sequence[int],
@@ -288,9 +304,13 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     meth = get_method(method)
     placement = stage_placement(method, sizes)
     ranks = 1 + max(placement)
-    costs = stage_costs(profile, sizes, None if speeds is None else [speeds[r] for r in placement],
-                        bandwidth, measured) if not meth.mirrored else mirrored_costs(
-        stage_costs(profile, sizes, None, bandwidth, measured), placement, speeds)
+    if meth.mirrored and measured is not None and len(measured["forward"]) == len(placement):
+        costs = measured_costs(measured, placement, speeds, stage_costs(profile, sizes, None, bandwidth).comm)
+    elif meth.mirrored:
+        costs = mirrored_costs(stage_costs(profile, sizes, None, bandwidth, measured), placement, speeds)
+    else:
+        costs = stage_costs(profile, sizes, None if speeds is None else [speeds[r] for r in placement], bandwidth,
+                            measured)
     makespan, result, simulated = simulated_makespan(method, ranks, microbatches, batches, costs)
     replica_sum = replica_sum_seconds(profile, method, sizes, bandwidth)
     makespan += batches * max(replica_sum, default=0.0)

@@ -390,53 +390,73 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
 
 
 class StageTimer:
-    """One split of ``model`` (layers per stage ``sizes``) as the runtime runs it: copied, cut
-    into :class:`pipeoptim.runtime.stage.Stage` s (the synchronous weight policy) driven by the
-    local executor, every forward, backward and update timed. :meth:`run` trains one mini-batch
-    of one micro-batch; :meth:`summary` gives each stage's seconds over the runs kept. Several
-    timers taking turns see the same load on a machine shared with other work
+    """A split of ``model`` (layers per stage ``sizes``; a mirrored method's pieces, which it holds
+    twice) as the runtime runs it under ``method`` (default gpipe): copied, cut into
+    :class:`pipeoptim.runtime.stage.Stage` s driven by the local executor over mini-batches of
+    ``microbatches`` micro-batches, every forward, backward (or its two halves), update timed. A
+    chunked or mirrored method, timed so, runs its pieces in turns and its split backward as it
+    does on a process. :meth:`run` trains mini-batches; :meth:`summary` gives each stage's
+    seconds per micro-batch. Timers taking turns see the same load on a busy machine
     (:func:`pipeoptim.planning.time_splits`). The caller's model is not touched."""
+
+    KINDS = ("forward", "backward", "backward_input", "backward_weight", "update")
 
     def __init__(self, model: nn.Sequential, sizes: List[int], sample: Activation, target: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], *, device: str = "cpu",
-                 optimizer: Optional[OptimizerFactory] = None) -> None:
+                 optimizer: Optional[OptimizerFactory] = None, method: str = "gpipe", microbatches: int = 1) -> None:
         from .methods import get_method
         from .runtime.build import build_stages
+        from .runtime.microbatch import batch_size, split_batch
 
         dev = torch.device(device)
         self.clock = _Clock(dev)
         work = copy.deepcopy(model).to(dev)
         work.train()
-        self.method = get_method("gpipe")
-        self.stages = build_stages(work, list(sizes), self.method, {},
+        self.method, self.microbatches = get_method(method), microbatches
+        self.stages = build_stages(work, list(sizes) * (2 if self.method.mirrored else 1), self.method, {},
                                    optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0)), loss_fn)
-        self.log: List[Dict[str, List[float]]] = [{"forward": [], "backward": [], "update": []}
-                                                  for _ in self.stages]
-        for stage, record in zip(self.stages, self.log):
-            for name in ("forward", "backward", "update"):
-                def timed(*args: Any, _call=getattr(stage, name), _log=record[name], **kwargs: Any) -> Any:
+        self.ranks = len(self.stages) // self.method.chunks
+        self.rounds: List[float] = []  #: seconds of every timed call, per mini-batch run
+        self.calls: List[List[Tuple[int, str, float]]] = [[] for _ in self.stages]  # (run, kind, seconds)
+        for stage, calls in zip(self.stages, self.calls):
+            for name in self.KINDS:
+                def timed(*args: Any, _call=getattr(stage, name), _name=name, _calls=calls, **kwargs: Any) -> Any:
                     seconds, out = self.clock.time(lambda: _call(*args, **kwargs))
-                    _log.append(seconds)
+                    _calls.append((len(self.rounds), _name, seconds))
                     return out
                 setattr(stage, name, timed)
-        self.batch = (_to_device(_detached(sample), dev), None if target is None else _to_device(target, dev), 1.0)
+        x, y = _to_device(_detached(sample), dev), None if target is None else _to_device(target, dev)
+        pieces = split_batch(x, torch.zeros(batch_size(x)) if y is None else y, microbatches)
+        self.batch = [(piece, None if y is None else t, share) for piece, t, share in pieces]
 
     def run(self, count: int = 1) -> None:
-        """Train ``count`` mini-batches (each one micro-batch), every call timed."""
+        """Train ``count`` mini-batches, every call timed."""
         from .runtime.local import run_schedule
 
-        run_schedule(self.stages, self.method.build_schedule(len(self.stages), 1, count), [self.batch] * count)
+        for _ in range(count):
+            run_schedule(self.stages, self.method.build_schedule(self.ranks, self.microbatches, 1), self.batch)
+            self.rounds.append(sum(t for calls in self.calls for r, _, t in calls if r == len(self.rounds)))
 
     def totals(self, skip: int = 0) -> List[float]:
-        """Seconds of each run after the first ``skip``: every stage's forward + backward + update."""
-        return [sum(sum(record[name][r] for name in record) for record in self.log)
-                for r in range(skip, len(self.log[0]["update"]))]
+        """Seconds of each mini-batch run after the first ``skip``: every stage's timed calls."""
+        return self.rounds[skip:]
 
     def summary(self, skip: int = 0, statistic: str = "median") -> Dict[str, List[float]]:
-        """``{"forward": [...], "backward": [...], "update": [...]}``: per stage, the ``statistic``
-        of its runs after the first ``skip``."""
-        return {name: [_summary(record[name][skip:], statistic) for record in self.log]
-                for name in ("forward", "backward", "update")}
+        """Per stage, the ``statistic`` of its calls in the runs after the first ``skip``:
+        ``forward``, ``backward`` (a split one's two halves added), ``update``, and ``weight``
+        (the weight half) where the backward was split."""
+        def of(calls: List[Tuple[int, str, float]], kind: str) -> float:
+            return _summary([t for r, k, t in calls if k == kind and r >= skip], statistic)
+
+        out: Dict[str, List[float]] = {"forward": [], "backward": [], "update": [], "weight": []}
+        for calls in self.calls:
+            out["forward"].append(of(calls, "forward"))
+            out["backward"].append(of(calls, "backward") + of(calls, "backward_input") + of(calls, "backward_weight"))
+            out["weight"].append(of(calls, "backward_weight"))
+            out["update"].append(of(calls, "update"))
+        if not any(out["weight"]):
+            del out["weight"]
+        return out
 
 
 def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, target: torch.Tensor,
