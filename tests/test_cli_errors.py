@@ -101,8 +101,6 @@ CASES = [
      "--continuous never drains, so it cannot evaluate"),
     (["train", "--task", "lm", "--model", "gpt-tied-small", "--stages", "9", "--limit", "64", "--no-progress"],
      "9 stages need 9 candidate points; TiedGPT has 7 (tok, pos, drop, blocks.0, blocks.1, norm, head)"),
-    (["plan", "--task", "lm", "--model", "gpt-tied"], "plan profiles an nn.Sequential layer by layer, and lm's "
-                                                      "model gpt-tied is traced by torch.export instead"),
     (["bench", "--task", "lm", "--model", "gpt-tied-small", "--stages", "2"], "bench one of gpt, gpt-small, "
                                                                                "gpt-narrow, or train gpt-tied-small"),
     # bench's --compile takes a backend as train's does; with and without is --ablate compile

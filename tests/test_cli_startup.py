@@ -103,7 +103,7 @@ print(sorted(pipeoptim.__all__))
 """
     proc = probe([], tmp_path, code=code)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(sorted(["Pipeline", "train", "TrainResult", "NonFiniteLoss",
+    assert proc.stdout.strip() == str(sorted(["Pipeline", "train", "plan", "TrainResult", "NonFiniteLoss",
                                               "METHODS", "get_method", "method_names"]))
 
 
