@@ -21,7 +21,7 @@ except ImportError as error:  # a test dependency: make setup installs it
                       "`test` extra): run `make setup`, which installs it (or `pip install -e '.[test]'`)") from error
 
 VOCAB, LENGTH, CLASSES, SIDE = 24, 8, 3, 16
-_LM = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False)  # the cache is no tensor
+_LM = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)  # use_cache as the library sets it (on)
 _SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
               max_position_embeddings=16)
 

@@ -85,7 +85,7 @@ OPTIONS: Tuple[Option, ...] = (
            "found a synchronous pipeline gives the better model in the same time on three of its four tasks; "
            "the asynchronous methods (pipeoptim, pipeoptim-2bw, ...) trade that equality for fewer bubbles",
            "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
-                            note="`pipeoptim compare` takes --methods, a list")),
+                            note="`pipeoptim compare` takes --methods, comma-separated")),
     Option("loss_fn", None, "loss_fn(output, target) -> scalar tensor, a mean over the mini-batch, of the output "
            "as the model returns it (a tensor, a tuple, a dict, a ModelOutput). A mini-batch is (inputs, target) "
            "(inputs: a tensor, a tuple of positional or a dict of keyword arguments), or a dict of keyword "
@@ -111,7 +111,11 @@ OPTIONS: Tuple[Option, ...] = (
            "forward+backward time profiled on the example input, which differs between runs and machines; "
            "under torchrun rank 0's; the cut it chose is printed, to be given again as partition= or "
            "split_points=)", "pipeline",
-           Flag(choices=("uniform", "params"), default="uniform")),
+           Flag(choices=("uniform", "params"), default="uniform",
+                help="how --stages cuts the model: uniform (the same number of layers per stage) or params "
+                     "(balanced parameter counts), both a function of the model alone, the same in every "
+                     "launcher and run; `pipeoptim plan` balances profiled times and writes the cut it "
+                     "chose into its plan file")),
     Option("split_points", None, "a traced model's cut: the qualified names of the submodules where stages "
            "2..N begin (['layers.4', 'layers.8']), in call order", "pipeline",
            api_only="the command line's models are cut by --stages/--partition"),
