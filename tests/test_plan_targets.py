@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeoptim.lab.plan_targets import annotate, compare_command, notes
-from pipeoptim.planning import recommend
+from pipeoptim.recommendation import recommend
 from pipeoptim.methods import get_method
 
 BATCHES = 10

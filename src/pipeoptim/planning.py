@@ -19,9 +19,7 @@ spread is reported either way). A candidate predicted faster than its process co
 sequential reference is one no split can give: it is flagged (``reachable`` False, why in
 ``unreachable``) and not recommended.
 
-**The rule for a model no study measured** (:data:`RULE`, :func:`recommend`): the fastest
-synchronous candidate (they compute the updates of non-pipelined training), and the fastest
-asynchronous one named as the one to try (what its staleness costs in updates is unmeasured)."""
+**The rule for a model no study measured**: :mod:`pipeoptim.recommendation`."""
 from __future__ import annotations
 
 import statistics
@@ -37,12 +35,8 @@ from .methods import get_method
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
-from .profile import STATISTICS, ModelProfile, StageTimer, tensors_of
-
-RULE = ("the fastest synchronous candidate (predicted samples/s) among those whose largest process memory fits the "
-        "memory limit and whose speedup a split can reach (at most the process count); within {tie:.0%} of the "
-        "best counts as a tie, and ties go to less memory, then fewer micro-batches, then the earlier method; the "
-        "fastest asynchronous candidate is named as the one to try")
+from .profile import STATISTICS, StageTimer, tensors_of
+from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
 
 #: (layers or units per stage, rows timed, the method that runs them, its micro-batches): gpipe and
 #: 1 for a split timed stage by stage; a chunked or mirrored method's pieces run as it runs them
@@ -307,99 +301,7 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
             "measurement": measurement}
 
 
-def reach(row: Dict[str, Any], reference: float, processes: int, speeds: Optional[Sequence[float]] = None) -> None:
-    """Set ``row``'s ``speedup`` over the sequential ``reference`` (samples/s), ``processes``,
-    ``fits`` and ``reachable``: a pipeline over P processes runs at most P times the sequential
-    speed (the sum of the speeds, with ``speeds``), and a prediction above it says the profile
-    was disturbed; ``unreachable`` says so (where it is)."""
-    bound = processes if speeds is None or processes == 1 else sum(speeds) / max(speeds)
-    row["speedup"] = row["samples_per_second"] / reference
-    row["processes"] = processes
-    row["reachable"] = row["speedup"] <= bound * (1 + 1e-9)
-    row["fits"] = row.get("memory_fits", True)
-    if not row["reachable"]:
-        row["unreachable"] = (f"predicted {row['speedup']:.2f}x sequential on {processes} processes, more than "
-                              f"any split can give ({bound:g}x): the timings were disturbed")
-
-
-def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float] = None, tie: float = 0.02,
-              order: Optional[Sequence[str]] = None, prefer: Optional[str] = None) -> Dict[str, Any]:
-    """The recommended candidate: among those whose ``max_stage_memory`` fits ``memory_limit``
-    (all, without a limit), whose speedup a split can reach (``reachable``, True where absent) and
-    which may be recommended (``eligible``, True where absent; all that fit and reach, where none
-    may; all that fit, where none reaches), the shortest ``time_to_target_seconds`` where every
-    one has it, else the highest ``samples_per_second``. Candidates within ``tie`` (relative) of
-    the best are tied, and among them a synchronous method wins, then ``prefer``, then the smaller
-    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
-    Raises ValueError when no candidate fits."""
-    if not candidates:
-        raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
-    fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
-    if not fits:
-        least = min(candidates, key=lambda c: c["max_stage_memory"])
-        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
-                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
-                         f"{least['max_stage_memory']} bytes")
-    reached = [c for c in fits if c.get("reachable", True)] or fits
-    pool = [c for c in reached if c.get("eligible", True)] or reached
-    timed = all(c.get("time_to_target_seconds") is not None for c in pool)
-    cost = (lambda c: c["time_to_target_seconds"]) if timed else (lambda c: 1.0 / c["samples_per_second"])
-    best = min(cost(c) for c in pool)
-    tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
-    rank = {m: i for i, m in enumerate(order or [])}
-    return min(tied, key=lambda c: (not c["synchronous"], c["method"] != prefer, c["max_stage_memory"],
-                                    c["microbatches"], rank.get(c["method"], len(rank))))
-
-
-def _m(c: Dict[str, Any]) -> str:
-    return f"{c['method']} (M = {c['microbatches']})"
-
-
-def unstudied_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any],
-                    try_it: Callable[[List[str]], str]) -> List[str]:
-    """What a plan says beside ``best`` where no study measured the updates the asynchronous
-    methods need: the flagged candidates, and the fastest asynchronous one, to try with
-    ``try_it([methods])`` (the command or the code that compares them)."""
-    out = reach_notes(candidates, best)
-    if not best.get("eligible", True):
-        out.append(f"no synchronous candidate fits or was asked for: {_m(best)} is recommended on throughput alone")
-    rivals = [c for c in candidates if c["fits"] and c.get("reachable", True) and not c["synchronous"]
-              and c is not best]
-    if rivals and best["synchronous"]:
-        fast = max(rivals, key=lambda c: c["samples_per_second"])
-        if fast["samples_per_second"] < 1.005 * best["samples_per_second"]:
-            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; no asynchronous one is "
-                       f"predicted faster (the fastest, {_m(fast)}, {fast['samples_per_second']:.0f} samples/s)")
-        else:
-            out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; the fastest asynchronous "
-                       f"one, {_m(fast)}, predicts {fast['samples_per_second']:.0f} samples/s "
-                       f"({fast['samples_per_second'] / best['samples_per_second']:.2f}x), but what its staleness "
-                       f"costs in updates is unmeasured here; to try it: " + try_it([best["method"], fast["method"]]))
-    return out
-
-
-def reach_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any]) -> List[str]:
-    """The line on the candidates no split can reach (none where every one can)."""
-    flagged = [c for c in candidates if not c.get("reachable", True)]
-    if not flagged:
-        return []
-    top = max(flagged, key=lambda c: c["speedup"])
-    line = (f"{len(flagged)} candidate(s) predict more than their process count times sequential, which no split "
-            f"can give (the most: {_m(top)}, {top['speedup']:.2f}x on {top['processes']}): flagged, not "
-            f"recommended; the machine's other work disturbed the timings: plan again on a quieter machine, with "
-            f"more repeats, or with the min statistic")
-    if not best.get("reachable", True):
-        line += f"; every candidate that fits is flagged, so {_m(best)} is recommended on these numbers alone"
-    return [line]
-
-
 # -- the plan --------------------------------------------------------------------------------------
-
-def try_in_code(methods: List[str]) -> str:
-    """How to compare ``methods`` on a model of your own."""
-    return ("train them on your data for the same time and compare the models (pipeoptim.train with "
-            f"method={methods[0]!r} and method={methods[-1]!r})")
-
 
 def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stages: int, partitioner: str,
              memory_limit: Optional[float], rule: str, notes: List[str], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -483,7 +385,8 @@ def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], to
         c["eligible"] = c["synchronous"]
     best = recommend(found["candidates"], memory_limit, tie, order=methods)
     notes = (["a model of your own: no study measured the updates the asynchronous methods need on it."]
-             + unstudied_notes(found["candidates"], best, try_in_code))
+             + unstudied_notes(found["candidates"], best, try_in_code)
+             + pieces_note(found["candidates"], best, time_in_code))
     settings = {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
                 "microbatch_counts": counts, "scaling": scaling, "batches": batches, "seed": seed,
                 "optimizer": "adamw" if optimizer is None else "yours", "warmup": warmup, "repeats": repeats,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..recommendation import pieces_note, reach_notes, time_in_code, unstudied_notes
 from .tasks.advice import Advice, advice
 from .tasks.updates_to_target import StudiedSetting, VariantRatio, studied_setting
 
@@ -97,6 +98,12 @@ def compare_command(task: Optional[str], model: Optional[str], stages: int, opti
     return "pipeoptim compare " + " ".join(flags)
 
 
+def bench_command(task: str, model: Optional[str], stages: int, best: Dict[str, Any], methods: Sequence[str]) -> str:
+    """The ``pipeoptim bench`` that measures ``methods`` on the task's model at the plan's M."""
+    return " ".join(["pipeoptim bench --task", task] + (["--model", model] if model else []) + [
+        f"--stages {stages} --micro-batches {best['microbatches']} --methods {','.join(dict.fromkeys(methods))}"])
+
+
 def _m(c: Dict[str, Any]) -> str:
     return f"{c['method']} (M = {c['microbatches']})"
 
@@ -107,13 +114,13 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
     (``study``: :func:`annotate`'s), the study's advice, and the asynchronous candidate to try
     where the recommendation is not it (and, as the engine's rule says, the candidates no split can
     reach)."""
-    from ..planning import reach_notes, unstudied_notes  # torch: only once a plan is made
-
     out = [study["line"] + "."]
+    check = time_in_code if task is None else (lambda methods: bench_command(task, model, stages, best, methods))
     if not study["covered"]:
         return out + unstudied_notes(cands, best, lambda methods: compare_command(task, model, stages, optimizer,
-                                                                                   methods))
-    out += reach_notes(cands, best)
+                                                                                   methods)) + pieces_note(
+            cands, best, check)
+    out += reach_notes(cands, best) + pieces_note(cands, best, check)
     fits = [c for c in cands if c["fits"] and c.get("reachable", True)]
     if not best["eligible"]:
         out.append(f"no synchronous candidate fits or was asked for: {_m(best)} is recommended on "

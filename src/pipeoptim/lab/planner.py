@@ -27,8 +27,9 @@ import torch
 
 from ..methods import get_method, method_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES
-from ..planning import RULE as UNSTUDIED_RULE
-from ..planning import assemble, check_options, model_units, recommend, survey
+from ..planning import assemble, check_options, model_units, survey
+from ..recommendation import RULE as UNSTUDIED_RULE
+from ..recommendation import recommend
 from ..prediction import candidate_problem
 from .plan_targets import RULE, annotate, notes
 
