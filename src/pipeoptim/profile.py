@@ -17,9 +17,9 @@ sees them) :func:`profile_model` measures, on a real sample batch and on the cho
 * ``parameter_bytes`` and ``parameters``: ``sum(numel * element_size)`` and ``sum(numel)``
   over the layer's parameters.
 
-Repeats, the statistic and the copy: :func:`profile_model`; on CUDA the device is synchronised
-before and after each measured call, and the copy leaves the caller's gradients and BatchNorm
-statistics untouched too. A layer receives its predecessor's output as its one argument.
+Repeats, the statistic and the copy: :func:`profile_model` (on CUDA the device is synchronised
+around each measured call); a layer receives its predecessor's output as its one argument. Whole
+stages, as the runtime runs them: :class:`StageTimer`, :func:`measure_stages`.
 """
 from __future__ import annotations
 
@@ -430,7 +430,6 @@ class StageTimer:
         self.batch = [(piece, None if y is None else t, share) for piece, t, share in pieces]
 
     def run(self, count: int = 1) -> None:
-        """Train ``count`` mini-batches, every call timed."""
         from .runtime.local import run_schedule
 
         for _ in range(count):
@@ -438,8 +437,7 @@ class StageTimer:
             self.rounds.append(sum(t for calls in self.calls for r, _, t in calls if r == len(self.rounds)))
 
     def totals(self, skip: int = 0) -> List[float]:
-        """Seconds of each mini-batch run after the first ``skip``: every stage's timed calls."""
-        return self.rounds[skip:]
+        return self.rounds[skip:]  # seconds of each mini-batch run after the first skip, all its timed calls
 
     def summary(self, skip: int = 0, statistic: str = "median") -> Dict[str, List[float]]:
         """Per stage, the ``statistic`` of its calls in the runs after the first ``skip``:
@@ -463,14 +461,10 @@ def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, t
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
                    optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
                    statistic: str = "median") -> Dict[str, List[float]]:
-    """Seconds of each stage's forward, backward and update for the split ``sizes``, measured
-    as the runtime runs them (:class:`StageTimer`) over ``warmup + repeats`` mini-batches of
-    ``sample``. Returns ``{"forward": [...], "backward": [...], "update": [...]}`` per stage
-    (median, or min, of the repeats).
-
-    Layers timed one by one add up to less than a whole stage (caches: a stage's weights and
-    activations do not all stay warm; the runtime's own work per pass), so the planner predicts
-    from these. The model is copied; the caller's is not touched."""
+    """Seconds of each stage's forward, backward and update for the split ``sizes`` (per stage,
+    the median, or min, of ``repeats`` mini-batches of ``sample`` after ``warmup``), timed as the
+    runtime runs them (:class:`StageTimer`): layers timed one by one add up to less than a whole
+    stage (caches; the runtime's own work per pass)."""
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
