@@ -145,3 +145,28 @@ def test_several_stages_per_process_come_with_the_bench_command_that_checks_them
         "pipeoptim bench, such methods have run slower than predicted; measure it against zb-h1 (M = 4) (1800 "
         "samples/s predicted) before relying on it: pipeoptim bench --task image --model resnet --stages 2 "
         "--micro-batches 4 --methods bidirectional,zb-h1"]
+
+
+def test_a_split_that_adds_up_to_less_than_the_whole_model_is_raised_to_it(monkeypatch):
+    """The stages of [2, 1] timed at 2 + 1 ms forward and 1 + 1 ms backward (5 ms) where the whole
+    model took 10 ms: they cannot do less work than it, so they are raised x2 (the update is kept),
+    and gpipe at M = 1 predicts 2 x (2 + 1 + 1 + 1) + 1 = 11 ms per mini-batch (the whole model: 12),
+    not 6 (2x sequential)."""
+    import pipeoptim.planning as planning
+
+    def fake(net, keys, *args, **kwargs):
+        whole = {"forward": [0.006], "backward": [0.004], "update": [0.002]}
+        split = {"forward": [0.002, 0.001], "backward": [0.001, 0.001], "update": [0.001, 0.001]}  # any 2 stages
+        return {k: whole if len(k[0]) == 1 else split for k in keys}, {
+            "rounds": 5, "stable": True, "halves_disagree": 0.0, "tolerance": 0.05, "spread": {}}
+
+    monkeypatch.setattr(planning, "time_splits", fake)
+    units = planning.model_units(busy_net(), (torch.randn(16, 8), torch.randint(0, 8, (16,))),
+                                 nn.functional.cross_entropy)
+    found = planning.survey(units, stages=2, batches=1, methods=["gpipe"], microbatches=[1], warmup=0, repeats=1)
+    gpipe = found["candidates"][0]
+    assert gpipe["stage_forward_seconds"] == pytest.approx([0.004, 0.002])
+    assert gpipe["stage_backward_seconds"] == pytest.approx([0.002, 0.002])
+    assert gpipe["makespan_seconds"] == pytest.approx(0.011)
+    assert found["reference"]["samples_per_second"] == pytest.approx(16 / 0.012)
+    assert found["measurement"]["raised"]["[2, 1], gpipe, M = 1"] == pytest.approx(2.0)

@@ -250,25 +250,35 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
             return tuple(split), batch_size, method, m
         return tuple(split), rows(m), "gpipe", 1
 
-    keys = [key([layers], 1)] + [key(s, 1) for s in splits.values()] + [key(split, m, meth)
-                                                                        for meth, m, split in plans]
+    keys = [key([layers], m) for m in dict.fromkeys([1, *microbatches])] + [key(s, 1) for s in splits.values()] + [
+        key(split, m, meth) for meth, m, split in plans]
     times, measurement = {}, None
     if stage_timing == "measured":
         log(f"timing {len(dict.fromkeys(keys))} splits as the runtime runs them, in turns, until stable")
         times, measurement = time_splits(net, keys, units.sample, units.target, units.loss, device=device,
                                          optimizer=optimizer, warmup=warmup, repeats=repeats, max_rounds=max_rounds,
                                          tolerance=tolerance, statistic=statistic)
+        measurement["raised"] = {}
 
     def measured(split: Sequence[int], m: int, method: str = "gpipe") -> Optional[Dict[str, List[float]]]:
-        """Measured stage times of one micro-batch of ``M = m`` on ``split`` (None: from the profile)."""
+        """Measured stage times of one micro-batch of ``M = m`` on ``split`` (None: from the profile).
+        The stages of a split do at least the whole model's work: where their forward and backward
+        add up to less than the whole model's, timed the same way at the same rows, they are
+        raised to it (what they lack is other work's noise; ``measurement["raised"]``)."""
         if stage_timing != "measured":
             return None
-        found = times[key(split, m, method)]
-        factor = microbatch_size(batch_size, m) / key(split, m, method)[1] if key(split, m, method)[3] == 1 else 1
-        if factor == 1:
+        found, whole = times[key(split, m, method)], times[key([layers], m)]
+        pieces = len(split)  # a mirrored method's stages past its pieces are their replicas
+        done = sum(found["forward"][:pieces]) + sum(found["backward"][:pieces])
+        floor = (whole["forward"][0] + whole["backward"][0]) / done if done > 0 else 1.0
+        factor = (microbatch_size(batch_size, m) / key(split, m, method)[1] if key(split, m, method)[3] == 1 else 1)
+        if floor > 1:
+            measurement["raised"][f"{list(split)}, {method}, M = {m}"] = floor
+        raise_by = max(floor, 1.0) * factor
+        if raise_by == 1:
             return found
-        return {"forward": [t * factor for t in found["forward"]],  # linear scaling of the mini-batch's times
-                "backward": [t * factor for t in found["backward"]], "update": list(found["update"])}
+        out = {name: [t * raise_by for t in found[name]] for name in ("forward", "backward", "weight") if name in found}
+        return dict(out, update=list(found["update"]))
 
     partitions = {}
     for how, sizes in splits.items():

@@ -440,11 +440,20 @@ class StageTimer:
         return self.rounds[skip:]  # seconds of each mini-batch run after the first skip, all its timed calls
 
     def summary(self, skip: int = 0, statistic: str = "median") -> Dict[str, List[float]]:
-        """Per stage, the ``statistic`` of its calls in the runs after the first ``skip``:
-        ``forward``, ``backward`` (a split one's two halves added), ``update``, and ``weight``
-        (the weight half) where the backward was split."""
+        """Per stage, seconds per call in one mini-batch run after the first ``skip``: the run
+        whose total is the ``statistic`` of the runs' (min: the fastest; median: the middle one),
+        so that every stage comes from the same run, as a whole model timed as one stage does (a
+        minimum taken stage by stage would add up each one's luckiest run). ``forward``,
+        ``backward`` (a split one's two halves added), ``update``, and ``weight`` (the weight
+        half) where the backward was split."""
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+        runs = sorted(range(skip, len(self.rounds)), key=self.rounds.__getitem__)
+        pick = runs[0] if statistic == "min" else runs[(len(runs) - 1) // 2]
+
         def of(calls: List[Tuple[int, str, float]], kind: str) -> float:
-            return _summary([t for r, k, t in calls if k == kind and r >= skip], statistic)
+            times = [t for r, k, t in calls if k == kind and r == pick]
+            return sum(times) / len(times) if times else 0.0
 
         out: Dict[str, List[float]] = {"forward": [], "backward": [], "update": [], "weight": []}
         for calls in self.calls:
@@ -461,12 +470,10 @@ def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, t
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
                    optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
                    statistic: str = "median") -> Dict[str, List[float]]:
-    """Seconds of each stage's forward, backward and update for the split ``sizes`` (per stage,
-    the median, or min, of ``repeats`` mini-batches of ``sample`` after ``warmup``), timed as the
-    runtime runs them (:class:`StageTimer`): layers timed one by one add up to less than a whole
-    stage (caches; the runtime's own work per pass)."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    """Seconds of each stage's forward, backward and update for the split ``sizes`` (the median,
+    or fastest, of ``repeats`` mini-batches of ``sample`` after ``warmup``: :meth:`StageTimer.
+    summary`), timed as the runtime runs them: layers timed one by one add up to less than a
+    whole stage (caches; the runtime's own work per pass)."""
     timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
     timer.run(warmup + repeats)
     return timer.summary(warmup, statistic)

@@ -327,8 +327,14 @@ def measurement_lines(measurement: Optional[Dict[str, Any]]) -> List[str]:
     state = ("stable" if measurement["stable"] else
              f"not stable: halves still {measurement['halves_disagree']:.0%} apart, beyond the "
              f"{measurement['tolerance']:.0%} asked; the machine's other work moves the timings")
-    return [f"timed {len(measurement['spread'])} splits and the reference in turns, {measurement['rounds']} rounds, "
-            f"{state}; the largest spread of a split's rounds (interquartile range / median): {spread:.0%}"]
+    lines = [f"timed {len(measurement['spread'])} splits and the reference in turns, {measurement['rounds']} rounds, "
+             f"{state}; the largest spread of a split's rounds (interquartile range / median): {spread:.0%}"]
+    raised = measurement.get("raised") or {}
+    if raised:
+        most = max(raised, key=raised.get)
+        lines.append(f"{len(raised)} split(s) added up to less than the whole model timed the same way, and were "
+                     f"raised to it (the most: {most}, x{raised[most]:.2f})")
+    return lines
 
 
 def target_table(plan: Dict[str, Any]) -> List[str]:
