@@ -23,17 +23,22 @@ linearly with --scaling linear; with --stage-timing measured, the default, each 
 are timed as whole stages the way a training run runs them; transfers cost bytes /
 --bandwidth) and the memory of every stage (weights x the method's weight versions, gradients,
 optimizer state, in-flight activations: the simulator's peak micro-batches in flight x the
-profiled bytes of one micro-batch, also with activation recomputation). The chunked and mirrored methods
-(interleaved, zb-v, bidirectional, bitpipe) are predicted on a split into stages x their pieces,
-where the model is a chain of layers with that many layers with parameters.
+profiled bytes of one micro-batch, also with activation recomputation). The chunked and
+mirrored methods (interleaved, zb-v, bidirectional, bitpipe) are predicted on a split into
+stages x their pieces, where the model is a chain of layers with that many layers with
+parameters (a model the Pipeline traces, not a chain of layers, runs one piece per process).
 
 On a busy machine: the sequential reference (the whole model as one stage) and every split's
 stages are timed the same way and in turns, one mini-batch of each per round, so that other
 work slows all of them alike; rounds go on from --repeats until each one's first and second
 halves agree within 5 % (at most --max-rounds; the plan reports the rounds and each one's
 spread), and --statistic min (the default) keeps each one's fastest round, what the machine can
-do. A candidate predicted more than --stages times faster than the sequential reference is one
-no split can give: it is flagged and not recommended.
+do. A split whose stages add up to less than the whole model is raised to it. A candidate
+predicted more than --stages times faster than the sequential reference is one no split can
+give: it is flagged and not recommended. A chunked or mirrored method's pieces are timed as it
+runs them (several on a process, its backward in two halves); what waiting between several
+stages on a process costs is not simulated, so a plan that recommends one names the
+`pipeoptim bench` that measures it against the best method with one stage per process.
 
 Recommendation rule: by predicted time to a model as good as synchronous training's, not by
 samples per second alone. A candidate's time to target is its predicted seconds per mini-batch

@@ -299,8 +299,11 @@ def format_plan(plan: Dict[str, Any]) -> str:
                      f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
                      f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
                      f"{act:.3f} ({light:.3f})" + ("" if c.get("reachable", True) else "  flagged: unreachable"))
+    reasons: Dict[Any, List[int]] = {}  # one line per method and reason, its micro-batch counts together
     for s in plan["skipped"]:
-        lines.append(f"{s['method']:<14} {s['microbatches']:>2}  skipped: {s['reason']}")
+        reasons.setdefault((s["method"], s["reason"]), []).append(s["microbatches"])
+    for (method, reason), counts in reasons.items():
+        lines.append(f"{method:<14} {','.join(map(str, counts)):>2}  skipped: {reason}")
     lines.append("")
     lines += target_table(plan)
     lines.append("")
