@@ -61,7 +61,7 @@ def test_train_command_prints_the_diagnostic_each_epoch(tmp_path, capsys):
     from pipeoptim.cli import main
 
     out = tmp_path / "run"
-    assert main(["train", "--task", "image", "--model", "mlp", "--stages", "4", "--limit", "640",
+    assert main(["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "4", "--limit", "640",
                  "--epochs", "2", "--diagnose-every", "3", "--no-progress", "--out", str(out)]) == 0
     printed = [l for l in capsys.readouterr().out.splitlines() if "prediction/staleness error" in l]
     assert len(printed) == 2 and all(l.strip().endswith("| 3: -") for l in printed)

@@ -136,6 +136,7 @@ def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, damage, wh
 def test_a_nan_loss_stops_every_stage_and_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "run"
     done = subprocess.run(_cli("train", "--runtime", "distributed", "--task", "image", "--model", "mlp",
+                               "--method", "pipeoptim",
                                "--stages", "2", "--epochs", "1", "--limit", "1280", "--checkpoint-every", "3",
                                "--optimizer", "momentum", "--lr-schedule", "constant", "--lr", "5",
                                "--no-progress", "--out", str(run)),

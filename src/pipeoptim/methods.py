@@ -247,6 +247,15 @@ def method_names() -> List[str]:
     return list(METHODS)
 
 
+def clip_scope_for(method: Method, clip_scope: str) -> str:
+    """``clip_scope`` with ``auto`` resolved: ``global`` for a synchronous method with one copy of
+    each stage (it then clips as the plain loop's ``clip_grad_norm_`` over the whole model),
+    ``stage`` otherwise (``pipeoptim.options``, ``clip_scope``)."""
+    if clip_scope != "auto":
+        return clip_scope
+    return "global" if method.synchronous and not method.mirrored else "stage"
+
+
 def get_method(name: str) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")

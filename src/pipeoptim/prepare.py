@@ -20,7 +20,7 @@ from torch import nn
 
 from .batches import LABELS, BatchForm, loader_item, model_loss
 from .graph_split import TracedModel, trace
-from .methods import Method, get_method
+from .methods import Method, clip_scope_for, get_method
 from .partition import plan_time_partition
 from .profile import profile_model
 from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage, split_for
@@ -76,15 +76,6 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
         raise ValueError(f"clip_scope='global' needs every stage to hold the same mini-batch's "
                          f"gradients when it updates, which only synchronous methods do; "
                          f"{method.name} updates each stage at its own time: use clip_scope='stage'")
-
-
-def clip_scope_for(method: Method, clip_scope: str) -> str:
-    """``clip_scope`` with ``auto`` resolved: ``global`` for a synchronous method with one copy of
-    each stage (it then clips as the plain loop's ``clip_grad_norm_`` over the whole model),
-    ``stage`` otherwise (options.py, ``clip_scope``)."""
-    if clip_scope != "auto":
-        return clip_scope
-    return "global" if method.synchronous and not method.mirrored else "stage"
 
 
 def check_model_settings(world: World, model: nn.Module, method: Method, settings: "ModelSettings") -> None:

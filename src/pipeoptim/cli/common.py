@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..lab.optimizers import check_options
-from ..methods import get_method, method_names
+from ..methods import clip_scope_for, get_method, method_names
 from ..options import of_scope
 from .flags import NO_CLIPPING
 
@@ -109,11 +109,11 @@ def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Opt
     method; per stage for the asynchronous ones of a comparison). Without --clip-scope (or with
     auto), the engine's ``auto``: a synchronous method clips as a plain loop does (by the whole
     model's norm: the same numbers as sequential), an asynchronous one per stage (no stage holds a
-    mini-batch's whole gradient)."""
+    mini-batch's whole gradient); the run's record names the scope that ``auto`` chose."""
     scope = getattr(args, "clip_scope", None)
     synchronous = get_method(method).synchronous
     if scope in (None, "auto"):  # the engine's default: global where the method allows it
-        return "auto"
+        return clip_scope_for(get_method(method), "auto") if clip is not None else "stage"
     if clip is None:
         raise ValueError(f"--clip-scope applies with clipping, and the {args.task} recipe does not clip: "
                          f"give --clip-grad MAX_NORM")
@@ -161,7 +161,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     clip = getattr(args, "clip_grad", None)
     if clip not in (None, NO_CLIPPING) and not clip > 0:
         raise ValueError(f"--clip-grad must be a positive max norm (or none), got {clip}")
-    if getattr(args, "clip_scope", None) is not None and clip == NO_CLIPPING:
+    if getattr(args, "clip_scope", None) not in (None, "auto") and clip == NO_CLIPPING:
         raise ValueError("--clip-scope applies with clipping: drop --clip-grad none")
     if getattr(args, "warmup_steps", None) is not None and args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
