@@ -139,3 +139,24 @@ def test_a_model_with_no_loss_and_no_loss_fn_is_refused():
     with pytest.raises(ValueError, match=r"a dict mini-batch with keys \['input_ids'\] has no 'labels': add the "
                                          r"labels as batch\['labels'\]"):
         pipeoptim.plan(model, {"input_ids": batch["input_ids"]}, stages=2)
+
+
+def test_a_tasks_traced_model_is_planned_and_its_plan_file_read_by_train(tmp_path):
+    """lm's gpt-tied-small is a module the Pipeline traces (tied head): plan used to refuse it."""
+    from pipeoptim.errors import MissingDataError
+    from pipeoptim.lab.planner import load_plan
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--task", "lm", "--model", "gpt-tied-small", "--stages", "2", "--limit", "64", "--micro-batches",
+            "2", "--methods", "gpipe,zb-h1,interleaved", "--stage-timing", "profile", "--scaling", "linear",
+            "--warmup", "0", "--repeats", "1", "--batches", "4", "--threads", "1", "--json", "--out", str(out)]
+    try:
+        assert run(argv) == 0
+    except MissingDataError:
+        pytest.skip("the lm task's data is not installed")
+    plan = json.loads(out.read_text())
+    assert plan["units"]["traced"] and plan["units"]["count"] == len(plan["units"]["cut_points"])
+    assert sum(plan["partition"]) == plan["units"]["count"] and plan["method"] in ("gpipe", "zb-h1")
+    assert [s["method"] for s in plan["skipped"]] == ["interleaved"]
+    assert load_plan(out) == {"task": "lm", "model": "gpt-tied-small", "batch_size": 32, "stages": 2,
+                              "partition": plan["partition"], "method": plan["method"], "micro_batches": 2}
