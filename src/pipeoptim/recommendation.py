@@ -1,7 +1,8 @@
-"""Which candidate a plan recommends where no study measured the updates the asynchronous methods
-need (:func:`pipeoptim.plan`; the lab's ``pipeoptim plan`` uses it for a model no study covers),
-and the flags beside it: a prediction no split can reach, a method whose several stages per
-process the simulator over-predicts.
+"""The rule a plan recommends by where no study measured a model, and the flags beside it.
+
+:func:`pipeoptim.plan` follows it, and the lab's ``pipeoptim plan`` for a model no study covers
+(another task's model, batch size or optimizer, ``--model-fn``). The flags: a prediction no
+split can reach, a method whose several stages per process the simulator over-predicts.
 
 The rule (:data:`RULE`, :func:`recommend`): the fastest synchronous candidate (they compute the
 updates of non-pipelined training) among those that fit the memory limit and whose speedup a
