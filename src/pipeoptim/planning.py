@@ -348,7 +348,7 @@ def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], to
          methods: Sequence[str] = DEFAULT_METHODS, micro_batches: Sequence[int] = DEFAULT_MICROBATCHES,
          memory_limit: Optional[float] = None, partitioner: str = "uniform", scaling: str = "measure",
          warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
-         statistic: str = "median", stage_timing: str = "measured", tie: float = 0.02, seed: int = 0,
+         statistic: str = "min", stage_timing: str = "measured", tie: float = 0.02, seed: int = 0,
          log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Which method, how many micro-batches and which split for ``model`` on ``stages`` processes,
     predicted from a profile of one mini-batch ``batch`` of its data (see the module docstring).
@@ -364,8 +364,9 @@ def plan(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], to
     candidates are not recommended. ``partitioner``: the split the predictions use (uniform,
     the Pipeline's default; params; or time, balanced profiled time).
     ``scaling``: profile every micro-batch size (measure) or scale the mini-batch's (linear).
-    ``warmup``, ``repeats``, ``statistic`` (median or min): the profile's and the timed splits'
-    untimed runs, timed runs and summary; ``max_rounds`` (default 3 x ``repeats``) and
+    ``warmup``, ``repeats``, ``statistic`` (min, the default: the fastest run, what the machine
+    does without other work; or median): the profile's and the timed splits' untimed runs, timed
+    runs and summary; ``max_rounds`` (default 3 x ``repeats``) and
     ``tolerance``: the timed splits take turns until stable (:func:`time_splits`).
     ``stage_timing``: measured (the splits timed as the runtime runs them) or profile (the sums
     of the profiled layers: faster, optimistic). ``tie``: the relative difference in samples/s
