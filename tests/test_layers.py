@@ -28,7 +28,8 @@ runtime               runtime/ (stage, the local and distributed executors and t
 API                   pipeline (pipeoptim.Pipeline), prepare, world (where the stages run: the
                       local world, the checkpoint writer and reader), torchrun (the Pipeline under
                       torchrun), fit (fit's loop), train (pipeoptim.train), profile, prediction
-                      (a profiled model's time per method), options (every option, defined once),
+                      (a profiled model's time per method), planning and recommendation (a plan
+                      of any model and the rule it recommends by), options (every option, defined once),
                       checkpoint (a run's checkpoint files, the stages' state by parameter name)
 lab                   lab/: tasks/, experiment (task + method + run folder), planner, plots,
                       optimizers and lr schedules by name, launcher (torchrun's agent, the stage
@@ -53,7 +54,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun", "prediction", "options",
+    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun", "prediction", "planning",
+             "recommendation", "options",
              "checkpoint"]),
     ("lab", ["lab", "lab.*"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),

@@ -12,5 +12,5 @@ def two_bw(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
     if microbatches < num_stages:
         raise ValueError(f"2bw needs micro-batches per update m >= stages N (got m={microbatches}, "
                          f"N={num_stages}); with fewer, a window's forwards would need a third "
-                         f"weight version. Use --microbatches {num_stages} or more.")
+                         f"weight version. Use micro_batches={num_stages} or more (--micro-batches).")
     return async_1f1b(num_stages, batches, microbatches, name="2bw")

@@ -119,8 +119,8 @@ class Task:
 
     def traced_model_names(self) -> Sequence[str]:
         """The models that are not an ``nn.Sequential``: the Pipeline traces and splits them
-        (:mod:`pipeoptim.graph_split`), ``partition`` then counting units; ``pipeoptim plan`` and
-        ``bench``, which profile an ``nn.Sequential`` layer by layer, refuse them."""
+        (:mod:`pipeoptim.graph_split`), ``partition`` then counting units; ``pipeoptim plan``
+        profiles them unit by unit, ``bench`` (which runs an ``nn.Sequential``'s layers) refuses them."""
         return ()
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
