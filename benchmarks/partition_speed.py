@@ -10,7 +10,7 @@ puts even more compute on stage 0; `time` balances the profiled forward+backward
 For each split the benchmark
 
 * profiles the model (pipeoptim.profile, 1 thread, the same batch), splits it, times each
-  split's stages as the runtime runs them (pipeoptim.profile.measure_stages), and predicts the
+  split's stages as the runtime runs them (pipeoptim.stage_timing.measure_stages), and predicts the
   pipeline's throughput with pipeoptim.prediction.predict from those stage times, as
   `pipeoptim plan` does (the schedule simulator; no transfer cost unless --bandwidth); the
   prediction from the per-layer profile alone (`--stage-timing profile`) is reported too;
@@ -51,7 +51,8 @@ import pipeoptim
 from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.partition import plan_partition, plan_time_partition
 from pipeoptim.prediction import describe_partition, predict
-from pipeoptim.profile import format_profile, measure_stages, profile_model
+from pipeoptim.profile import format_profile, profile_model
+from pipeoptim.stage_timing import measure_stages
 from pipeoptim.schedules import Costs, simulate
 
 LR = 0.01

@@ -12,7 +12,8 @@ from torch import nn
 
 from pipeoptim.methods import get_method
 from pipeoptim.prediction import candidate_problem, microbatch_size, partition_for, predict, profile_sizes, stage_costs
-from pipeoptim.profile import ModelProfile, measure_stages
+from pipeoptim.profile import ModelProfile
+from pipeoptim.stage_timing import measure_stages
 from pipeoptim.runtime.microbatch import split_batch
 
 PARTITIONER = "uniform"  #: the study's split (RunConfig's default)

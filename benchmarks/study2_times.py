@@ -10,7 +10,7 @@ would take per mini-batch on N devices is predicted instead, with the planner's 
   the study's methods use (``prediction.profile_sizes``: forward, backward, update; the
   ``--statistic`` of ``--repeats`` runs after ``--warmup``); with ``--stage-timing measured``
   (the planner's default) each split's stages are then timed as whole stages, as the runtime
-  runs them (``profile.measure_stages``), once per (split, micro-batch size);
+  runs them (``stage_timing.measure_stages``), once per (split, micro-batch size);
 * **predict** (``prediction.predict``: the schedule simulator): each method on the ``uniform``
   split (the study's partitioner, RunConfig's default) with the micro-batches it uses in the
   study (``Method.microbatches(N, None)``, what ``runtime.spec.resolve`` gives: gpipe,

@@ -80,7 +80,7 @@ def profile_clock(kind: str) -> Iterator[None]:
         raise ValueError(f"clock must be cpu or wall, got {kind!r}")
     from pipeoptim import profile
 
-    wall = profile._Clock.time
+    wall = profile.Clock.time
 
     def cpu_time(self: Any, fn: Callable[[], Any]) -> Tuple[float, Any]:
         self.sync()
@@ -89,11 +89,11 @@ def profile_clock(kind: str) -> Iterator[None]:
         self.sync()
         return time.thread_time() - start, result
 
-    profile._Clock.time = cpu_time
+    profile.Clock.time = cpu_time
     try:
         yield
     finally:
-        profile._Clock.time = wall
+        profile.Clock.time = wall
 
 
 def sync_counts(stages: Sequence[int]) -> List[int]:

@@ -54,7 +54,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "torchrun", "prediction", "planning",
+    ("API", ["pipeline", "prepare", "world", "fit", "train", "profile", "stage_timing", "torchrun", "prediction", "planning",
              "recommendation", "options",
              "checkpoint"]),
     ("lab", ["lab", "lab.*"]),

@@ -117,7 +117,7 @@ def test_the_splits_take_turns_until_their_halves_agree_and_report_the_spread():
 def test_a_chunked_method_is_timed_as_it_runs_its_pieces():
     """zb-v on 2 processes: 4 pieces, 2 per process, its backward split in two halves measured
     (the weight half is not taken as half the backward)."""
-    from pipeoptim.profile import StageTimer
+    from pipeoptim.stage_timing import StageTimer
 
     net = busy_net()
     net = nn.Sequential(*net, Busy())  # 4 layers: one per piece

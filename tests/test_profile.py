@@ -130,7 +130,7 @@ def test_min_statistic_is_never_above_the_median():
 
 
 def test_measured_stages_time_every_stage_as_the_runtime_runs_it():
-    from pipeoptim.profile import measure_stages
+    from pipeoptim.stage_timing import measure_stages
 
     model = small_model()
     x, y = torch.randn(16, 3, dtype=torch.float64), torch.randint(0, 16, (16,))

@@ -119,7 +119,7 @@ def test_a_cell_priced_again_keeps_the_lower_of_each_price(times_mod):
 def test_the_cpu_clock_does_not_count_waiting(times_mod):
     from pipeoptim import profile
 
-    clock = profile._Clock(torch.device("cpu"))
+    clock = profile.Clock(torch.device("cpu"))
     with times_mod.profile_clock("cpu"):
         waited, _ = clock.time(lambda: time.sleep(0.05))
     assert waited < 0.01  # asleep (as when preempted): no CPU time

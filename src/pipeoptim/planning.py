@@ -11,7 +11,7 @@ is a model that computes its own loss (:mod:`pipeoptim.batches`). Chunked and mi
 
 **Measured on a busy machine.** The per-unit profile (:mod:`pipeoptim.profile`) feeds the
 partitioners and the memory; the predictions' stage costs are the splits timed as the runtime
-runs them (:class:`pipeoptim.profile.StageTimer`), every split and the sequential reference
+runs them (:class:`pipeoptim.stage_timing.StageTimer`), every split and the sequential reference
 (the whole model as one stage) the same way and in turns (:func:`time_splits`): one mini-batch
 of each per round, so that other work on the machine slows all of them alike, and rounds go on
 until each one's first and second halves agree within ``tolerance`` (or ``max_rounds``; the
@@ -35,7 +35,8 @@ from .methods import get_method
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
-from .profile import STATISTICS, StageTimer, tensors_of
+from .profile import STATISTICS, tensors_of
+from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
 
 #: (layers or units per stage, rows timed, the method that runs them, its micro-batches): gpipe and

@@ -129,7 +129,7 @@ def describe_partition(profile: ModelProfile, sizes: Sequence[int], speeds: Opti
 def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
                 bandwidth: Optional[float] = None, measured: Optional[Dict[str, List[float]]] = None) -> Costs:
     """Simulator costs of one micro-batch on each stage of the split ``sizes``: the stage times
-    ``measured`` (:func:`pipeoptim.profile.measure_stages`) if given, else the sums of the
+    ``measured`` (:func:`pipeoptim.stage_timing.measure_stages`) if given, else the sums of the
     profiled layers' times; divided by each stage's device speed."""
     n = len(sizes)
     speed = [1.0] * n if speeds is None else list(speeds)
@@ -224,7 +224,7 @@ def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optiona
 def measured_costs(measured: Dict[str, List[float]], placement: Sequence[int], speeds: Optional[Sequence[float]],
                    comm: float) -> Costs:
     """Costs of every stage of a mirrored method, replicas too, from its stages timed as it runs
-    them (:class:`pipeoptim.profile.StageTimer` with the method: two replicas per process, their
+    them (:class:`pipeoptim.stage_timing.StageTimer` with the method: two replicas per process, their
     gradients summed), each at the speed of the rank that holds it."""
     speed = [1.0 if speeds is None else float(speeds[r]) for r in placement]
     f, b = measured["forward"], measured["backward"]

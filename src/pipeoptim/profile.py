@@ -19,7 +19,7 @@ sees them) :func:`profile_model` measures, on a real sample batch and on the cho
 
 Repeats, the statistic and the copy: :func:`profile_model` (on CUDA the device is synchronised
 around each measured call); a layer receives its predecessor's output as its one argument. Whole
-stages, as the runtime runs them: :class:`StageTimer`, :func:`measure_stages`.
+stages, as the runtime runs them: :mod:`pipeoptim.stage_timing`.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def _mapped(value: Activation, fn: Callable[[torch.Tensor], torch.Tensor]) -> Ac
     return value
 
 
-def _to_device(value: Activation, device: torch.device) -> Activation:
+def on_device(value: Activation, device: torch.device) -> Activation:
     """A copy on ``device`` with storage of its own (a slice of a bigger tensor would make the
     saved-bytes count see the whole storage)."""
     return _mapped(value, lambda t: t.detach().to(device).clone())
@@ -208,7 +208,7 @@ def _leaf(value: Activation) -> Activation:
     return _mapped(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t.detach())
 
 
-def _detached(value: Activation) -> Activation:
+def detached(value: Activation) -> Activation:
     return _mapped(value, lambda t: t.detach())
 
 
@@ -217,7 +217,7 @@ def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
-class _Clock:
+class Clock:
     """Wall-clock timing that waits for the device (CUDA) before reading the clock."""
 
     def __init__(self, device: torch.device) -> None:
@@ -304,11 +304,11 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
-    clock = _Clock(dev)
+    clock = Clock(dev)
     generator = torch.Generator().manual_seed(seed)
     work = copy.deepcopy(model).to(dev)
     work.train()
-    x = _to_device(_detached(sample), dev)
+    x = on_device(detached(sample), dev)
     first = tensors_of(x)
     if not first:
         raise ValueError("the sample batch holds no tensor")
@@ -367,11 +367,11 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
             saved_input_bytes=saved_in, saved_output_bytes=saved_out,
             parameter_bytes=parameter_bytes(layer), parameters=sum(p.numel() for p in layer.parameters()),
             update=update_seconds, optimizer_bytes=state_bytes))
-        x = _detached(output)
+        x = detached(output)
 
     loss_forward = loss_backward = 0.0
     if loss_fn is not None and target is not None:
-        tgt = _to_device(target, dev)
+        tgt = on_device(target, dev)
         fwd, bwd = [], []
         for r in range(runs):
             out = _leaf(x)
@@ -387,96 +387,6 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
                         warmup=warmup, repeats=repeats, threads=torch.get_num_threads(),
                         loss_forward=loss_forward, loss_backward=loss_backward, optimizer=optimizer_name,
                         statistic=statistic)
-
-
-class StageTimer:
-    """A split of ``model`` (layers per stage ``sizes``; a mirrored method's pieces, which it holds
-    twice) as the runtime runs it under ``method`` (default gpipe): copied, cut into
-    :class:`pipeoptim.runtime.stage.Stage` s driven by the local executor over mini-batches of
-    ``microbatches`` micro-batches, every forward, backward (or its two halves), update timed. A
-    chunked or mirrored method, timed so, runs its pieces in turns and its split backward as it
-    does on a process. :meth:`run` trains mini-batches; :meth:`summary` gives each stage's
-    seconds per micro-batch. Timers taking turns see the same load on a busy machine
-    (:func:`pipeoptim.planning.time_splits`). The caller's model is not touched."""
-
-    KINDS = ("forward", "backward", "backward_input", "backward_weight", "update")
-
-    def __init__(self, model: nn.Sequential, sizes: List[int], sample: Activation, target: Any,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], *, device: str = "cpu",
-                 optimizer: Optional[OptimizerFactory] = None, method: str = "gpipe", microbatches: int = 1) -> None:
-        from .methods import get_method
-        from .runtime.build import build_stages
-        from .runtime.microbatch import batch_size, split_batch
-
-        dev = torch.device(device)
-        self.clock = _Clock(dev)
-        work = copy.deepcopy(model).to(dev)
-        work.train()
-        self.method, self.microbatches = get_method(method), microbatches
-        self.stages = build_stages(work, list(sizes) * (2 if self.method.mirrored else 1), self.method, {},
-                                   optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0)), loss_fn)
-        self.ranks = len(self.stages) // self.method.chunks
-        self.rounds: List[float] = []  #: seconds of every timed call, per mini-batch run
-        self.calls: List[List[Tuple[int, str, float]]] = [[] for _ in self.stages]  # (run, kind, seconds)
-        for stage, calls in zip(self.stages, self.calls):
-            for name in self.KINDS:
-                def timed(*args: Any, _call=getattr(stage, name), _name=name, _calls=calls, **kwargs: Any) -> Any:
-                    seconds, out = self.clock.time(lambda: _call(*args, **kwargs))
-                    _calls.append((len(self.rounds), _name, seconds))
-                    return out
-                setattr(stage, name, timed)
-        x, y = _to_device(_detached(sample), dev), None if target is None else _to_device(target, dev)
-        pieces = split_batch(x, torch.zeros(batch_size(x)) if y is None else y, microbatches)
-        self.batch = [(piece, None if y is None else t, share) for piece, t, share in pieces]
-
-    def run(self, count: int = 1) -> None:
-        from .runtime.local import run_schedule
-
-        for _ in range(count):
-            run_schedule(self.stages, self.method.build_schedule(self.ranks, self.microbatches, 1), self.batch)
-            self.rounds.append(sum(t for calls in self.calls for r, _, t in calls if r == len(self.rounds)))
-
-    def totals(self, skip: int = 0) -> List[float]:
-        return self.rounds[skip:]  # seconds of each mini-batch run after the first skip, all its timed calls
-
-    def summary(self, skip: int = 0, statistic: str = "median") -> Dict[str, List[float]]:
-        """Per stage, seconds per call in one mini-batch run after the first ``skip``: the run
-        whose total is the ``statistic`` of the runs' (min: the fastest; median: the middle one),
-        so that every stage comes from the same run, as a whole model timed as one stage does (a
-        minimum taken stage by stage would add up each one's luckiest run). ``forward``,
-        ``backward`` (a split one's two halves added), ``update``, and ``weight`` (the weight
-        half) where the backward was split."""
-        if statistic not in STATISTICS:
-            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
-        runs = sorted(range(skip, len(self.rounds)), key=self.rounds.__getitem__)
-        pick = runs[0] if statistic == "min" else runs[(len(runs) - 1) // 2]
-
-        def of(calls: List[Tuple[int, str, float]], kind: str) -> float:
-            times = [t for r, k, t in calls if k == kind and r == pick]
-            return sum(times) / len(times) if times else 0.0
-
-        out: Dict[str, List[float]] = {"forward": [], "backward": [], "update": [], "weight": []}
-        for calls in self.calls:
-            out["forward"].append(of(calls, "forward"))
-            out["backward"].append(of(calls, "backward") + of(calls, "backward_input") + of(calls, "backward_weight"))
-            out["weight"].append(of(calls, "backward_weight"))
-            out["update"].append(of(calls, "update"))
-        if not any(out["weight"]):
-            del out["weight"]
-        return out
-
-
-def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, target: torch.Tensor,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
-                   optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
-                   statistic: str = "median") -> Dict[str, List[float]]:
-    """Seconds of each stage's forward, backward and update for the split ``sizes`` (the median,
-    or fastest, of ``repeats`` mini-batches of ``sample`` after ``warmup``: :meth:`StageTimer.
-    summary`), timed as the runtime runs them: layers timed one by one add up to less than a
-    whole stage (caches; the runtime's own work per pass)."""
-    timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
-    timer.run(warmup + repeats)
-    return timer.summary(warmup, statistic)
 
 
 def format_profile(profile: ModelProfile) -> str:
