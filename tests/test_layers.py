@@ -50,7 +50,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, module patterns relative to the package; "" is the package's own __init__), lowest first
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("leaves", ["errors", "partition", "graph_split", "plan_defaults", "muon_adamw", "delay_nadamw", "batches"]),
+    ("leaves", ["errors", "partition", "graph_split", "state_names", "plan_defaults", "muon_adamw", "delay_nadamw",
+                "batches"]),
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),

@@ -33,7 +33,7 @@ from .errors import CheckpointError  # defined there so that the command line ca
 from .runtime import named_state
 
 if TYPE_CHECKING:
-    from .graph_split import StateNames
+    from .state_names import StateNames
 
 #: 3: torch's distributed checkpoint, keyed by the model's parameter names (2, before: a file per
 #: stage; 1: torch's positional optimizer state)

@@ -23,7 +23,7 @@ from torch import nn
 
 from .batches import BatchForm
 from .errors import NonFiniteLoss
-from .graph_split import StateNames
+from .state_names import StateNames
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
 from .methods import get_method
 from .options import describe, of_scope
@@ -119,7 +119,7 @@ class Pipeline:
         self._executor: Optional[Any] = None
         self._bubbles = BubbleWork()     #: forward-only work for the next segment's bubbles
         self._segment_start = 0          #: index of the open segment's first mini-batch
-        #: the model's state-dict names, for checkpoints of a traced model (graph_split.StateNames)
+        #: the model's state-dict names, for checkpoints of a traced model (state_names.StateNames)
         self.state_names: Optional[StateNames] = None
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .graph_split import with_aliases
+from .state_names import with_aliases
 from .methods import Method
 from .runtime.averaging import GradientAverager
 from .runtime.control import broadcast, gather_all, gather_tensors, init_process_group

@@ -25,7 +25,7 @@ from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_ch
                          prune,
                          read_manifest, save_manifest, verify, write_state)
 from .errors import CheckpointError
-from .graph_split import StateNames
+from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
 from .runtime.forward_only import ForwardOnly, Scores
