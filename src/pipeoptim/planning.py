@@ -335,7 +335,7 @@ def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stage
         "recommendation": {"method": best["method"], "microbatches": best["microbatches"],
                            "synchronous": best["synchronous"], "rule": rule, "notes": notes},
         "settings": dict(settings, threads=torch.get_num_threads(), stages=stages),
-        "units": {"traced": units.traced is not None, "count": len(units.net),
+        "units": {"traced": units.traced is not None, "count": len(units.net), "own_loss": units.loss is _own_loss,
                   "cut_points": None if units.traced is None else list(units.traced.candidates)},
         "partitions": found["partitions"], "reference": found["reference"], "measurement": found["measurement"],
         "candidates": found["candidates"], "skipped": found["skipped"], "profile": profiles[1].to_dict(),

@@ -260,10 +260,12 @@ def load_plan(path: Any) -> Dict[str, Any]:
 
 
 def pipeline_call(plan: Dict[str, Any]) -> str:
-    """The ``pipeoptim.Pipeline`` call that runs a plan's recommendation (your optimizer, loss)."""
+    """The ``pipeoptim.Pipeline`` call that runs a plan's recommendation (your optimizer, and your
+    loss function unless the model computes its own from the batch's labels)."""
     run = plan["pipeline"]
+    loss = "" if plan.get("units", {}).get("own_loss") else ", loss_fn=..."
     return (f"Pipeline(model, method={run['method']!r}, stages={run['stages']}, partition={run['partition']}, "
-            f"micro_batches={run['micro_batches']}, optimizer=..., loss_fn=...)")
+            f"micro_batches={run['micro_batches']}, optimizer=...{loss})")
 
 
 def format_plan(plan: Dict[str, Any]) -> str:
