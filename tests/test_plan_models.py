@@ -50,7 +50,7 @@ def test_pipeoptim_plan_plans_a_transformers_gpt2_and_the_pipeline_runs_it():
     plan = pipeoptim.plan(model, batch, methods=["gpipe", "1f1b-flush", "zb-h1", "interleaved", "pipedream"],
                           micro_batches=[1, 2], **QUICK)
     assert plan["model"] == "GPT2LMHeadModel" and plan["batch_size"] == 8
-    assert plan["units"] == {"traced": True, "count": 9, "cut_points": UNITS}
+    assert plan["units"] == {"traced": True, "count": 9, "own_loss": True, "cut_points": UNITS}
     assert sum(plan["partition"]) == 9 and len(plan["partition"]) == 2
     assert plan["split_points"] == [UNITS[plan["partition"][0]]]
     # 9 candidates: 4 per M (gpipe, 1f1b-flush, zb-h1, pipedream), interleaved skipped with the fix
