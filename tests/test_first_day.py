@@ -143,6 +143,9 @@ def test_the_default_cut_depends_on_the_model_alone(monkeypatch, capsys):
     timed = pipeoptim.Pipeline(net, optimizer=adamw, stages=2, partitioner="time", example_input=data[0])
     said = capsys.readouterr().err
     assert f"split_points={timed.split_points}" in said and "partitioner='time'" in said
+    pipeoptim.Pipeline(net, optimizer=adamw, partitioner="time", split_points=timed.split_points,
+                       example_input=data[0])
+    assert "partitioner='time'" not in capsys.readouterr().err  # a cut given is no cut chosen
 
 
 def test_a_model_whose_output_holds_no_tensor_is_refused_naming_the_option():

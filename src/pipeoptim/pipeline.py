@@ -23,12 +23,11 @@ from torch import nn
 
 from .batches import BatchForm
 from .errors import NonFiniteLoss
-from .state_names import StateNames
 from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
-from .methods import get_method
+from .methods import clip_scope_for, get_method
 from .options import describe, of_scope
 from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_model_settings, check_settings,
-                      clip_scope_for, first_inputs, needs_example)
+                      first_inputs, needs_example)
 from .runtime import named_state
 from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
 from .runtime.compiled import backend_of
@@ -38,6 +37,7 @@ from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
+from .state_names import StateNames
 from .torchrun import Torchrun
 from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
 

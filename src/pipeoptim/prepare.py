@@ -5,8 +5,8 @@ traced (:mod:`pipeoptim.graph_split`) and cut at candidate points, ``partition``
 units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner (the
 default) counts the units that hold parameters, and ``time`` (opt-in: a profile differs between
 runs and machines) balances each unit's profiled forward+backward time on the example input and
-prints the cut it chose, so that it can be given again. A tied weight stays one parameter, owned by the first stage that reads it
-(docs/architecture.md, "Tied weights")."""
+prints the cut it chose, so that it can be given again. A tied weight stays one parameter, owned
+by the first stage that reads it (docs/architecture.md, "Tied weights")."""
 from __future__ import annotations
 
 import contextlib
@@ -302,7 +302,8 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
                        agree=world.agree, chunks=settings.chunks,
                        late=LABELS if settings.loss_fn is None else None)
     spec = prepared.spec
-    if settings.partitioner == "time" and world.rank == 0:
+    chose = settings.partition is None and settings.split_points is None and settings.method != "sequential"
+    if settings.partitioner == "time" and chose and world.rank == 0:  # a cut the profile chose, not the user
         say_cut(model, prepared)
     devices = world.place(settings.devices, spec.stages)
     problem = missing_toolchain(settings.compile, tuple(sorted({d.type for d in devices})))
