@@ -11,7 +11,7 @@ For each split the benchmark
 
 * profiles the model (pipeoptim.profile, 1 thread, the same batch), splits it, times each
   split's stages as the runtime runs them (pipeoptim.stage_timing.measure_stages), and predicts the
-  pipeline's throughput with pipeoptim.prediction.predict from those stage times, as
+  pipeline's throughput with pipeoptim.throughput.predict from those stage times, as
   `pipeoptim plan` does (the schedule simulator; no transfer cost unless --bandwidth); the
   prediction from the per-layer profile alone (`--stage-timing profile`) is reported too;
 * measures it with the distributed runtime (pipeoptim.Pipeline, one stage per process):
@@ -50,7 +50,7 @@ from torch import nn
 import pipeoptim
 from pipeoptim.lab.optimizers import make_optimizer
 from pipeoptim.partition import plan_partition, plan_time_partition
-from pipeoptim.prediction import describe_partition, predict
+from pipeoptim.throughput import describe_partition, predict
 from pipeoptim.profile import format_profile, profile_model
 from pipeoptim.stage_timing import measure_stages
 from pipeoptim.schedules import Costs, simulate

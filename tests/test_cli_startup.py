@@ -77,20 +77,21 @@ def test_the_probe_would_see_torch(tmp_path):
 
 
 def test_package_attributes_are_served_lazily(tmp_path):
-    """`import pipeoptim` stays torch-free, `pipeoptim.train` is still the function (also after the
-    submodule of that name was imported by something else), and the old homes of the errors
+    """`import pipeoptim` stays torch-free, `pipeoptim.train` is the function (also after the
+    submodule that defines it, `pipeoptim.training`, was imported), and the old homes of the errors
     re-export the torch-free classes."""
     code = """
 import sys
 import pipeoptim, pipeoptim.cli
 assert "torch" not in sys.modules
-import pipeoptim.lab.experiment  # imports the submodule pipeoptim.train
+import pipeoptim.lab.experiment
+import pipeoptim.training  # the submodule that defines the function: it does not hide it
 from pipeoptim import NonFiniteLoss, Pipeline, TrainResult, train
 from pipeoptim.pipeline import Pipeline as P2
 assert Pipeline is P2
-from pipeoptim.train import train as train_function
+from pipeoptim.training import train as train_function
 assert pipeoptim.train is train is train_function and callable(pipeoptim.train)
-assert NonFiniteLoss is sys.modules["pipeoptim.train"].NonFiniteLoss
+assert NonFiniteLoss is sys.modules["pipeoptim.training"].NonFiniteLoss
 from pipeoptim.errors import CheckpointError, MissingDataError
 from pipeoptim.checkpoint import CheckpointError as C2
 from pipeoptim.lab.tasks import MissingDataError as M2

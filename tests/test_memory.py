@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pipeoptim import Pipeline, get_method
-from pipeoptim.prediction import predict
-from pipeoptim.prediction import candidate_problem
+from pipeoptim.throughput import predict
+from pipeoptim.throughput import candidate_problem
 from pipeoptim.profile import LayerProfile, ModelProfile, profile_model
 from pipeoptim.runtime.held import HeldActivations
 from pipeoptim.schedules import Costs, build_schedule, simulate

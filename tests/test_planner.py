@@ -10,7 +10,7 @@ import pytest
 from conftest import has_image_data
 from pipeoptim.lab.planner import load_plan, parse_bytes, parse_speeds, write_plan
 from pipeoptim.recommendation import recommend
-from pipeoptim.prediction import (candidate_problem, describe_partition, predict, scaled_profile, simulated_makespan,
+from pipeoptim.throughput import (candidate_problem, describe_partition, predict, scaled_profile, simulated_makespan,
                                   stage_costs)
 from pipeoptim.profile import LayerProfile, ModelProfile
 from pipeoptim.schedules import Costs, simulate

@@ -186,7 +186,7 @@ def test_missing_package_names_the_fix(monkeypatch):
 @pytest.mark.parametrize("name", ["lstm", "transformer", "lstm-deep"])
 def test_pipeline_with_micro_batches_equals_sequential(name):
     """Cut into stages and split into micro-batches (gpipe), the model trains as in one piece."""
-    train = pytest.importorskip("pipeoptim.train").train
+    train = pytest.importorskip("pipeoptim.training").train
     task = SentimentTask()
     data = _tiny_data(n=16)
     model = task.build_model(name, data, seed=0)

@@ -307,7 +307,7 @@ def test_pipeline_with_micro_batches_equals_sequential(name):
     """Cut into stages and split into micro-batches (gpipe), the model trains exactly as in one
     piece: tuples of float states and int64 ids/masks cross the stage boundaries, and the loss
     is a mean over sentences, so micro-batch gradients add up to the mini-batch's."""
-    train = pytest.importorskip("pipeoptim.train").train
+    train = pytest.importorskip("pipeoptim.training").train
     task = TranslationTask()
     batches = _toy_batches(n=8, length=5, seed=1) + _toy_batches(n=8, length=5, seed=2)
     model = task.build_model(name, TaskData(batches, [], {"vocab_size": V}), seed=0)

@@ -7,8 +7,6 @@ command line (``pipeoptim --help``, ``pipeoptim schedule``) starts without it.
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 from .methods import METHODS, get_method, method_names
@@ -16,8 +14,10 @@ from .methods import METHODS, get_method, method_names
 __version__ = "0.1.0"
 __all__ = ["Pipeline", "train", "plan", "TrainResult", "NonFiniteLoss", "METHODS", "get_method", "method_names"]
 
-#: served on first use from the module that defines them (they import torch)
-_LAZY = {"train": "train", "plan": "planning", "TrainResult": "pipeline", "Pipeline": "pipeline",
+#: served on first use from the module that defines them (they import torch); each is then kept
+#: as the package's attribute. The function ``train`` lives in the submodule ``training``, whose
+#: name differs from it: importing that submodule never replaces the function here.
+_LAZY = {"train": "training", "plan": "planning", "TrainResult": "pipeline", "Pipeline": "pipeline",
          "NonFiniteLoss": "errors"}
 
 
@@ -29,17 +29,3 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """The package's module type. Importing the submodule :mod:`pipeoptim.train` makes Python set
-    the package attribute ``train`` to that submodule, which would hide the function
-    ``pipeoptim.train``; this keeps the function there, as the eager import used to."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "train" and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.train":
-            value = value.train
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -3,7 +3,7 @@
 The command line catches these to print one line instead of a traceback, and it parses its
 options without importing torch; so they live here, in a module that imports nothing, and are
 re-exported from the modules that raise them (:mod:`pipeoptim.checkpoint`,
-:mod:`pipeoptim.lab.tasks`, :mod:`pipeoptim.train`). :class:`Interrupted` is a signal that stopped
+:mod:`pipeoptim.lab.tasks`, :mod:`pipeoptim.training`). :class:`Interrupted` is a signal that stopped
 a run, with what to say about it.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .batches import LABELS, BatchForm, loader_item, model_loss
 from .graph_split import TracedModel, trace
 from .methods import get_method
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .prediction import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
+from .throughput import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
 from .profile import STATISTICS, tensors_of
 from .stage_timing import StageTimer

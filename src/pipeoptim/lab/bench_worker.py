@@ -83,7 +83,7 @@ class PipelineRun:
                  microbatches: int, predicted: Any = None) -> None:
         self.samples_per_second, self.seconds, self.cpu_share = samples_per_second, seconds, cpu_share
         self.result, self.microbatches = result, microbatches
-        #: per model stage, the predicted activations (:func:`pipeoptim.prediction.predicted_activations`)
+        #: per model stage, the predicted activations (:func:`pipeoptim.throughput.predicted_activations`)
         self.predicted = predicted
 
 
@@ -180,7 +180,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
     from .optimizers import make_optimizer
     from ..partition import plan_partition
     from ..pipeline import Pipeline
-    from ..prediction import predicted_activations
+    from ..throughput import predicted_activations
     from ..profile import profile_model
     from ..runtime.control import init_process_group
     from ..world import LocalWorld

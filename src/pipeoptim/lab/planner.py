@@ -5,7 +5,7 @@ with the equal-time study's advice.
 task's model; :func:`plan_model` the same for any model with one mini-batch of its data (an
 ``nn.Sequential``, a traced or ``transformers`` model: ``pipeoptim plan --model-fn``). The engine
 (:mod:`pipeoptim.planning`) profiles, times the splits in turns and predicts every method and
-micro-batch count (:mod:`pipeoptim.prediction`); this module adds each candidate's predicted
+micro-batch count (:mod:`pipeoptim.throughput`); this module adds each candidate's predicted
 time to a model as good as synchronous training's and the recommendation
 (:mod:`pipeoptim.lab.plan_targets`: the equal-time study's ratios of updates to the target and its
 advice, the tables ``pipeoptim compare`` and the README read). Where no study covers the case
@@ -30,7 +30,7 @@ from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES
 from ..planning import assemble, check_options, model_units, survey
 from ..recommendation import RULE as UNSTUDIED_RULE
 from ..recommendation import recommend
-from ..prediction import candidate_problem
+from ..throughput import candidate_problem
 from .plan_targets import RULE, annotate, notes
 
 PLAN_FORMAT = "pipeoptim-plan"

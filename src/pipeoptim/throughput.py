@@ -1,6 +1,7 @@
-"""The planner's predictions from a profile: per-stage costs, the simulated makespan and
-throughput of a method, and the memory of every stage (:mod:`pipeoptim.lab.planner` recommends one
-of these and writes the plan).
+"""Throughput and memory predicted from a profile, for the planner: per-stage costs, the
+simulated makespan and throughput of a method, and the memory of every stage
+(:mod:`pipeoptim.lab.planner` recommends one of these and writes the plan). Not the prediction of
+weights, which is ``weights/predict*.py``.
 
 * **throughput**: the schedule simulator (:func:`pipeoptim.schedules.simulate`) runs the
   method's schedule for ``batches`` mini-batches with per-stage costs from the profile: stage
