@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeoptim.methods import get_method
-from pipeoptim.prediction import candidate_problem, predict, replica_sum_seconds, stage_placement
+from pipeoptim.throughput import candidate_problem, predict, replica_sum_seconds, stage_placement
 from pipeoptim.schedules import Costs, simulate
 from test_planner import synthetic
 
