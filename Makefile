@@ -11,10 +11,10 @@ demo: setup
 		--stages 4 --epochs 2 --limit 12000 --out runs/demo --overwrite
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests study/tests
 
 test-fast: setup
-	$(PY) -m pytest -q -x tests -m "not slow"
+	$(PY) -m pytest -q -x tests study/tests -m "not slow"
 
 bench: setup
 	$(PY) -m benchmarks.local_overhead

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-from benchmarks.common import RESULTS, ROOT
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 FAMILIES = {"flushed 1F1B": ["gpipe", "1f1b-flush"], "zero bubble": ["zb-h1"], "chunked": ["interleaved", "zb-v"],
             "mirrored": ["bidirectional", "bitpipe"], "asynchronous": ["pipedream", "pipedream-2bw", "pipeoptim"]}

@@ -1,5 +1,5 @@
 """pipeoptim.lab.tasks.advice: the equal-time study's recommendation as the package holds it (the
-table itself is held to the committed rows in test_make_results3.py), what it prints, the command
+table itself is held to the committed rows in study/tests/test_make_results3.py), what it prints, the command
 it gives, the nearest studied depth, and what ``pipeoptim compare`` ends with."""
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_compare_ends_with_the_advice_for_its_task_and_depth(tmp_path, capsys, m
             "which method to use: (no study at N = 2; the nearest studied depth) " + ASYNC.describe()
 
 
-NOT_FINISHED = ("The study is still running for these (`benchmarks/study3.py --plan` says how far); until it "
+NOT_FINISHED = ("The study is still running for these (`study/study3.py --plan` says how far); until it "
                 "has finished, use a synchronous pipeline: at equal updates every asynchronous method ended "
                 "behind it (the second study, below in the same file).")
 

@@ -1,35 +1,47 @@
-"""benchmarks/ is a package (``python -m benchmarks.<name>`` from the repository root): its modules
-import each other as ``benchmarks.<name>``, never by a bare script name with the folder put on
-``sys.path``, and no two of them import each other, directly or round a longer circle. Read from
-the sources with ``ast`` (test_layers.py's import graph and cycle finder), nothing imported."""
+"""benchmarks/ and study/ are packages (``python -m benchmarks.<name>``, ``python -m study.<name>``
+from the repository root): their modules import each other as ``benchmarks.<name>`` and
+``study.<name>``, never by a bare script name with the folder put on ``sys.path``; no two of them
+import each other, directly or round a longer circle; and neither package imports the other (the
+benchmarks measure the library, the study harness runs and reports the equal-time study). Read
+from the sources with ``ast`` (test_layers.py's import graph and cycle finder), nothing imported."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 from test_layers import import_cycles, import_graph
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("benchmarks", "study")
 
 
-def test_benchmarks_is_a_package_without_an_import_circle():
-    assert (BENCHMARKS / "__init__.py").exists()
-    graph = import_graph(BENCHMARKS, "benchmarks")
-    assert "benchmarks.make_results3" in graph and "benchmarks.common" in graph["benchmarks.make_results3"]
+@pytest.mark.parametrize("package, module, imported", [("benchmarks", "benchmarks.link_threads",
+                                                        "benchmarks.peer_runs"),
+                                                       ("study", "study.make_results3", "study.common")])
+def test_a_package_without_an_import_circle(package, module, imported):
+    assert (ROOT / package / "__init__.py").exists()
+    graph = import_graph(ROOT / package, package)
+    assert module in graph and imported in graph[module]
     assert import_cycles(graph) == []
 
 
-def test_no_sys_path_and_no_bare_script_imports():
-    scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_sys_path_no_bare_script_imports_and_not_the_other_package(package):
+    folder = ROOT / package
+    scripts = {p.stem for p in folder.glob("*.py")}
+    other = next(p for p in PACKAGES if p != package)
     found = []
-    for path in sorted(BENCHMARKS.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         source = path.read_text()
         if "sys.path" in source:
             found.append(f"{path.name}: sys.path")
         for node in ast.walk(ast.parse(source)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
-            found += [f"{path.name}:{node.lineno}: import {n}" for n in names if n and n.split(".")[0] in scripts]
+            found += [f"{path.name}:{node.lineno}: import {n}" for n in names
+                      if n and n.split(".")[0] in scripts | {other}]
     assert found == []
 
 

@@ -78,9 +78,9 @@ def cited_sections(text: str, own: bool = False) -> Iterator[str]:
 
 def text_files(root: Path) -> Iterator[Path]:
     """The repository's files that cite: src/, tests/, docs/ (the generated reports included),
-    benchmarks/ and examples/ sources, and the README."""
+    benchmarks/, study/ and examples/ sources, and the README."""
     yield root / "README.md"
-    for folder in ("src", "tests", "docs", "benchmarks", "examples"):
+    for folder in ("src", "tests", "docs", "benchmarks", "study", "examples"):
         for path in sorted((root / folder).rglob("*")):
             if path.is_file() and path.suffix in (".py", ".md", ".txt", ".toml", ".cfg", ".ini"):
                 yield path
@@ -135,11 +135,11 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 
 def test_the_readme_lists_every_option_as_the_option_table_has_it():
-    from benchmarks.make_results3_advice import OPTIONS_END, OPTIONS_START, options_table, readme_with_options
+    from study.make_results3_advice import OPTIONS_END, OPTIONS_START, options_table, readme_with_options
 
     readme = (ROOT / "README.md").read_text()
     assert readme_with_options(readme) == readme, \
-        "README.md's options table is out of date: run .venv/bin/python -m benchmarks.make_results3 --readme"
+        "README.md's options table is out of date: run .venv/bin/python -m study.make_results3 --readme"
     # a stale table is rewritten whole
     start = readme.index(OPTIONS_START) + len(OPTIONS_START)
     stale = readme[:start] + "| old |\n" + readme[readme.index(OPTIONS_END):]

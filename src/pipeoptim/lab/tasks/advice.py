@@ -10,7 +10,7 @@ only where it beats the best synchronous pipeline beyond the seed spread; otherw
 synchronous pipeline is (the same model as non-pipelined training, for the same time).
 
 :data:`ADVICE` holds a (task, N) only once every run the study planned for it is in;
-``benchmarks/make_results3.py --advice`` prints the table from the committed rows, and a test
+``study/make_results3.py --advice`` prints the table from the committed rows, and a test
 holds this one to it. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
 task and stage count, the README lists every entry, and ``pipeoptim plan``
 (:mod:`pipeoptim.lab.plan_targets`) recommends an asynchronous method only where the entry for
@@ -100,7 +100,7 @@ def close_call(margin: float, spread: float, digits: int) -> Tuple[bool, int]:
     """Whether a winner's lead ``margin`` over the runner-up is a close call against the seed
     ``spread`` (within twice it), and the digits to write both with: ``digits``, or up to 3 more
     where they would read alike (0.4 against 0.4 is 0.405 against 0.399). The report
-    (benchmarks/make_results3.py) and :meth:`Advice.describe` say a close call alike."""
+    (study/make_results3.py) and :meth:`Advice.describe` say a close call alike."""
     close = abs(margin) < 2 * spread
     fine = digits
     while close and fine < digits + 3 and f"{abs(margin):.{fine}f}" == f"{spread:.{fine}f}":

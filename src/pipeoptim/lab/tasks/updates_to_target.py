@@ -10,7 +10,7 @@ seed reached it: "never reached"), and ``ratio``, that mean over the synchronous
 predicted time to a model as good as synchronous training's is its seconds per mini-batch times
 ``ratio`` times ``sync_updates``.
 
-``benchmarks/make_results3.py --targets`` prints :data:`UPDATES_TO_TARGET` from the committed
+``study/make_results3.py --targets`` prints :data:`UPDATES_TO_TARGET` from the committed
 rows (the settings the study's :data:`~pipeoptim.lab.tasks.advice.ADVICE` comes from), and
 tests/test_make_results3.py holds this one to it: paste its output below. This module imports
 nothing heavy (no torch).
