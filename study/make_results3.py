@@ -277,16 +277,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
-    parser.add_argument("--advice", action="store_true",
-                        help="print the recommendation per (task, N) whose runs are all in, as "
-                             "src/pipeoptim/lab/tasks/advice.py's ADVICE, and write nothing")
-    parser.add_argument("--targets", action="store_true",
-                        help="print the ratio of updates to the target per variant and (task, optimizer, N) of "
-                             "the advice's settings, as src/pipeoptim/lab/tasks/updates_to_target.py's "
-                             "UPDATES_TO_TARGET, and write nothing")
+    parser.add_argument("--package", action="store_true",
+                        help="write the package's table of the study's conclusions (the recommendation per (task, N) "
+                             "whose runs are all in, and the ratios of updates to the target of its settings), "
+                             "src/pipeoptim/lab/tasks/equal_time_study.json, and nothing else")
     parser.add_argument("--readme", action="store_true",
                         help="rewrite README.md's advice block and demo line from the package's ADVICE "
-                             "(paste --advice first) and its options table from pipeoptim.options, and "
+                             "(write --package first) and its options table from pipeoptim.options, and "
                              "write nothing else")
     args = parser.parse_args(argv)
     if args.readme:
@@ -296,16 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         readme.write_text(readme_with_options(readme_with_advice(readme.read_text())))
         print(f"written: {readme} (advice block, demo line and options table)")
         return 0
-    if args.advice:
-        from study.make_results3_advice import advice_source
-        from study.make_results4 import package_advice
+    if args.package:
+        from study.package_table import write
 
-        print(advice_source(package_advice(args.study, args.delay_fixes, args.translation)))
-        return 0
-    if args.targets:
-        from study.make_results3_targets import package_targets, targets_source
-
-        print(targets_source(package_targets(args.study, args.delay_fixes, args.translation)))
+        print(f"written: {write(args.study, args.delay_fixes, args.translation)}")
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes,

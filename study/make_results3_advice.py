@@ -1,11 +1,11 @@
 """What the equal-time study says so far, and the recommendation it hands the package: the plan
 against the rows (how many runs are in, which (task, N) have all of theirs, which variants are
-another's line), and the
-recommendation per finished (task, N) as ``pipeoptim.lab.tasks.advice.ADVICE`` holds it
-(``python -m study.make_results3 --advice`` prints it; tests/test_make_results3.py holds the
-package's table to the committed rows); and the README's advice block and demo line written from
-that table (``--readme``; tests/test_advice.py holds the README to it), with the README's options
-table written from ``pipeoptim.options.OPTIONS`` (tests/test_docs.py holds the README to it)."""
+another's line), and the recommendation per finished (task, N) as
+``pipeoptim.lab.tasks.advice.ADVICE`` holds it (the package's table, study/package_table.py, is
+written with ``python -m study.make_results3 --package``; study/tests/test_make_results3.py holds
+it to the committed rows); and the README's advice block and demo line written from that table
+(``--readme``; tests/test_advice.py holds the README to it), with the README's options table
+written from ``pipeoptim.options.OPTIONS`` (tests/test_docs.py holds the README to it)."""
 from __future__ import annotations
 
 import json
@@ -148,17 +148,6 @@ def complete_cells(study: Path, times: Dict[str, Any]) -> List[Tuple[str, int]]:
                    if r.task == task and (r.stages == n or r.variant == "sequential"))]
 
 
-def advice_source(entries: Dict[Tuple[str, int], Dict[str, Any]]) -> str:
-    """``ADVICE``'s literal for src/pipeoptim/lab/tasks/advice.py."""
-    lines = ["ADVICE: Dict[Tuple[str, int], Advice] = {"]
-    for key, entry in entries.items():
-        lines.append(f"    {key!r}: Advice(")
-        for name, value in entry.items():  # (a field per line: the file stays readable and diffable)
-            lines.append(f"        {name}={value!r},")
-        lines.append("    ),")
-    return "\n".join(lines + ["}"]) if entries else "ADVICE: Dict[Tuple[str, int], Advice] = {}"
-
-
 #: the README's advice block: its markers, what it says of the tasks still running, and its width
 README_START = "<!-- advice: pipeoptim.lab.tasks.advice.ADVICE, one line per entry (tests/test_advice.py) -->\n"
 README_END = "<!-- /advice -->"
@@ -172,7 +161,7 @@ WIDTH = 100
 def readme_with_advice(readme: str) -> str:
     """``readme`` with its advice block (a bullet per ``ADVICE`` entry, then the tasks not
     finished) and the demo's "which method to use" line (image at N = 4, as ``make demo`` runs
-    it) written from the package's table. Paste ``--advice`` into the package first."""
+    it) written from the package's table. Write the table (``--package``) first."""
     import textwrap
 
     from pipeoptim.lab.tasks.advice import ADVICE, advice

@@ -4,11 +4,12 @@ past 99 % / 101 % of sequential's mean final validation metric, as the report's 
 against the synchronous pipeline's (sequential's runs: the updates every synchronous schedule
 computes).
 
-``python -m study.make_results3 --targets`` prints the table as
-``pipeoptim.lab.tasks.updates_to_target.UPDATES_TO_TARGET`` holds it (paste it there);
-tests/test_make_results3.py holds the package's table to the committed rows. The settings are
-the ones the package's ADVICE comes from (study.make_results4.package_advice): the (task, N)
-whose study runs are all in, with issue 38's arm's rows where its runs of that task are all in.
+``python -m study.make_results3 --package`` writes the table, as
+``pipeoptim.lab.tasks.updates_to_target.UPDATES_TO_TARGET`` reads it, into the package's data
+file (study/package_table.py); study/tests/test_make_results3.py holds the file to the committed
+rows. The settings are the ones the package's ADVICE comes from
+(study.make_results4.package_advice): the (task, N) whose study runs are all in, with issue 38's
+arm's rows where its runs of that task are all in.
 
 Per variant: the seeds, how many reached the target, the mean updates to it (None unless every
 seed reached it, as the report's time to target), and the ratio of that mean to the synchronous
@@ -27,7 +28,6 @@ from study.make_results3_arith import SYNC, Setting, read_rows, settings_of
 from study.study3_suite import SAME_AS, variant_microbatches, variant_spec
 
 SIGNIFICANT = 6  #: significant digits of the table's ratios and updates
-WIDTH = 110      #: the pasted literal's line width
 
 
 def _round(x: Optional[float]) -> Optional[float]:
@@ -105,27 +105,3 @@ def package_targets(study: Path, arm: Optional[Path],
         entries = {k: v for k, v in entries.items() if (k[0], k[2]) not in cells}
         entries.update(target_entries(settings, cells))
     return dict(sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])))
-
-
-def targets_source(entries: Dict[Tuple[str, str, int], Dict[str, Any]]) -> str:
-    """``UPDATES_TO_TARGET``'s literal for src/pipeoptim/lab/tasks/updates_to_target.py."""
-    lines = ["UPDATES_TO_TARGET: Dict[Tuple[str, str, int], StudiedSetting] = {"]
-    for key, entry in entries.items():
-        lines.append(f"    {key!r}: StudiedSetting(")
-        for name, value in entry.items():
-            if name != "variants":
-                lines.append(f"        {name}={value!r},")
-        lines.append("        variants=(")
-        for v in entry["variants"]:  # a variant in as few lines as fit WIDTH
-            line = "            VariantRatio("
-            for i, (k, x) in enumerate(v.items()):
-                cell = f"{k}={x!r}" + (", " if i < len(v) - 1 else "),")
-                if len(line) + len(cell.rstrip()) > WIDTH:
-                    lines.append(line.rstrip())
-                    line = "                " + cell
-                else:
-                    line += cell
-            lines.append(line.rstrip())
-        lines.append("        ),")
-        lines.append("    ),")
-    return "\n".join(lines + ["}"])

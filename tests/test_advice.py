@@ -155,3 +155,33 @@ def test_compare_on_translation_ends_with_its_advice(tmp_path, capsys):
     out = capsys.readouterr().out
     last = out[out.index("which method to use: "):]
     assert " ".join(line.strip() for line in last.splitlines()) == "which method to use: " + advice("translation", 2)[1]
+
+
+def test_the_table_is_the_data_file_that_pip_installs(tmp_path, monkeypatch):
+    """ADVICE (and updates_to_target's UPDATES_TO_TARGET) are read from equal_time_study.json
+    beside the module (study/tests/test_make_results3.py holds the file to the committed rows),
+    which pyproject's package-data ships; a file of another kind is refused by name."""
+    import json
+    import tomllib
+    from pathlib import Path
+
+    from pipeoptim.lab.tasks import updates_to_target
+
+    table = json.loads(advice_module.TABLE.read_text())
+    assert advice_module.advice_table(table) == advice_module.ADVICE and list(advice_module.ADVICE) == [
+        (e["task"], e["stages"]) for e in table["advice"]]
+    assert updates_to_target.targets_table(table) == updates_to_target.UPDATES_TO_TARGET
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["pipeoptim.lab.tasks"]
+    assert advice_module.TABLE.parent.name == "tasks" and any(advice_module.TABLE.match(p) for p in shipped)
+    other = tmp_path / "equal_time_study.json"
+    other.write_text(json.dumps({"format": "something-else", "advice": []}))
+    monkeypatch.setattr(advice_module, "TABLE", other)
+    advice_module.study_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="is not the equal-time study's table"):
+            advice_module.study_table()
+    finally:
+        monkeypatch.undo()
+        advice_module.study_table.cache_clear()
+    assert advice_module.study_table() == table

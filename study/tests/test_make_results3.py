@@ -1,9 +1,10 @@
 """study/make_results3.py, the equal-time report: its arithmetic (the chosen lr, the mean
 curve and its spread, the final metric at equal time, time to target against the synchronous
 pipeline, the verdicts and the recommendation) on a hand-made study whose every number is known
-(tests/data/study3: image x momentum at N = 8 and 4, sequential, pipeoptim and xpipe), and the
-report those rows give, byte for byte (tests/data/study3/report.md); and docs/results.md being
-exactly what the committed rows of both studies give."""
+(study/tests/data/study3: image x momentum at N = 8 and 4, sequential, pipeoptim and xpipe), and
+the report those rows give, byte for byte (its report.md); and docs/results.md and the package's
+table of the study's conclusions (src/pipeoptim/lab/tasks/equal_time_study.json) being exactly
+what the committed rows of study/results/ give."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from study import make_results3, make_results3_advice, make_results3_targets, make_results4
+from pipeoptim.lab.tasks.advice import ADVICE, Advice, advice_table
+from pipeoptim.lab.tasks.updates_to_target import UPDATES_TO_TARGET, StudiedSetting, VariantRatio, targets_table
+from study import make_results3, make_results3_advice, make_results3_targets, make_results4, package_table
+from study.common import RESULTS, ROOT
 
 DATA = Path(__file__).resolve().parent / "data" / "study3"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +179,7 @@ def test_the_second_study_follows_one_level_down(report):
 
 
 def test_docs_results_is_what_the_committed_rows_give(report, tmp_path):
-    results = ROOT / "study" / "results"
+    results = RESULTS
     text = report.generate(results / "study3", tmp_path, plots=False, equal_updates=results / "study2",
                            delay_fixes=results / "study3-delay_fixes", translation=results / "study3-translation")
     assert text == (ROOT / "docs" / "results.md").read_text(), \
@@ -222,23 +225,25 @@ def test_the_advice_per_finished_task_and_depth(report, settings):
                                                                                   0.8)
     # the hand-made folder has no plan: nothing counts as finished, and the report says nothing of it
     assert advice.complete_cells(DATA, {}) == [] and advice.status_line(DATA, [], {}) == ""
-    # the literal the package holds, read back
-    namespace: dict = {}
-    exec("from typing import Dict, Tuple\nfrom pipeoptim.lab.tasks.advice import Advice\n"
-         + advice.advice_source(entries), namespace)
-    assert namespace["ADVICE"][("image", 8)].describe().startswith("image, N = 8: in the same time, pipeoptim (M = 1)")
+    # the package's table file, read back
+    read = advice_table(json.loads(package_table.text(package_table.table(entries, {}))))
+    assert read == {key: Advice(**entry) for key, entry in entries.items()}
+    assert read[("image", 8)].describe().startswith("image, N = 8: in the same time, pipeoptim (M = 1)")
 
 
-def test_the_package_holds_what_the_committed_rows_recommend(report):
-    from pipeoptim.lab.tasks.advice import ADVICE, Advice
+@pytest.fixture(scope="module")
+def committed():
+    """The package's tables from the committed rows: issue 23's, issue 38's arm's for the tasks
+    whose arm runs are all in, and issue 41's translation cell once its runs are all in."""
+    folders = (RESULTS / "study3", RESULTS / "study3-delay_fixes", RESULTS / "study3-translation")
+    return make_results4.package_advice(*folders), make_results3_targets.package_targets(*folders)
 
-    results = ROOT / "study" / "results"
-    # issue 23's rows, issue 38's arm's for the tasks whose arm runs are all in, and issue 41's
-    # translation cell once its runs are all in
-    expected = make_results4.package_advice(results / "study3", results / "study3-delay_fixes",
-                                                              results / "study3-translation")
-    assert ADVICE == {key: Advice(**entry) for key, entry in expected.items()}, \
-        "src/pipeoptim/lab/tasks/advice.py's ADVICE is out of date: paste .venv/bin/python study/make_results3.py --advice"
+
+def test_the_package_table_is_what_the_committed_rows_give(committed):
+    advice, targets = committed
+    assert package_table.text(package_table.table(advice, targets)) == package_table.PACKAGE_TABLE.read_text(), \
+        "src/pipeoptim/lab/tasks/equal_time_study.json is out of date: run .venv/bin/python -m study.make_results3 --package"
+    assert ADVICE == {key: Advice(**entry) for key, entry in advice.items()} and list(ADVICE) == list(advice)
 
 
 def test_the_report_lists_the_lrs_carried_over_unchecked(report, settings):
@@ -284,34 +289,22 @@ def test_the_ratios_of_updates_to_target_per_variant(settings):
     assert (at4["pipeoptim"]["updates"], at4["pipeoptim"]["ratio"]) == (16.0, 1.33333)
     assert (at4["xpipe"]["updates"], at4["xpipe"]["ratio"], at4["xpipe"]["seeds"]) == (12.0, 1.0, 2)
     assert list(targets.target_entries(list(settings.values()), [("image", 4)])) == [("image", "momentum", 4)]
-    # the literal the package holds, read back
-    namespace: dict = {}
-    exec("from typing import Dict, Tuple\nfrom pipeoptim.lab.tasks.updates_to_target import StudiedSetting, "
-         "VariantRatio\n" + targets.targets_source(entries), namespace)
-    read = namespace["UPDATES_TO_TARGET"][("image", "momentum", 8)]
+    # the package's table file, read back
+    read = targets_table(json.loads(package_table.text(package_table.table({}, entries))))[("image", "momentum", 8)]
     assert read.lookup("pipeoptim", 1, 8).ratio == 1.55556 and read.lookup("pipeoptim", 2, 8).same_as == "xpipe"
     assert read.lookup("pipeoptim", 4, 8) is None
+    assert read.lookup("pipeoptim", 1, 8) == VariantRatio(**pipeoptim)
 
 
-def test_the_package_holds_the_ratios_the_committed_rows_give():
-    from pipeoptim.lab.tasks.updates_to_target import UPDATES_TO_TARGET, StudiedSetting, VariantRatio
-
-    results = ROOT / "study" / "results"
-    expected = make_results3_targets.package_targets(results / "study3",
-                                                                        results / "study3-delay_fixes",
-                                                                        results / "study3-translation")
+def test_the_package_holds_the_ratios_the_committed_rows_give(committed):
     assert UPDATES_TO_TARGET == {
         key: StudiedSetting(**{**entry, "variants": tuple(VariantRatio(**v) for v in entry["variants"])})
-        for key, entry in expected.items()}, \
-        ("src/pipeoptim/lab/tasks/updates_to_target.py's UPDATES_TO_TARGET is out of date: paste "
-         ".venv/bin/python study/make_results3.py --targets")
+        for key, entry in committed[1].items()} and list(UPDATES_TO_TARGET) == list(committed[1])
     # the report's time to target, as updates: XPipe on image with AdamW took 26.37 s at 9.767 ms
     # per mini-batch (2700 updates) against the synchronous pipeline's 34.335 s at 16.35 ms (2100)
     image = UPDATES_TO_TARGET[("image", "adamw", 8)]
     assert (image.sync_updates, image.lookup("xpipe", 2, 8).updates) == (2100.0, 2700.0)
     assert image.lookup("xpipe", 2, 8).ratio == pytest.approx(2700 / 2100, rel=1e-5)
     # every advised (task, N) has its settings, and LM with AdamW never reached the target asynchronously
-    from pipeoptim.lab.tasks.advice import ADVICE
-
     assert {(t, n) for t, _, n in UPDATES_TO_TARGET} == set(ADVICE)
     assert all(v.ratio is None for v in UPDATES_TO_TARGET[("lm", "adamw", 8)].variants)

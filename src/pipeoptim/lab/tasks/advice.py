@@ -9,9 +9,10 @@ first seed ended so far behind that a second could not change the verdict). A me
 only where it beats the best synchronous pipeline beyond the seed spread; otherwise the
 synchronous pipeline is (the same model as non-pipelined training, for the same time).
 
-:data:`ADVICE` holds a (task, N) only once every run the study planned for it is in;
-``study/make_results3.py --advice`` prints the table from the committed rows, and a test
-holds this one to it. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
+:data:`ADVICE` holds a (task, N) only once every run the study planned for it is in. It is read
+from the data file beside this module, ``equal_time_study.json`` (:data:`TABLE`), which
+``python -m study.make_results3 --package`` writes from the committed rows; a test holds the file
+to them. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
 task and stage count, the README lists every entry, and ``pipeoptim plan``
 (:mod:`pipeoptim.lab.plan_targets`) recommends an asynchronous method only where the entry for
 its task and depth does: the four read this one table, so that they cannot disagree.
@@ -20,9 +21,15 @@ This module imports nothing heavy (no torch).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional, Tuple
 
+#: the study's conclusions as the package ships them: this module's advice and the ratios of
+#: :mod:`.updates_to_target` (pyproject's package-data installs it beside this module)
+TABLE = Path(__file__).with_name("equal_time_study.json")
 #: where the advice comes from (printed beside it)
 SOURCE = "the equal-time study (docs/results.md)"
 #: the studied metrics where a lower value is the better model (every other one: higher is better)
@@ -108,81 +115,27 @@ def close_call(margin: float, spread: float, digits: int) -> Tuple[bool, int]:
     return close, fine
 
 
+@lru_cache(maxsize=1)
+def study_table() -> Dict[str, Any]:
+    """:data:`TABLE`'s contents, read once (the advice and the ratios of updates to the target)."""
+    table = json.loads(TABLE.read_text())
+    if table.get("format") != "pipeoptim-equal-time-study":
+        raise ValueError(f"{TABLE} is not the equal-time study's table (no \"format\": \"pipeoptim-equal-time-study\")")
+    return table
+
+
+def pairs(options: Iterable[Iterable[str]]) -> Tuple[Tuple[str, str], ...]:
+    """Method options as the dataclasses hold them, from the file's 2-item lists."""
+    return tuple((option, value) for option, value in options)
+
+
+def advice_table(table: Dict[str, Any]) -> Dict[Tuple[str, int], Advice]:
+    """(task, N) -> :class:`Advice`, from a table file's contents (``"advice"``, in its order)."""
+    return {(e["task"], e["stages"]): Advice(**{**e, "options": pairs(e["options"])}) for e in table["advice"]}
+
+
 #: (task, N) -> the study's recommendation; only settings whose planned runs are all in
-ADVICE: Dict[Tuple[str, int], Advice] = {
-    ('image', 8): Advice(
-        task='image',
-        stages=8,
-        method='zb-h1',
-        synchronous=True,
-        microbatches=8,
-        options=(),
-        optimizer='adamw',
-        lr=0.004,
-        metric='accuracy',
-        value=0.9082,
-        spread=0.001836,
-        seeds=3,
-        runner_up='pipeoptim-2bw with adamw',
-        runner_up_value=0.91195,
-        runner_up_spread=0.00601,
-        margin=-0.00375,
-    ),
-    ('sentiment', 8): Advice(
-        task='sentiment',
-        stages=8,
-        method='zb-h1',
-        synchronous=True,
-        microbatches=8,
-        options=(),
-        optimizer='adamw',
-        lr=0.008,
-        metric='accuracy',
-        value=0.752418,
-        spread=0.012409,
-        seeds=3,
-        runner_up='xpipe with adamw',
-        runner_up_value=0.759608,
-        runner_up_spread=0.008319,
-        margin=-0.00719,
-    ),
-    ('lm', 8): Advice(
-        task='lm',
-        stages=8,
-        method='xpipe',
-        synchronous=False,
-        microbatches=2,
-        options=(),
-        optimizer='muon',
-        lr=0.02,
-        metric='perplexity',
-        value=46.607499,
-        spread=0.133775,
-        seeds=3,
-        runner_up='the synchronous pipeline with muon',
-        runner_up_value=46.978482,
-        runner_up_spread=0.337244,
-        margin=-0.370983,
-    ),
-    ('translation', 8): Advice(
-        task='translation',
-        stages=8,
-        method='zb-h1',
-        synchronous=True,
-        microbatches=8,
-        options=(),
-        optimizer='adamw',
-        lr=0.004,
-        metric='bleu',
-        value=15.406714,
-        spread=0.346222,
-        seeds=3,
-        runner_up='pipeoptim-2bw+ef with adamw',
-        runner_up_value=14.703006,
-        runner_up_spread=0.291509,
-        margin=0.703708,
-    ),
-}
+ADVICE: Dict[Tuple[str, int], Advice] = advice_table(study_table())
 
 
 def nearest_depth(studied: Iterable[int], stages: int) -> int:
