@@ -537,7 +537,7 @@ def test_the_pipeline_runs_through_the_world_it_is_given(monkeypatch, tmp_path):
     assert [e["metric"] for e in got.metrics["evaluations"]] == \
         [e["metric"] for e in expected.metrics["evaluations"]]
     assert got.metrics["processes"] == 1
-    assert {"layout", "place", "own_stage", "connect", "executor", "evaluate", "all_stages", "everyone",
+    assert {"layout", "place", "own_rank", "connect", "executor", "evaluate", "all_stages", "everyone",
             "checkpoint_group"} <= \
         set(world.asked)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == \

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import datetime
 import gc
 import os
 import sys
@@ -29,7 +30,7 @@ from torch import nn
 from .state_names import with_aliases
 from .methods import Method
 from .runtime.averaging import GradientAverager
-from .runtime.control import broadcast, gather_all, gather_tensors, init_process_group
+from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.forward_only import ForwardOnly
@@ -67,8 +68,8 @@ def process_device(devices: Any) -> str:
 
 @dataclass
 class Torchrun:
-    """This process's place in a torchrun job running one Pipeline: its stage, its replica and
-    the links.
+    """This process's place in a torchrun job running one Pipeline: its rank in the pipeline
+    (the stages placed there), its replica and the links.
 
     With N stages and D replicas (pipeline x data parallel, WORLD_SIZE = N x D), rank r runs
     stage ``r % N`` of replica ``r // N``: replica d's stages are ranks ``d*N .. d*N+N-1`` (its
@@ -80,7 +81,7 @@ class Torchrun:
     world: int
     device: torch.device
     timeout: float
-    stages: int = 0
+    ranks: int = 0  #: ranks of one pipeline, N (the model has N x chunks stages)
     replicas: int = 1
     #: stages (model chunks) per process, and the rank of each stage (set by connect)
     chunks: int = 1
@@ -91,8 +92,6 @@ class Torchrun:
     replica_groups: Dict[int, Any] = field(default_factory=dict)
     comm: Optional[PipeComm] = None
     stage_group: Any = None
-    #: how many times a Pipeline of this process has torn the job's process group down
-    jobs_ended = 0
     #: whether this Pipeline started the job's process group (then it also tears it down)
     owns_job: bool = False
     _made: List[Any] = field(default_factory=list)  #: process groups made by connect()
@@ -128,7 +127,7 @@ class Torchrun:
             # finalization. Imported now, they hold None.
             import torch.distributed.nn.functional  # noqa: F401
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None,
-                                    generation=cls.jobs_ended if ours else 0)
+                                    generation=PROCESS_JOBS.ended if ours else 0)
         joined = cls(dist.get_rank(), world, device, float(timeout), owns_job=ours)
         # at the script's exit, while the interpreter is whole: see leave()
         atexit.register(joined.leave)
@@ -170,7 +169,7 @@ class Torchrun:
             if dist.is_initialized():
                 if self.owns_job:
                     dist.destroy_process_group()  # every group of the job
-                    Torchrun.jobs_ended += 1  # a Pipeline made later joins it again (init_process_group)
+                    PROCESS_JOBS.ended += 1  # a Pipeline made later joins it again (init_process_group)
                 else:  # the user's job goes on: only the groups made for this pipeline
                     for group in made:
                         dist.destroy_process_group(group)
@@ -199,8 +198,8 @@ class Torchrun:
         """This process's stage on this process's device (the others are elsewhere)."""
         return [self.device] * stages
 
-    def own_stage(self, stages: int) -> Optional[int]:
-        return self.rank % stages
+    def own_rank(self, ranks: int) -> Optional[int]:
+        return self.rank % ranks
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
@@ -208,7 +207,7 @@ class Torchrun:
         several stages per process (chunks), stage s lives on pipeline rank ``placement[s]``."""
         self.chunks = len(stages)
         count = stages[0].num_stages // self.chunks
-        self.stages, self.replicas = count, replicas
+        self.ranks, self.replicas = count, replicas
         placement = list(placement) if placement is not None else list(range(count))
         self.placement = placement
         # two pipelines of the same pieces (every rank holds stages of both): no link between them
@@ -224,14 +223,12 @@ class Torchrun:
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
         if self.mirrored:
-            made, self.replica_groups = replica_pair_groups(placement, self.stage, self.timeout)
+            made, self.replica_groups = replica_pair_groups(placement, self.pipeline_rank, self.timeout)
             self._made += made
 
     def agree(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
         gloo group of every rank made for it (destroyed with the others by :meth:`leave`)."""
-        import datetime
-
         group = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=self.timeout),
                                backend="gloo")
         self._made.append(group)
@@ -247,8 +244,6 @@ class Torchrun:
         every group, in the same order); with an asynchronous method, the 2-rank groups its
         values and gradients travel on per micro-batch, in each replica
         (``runtime/tied.connect_exchanges``)."""
-        import datetime
-
         delta = datetime.timedelta(seconds=self.timeout)
         for tie in tied.ties:
             for d in range(replicas):
@@ -266,14 +261,11 @@ class Torchrun:
             for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
                 connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], new_group)
 
-
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
         """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
         :attr:`stage_group` (its stage's replicas). Made once, every rank at the same point."""
         pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
         if self._pipeline_group is None:
-            import datetime
-
             delta = datetime.timedelta(seconds=self.timeout)
             for ranks in pipelines:
                 made = dist.new_group(ranks, timeout=delta)
@@ -330,7 +322,7 @@ class Torchrun:
         shares the value."""
         self.gather_model(model, stages)
         value = None
-        if self.stage == 0:
+        if self.pipeline_rank == 0:
             value = float(evaluate(model if self.device.type == "cpu" else copy.deepcopy(model).cpu()))
             model.train()
         return float(self.share(value, 0, "sharing the evaluation"))
@@ -342,12 +334,13 @@ class Torchrun:
         self.leave()
 
     @property
-    def stage(self) -> int:
-        return self.rank % self.stages
+    def pipeline_rank(self) -> int:
+        """This process's rank in its pipeline (its replica's group): the stages placed there are its."""
+        return self.rank % self.ranks
 
     @property
     def replica(self) -> int:
-        return self.rank // self.stages
+        return self.rank // self.ranks
 
     @property
     def last_model_stage(self) -> int:
@@ -361,7 +354,7 @@ class Torchrun:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.last_rank
+        return self.pipeline_rank == self.last_rank
 
     @property
     def partial_losses(self) -> bool:
@@ -382,7 +375,7 @@ class Torchrun:
         try:
             dist.all_reduce(t, group=self.stage_group)
         except RuntimeError as error:
-            raise PipelineCommError(f"stage {self.stage}: {what} failed: {reason(error)}. A replica "
+            raise PipelineCommError(f"pipeline rank {self.pipeline_rank}: {what} failed: {reason(error)}. A replica "
                                     f"hung, died or is slower than the timeout ({self.timeout:g} s)") from error
         return (t / self.replicas).tolist()
 
@@ -420,8 +413,6 @@ class Torchrun:
         """A gloo group of every rank of the job (made once, with the pipeline's timeout);
         ``background``: a second one, which a checkpoint written beside training uses from its
         own thread (a group serves one thread at a time)."""
-        import datetime
-
         index = 1 if background else 0
         while len(self._job_groups) <= index:  # made in order, on every rank alike
             made = dist.new_group(list(range(self.world)), backend="gloo",

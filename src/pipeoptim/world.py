@@ -62,8 +62,9 @@ class World(Protocol):
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
         """The device of each stage (the ones this process does not hold: its own device)."""
 
-    def own_stage(self, stages: int) -> Optional[int]:
-        """The one stage this process builds, or None for all of them."""
+    def own_rank(self, ranks: int) -> Optional[int]:
+        """This process's rank in its pipeline of ``ranks`` (it builds the stages placed there),
+        or None: it builds every stage."""
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         """Make the links between the stages (and the replicas); every rank at the same point.
@@ -183,7 +184,7 @@ class LocalWorld:
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
         return resolve_devices(devices, stages)
 
-    def own_stage(self, stages: int) -> Optional[int]:
+    def own_rank(self, ranks: int) -> Optional[int]:
         return None
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:

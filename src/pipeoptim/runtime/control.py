@@ -20,6 +20,24 @@ from .transport import PipeComm
 from .wire import PipelineCommError, reason
 
 
+class JobsOfThisProcess:
+    """The one record, per process, of how many times a Pipeline of this process tore the job's
+    process group down (:data:`PROCESS_JOBS`; ``Torchrun.leave`` counts, ``Torchrun.join`` reads).
+    Per process, as torch's default process group is: a Pipeline made after such a teardown joins
+    the job again under a rendezvous prefix of its own (:func:`init_process_group`'s
+    ``generation``). :meth:`reset` is for tests, in a process whose store is fresh."""
+
+    def __init__(self) -> None:
+        self.ended = 0  #: teardowns of the job's group by a Pipeline of this process
+
+    def reset(self) -> None:
+        self.ended = 0
+
+
+#: this process's record of the job's teardowns (:class:`JobsOfThisProcess`)
+PROCESS_JOBS = JobsOfThisProcess()
+
+
 def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
                        init_method: Optional[str] = None, rank: Optional[int] = None,
                        world_size: Optional[int] = None, threads: Optional[int] = 1,

@@ -46,8 +46,23 @@ POLL_SECONDS = 0.25
 _PR_SET_PDEATHSIG = 1
 _PF_EXITING = 0x4  #: a task's flag in /proc/PID/stat while it exits
 
-#: what :func:`guard` installed in this process (None: nothing yet)
-installed: Optional[str] = None
+
+class ProcessGuards:
+    """What :func:`guard` installed in this process: the one record per process
+    (:data:`PROCESS_GUARDS`), as signal handlers, the blocked signals and the parent-death signal
+    belong to the process. ``how``: None before :func:`guard`, then ``"<signals>+<parent>"``
+    (``sigwait``, ``handler`` or ``none``; ``prctl`` or ``poll``). :meth:`reset` is for tests: it
+    forgets the record and uninstalls nothing."""
+
+    def __init__(self) -> None:
+        self.how: Optional[str] = None
+
+    def reset(self) -> None:
+        self.how = None
+
+
+#: this process's record of its guards (:class:`ProcessGuards`)
+PROCESS_GUARDS = ProcessGuards()
 
 
 def under_torchrun() -> bool:
@@ -103,15 +118,15 @@ def parent_gone(parent: int) -> bool:
 def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Optional[int] = None,
           use_prctl: bool = True) -> str:
     """Install both guards in this process (call it from the main thread, before other threads
-    start: only threads started afterwards inherit the blocked signals; a second call does
-    nothing; from another thread only the parent is watched). ``parent`` is
-    the pid of the process that started this one (default: the current parent; a launcher that
-    knows better passes its own pid, so that a parent already gone is noticed). ``on_stop`` runs
-    in the watcher thread just before the process ends; keep it short (write a status, print a
-    line) and free of imports. Returns how the parent is watched, ``"prctl"`` or ``"poll"``."""
-    global installed
-    if installed is not None:
-        return installed.split("+")[1]
+    start: only threads started afterwards inherit the blocked signals; a second call does nothing,
+    :data:`PROCESS_GUARDS` records the first; from another thread only the parent is watched).
+    ``parent`` is the pid of the process that started this one (default: the current parent; a
+    launcher that knows better passes its own pid, so that a parent already gone is noticed).
+    ``on_stop`` runs in the watcher thread just before the process ends; keep it short (write a
+    status, print a line) and free of imports. Returns how the parent is watched, ``"prctl"`` or
+    ``"poll"``."""
+    if PROCESS_GUARDS.how is not None:
+        return PROCESS_GUARDS.how.split("+")[1]
     parent = os.getppid() if parent is None else parent
     once = threading.Lock()
 
@@ -168,5 +183,5 @@ def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Option
             stop(Stop(PARENT_DEATH_SIGNAL, "parent-died"))
 
         threading.Thread(target=watch_parent, name="pipeoptim-parent", daemon=True).start()
-    installed = f"{how_signals}+{how}"
+    PROCESS_GUARDS.how = f"{how_signals}+{how}"
     return how
