@@ -44,7 +44,7 @@ from study.make_results2_data import (HEADLINE, LEVELS, RIVALS, SCALE, SYNCHRONO
                                            run_updates_to_target, seconds_per_batch, seeds_text, settings_of,
                                            stage_errors, sweep_points, value)
 from study.make_results2_findings import (TRANSLATION, caveats, conclusions, confirmations, depth_lines,
-                                               error_gap_lines, level_lines, recipe, throughput_section)
+                                               error_gap_lines, level_lines, throughput_section)
 from study.make_results2_plots import curves_plot, sensitivity_plot
 
 
@@ -136,6 +136,22 @@ def status_line(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> str:
             f"{states['ready'] + states['waiting']} still to run, {states['dropped']} dropped because "
             f"every lr they depend on diverged); {minutes:.0f} core-minutes of training so far, about "
             f"{left:.0f} planned to go.")
+
+
+def recipe(suite: Dict[str, Any]) -> List[str]:
+    """The recipe table: per task, its model, batch, epochs, updates, split, evaluations, clipping
+    and the lrs swept."""
+    lines = ["| task | model | batch | epochs | updates | validation split | evaluated every | clipping | "
+             "optimizers | peak lrs swept |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for task, spec in suite["tasks"].items():
+        optimizers = [o for t, o in suite["cells"] if t == task]
+        n = study2_plan.batches_per_epoch(spec) * spec["epochs"]
+        lrs = "; ".join(f"{o}: " + ", ".join(f"{lr:g}" for lr in study2_plan.sweep_lrs(suite, task, o))
+                        for o in optimizers)
+        lines.append(f"| {task} | {spec['model']} | {spec['batch_size']} | {spec['epochs']} | {n} | "
+                     f"{spec['holdout']} | {spec['eval_every']} | {spec['clip_grad'] or 'none'} | "
+                     f"{', '.join(optimizers)} | {lrs} |")
+    return lines
 
 
 def generate(study: Path, out: Path, suite_name: Optional[str] = None, plots: bool = True,

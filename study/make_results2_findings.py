@@ -1,7 +1,7 @@
 """The second study's findings, as the report says them (study/make_results2.py): the
 conclusions per claim, time to target against the synchronous pipeline, the diagnostic's reading
-of each shortfall, the error-gap correlation, depth, throughput, the confirmations, the caveats and
-the recipe table."""
+of each shortfall, the error-gap correlation, depth, throughput, the confirmations and the
+caveats."""
 from __future__ import annotations
 
 import math
@@ -435,20 +435,6 @@ def level_lines(st: Setting) -> List[str]:
     met = mean >= bar if st.higher else mean <= bar
     return [f"`sequential`'s level: a final test {st.metric} of {value(mean, st.scale, digits_of(st))} "
             f"({seeds_text(len(seq.rows))}); the issue asks for {reads}: {'met' if met else 'not met'}."]
-
-
-def recipe(suite: Dict[str, Any]) -> List[str]:
-    lines = ["| task | model | batch | epochs | updates | validation split | evaluated every | clipping | "
-             "optimizers | peak lrs swept |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for task, spec in suite["tasks"].items():
-        optimizers = [o for t, o in suite["cells"] if t == task]
-        n = study2_plan.batches_per_epoch(spec) * spec["epochs"]
-        lrs = "; ".join(f"{o}: " + ", ".join(f"{lr:g}" for lr in study2_plan.sweep_lrs(suite, task, o))
-                        for o in optimizers)
-        lines.append(f"| {task} | {spec['model']} | {spec['batch_size']} | {spec['epochs']} | {n} | "
-                     f"{spec['holdout']} | {spec['eval_every']} | {spec['clip_grad'] or 'none'} | "
-                     f"{', '.join(optimizers)} | {lrs} |")
-    return lines
 
 
 TRANSLATION = ("**Translation was left out.** In the first study (`docs/results-v1.md`) `sequential` reached "

@@ -12,13 +12,3 @@ def mlp(depth: int = 8, width: int = 12, classes: int = 4, dtype=torch.float64, 
     layers += [nn.Sequential(nn.Tanh(), nn.Linear(width, classes))]
     return nn.Sequential(*layers).to(dtype)
 
-
-def has_image_data() -> bool:
-    """Whether Fashion-MNIST is installed (tests that train on it skip without it)."""
-    try:
-        from pipeoptim.lab.tasks.image import load_arrays
-
-        load_arrays()
-    except Exception:  # noqa: BLE001 - MissingDataError or an unreadable file: skip
-        return False
-    return True

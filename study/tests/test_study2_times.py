@@ -1,7 +1,8 @@
 """study/study2_times.py, the study's predicted seconds per mini-batch: the lookup the
 report uses (and its messages), the micro-batches the study's runs use, the table's invariants
 on a made-up profile (exact) and on a real profile of a tiny model, and the file's two parts
-(part 1 keeps the check at N = 2, the check keeps part 1), with the bench stubbed."""
+(part 1 keeps the check at N = 2, the check keeps part 1), with the bench stubbed and made-up
+images."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from study.tests.helpers import has_image_data, mlp
+from study.tests.helpers import mlp
 from study import study2_times
 from pipeoptim.throughput import profile_sizes, scaled_profile
 from pipeoptim.profile import LayerProfile, ModelProfile
@@ -160,8 +161,7 @@ def _sorted_everywhere(text: str) -> bool:
     return all(ok)
 
 
-@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
-def test_both_parts_write_their_own_section(times_mod, tmp_path, monkeypatch, capsys):
+def test_both_parts_write_their_own_section(times_mod, tiny_images, tmp_path, monkeypatch, capsys):
     out = tmp_path / "times.json"
     quick = ["--suite", "smoke", "--out", str(out), "--warmup", "0", "--repeats", "1"]
 

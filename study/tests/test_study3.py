@@ -1,8 +1,9 @@
 """study/study3.py and study3_plan.py, the equal-time study's runner: U_m mini-batches as
 repeated passes over the epoch, the lrs it carries, re-tunes or sweeps, the default plan's
 order and cuts against the second study's committed rows and the committed budget, and a tiny
-study end to end (mlp, 384 images, seconds a run): the rows' updates and evaluations, the
-halving, the seeds waiting for the tuning, a resumed call that runs nothing."""
+study end to end (the smoke suite: the image task's mlp at N = 2 on 96 made-up images, a second
+a run): the rows' updates and evaluations, the halving, the seeds waiting for the tuning, a
+resumed call that runs nothing."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from study.tests.helpers import has_image_data
 from study import study3 as runner, study3_plan, study3_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_shards_split_the_plan(study3, plan):
 
 
 def _smoke_times(updates):
-    """A budget for the smoke suite: image x momentum at N = 4 and 2."""
+    """A budget for the smoke suite: image x momentum at N = 2."""
     cell = {"sequential": {"seconds_per_batch": 0.04}, "stages": {}}
     for n, per_variant in updates.items():
         cell["stages"][str(n)] = {
@@ -141,36 +141,35 @@ def _smoke_times(updates):
     return {"format": "pipeoptim-study3-times", "version": 1, "cells": {"image": {"momentum": cell}}}
 
 
-@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
-def test_tiny_study_end_to_end(study3, tmp_path, capsys):
+def test_tiny_study_end_to_end(study3, tiny_images, tmp_path, capsys):
     times = tmp_path / "times.json"
-    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20, "pipeoptim-2bw": 16},
-                                              2: {"pipeoptim+M2": 14, "pipeoptim-2bw": 12}})))
+    times.write_text(json.dumps(_smoke_times({2: {"pipeoptim+M2": 14, "pipeoptim-2bw": 12}})))
     args = ["--suite", "smoke", "--out", str(tmp_path / "study"), "--times", str(times),
-            "--methods", "sequential,pipeoptim+M2,pipeoptim-2bw", "--stages", "4"]
+            "--methods", "sequential,pipeoptim+M2,pipeoptim-2bw", "--stages", "2"]
     assert study3.main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "study/runs.jsonl").read_text().splitlines()]
     got = [(r["phase"], r["until"], r["variant"], r["stages"], r["lr"], r["seed"], r["updates"]) for r in rows]
     swept_winner = next(r["lr"] for r in rows if r["variant"] == "pipeoptim-2bw" and r["until"] == "end")
     assert got[:8] == [
         ("reference", None, "sequential", 1, 0.01, 0, 12), ("reference", None, "sequential", 1, 0.01, 1, 12),
-        # pipeoptim-2bw was never tuned: 2 lrs to the first third (the evaluation nearest 16 / 3)
-        ("tune", "third", "pipeoptim-2bw", 4, 0.01, 0, 16), ("tune", "third", "pipeoptim-2bw", 4, 0.04, 0, 16),
+        # pipeoptim-2bw was never tuned: 2 lrs to the first third (the evaluation nearest 12 / 3)
+        ("tune", "third", "pipeoptim-2bw", 2, 0.01, 0, 12), ("tune", "third", "pipeoptim-2bw", 2, 0.04, 0, 12),
         # pipeoptim+M2 carries pipeoptim's lr and re-tunes it against one neighbour, both to the end
-        ("tune", None, "pipeoptim+M2", 4, 0.01, 0, 20), ("tune", None, "pipeoptim+M2", 4, 0.005, 0, 20),
-        ("tune", "end", "pipeoptim-2bw", 4, swept_winner, 0, 16),
-        ("seeds", None, "pipeoptim+M2", 4, max(rows[4:6], key=lambda r: (r["validation_metric"], -r["lr"]))["lr"],
-         1, 20)]
-    assert got[8] == ("seeds", None, "pipeoptim-2bw", 4, swept_winner, 1, 16) and len(got) == 9
+        ("tune", None, "pipeoptim+M2", 2, 0.01, 0, 14), ("tune", None, "pipeoptim+M2", 2, 0.005, 0, 14),
+        ("tune", "end", "pipeoptim-2bw", 2, swept_winner, 0, 12),
+        ("seeds", None, "pipeoptim+M2", 2, max(rows[4:6], key=lambda r: (r["validation_metric"], -r["lr"]))["lr"],
+         1, 14)]
+    assert got[8] == ("seeds", None, "pipeoptim-2bw", 2, swept_winner, 1, 12) and len(got) == 9
     whole = rows[4]
-    # 20 updates: one pass of the 12 mini-batches and 8 of the next, evaluated every 4 and at the end
-    assert [e["updates"] for e in whole["evaluations"]] == [4, 8, 12, 16, 20]
-    assert whole["epochs"] == pytest.approx(20 / 12) and whole["microbatches"] == 2
-    assert whole["seconds_per_batch"] == pytest.approx(0.12 / 20) and 0 < whole["final_metric"] <= 1
+    # 14 updates: one pass of the 12 mini-batches and 2 of the next, evaluated every 4 and at the end
+    assert [e["updates"] for e in whole["evaluations"]] == [4, 8, 12, 14]
+    assert whole["epochs"] == pytest.approx(14 / 12) and whole["microbatches"] == 2
+    assert whole["seconds_per_batch"] == pytest.approx(0.12 / 14) and 0 < whole["final_metric"] <= 1
     assert whole["cpu_seconds"] > 0  # what the run cost the cores, whoever shared them
     third = rows[2]
     assert third["stopped_at"] == 4 and [e["updates"] for e in third["evaluations"]] == [4]
-    assert rows[6]["resumed"] is True and [e["updates"] for e in rows[6]["evaluations"]] == [4, 8, 12, 16]
+    assert rows[6]["resumed"] is True and [e["updates"] for e in rows[6]["evaluations"]] == [4, 8, 12]
+    assert rows[6]["microbatches"] == 2  # pipeoptim-2bw at M = N
     assert not list((tmp_path / "study").glob("runs/*/checkpoints/*"))  # nothing left to resume
     before = (tmp_path / "study/runs.jsonl").read_text()
     capsys.readouterr()
@@ -245,13 +244,12 @@ def test_a_claimed_run_is_held_until_its_holder_lets_go(study3, tmp_path):
     assert not study3.held_elsewhere(folder)
 
 
-@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
-def test_a_worker_skips_the_run_another_worker_holds(study3, tmp_path, capsys):
+def test_a_worker_skips_the_run_another_worker_holds(study3, tiny_images, tmp_path, capsys):
     times = tmp_path / "times.json"
-    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20}})))
+    times.write_text(json.dumps(_smoke_times({2: {"pipeoptim+M2": 14}})))
     study = tmp_path / "study"
     args = ["--suite", "smoke", "--out", str(study), "--times", str(times), "--methods", "sequential",
-            "--stages", "4"]
+            "--stages", "2"]
     with study3.claim(study / "runs" / "image-momentum-sequential-N1-lr0.01-seed0") as mine:
         assert mine is not None
         assert study3.main(args) == 0
@@ -263,12 +261,11 @@ def test_a_worker_skips_the_run_another_worker_holds(study3, tmp_path, capsys):
     assert [(r["variant"], r["seed"]) for r in rows] == [("sequential", 1), ("sequential", 0)]
 
 
-@pytest.mark.skipif(not has_image_data(), reason="Fashion-MNIST is not installed")
-def test_first_puts_a_variants_ready_runs_first(study3, tmp_path):
+def test_first_puts_a_variants_ready_runs_first(study3, tiny_images, tmp_path):
     times = tmp_path / "times.json"
-    times.write_text(json.dumps(_smoke_times({4: {"pipeoptim+M2": 20}})))
+    times.write_text(json.dumps(_smoke_times({2: {"pipeoptim+M2": 14}})))
     args = ["--suite", "smoke", "--out", str(tmp_path / "study"), "--times", str(times),
-            "--methods", "sequential,pipeoptim+M2", "--stages", "4", "--max-runs", "1"]
+            "--methods", "sequential,pipeoptim+M2", "--stages", "2", "--max-runs", "1"]
     assert study3.main(args + ["--first", "pipeoptim+M2"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "study/runs.jsonl").read_text().splitlines()]
     assert [(r["phase"], r["variant"], r["lr"]) for r in rows] == [("tune", "pipeoptim+M2", 0.01)]
