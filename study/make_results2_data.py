@@ -29,7 +29,7 @@ SYNCHRONOUS_PIPELINES = ["gpipe", "1f1b-flush"]
 
 
 # --------------------------------------------------------------------------------------------
-# the arithmetic (tested in tests/test_make_results2.py)
+# the arithmetic (tested in study/tests/test_make_results2.py)
 
 
 def final_score(row: Dict[str, Any], higher: bool) -> float:

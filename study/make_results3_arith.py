@@ -2,7 +2,7 @@
 synchronous pipeline and every variant at its chosen lr), the final metric at equal time, time to
 target against the synchronous pipeline, the verdicts and the recommendation per task and N.
 ``make_results3.py`` writes the report from these (and re-exports them); the rules are in its
-docstring, the tests in tests/test_make_results3.py."""
+docstring, the tests in study/tests/test_make_results3.py."""
 from __future__ import annotations
 
 import math
