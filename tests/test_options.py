@@ -1,20 +1,23 @@
-"""One definition per option (issue 35 item 2): every option of a run is defined once, in
-pipeoptim.options (the engine's) or pipeoptim.lab.config (the lab's), and the Pipeline, fit,
-train, the lab's RunConfig, the command line's flags and its --help are held to those tables:
-an option in one of them and not in the others (nor declared API-only or command-line-only)
-fails here."""
+"""One definition per option (issue 35 item 2, issue 50 item 2): every option of a run is defined
+once, in pipeoptim.options (the engine's) or pipeoptim.lab.config (the lab's); the configuration
+objects (pipeoptim.config), the Pipeline's, fit's and train's signatures, the lab's RunConfig and
+its record, the command line's flags and its --help are held to those tables: an option in one
+of them and not in the others (nor declared API-only or command-line-only) fails here. That each
+option given at one entry point arrives where it is read: tests/test_config.py."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import inspect
+import typing
 
 import pytest
 
 import pipeoptim
 from pipeoptim.cli import build_parser
 from pipeoptim.cli.flags import GROUPS, cli_default, flag_help
-from pipeoptim.lab.config import DERIVED_FIELDS, LAB_OPTIONS, RunConfig, config_field
+from pipeoptim.config import FitConfig, PipelineConfig
+from pipeoptim.lab.config import DERIVED_FIELDS, LAB_OPTIONS, RECORDED, RunConfig, record_name
 from pipeoptim.methods import METHODS
 from pipeoptim.options import BY_NAME, NOT_GIVEN, OPTIONS, REQUIRED, of_scope
 
@@ -46,17 +49,36 @@ def test_the_tables_define_each_option_once_with_its_meaning():
     for option in ALL:
         assert option.help and option.scope in ("pipeline", "fit", "method", "lab", "cli"), option.name
         assert (option.flag is None) == bool(option.api_only), f"{option.name}: a flag, or why it has none"
+        assert option.annotation, f"{option.name}: a type"
 
 
 def test_the_pipeline_takes_exactly_the_pipeline_options_with_their_defaults():
     assert parameters(pipeoptim.Pipeline.__init__) == {o.name: o.default for o in of_scope("pipeline")}
 
 
-def test_the_settings_the_split_reads_are_pipeline_options_by_their_names():
-    from pipeoptim.prepare import ModelSettings
+def test_the_configurations_hold_every_option_with_its_type_and_default():
+    """PipelineConfig and FitConfig are made from the table: a field per option, of its type,
+    with its default (a required option's: None, not given yet), and the method's own options
+    apart, as given."""
+    for config, scope in ((PipelineConfig, "pipeline"), (FitConfig, "fit")):
+        fields = {f.name: f for f in dataclasses.fields(config) if f.name != "method_options"}
+        assert list(fields) == [o.name for o in of_scope(scope)]
+        hints = typing.get_type_hints(config)
+        for option in of_scope(scope):
+            assert fields[option.name].default == (None if option.default is REQUIRED else option.default)
+            assert hints[option.name] == typing.get_type_hints(_annotated(option.annotation))["x"], option.name
+    config = PipelineConfig.of(stages=3, steps="paper")
+    assert (config.stages, config.method_options) == (3, {"steps": "paper"})
+    assert config.keywords() == {**PipelineConfig(stages=3).keywords(), "steps": "paper"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.stages = 4
 
-    names = {f.name for f in dataclasses.fields(ModelSettings)}
-    assert names - {"method_options"} <= {o.name for o in of_scope("pipeline")}
+
+def _annotated(annotation: str) -> type:
+    """A class whose one field has ``annotation``, resolved in pipeoptim.config's names."""
+    import pipeoptim.config as module
+
+    return type("Annotated", (), {"__annotations__": {"x": annotation}, "__module__": module.__name__})
 
 
 def test_fit_takes_exactly_the_fit_options_with_their_defaults():
@@ -83,14 +105,31 @@ def test_every_method_option_is_defined_and_every_defined_one_is_a_methods():
 
 
 def test_the_run_configuration_has_a_field_for_every_option_the_command_line_takes():
+    """A field per lab option the record holds, the engine's options embedded whole (with the
+    API's defaults: one meaning), and a record that holds every option the command line takes
+    under the name its flag parses into."""
     fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    wanted = {config_field(o) for o in ALL if o.flag is not None and o.flag.in_config
-              and o.scope not in ("method", "cli")}
-    assert set(fields) - set(DERIVED_FIELDS) - {"method_options"} == wanted
-    for option in ALL:
-        field = config_field(option)
-        if field in fields and option.scope == "lab" and option.flag.default is None:
-            assert fields[field] == option.default, field  # the lab's defaults are the table's
+    lab = {o.name: o for o in LAB_OPTIONS if o.scope == "lab" and o.flag.in_config}
+    assert set(fields) - set(DERIVED_FIELDS) == set(lab) | {"pipeline", "fit"}
+    for name, option in lab.items():
+        assert fields[name] == option.default, name  # the lab's defaults are the table's
+    cfg = RunConfig()
+    assert (cfg.pipeline, cfg.fit) == (PipelineConfig(), FitConfig())
+    wanted = {record_name(o) for o in ALL if o.flag is not None and o.flag.in_config and o.scope not in ("method", "cli")}
+    assert set(cfg.record()) - set(DERIVED_FIELDS) - {"method_options"} == wanted
+    assert {o.name for o in RECORDED} == {o.name for o in OPTIONS if o.flag is not None and o.flag.in_config} \
+        - {o.name for o in of_scope("method")}
+    assert RunConfig(**cfg.record()) == cfg  # a record reads back as the configuration it records
+
+
+def test_the_optimizer_is_a_factory_in_the_engine_and_a_name_in_the_lab():
+    """Two meanings, two names: the engine's optimizer (a factory, required by the Pipeline) and
+    the lab's optimizer_name, which the flag --optimizer and the record's "optimizer" give."""
+    assert BY_NAME["optimizer"].default is REQUIRED and BY_NAME["optimizer"].flag is None
+    lab = next(o for o in LAB_OPTIONS if o.name == "optimizer_name")
+    assert lab.flag.flag_name(lab.name) == "--optimizer" and record_name(lab) == "optimizer"
+    cfg = RunConfig(optimizer="adamw")  # the record's name
+    assert cfg.optimizer_name == cfg.optimizer == "adamw" and cfg.pipeline.optimizer is None
 
 
 @pytest.mark.parametrize("command", ["train", "compare"])

@@ -21,6 +21,7 @@ from torch import nn
 
 from .batches import loader_item
 from .checkpoint import set_rng_state
+from .config import FitConfig
 from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
 from .runtime.state_memory import state_memory
@@ -45,31 +46,13 @@ class TrainResult:
     update_trace: List[UpdateEntry] = field(default_factory=list)
 
 
-@dataclass
-class FitSettings:
-    """What ``fit`` was asked for (its arguments, checked)."""
-
-    epochs: int
-    eval_loader: Optional[Iterable[Batch]] = None
-    metric: Optional[Metric] = None
-    evaluate: Optional[Callable[[nn.Module], float]] = None
-    eval_every: Optional[int] = None
-    on_batch: Optional[Callable[[int, float], None]] = None
-    on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None
-    on_eval: Optional[Callable[[Dict[str, Any]], None]] = None
-    store: Optional[Path] = None        #: the checkpoint folder
-    checkpoint_every: Optional[int] = None
-    resume: bool = False
-    continuous: bool = False
-    async_checkpoint: bool = False
-    eval_in_bubbles: bool = False
-
-
 class FitRun:
     """One run of ``fit`` over ``loader`` (see :meth:`pipeoptim.pipeline.Pipeline.fit`)."""
 
-    def __init__(self, pipe: "Pipeline", loader: Iterable[Batch], settings: FitSettings) -> None:  # noqa: F821
+    def __init__(self, pipe: "Pipeline", loader: Iterable[Batch], settings: FitConfig) -> None:  # noqa: F821
         self.pipe, self.loader, self.settings = pipe, loader, settings
+        #: the checkpoint folder (None: no checkpoints)
+        self.store = Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else None
         try:
             self.num_batches: Optional[int] = len(loader)  # type: ignore[arg-type]
         except TypeError:
@@ -79,7 +62,7 @@ class FitRun:
                              "larger than the data set with drop_last=True?)")
         self.segment, self.run_info = checkpoint_settings(pipe.spec, self.num_batches, settings.checkpoint_every,
                                                           settings.continuous, settings.eval_every)
-        if settings.resume and settings.store is None:
+        if settings.resume and self.store is None:
             raise ValueError("resume=True needs checkpoint_dir")
         if settings.eval_in_bubbles:
             if settings.eval_every is None or settings.eval_loader is None:
@@ -136,7 +119,7 @@ class FitRun:
     def resume(self) -> None:
         """Load the newest checkpoint, if any, and continue from its position."""
         pipe = self.pipe
-        found = load_checkpoint(pipe.world, self.settings.store, pipe.stages, self.run_info,
+        found = load_checkpoint(pipe.world, self.store, pipe.stages, self.run_info,
                                 pipe.state_names)
         if found is None:
             return
@@ -184,12 +167,12 @@ class FitRun:
                 if eval_due:
                     began = time.perf_counter()
                     # a checkpoint here records the evaluations so far: this one must be among them
-                    if settings.eval_in_bubbles and not (checkpoint_due and settings.store is not None):
+                    if settings.eval_in_bubbles and not (checkpoint_due and self.store is not None):
                         self.evaluation_in_bubbles(epoch)
                     else:
                         self.evaluation(epoch)
                     self.paused["mid_eval_epoch"] += time.perf_counter() - began
-                if checkpoint_due and settings.store is not None:
+                if checkpoint_due and self.store is not None:
                     self.save(epoch, batch, epoch_rng_now)
         if batch == 0:
             raise ValueError(f"the loader yielded no mini-batches in epoch {epoch}")
@@ -214,7 +197,7 @@ class FitRun:
         seconds = time.perf_counter() - self.epoch_start - self.paused["mid_eval_epoch"]
         self.close_epoch(epoch, seconds, samples, pipe.losses[len(pipe.losses) - batches:])
         self.finish_epoch_entry(epoch)
-        if self.settings.store is not None:
+        if self.store is not None:
             self.save(epoch + 1, 0, None)
         self.epoch_start = time.perf_counter()
         self.paused["mid_eval"] += self.paused["mid_eval_epoch"]
@@ -299,7 +282,7 @@ class FitRun:
                   "samples_done": pipe.samples_done, "epoch_rng": _encode_rng(rng),
                   "evaluations": self.evaluations, "train_seconds": self.train_seconds()}
         self.finish_pending()  # (one in the background at a time: this one after the last is named)
-        self.pending = save_checkpoint(pipe.world, self.settings.store, pipe.stages, (epoch, batch), fields,
+        self.pending = save_checkpoint(pipe.world, self.store, pipe.stages, (epoch, batch), fields,
                                        background=self.settings.async_checkpoint, names=pipe.state_names)
         self.paused["save"] += time.perf_counter() - began
 
@@ -331,7 +314,7 @@ class FitRun:
             "stage_passes": [r["passes"] for r in reports],
             "activations": [r["activations"] for r in reports],
             "prediction_error": [r["diagnostics"] for r in reports] if diagnosing else None,
-            "devices": [r["device"] for r in reports], "precision": pipe.precision,
+            "devices": [r["device"] for r in reports], "precision": pipe.config.precision,
             "processes": pipe.world.processes, "comm": [r["comm"] for r in reports],
             "compilations": [r["compilations"] for r in reports],
         }

@@ -1,15 +1,16 @@
-"""Every option of a pipeline run, defined once: its name, default, meaning, and how the command
-line takes it.
+"""Every option of a pipeline run, defined once: its name, type, default, meaning, and how the
+command line takes it.
 
 An :class:`Option` is a keyword of :class:`pipeoptim.Pipeline` (``scope="pipeline"``), of
 :meth:`pipeoptim.Pipeline.fit` (``"fit"``), or a method's own option (``"method"``: passed to
 the Pipeline as a keyword and to the method's weight policy; which methods take it is read from
-the method registry, :func:`takers`). :func:`pipeoptim.train` takes them all. The docstrings of
-``Pipeline``, ``fit`` and ``train`` list them from here (:func:`describe`), the command line
-builds its flags and ``--help`` from here (``pipeoptim.cli.flags``), and the lab's run
-configuration names its fields after them; ``tests/test_options.py`` fails where one of those
-has an option that this table (or the lab's, ``pipeoptim.lab.config``) does not, or lacks one
-that it has. Imports no torch, so that ``pipeoptim --help`` starts without it.
+the method registry, :func:`takers`). :func:`pipeoptim.train` takes them all. The configuration
+objects are made from this table (:mod:`pipeoptim.config`: a field per option, of its type and
+default), and so are the signatures and docstrings of ``Pipeline``, ``fit`` and ``train``
+(:func:`describe`), the command line's flags and ``--help`` (``pipeoptim.cli.flags``) and the
+names of the run folder's record (``pipeoptim.lab.config``); ``tests/test_options.py`` fails
+where an option reaches one of them and not another. Imports no torch, so that
+``pipeoptim --help`` starts without it.
 """
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ class Flag:
     """How the command line takes an option: ``--name-with-dashes`` unless ``name`` says another,
     parsed by ``type`` (a name the command line resolves: ``int``, ``float``, ``str``, ``ints``
     for comma-separated integers, ``norm`` for a max norm or none, ``path``; or ``switch`` for a
-    flag without a value), in the ``--help`` group ``group``. ``config``: the field of the lab's
-    run configuration that holds it, where it is named otherwise (``method_options``: the dict
-    of the method's options). ``default``: the command line's own default where it differs from
-    the API's (``NOT_GIVEN``: None, and the task's recipe, the method or the run decides). ``note``: what ``--help`` adds (the
-    command line's form of the value). ``help``: the meaning in the command line's words, where the
+    flag without a value), in the ``--help`` group ``group``. ``config``: the name the command
+    line's record of a run gives it (the parsed flag, the run folder's ``config.json``), where it
+    differs from the option's (``--clip-grad``: ``clip_grad``). ``default``: the command line's
+    own default where it differs from the API's (``NOT_GIVEN``: None, and the task's recipe, the
+    method or the run decides). ``note``: what ``--help`` adds (the command line's form of the
+    value). ``help``: the meaning in the command line's words, where the
     option's own speaks of Python (a bool, a list, a keyword): ``--help`` prints it instead.
     ``const``: the value of the flag given without one (its value is then optional)."""
 
@@ -51,7 +53,7 @@ class Flag:
     note: str = ""
     #: set by the command that has it (``train`` or ``compare`` alone, or the distributed runtime's options)
     only: Optional[str] = None
-    #: held in the lab's run configuration (False: the command passes it to the run apart)
+    #: held in the run's record, the lab's RunConfig (False: the command passes it to the run apart)
     in_config: bool = True
     help: str = ""
     const: Any = None
@@ -62,12 +64,14 @@ class Flag:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: ``name`` (the keyword), ``default`` (the API's), ``help`` (what it means, as
-    the docstrings and ``--help`` say it), ``scope`` (``pipeline``, ``fit`` or ``method``), and
-    ``flag``: how the command line takes it, or None with ``api_only`` saying why it has none
-    (a Python object, or not yet)."""
+    """One option: ``name`` (the keyword), ``annotation`` (its type, as a typing expression over
+    :mod:`typing`'s names: the configuration's field has it), ``default`` (the API's), ``help``
+    (what it means, as the docstrings and ``--help`` say it), ``scope`` (``pipeline``, ``fit`` or
+    ``method``), and ``flag``: how the command line takes it, or None with ``api_only`` saying
+    why it has none (a Python object, or not yet)."""
 
     name: str
+    annotation: str
     default: Any
     help: str
     scope: str
@@ -79,14 +83,16 @@ CORRECTIONS = "delay corrections (asynchronous methods; all off by default)"
 
 OPTIONS: Tuple[Option, ...] = (
     # -- the Pipeline: the method, the cut, the devices -------------------------------------
-    Option("method", DEFAULT_METHOD, "the training method: a (schedule, weight policy) pair from the registry, "
+    Option("method", "str", DEFAULT_METHOD,
+           "the training method: a (schedule, weight policy) pair from the registry, "
            "by name (pipeoptim.method_names()). The default, zb-h1, is a synchronous zero-bubble pipeline: it "
            "trains exactly as the plain loop with gradient accumulation over its micro-batches, and the study "
            "found a synchronous pipeline gives the better model in the same time on three of its four tasks; "
            "the asynchronous methods (pipeoptim, pipeoptim-2bw, ...) trade that equality for fewer bubbles",
            "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
                             note="`pipeoptim compare` takes --methods, comma-separated")),
-    Option("loss_fn", None, "loss_fn(output, target) -> scalar tensor, a mean over the mini-batch, of the output "
+    Option("loss_fn", "Optional[Callable[..., Any]]", None,
+           "loss_fn(output, target) -> scalar tensor, a mean over the mini-batch, of the output "
            "as the model returns it (a tensor, a tuple, a dict, a ModelOutput). A mini-batch is (inputs, target) "
            "(inputs: a tensor, a tuple of positional or a dict of keyword arguments), or a dict of keyword "
            "tensors (each split along dim 0) whose labels is the target (model(**rest)). None: the model "
@@ -94,18 +100,21 @@ OPTIONS: Tuple[Option, ...] = (
            "travel as a target does, to the last stage only; other forms are refused with the fix "
            "(pipeoptim.batches)", "pipeline",
            api_only="a function; the command line takes the task's"),
-    Option("optimizer", REQUIRED, "optimizer(params) -> torch.optim.Optimizer, called once per stage with that "
+    Option("optimizer", "Callable[..., Any]", REQUIRED,
+           "optimizer(params) -> torch.optim.Optimizer, called once per stage with that "
            "stage's parameters", "pipeline", api_only="a factory; the command line builds one from --optimizer "
            "and --lr (the lab's options)"),
-    Option("stages", None, "pipeline stages N (processes under torchrun; default there: the processes of a "
+    Option("stages", "Optional[int]", None,
+           "pipeline stages N (processes under torchrun; default there: the processes of a "
            "replica), cut by the partitioner", "pipeline",
            Flag("int", default=NOT_GIVEN, help="pipeline stages N (one process each with --runtime distributed), "
                 "cut by --partitioner", note="default: the --partition's, else 4; sequential uses 1")),
-    Option("partition", None, "layers per stage of an nn.Sequential (units per stage of a traced model), "
+    Option("partition", "Optional[Sequence[int]]", None,
+           "layers per stage of an nn.Sequential (units per stage of a traced model), "
            "e.g. [3, 3, 2]; with chunks, the layers of every one of the stages x chunks pieces", "pipeline",
            Flag("ints", metavar="N,N,...", help="layers per stage of the model, e.g. 3,3,2 (a traced model: units "
                 "per stage); with --chunks, the layers of every one of the stages x chunks pieces")),
-    Option("partitioner", "uniform", "how stages=N is cut: uniform (the same number of layers, or of a traced "
+    Option("partitioner", "str", "uniform", "how stages=N is cut: uniform (the same number of layers, or of a traced "
            "model's units that hold parameters, per stage), params (balanced parameter counts), both a function "
            "of the model alone, the same in every launcher and run; or time (opt-in: balanced by each layer's "
            "forward+backward time profiled on the example input, which differs between runs and machines; "
@@ -116,13 +125,15 @@ OPTIONS: Tuple[Option, ...] = (
                      "(balanced parameter counts), both a function of the model alone, the same in every "
                      "launcher and run; `pipeoptim plan` balances profiled times and writes the cut it "
                      "chose into its plan file")),
-    Option("split_points", None, "a traced model's cut: the qualified names of the submodules where stages "
+    Option("split_points", "Optional[Sequence[str]]", None,
+           "a traced model's cut: the qualified names of the submodules where stages "
            "2..N begin (['layers.4', 'layers.8']), in call order", "pipeline",
            api_only="the command line's models are cut by --stages/--partition"),
-    Option("example_input", None, "the inputs to trace a model that is not an nn.Sequential on (a tensor, a "
+    Option("example_input", "Any", None, "the inputs to trace a model that is not an nn.Sequential on (a tensor, a "
            "tuple of the forward's positional arguments, or a dict batch); default: the first mini-batch, "
            "and the model is split then", "pipeline", api_only="a tensor; the command line traces on its data"),
-    Option("chunks", None, "model chunks per stage, for interleaved (default 2): the model is cut into "
+    Option("chunks", "Optional[int]", None,
+           "model chunks per stage, for interleaved (default 2): the model is cut into "
            "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
            "least that many layers and micro-batches a multiple of the stages); zb-v always holds 2, in a V "
            "(pieces k and 2N-1-k)", "pipeline",
@@ -130,18 +141,21 @@ OPTIONS: Tuple[Option, ...] = (
                 "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
                 "that many layers, and --micro-batches a multiple of the stages); zb-v always holds 2, in a V "
                 "(pieces k and 2N-1-k)")),
-    Option("micro_batches", None, "micro-batches per mini-batch for the methods that use them (default: the "
+    Option("micro_batches", "Optional[int]", None,
+           "micro-batches per mini-batch for the methods that use them (default: the "
            "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2 for xpipe, "
            "1 for the others)", "pipeline", Flag("int")),
-    Option("lr_scheduler", None, "lr_scheduler(optimizer) -> LRScheduler, called once per stage; each stage "
+    Option("lr_scheduler", "Optional[Callable[..., Any]]", None,
+           "lr_scheduler(optimizer) -> LRScheduler, called once per stage; each stage "
            "steps it right after its own update, so update j has the same lr on every stage whatever the "
            "method, and the prediction reads the group's lr as it is then", "pipeline",
            api_only="a factory; the command line builds one from --lr-schedule"),
-    Option("clip_grad_norm", None, "clip the gradient norm to this before every update (see clip_scope)",
+    Option("clip_grad_norm", "Optional[float]", None,
+           "clip the gradient norm to this before every update (see clip_scope)",
            "pipeline", Flag("norm", group="optimizer", name="--clip-grad", metavar="MAX_NORM", config="clip_grad",
                             default=NOT_GIVEN, help="clip the gradient norm to MAX_NORM before every update (see "
                             "--clip-scope)", note="none: no clipping (default: the task's recipe)")),
-    Option("clip_scope", "auto", "global: clip by the norm over all stages, as a plain loop's "
+    Option("clip_scope", "str", "auto", "global: clip by the norm over all stages, as a plain loop's "
            "clip_grad_norm_ clips the whole model (as torchtitan does), for synchronous methods only: an "
            "asynchronous stage never holds the same mini-batch's gradients as the others when it updates; "
            "stage: each stage clips by its own gradient's norm; auto: global where the method allows it (the "
@@ -149,10 +163,11 @@ OPTIONS: Tuple[Option, ...] = (
            "others (the asynchronous methods, and bidirectional and bitpipe, whose two replicas of each piece a "
            "global norm would count twice)",
            "pipeline", Flag(choices=CLIP_SCOPES, group="optimizer")),
-    Option("precision", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
+    Option("precision", "str", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
            "device; parameters, gradients, optimizer state and prediction stay fp32", "pipeline",
            Flag(choices=PRECISIONS, group="precision and devices")),
-    Option("recompute", False, "activation recomputation (True for every stage, or one bool per stage): a "
+    Option("recompute", "Union[bool, Sequence[bool]]", False,
+           "activation recomputation (True for every stage, or one bool per stage): a "
            "recomputing stage keeps only its input per micro-batch in flight and runs its forward again in "
            "the backward (torch's non-reentrant checkpointing), on the forward's random state and weights, so the losses equal those without it; "
            "where a method's weights change between a forward and its backward without a copy kept "
@@ -165,7 +180,8 @@ OPTIONS: Tuple[Option, ...] = (
                 "weights change between a forward and its backward without a copy kept (async-naive, pipeoptim "
                 "with --backward latest, spectrain, xpipe), it keeps a copy of the forward's weights per "
                 "micro-batch in flight instead")),
-    Option("compile", False, "run each stage's forward through torch.compile (True: the inductor backend, or "
+    Option("compile", "Union[bool, str]", False,
+           "run each stage's forward through torch.compile (True: the inductor backend, or "
            "a backend's name: aot_eager, eager), for every method: the weight version of each pass is a "
            "graph input, so swapping versions recompiles nothing; a mini-batch of another size recompiles "
            "once, with that dimension dynamic after it; metrics['compilations'] counts each stage's graphs. "
@@ -178,7 +194,7 @@ OPTIONS: Tuple[Option, ...] = (
                 "recompiles once, with that dimension dynamic after it; the summary counts each stage's graphs "
                 "(compilations). On the CPU inductor needs a C++ compiler and Python's headers. A compiled "
                 "backward is one graph: zb-h1 and zb-v compute both halves' gradients in the input half")),
-    Option("devices", "auto", "auto (one GPU per stage when there are enough, else the CPU), one device for "
+    Option("devices", "Any", "auto", "auto (one GPU per stage when there are enough, else the CPU), one device for "
            "every stage, or one per stage (pipeline.resolve_devices); inputs go to the first stage's device, "
            "targets to the last's, activations and gradients between the stages' devices",
            "pipeline", Flag(name="--device", metavar="DEV", group="precision and devices", config="device",
@@ -186,21 +202,24 @@ OPTIONS: Tuple[Option, ...] = (
                             "every stage (cpu, cuda, cuda:1), or one per stage separated by commas: cuda:0,cuda:1; "
                             "inputs go to the first stage's device, targets to the last's, activations and "
                             "gradients between the stages' devices")),
-    Option("diagnose_every", 0, "every K-th micro-batch, measure per stage how far the weights its forward "
+    Option("diagnose_every", "int", 0, "every K-th micro-batch, measure per stage how far the weights its forward "
            "used were from those live at its backward, against the stale weights' distance "
            "(metrics['prediction_error']); 0: off", "pipeline",
            Flag("int", metavar="K", group="evaluation during training", only="train", in_config=False,
                 help="every K-th micro-batch, measure per stage how far the weights its forward used were from "
                 "those live at its backward, against the stale weights' distance (the summary's "
                 "prediction_error); 0: off")),
-    Option("timeout", DEFAULT_TIMEOUT, "under torchrun, seconds a stage waits for a peer before the run fails",
+    Option("timeout", "float", DEFAULT_TIMEOUT,
+           "under torchrun, seconds a stage waits for a peer before the run fails",
            "pipeline", Flag("float", group="distributed runtime", only="distributed", in_config=False)),
-    Option("threads", 1, "under torchrun on the CPU, compute threads per stage process (1, so that N "
+    Option("threads", "Optional[int]", 1,
+           "under torchrun on the CPU, compute threads per stage process (1, so that N "
            "processes on N cores do not oversubscribe them); None leaves torch's", "pipeline",
            Flag("int", group="distributed runtime", only="distributed", in_config=False,
                 help="compute threads per stage process on the CPU (1, so that N processes on N cores do not "
                 "oversubscribe them)")),
-    Option("data_parallel", None, "under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D; "
+    Option("data_parallel", "Optional[int]", None,
+           "under torchrun, D replicas of the N-stage pipeline (WORLD_SIZE = N x D; "
            "default: inferred from WORLD_SIZE and the stages); each replica reads its own shard of the data "
            "(a DistributedSampler with num_replicas=pipe.data_parallel_size, rank=pipe.data_parallel_rank) "
            "and each stage averages its gradients over its replicas before every update (buckets sent during "
@@ -212,7 +231,7 @@ OPTIONS: Tuple[Option, ...] = (
                 "is the whole mini-batch's) and each stage averages its gradients over its replicas before "
                 "every update, so weights, optimizer state and predictions stay identical; losses and metrics "
                 "are the means over the replicas")),
-    Option("shard_replicas", False, "under torchrun with D >= 2 replicas, shard each stage over its replicas "
+    Option("shard_replicas", "bool", False, "under torchrun with D >= 2 replicas, shard each stage over its replicas "
            "with torch's FSDP2 (fully_shard on a 2-D DeviceMesh 'pp' x 'dp') instead of replicating it: "
            "parameters, gradients, optimizer state and every weight version the method keeps are held 1/D "
            "per process, each pass gathering the version it needs (torch >= 2.6)", "pipeline",
@@ -220,53 +239,58 @@ OPTIONS: Tuple[Option, ...] = (
                 help="with --data-parallel D >= 2, shard each stage over its replicas with torch's FSDP2 instead "
                 "of replicating it: parameters, gradients, optimizer state and every weight version the method "
                 "keeps are held 1/D per process, each pass gathering the version it needs (torch >= 2.6)")),
-    Option("world", None, "where the stages run: default one stage per process under torchrun, else every "
+    Option("world", "Any", None, "where the stages run: default one stage per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),
     # -- the method's own options -----------------------------------------------------------
-    Option("steps", "exact", "the prediction's step count s: exact (the updates before this mini-batch's "
+    Option("steps", "str", "exact", "the prediction's step count s: exact (the updates before this mini-batch's "
            "backward, min(t, N-1-k)), paper (N-1-k), or code (N-k, as the authors' code)", "method",
            Flag(group="method")),
-    Option("backward", "latest", "the weights of the backward pass: latest (the paper) or predicted (the "
+    Option("backward", "str", "latest", "the weights of the backward pass: latest (the paper) or predicted (the "
            "forward's, stashed)", "method", Flag(group="method")),
-    Option("sgd_momentum", "paper", "with SGD momentum, Delta = m (paper) or mu*m + (1-dampening)*g (the "
+    Option("sgd_momentum", "str", "paper", "with SGD momentum, Delta = m (paper) or mu*m + (1-dampening)*g (the "
            "authors' code)", "method", Flag(group="method")),
-    Option("vertical_sync", False, "every stage uses stage 0's weight version", "method",
+    Option("vertical_sync", "bool", False, "every stage uses stage 0's weight version", "method",
            Flag("switch", group="method")),
-    Option("lr_correction", "none", "delay (PipeMare): stage k with delay tau = N-1-k applies "
+    Option("lr_correction", "str", "none", "delay (PipeMare): stage k with delay tau = N-1-k applies "
            "lr(t) / tau ** (1 - min(t/T, 1)); the prediction uses the corrected lr; no weight copy", "method",
            Flag(group=CORRECTIONS)),
-    Option("lr_correction_steps", None, "T, the updates over which the delay correction anneals to the "
+    Option("lr_correction_steps", "Optional[int]", None,
+           "T, the updates over which the delay correction anneals to the "
            "scheduled lr", "method",
            Flag("int", metavar="T", group=CORRECTIONS, note="default: 30% of the run's updates")),
-    Option("horizon", "constant", "scheduled: the prediction spans the scheduler's lrs of the next s updates, "
+    Option("horizon", "str", "constant", "scheduled: the prediction spans the scheduler's lrs of the next s updates, "
            "not s * lr(t) (equal under a constant lr); no weight copy", "method", Flag(group=CORRECTIONS)),
-    Option("delta", "optimizer", "ema: Delta is the moving average of the updates applied, per unit lr (sees "
+    Option("delta", "str", "optimizer", "ema: Delta is the moving average of the updates applied, per unit lr (sees "
            "weight decay, clipping, schedules; any optimizer); one more weight copy per stage", "method",
            Flag(group=CORRECTIONS)),
-    Option("ema_decay", None, "the decay of delta=ema (default 0.9)", "method",
+    Option("ema_decay", "Optional[float]", None, "the decay of delta=ema (default 0.9)", "method",
            Flag("float", metavar="G", group=CORRECTIONS, help="the decay of --delta ema (default 0.9)")),
-    Option("prediction_warmup", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
+    Option("prediction_warmup", "int", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
            "updates", "method", Flag("int", metavar="T", group=CORRECTIONS)),
-    Option("error_feedback", False, "the methods with a one-update delay (2BW's schedule): each update's "
+    Option("error_feedback", "bool", False, "the methods with a one-update delay (2BW's schedule): each update's "
            "error against the one before, u_t - u_(t-1) (u = the step the optimizer applied), is added to the "
            "weights with it, for any optimizer; one weight-sized buffer and a scratch copy per stage",
            "method", Flag("switch", group=CORRECTIONS)),
-    Option("sync_warmup", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
+    Option("sync_warmup", "int", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------
-    Option("epochs", 1, "passes over the loader (iterated once per epoch; len() is used when it exists)",
+    Option("epochs", "int", 1, "passes over the loader (iterated once per epoch; len() is used when it exists)",
            "fit", Flag("int", group="task and data", default=NOT_GIVEN,
                        help="passes over the training data (default: the task's recipe)")),
-    Option("eval_loader", None, "after each epoch (and every eval_every), evaluate() on this loader with "
+    Option("eval_loader", "Optional[Iterable[Any]]", None,
+           "after each epoch (and every eval_every), evaluate() on this loader with "
            "metric; the value is the epoch's metric", "fit", api_only="an iterable; the command line "
            "evaluates the task's test (or --holdout validation) split"),
-    Option("metric", None, "metric(output, target): a mini-batch's value (a mean over it) for eval_loader; "
+    Option("metric", "Optional[Callable[..., Any]]", None,
+           "metric(output, target): a mini-batch's value (a mean over it) for eval_loader; "
            "default: the loss", "fit", api_only="a function; the task's"),
-    Option("evaluate", None, "evaluate(model) -> float after each epoch instead of eval_loader: a function "
+    Option("evaluate", "Optional[Callable[..., Any]]", None,
+           "evaluate(model) -> float after each epoch instead of eval_loader: a function "
            "written for a model on one device (under torchrun the model gathered on each replica's first "
            "stage)", "fit", api_only="a function; the task's"),
-    Option("eval_every", None, "also drain and evaluate every K mini-batches of an epoch, for curves of the "
+    Option("eval_every", "Optional[int]", None,
+           "also drain and evaluate every K mini-batches of an epoch, for curves of the "
            "metric against updates and time (metrics['evaluations']: epoch, batch, updates, metric, "
            "seconds); synchronous methods train the same whatever K, asynchronous ones restart their "
            "warm-up after each drain, so their results depend on K; not with continuous", "fit",
@@ -275,7 +299,8 @@ OPTIONS: Tuple[Option, ...] = (
                 "updates and time (the run folder's evaluations); synchronous methods train the same whatever K, "
                 "asynchronous ones restart their warm-up after each drain, so their results depend on K; not "
                 "with --continuous")),
-    Option("eval_in_bubbles", False, "run each eval_every evaluation of eval_loader in the idle time (bubbles) "
+    Option("eval_in_bubbles", "bool", False,
+           "run each eval_every evaluation of eval_loader in the idle time (bubbles) "
            "of the next mini-batch instead of after the drain: each stage's eval-mode forward of every "
            "evaluation mini-batch is placed by list scheduling before that stage's next update, on the weights "
            "the drained evaluation would use, so the metric is the same to the bit "
@@ -290,15 +315,20 @@ OPTIONS: Tuple[Option, ...] = (
                        "update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, "
                        "sequential), one replica; the epoch-end evaluations, and one where a checkpoint is "
                        "written, stay drained")),
-    Option("on_batch", None, "on_batch(index, loss) as each mini-batch's loss completes", "fit",
+    Option("on_batch", "Optional[Callable[..., Any]]", None,
+           "on_batch(index, loss) as each mini-batch's loss completes", "fit",
            api_only="a function"),
-    Option("on_epoch", None, "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
-    Option("on_eval", None, "on_eval(entry) after each evaluation", "fit", api_only="a function"),
-    Option("checkpoint_dir", None, "drain and write a checkpoint there (torch's distributed checkpoint, keyed by "
+    Option("on_epoch", "Optional[Callable[..., Any]]", None,
+           "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
+    Option("on_eval", "Optional[Callable[..., Any]]", None,
+           "on_eval(entry) after each evaluation", "fit", api_only="a function"),
+    Option("checkpoint_dir", "Optional[Union[str, os.PathLike]]", None,
+           "drain and write a checkpoint there (torch's distributed checkpoint, keyed by "
            "the model's parameter names; it loads into any layout of the same model) every checkpoint_every "
            "mini-batches and at each epoch's end", "fit",
            api_only="the command line checkpoints into its run folder (--out)"),
-    Option("async_checkpoint", False, "write each checkpoint in the background (torch's dcp.async_save): training "
+    Option("async_checkpoint", "bool", False,
+           "write each checkpoint in the background (torch's dcp.async_save): training "
            "goes on once the state is copied in memory, and the checkpoint becomes the latest when its files "
            "are complete (at the next checkpoint, or at the end of fit; a run that dies first resumes from "
            "the one before)", "fit",
@@ -307,17 +337,18 @@ OPTIONS: Tuple[Option, ...] = (
                 "the state is copied in memory, and the checkpoint becomes the latest when its files are "
                 "complete (at the next checkpoint, or at the end of the run; a run that dies first resumes "
                 "from the one before)")),
-    Option("checkpoint_every", None, "drain and checkpoint every K mini-batches of an epoch (and always at "
+    Option("checkpoint_every", "Optional[int]", None,
+           "drain and checkpoint every K mini-batches of an epoch (and always at "
            "each epoch's end)", "fit",
            Flag("int", metavar="K", group="output", only="train")),
-    Option("resume", False, "continue from the newest checkpoint in checkpoint_dir, to the losses of an "
+    Option("resume", "bool", False, "continue from the newest checkpoint in checkpoint_dir, to the losses of an "
            "uninterrupted run (the same checkpoint_every and eval_every; the loader gives the same "
            "mini-batches: a list, or a DataLoader that shuffles with torch's global generator)", "fit",
            Flag("path", name="--resume", metavar="RUN_DIR", group="output", only="train", default=NOT_GIVEN,
                 in_config=False,
                 help="continue the run in RUN_DIR, with its settings, from its newest checkpoint, to the losses "
                 "of an uninterrupted run")),
-    Option("continuous", False, "every epoch in one schedule, no drain between epochs (asynchronous "
+    Option("continuous", "bool", False, "every epoch in one schedule, no drain between epochs (asynchronous "
            "methods; evaluation only at the end)", "fit", Flag("switch")),
 )
 

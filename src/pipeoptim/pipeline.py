@@ -14,24 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
 
 from .batches import BatchForm
 from .errors import NonFiniteLoss
-from .fit import Batch, FitRun, FitSettings, Metric, TrainResult
+from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
+from .fit import Batch, FitRun, Metric, TrainResult
 from .methods import clip_scope_for, get_method
 from .options import describe, of_scope
-from .prepare import (CLIP_SCOPES, ModelSettings, build_model_stages, check_model_settings, check_settings,
-                      first_inputs, needs_example)
+from .prepare import (CLIP_SCOPES, build_model_stages, check_model_settings, check_settings, first_inputs,
+                      needs_example)
 from .runtime import named_state
-from .runtime.build import OptimizerFactory, SchedulerFactory, recompute_per_stage
-from .runtime.compiled import backend_of
-from .runtime.defaults import DEFAULT_METHOD, DEFAULT_TIMEOUT
+from .runtime.build import recompute_per_stage
 from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
@@ -39,7 +38,7 @@ from .runtime.spec import RunSpec
 from .runtime.stage import Stage
 from .state_names import StateNames
 from .torchrun import Torchrun
-from .world import DeviceSpec, LocalWorld, OnStageDevices, World, resolve_devices
+from .world import LocalWorld, OnStageDevices, World, resolve_devices
 
 __all__ = ["Pipeline", "TrainResult", "OnStageDevices", "resolve_devices", "Batch", "Metric", "CLIP_SCOPES"]
 
@@ -67,41 +66,32 @@ class Pipeline:
     ``stages`` defaults to the number of processes.
     """
 
-    def __init__(self, model: nn.Module, *, method: str = DEFAULT_METHOD,
-                 loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
-                 optimizer: OptimizerFactory,
-                 stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
-                 partitioner: str = "uniform", micro_batches: Optional[int] = None,
-                 lr_scheduler: Optional[SchedulerFactory] = None,
-                 clip_grad_norm: Optional[float] = None, clip_scope: str = "auto",
-                 precision: str = "fp32", recompute: Union[bool, Sequence[bool]] = False,
-                 devices: DeviceSpec = "auto", diagnose_every: int = 0, timeout: float = DEFAULT_TIMEOUT, threads: Optional[int] = 1,
-                 data_parallel: Optional[int] = None, shard_replicas: bool = False,
-                 world: Optional[World] = None,
-                 split_points: Optional[Sequence[str]] = None, example_input: Any = None,
-                 chunks: Optional[int] = None, compile: Union[bool, str] = False,
-                 **method_options: Any) -> None:
+    def __init__(self, model: nn.Module, **options: Any) -> None:
+        missing_required(("pipeline",), options, "Pipeline()")
+        self._build(model, PipelineConfig.of(**options))
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: PipelineConfig) -> "Pipeline":
+        """The Pipeline of ``model`` with the options ``config`` holds (:mod:`pipeoptim.config`),
+        as ``Pipeline(model, **config.keywords())`` builds it."""
+        pipe = cls.__new__(cls)
+        pipe._build(model, config)
+        return pipe
+
+    def _build(self, model: nn.Module, config: PipelineConfig) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
                              f"forward torch.export can trace), got {type(model).__name__}")
-        self.method = get_method(method)
-        check_settings(self.method, loss_fn, optimizer, lr_scheduler, precision, clip_grad_norm, clip_scope,
-                       diagnose_every)
-        clip_scope = clip_scope_for(self.method, clip_scope)  #: "auto" resolved: global or stage
-        self.world: World = world if world is not None else (Torchrun.join(devices, timeout, threads)
-                                                             or LocalWorld())
-        self.precision = precision
-        self._form = BatchForm(model_loss=loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
+        self.config = config  #: every option, as given (pipeoptim.config.PipelineConfig)
+        self.method = get_method(config.method)
+        check_settings(self.method, config)
+        clip_scope = clip_scope_for(self.method, config.clip_scope)  #: "auto" resolved: global or stage
+        self.world: World = config.world if config.world is not None else (
+            Torchrun.join(config.devices, config.timeout, config.threads) or LocalWorld())
+        self._form = BatchForm(model_loss=config.loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
         self._model = copy.deepcopy(model)
         self._model.train()
-        self._settings = ModelSettings(
-            method=method, stages=stages, partition=partition, split_points=split_points, partitioner=partitioner,
-            micro_batches=micro_batches, method_options=method_options, data_parallel=data_parallel,
-            shard_replicas=shard_replicas,
-            devices=devices, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            clip_grad_norm=clip_grad_norm if clip_scope == "stage" else None, precision=precision,
-            diagnose_every=diagnose_every, recompute=recompute, chunks=chunks, compile=backend_of(compile))
-        check_model_settings(self.world, model, self.method, self._settings)
+        check_model_settings(self.world, model, self.method, config)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
@@ -112,7 +102,7 @@ class Pipeline:
         self.recompute: List[bool] = []
         #: the pipeline rank of each stage (Method.stage_ranks: s mod N, or a V for zb-v)
         self.placement: List[int] = []
-        self.clip_global = clip_grad_norm if clip_scope == "global" else None
+        self.clip_global = config.clip_grad_norm if clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
         self.samples_done = 0
@@ -123,8 +113,8 @@ class Pipeline:
         self.state_names: Optional[StateNames] = None
         self._on_batch: Optional[Callable[[int, float], None]] = None
         self._label: Callable[[int], str] = lambda index: f"mini-batch {index}"
-        if example_input is not None or not needs_example(model, partitioner):
-            self.prepare(None if example_input is None else self._form.example_input(example_input))
+        if config.example_input is not None or not needs_example(model, config.partitioner):
+            self.prepare(None if config.example_input is None else self._form.example_input(config.example_input))
 
     @property
     def prepared(self) -> bool:
@@ -138,11 +128,11 @@ class Pipeline:
         itself, at construction or on its first mini-batch; nothing happens if already done."""
         if self.prepared:
             return
-        built = build_model_stages(self.world, self._model, example_input, self.method, self._settings)
+        built = build_model_stages(self.world, self._model, example_input, self.method, self.config)
         self.spec, self.stages, self.devices, self.split_points, self._eval_mode, self.placement = built
         if self.split_points is not None:  # a traced model: its stages name a tied weight once
             self.state_names = StateNames(self._model)
-        self.recompute = recompute_per_stage(self._settings.recompute, self.spec.stages)
+        self.recompute = recompute_per_stage(self.config.recompute, self.spec.stages)
 
     # -- driving by hand ----------------------------------------------------------------------
     @property
@@ -261,8 +251,8 @@ class Pipeline:
         return self.world.replicas if self.stages else self._layout().replicas
 
     def _layout(self) -> Any:
-        s = self._settings
-        return self.world.layout(self.method, s.stages, s.partition, s.chunks, s.data_parallel)
+        c = self.config
+        return self.world.layout(self.method, c.stages, c.partition, c.chunks, c.data_parallel)
 
     @property
     def drained(self) -> bool:
@@ -424,16 +414,7 @@ class Pipeline:
                              f"checkpoint of the shards (pipe.model().state_dict() gives the weights)")
 
     # -- training loop ------------------------------------------------------------------------
-    def fit(self, loader: Iterable[Batch], epochs: int = 1, *,
-            eval_loader: Optional[Iterable[Batch]] = None, metric: Optional[Metric] = None,
-            evaluate: Optional[Callable[[nn.Sequential], float]] = None,
-            eval_every: Optional[int] = None,
-            on_batch: Optional[Callable[[int, float], None]] = None,
-            on_epoch: Optional[Callable[[int, Dict[str, Any]], None]] = None,
-            on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
-            checkpoint_dir: Optional[Union[str, Path]] = None, checkpoint_every: Optional[int] = None,
-            async_checkpoint: bool = False, resume: bool = False, continuous: bool = False,
-            eval_in_bubbles: bool = False) -> TrainResult:
+    def fit(self, loader: Iterable[Batch], epochs: int = 1, **options: Any) -> TrainResult:
         """Train for ``epochs`` passes over ``loader`` (any iterable of ``(inputs, target)`` or of
         dict batches, see ``loss_fn``), iterated once per epoch; ``len()`` is used when it exists,
         not required. Returns the :class:`TrainResult` (its ``model``: the trained model, gathered
@@ -451,21 +432,27 @@ class Pipeline:
         far (each stage's weight version), the value, and the training time so far (fit's time
         less evaluations and checkpoint writes).
         """
-        if epochs < 1:
-            raise ValueError(f"epochs must be at least 1, got {epochs}")
-        if eval_loader is not None and evaluate is not None:
+        config = FitConfig.of(epochs=epochs, **options)
+        if config.epochs < 1:
+            raise ValueError(f"epochs must be at least 1, got {config.epochs}")
+        if config.eval_loader is not None and config.evaluate is not None:
             raise ValueError("give evaluate=fn(model) or eval_loader (with metric), not both")
-        if eval_every is not None and evaluate is None and eval_loader is None:
+        if config.eval_every is not None and config.evaluate is None and config.eval_loader is None:
             raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
                              "eval_loader (with metric)")
         if not self.prepared:
             self.prepare(first_inputs(loader, self._form))
         self._require_drained("fit")
-        settings = FitSettings(epochs, eval_loader, metric, evaluate, eval_every, on_batch, on_epoch, on_eval,
-                               Path(checkpoint_dir) if checkpoint_dir is not None else None,
-                               checkpoint_every, resume, continuous, async_checkpoint, eval_in_bubbles)
-        return FitRun(self, loader, settings).run()
+        return FitRun(self, loader, config).run()
 
 
 Pipeline.__doc__ = Pipeline.__doc__.replace("{options}", describe(of_scope("pipeline", "method"))[8:])
 Pipeline.fit.__doc__ = Pipeline.fit.__doc__.replace("{options}", describe(of_scope("fit"))[8:])
+_P = inspect.Parameter  # the signatures help() and IDEs show: every option of the table, as it defines it
+Pipeline.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("model", _P.POSITIONAL_OR_KEYWORD, annotation="nn.Module"),
+     *keyword_parameters("pipeline"), _P("method_options", _P.VAR_KEYWORD)], return_annotation=None)
+Pipeline.fit.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("loader", _P.POSITIONAL_OR_KEYWORD, annotation="Iterable[Batch]"),
+     _P("epochs", _P.POSITIONAL_OR_KEYWORD, default=1, annotation="int"), *keyword_parameters("fit", skip=("epochs",))],
+    return_annotation="TrainResult")

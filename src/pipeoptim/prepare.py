@@ -13,7 +13,7 @@ import contextlib
 import difflib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,14 +23,15 @@ from .graph_split import TracedModel, trace
 from .methods import Method, clip_scope_for, get_method
 from .partition import plan_time_partition
 from .profile import profile_model
-from .runtime.build import OptimizerFactory, SchedulerFactory, build_stages, recompute_per_stage, split_for
-from .runtime.compiled import missing_toolchain
+from .config import PipelineConfig
+from .runtime.build import build_stages, recompute_per_stage, split_for
+from .runtime.compiled import backend_of, missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import chunks_of
 from .runtime.sharding import fsdp_available
 from .runtime.spec import RunSpec, resolve
 from .runtime.stage import Stage
-from .world import DeviceSpec, World
+from .world import World
 
 PARTITIONERS = ("uniform", "params", "time")
 
@@ -48,10 +49,12 @@ class PreparedModel:
     traced: Optional[TracedModel] = None       #: the trace (None for an nn.Sequential)
 
 
-def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: Any, precision: str,
-                   clip_grad_norm: Optional[float], clip_scope: str, diagnose_every: int) -> None:
+def check_settings(method: Method, config: PipelineConfig) -> None:
     """Refuse a Pipeline's settings that cannot work, before anything is built (each a ValueError
     naming the fix)."""
+    loss_fn, optimizer, lr_scheduler = config.loss_fn, config.optimizer, config.lr_scheduler
+    precision, clip_grad_norm, clip_scope = config.precision, config.clip_grad_norm, config.clip_scope
+    diagnose_every = config.diagnose_every
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model "
                          "that computes its own loss from batch['labels']")
@@ -78,19 +81,20 @@ def check_settings(method: Method, loss_fn: Any, optimizer: Any, lr_scheduler: A
                          f"{method.name} updates each stage at its own time: use clip_scope='stage'")
 
 
-def check_model_settings(world: World, model: nn.Module, method: Method, settings: "ModelSettings") -> None:
+def check_model_settings(world: World, model: nn.Module, method: Method, settings: PipelineConfig) -> None:
     """Refuse, when the Pipeline is built, the model settings that need no trace to be found
     wrong (the layout the world cannot hold, and :func:`check_split`), so that the error comes
     before the loader and the processes start, not at the first mini-batch."""
+    backend_of(settings.compile)
     layout = world.layout(method, settings.stages, settings.partition, settings.chunks, settings.data_parallel)
     if settings.shard_replicas:
         check_sharding(world, layout, settings)
-    if settings.compile is not None:
+    if backend_of(settings.compile) is not None:
         check_compile(settings)
     check_split(model, method, settings.stages, settings.partition, settings.split_points, settings.chunks)
 
 
-def check_sharding(world: World, layout: Any, settings: "ModelSettings") -> None:
+def check_sharding(world: World, layout: Any, settings: PipelineConfig) -> None:
     """``shard_replicas``: what the job must be for it (each a ValueError naming the fix)."""
     if not isinstance(settings.shard_replicas, bool):
         raise ValueError(f"shard_replicas must be True or False, got {settings.shard_replicas!r}")
@@ -107,7 +111,7 @@ def check_sharding(world: World, layout: Any, settings: "ModelSettings") -> None
                          f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
 
 
-def check_compile(settings: "ModelSettings") -> None:
+def check_compile(settings: PipelineConfig) -> None:
     """``compile`` beside the other settings (a ValueError naming the fix, in one line); the
     toolchain it needs is checked on the stages' devices, once they are placed
     (:func:`build_model_stages`)."""
@@ -258,34 +262,7 @@ def first_inputs(loader: Iterable, form: BatchForm) -> Any:
     raise ValueError("the loader yielded no mini-batches")
 
 
-@dataclass
-class ModelSettings:
-    """The Pipeline's options that splitting the model and building its stages read, by the
-    names of :mod:`pipeoptim.options` (which defines each once; ``tests/test_options.py`` holds
-    these fields to it), and the method's own options."""
-
-    method: str
-    stages: Optional[int]
-    partition: Optional[Sequence[int]]
-    split_points: Optional[Sequence[str]]
-    partitioner: Optional[str]
-    micro_batches: Optional[int]
-    method_options: Dict[str, Any]
-    data_parallel: Optional[int]
-    shard_replicas: bool
-    devices: DeviceSpec
-    loss_fn: Callable
-    optimizer: OptimizerFactory
-    lr_scheduler: Optional[SchedulerFactory]
-    clip_grad_norm: Optional[float]    #: per-stage clipping (None: none, or global clipping)
-    precision: str
-    diagnose_every: int
-    recompute: Union[bool, Sequence[bool]]
-    chunks: Optional[int]
-    compile: Optional[str] = None   #: the torch.compile backend of every stage (None: eager)
-
-
-def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: ModelSettings
+def build_model_stages(world: World, model: nn.Module, example: Any, method: Method, settings: PipelineConfig
                        ) -> Tuple[RunSpec, List[Stage], List[torch.device], Optional[List[str]], "EvalMode",
                                   List[int]]:
     """Split ``model`` (the Pipeline's copy), build the stages this process holds on their
@@ -306,21 +283,23 @@ def build_model_stages(world: World, model: nn.Module, example: Any, method: Met
     if settings.partitioner == "time" and chose and world.rank == 0:  # a cut the profile chose, not the user
         say_cut(model, prepared)
     devices = world.place(settings.devices, spec.stages)
-    problem = missing_toolchain(settings.compile, tuple(sorted({d.type for d in devices})))
+    backend = backend_of(settings.compile)
+    problem = missing_toolchain(backend, tuple(sorted({d.type for d in devices})))
     if problem:
         raise ValueError(problem)
     check_tie_devices(prepared, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
     rank = world.own_rank(spec.ranks)
     only = None if rank is None else [k for k, r in enumerate(placement) if r == rank]
+    per_stage = clip_scope_for(method, settings.clip_scope) == "stage"
     stages = build_stages(model, spec.partition, method, spec.options, settings.optimizer,
-                          settings.loss_fn or model_loss,
-                          lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm,
+                          settings.loss_fn or model_loss, config=settings,
+                          lr_scheduler=settings.lr_scheduler, clip_grad_norm=settings.clip_grad_norm if per_stage else None,
                           precision=settings.precision, devices=devices, only=only,
                           parts=prepared.parts, ties=prepared.ties,
                           recompute=recompute_per_stage(settings.recompute, spec.stages),
                           shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
-                          if settings.shard_replicas else None, compile=settings.compile)
+                          if settings.shard_replicas else None, compile=backend)
     world.connect(stages, replicas, placement=placement)
     for stage in stages:
         stage.probes.every = settings.diagnose_every

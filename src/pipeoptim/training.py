@@ -19,7 +19,8 @@ from typing import Any, Iterable
 from torch import nn
 
 from .errors import NonFiniteLoss
-from .options import REQUIRED, describe, of_scope
+from .config import PipelineConfig, keyword_parameters, missing_required
+from .options import describe, of_scope
 from .pipeline import Batch, Pipeline, TrainResult
 from .runtime.defaults import DEFAULT_METHOD
 
@@ -41,25 +42,21 @@ def train(model: nn.Module, batches: Iterable[Batch], *, method: str = DEFAULT_M
     if runtime != "local":
         raise ValueError(f"runtime {runtime!r} is started from the command line "
                          f"(pipeoptim train --runtime distributed); the Python API runs 'local'")
-    fit_options = {k: v for k, v in options.items() if k in _FIT}
-    pipe = Pipeline(model, method=method, **{k: v for k, v in options.items() if k not in _FIT})
-    return pipe.fit(batches, **fit_options)
+    pipeline_options = {k: v for k, v in options.items() if k not in _FIT}
+    missing_required(("pipeline",), pipeline_options, "train()")
+    pipe = Pipeline.from_config(model, PipelineConfig.of(method=method, **pipeline_options))
+    return pipe.fit(batches, **{k: v for k, v in options.items() if k in _FIT})
 
 
 def _signature() -> inspect.Signature:
     """train's signature as ``help()`` and IDEs that read ``__signature__`` show it: every
-    option of the tables, keyword-only, with its default."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=nn.Module),
-              inspect.Parameter("batches", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("method", keyword, default=DEFAULT_METHOD, annotation=str)]
-    for option in of_scope("pipeline", "fit"):
-        if option.name != "method":
-            default = inspect.Parameter.empty if option.default is REQUIRED else option.default
-            params.append(inspect.Parameter(option.name, keyword, default=default))
-    params.append(inspect.Parameter("runtime", keyword, default="local", annotation=str))
-    params.append(inspect.Parameter("method_options", inspect.Parameter.VAR_KEYWORD))
-    return inspect.Signature(params, return_annotation=TrainResult)
+    option of the tables, keyword-only, with its type and default."""
+    P = inspect.Parameter
+    return inspect.Signature([P("model", P.POSITIONAL_OR_KEYWORD, annotation=nn.Module),
+                              P("batches", P.POSITIONAL_OR_KEYWORD),
+                              *keyword_parameters("pipeline", "fit"),
+                              P("runtime", P.KEYWORD_ONLY, default="local", annotation=str),
+                              P("method_options", P.VAR_KEYWORD)], return_annotation=TrainResult)
 
 
 train.__signature__ = _signature()  # type: ignore[attr-defined]

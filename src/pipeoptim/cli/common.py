@@ -72,36 +72,28 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
 
 
 def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> RunConfig:
-    """The RunConfig of ``method`` from the parsed options (see :func:`method_options`), every
-    setting the command line leaves out taken from the task's recipe (pipeoptim.lab.tasks.recipes),
-    the peak lr from the study's tuning for ``method`` where there is one (``lr_source`` says)."""
-    from ..lab.config import RunConfig
+    """The RunConfig of ``method`` from the parsed options (see :func:`method_options`): every
+    option the record holds, read by its name; a setting the command line leaves out taken from
+    the task's recipe (pipeoptim.lab.tasks.recipes), the peak lr from the study's tuning for
+    ``method`` where there is one (``lr_source`` says). Then the command line's own rules: the
+    stages (--partition's, else 4), clipping and its scope, --continuous for a synchronous method."""
+    from ..lab.config import LAB_OPTIONS, RECORDED, RunConfig, record_name
     from ..lab.tasks.recipes import default_lr, recipe
 
     base = recipe(args.task)
-    optimizer = args.optimizer or base.optimizer
-    lr, lr_source = (args.lr, "--lr") if args.lr is not None else default_lr(args.task, optimizer, method)
+    given = {record_name(o): getattr(args, record_name(o)) for o in (*LAB_OPTIONS, *RECORDED)
+             if o.scope != "cli" and o.flag.in_config and hasattr(args, record_name(o))}
+    for key, value in base.as_dict().items():  # the recipe's, where no flag says
+        if given.get(key, 0) is None and key not in ("lr", "clip_grad"):
+            given[key] = value
+    lr, lr_source = (args.lr, "--lr") if args.lr is not None else default_lr(args.task, given["optimizer"], method)
     clip = base.clip_grad if args.clip_grad is None else None if args.clip_grad == NO_CLIPPING else args.clip_grad
-    options = method_options(args, method, strict)
-    continuous = args.continuous and not get_method(method).synchronous
     chunks = getattr(args, "chunks", None)
-    return RunConfig(task=args.task, model=args.model or base.model, method=method,
-                     stages=stages_of(args, chunks or get_method(method).chunks), chunks=chunks,
-                     micro_batches=args.micro_batches, partition=args.partition, partitioner=args.partitioner,
-                     optimizer=optimizer, lr=lr, lr_source=lr_source, weight_decay=args.weight_decay,
-                     momentum=args.momentum, beta1=args.beta1, adamw_lr=args.adamw_lr,
-                     epochs=args.epochs or base.epochs,
-                     batch_size=args.batch_size or base.batch_size, limit=args.limit, seed=args.seed,
-                     continuous=continuous, method_options=options,
-                     lr_schedule=args.lr_schedule or base.lr_schedule, warmup_steps=args.warmup_steps,
-                     clip_grad=clip, clip_scope=clip_scope_of(args, method, strict, clip),
-                     precision=args.precision, recompute=args.recompute, compile=args.compile, device=args.device,
-                     data_parallel=getattr(args, "data_parallel", None),
-                     shard_replicas=getattr(args, "shard_replicas", False),
-                     async_checkpoint=getattr(args, "async_checkpoint", False),
-                     eval_every=args.eval_every,
-                     eval_in_bubbles=getattr(args, "eval_in_bubbles", False),
-                     holdout=args.holdout)
+    return RunConfig(**{**given, "method": method, "lr": lr, "lr_source": lr_source, "clip_grad": clip,
+                        "clip_scope": clip_scope_of(args, method, strict, clip),
+                        "stages": stages_of(args, chunks or get_method(method).chunks),
+                        "continuous": bool(given.get("continuous")) and not get_method(method).synchronous,
+                        "method_options": method_options(args, method, strict)})
 
 
 def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Optional[float]) -> str:

@@ -70,13 +70,14 @@ def run(args: argparse.Namespace) -> int:
     first = configs[0].resolved(task)
     data = load_data(task, first)
     lrs = "lr " + (f"{first.lr:g}" if args.lr is not None else "per method (" + ", ".join(
-        f"{c.method} {c.lr if c.lr is not None else 'the task default'}" for c in configs) + ")")
+        f"{c.pipeline.method} {c.lr if c.lr is not None else 'the task default'}" for c in configs) + ")")
     log(f"{args.task}: {len(data.train)} mini-batches of {first.batch_size} per epoch, model {first.model}, "
-        f"{first.stages} stages, {first.optimizer} {lrs}, {first.lr_schedule}, {first.epochs} epochs")
+        f"{first.pipeline.stages} stages, {first.optimizer_name} {lrs}, {first.lr_schedule}, "
+        f"{first.fit.epochs} epochs")
     warm_up(task, first, data)
     rows = []
     for cfg in configs:
-        rows.append(run_experiment(cfg, out_dir=out / cfg.method, show_progress=not args.no_progress,
+        rows.append(run_experiment(cfg, out_dir=out / cfg.pipeline.method, show_progress=not args.no_progress,
                                    log=log, task=task, data=data))
     plot = plot_runs({r["method"]: {"losses": r["losses"], "epochs": r["epochs_detail"]} for r in rows},
                      out / "compare.png", metric=task.metric, higher_is_better=task.higher_is_better,

@@ -86,12 +86,11 @@ def run(args: argparse.Namespace) -> int:
                                      log=log_for(args), resume=True, diagnose_every=args.diagnose_every)
         return report(args, summary, args.resume)
     cfg = run_config(args, args.method)
-    cfg.checkpoint_every = args.checkpoint_every
     if args.runtime == "distributed":
         from ..lab.launcher import run_distributed_train
 
         return run_distributed_train(args, cfg, lambda label: output_dir(args, label))
-    out = output_dir(args, f"{args.method}-N{cfg.stages}")
+    out = output_dir(args, f"{args.method}-N{cfg.pipeline.stages}")
     with _interrupts_name_the_checkpoint(out):
         summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=log_for(args),
                                  diagnose_every=args.diagnose_every)

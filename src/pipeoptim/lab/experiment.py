@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -57,12 +56,13 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
     the run's length (:func:`fill_run_defaults`); a model that is not an ``nn.Sequential`` is
     traced on the first mini-batch and split as the Pipeline will split it (:func:`traced_spec`)."""
     fill_run_defaults(cfg, batches)
-    for inputs, _ in batches if cfg.data_parallel else ():
-        check_shards(samples_in(inputs), cfg.data_parallel)
+    config = cfg.pipeline
+    for inputs, _ in batches if config.data_parallel else ():
+        check_shards(samples_in(inputs), config.data_parallel)
     if isinstance(model, torch.nn.Sequential):
-        spec = resolve(model, method=cfg.method, stages=cfg.stages, partition=cfg.partition,
-                       partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
-                       method_options=cfg.method_options, chunks=cfg.chunks)
+        spec = resolve(model, method=config.method, stages=config.stages, partition=config.partition,
+                       partitioner=config.partitioner, micro_batches=config.micro_batches,
+                       method_options=config.method_options, chunks=config.chunks)
     else:
         spec = traced_spec(cfg, model, batches)
     check_spec(cfg, spec, batches)
@@ -71,26 +71,28 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
 def fill_run_defaults(cfg: RunConfig, batches: List[Any]) -> None:
     """The defaults that depend on the run's length (``lr_correction_steps``), filled in ``cfg``;
     the run's length checked (at least one epoch, one mini-batch)."""
-    if cfg.epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {cfg.epochs}")
+    if cfg.fit.epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {cfg.fit.epochs}")
     if not batches:
         raise ValueError("no mini-batches to train on")
-    options = cfg.method_options
+    options = cfg.pipeline.method_options
     if options.get("lr_correction") == "delay" and options.get("lr_correction_steps") is None:
-        updates = len(batches) * cfg.epochs
-        cfg.method_options = {**options, "lr_correction_steps": max(1, round(DEFAULT_LR_CORRECTION_SHARE * updates))}
+        steps = max(1, round(DEFAULT_LR_CORRECTION_SHARE * len(batches) * cfg.fit.epochs))
+        cfg.pipeline = cfg.pipeline.replace(method_options={**options, "lr_correction_steps": steps})
 
 
 def check_spec(cfg: RunConfig, spec: RunSpec, batches: List[Any]) -> None:
     """What the resolved run ``spec`` must still fit: the checkpoint and evaluation intervals,
     every mini-batch splitting into the micro-batches, the lr schedule, the devices, clipping."""
-    checkpoint_settings(spec, len(batches), cfg.checkpoint_every, cfg.continuous, cfg.eval_every)
+    run = cfg.fit
+    checkpoint_settings(spec, len(batches), run.checkpoint_every, run.continuous, run.eval_every)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
-    make_lr_schedule(cfg.lr_schedule, len(batches) * cfg.epochs, cfg.warmup_steps)
-    resolve_devices(cfg.devices(), spec.stages)
-    if cfg.clip_grad is not None and not cfg.clip_grad > 0:
-        raise ValueError(f"--clip-grad must be a positive max norm, got {cfg.clip_grad}")
+    make_lr_schedule(cfg.lr_schedule, len(batches) * run.epochs, cfg.warmup_steps)
+    resolve_devices(cfg.pipeline.devices, spec.stages)
+    clip = cfg.pipeline.clip_grad_norm
+    if clip is not None and not clip > 0:
+        raise ValueError(f"--clip-grad must be a positive max norm, got {clip}")
 
 
 def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> RunSpec:
@@ -99,10 +101,12 @@ def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> R
     units, as the Pipeline will; what the split refuses (more stages than candidate points, a
     chunked method, a weight tied across stages with a method that cannot keep it tied) is
     refused here, before anything is written. Torch's random state is left as it was."""
+    config = cfg.pipeline
     with torch.random.fork_rng(devices=[]):
-        return prepare(model, batches[0][0], method=cfg.method, stages=cfg.stages, partition=cfg.partition,
-                       split_points=None, partitioner=cfg.partitioner, micro_batches=cfg.micro_batches,
-                       method_options=cfg.method_options, chunks=cfg.chunks).spec
+        return prepare(model, batches[0][0], method=config.method, stages=config.stages,
+                       partition=config.partition, split_points=None, partitioner=config.partitioner,
+                       micro_batches=config.micro_batches, method_options=config.method_options,
+                       chunks=config.chunks).spec
 
 
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
@@ -159,17 +163,16 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
     model = task.build_model(cfg.model, data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout and other randomness during training
     fill_run_defaults(cfg, data.train)
-    updates = len(data.train) * cfg.epochs
-    pipe = Pipeline(model, method=cfg.method, loss_fn=task.loss,
-                    optimizer=make_optimizer(cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, cfg.beta1,
-                                             cfg.adamw_lr),
-                    stages=cfg.stages, partition=cfg.partition, partitioner=cfg.partitioner,
-                    micro_batches=cfg.micro_batches,
-                    lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
-                    clip_grad_norm=cfg.clip_grad, clip_scope=cfg.clip_scope, precision=cfg.precision,
-                    recompute=cfg.recompute, devices=devices if devices is not None else cfg.devices(), diagnose_every=diagnose_every,
-                    timeout=timeout, threads=threads, chunks=cfg.chunks, data_parallel=cfg.data_parallel,
-                    shard_replicas=cfg.shard_replicas, compile=cfg.compile or False, **cfg.method_options)
+    updates = len(data.train) * cfg.fit.epochs
+    # the run's options whole, with what the lab builds from its own (the task's loss, the
+    # optimizer and schedule by name) and what the stage processes set apart
+    config = cfg.pipeline.replace(
+        loss_fn=task.loss, optimizer=make_optimizer(cfg.optimizer_name, cfg.lr, cfg.weight_decay, cfg.momentum,
+                                                    cfg.beta1, cfg.adamw_lr),
+        lr_scheduler=make_lr_schedule(cfg.lr_schedule, updates, cfg.warmup_steps),
+        devices=devices if devices is not None else cfg.pipeline.devices, diagnose_every=diagnose_every,
+        timeout=timeout, threads=threads)
+    pipe = Pipeline.from_config(model, config)
     own = replica_batches(pipe, data.train)
     if not pipe.prepared:  # a traced model: split on the first mini-batch, as fit would (nothing draws randomness between)
         pipe.prepare(next(iter(own))[0])
@@ -224,7 +227,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     """Train one method on one task; write the run folder; return the summary.
 
     With a run folder, the settings go to ``config.json`` and every stage is checkpointed under
-    ``checkpoints/`` at each epoch's end (and every ``cfg.checkpoint_every`` mini-batches);
+    ``checkpoints/`` at each epoch's end (and every ``cfg.fit.checkpoint_every`` mini-batches);
     ``resume`` continues the run in ``out_dir`` from its newest checkpoint. ``data``, if given,
     must have been loaded with ``cfg``'s holdout (see :func:`load_data`).
 
@@ -244,15 +247,15 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     writes = pipe.rank == 0  # rank 0 writes the run folder (every rank trains and evaluates)
     batches = replica_batches(pipe, data.train)
     if cfg.lr_source is not None and not resume and writes:
-        log(f"{cfg.method}: lr {cfg.lr:g}: {cfg.lr_source}")
+        log(f"{cfg.pipeline.method}: lr {cfg.lr:g}: {cfg.lr_source}")
     log_file = None
     if out_dir is not None and writes:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
-            (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            (out_dir / "config.json").write_text(json.dumps(cfg.record(), indent=2))
         log_file = open(out_dir / "metrics.jsonl", "a" if resume else "w")
-    where = f"{pipe.world.processes} processes" if processes is not None else f"{cfg.stages} stages"
-    bar = progress_bar(len(batches) * cfg.epochs, f"{cfg.method} ({where})", show_progress and writes)
+    where = f"{pipe.world.processes} processes" if processes is not None else f"{pipe.spec.stages} stages"
+    bar = progress_bar(len(batches) * cfg.fit.epochs, f"{cfg.pipeline.method} ({where})", show_progress and writes)
     log = log if writes else (lambda *a, **k: None)
 
     def on_batch(index: int, loss: float) -> None:
@@ -271,7 +274,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
             log_file.write(json.dumps({"type": "epoch", **entry}) + "\n")
             log_file.flush()
         bar.clear()
-        log(f"{cfg.method:>14} epoch {epoch + 1}/{cfg.epochs}: loss {entry['loss']:.4f}  "
+        log(f"{cfg.pipeline.method:>14} epoch {epoch + 1}/{cfg.fit.epochs}: loss {entry['loss']:.4f}  "
             f"{'validation ' if split == 'validation' else ''}{task.metric} {entry.get('metric', float('nan')):.4f}  "
             f"{entry['samples_per_second']:.0f} samples/s")
         if any(d.get("probes") for d in entry.get("prediction_error") or []):
@@ -279,12 +282,10 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
 
     started = time.time()
     try:
-        result = pipe.fit(batches, cfg.epochs, **evaluation(pipe, task, data, split), eval_every=cfg.eval_every,
-                          eval_in_bubbles=cfg.eval_in_bubbles,
-                          on_batch=on_batch, on_epoch=on_epoch, on_eval=on_eval,
-                          checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None,
-                          checkpoint_every=cfg.checkpoint_every, async_checkpoint=cfg.async_checkpoint,
-                          resume=resume, continuous=cfg.continuous)
+        run = cfg.fit.replace(**evaluation(pipe, task, data, split), on_batch=on_batch, on_epoch=on_epoch,
+                              on_eval=on_eval, resume=resume,
+                              checkpoint_dir=out_dir / "checkpoints" if out_dir is not None else None)
+        result = pipe.fit(batches, **run.keywords())
         final_test = None
         if split != "test":  # the test split, once, on the final weights
             final_test = final_test_metric(pipe, task, data)
@@ -312,14 +313,14 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: TrainResul
     best = (max if task.higher_is_better else min)(metrics) if metrics else None
     final = metrics[-1] if metrics else None
     summary = {
-        "task": cfg.task, "model": cfg.model, "method": cfg.method, "stages": result.metrics["stages"],
+        "task": cfg.task, "model": cfg.model, "method": cfg.pipeline.method, "stages": result.metrics["stages"],
         "partition": result.metrics["partition"], "microbatches": result.metrics["microbatches"],
-        "options": result.metrics["options"], "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "options": result.metrics["options"], "optimizer": cfg.optimizer_name, "lr": cfg.lr,
         "lr_source": cfg.lr_source,
-        "batch_size": cfg.batch_size, "epochs": cfg.epochs, "limit": cfg.limit, "seed": cfg.seed,
+        "batch_size": cfg.batch_size, "epochs": cfg.fit.epochs, "limit": cfg.limit, "seed": cfg.seed,
         "metric": task.metric, "higher_is_better": task.higher_is_better,
         "final_metric": final if cfg.holdout is None else test_metric, "best_metric": best,
-        "eval_split": cfg.eval_split, "eval_every": cfg.eval_every, "holdout": cfg.holdout,
+        "eval_split": cfg.eval_split, "eval_every": cfg.fit.eval_every, "holdout": cfg.holdout,
         "evaluations": result.metrics.get("evaluations", []),
         "final_loss": result.metrics["epochs"][-1]["loss"], "losses": result.losses,
         "samples_per_second": result.metrics["samples_per_second"],
@@ -336,9 +337,9 @@ def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: TrainResul
     summary.update(extra or {})
     if out_dir is not None:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_runs({cfg.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},
+        plot_runs({cfg.pipeline.method: {"losses": result.losses, "epochs": result.metrics["epochs"]}},
                   out_dir / "curves.png", metric=task.metric, higher_is_better=task.higher_is_better,
                   split=cfg.eval_split,
-                  title=f"{cfg.task} / {cfg.model}: {cfg.method}, {summary['stages']} stages")
+                  title=f"{cfg.task} / {cfg.model}: {cfg.pipeline.method}, {summary['stages']} stages")
         summary["out"] = str(out_dir)
     return summary

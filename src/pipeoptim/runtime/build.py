@@ -106,7 +106,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
                  recompute: Optional[Sequence[bool]] = None,
-                 shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None) -> List[Stage]:
+                 shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None,
+                 config: Any = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
     stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
@@ -118,7 +119,9 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     stages that read it; only the first of them (the owner) optimizes it (with an asynchronous
     method, the others read it per micro-batch from the owner: ``runtime/tied.py``). ``shards``:
     makes the :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module
-    over its replicas (a sharded copy, before its optimizer is made)."""
+    over its replicas (a sharded copy, before its optimizer is made). ``config``: the run's
+    options whole (``pipeoptim.config.PipelineConfig``), handed to every stage; the keywords
+    above are what this run resolved from it (None: stages built by hand, on those alone)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
     exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
@@ -165,7 +168,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
                       recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
-                      first=k in firsts, last=k in lasts)
+                      first=k in firsts, last=k in lasts, config=config)
         stage.shards = sharded
         if method.mirrored and k >= n // 2:  # the second pipeline's copy of piece k - n/2
             stage.replica_of = k - n // 2

@@ -66,9 +66,10 @@ class Stage:
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
                  precision: str = "fp32", device: Optional[torch.device] = None,
                  recompute: bool = False, compile: Optional[str] = None,
-                 first: Optional[bool] = None, last: Optional[bool] = None) -> None:
+                 first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.config = config  #: the run's options whole (pipeoptim.config.PipelineConfig; None: built by hand)
         self.index = index
         self.num_stages = num_stages
         self.module = module

@@ -1,0 +1,96 @@
+"""The options of a run as two frozen objects made from the option table: :class:`PipelineConfig`
+(the Pipeline's options and the method's own) and :class:`FitConfig` (fit's).
+
+Each has one field per option of :mod:`pipeoptim.options` in its scope, named, typed and
+defaulted as the table says, so that an option added to the table is a field here with nothing
+else to edit. ``Pipeline(model, **options)`` makes its PipelineConfig once and hands it whole to
+the checks, the preparation and the stage builders (``Pipeline.from_config`` takes one made
+elsewhere); ``fit(loader, **options)`` makes a FitConfig for its loop; ``train`` splits its
+keywords between the two; the lab's run configuration embeds both (``pipeoptim.lab.config``).
+The signatures of ``Pipeline``, ``fit`` and ``train`` are made here from the same table
+(:func:`keyword_parameters`). Imports no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os  # noqa: F401  (the annotations name os.PathLike)
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union  # noqa: F401
+
+from .options import REQUIRED, Option, of_scope
+
+
+class _Config:
+    """What both configurations do beyond holding their fields."""
+
+    def keywords(self) -> Dict[str, Any]:
+        """The options as the keywords that make them (a method's own options among them)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "method_options"}
+        return {**values, **getattr(self, "method_options", {})}
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (options by name)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _made_from(name: str, options: List[Option], base: type, doc: str, extra: Sequence[tuple] = ()) -> type:
+    """A frozen dataclass with one field per option (a required option's field defaults to None:
+    not given yet; what requires it says so)."""
+    fields = [(o.name, o.annotation, dataclasses.field(default=None if o.default is REQUIRED else o.default))
+              for o in options]
+    cls = dataclasses.make_dataclass(name, [*fields, *extra], bases=(base,), frozen=True)
+    cls.__module__, cls.__doc__ = __name__, doc
+    return cls
+
+
+class _PipelineOptions(_Config):
+    @classmethod
+    def of(cls, **keywords: Any) -> Any:
+        """The configuration of these keywords: the Pipeline's options by name, every other one
+        a method's option (the method refuses one it does not take when the run is checked)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"method_options"}
+        return cls(**{k: v for k, v in keywords.items() if k in names},
+                   method_options={k: v for k, v in keywords.items() if k not in names})
+
+
+class _FitOptions(_Config):
+    @classmethod
+    def of(cls, **keywords: Any) -> Any:
+        """The configuration of these keywords; one that is no option of fit is a TypeError, as
+        Python raises for a function's unknown keyword."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in keywords:
+            if key not in names:
+                raise TypeError(f"fit() got an unexpected keyword argument {key!r}")
+        return cls(**keywords)
+
+
+PipelineConfig = _made_from(
+    "PipelineConfig", of_scope("pipeline"), _PipelineOptions,
+    """Every option of a Pipeline, as ``Pipeline(model, **options)`` takes them, and
+    ``method_options``: the method's own options given (``steps``, ``lr_correction``, ...; the
+    method's defaults fill the rest when the run is checked). Made by ``of(**keywords)``.""",
+    [("method_options", "Dict[str, Any]", dataclasses.field(default_factory=dict))])
+
+FitConfig = _made_from("FitConfig", of_scope("fit"), _FitOptions,
+                       """Every option of :meth:`pipeoptim.Pipeline.fit`, as it takes them.""")
+
+
+def missing_required(scopes: Sequence[str], given: Iterable[str], what: str) -> None:
+    """A TypeError, as Python's for a function's missing keyword, where an option the table
+    marks required is not among ``given``."""
+    missing = [o.name for o in of_scope(*scopes) if o.default is REQUIRED and o.name not in set(given)]
+    if missing:
+        raise TypeError(f"{what} missing {len(missing)} required keyword-only argument"
+                        f"{'s' if len(missing) > 1 else ''}: {', '.join(map(repr, missing))}")
+
+
+def keyword_parameters(*scopes: str, skip: Sequence[str] = ()) -> List[inspect.Parameter]:
+    """The options of ``scopes`` as keyword-only parameters, with their types and defaults (a
+    required one has none), in the table's order: the signatures ``help()`` and IDEs show for
+    ``Pipeline``, ``fit`` and ``train``."""
+    hints = {o.name: o.annotation for o in of_scope(*scopes)}
+    return [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
+                              default=inspect.Parameter.empty if o.default is REQUIRED else o.default,
+                              annotation=hints[o.name])
+            for o in of_scope(*scopes) if o.name not in skip]
