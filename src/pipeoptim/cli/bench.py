@@ -10,7 +10,8 @@ run first trains ``--warmup`` mini-batches, then ``--repeats`` rounds time every
 pipeline's fill and drain, and starts from fresh weights); the median round is reported, with
 the interquartile range of the rounds' throughput, and per stage its time per pass and, per
 mini-batch, its compute time, the time it waited on each link and the bytes each carried. The
-runs take turns so that other work on the machine hits all of them alike; the CPU share of each
+runs take turns, in an order rotated from round to round (no run always follows the same one),
+so that other work on the machine hits all of them alike; the CPU share of each
 process (its CPU time over the wall time) shows whether it had its core.
 
 The default model, ``blocks``, is built so that every stage does the same work: on the

@@ -293,7 +293,9 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                     for name, threads in baselines:
                         record(r, name, run_baseline(threads, chunk))
                 dist.barrier()
-            for variant in variants:
+            # the order rotates round by round (alike on every rank): no run always follows the same one
+            shift = max(r, 0) % len(variants) if variants else 0
+            for variant in variants[shift:] + variants[:shift]:
                 record(r, name_of(*variant), run_pipeline(variant[0], chunk, *variant[1:]))
         detail = {name: summary(rounds[name], threads, timed, 1 if name in dict(baselines) else world,
                                 1 if name in dict(baselines) else replicas)
