@@ -14,7 +14,7 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
-from pipeoptim.runtime import link as link_module
+from pipeoptim.compat import HAS_STORAGE_USE_COUNT
 from pipeoptim.runtime.link import ReceiveBuffers
 from pipeoptim.runtime.control import init_process_group
 from test_distributed import spawn
@@ -23,7 +23,7 @@ LOSS = nn.functional.cross_entropy
 #: (method, micro-batches): one stage per process, a split backward, and two chunks per process
 CASES = [("gpipe", 4), ("1f1b-flush", 4), ("zb-h1", 4), ("interleaved", 4), ("zb-v", 4), ("pipeoptim", None)]
 
-needs_use_count = pytest.mark.skipif(link_module._use_count is None, reason="this torch has no storage use count")
+needs_use_count = pytest.mark.skipif(not HAS_STORAGE_USE_COUNT, reason="this torch has no storage use count")
 
 
 def sgdm(params):

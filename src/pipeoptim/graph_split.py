@@ -22,7 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
+
+from .compat import ASSERTION_OPS, EXPORT_GUARD_MODULE, tree_leaves, tree_unflatten
 
 #: containers whose items are candidate points of their own (called in order by the forward)
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -31,9 +32,6 @@ CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 #: on by default there): a training step never reads the cache, which is no tensor, so a model whose
 #: forward takes it is traced with it off unless the mini-batch gives it
 CACHE_OPTION = "use_cache"
-
-#: operations that check a traced tensor's metadata and compute nothing (left out of the stages)
-ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 class TraceError(ValueError):
@@ -218,8 +216,8 @@ class TracedModel:
         # stages are called with micro-batches, and a copy of it fails outside its program; so are
         # its dtype assertions (a library's `.to(dtype)`), which bf16's autocast would trip
         self.compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
-                        and not (n.op == "call_module" and n.target == "_guards_fn")
-                        and n.target not in ASSERTIONS]
+                        and not (n.op == "call_module" and n.target == EXPORT_GUARD_MODULE)
+                        and n.target not in ASSERTION_OPS]
         first: Dict[str, int] = {}
         for position, node in enumerate(self.compute):
             for path in _module_paths(node):
@@ -240,7 +238,7 @@ class TracedModel:
         """The model was called with keyword arguments: name each input by its keyword (from the
         export's input spec, ``((), {name: leaf})``), so that the first stage reads them from a
         dict; ``late`` is the one the last stage takes instead."""
-        _, positions = pytree.tree_unflatten(list(range(len(self.inputs))), in_spec)
+        _, positions = tree_unflatten(list(range(len(self.inputs))), in_spec)
         self.names = {self.inputs[index]: name for name, index in positions.items()}
         self.late = late
 
@@ -249,8 +247,8 @@ class TracedModel:
 
     def output_example(self) -> Any:
         """The model's output on the example, of its own type, its tensors fake (their shapes)."""
-        leaves = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(self.output.args[0])]
-        return pytree.tree_unflatten(leaves, self.out_spec)
+        leaves = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in tree_leaves(self.output.args[0])]
+        return tree_unflatten(leaves, self.out_spec)
 
     @property
     def units(self) -> int:
@@ -387,7 +385,7 @@ class TracedModel:
         for node in own:
             env[node] = graph.node_copy(node, value)
         if outgoing is None:
-            flat = [value(a) if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(self.output.args[0])]
+            flat = [value(a) if isinstance(a, fx.Node) else a for a in tree_leaves(self.output.args[0])]
             if self.out_spec.is_leaf():
                 graph.output(flat[0])
             else:  # the forward's own output type (a library's ModelOutput, a namedtuple, a dict)
@@ -442,7 +440,7 @@ class OutputBuilder(nn.Module):
         self.spec = spec
 
     def forward(self, *leaves: Any) -> Any:
-        return pytree.tree_unflatten(list(leaves), self.spec)
+        return tree_unflatten(list(leaves), self.spec)
 
 
 def _item(values: Any, index: Any) -> Any:

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..compat import flatten_dense, unflatten_dense
 from .wire import PipelineCommError, reason
 
 
@@ -82,7 +83,7 @@ class GradientAverager:
 
     def _launch(self, params: List[torch.Tensor]) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = flatten_dense(grads)
         try:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -109,7 +110,7 @@ class GradientAverager:
                 if self.mean:
                     flat.div_(self.replicas)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-                for p, g in zip(group, torch._utils._unflatten_dense_tensors(flat, grads)):
+                for p, g in zip(group, unflatten_dense(flat, grads)):
                     p.grad = g
         except RuntimeError as error:
             raise self._fail(error) from error

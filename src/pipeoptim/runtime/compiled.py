@@ -32,12 +32,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ..compat import compile_backend
 from .defaults import COMPILE_BACKENDS
 
 #: what ``compile=True`` means: torch's default backend
 DEFAULT_BACKEND = "inductor"
 
-#: the backends the command line offers (any name torch._dynamo.lookup_backend knows works in the API)
+#: the backends the command line offers (any name torch.compile knows works in the API)
 BACKENDS = COMPILE_BACKENDS
 
 
@@ -52,8 +53,7 @@ def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
         raise ValueError(f"compile must be True, False or a torch.compile backend's name "
                          f"({', '.join(BACKENDS)}), got {compile!r}")
     try:
-        from torch._dynamo import lookup_backend
-        lookup_backend(compile)
+        compile_backend(compile)
     except Exception:  # torch raises its own InvalidBackend; any failure means the same to the user
         raise ValueError(f"compile={compile!r}: torch.compile has no backend of that name; use one of "
                          f"{', '.join(BACKENDS)} (or True for {DEFAULT_BACKEND})") from None
@@ -90,11 +90,10 @@ class CompiledForward:
     backend has compiled for this stage so far."""
 
     def __init__(self, module: nn.Module, backend: str) -> None:
-        from torch._dynamo import lookup_backend
         self.module = module
         self.backend = backend
         self.compilations = 0
-        inner = lookup_backend(backend)
+        inner = compile_backend(backend)
 
         def counting(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
             self.compilations += 1

@@ -20,11 +20,10 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..compat import HAS_STORAGE_USE_COUNT, storage_use_count
 from .values import as_tuple
 from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, reason
 
-#: how many references a tensor's storage has (torch's own count; None where this torch lacks it)
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 #: a kept receive buffer: the tensor, its storage, and the storage's references when only the pool holds it
 Kept = Tuple[torch.Tensor, Any, int]
 
@@ -65,12 +64,12 @@ class ReceiveBuffers:
         if kept is not None:
             self._kept.move_to_end(key)
             for buffer, storage, alone in kept:
-                if _use_count(storage._cdata) == alone:
+                if storage_use_count(storage) == alone:
                     self.reused += 1
                     return buffer.detach()
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self.made += 1
-        if _use_count is None or self.per_shape <= 0:
+        if not HAS_STORAGE_USE_COUNT or self.per_shape <= 0:
             return buffer
         if kept is None:
             kept = self._kept[key] = []
@@ -79,7 +78,7 @@ class ReceiveBuffers:
         if len(kept) >= self.per_shape:
             return buffer
         storage = buffer.untyped_storage()
-        kept.append((buffer, storage, _use_count(storage._cdata)))
+        kept.append((buffer, storage, storage_use_count(storage)))
         return buffer.detach()
 
     def clear(self) -> None:

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..compat import forget_sharding_cache, fsdp_reduce_gradients
 from ..weights.base import local
 
 
@@ -51,11 +52,7 @@ def forget_meshes() -> None:
     a DeviceMesh compares equal to any other of the same ranks and names, so a later Pipeline's
     parameters would be handed the closed one's mesh, whose groups no longer resolve (torch
     2.13: "Could not resolve the process group")."""
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # pragma: no cover - a torch without the cache has nothing to forget
-        return
-    _clear_sharding_prop_cache()
+    forget_sharding_cache()
 
 
 class StageShards:
@@ -145,17 +142,11 @@ class StageShards:
         accumulating for the next mini-batch."""
         if not self.synchronous:
             return
-        from torch.distributed.fsdp import fully_shard
-
         module = self.module
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)
-        state = fully_shard.state(module)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        fsdp_reduce_gradients(module)
         self._accumulate()
 
     def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:

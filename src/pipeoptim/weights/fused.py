@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from ..compat import FOREACH_NORM_TAKES_DTYPE
+
 #: Per device type: from how many elements on a tensor takes one ``out=`` pass of its own
 #: instead of the copy and the multi-tensor op (the CPU's break-even, measured with
 #: ``torch.add``: about 8k elements at one thread). Devices not listed always fuse: there a
@@ -29,8 +31,6 @@ ONE_PASS_NUMEL: Dict[str, int] = {"cpu": 8192}
 
 #: torch >= 2.1 has a multi-tensor copy; before it, a loop of ``copy_``
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
-#: whether ``torch._foreach_norm`` takes the dtype to accumulate in (newer torch 2.x)
-_NORM_TAKES_DTYPE = "dtype" in str(torch.ops.aten._foreach_norm.Scalar._schema)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ def clone_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def norms64(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Each tensor's 2-norm, accumulated in float64 (one multi-tensor norm; DTensors: torch's
     own sharded one, each the whole tensor's)."""
-    if _NORM_TAKES_DTYPE:
+    if FOREACH_NORM_TAKES_DTYPE:
         return list(torch._foreach_norm(list(tensors), dtype=torch.float64))
     return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]  # pragma: no cover
 

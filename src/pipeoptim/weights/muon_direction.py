@@ -11,7 +11,8 @@ torch's Muon step on a 2-D parameter W with gradient g and momentum buffer m::
 so ``W_before - W_after = lr * (r * O + wd * W_before)``: Delta relative to the group lr is
 ``r * O + wd * W_before``. This module computes ``r * O`` from the gradient and the buffer after
 the step, with torch's own Newton-Schulz and ratio functions (the same arithmetic, the same
-bits); the Predictor adds the decoupled decay as for AdamW.
+bits; private in torch, reached through :mod:`pipeoptim.compat`); the Predictor adds the
+decoupled decay as for AdamW.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from typing import Any, Dict
 
 import torch
 
+from ..compat import muon_lr_ratio, muon_orthogonalize
+
 
 def muon_direction(group: Dict[str, Any], param: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> None:
     """In place: ``g`` (the step's gradient) becomes ``r * NS(u)`` for ``param`` of ``group``,
     ``buf`` being the momentum buffer after the step."""
-    from torch.optim import _muon  # torch's own functions: the step's arithmetic exactly
-
     update = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-    ortho = _muon._zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    ratio = _muon._adjust_lr(1.0, group["adjust_lr_fn"], param.shape)
+    ortho = muon_orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    ratio = muon_lr_ratio(group["adjust_lr_fn"], param.shape)
     g.copy_(ortho).mul_(ratio)

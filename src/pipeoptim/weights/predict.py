@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..compat import tensor_version
 from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
 from .fused import copy_all, local_all
 
@@ -64,7 +65,7 @@ def _setting(value: Any) -> Any:
     """A hashable, comparable form of one group setting; a tensor by identity and version (read
     without waiting for its device)."""
     if torch.is_tensor(value):
-        return id(value), value._version
+        return id(value), tensor_version(value)
     if isinstance(value, (tuple, list)):
         return tuple(_setting(v) for v in value)
     return value
@@ -232,7 +233,7 @@ class Predictor(DirectionFormulas):
         (for the formulas that read W: decoupled decay)."""
         groups = tuple(
             (id(g), tuple(_setting(g.get(name)) for name in _DELTA_SETTINGS),
-             tuple(p._version for p in g["params"]))
+             tuple(tensor_version(p) for p in g["params"]))
             for g in self.optimizer.param_groups)
         return self.steps_taken, self._generation, groups
 

@@ -14,15 +14,12 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 
+from ..compat import CAN_SWAP_STORAGE, swap_storage_memory
 from .base import WeightPolicy, WeightUse, local, nbytes
 from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
                           horizon_rate)
 from .fused import Into, copy_all
 from .predict import Predictor
-
-
-#: Whether this torch can swap the memory of two storages (``UntypedStorage._swap_data_ptr_``).
-CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class _GroupWork(NamedTuple):
@@ -42,8 +39,8 @@ class PredictingPolicy(WeightPolicy):
     backward reads whatever is live then (docs/architecture.md, "Weight versions per method").
     Two ways, the same numbers:
 
-    * swap (the default where the parameters own their storage and torch has
-      ``UntypedStorage._swap_data_ptr_``): ``W_hat`` is computed into the cache, per parameter
+    * swap (the default where the parameters own their storage and torch can swap two storages'
+      memory: ``compat.swap_storage_memory``): ``W_hat`` is computed into the cache, per parameter
       group by one multi-tensor copy of W and one multi-tensor add (on the CPU a large tensor
       keeps its single ``torch.add(W, Delta, alpha=-lr*s, out=cache)`` pass: ``fused.Into``),
       then the memory of each parameter's storage and of its cache are swapped, which every
@@ -246,11 +243,11 @@ class PredictingPolicy(WeightPolicy):
                 work.into_cache("add", alpha=-self.horizon_lr(index, work.group, steps))
             storages = self._storages
             for live, buf in storages:
-                live._swap_data_ptr_(buf)
+                swap_storage_memory(live, buf)
 
             def swap_back() -> None:
                 for live, buf in storages:
-                    live._swap_data_ptr_(buf)
+                    swap_storage_memory(live, buf)
             return swap_back
         live = [p.data for _, p in self.named]
         copy_all(self.cache, live)

@@ -1,0 +1,304 @@
+"""torch's private APIs, each behind one named function or constant: the one module of pipeoptim
+that touches a private name of torch (an attribute, module or operator whose name starts with an
+underscore), so that a torch release that moves one breaks here, where ``tests/test_compat.py``
+checks each, and nowhere else.
+
+Each entry's docstring says what it does, which private API it relies on, what happens where that
+API is missing (the fallback), and the public API that would replace it. The one family left at
+its call sites is the multi-tensor arithmetic ``torch._foreach_*`` (:data:`FOREACH_OPS`): torch's
+own optimizers are written with it, it has no public counterpart, and a wrapper per operation
+would only rename it; the test checks that every operation named there exists.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree
+
+__all__ = ["HAS_STORAGE_USE_COUNT", "storage_use_count", "CAN_SWAP_STORAGE", "swap_storage_memory",
+           "FOREACH_NORM_TAKES_DTYPE", "FOREACH_OPS", "muon_orthogonalize", "newton_schulz", "muon_lr_ratio",
+           "fsdp_reduce_gradients", "forget_sharding_cache", "tensor_version", "compile_backend",
+           "flatten_dense", "unflatten_dense", "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves",
+           "tree_unflatten"]
+
+
+# -- storages ----------------------------------------------------------------------------------
+_USE_COUNT: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
+#: whether :func:`storage_use_count` works with this torch
+HAS_STORAGE_USE_COUNT = _USE_COUNT is not None
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references hold ``storage``'s memory: c10's own count of the storage's owners
+    (every tensor, view, autograd-saved tensor or send in flight on it counts, wherever it is).
+    ``runtime/link.ReceiveBuffers`` reuses a receive buffer only when this is back to what its
+    pool alone holds.
+
+    Private API: ``torch._C._storage_Use_Count(storage._cdata)``.
+    Fallback: where missing, :data:`HAS_STORAGE_USE_COUNT` is False and the pool reuses nothing
+    (a new buffer per message, as before the pool existed); this function is then not called.
+    Public alternative awaited: a use count on ``torch.UntypedStorage`` (none in torch 2.13)."""
+    return _USE_COUNT(storage._cdata)  # type: ignore[misc]
+
+
+#: whether :func:`swap_storage_memory` works with this torch
+CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Swap the memory of two storages of the same size in place: every tensor and alias on ``a``
+    (an autograd graph's saved tensors included) reads ``b``'s former bytes, and the reverse. The
+    predicting weight policies (``weights/predicting.py``) put the predicted weights under the
+    live parameters this way, and back after the pass.
+
+    Private API: ``torch.UntypedStorage._swap_data_ptr_``.
+    Fallback: where missing, :data:`CAN_SWAP_STORAGE` is False and the policies write the
+    predicted weights into the live storage and copy W back afterwards (the same numbers, one
+    more pass over the memory); this function is then not called.
+    Public alternative awaited: a public storage swap. ``torch.utils.swap_tensors`` swaps two
+    tensor objects, which the tensors an autograd graph saved do not follow."""
+    a._swap_data_ptr_(b)
+
+
+# -- multi-tensor arithmetic -------------------------------------------------------------------
+#: the ``torch._foreach_*`` operations pipeoptim calls (at their call sites: the module's
+#: docstring says why); tests/test_compat.py checks that each exists. Fallback: none (they exist
+#: since torch 1.x; ``_foreach_copy_`` since 2.1, which ``weights/fused.py`` checks itself).
+#: Public alternative awaited: a public multi-tensor API.
+FOREACH_OPS: Tuple[str, ...] = (
+    "_foreach_add", "_foreach_add_", "_foreach_addcmul", "_foreach_addcmul_", "_foreach_copy_",
+    "_foreach_div", "_foreach_div_", "_foreach_lerp_", "_foreach_mul", "_foreach_mul_",
+    "_foreach_neg", "_foreach_norm", "_foreach_sqrt", "_foreach_sqrt_", "_foreach_sub",
+    "_foreach_sub_")
+
+
+def _norm_takes_dtype() -> bool:
+    try:
+        return "dtype" in str(torch.ops.aten._foreach_norm.Scalar._schema)
+    except (AttributeError, RuntimeError):  # the schema moved: ask the operation itself
+        try:
+            torch._foreach_norm([torch.ones(1)], dtype=torch.float64)
+            return True
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+
+
+#: Whether ``torch._foreach_norm`` takes the dtype to accumulate in (newer torch 2.x), which
+#: ``weights/fused.norms64`` uses to take every norm in float64 in one call.
+#: Private API: the operator's schema, ``torch.ops.aten._foreach_norm.Scalar._schema``.
+#: Fallback: where the schema cannot be read, one call with ``dtype=`` on a tiny tensor decides;
+#: where the dtype is not taken, ``norms64`` takes each norm with ``torch.linalg.vector_norm``.
+#: Public alternative awaited: a public multi-tensor norm with a dtype (``inspect`` cannot read
+#: an operator's signature).
+FOREACH_NORM_TAKES_DTYPE: bool = _norm_takes_dtype()
+
+
+# -- Muon --------------------------------------------------------------------------------------
+def _muon_module() -> Any:
+    try:
+        from torch.optim import _muon
+    except ImportError:
+        return None
+    if hasattr(_muon, "_zeropower_via_newtonschulz") and hasattr(_muon, "_adjust_lr"):
+        return _muon
+    return None
+
+
+def muon_orthogonalize(update: torch.Tensor, coefficients: Sequence[float], steps: int,
+                       eps: float) -> torch.Tensor:
+    """``torch.optim.Muon``'s orthogonalization of a 2-D update: ``steps`` quintic Newton-Schulz
+    iterations with ``coefficients`` (a, b, c) in bfloat16, on the update divided by its norm
+    (clamped below at ``eps``); a tall matrix is transposed for the iterations and back. The
+    result has the update's shape, in bfloat16. ``weights/muon_direction.py`` computes the
+    step's direction with it, so that the prediction runs on the bits the step applied.
+
+    Private API: ``torch.optim._muon._zeropower_via_newtonschulz``.
+    Fallback: where missing, the same arithmetic written out below (torch 2.13's), which
+    tests/test_compat.py holds equal to torch's bit for bit while torch has it.
+    Public alternative awaited: a public Newton-Schulz function of ``torch.optim``."""
+    muon = _muon_module()
+    if muon is not None:
+        return muon._zeropower_via_newtonschulz(update, tuple(coefficients), steps, eps)
+    return newton_schulz(update, coefficients, steps, eps)
+
+
+def newton_schulz(update: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float) -> torch.Tensor:
+    """:func:`muon_orthogonalize`'s fallback: torch 2.13's Newton-Schulz iterations, written out."""
+    if update.dim() != 2:
+        raise ValueError("Muon orthogonalizes 2-D matrices only")
+    a, b, c = coefficients
+    ortho = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def muon_lr_ratio(adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """The factor ``torch.optim.Muon`` scales a parameter's lr by, from its shape (A, B, ...):
+    ``sqrt(max(1, A / B))`` for ``adjust_lr_fn`` None or ``"original"``, ``0.2 * sqrt(max(A, B))``
+    for ``"match_rms_adamw"``, else 1.
+
+    Private API: ``torch.optim._muon._adjust_lr`` (called with lr 1.0).
+    Fallback: where missing, the same rule written out here (torch 2.13's), held equal to torch's
+    by tests/test_compat.py while torch has it.
+    Public alternative awaited: a public form of Muon's lr adjustment."""
+    muon = _muon_module()
+    if muon is not None:
+        return muon._adjust_lr(1.0, adjust_lr_fn, torch.Size(shape))
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+# -- FSDP2 and DTensor -------------------------------------------------------------------------
+def fsdp_reduce_gradients(module: torch.nn.Module) -> None:
+    """Run FSDP2's post-backward now for every parameter group of the ``fully_shard``-ed
+    ``module`` (and of the modules sharing its state context), then its root's final callback:
+    the gradients accumulated with ``set_requires_gradient_sync(False)`` are reduce-scattered into
+    the sharded ``.grad`` and the gathered weights freed. ``runtime/sharding.StageShards`` calls it
+    before a synchronous stage's update, once every backward of the mini-batch has run (the
+    schedule, not autograd, knows which backward was the last).
+
+    Private API: ``fully_shard.state(module)``, ``FSDPState._state_ctx.all_states``,
+    ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup.post_backward()`` and
+    ``FSDPState._root_post_backward_final_callback()``: the calls ``torch.distributed.pipelining``'s
+    stage makes for its REDUCE_GRAD action.
+    Fallback: none that keeps the weights gathered across the mini-batch; where these are missing
+    a RuntimeError names this module (only ``shard_replicas`` with a synchronous method calls it).
+    Public alternative awaited: an ``FSDPModule`` method that reduces the accumulated gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        state = fully_shard.state(module)
+        groups = [group for each in state._state_ctx.all_states for group in each._fsdp_param_groups]
+        final = state._root_post_backward_final_callback
+    except AttributeError as error:
+        raise RuntimeError(f"this torch ({torch.__version__}) lacks the FSDP2 internals that "
+                           f"pipeoptim/compat.py's fsdp_reduce_gradients calls ({error}); "
+                           f"shard_replicas with a synchronous method needs them") from error
+    for group in groups:
+        group.post_backward()
+    final()
+
+
+def forget_sharding_cache() -> None:
+    """Drop DTensor's cached sharding decisions (``runtime/sharding.forget_meshes``): a
+    ``DeviceMesh`` compares equal to any other of the same ranks and names, so a later Pipeline's
+    parameters would be handed a closed Pipeline's mesh, whose groups no longer resolve.
+
+    Private API: ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+    Fallback: where missing, nothing (a torch without that cache has nothing to forget).
+    Public alternative awaited: a public way to clear the cache, or meshes that compare by group."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - no such cache in this torch
+        return
+    _clear_sharding_prop_cache()
+
+
+# -- autograd, compilation, collectives, graphs ------------------------------------------------
+def tensor_version(tensor: torch.Tensor) -> Any:
+    """A value that changes whenever ``tensor`` is modified in place (autograd's version counter),
+    read without waiting for the tensor's device. ``weights/predict.Predictor`` rebuilds Delta
+    when a parameter's or a tensor setting's version changed.
+
+    Private API: ``Tensor._version``.
+    Fallback: where missing, a new object per call, which never equals the last one: Delta is
+    rebuilt at every prediction (the same numbers, more work).
+    Public alternative awaited: a public read of the version counter (``torch.autograd.graph``
+    has ``increment_version`` only)."""
+    version = getattr(tensor, "_version", None)
+    return object() if version is None else version
+
+
+def compile_backend(name: str) -> Callable[..., Any]:
+    """The ``torch.compile`` backend registered as ``name`` (a callable taking the FX graph and
+    example inputs); a ValueError where no backend has that name. ``runtime/compiled.py`` wraps it
+    to count a stage's compilations, and checks ``compile=`` names with it.
+
+    Private API: ``torch._dynamo.lookup_backend``.
+    Fallback: none (the backend must be wrapped); where missing, a RuntimeError names this module
+    and ``compile=`` cannot be used.
+    Public alternative awaited: a public lookup of a backend by name (``torch.compiler`` lists
+    the names only: ``list_backends``)."""
+    try:
+        from torch._dynamo import lookup_backend
+    except ImportError as error:  # pragma: no cover - torch without dynamo's lookup
+        raise RuntimeError(f"compile= needs torch._dynamo.lookup_backend, which this torch "
+                           f"({torch.__version__}) lacks (pipeoptim/compat.py)") from error
+    try:
+        return lookup_backend(name)
+    except Exception as error:  # torch raises its own InvalidBackend
+        raise ValueError(f"torch.compile has no backend {name!r}") from error
+
+
+def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The dense ``tensors`` (one dtype) concatenated into one contiguous 1-D tensor (one
+    collective for a bucket of gradients: ``runtime/averaging.GradientAverager``).
+
+    Private API: ``torch._utils._flatten_dense_tensors`` (a C++ concatenation).
+    Fallback: where missing, ``torch.cat`` of the flattened tensors (the same values).
+    Public alternative: ``torch.cat([t.reshape(-1) for t in tensors])`` (one more Python loop);
+    ``torch.nn.utils.parameters_to_vector`` does the same for parameters."""
+    flatten = getattr(getattr(torch, "_utils", None), "_flatten_dense_tensors", None)
+    if flatten is None:
+        return torch.cat([t.reshape(-1) for t in tensors])
+    return flatten(list(tensors))
+
+
+def unflatten_dense(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of ``flat`` (made by :func:`flatten_dense`) with the shapes of ``like``, in order.
+
+    Private API: ``torch._utils._unflatten_dense_tensors``.
+    Fallback: where missing, ``flat.split`` by the sizes and ``view`` to each shape (the same views).
+    Public alternative: that split; ``torch.nn.utils.vector_to_parameters`` copies instead."""
+    unflatten = getattr(getattr(torch, "_utils", None), "_unflatten_dense_tensors", None)
+    if unflatten is None:
+        parts = flat.split([t.numel() for t in like])
+        return [part.view_as(t) for part, t in zip(parts, like)]
+    return list(unflatten(flat, list(like)))
+
+
+def _assertion_ops() -> Tuple[Any, ...]:
+    op = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    return () if op is None else (op.default,)
+
+
+#: The operators of an exported graph that only check a tensor's metadata (``graph_split.py``
+#: leaves them out of a stage's graph). Private API: ``torch.ops.aten._assert_tensor_metadata``.
+#: Fallback: where missing, none (a torch without the operator puts no such nodes in a graph).
+#: Public alternative awaited: a public way to strip runtime assertions from an exported graph.
+ASSERTION_OPS: Tuple[Any, ...] = _assertion_ops()
+
+#: The submodule ``torch.export``'s ``module()`` calls first to check the traced input shapes
+#: (``graph_split.py`` leaves it out: a stage is called with micro-batches). Private API: the
+#: name torch gives it, ``_guards_fn``. Fallback: where torch names it otherwise or adds none, the
+#: check stays in the first stage's graph and fails on a micro-batch (test_compat sees the name).
+#: Public alternative awaited: an export option that leaves the input guard out.
+EXPORT_GUARD_MODULE = "_guards_fn"
+
+
+def tree_leaves(tree: Any) -> List[Any]:
+    """The leaves of a nested structure (tuples, lists, dicts, ...), in torch's pytree order, as
+    ``torch.export`` flattens a model's inputs and outputs (``graph_split.py``).
+
+    Private API: ``torch.utils._pytree.tree_leaves``.
+    Fallback: none: the tree specs ``torch.export`` hands over are that module's objects.
+    Public alternative awaited: a public ``torch.utils.pytree``."""
+    return _pytree.tree_leaves(tree)
+
+
+def tree_unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    """The structure ``spec`` (a pytree ``TreeSpec``, as ``torch.export`` records it) rebuilt from
+    ``leaves``. Private API, fallback and public alternative: :func:`tree_leaves`'s."""
+    return _pytree.tree_unflatten(list(leaves), spec)
