@@ -6,12 +6,14 @@ directions: stage j of the first and stage P+j of the second hold copies of piec
 its pipeline's half of the micro-batches. Before update u, each replica's gradient becomes the sum of both replicas'
 over window u (the mini-batch's gradient, as one copy would have accumulated it), so that both
 apply the same update and stay equal. Each replica's update waits for the other's last backward
-of the window; whichever comes first sums for both.
+of the window; whichever comes first sums for both. Where the two replicas are on two processes
+(torchrun), each sums over the piece's 2-process group instead: started after its last backward
+of the window, overlapped with the rest of the schedule until its update waits for it.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -22,10 +24,14 @@ from .segment import replica_pairs
 class ReplicaUpdates:
     """When a replicated stage may update, and the sum of its replicas' gradients."""
 
-    def __init__(self, stages: Sequence) -> None:
+    def __init__(self, stages: Sequence, summers: Optional[Dict[int, Any]] = None) -> None:
         """``stages``: indexable by stage number (None where another process holds one); the
-        schedule comes with :meth:`use`."""
+        schedule comes with :meth:`use`. ``summers``: piece -> the summer of its replicas'
+        gradients over their 2-process group (``averaging.GradientAverager``, ``mean=False``),
+        for each piece whose other replica is on another process."""
         self.stages = list(stages)
+        self.summers = dict(summers or {})
+        self.pieces = len(self.stages) // 2
         self.partner: Dict[int, int] = {}
         self.expected: Counter = Counter()          # (stage, window) -> the backwards its update waits for
         self.m = 1
@@ -42,8 +48,14 @@ class ReplicaUpdates:
         self.m = m
 
     def backward_done(self, stage: int, microbatch: int) -> None:
-        """``stage`` finished the (last half of the) backward of ``microbatch``."""
+        """``stage`` finished the (last half of the) backward of ``microbatch``; after its last of
+        the window, a piece whose other replica is on another process starts their sum."""
         self.done[(stage, microbatch // self.m)] += 1
+        summer = self.summers.get(stage % self.pieces) if self.summers else None
+        if summer is not None and self.window_done(stage, microbatch):
+            summer.overlap()
+            summer.ready_all(list(self.stages[stage].parameters()))
+            summer.launch_bucketed()
 
     def window_done(self, stage: int, microbatch: int) -> bool:
         """Whether ``stage``'s backwards of the window of ``microbatch`` are all done (its
@@ -56,7 +68,15 @@ class ReplicaUpdates:
 
     def ready(self, stage: int, update: int) -> bool:
         """Whether ``stage`` may run update ``update`` now; the first of a pair to be ready sums
-        both replicas' gradients (into each), the second finds them summed."""
+        both replicas' gradients (into each), the second finds them summed. A piece summed over
+        two processes waits here for its sum. A parameter with no gradient in the window on
+        either replica there takes a zero one (in one process: none), which only an optimizer
+        that skips parameters without a gradient tells apart."""
+        if self.summers:
+            summer = self.summers.get(stage % self.pieces)
+            if summer is not None:
+                summer(self.stages[stage].parameters())
+                return True
         if (stage, update) in self.summed:
             self.summed.discard((stage, update))
             return True

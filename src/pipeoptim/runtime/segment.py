@@ -1,13 +1,12 @@
-"""What both executors share: the streamed segment, the micro-batch, the checks on a schedule,
+"""The segment an executor runs: the streamed horizon, the micro-batch, the checks on a schedule,
 the global clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains (an epoch, K mini-batches with checkpoints,
 or every epoch with ``continuous``), run on orders built for a horizon past the mini-batches
 fed, rebuilt longer as more come, and drained on those for exactly the mini-batches fed; why
-that is exact: (docs/architecture.md, "Schedules as data").
-:class:`~pipeoptim.runtime.local.LocalExecutor` and
-:class:`~pipeoptim.runtime.distributed.DistributedExecutor` subclass :class:`StreamedSegment`;
-they differ only in how a message travels."""
+that is exact: (docs/architecture.md, "Schedules as data"). The one interpreter,
+:class:`~pipeoptim.runtime.executor.Executor`, subclasses :class:`StreamedSegment`, in one
+process and under torchrun alike."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -74,9 +73,9 @@ def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -
 
 
 class StreamedSegment:
-    """What both executors share: a segment's orders, built for a horizon past the mini-batches
-    fed and rebuilt as more come (:func:`next_horizon`), then for exactly those fed when the
-    data ends. Subclasses run the orders (``_use`` takes a new schedule)."""
+    """A segment's orders, built for a horizon past the mini-batches fed and rebuilt as more
+    come (:func:`next_horizon`), then for exactly those fed when the data ends. The subclass
+    runs the orders (``_use`` takes a new schedule)."""
 
     def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
         self.schedule_for = schedule_for

@@ -1,7 +1,7 @@
 """The transport of one stage: :class:`PipeComm`, its links to the neighbouring stages and the
 control group, over ``torch.distributed`` point to point (nothing home-made).
 
-Links, sends, receives and timeouts are as (docs/architecture.md, "The distributed executor")
+Links, sends, receives and timeouts are as (docs/architecture.md, "The executor")
 says. On gloo every link of a process is a tag of its pipeline's control group, so that the
 whole pipeline runs one gloo socket thread per process, as ``torch.distributed.pipelining`` does
 (each gloo group runs one that reads its sockets and wakes 100 times a second even when idle: a

@@ -1,0 +1,418 @@
+"""The one interpreter of schedules: each rank's lowered order, walked action by action, in one
+process or in one process per rank (docs/architecture.md, "The executor").
+
+A rank's order after lowering (``schedules/lower.py``) holds its compute actions (F, B, I, W,
+E, U) and the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor`
+walks it with a :class:`Walker` per rank this process plays: every rank in one process (the
+walkers take turns until none moves), one under torchrun. Only how a transfer travels differs,
+behind a :class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
+(``runtime/distributed.PipeTransport``). A value between two stages of one rank never is a
+transfer: lowering adds none there, and the walker hands it over itself.
+
+A walker stops (and is resumed later) at a forward, or a receive of an activation, of a
+micro-batch not fed yet, at a receive whose message has not come (in memory; a message waits
+instead), at an update whose other replica has not finished its window (mirrored methods), and,
+with global clipping, at its first update of a number until every walker of the process has
+reached its own. Any interleaving that runs each action once its inputs exist gives the same
+numbers (docs/architecture.md, "Schedules as data"), so the walkers' turns change nothing.
+Written once here for both worlds: replicas' sums (``runtime/replicas.py``), global clipping
+(the norms of every stage, in stage order, gathered by the transport across processes), the
+last stage's losses (:class:`~pipeoptim.runtime.segment.WindowLosses`), forward-only work in the
+bubbles (``E``, :class:`~pipeoptim.runtime.forward_only.ForwardOnly`) and the streamed segment
+(:class:`~pipeoptim.runtime.segment.StreamedSegment`: ``feed`` / ``finish`` / ``take_completed``)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from operator import attrgetter
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
+from ..schedules.lower import lower
+from .forward_only import ForwardOnly
+from .replicas import ReplicaUpdates
+from .segment import (MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient,
+                      stage_orders)
+from .stage import Stage
+
+Key = Tuple[int, int]  # (stage, micro-batch): whose value a store holds
+
+
+class ScheduleStuck(RuntimeError):
+    """No rank can make progress: the schedule and the data disagree."""
+
+
+class Transport:
+    """How a value crosses from a stage of one rank to a stage of another: the SEND_*/RECV_*
+    actions of a lowered order. ``attach`` gives it the executor's stores, keyed by (stage,
+    micro-batch): the inputs of stages (activations), the gradients of their outputs, and the
+    inputs of forward-only passes (E micro-batch j). A ``recv_*`` puts the value into its store
+    and says True, or says False where it has not come yet (a walker then stops there);
+    ``send_*`` gets stage ``k``'s value for the stage on the other side."""
+
+    def attach(self, inputs: Dict[Key, Any], grads: Dict[Key, Any], evals: Dict[Key, Any]) -> None:
+        self.inputs, self.grads, self.evals = inputs, grads, evals
+
+    def use(self, schedule: Schedule) -> None:
+        """The segment's schedule (or the same one known further)."""
+
+    def fed(self, first: int, microbatches: Sequence[MicroBatch], batch: int) -> None:
+        """Micro-batches ``first``, ``first + 1``, ... came (mini-batch number ``batch``, from 1)."""
+
+    def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Every stage's gradient norm, in stage order, from this process's (in stage order)."""
+        return own
+
+    def drained(self) -> None:
+        """The segment has run to its end."""
+
+    def recv_activation(self, k: int, i: int) -> bool:
+        raise NotImplementedError
+
+    def send_activation(self, k: int, i: int, value: Any) -> None:
+        raise NotImplementedError
+
+    def recv_gradient(self, k: int, i: int) -> bool:
+        raise NotImplementedError
+
+    def send_gradient(self, k: int, i: int, value: Any) -> None:
+        raise NotImplementedError
+
+    def recv_eval(self, k: int, j: int) -> bool:
+        raise NotImplementedError
+
+    def send_eval(self, k: int, j: int, value: Any) -> None:
+        raise NotImplementedError
+
+
+class Mailbox(Transport):
+    """Every rank in this process: a send puts the value where the receiving stage reads it,
+    and a receive finds it there, or not yet."""
+
+    def use(self, schedule: Schedule) -> None:
+        n = schedule.num_stages
+        self._next = [schedule.next_stage(k) for k in range(n)]
+        self._prev = [schedule.prev_stage(k) for k in range(n)]
+
+    def recv_activation(self, k: int, i: int) -> bool:
+        return (k, i) in self.inputs
+
+    def send_activation(self, k: int, i: int, value: Any) -> None:
+        self.inputs[(self._next[k], i)] = value
+
+    def recv_gradient(self, k: int, i: int) -> bool:
+        return (k, i) in self.grads
+
+    def send_gradient(self, k: int, i: int, value: Any) -> None:
+        self.grads[(self._prev[k], i)] = value
+
+    def recv_eval(self, k: int, j: int) -> bool:
+        return (k, j) in self.evals
+
+    def send_eval(self, k: int, j: int, value: Any) -> None:
+        self.evals[(self._next[k], j)] = value
+
+
+class Walker:
+    """One rank's place in its lowered order, and the clipping coefficient of its update in
+    progress (global clipping: taken at its first update of that number, reused by the others)."""
+
+    __slots__ = ("rank", "order", "pos", "overlap_at", "clip_update", "clip_scale")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.order: List[Action] = []
+        self.pos = 0
+        #: positions of the backwards (or weight halves) after which the next compute action is an
+        #: update: the replicas' gradient averaging starts there (torchrun's data parallel)
+        self.overlap_at: FrozenSet[int] = frozenset()
+        self.clip_update = -1
+        self.clip_scale: Optional[torch.Tensor] = None
+
+
+class Executor(StreamedSegment):
+    """One segment (the mini-batches between two drains) of this process's ``stages``, walked
+    rank by rank over ``transport``.
+
+    ``ranks``: the ranks this process plays (None: every rank of the schedule, one process).
+    ``schedule_for(T)`` builds the segment's schedule for T mini-batches; ``expected``: the
+    segment's length when known (built once), else the horizon doubles as data comes.
+    ``clip_global``: clip each update's gradients by the norm over every stage (synchronous
+    methods). ``on_loss(window, loss)`` is called as each mini-batch's loss completes (windows
+    from 0 in this segment), on the process holding the last stage; :meth:`take_completed`
+    returns them too. ``forward_only``: the work of the schedule's ``E`` actions.
+    ``replica_sums``: piece -> the summer of its two replicas' gradients where they are on two
+    processes (``averaging.GradientAverager`` over their 2-process group)."""
+
+    def __init__(self, stages: Sequence[Stage], transport: Transport, schedule_for: ScheduleFor, *,
+                 ranks: Optional[Sequence[int]] = None, expected: Optional[int] = None,
+                 trace_offset: int = 0, clip_global: Optional[float] = None,
+                 on_loss: Optional[Callable[[int, float], None]] = None,
+                 forward_only: Optional[ForwardOnly] = None,
+                 replica_sums: Optional[Dict[int, Any]] = None) -> None:
+        super().__init__(schedule_for, expected)
+        own = sorted(stages, key=lambda s: s.index)
+        self.num_stages = own[0].num_stages
+        self.own = own  #: this process's stages, in stage order
+        #: indexable by stage number; None where another process holds the stage
+        self.stage_list: List[Optional[Stage]] = [None] * self.num_stages
+        for stage in own:
+            self.stage_list[stage.index] = stage
+        self.transport = transport
+        self.trace_offset = trace_offset
+        self.clip_global = clip_global
+        self.on_loss = on_loss
+        self.forward_only = forward_only
+        self.fed_micro = 0
+        self._ranks = list(ranks) if ranks is not None else None
+        self.walkers: List[Walker] = []
+        self._data: Dict[int, MicroBatch] = {}
+        self._holds_first = any(s.is_first for s in own)
+        self._holds_last = any(s.is_last for s in own)
+        self._inputs: Dict[Key, Any] = {}
+        self._grads: Dict[Key, Any] = {}
+        self._evals: Dict[Key, Any] = {}
+        self._outgoing: Dict[Key, Any] = {}  # a value whose SEND comes next in its rank's order
+        transport.attach(self._inputs, self._grads, self._evals)
+        self._window_loss: Optional[WindowLosses] = None
+        self._arrived: set = set()  # global clipping: the ranks at their first update of its number
+        #: two pipelines of the same pieces (a mirrored method): the second's stages are replicas
+        self.mirrored = any(s.replica_of is not None for s in own)
+        self._replicas = ReplicaUpdates(self.stage_list, replica_sums) if self.mirrored else None
+
+    # -- the segment ------------------------------------------------------------------------
+    def feed(self, microbatches: Sequence[MicroBatch]) -> None:
+        """Add one mini-batch (its micro-batches, in order) and run everything now runnable."""
+        self._add_batch(len(microbatches))
+        first = self.fed_micro
+        for inputs, target, share in microbatches:
+            self._data[self.fed_micro] = (inputs if self._holds_first else None,
+                                          target if self._holds_last else None, share)
+            self.fed_micro += 1
+        self.transport.fed(first, microbatches, self.fed_batches)
+        self._run()
+
+    def finish(self) -> None:
+        """The data has ended: run the rest of the orders for exactly the mini-batches fed."""
+        if self.finished:
+            return
+        final = self._final_orders()
+        if self.fed_batches:
+            if final is not None:
+                for w in self.walkers:
+                    self._check_prefix(final.name, f"rank {w.rank}", final.orders[w.rank],
+                                       [a for a in w.order[:w.pos] if a.kind in _COMPUTE])
+                self._use(final, open_ended=False)
+            self._run()
+            left = [str(w.order[w.pos]) for w in self.walkers if w.pos < len(w.order)]
+            if left:
+                raise ScheduleStuck(f"no rank can proceed; waiting: {', '.join(left)}")
+        self.transport.drained()
+
+    def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
+        """(window, loss) of the mini-batches completed since the last call, in order (on an
+        accelerator, those whose loss has reached the host; ``wait`` waits for all); none on a
+        process without a last stage."""
+        return self._window_loss.take_completed(wait) if self._window_loss is not None else []
+
+    def _use(self, schedule: Schedule, open_ended: bool) -> None:
+        check_runnable(schedule, self.num_stages, self.mirrored)
+        self.transport.use(schedule)
+        if self._replicas is not None:
+            self._replicas.use(schedule)
+        first = self.schedule is None
+        sync = schedule.options.get("synchronous_updates", 0)
+        by_stage = stage_orders(schedule)
+        for stage in self.own:
+            if first:
+                stage.policy.begin_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
+                                         synchronous_updates=sync)
+                stage.trace_offset = self.trace_offset
+            else:
+                stage.policy.extend_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
+                                          synchronous_updates=sync)
+        if first:
+            m = schedule.microbatches_per_update
+            lasts = sum(1 for s in self.own if s.is_last)  # a mirrored process: its pipelines' halves
+            self._window_loss = WindowLosses(m, self.on_loss, halves=m // 2 if self.mirrored else None,
+                                             expected=m * lasts // 2 if self.mirrored else None)
+            self.walkers = [Walker(r) for r in (self._ranks if self._ranks is not None
+                                                else range(schedule.num_ranks))]
+        self.schedule, self.horizon = schedule, schedule.num_updates
+        n, rank_of = self.num_stages, schedule.stage_to_rank
+        self._next = [schedule.next_stage(k) for k in range(n)]
+        self._prev = [schedule.prev_stage(k) for k in range(n)]
+        #: per stage: whether the next (previous) stage is on the same rank: a hand-over, not a send
+        self._next_here = [nxt is not None and rank_of[nxt] == rank_of[k] for k, nxt in enumerate(self._next)]
+        self._prev_here = [prv is not None and rank_of[prv] == rank_of[k] for k, prv in enumerate(self._prev)]
+        # per stage: whether it is this process's last of its chain (a micro-batch's data is then spent)
+        last_own = {}
+        for c, chain in enumerate(schedule.pipelines):
+            for k in chain:
+                if self.stage_list[k] is not None:
+                    last_own[c] = k
+        self._drops_data = [False] * n
+        for k in last_own.values():
+            self._drops_data[k] = True
+        self._lower_rest(schedule)
+        for w in self.walkers:
+            w.overlap_at = self._overlap_points(w.order)
+
+    def _lower_rest(self, schedule: Schedule) -> None:
+        """Each walker's order from ``schedule``: what it ran of its previous orders (their start,
+        by the streaming property; checked at the drain), then the rest of its new compute order
+        lowered. A walker never stops between an action and the transfers lowering put after it,
+        and lowering expands each action alone, so only the rest needs lowering (and only the
+        ranks this process plays)."""
+        ran = {w.rank: _computed(w) for w in self.walkers}
+        rest = replace(schedule, orders=[order[ran[r]:] if r in ran else []
+                                         for r, order in enumerate(schedule.orders)])
+        lowered = lower(rest).orders
+        for w in self.walkers:
+            w.order = w.order[:w.pos] + lowered[w.rank]
+
+    def _overlap_points(self, order: List[Action]) -> FrozenSet[int]:
+        """Where in ``order`` a replica's gradient averaging starts (none in one process)."""
+        return frozenset()
+
+    # -- the walk ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        """Let the walkers take turns until none can move."""
+        walkers, walk = self.walkers, self._walk
+        if len(walkers) == 1:
+            walk(walkers[0])
+            return
+        progressed = True
+        while progressed:
+            progressed = False
+            for w in walkers:
+                if walk(w):
+                    progressed = True
+
+    def _walk(self, w: Walker) -> bool:
+        """Run rank ``w``'s order from where it stands as far as it can go now; whether it moved."""
+        F, B, I, W, U, E = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E
+        SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+        order, start = w.order, w.pos
+        end, fed, stages, data = len(order), self.fed_micro, self.stage_list, self._data
+        inputs, grads, outgoing, t = self._inputs, self._grads, self._outgoing, self.transport
+        nxt, prv, next_here, prev_here = self._next, self._prev, self._next_here, self._prev_here
+        replicas, overlap_at, drops, losses = self._replicas, w.overlap_at, self._drops_data, self._window_loss
+        p = start
+        try:
+            while p < end:
+                k, kind, i = order[p]
+                if kind is F:
+                    if i >= fed:
+                        break  # not fed yet: the segment may still end before it
+                    stage = stages[k]
+                    x, target, share = data[i]
+                    if not stage.is_first:
+                        x = inputs.pop((k, i))
+                    if drops[k]:
+                        del data[i]
+                    y = stage.forward(i, x, target, share)
+                    if stage.is_last:
+                        losses.add(i, y)
+                    elif next_here[k]:
+                        inputs[(nxt[k], i)] = y
+                    else:
+                        outgoing[(k, i)] = y
+                elif kind is SEND_F:
+                    t.send_activation(k, i, outgoing.pop((k, i)))
+                elif kind is RECV_F:
+                    if i >= fed or not t.recv_activation(k, i):
+                        break
+                elif kind is B or kind is I:
+                    stage = stages[k]
+                    if p in overlap_at:
+                        stage.grad_sync.overlap()
+                    g = None if stage.is_last else grads.pop((k, i))
+                    g = (stage.backward if kind is B else stage.backward_input)(i, g)
+                    if not stage.is_first:
+                        if prev_here[k]:
+                            grads[(prv[k], i)] = g
+                        else:
+                            outgoing[(k, i)] = g
+                    if replicas is not None and kind is B:
+                        replicas.backward_done(k, i)
+                elif kind is SEND_B:
+                    t.send_gradient(k, i, outgoing.pop((k, i)))
+                elif kind is RECV_B:
+                    if not t.recv_gradient(k, i):
+                        break
+                elif kind is W:
+                    stage = stages[k]
+                    if p in overlap_at:
+                        stage.grad_sync.overlap()
+                    stage.backward_weight(i)
+                    if replicas is not None:
+                        replicas.backward_done(k, i)
+                elif kind is U:
+                    if replicas is not None and not replicas.ready(k, i):
+                        break  # the other replica's backwards of this window are still to come
+                    if self.clip_global is None:
+                        stages[k].update()
+                    else:  # one stage too: its norm is the model's
+                        scale = w.clip_scale if w.clip_update == i else self._global_scale(w, i)
+                        if scale is None:
+                            break
+                        stages[k].update(grad_scale=scale)
+                elif kind is E:
+                    self._forward_only(k, i)
+                elif kind is Kind.RECV_E:
+                    if not t.recv_eval(k, i):
+                        break
+                elif kind is Kind.SEND_E:
+                    t.send_eval(k, i, outgoing.pop((k, i)))
+                else:
+                    raise ValueError(f"the executor cannot run {order[p]}")
+                p += 1
+        finally:
+            w.pos = p
+        return p != start
+
+    def _forward_only(self, k: int, j: int) -> None:
+        """Stage ``k``'s forward-only pass of E micro-batch ``j`` (its input is here)."""
+        work, stage = self.forward_only, self.stage_list[k]
+        if work is None:
+            raise ValueError(f"{self.schedule.name} holds forward-only actions (E) but this executor "
+                             f"was given no forward-only work (Pipeline.evaluate_in_bubbles)")
+        out = work.forward(stage, j, work.inputs(j) if stage.is_first else self._evals.pop((k, j)))
+        if not stage.is_last:
+            if self._next_here[k]:
+                self._evals[(self._next[k], j)] = out
+            else:
+                self._outgoing[(k, j)] = out
+
+    def _global_scale(self, w: Walker, update: int) -> Optional[torch.Tensor]:
+        """The clipping coefficient of update ``update`` over every stage, once every walker of
+        this process stands at its first update of that number (every backward before it done;
+        None: wait). The norms are taken after the replicas' averaging, put in stage order
+        (across processes by the transport) and summed as ``clip_grad_norm_`` does; each walker
+        keeps the coefficient for its other updates of that number."""
+        self._arrived.add(w.rank)
+        if len(self._arrived) < len(self.walkers):
+            return None
+        self._arrived.clear()
+        for stage in self.own:
+            stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
+        norms = self.transport.all_norms([stage.grad_norm() for stage in self.own])
+        scale = clip_coefficient(norms, self.clip_global)
+        for v in self.walkers:
+            v.clip_update, v.clip_scale = update, scale
+        return scale
+
+    def compute_positions(self) -> List[int]:
+        """Per rank this process plays: how many of its compute actions have run (its place in
+        the schedule's compute-only order)."""
+        return [_computed(w) for w in self.walkers]
+
+
+_COMPUTE = frozenset(COMPUTE_KINDS)
+
+
+def _computed(w: Walker) -> int:
+    """How many compute actions walker ``w`` has run (counted without a Python call per action)."""
+    return sum(map(_COMPUTE.__contains__, map(attrgetter("kind"), w.order[:w.pos])))
