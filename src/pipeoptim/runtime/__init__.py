@@ -1,4 +1,5 @@
-"""Executing schedules: one stage implementation (stage.py), a local and a distributed executor.
+"""Executing schedules: one stage implementation (stage.py) and one executor (executor.py), which
+walks each rank's lowered order in one process (local.py) or under torchrun (distributed.py).
 
 ``Stage``, ``TraceEntry`` and ``run_schedule`` are imported on first use, so that the modules of
 this package that need no torch (:mod:`~pipeoptim.runtime.defaults`, whose values the command
