@@ -19,28 +19,33 @@ def lower(schedule: Schedule) -> Schedule:
         raise ValueError(f"{schedule.name} is already lowered")
     rank_of = schedule.stage_to_rank
     grad_kind = Kind.I if schedule.split_backward else Kind.B
+    # per stage: whether its previous / next stage lives on another rank (asked once, not per action)
+    remote_prev, remote_next = {}, {}
+    for stage, rank in enumerate(rank_of):
+        prev, nxt = schedule.prev_stage(stage), schedule.next_stage(stage)
+        remote_prev[stage] = prev is not None and rank_of[prev] != rank
+        remote_next[stage] = nxt is not None and rank_of[nxt] != rank
+    F, E = Kind.F, Kind.E
     orders: List[List[Action]] = []
-    for rank, order in enumerate(schedule.orders):
+    for order in schedule.orders:
         lowered: List[Action] = []
+        add = lowered.append
         for a in order:
-            prev, nxt = (schedule.prev_stage(a.stage), schedule.next_stage(a.stage)) \
-                if a.kind is not Kind.U else (None, None)
-            remote_prev = prev is not None and rank_of[prev] != rank
-            remote_next = nxt is not None and rank_of[nxt] != rank
-            if a.kind is Kind.F or a.kind is Kind.E:
-                recv, send = (Kind.RECV_F, Kind.SEND_F) if a.kind is Kind.F else (Kind.RECV_E, Kind.SEND_E)
-                if remote_prev:
-                    lowered.append(Action(a.stage, recv, a.index))
-                lowered.append(a)
-                if remote_next:
-                    lowered.append(Action(a.stage, send, a.index))
-            elif a.kind is grad_kind:
-                if remote_next:
-                    lowered.append(Action(a.stage, Kind.RECV_B, a.index))
-                lowered.append(a)
-                if remote_prev:
-                    lowered.append(Action(a.stage, Kind.SEND_B, a.index))
+            kind, k = a.kind, a.stage
+            if kind is F or kind is E:
+                recv, send = (Kind.RECV_F, Kind.SEND_F) if kind is F else (Kind.RECV_E, Kind.SEND_E)
+                if remote_prev[k]:
+                    add(Action(k, recv, a.index))
+                add(a)
+                if remote_next[k]:
+                    add(Action(k, send, a.index))
+            elif kind is grad_kind:
+                if remote_next[k]:
+                    add(Action(k, Kind.RECV_B, a.index))
+                add(a)
+                if remote_prev[k]:
+                    add(Action(k, Kind.SEND_B, a.index))
             else:
-                lowered.append(a)
+                add(a)
         orders.append(lowered)
     return replace(schedule, orders=orders)
