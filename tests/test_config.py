@@ -147,7 +147,7 @@ def flag_arguments(option: Option) -> List[str]:
         choices = flag.choices or method_choices(option.name)
         value = str(next(c for c in choices if c != cli_default(option) and c != option.default))
     else:
-        value = {"int": "3", "float": "1.5", "norm": "1.5", "ints": "2,2", "path": "somewhere"}[flag.type]
+        value = {"int": "3", "float": "1.5", "norm": "1.5", "ints": "2,2", "path": "somewhere", "str": "a-value"}[flag.type]
     return [name, value]
 
 
@@ -262,6 +262,7 @@ def test_the_run_configuration_reaches_fit_whole(stop_at_fit_run, monkeypatch):
     supplied = {"eval_loader", "metric", "evaluate", "on_batch", "on_epoch", "on_eval", "checkpoint_dir", "resume"}
     fit = FitConfig(**{name: value for name, value in given("fit").items() if name not in supplied})
     monkeypatch.setattr(experiment, "check_spec", lambda *a: None)
+    monkeypatch.setattr(pipeline_module, "check_fit", lambda config: None)
     cfg = RunConfig(model="mlp", batch_size=4, lr=0.1, pipeline=PipelineConfig(method="gpipe", stages=2), fit=fit)
     with pytest.raises(Arrived) as arrived:
         experiment.run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a: None, task=FakeTask(),

@@ -21,6 +21,7 @@ from torch import nn
 
 from .batches import loader_item
 from .checkpoint import set_rng_state
+from .checks import check_loader
 from .config import FitConfig
 from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
@@ -57,19 +58,9 @@ class FitRun:
             self.num_batches: Optional[int] = len(loader)  # type: ignore[arg-type]
         except TypeError:
             self.num_batches = None
-        if self.num_batches == 0:
-            raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
-                             "larger than the data set with drop_last=True?)")
+        check_loader(self.num_batches)
         self.segment, self.run_info = checkpoint_settings(pipe.spec, self.num_batches, settings.checkpoint_every,
-                                                          settings.continuous, settings.eval_every)
-        if settings.resume and self.store is None:
-            raise ValueError("resume=True needs checkpoint_dir")
-        if settings.eval_in_bubbles:
-            if settings.eval_every is None or settings.eval_loader is None:
-                raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: "
-                                 "give eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, "
-                                 "drained)")
-            pipe.check_fills_bubbles()
+                                                          settings.eval_every)
         self.epoch_metrics: List[Dict[str, Any]] = []
         self.evaluations: List[Dict[str, Any]] = []
         self.seconds_before = 0.0       #: training time of the run before its checkpoint (after a resume)

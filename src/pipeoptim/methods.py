@@ -1,9 +1,9 @@
-"""The method registry: a training method is a (schedule, weight policy) pair, looked up by name.
+"""The method registry: a method is a (schedule, weight policy) pair.
 
-Each :class:`Method` names the schedule that orders its work, the weight policy that decides
-which weights each pass uses, the options a user may set, and the number of weight versions
-stage k holds (docs/architecture.md, "Weight versions per method"; the simulator reports it,
-the runtime measures it).
+Each :class:`Method`, looked up by name (:func:`get_method`), names the schedule that orders its
+work, the weight policy that decides which weights each pass uses, the options a user may set,
+and the number of weight versions stage k holds (docs/architecture.md, "Weight versions per
+method"; the simulator reports it, the runtime measures it).
 """
 from __future__ import annotations
 
@@ -85,21 +85,9 @@ class Method:
         return [self.versions(k, stages, **merged) for k in range(stages)]
 
     def resolve_options(self, given: Dict[str, Any]) -> Dict[str, Any]:
-        """Defaults overlaid with ``given``; unknown options and bad values raise ValueError."""
-        unknown = sorted(set(given) - set(self.options))
-        if unknown:
-            allowed = ", ".join(self.options) or "none"
-            takers = [m.name for m in METHODS.values() if set(unknown) <= set(m.options)]
-            hint = f"; {', '.join(unknown)} applies to {', '.join(takers)}" if takers else ""
-            raise ValueError(f"method {self.name!r} takes no option {', '.join(unknown)} "
-                             f"(its options: {allowed}){hint}")
-        merged = {**self.options, **given}
-        for key, allowed in self.choices.items():
-            if merged[key] not in allowed:
-                raise ValueError(f"{self.name}: {key} must be one of {', '.join(map(str, allowed))}, "
-                                 f"got {merged[key]!r}")
-        _check_corrections(self.name, merged, given)
-        return merged
+        """The method's options: its defaults overlaid with ``given`` (checked first, with the
+        values each allows: ``pipeoptim.checks.check_method_options``)."""
+        return {**self.options, **given}
 
 
 #: The delay corrections (weights/corrections.py has their formulas), all off by default.
@@ -112,33 +100,6 @@ PREDICTION_OPTIONS: Dict[str, Any] = {"horizon": "constant", "delta": "optimizer
 CORRECTION_CHOICES: Dict[str, tuple] = {"lr_correction": ("none", "delay"),
                                         "horizon": ("constant", "scheduled"),
                                         "delta": ("optimizer", "ema")}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_corrections(method: str, merged: Dict[str, Any], given: Dict[str, Any]) -> None:
-    """The numeric correction options and the ones that only mean something together."""
-    if "lr_correction_steps" in merged:
-        steps = merged["lr_correction_steps"]
-        if steps is not None and (not _is_int(steps) or steps < 1):
-            raise ValueError(f"{method}: lr_correction_steps must be a number of updates >= 1, got {steps!r}")
-        if merged["lr_correction"] == "delay" and steps is None:
-            raise ValueError(f"{method}: lr_correction='delay' needs lr_correction_steps=T, the updates "
-                             f"over which each stage's lr anneals from lr/delay to lr")
-        if "lr_correction_steps" in given and merged["lr_correction"] != "delay":
-            raise ValueError(f"{method}: lr_correction_steps applies with lr_correction='delay'")
-    for key in ("sync_warmup", "prediction_warmup"):
-        if key in merged and (not _is_int(merged[key]) or merged[key] < 0):
-            raise ValueError(f"{method}: {key} must be 0 (off) or a number of "
-                             f"{'mini-batches' if key == 'sync_warmup' else 'updates'}, got {merged[key]!r}")
-    if "ema_decay" in merged and merged["ema_decay"] is not None:
-        decay = merged["ema_decay"]
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
-            raise ValueError(f"{method}: ema_decay must lie strictly between 0 and 1, got {decay!r}")
-        if merged["delta"] != "ema":
-            raise ValueError(f"{method}: ema_decay applies with delta='ema'")
 
 
 def _pipedream_versions(k: int, n: int, vertical_sync: bool = False, **_: Any) -> int:

@@ -22,15 +22,15 @@ import torch
 from torch import nn
 
 from .batches import BatchForm
-from .errors import NonFiniteLoss
+from .checks import Checked, check_fit, check_model, check_options, check_pipeline
 from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
+from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, Metric, TrainResult
-from .methods import clip_scope_for, get_method
+from .methods import get_method
 from .options import describe, of_scope
-from .prepare import (CLIP_SCOPES, build_model_stages, check_model_settings, check_settings, first_inputs,
-                      needs_example)
+from .prepare import build_model_stages, first_inputs, needs_example
 from .runtime import named_state
-from .runtime.build import recompute_per_stage
+from .runtime.defaults import CLIP_SCOPES
 from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
 from .runtime.microbatch import batch_size, split_batch
 from .runtime.replicas import copy_to_replicas
@@ -56,10 +56,11 @@ class Pipeline:
             returns the trained copy, of the model's class, whose parameters keep their names.
         {options}
 
-        Every keyword but ``model`` is defined once, with its default, in
-        :mod:`pipeoptim.options` (the list above is made from it); a method's own options are
-        passed as keywords too (which methods take each: :func:`pipeoptim.options.takers`;
-        formulas and costs of the delay corrections: :mod:`pipeoptim.weights.corrections`).
+        Every keyword but ``model`` is defined once, with its type and default, in
+        :mod:`pipeoptim.options` (the list above and the signature are made from it), and held
+        whole in ``pipe.config`` (:class:`pipeoptim.config.PipelineConfig`; :meth:`from_config`
+        takes one); a method's own options are passed as keywords too (which methods take each:
+        :func:`pipeoptim.options.takers`; the delay corrections: :mod:`pipeoptim.weights.corrections`).
 
     Under ``torchrun --nproc-per-node N`` each process runs one stage (see
     :mod:`pipeoptim.torchrun`): every rank builds the Pipeline and iterates the same loader;
@@ -79,19 +80,17 @@ class Pipeline:
         return pipe
 
     def _build(self, model: nn.Module, config: PipelineConfig) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
-                             f"forward torch.export can trace), got {type(model).__name__}")
+        check_model(model)
         self.config = config  #: every option, as given (pipeoptim.config.PipelineConfig)
         self.method = get_method(config.method)
-        check_settings(self.method, config)
-        clip_scope = clip_scope_for(self.method, config.clip_scope)  #: "auto" resolved: global or stage
+        check_options(self.method, config)  # before a torchrun job is joined
         self.world: World = config.world if config.world is not None else (
             Torchrun.join(config.devices, config.timeout, config.threads) or LocalWorld())
         self._form = BatchForm(model_loss=config.loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
         self._model = copy.deepcopy(model)
         self._model.train()
-        check_model_settings(self.world, model, self.method, config)
+        #: what the checks settled, once: the layout, the method's options, clip scope, compile backend
+        self.checked: Checked = check_pipeline(config, model, self.world, self.method)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
@@ -102,7 +101,7 @@ class Pipeline:
         self.recompute: List[bool] = []
         #: the pipeline rank of each stage (Method.stage_ranks: s mod N, or a V for zb-v)
         self.placement: List[int] = []
-        self.clip_global = config.clip_grad_norm if clip_scope == "global" else None
+        self.clip_global = config.clip_grad_norm if self.checked.clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
         self.samples_done = 0
@@ -128,11 +127,11 @@ class Pipeline:
         itself, at construction or on its first mini-batch; nothing happens if already done."""
         if self.prepared:
             return
-        built = build_model_stages(self.world, self._model, example_input, self.method, self.config)
-        self.spec, self.stages, self.devices, self.split_points, self._eval_mode, self.placement = built
+        built = build_model_stages(self.world, self._model, example_input, self.config, self.checked)
+        self.spec, self.stages, self.devices, self.placement = built.spec, built.stages, built.devices, built.placement
+        self.recompute, self.split_points, self._eval_mode = built.recompute, built.split_points, built.eval_mode
         if self.split_points is not None:  # a traced model: its stages name a tied weight once
             self.state_names = StateNames(self._model)
-        self.recompute = recompute_per_stage(self.config.recompute, self.spec.stages)
 
     # -- driving by hand ----------------------------------------------------------------------
     @property
@@ -242,17 +241,13 @@ class Pipeline:
         a traced model is split (the layout says it)."""
         if self.stages:
             return self.world.replica
-        stages = self._layout().stages
+        stages = self.checked.layout.stages
         return self.world.rank // stages if stages else 0
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas of the pipeline (1 without data parallelism)."""
-        return self.world.replicas if self.stages else self._layout().replicas
-
-    def _layout(self) -> Any:
-        c = self.config
-        return self.world.layout(self.method, c.stages, c.partition, c.chunks, c.data_parallel)
+        return self.world.replicas if self.stages else self.checked.layout.replicas
 
     @property
     def drained(self) -> bool:
@@ -433,16 +428,12 @@ class Pipeline:
         less evaluations and checkpoint writes).
         """
         config = FitConfig.of(epochs=epochs, **options)
-        if config.epochs < 1:
-            raise ValueError(f"epochs must be at least 1, got {config.epochs}")
-        if config.eval_loader is not None and config.evaluate is not None:
-            raise ValueError("give evaluate=fn(model) or eval_loader (with metric), not both")
-        if config.eval_every is not None and config.evaluate is None and config.eval_loader is None:
-            raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
-                             "eval_loader (with metric)")
+        check_fit(config)
         if not self.prepared:
             self.prepare(first_inputs(loader, self._form))
         self._require_drained("fit")
+        if config.eval_in_bubbles:
+            self.check_fills_bubbles()
         return FitRun(self, loader, config).run()
 
 

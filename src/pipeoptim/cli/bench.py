@@ -1,4 +1,4 @@
-"""`pipeoptim bench`: measured throughput of the methods on the distributed runtime.
+"""`pipeoptim bench`: the methods' throughput, measured under torchrun.
 
 One run starts one process per stage (torchrun on this machine, one compute thread each) and
 times, inside the workers, every method in turn through ``pipeoptim.Pipeline`` (one stage per

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -60,14 +59,9 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
     check = dict(given)  # the values, checked now (the default T is only known with the data)
     if check.get("lr_correction") == "delay" and "lr_correction_steps" not in check:
         check["lr_correction_steps"] = 1
-    try:
-        meth.resolve_options(check)
-    except ValueError as error:  # name the flag, not the option
-        message = str(error)
-        keys = "|".join(sorted(map(re.escape, METHOD_OPTIONS), key=len, reverse=True))  # one pass: no key twice
-        message = re.sub(rf"(?<![\w-])({keys})\b(=)?",
-                         lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
-        raise ValueError(message) from None
+    from ..checks import COMMAND_LINE, check_method_options
+
+    check_method_options(meth, check, COMMAND_LINE)  # in the flags' words
     return given
 
 
@@ -103,18 +97,17 @@ def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Opt
     model's norm: the same numbers as sequential), an asynchronous one per stage (no stage holds a
     mini-batch's whole gradient); the run's record names the scope that ``auto`` chose."""
     scope = getattr(args, "clip_scope", None)
-    synchronous = get_method(method).synchronous
+    meth = get_method(method)
     if scope in (None, "auto"):  # the engine's default: global where the method allows it
-        return clip_scope_for(get_method(method), "auto") if clip is not None else "stage"
+        return clip_scope_for(meth, "auto") if clip is not None else "stage"
     if clip is None:
         raise ValueError(f"--clip-scope applies with clipping, and the {args.task} recipe does not clip: "
                          f"give --clip-grad MAX_NORM")
-    if scope == "global" and not synchronous:
-        if strict:
-            raise ValueError(f"--clip-scope global needs every stage to update the same mini-batch at "
-                             f"once, which only synchronous methods do; {method} updates each stage at "
-                             f"its own time: use --clip-scope stage")
-        return "stage"
+    if not strict:  # a comparison: the asynchronous methods clip per stage
+        return "stage" if scope == "global" and not meth.synchronous else scope
+    from ..checks import COMMAND_LINE, check_clipping
+
+    check_clipping(meth, clip, scope, COMMAND_LINE)
     return scope
 
 

@@ -1,5 +1,6 @@
-"""`pipeoptim compare`: several methods on the same data, seed and initial weights; one table
-and one plot."""
+"""`pipeoptim compare`: several methods on the same data, seed and weights.
+
+They start from the same initial weights; one table and one plot of them all."""
 from __future__ import annotations
 
 import argparse

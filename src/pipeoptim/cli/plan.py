@@ -1,5 +1,7 @@
-"""`pipeoptim plan`: profile a task's model or your own, partition it, predict every method and
-micro-batch count, recommend one and write a plan file for `pipeoptim train --plan FILE`."""
+"""`pipeoptim plan`: profile a model, predict the methods, write a plan.
+
+It profiles a task's model or your own, partitions it, predicts every method and micro-batch
+count, recommends one and writes a plan file for `pipeoptim train --plan FILE`."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,6 @@
-"""`pipeoptim schedule`: build a schedule, simulate it, and show it (text, PNG, Chrome trace, CSV).
+"""`pipeoptim schedule`: build a schedule, simulate it, and show it.
+
+As text, PNG, Chrome trace or CSV.
 
 NAME is a schedule (``gpipe``, ``async-1f1b``, ...) or a training method (``pipeoptim``,
 ``pipedream``, ...). For a method, the command shows the method's schedule, uses its default

@@ -71,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if args.shard_replicas and (args.data_parallel or 1) < 2:
         raise ValueError("--shard-replicas shards each stage over its replicas: give --data-parallel D "
                          "with D >= 2")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise ValueError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
-    if args.diagnose_every < 0:
-        raise ValueError(f"--diagnose-every must be 0 (off) or more, got {args.diagnose_every}")
+    from ..checks import COMMAND_LINE, check_diagnose_every, check_drains
+
+    check_drains(args.checkpoint_every, None, False, COMMAND_LINE)
+    check_diagnose_every(args.diagnose_every, COMMAND_LINE)
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":

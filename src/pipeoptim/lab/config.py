@@ -1,4 +1,4 @@
-"""The lab's options and the configuration of one run, as the command line takes them.
+"""The lab's options and the command line's configuration of a run.
 
 The engine's options (the Pipeline's, fit's and the methods') are defined in
 :mod:`pipeoptim.options`; the lab adds its own here, defined the same way: the task and its
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from ..config import FitConfig, PipelineConfig
 from ..options import NOT_GIVEN, OPTIONS, Flag, Option

@@ -26,12 +26,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .. import checks
 from ..methods import get_method
 from ..pipeline import Pipeline, TrainResult, resolve_devices
 from ..prepare import prepare
+from ..runtime.compiled import backend_of
 from ..runtime.defaults import DEFAULT_TIMEOUT
+from ..runtime.layout import plan_layout
 from ..runtime.microbatch import batch_size as samples_in, split_batch
-from ..runtime.spec import RunSpec, checkpoint_settings, resolve
+from ..runtime.spec import RunSpec, resolve
 from ..schedules import Costs, simulate
 from .config import RunConfig
 from .lr_schedules import make_lr_schedule
@@ -59,12 +62,16 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
     config = cfg.pipeline
     for inputs, _ in batches if config.data_parallel else ():
         check_shards(samples_in(inputs), config.data_parallel)
+    method = get_method(config.method)
+    layout = plan_layout(method, stages=config.stages, partition=config.partition, chunks=config.chunks,
+                         data_parallel=config.data_parallel)
+    checked = checks.check_run(config, model, method, layout, backend_of(config.compile))
     if isinstance(model, torch.nn.Sequential):
         spec = resolve(model, method=config.method, stages=config.stages, partition=config.partition,
                        partitioner=config.partitioner, micro_batches=config.micro_batches,
-                       method_options=config.method_options, chunks=config.chunks)
+                       method_options=config.method_options, chunks=config.chunks, layout=layout)
     else:
-        spec = traced_spec(cfg, model, batches)
+        spec = traced_spec(cfg, model, batches, checked)
     check_spec(cfg, spec, batches)
 
 
@@ -84,29 +91,23 @@ def fill_run_defaults(cfg: RunConfig, batches: List[Any]) -> None:
 def check_spec(cfg: RunConfig, spec: RunSpec, batches: List[Any]) -> None:
     """What the resolved run ``spec`` must still fit: the checkpoint and evaluation intervals,
     every mini-batch splitting into the micro-batches, the lr schedule, the devices, clipping."""
-    run = cfg.fit
-    checkpoint_settings(spec, len(batches), run.checkpoint_every, run.continuous, run.eval_every)
+    run, config = cfg.fit, cfg.pipeline
+    checks.check_drains(run.checkpoint_every, run.eval_every, run.continuous)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
     make_lr_schedule(cfg.lr_schedule, len(batches) * run.epochs, cfg.warmup_steps)
-    resolve_devices(cfg.pipeline.devices, spec.stages)
-    clip = cfg.pipeline.clip_grad_norm
-    if clip is not None and not clip > 0:
-        raise ValueError(f"--clip-grad must be a positive max norm, got {clip}")
+    resolve_devices(config.devices, spec.stages)
+    checks.check_clipping(get_method(config.method), config.clip_grad_norm, config.clip_scope, checks.COMMAND_LINE)
 
 
-def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> RunSpec:
+def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any], checked: checks.Checked) -> RunSpec:
     """The resolved run of a model the Pipeline traces (docs/architecture.md, "Splitting any
     module"): traced on the first mini-batch's inputs and cut by ``cfg``'s partitioner over its
     units, as the Pipeline will; what the split refuses (more stages than candidate points, a
     chunked method, a weight tied across stages with a method that cannot keep it tied) is
     refused here, before anything is written. Torch's random state is left as it was."""
-    config = cfg.pipeline
     with torch.random.fork_rng(devices=[]):
-        return prepare(model, batches[0][0], method=config.method, stages=config.stages,
-                       partition=config.partition, split_points=None, partitioner=config.partitioner,
-                       micro_batches=config.micro_batches, method_options=config.method_options,
-                       chunks=config.chunks).spec
+        return prepare(model, batches[0][0], cfg.pipeline, checked).spec
 
 
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:

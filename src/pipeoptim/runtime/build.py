@@ -63,20 +63,6 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, 
     return scheduler
 
 
-def recompute_per_stage(recompute: Union[bool, Sequence[bool]], stages: int) -> List[bool]:
-    """``Pipeline(recompute=...)`` per stage: one bool for every stage, or a list of one per
-    stage; anything else is a ValueError that says what to give."""
-    if isinstance(recompute, bool):
-        return [recompute] * stages
-    if isinstance(recompute, (list, tuple)) and all(isinstance(r, bool) for r in recompute):
-        if len(recompute) != stages:
-            raise ValueError(f"recompute lists {len(recompute)} stages but the pipeline has {stages}; "
-                             f"give one bool per stage, or recompute=True for all")
-        return list(recompute)
-    raise ValueError(f"recompute must be True, False or a list of one bool per stage (e.g. "
-                     f"[True] * {stages}), got {recompute!r}")
-
-
 def split_for(method: Method, model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Module]:
     """The stage modules of ``model`` cut by ``sizes``: its own layers; a mirrored method's second
     half of the stages copies of the first half's pieces (``sizes`` lists them twice)."""
@@ -111,7 +97,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
     stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
     moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
-    the backward if ``recompute[k]`` (see :func:`recompute_per_stage`); every stage's forward
+    the backward if ``recompute[k]`` (``pipeoptim.checks.recompute_per_stage``); every stage's forward
     runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
 
     ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of

@@ -1,0 +1,379 @@
+"""Every refusal of a run's settings, in one place: what the configuration, the model and the world
+decide, each a ValueError that names the fix.
+
+A Pipeline runs them once, when it is built: the options alone (:func:`check_options`, before
+a torchrun job is joined), then what the model and the world decide (:func:`check_pipeline`) in
+the world's layout, computed there once and handed on in :class:`Checked` (:func:`check_run`:
+sharding, compilation, the cut, the method's options, the chunks, the micro-batches). What
+needs the trace or the placed devices is checked where they are made, by the functions here
+(:func:`check_units`, :func:`check_toolchain`, :func:`check_tie_devices`,
+:func:`recompute_per_stage`); what needs the data, when fit starts (:func:`check_fit`,
+:func:`check_loader`). The lab's launcher asks :func:`check_run` before it starts any process,
+and the command line asks the same checks in its own words (:data:`COMMAND_LINE`:
+``--clip-scope global`` where the API says ``clip_scope='global'``).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .methods import METHODS, Method, clip_scope_for
+from .options import BY_NAME, OPTIONS
+from .partition import weighted_units
+from .plan_defaults import PARTITIONERS
+from .runtime.compiled import backend_of, missing_toolchain
+from .runtime.defaults import CLIP_SCOPES, PRECISIONS
+from .runtime.layout import Layout
+from .runtime.sharding import fsdp_available
+
+
+class Words:
+    """How a refusal names an option and its value: as the Python API takes it
+    (``clip_scope='global'``) or as the command line does (``--clip-scope global``)."""
+
+    def __init__(self, command_line: bool) -> None:
+        self.command_line = command_line
+
+    def name(self, option: str) -> str:
+        if not self.command_line:
+            return option
+        flag = BY_NAME[option].flag if option in BY_NAME else None
+        return flag.flag_name(option) if flag is not None else "--" + option.replace("_", "-")
+
+    def set(self, option: str, value: Any) -> str:
+        if self.command_line:
+            return self.name(option) + ("" if value is True else f" {value}")
+        return f"{option}={value!r}"
+
+    def say(self, message: str) -> str:
+        """A message written in the API's words, in these (each option's name as its flag; an
+        option's ``name=`` as ``--name ``)."""
+        if not self.command_line:
+            return message
+        return re.sub(rf"(?<![\w-])({_NAMES})\b(=)?",
+                      lambda m: self.name(m.group(1)) + (" " if m.group(2) else ""), message)
+
+
+#: the names Words.say turns into flags: the methods' options and every name with an underscore
+#: (a plain word such as "method" or "continuous" is left as it is)
+_NAMES = "|".join(sorted((re.escape(o.name) for o in OPTIONS if o.scope == "method" or "_" in o.name),
+                         key=len, reverse=True))
+API, COMMAND_LINE = Words(False), Words(True)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks of a build settle, handed to the preparation and the stage builders: the
+    method, the layout (computed once per build), the method's options with its defaults, the
+    clip scope (``auto`` resolved) and the compile backend (None: eager)."""
+
+    method: Method
+    layout: Layout
+    options: Dict[str, Any]
+    clip_scope: str
+    backend: Optional[str]
+
+
+# -- a Pipeline, when it is built ---------------------------------------------------------------
+def check_model(model: Any) -> None:
+    """The model: any ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module whose "
+                         f"forward torch.export can trace), got {type(model).__name__}")
+
+
+def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) -> Checked:
+    """Everything the model and the world decide beside the options (:func:`check_options`, run
+    before the world is joined), once, when a Pipeline is built, before the loader and the
+    processes start; the layout in ``world``'s terms."""
+    backend = backend_of(config.compile)
+    layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel)
+    if config.shard_replicas:
+        check_sharding(world, layout, config)
+    if config.loss_fn is None and isinstance(model, nn.Sequential):
+        raise ValueError("an nn.Sequential returns no loss of its own: give the Pipeline loss_fn=fn(output, target)")
+    return check_run(config, model, method, layout, backend)
+
+
+def check_options(method: Method, config: Any, words: Words = API) -> None:
+    """The options alone: what each must be, and the ones that contradict each other."""
+    if config.loss_fn is not None and not callable(config.loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model "
+                         "that computes its own loss from batch['labels']")
+    optimizer = config.optimizer
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("optimizer must be a factory called with each stage's parameters, "
+                         "e.g. lambda params: torch.optim.SGD(params, lr=0.1), not an optimizer")
+    scheduler = config.lr_scheduler
+    if scheduler is not None and (not callable(scheduler) or hasattr(scheduler, "step")):
+        raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
+                         "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
+    if config.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+    check_clipping(method, config.clip_grad_norm, config.clip_scope, words)
+    check_diagnose_every(config.diagnose_every, words)
+    if config.partitioner not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner {config.partitioner!r}; choose {', '.join(PARTITIONERS)}")
+
+
+def check_diagnose_every(every: int, words: Words = API) -> None:
+    """``diagnose_every``: 0 (off) or an interval."""
+    if every < 0:
+        raise ValueError(f"{words.name('diagnose_every')} must be 0 (off) or more, got {every}")
+
+
+def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: str, words: Words = API) -> None:
+    """The clipping options: a positive max norm; a global scope only where every stage holds
+    the same mini-batch's gradients when it updates, over one copy of each piece."""
+    if clip_scope not in CLIP_SCOPES:
+        raise ValueError(f"clip_scope must be one of {', '.join(map(repr, CLIP_SCOPES))}, got {clip_scope!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"{words.name('clip_grad_norm')} must be a positive max norm, got {clip_grad_norm}")
+    if clip_scope != "global" or clip_grad_norm is None:
+        return
+    stage = words.set("clip_scope", "stage")
+    if method.mirrored:
+        raise ValueError(f"{words.set('clip_scope', 'global')} over {method.name}'s two replicas of each piece is "
+                         f"not supported yet (the norm would count each piece twice): use {stage}")
+    if not method.synchronous:
+        raise ValueError(f"{words.set('clip_scope', 'global')} needs every stage to update the same mini-batch "
+                         f"at once, which only synchronous methods do; {method.name} updates each stage at its "
+                         f"own time: use {stage}")
+
+
+def check_method_options(method: Method, given: Dict[str, Any], words: Words = API) -> Dict[str, Any]:
+    """The method's options given, overlaid on its defaults (:meth:`Method.resolve_options`);
+    an option it does not take and a bad value are refused."""
+    unknown = sorted(set(given) - set(method.options))
+    if unknown:
+        allowed = ", ".join(method.options) or "none"
+        takers = [m.name for m in METHODS.values() if set(unknown) <= set(m.options)]
+        hint = f"; {', '.join(unknown)} applies to {', '.join(takers)}" if takers else ""
+        raise ValueError(words.say(f"method {method.name!r} takes no option {', '.join(unknown)} "
+                                   f"(its options: {allowed}){hint}"))
+    merged = method.resolve_options(given)
+    try:
+        for key, allowed in method.choices.items():
+            if merged[key] not in allowed:
+                raise ValueError(f"{method.name}: {key} must be one of {', '.join(map(str, allowed))}, "
+                                 f"got {merged[key]!r}")
+        _check_corrections(method.name, merged, given)
+    except ValueError as error:
+        raise ValueError(words.say(str(error))) from None
+    return merged
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_corrections(method: str, merged: Dict[str, Any], given: Dict[str, Any]) -> None:
+    """The numeric correction options and the ones that only mean something together."""
+    if "lr_correction_steps" in merged:
+        steps = merged["lr_correction_steps"]
+        if steps is not None and (not _is_int(steps) or steps < 1):
+            raise ValueError(f"{method}: lr_correction_steps must be a number of updates >= 1, got {steps!r}")
+        if merged["lr_correction"] == "delay" and steps is None:
+            raise ValueError(f"{method}: lr_correction='delay' needs lr_correction_steps=T, the updates "
+                             f"over which each stage's lr anneals from lr/delay to lr")
+        if "lr_correction_steps" in given and merged["lr_correction"] != "delay":
+            raise ValueError(f"{method}: lr_correction_steps applies with lr_correction='delay'")
+    for key in ("sync_warmup", "prediction_warmup"):
+        if key in merged and (not _is_int(merged[key]) or merged[key] < 0):
+            raise ValueError(f"{method}: {key} must be 0 (off) or a number of "
+                             f"{'mini-batches' if key == 'sync_warmup' else 'updates'}, got {merged[key]!r}")
+    if "ema_decay" in merged and merged["ema_decay"] is not None:
+        decay = merged["ema_decay"]
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise ValueError(f"{method}: ema_decay must lie strictly between 0 and 1, got {decay!r}")
+        if merged["delta"] != "ema":
+            raise ValueError(f"{method}: ema_decay applies with delta='ema'")
+
+
+def check_sharding(world: Any, layout: Layout, config: Any) -> None:
+    """``shard_replicas``: what the job must be for it."""
+    if not isinstance(config.shard_replicas, bool):
+        raise ValueError(f"shard_replicas must be True or False, got {config.shard_replicas!r}")
+    if world.processes == 1:
+        raise ValueError("shard_replicas=True shards each stage over its data-parallel replicas, which "
+                         "run as processes: start N x D processes with torchrun (D >= 2), e.g. "
+                         "torchrun --nproc-per-node 4 for 2 stages x 2 replicas, or drop shard_replicas")
+    if layout.replicas < 2:
+        raise ValueError(f"shard_replicas=True needs D >= 2 replicas to shard over, but WORLD_SIZE "
+                         f"{world.processes} holds {layout.stages} stage(s) x 1 replica: start "
+                         f"{2 * (layout.stages or 1)} processes or give fewer stages")
+    if not fsdp_available():
+        raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
+                         f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
+
+
+def check_compile(config: Any) -> None:
+    """``compile`` beside the other options (its toolchain: :func:`check_toolchain`)."""
+    if config.shard_replicas:
+        raise ValueError("compile and shard_replicas do not run together yet (FSDP's hooks around a "
+                         "compiled stage): drop one of them")
+
+
+# -- a run in a layout: the Pipeline's, or the launcher's before it starts the processes ----------
+def check_run(config: Any, model: nn.Module, method: Method, layout: Layout,
+              backend: Optional[str] = None) -> Checked:
+    """What the configuration and the model decide in ``layout``: compilation beside sharding,
+    the cut (:func:`check_split`), a mirrored method's replicas, the method's options, the
+    stages the model must have and the micro-batches."""
+    if backend is not None:
+        check_compile(config)
+    check_split(model, method, config.stages, config.partition, config.split_points, layout.chunks)
+    if method.mirrored and (layout.replicas > 1 or config.shard_replicas):
+        raise ValueError(f"{method.name} already holds two replicas of each piece; with data_parallel > 1 or "
+                         f"shard_replicas it is not supported yet: run one pipeline (WORLD_SIZE = stages)")
+    options = check_method_options(method, config.method_options)
+    ranks = stages_of(method, layout, config.split_points)
+    if ranks is None:
+        raise ValueError("give stages=N or partition=[layers per stage]")
+    if isinstance(model, nn.Sequential):
+        check_chunk_layers(model, method, ranks, layout.chunks, config.partition)
+    check_microbatches(method, ranks, layout.chunks, method.microbatches(ranks, config.micro_batches))
+    return Checked(method, layout, options, clip_scope_for(method, config.clip_scope), backend)
+
+
+def stages_of(method: Method, layout: Layout, split_points: Optional[Sequence[str]]) -> Optional[int]:
+    """The pipeline's ranks N: one for sequential, the layout's, or one more than the split points
+    (None: not given)."""
+    if method.name == "sequential":
+        return 1
+    if layout.stages is not None:
+        return layout.stages
+    return len(split_points) + 1 if split_points is not None else None
+
+
+def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
+                points: Optional[Sequence[str]], chunks: int) -> None:
+    """A cut that is wrong before any trace: split points for an ``nn.Sequential``, beside a
+    partition, naming no submodule, or against ``stages``; chunks on a traced model."""
+    if isinstance(model, nn.Sequential):
+        if points is not None:
+            raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
+                             "give partition=[layers per stage]")
+        return
+    if chunks > 1:
+        raise ValueError(f"{method.name} places {chunks} model chunks per process, which needs an nn.Sequential "
+                         f"for now; give the model as an nn.Sequential of its blocks, or a one-chunk "
+                         f"method (1f1b-flush, zb-h1)")
+    if points is None:
+        return
+    if partition is not None:
+        raise ValueError("give split_points= or partition=, not both")
+    names = {name for name, _ in model.named_modules() if name}
+    for point in points:
+        if point not in names:
+            near = difflib.get_close_matches(point, sorted(names), n=3)
+            raise ValueError(f"split point {point!r} names no submodule of the model"
+                             + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                                "; give qualified names from model.named_modules(), e.g. 'layers.2'"))
+    if stages is not None and stages != len(points) + 1:
+        raise ValueError(f"stages={stages} but {len(points)} split points make {len(points) + 1} "
+                         f"stages; give {stages - 1} split points or stages={len(points) + 1}")
+
+
+def check_chunk_layers(model: nn.Sequential, method: Method, ranks: int, chunks: int,
+                       partition: Optional[Sequence[int]]) -> None:
+    """Every piece of a chunked run needs a layer with parameters (a partition says its own)."""
+    pieces = method.pieces_per_rank(chunks)
+    weighted = len(weighted_units(model))
+    if pieces > 1 and partition is None and weighted < ranks * pieces:
+        raise ValueError(f"{method.name} with {ranks} stages x {chunks} chunks needs {ranks * chunks} layers with "
+                         f"parameters, the model has {weighted}: use chunks={max(1, weighted // ranks)} or fewer stages")
+
+
+def check_microbatches(method: Method, ranks: int, chunks: int, micro: int) -> None:
+    """The micro-batches per mini-batch the method's schedule can run on ``ranks`` ranks."""
+    if chunks > 1 and method.placement == "interleaved" and micro % ranks:
+        raise ValueError(f"{method.name} needs micro-batches to be a multiple of the {ranks} stages (got {micro}); "
+                         f"use micro_batches={ranks * max(1, micro // ranks)}")
+    if micro < 1:
+        raise ValueError(f"micro-batches must be at least 1, got {micro}")
+    if method.schedule == "2bw" and micro < ranks:
+        raise ValueError(f"{method.name} needs micro-batches >= stages ({micro} < {ranks}); "
+                         f"use micro_batches={ranks}")
+
+
+# -- where the model is cut and placed ----------------------------------------------------------
+def check_units(model: nn.Module, units: int, candidates: Sequence[str], stages: Optional[int], method: Method) -> None:
+    """A traced model has as many stages as candidate points at most."""
+    if stages is not None and stages > units and method.name != "sequential":
+        raise ValueError(f"{stages} stages need {stages} candidate points; "
+                         f"{type(model).__name__} has {units} ({', '.join(candidates)}): "
+                         f"use stages={units} or fewer")
+
+
+def check_toolchain(backend: Optional[str], devices: Sequence[torch.device]) -> None:
+    """What ``compile`` needs on the stages' devices, once they are placed."""
+    problem = missing_toolchain(backend, tuple(sorted({d.type for d in devices})))
+    if problem:
+        raise ValueError(problem)
+
+
+def check_tie_devices(ties: Dict[int, List[int]], described: str, devices: Sequence[torch.device],
+                      local: bool) -> None:
+    """In one process a tied parameter is one tensor, so its holders must share a device."""
+    for key, holders in ties.items():
+        places = {str(devices[k]) for k in holders}
+        if local and len(places) > 1:
+            raise ValueError(f"{described} on devices {', '.join(sorted(places))}; in one "
+                             f"process a tied weight is one tensor: put those stages on one device")
+
+
+def recompute_per_stage(recompute: Any, stages: int) -> List[bool]:
+    """``recompute`` per stage: one bool for every stage, or a list of one per stage."""
+    if isinstance(recompute, bool):
+        return [recompute] * stages
+    if isinstance(recompute, (list, tuple)) and all(isinstance(r, bool) for r in recompute):
+        if len(recompute) != stages:
+            raise ValueError(f"recompute lists {len(recompute)} stages but the pipeline has {stages}; "
+                             f"give one bool per stage, or recompute=True for all")
+        return list(recompute)
+    raise ValueError(f"recompute must be True, False or a list of one bool per stage (e.g. "
+                     f"[True] * {stages}), got {recompute!r}")
+
+
+# -- fit ------------------------------------------------------------------------------------------
+def check_fit(config: Any, words: Words = API) -> None:
+    """fit's options alone: what each must be, and the ones that contradict each other."""
+    if config.epochs < 1:
+        raise ValueError(f"{words.name('epochs')} must be at least 1, got {config.epochs}")
+    if config.eval_loader is not None and config.evaluate is not None:
+        raise ValueError("give evaluate=fn(model) or eval_loader (with metric), not both")
+    if config.eval_every is not None and config.evaluate is None and config.eval_loader is None:
+        raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
+                         "eval_loader (with metric)")
+    check_drains(config.checkpoint_every, config.eval_every, config.continuous, words)
+    if config.resume and config.checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir")
+    if config.eval_in_bubbles and (config.eval_every is None or config.eval_loader is None):
+        raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: "
+                         "give eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, "
+                         "drained)")
+
+
+def check_drains(checkpoint_every: Optional[int], eval_every: Optional[int], continuous: bool,
+                 words: Words = API) -> None:
+    """Where a run drains: the intervals, and a continuous run, which never does."""
+    for name, every in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+        if every is not None and every < 1:
+            raise ValueError(f"{words.name(name)} must be at least 1, got {every}")
+        if continuous and every:
+            raise ValueError(f"a continuous run never drains, so it cannot "
+                             f"{'checkpoint' if name == 'checkpoint_every' else 'evaluate'} every K batches; "
+                             f"drop {words.name('continuous')} or {words.name(name)}")
+
+
+def check_loader(batches: Optional[int]) -> None:
+    """The loader's length, where it has one."""
+    if batches == 0:
+        raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
+                         "larger than the data set with drop_last=True?)")
