@@ -56,7 +56,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "prepare", "world", "fit", "training", "profile", "stage_timing", "torchrun", "throughput", "planning",
+    ("API", ["pipeline", "config", "checks", "prepare", "world", "fit", "training", "profile", "stage_timing", "torchrun", "throughput", "planning",
              "recommendation", "options",
              "checkpoint"]),
     ("lab", ["lab", "lab.*"]),
