@@ -1,6 +1,7 @@
 """The examples a user copies run as they are: the Fashion-MNIST script on a few hundred images,
 and the transformers GPT-2 script on a tiny config, in one process and under torchrun (2 stages x
-2 replicas, sharded), to the same losses, its exports loading back into GPT-2's own class."""
+2 replicas, sharded: in the job of tests/test_sharding.py), to the same losses, its exports loading
+back into GPT-2's own class."""
 from __future__ import annotations
 
 import re
@@ -34,18 +35,21 @@ def test_the_fashion_mnist_example_trains_and_reports_test_accuracy():
     assert 0.1 < float(final.group(1)) <= 1.0  # ten classes: above chance after 12 updates
 
 
-def gpt2_run(out: Path, *extra: str, nproc: int = 0) -> Dict[str, object]:
-    """Run the GPT-2 example on the tiny config (under torchrun with ``nproc`` processes) and read
-    what rank 0 printed: the epoch losses, the summary line's fields, the export line."""
-    launcher = [] if not nproc else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    done = subprocess.run([sys.executable, *launcher, str(GPT2), *TINY, "--out", str(out), *extra],
+def gpt2_run(out: Path, *extra: str) -> Dict[str, object]:
+    """Run the GPT-2 example on the tiny config in one process and read what it printed."""
+    done = subprocess.run([sys.executable, str(GPT2), *TINY, "--out", str(out), *extra],
                           capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = done.stdout.strip().splitlines()
+    return printed(done.stdout)
+
+
+def printed(stdout: str) -> Dict[str, object]:
+    """The epoch losses, the summary line's fields and the export line the GPT-2 example printed."""
+    lines = stdout.strip().splitlines()
     epochs: List[float] = [float(m.group(1)) for line in lines if (m := re.match(r"epoch \d+: loss (\S+)$", line))]
     summary = [m for line in lines if (m := re.match(
         r"(\S+) on (\d+) stages x (\d+) replica\(s\): (\d+) updates, final loss (\S+)$", line))]
-    assert len(summary) == 1, done.stdout
+    assert len(summary) == 1, stdout
     method, stages, replicas, updates, final = summary[0].groups()
     return {"epochs": epochs, "method": method, "stages": int(stages), "replicas": int(replicas),
             "updates": int(updates), "final": float(final), "export": lines[-1]}
@@ -85,11 +89,17 @@ def test_the_synchronous_default_trains_as_plain_training(one_process, tmp_path)
     assert run["final"] == pytest.approx(plain["final"], rel=1e-5, abs=2e-6)
 
 
-def test_the_gpt2_example_under_torchrun_sharded_2x2_gives_the_one_process_losses(one_process, tmp_path):
+def test_the_gpt2_example_under_torchrun_sharded_2x2_gives_the_one_process_losses(one_process, tmp_path_factory):
     """`torchrun --nproc-per-node 4 ... --shard-replicas`: 2 stages x 2 replicas, each stage
-    sharded over its replicas (FSDP2), each replica reading half of every mini-batch."""
+    sharded over its replicas (FSDP2), each replica reading half of every mini-batch. The script
+    runs as its `__main__` in the 4 processes of tests/test_sharding.py's torchrun job (a job of
+    its own would cost more to start than its training), which returns what rank 0 printed."""
+    from test_sharding import sharded_job
+
     _, run = one_process
-    sharded = gpt2_run(tmp_path / "run", "--shard-replicas", nproc=4)
+    row = sharded_job(tmp_path_factory)["gpt2-example"]
+    assert "error" not in row, row.get("error")
+    sharded = printed(row["stdout"])
     assert (sharded["method"], sharded["stages"], sharded["replicas"], sharded["updates"]) == \
         (run["method"], 2, 2, run["updates"])
     assert sharded["epochs"] == pytest.approx(run["epochs"], rel=1e-5, abs=2e-6)

@@ -3,16 +3,29 @@ replicas, replicated and sharded over the replicas (``shard_replicas``), every r
 shard of each mini-batch; rank 0 prints one JSON line per entry with both runs' losses, weights
 and per-rank state bytes, and for a synchronous method a third run: ``sequential`` in rank 0's
 process alone on the whole mini-batches (for the tied GPT with an asynchronous method: the same
-method in rank 0's process alone, ``local``). An entry is ``[gpt:|drop:]method[+setting...]``: ``gpt:``
-trains TinyGPT (head tied to the embedding) instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (global
-clipping), ``stageclip=X``, ``recompute``, ``muon`` (Muon on the hidden matrices, AdamW on the
-rest), or a method option (``backward=predicted``,
-``vertical_sync=1``). An entry the Pipeline refuses prints its error instead.
+method in rank 0's process alone, ``local``). An entry is ``[gpt:|drop:]method[+setting...]``:
+``gpt:`` trains TinyGPT with one block (the head tied to the embedding, on the other stage)
+instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (global clipping),
+``stageclip=X``, ``recompute``, ``muon`` (Muon on the hidden matrices, AdamW on the rest), or a
+method option (``backward=predicted``, ``vertical_sync=1``). An entry the Pipeline refuses
+prints its error instead.
 
-    script ENTRIES STAGES MICRO_BATCHES
+Two entries share the job's 4 processes instead of starting their own (a 4-process start costs
+more than what they run), their files under SCRATCH: ``reshard``, tests/torchrun_reshard.py's run
+at 2 stages x 2 replicas sharded, stopped on every rank after 5 mini-batches (its newest
+checkpoint at 4), then resumed at 4 stages x 1 replica writing its checkpoints in the background
+(a copy of the stopped run is left in SCRATCH/reshard/alone for a one-process resume); and
+``gpt2-example``, examples/transformers_causal_lm.py run as torchrun would run it (``__main__``,
+its own flags: EXAMPLE_ARGS), its printed lines returned.
+
+    script ENTRIES STAGES MICRO_BATCHES [SCRATCH [EXAMPLE_ARGS...]]
 """
+import gc
 import json
+import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,6 +36,21 @@ from pipeoptim.world import LocalWorld
 from traced_models import TinyGPT, lm_batches, lm_loss
 
 entries, stages, micro = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+scratch = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+example_args = sys.argv[5:]
+RANK = int(os.environ["RANK"])
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_causal_lm.py"
+
+
+def settle() -> None:
+    """Collect what the entries so far left, and freeze what lives on (the imports, torch's caches):
+    each Pipeline's close() runs gc.collect(), which then walks only what was made since."""
+    gc.collect()
+    gc.freeze()
+
+
+settle()
+
 g = torch.Generator().manual_seed(1)
 mlp_batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
 
@@ -30,7 +58,7 @@ mlp_batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), genera
 def model_for(kind: str, method: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
-        return TinyGPT(layers=2)
+        return TinyGPT(layers=1)
     layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]
     if kind == "drop":  # dropout, which training draws alike in both runs and evaluation must turn off
         layers[2:2] = [nn.Dropout(0.3)]
@@ -77,11 +105,58 @@ def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False
     metric = (lambda out, y: lm_loss(out, y)) if kind == "gpt" else (lambda out, y: nn.functional.cross_entropy(out, y))
     result = pipe.fit(own, epochs=2, eval_loader=own[:2], metric=metric)
     weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
+    pipe.close()  # its groups destroyed now, not all at the job's end (see the loop's end)
     return {"losses": result.losses, "weights": weights, "state_memory": result.metrics.get("state_memory"),
             "metrics": [e["metric"] for e in result.metrics["epochs"]]}
 
 
+def reshard(folder: Path) -> dict:
+    """The ``reshard`` entry: stopped at 2 x 2 sharded, resumed at 4 x 1 (see the docstring)."""
+    from torchrun_reshard import Stopped, latest, train
+
+    cut = folder / "cut"
+    try:
+        train(cut, 2, shard=True, stop_after=5)
+        return {"error": "the 2 x 2 run was not stopped"}
+    except Stopped as stop:
+        line = {"stopped": str(stop), "latest_after_stop": latest(cut)}
+    if RANK == 0:  # before the 4 x 1 run (which every rank joins only with rank 0) writes there
+        shutil.copytree(cut, folder / "alone")
+    line["resumed"] = train(cut, 4, shard=False, background=True)
+    line["latest_after_resume"] = latest(cut)
+    return line
+
+
+def gpt2_example(out: Path) -> dict:
+    """The ``gpt2-example`` entry: what the example printed (rank 0 prints, the other ranks not)."""
+    import contextlib
+    import io
+    import runpy
+
+    printed, argv = io.StringIO(), sys.argv
+    sys.argv = [str(EXAMPLE), *example_args, "--out", str(out)]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(EXAMPLE), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return {"stdout": printed.getvalue()}
+
+
+SPECIAL = {"reshard": reshard, "gpt2-example": gpt2_example}
+
 for entry in entries:
+    if entry in SPECIAL:
+        try:
+            line = {"entry": entry, **SPECIAL[entry](scratch / entry)}
+        except Exception as error:  # noqa: BLE001 - reported in the entry's line, the job goes on
+            import traceback
+
+            line = {"entry": entry, "error": f"{error!r}\n{traceback.format_exc()[-3000:]}"}
+        if RANK == 0:
+            print(json.dumps(line), flush=True)
+        settle()
+        continue
     kind, _, rest = entry.rpartition(":")
     method, *given = rest.split("+")
     settings = dict((s.split("=") + [""])[:2] for s in given)
@@ -91,9 +166,10 @@ for entry in entries:
         line["sharded"] = run(kind, method, settings, shard=True)
     except ValueError as error:
         line["error"] = str(error)
-    if torch.distributed.get_rank() == 0:
+    if RANK == 0:
         if "error" not in line and pipeoptim.get_method(method).synchronous:
             line["sequential"] = run(kind, method, settings, shard=False, alone=True)
         elif "error" not in line and kind == "gpt":  # the tie's exchange per replica: as one replica
             line["local"] = run(kind, method, settings, shard=False, local=True)
         print(json.dumps(line), flush=True)
+    settle()
