@@ -2,7 +2,7 @@
 the library gives them (``use_cache`` on, the library's tying, its loss from ``labels``), only
 smaller, fed dict batches as a training script writes them (a causal LM's ``labels`` is the
 very ``input_ids`` tensor), with no ``loss_fn``: the model computes its loss. Shared by
-tests/test_first_day.py (one process) and tests/torchrun_first_day.py (the torchrun jobs).
+tests/test_first_day.py (one process) and tests/torchrun_first_day.py (the torchrun job).
 
 Dropout is set to 0 where a config has it: a pipeline draws its dropout masks in another order
 than the plain loop (stage by stage), so with it no run could equal the plain loop's; every

@@ -1,6 +1,7 @@
 """Models of a well-known model library (Hugging Face ``transformers``), each built from a tiny
-config with random weights (nothing downloaded), for tests/test_library_models.py and
-tests/torchrun_library.py: decoder-only language models and convolutional image classifiers.
+config with random weights (nothing downloaded), for tests/test_library_models.py and the
+torchrun job of tests/torchrun_first_day.py: decoder-only language models and convolutional image
+classifiers.
 Nothing here tells pipeoptim which family a model is: each is given to the Pipeline as it is.
 
 ``transformers`` is a test dependency (the ``test`` extra of pyproject.toml), which ``make

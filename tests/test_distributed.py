@@ -7,13 +7,15 @@ stages, and on 2 stages x 2 replicas (each replica on the same data, so that the
 replica's run), plus tuple activations, uneven micro-batches and the 1-stage `sequential` path;
 the tests below read its results. Separate runs check a hung peer (the run
 fails within the timeout), two "nodes" under torchrun, and `pipeoptim train --runtime
-distributed` starting torchrun itself.
+distributed` starting torchrun itself (with every run option at once); the command-line runs
+train on made-up images (tests/made_up_images.py: each process reads them in milliseconds).
 
 Every test has a pytest-timeout mark and every process group a timeout, so a deadlock fails
 in seconds instead of hanging.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -30,6 +32,7 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
+from made_up_images import use_made_up_images
 from pipeoptim.runtime.control import init_process_group
 from pipeoptim.runtime.transport import PipeComm
 from pipeoptim.runtime.wire import PipelineCommError, signature
@@ -152,8 +155,16 @@ def _links(comm):
             "tags": sorted(link.tag for link in links), "control_size": dist.get_world_size(comm.control)}
 
 
+def settle() -> None:
+    """Collect what lives on after the imports and freeze it: each Pipeline's close() runs
+    gc.collect(), which then walks only what was made since (as tests/torchrun_sharded.py)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    settle()
     results = {}
     for method in PIPELINED:  # 4 stages, all processes
         results[("mlp", method, 4)] = _train(mlp(), batches(5), method, stages=4)
@@ -342,13 +353,10 @@ def test_a_hung_peer_fails_the_run_within_the_timeout(tmp_path):
 # torchrun: two "nodes", and `pipeoptim train --runtime distributed` launching it
 
 
-def _image_data_or_skip():
-    from pipeoptim.lab.tasks import MissingDataError, get_task
-
-    try:
-        get_task("image").load(batch_size=32, limit=256, seed=0)
-    except MissingDataError as error:
-        pytest.skip(f"needs Fashion-MNIST: {error}")
+@pytest.fixture(scope="module")
+def made_up_images(tmp_path_factory):
+    """The command-line runs of this module (and the processes they start) read made-up images."""
+    yield from use_made_up_images(tmp_path_factory)
 
 
 def _free_port() -> int:
@@ -380,8 +388,7 @@ def _local_summary(method: str):
 
 
 @pytest.mark.timeout(120)
-def test_two_nodes_under_torchrun_match_local(tmp_path):
-    _image_data_or_skip()
+def test_two_nodes_under_torchrun_match_local(tmp_path, made_up_images):
     port = _free_port()
     procs = []
     for node in (0, 1):
@@ -408,27 +415,6 @@ def test_two_nodes_under_torchrun_match_local(tmp_path):
     assert (tmp_path / "run" / "summary.json").exists()
 
 
-@pytest.mark.timeout(120)
-def test_pipeoptim_train_starts_torchrun_itself(tmp_path, capfd):
-    """`pipeoptim train --runtime distributed` (here called in-process) runs torchrun with one
-    process per stage; rank 0 prints the summary once and writes the run folder."""
-    from pipeoptim.cli import main
-
-    _image_data_or_skip()
-    out = tmp_path / "run"
-    assert main(["train", "--runtime", "distributed", "--method", "1f1b-flush", "--out", str(out),
-                 *TRAIN_ARGS]) == 0
-    summary = json.loads(capfd.readouterr().out)  # one JSON object, printed once
-    assert summary["runtime"] == "distributed" and summary["stages"] == 2
-    for name in ("metrics.jsonl", "summary.json", "curves.png", "config.json"):
-        assert (out / name).exists(), name
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in lines if x["type"] == "batch"] == summary["losses"]
-    local = _local_summary("1f1b-flush")
-    _close(summary["losses"], local["losses"])
-    assert set(local) | {"out"} == set(summary) - {"runtime", "device"}  # local ran without a folder
-
-
 #: every option of a run the local runtime takes beside the method's (schedule, warm-up, clipping,
 #: precision, evaluations within the epoch, a validation split, diagnostics, recomputation): the
 #: flags a local run takes beyond TRAIN_ARGS. Each changes what the run reports (the losses, the
@@ -446,24 +432,28 @@ RUN_FLAGS = {
 
 
 @pytest.mark.timeout(240)
-def test_every_run_option_gives_the_local_runtimes_numbers_on_two_processes(tmp_path, capfd):
-    """`--runtime distributed` builds the same Pipeline from the same settings as `--runtime
-    local`: the same losses, evaluations (pipelined across the processes), test metric,
-    diagnostics and run folder, with every run flag at once."""
+def test_every_run_option_gives_the_local_runtimes_numbers_on_two_processes(tmp_path, capfd, made_up_images):
+    """`pipeoptim train --runtime distributed` (here called in-process) runs torchrun with one
+    process per stage; rank 0 prints the summary once and writes the run folder. It builds the
+    same Pipeline from the same settings as `--runtime local`: the same losses, evaluations
+    (pipelined across the processes), test metric, diagnostics and run folder, with every run
+    flag at once."""
     from pipeoptim.cli import main
 
-    _image_data_or_skip()
     flags = [flag for case in RUN_FLAGS.values() for flag in case]
     runs = {}
     for runtime in ("distributed", "local"):
         out = tmp_path / runtime
         assert main(["train", "--runtime", runtime, "--method", "pipeoptim", "--out", str(out),
                      *TRAIN_ARGS, *flags]) == 0
-        summary = json.loads(capfd.readouterr().out)
+        summary = json.loads(capfd.readouterr().out)  # one JSON object, printed once
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[runtime] = summary, lines, json.loads((out / "config.json").read_text())
     (got, got_lines, got_config), (local, local_lines, local_config) = runs["distributed"], runs["local"]
-    assert got["runtime"] == "distributed" and "runtime" not in local
+    assert got["runtime"] == "distributed" and "runtime" not in local and got["stages"] == 2
+    for name in ("metrics.jsonl", "summary.json", "curves.png", "config.json"):
+        assert (tmp_path / "distributed" / name).exists(), name
+    assert [x["loss"] for x in got_lines if x["type"] == "batch"] == got["losses"]
     assert got_config == local_config
     assert len(got["losses"]) == 8 and got["losses"] == local["losses"]
     assert [(e["epoch"], e["batch"], e["updates"]) for e in got["evaluations"]] == \
@@ -549,10 +539,11 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     from pipeoptim.cli import main
 
     out = tmp_path / "bench.json"
-    # 3 timed mini-batches: stage 0's third forward comes after its first update, so PipeOptim predicts
+    # 3 timed mini-batches: stage 0's third forward comes after its first update, so PipeOptim predicts;
+    # two rounds, the runs taking turns in a rotated order (the default is 5)
     assert main(["bench", "--synthetic", "--batches", "3", "--warmup", "1", "--batch-size", "16",
                  "--methods", "gpipe,pipeoptim", "--optimizer", "momentum", "--json", "--out", str(out),
-                 "--timeout", "60"]) == 0
+                 "--timeout", "60", "--repeats", "2"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == {"sequential-1dev", "sequential-all", "gpipe", "pipeoptim"}
     assert all(v > 0 for v in result["samples_per_second"].values())
@@ -560,6 +551,7 @@ def test_bench_reports_every_method_beside_the_baselines(tmp_path, capfd):
     assert result["settings"]["stages"] == 2 and result["detail"]["gpipe"]["microbatches"] == 2
     assert result["settings"]["data_parallel"] == 1
     assert len(result["detail"]["pipeoptim"]["cpu_share"][0]) == 2          # a share per process
+    assert all(len(result["detail"][m]["rounds_samples_per_second"]) == 2 for m in ("gpipe", "pipeoptim"))
     for name, copies in (("gpipe", [1, 1]), ("pipeoptim", [2, 1])):  # the state per stage, measured = closed form
         memory = result["detail"][name]["state_memory"]
         assert [m["weights"] for m in memory] == [m["weights_closed_form"] for m in memory] == \

@@ -10,11 +10,13 @@ The matrix (model x feature -> test):
 - asynchronous methods train: ``test_asynchronous_methods_train``
 - compiled stages: ``test_compiled_stages_...`` (GPT-2)
 - torchrun 2 processes (every model; bf16 and an asynchronous method on some), with a checkpoint
-  (GPT-2): ``test_under_torchrun_every_model_equals_one_process``
+  (GPT-2): ``test_under_torchrun_every_model_equals_one_process``, the one torchrun job of the
+  library models (tests/test_library_models.py's ResNet in it too)
 - sharded replicas (2 stages x 2 replicas under torchrun, FSDP2) with a strict checkpoint: GPT-2
   as it comes, in tests/test_examples.py (the transformers example)"""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,8 +33,11 @@ from first_day import CAUSAL, MODELS, adamw, batches, fed, model, plain_loop, sa
 HERE = Path(__file__).resolve().parent
 
 #: the default cut of each model into 2 stages: the uniform partitioner's, a function of the model
+#: (and tests/library_models.py's ResNet's, cut by partitioner="uniform" in the torchrun job)
 DEFAULT_SPLIT = {"gpt2": ["transformer.h.2"], "llama": ["model.layers.3"], "qwen2": ["model.layers.2"],
-                 "bert": ["bert.encoder.layer.3"], "vit": ["vit.layers.3"]}
+                 "bert": ["bert.encoder.layer.3"], "vit": ["vit.layers.3"], "resnet": ["resnet.encoder.stages.2"]}
+#: the families whose head is tied to the input embedding (as the library builds them)
+TIED = ("gpt2", "qwen2")
 
 
 def export(checkpoint_dir: Path, out: Path) -> dict:
@@ -46,11 +51,16 @@ def export(checkpoint_dir: Path, out: Path) -> dict:
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_the_default_pipeline_equals_the_plain_loop_and_its_checkpoint_loads_strictly(family, tmp_path):
+def test_the_default_pipeline_equals_the_plain_loop_and_its_checkpoint_loads_strictly(family, tmp_path,
+                                                                                      monkeypatch):
     """Findings 1-2, 4-6: the model as it comes (use_cache on) traces; ``labels`` that is
     ``input_ids`` trains; the default method is synchronous (zb-h1, M = 2), equal to the plain
-    loop; the default cut is the uniform one; the checkpoint converts into a state dict that a
-    fresh model of the class loads with strict=True, tied names included; save_pretrained works."""
+    loop; the default cut is the uniform one and profiles nothing (finding 5: so it is the same in
+    any launcher and run); the checkpoint converts into a state dict that a fresh model of the
+    class loads with strict=True, tied names included; save_pretrained works."""
+    import pipeoptim.prepare as prepare
+
+    monkeypatch.setattr(prepare, "profile_model", lambda *a, **k: pytest.fail("the default cut profiled"))
     net, data = model(family), batches(family)
     expected, trained = plain_loop(net, data, micro=2)
     pipe = pipeoptim.Pipeline(net, optimizer=adamw, stages=2)
@@ -84,19 +94,31 @@ def test_bf16_equals_the_plain_loop_under_autocast(family):
     assert all(p.dtype == torch.float32 for s in pipe.stages for p in s.module.parameters())
 
 
+@functools.lru_cache(maxsize=None)
+def one_process_asynchronous(family: str, method: str):
+    """(losses, whether the trained head is still the embedding) of ``method`` fed one mini-batch
+    six times in one process; the torchrun job's asynchronous entry is fed the same."""
+    pipe = pipeoptim.Pipeline(model(family), method=method, optimizer=adamw, stages=2)
+    losses = fed(pipe, batches(family, count=1) * 6)
+    trained = pipe.model()
+    return losses, trained.get_output_embeddings() is not None and \
+        trained.get_output_embeddings().weight is trained.get_input_embeddings().weight
+
+
 @pytest.mark.parametrize("family,method", [("gpt2", "pipeoptim"), ("llama", "pipeoptim-2bw"),
                                            ("qwen2", "pipeoptim"), ("bert", "pipeoptim-2bw"),
                                            ("vit", "pipeoptim")])
 def test_asynchronous_methods_train(family, method):
     """Asynchronous, so not equal to the plain loop; the first mini-batch runs on the initial
-    weights (as the loop's), and trained on one mini-batch again and again the loss falls."""
-    net, data = model(family), batches(family, count=1)
-    expected, _ = plain_loop(net, data, micro=1)
-    pipe = pipeoptim.Pipeline(net, method=method, optimizer=adamw, stages=2)
-    losses = fed(pipe, data * 6)
+    weights (as the loop's), and trained on one mini-batch again and again the loss falls. A tied
+    head (GPT-2, Qwen2: on the other stage than the embedding, reading the owner's version) stays
+    the embedding's tensor."""
+    expected, _ = plain_loop(model(family), batches(family, count=1), micro=1)
+    losses, tied = one_process_asynchronous(family, method)
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
     assert losses[0] == pytest.approx(expected[0], rel=1e-5)
     assert losses[-1] < losses[0] - 0.1
+    assert tied == (family in TIED)
 
 
 def test_compiled_stages_equal_the_plain_loop():
@@ -129,17 +151,11 @@ def test_train_runs_with_its_documented_default_method():
     assert result.losses == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_default_cut_depends_on_the_model_alone(monkeypatch, capsys):
-    """Finding 5: the default cut profiles nothing (so it is the same in any launcher and run);
-    the time partitioner is opt-in and prints the cut it chose, which given again is the same."""
-    import pipeoptim.prepare as prepare
-
-    real = prepare.profile_model
-    monkeypatch.setattr(prepare, "profile_model", lambda *a, **k: pytest.fail("the default cut profiled"))
+def test_the_default_cut_depends_on_the_model_alone(capsys):
+    """Finding 5: the default cut profiles nothing, so it is the same in any launcher and run (held
+    for every model by test_the_default_pipeline_equals_the_plain_loop_...); the time partitioner
+    is opt-in and prints the cut it chose, which given again is the same."""
     net, data = model("gpt2"), batches("gpt2", count=1)
-    assert pipeoptim.Pipeline(net, optimizer=adamw, stages=2, example_input=data[0]).split_points \
-        == DEFAULT_SPLIT["gpt2"]
-    monkeypatch.setattr(prepare, "profile_model", real)
     timed = pipeoptim.Pipeline(net, optimizer=adamw, stages=2, partitioner="time", example_input=data[0])
     said = capsys.readouterr().err
     assert f"split_points={timed.split_points}" in said and "partitioner='time'" in said
@@ -182,19 +198,37 @@ def torchrun(nproc: int, entries: str):
 def test_under_torchrun_every_model_equals_one_process(tmp_path):
     """Two processes, one stage each: the default method's losses equal the plain loop's (and so
     one process's), the default cut is the one process's, bf16 equals the plain loop under
-    autocast, an asynchronous method trains, and GPT-2's checkpoint loads strictly."""
-    entries = [f"{family}:zb-h1:fp32" for family in MODELS] + ["gpt2:zb-h1:bf16", "llama:pipeoptim:fp32"]
+    autocast, an asynchronous method (PipeOptim, GPT-2's tied head on the other process than its
+    embedding) equals the same feeds in one process, a tied head is still the embedding's tensor
+    after model() gathers the stages, and GPT-2's checkpoint loads strictly.
+
+    The one torchrun job of the library models: tests/test_library_models.py's ResNet (batch norm,
+    4-D activations across the processes, the user's loss_fn) under 1f1b-flush equals its plain
+    sequential training here. What test_library_models.py's own job held is here too: GPT-2 under
+    a synchronous method, its tied head across the processes (the default method's GPT-2 entry;
+    under 1f1b-flush, tests/test_dict_batches.py's job); GPT-2 under PipeOptim equal to one
+    process (the asynchronous entry); a head of its own (the untied control) by Llama's, BERT's and
+    ViT's entries; ResNet under PipeOptim: the asynchronous path of GPT-2's entry and of
+    tests/test_torchrun.py's jobs (every method, one process against two)."""
+    from test_library_models import sequential
+
+    entries = [f"{family}:zb-h1:fp32" for family in MODELS] + ["gpt2:zb-h1:bf16", "gpt2:pipeoptim:fp32",
+                                                              "resnet:1f1b-flush:fp32"]
     rows = torchrun(2, ",".join(entries) + f"@{tmp_path}")
     assert sorted(rows) == sorted(entries)
+    trained = {}
     for entry, row in rows.items():
         family, method, precision = entry.split(":")
         assert row["points"] == DEFAULT_SPLIT[family], entry
-        if method == "zb-h1":
-            expected, trained = plain_loop(model(family), batches(family), micro=2, precision=precision)
+        assert row["tied"] == (family in TIED), entry
+        if family not in MODELS:  # tests/library_models.py's
+            assert row["losses"] == pytest.approx(sequential(family, micro=2)[0], rel=1e-5), entry
+        elif method == "zb-h1":
+            expected, trained[entry] = plain_loop(model(family), batches(family), micro=2, precision=precision)
             assert row["losses"] == pytest.approx(expected, rel=1e-5 if precision == "fp32" else 2e-3), entry
         else:
-            assert all(math.isfinite(v) for v in row["losses"]), entry
-    expected, trained = plain_loop(model("gpt2"), batches("gpt2"), micro=2)
-    fresh = type(trained)(trained.config)
+            assert row["losses"] == pytest.approx(one_process_asynchronous(family, method)[0], rel=1e-5), entry
+    gpt2 = trained["gpt2:zb-h1:fp32"]
+    fresh = type(gpt2)(gpt2.config)
     fresh.load_state_dict(export(tmp_path / "gpt2-zb-h1-fp32", tmp_path / "model.pt"), strict=True)
-    assert same_weights(fresh, trained)
+    assert same_weights(fresh, gpt2)

@@ -17,7 +17,7 @@ from conftest import batches, mlp
 from pipeoptim.compat import HAS_STORAGE_USE_COUNT
 from pipeoptim.runtime.link import ReceiveBuffers
 from pipeoptim.runtime.control import init_process_group
-from test_distributed import spawn
+from test_distributed import settle, spawn
 
 LOSS = nn.functional.cross_entropy
 #: (method, micro-batches): one stage per process, a split backward, and two chunks per process
@@ -96,6 +96,7 @@ def gloo_socket_threads() -> int:
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
+    settle()  # each Pipeline's close() collects garbage: only what was made since
     results = {"threads_before": gloo_socket_threads()}
     for reuse in (True, False):
         ReceiveBuffers.per_shape = 16 if reuse else 0

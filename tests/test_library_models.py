@@ -3,17 +3,16 @@ dependency that ``make setup`` installs), built from tiny configs with random we
 the Pipeline as they are (docs/architecture.md, "Splitting any module"). A decoder-only LM with
 its head tied to its embedding (GPT-2, Llama) and a convolutional classifier (ResNet) under
 ``1f1b-flush`` equal their plain sequential training, losses and trained weights; ``pipeoptim``
-trains them (its first mini-batch runs on the initial weights, as sequential's); under torchrun
-with two processes every loss equals the one-process run's. More families of each kind split
-and take a step exactly as the whole model does: nothing in the split knows a family."""
+trains them (its first mini-batch runs on the initial weights, as sequential's). More families of
+each kind split and take a step exactly as the whole model does: nothing in the split knows a
+family. Under torchrun with two processes (the one torchrun job of the library models, run by
+tests/test_first_day.py's test_under_torchrun_every_model_equals_one_process): ResNet under
+1f1b-flush equals its sequential training, and GPT-2, its tied head on the other process than its
+embedding, under the default synchronous method equals its plain loop and under ``pipeoptim``
+equals the same feeds in one process."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -79,39 +78,6 @@ def test_pipeoptim_trains_a_library_model(family):
     if family == "gpt2":
         result = pipe.model()
         assert result.get_output_embeddings().weight is result.get_input_embeddings().weight
-
-
-def torchrun(entries: str):
-    """rank 0's JSON lines of ``torchrun --nproc-per-node 2 tests/torchrun_library.py ENTRIES``."""
-    from test_torchrun import _env
-
-    here = Path(__file__).resolve().parent
-    env = _env()
-    env["PYTHONPATH"] += os.pathsep + str(here)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(here / "torchrun_library.py"), entries],
-                          capture_output=True, text=True, env=env, cwd=here.parent, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
-def test_library_models_under_torchrun_equal_one_process():
-    """Two processes, one stage each (GPT-2's tied head on the other process than its
-    embedding): every method's losses equal the same Pipeline's in one process, and
-    1f1b-flush's equal the plain sequential training."""
-    entries = ["gpt2:1f1b-flush", "gpt2:pipeoptim", "gpt2-untied:pipeoptim", "resnet:1f1b-flush",
-               "resnet:pipeoptim"]
-    rows = {row["entry"]: row for row in torchrun(",".join(entries))}
-    assert list(rows) == entries
-    for entry, row in rows.items():
-        family, method = entry.split(":")
-        pipe, local = pipeline(family, method, stages=2)
-        assert row["points"] == pipe.split_points, entry
-        assert row["losses"] == pytest.approx(local, rel=1e-5), entry
-        if method == "1f1b-flush":
-            assert row["losses"] == pytest.approx(sequential(family, micro=2)[0], rel=1e-5), entry
-    assert rows["gpt2:1f1b-flush"]["tied"] and rows["gpt2:pipeoptim"]["tied"]
-    assert not rows["gpt2-untied:pipeoptim"]["tied"]
 
 
 OTHER_FAMILIES = sorted(set(LANGUAGE_MODELS) - {"gpt2", "llama"}) + sorted(set(IMAGE_MODELS) - {"resnet"})

@@ -23,7 +23,7 @@ import pipeoptim
 from conftest import batches, mlp
 from pipeoptim.partition import split
 from pipeoptim.runtime.control import init_process_group
-from test_distributed import spawn
+from test_distributed import settle, spawn
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
@@ -64,6 +64,7 @@ def _peer(rank: int, schedule_name: str, micro: int):
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
+    settle()  # each Pipeline's close() collects garbage: only what was made since
     results = {}
     for method, schedule_name, micro in CASES:
         peer_losses, peer_state = _peer(rank, schedule_name, micro)

@@ -237,61 +237,59 @@ def test_pipeoptim_two_stages_lowers_the_perplexity(real_data):
     assert summary["best_metric"] == min(after)
 
 
-@needs_data
-def test_cli_train_lm_json(tmp_path, capsys):
+def _train(tmp_path, capfd, *args: str) -> dict:
+    """The summary of ``pipeoptim train --task lm --model gpt-tied-small ... --json ARGS`` on 64
+    blocks in mini-batches of 16 (a distributed run's rank 0 prints it)."""
     from pipeoptim.cli import main
 
-    code = main(["train", "--task", "lm", "--model", "gpt-small", "--method", "pipeoptim", "--stages", "2",
-                 "--limit", "64", "--batch-size", "16", "--epochs", "2", "--optimizer", "adam",
-                 "--json", "--no-progress", "--out", str(tmp_path / "run")])
-    assert code == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["task"] == "lm" and summary["metric"] == "perplexity" and summary["higher_is_better"] is False
-    metrics = [e["metric"] for e in summary["epochs_detail"]]
-    assert len(metrics) == 2 and all(math.isfinite(m) for m in metrics)
-    assert summary["best_metric"] == min(metrics) and summary["final_metric"] == metrics[-1]
-    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "curves.png").exists()
+    out = tmp_path / "-".join(arg.strip("-") for arg in args)
+    assert main(["train", "--task", "lm", "--model", "gpt-tied-small", "--limit", "64", "--batch-size", "16",
+                 "--optimizer", "adam", "--json", "--no-progress", "--out", str(out), *args]) == 0
+    return json.loads(capfd.readouterr().out)
 
 
 @needs_data
-def test_gpt_tied_trains_traced_under_1f1b_flush_equal_to_sequential_and_distributed(tmp_path, capfd):
-    """The traced, tied GPT through the command line's run: 1f1b-flush on 4 stages (the tied head
-    on another stage than the embedding) and on 2 processes under torchrun equal sequential."""
-    from pipeoptim.cli import main
+def test_gpt_tied_trains_traced_under_1f1b_flush_equal_to_sequential():
+    """The traced, tied GPT through the lab's run (run_experiment, as the command line runs it, on
+    the same data): 1f1b-flush on 4 stages (the tied head on another stage than the embedding)
+    equals sequential, losses and perplexity. (Under torchrun: the command line's distributed run
+    of this model below, with the asynchronous method; the tied GPT under 1f1b-flush on 2
+    processes, equal to its sequential training, in tests/test_traced.py's torchrun job.)"""
+    from pipeoptim.lab.config import RunConfig
+    from pipeoptim.lab.experiment import run_experiment
 
-    def train(method, *extra):
-        args = ["train", "--task", "lm", "--model", "gpt-tied-small", "--method", method, "--limit", "64",
-                "--batch-size", "16", "--epochs", "1", "--optimizer", "adam", "--json", "--no-progress",
-                "--out", str(tmp_path / f"{method}{len(extra)}"), *extra]
-        assert main(args) == 0
-        return json.loads(capfd.readouterr().out)  # a distributed run's rank 0 prints it
+    task = LanguageModelTask()
+    data = task.load(batch_size=16, limit=64, seed=0)
 
-    expected = train("sequential")
-    local = train("1f1b-flush", "--stages", "4")
-    distributed = train("1f1b-flush", "--stages", "2", "--runtime", "distributed")
-    assert local["partition"] == [3, 1, 1, 2] and distributed["partition"] == [4, 3]  # units per stage
+    def train(method, stages=None):
+        cfg = RunConfig(task="lm", model="gpt-tied-small", method=method, stages=stages, optimizer="adam",
+                        epochs=1, batch_size=16, limit=64, seed=0)
+        return run_experiment(cfg, out_dir=None, show_progress=False, log=lambda *a, **k: None, task=task, data=data)
+
+    expected, local = train("sequential"), train("1f1b-flush", 4)
+    assert local["partition"] == [3, 1, 1, 2]  # units per stage
     assert len(expected["losses"]) == 4 and expected["losses"][-1] < expected["losses"][0]
     assert local["losses"] == pytest.approx(expected["losses"], rel=1e-5)
-    assert distributed["losses"] == pytest.approx(local["losses"], rel=1e-5) and distributed["runtime"] == "distributed"
-    assert distributed["final_metric"] == pytest.approx(expected["final_metric"], rel=1e-4)
+    assert local["final_metric"] == pytest.approx(expected["final_metric"], rel=1e-4)
 
 
 @needs_data
-def test_gpt_tied_trains_with_pipeoptim_locally_as_on_two_processes(tmp_path, capfd):
-    """The tied GPT with the asynchronous headline method: the head (on the last stage) reads the
-    embedding's predicted version from its owner, stage 0; one process and two give the same
-    losses and metric, and it learns."""
-    from pipeoptim.cli import main
-
-    def train(*extra):
-        args = ["train", "--task", "lm", "--model", "gpt-tied-small", "--method", "pipeoptim", "--stages", "2",
-                "--limit", "64", "--batch-size", "8", "--epochs", "1", "--optimizer", "adam", "--json",
-                "--no-progress", "--out", str(tmp_path / f"run{len(extra)}"), *extra]
-        assert main(args) == 0
-        return json.loads(capfd.readouterr().out)
-
-    local = train()
-    distributed = train("--runtime", "distributed")
+def test_cli_trains_the_tied_gpt_with_pipeoptim_locally_as_on_two_processes(tmp_path, capfd):
+    """`pipeoptim train --task lm --json`: the summary names the task, its metric (perplexity,
+    lower is better) per epoch, and the run folder holds summary.json and curves.png. The tied GPT
+    with the asynchronous headline method: the head (on the last stage) reads the embedding's
+    predicted version from its owner, stage 0; one process and two (`--runtime distributed`, the
+    traced model cut at the same point) give the same losses and metric, and it learns."""
+    local = _train(tmp_path, capfd, "--method", "pipeoptim", "--stages", "2", "--epochs", "2")
+    assert local["task"] == "lm" and local["metric"] == "perplexity" and local["higher_is_better"] is False
+    metrics = [e["metric"] for e in local["epochs_detail"]]
+    assert len(metrics) == 2 and all(math.isfinite(m) for m in metrics)
+    assert local["best_metric"] == min(metrics) and local["final_metric"] == metrics[-1]
+    run = tmp_path / "method-pipeoptim-stages-2-epochs-2"
+    assert (run / "summary.json").exists() and (run / "curves.png").exists()
     assert len(local["losses"]) == 8 and local["losses"][-1] < local["losses"][0]
+    distributed = _train(tmp_path, capfd, "--method", "pipeoptim", "--stages", "2", "--epochs", "2",
+                         "--runtime", "distributed")
+    assert distributed["runtime"] == "distributed" and distributed["partition"] == local["partition"] == [4, 3]
     assert distributed["losses"] == pytest.approx(local["losses"], rel=1e-5)
     assert distributed["final_metric"] == pytest.approx(local["final_metric"], rel=1e-4)

@@ -1,18 +1,57 @@
-"""Run under torchrun by tests/test_first_day.py: the models of tests/first_day.py as they come,
-one stage per process, each fitted with the method and precision given and checkpointed into
-``FOLDER/FAMILY-METHOD-PRECISION``; rank 0 prints one JSON line per entry. Argument:
-``FAMILY:METHOD:PRECISION,...@FOLDER``."""
+"""Run under torchrun by tests/test_first_day.py: the one job of the library models under torchrun,
+one stage per process. Argument: ``FAMILY:METHOD:PRECISION,...@FOLDER``; rank 0 prints one JSON
+line per entry: its losses, its cut, and whether the trained model's head is still its input
+embedding (one tensor, after ``model()`` gathered it).
+
+* A family of tests/first_day.py (the models as they come, dict batches, the model's own loss):
+  a synchronous method fits the family's mini-batches, checkpointed into
+  ``FOLDER/FAMILY-METHOD-PRECISION``; an asynchronous one is fed one mini-batch six times, by hand
+  (``first_day.fed``), as test_first_day.py's test_asynchronous_methods_train feeds it in one process.
+* A family of tests/library_models.py (``resnet``): the user's loss_fn, SGD with momentum, the
+  uniform partitioner and two micro-batches, fed by hand (as tests/test_library_models.py does).
+
+What the imports leave is collected and frozen before the first entry: each Pipeline's close()
+collects garbage, which then walks only what was made since (as tests/torchrun_sharded.py)."""
+import gc
 import json
 import sys
 from pathlib import Path
 
+import torch
+
 import pipeoptim
-from first_day import adamw, batches, model
+from first_day import MODELS, adamw, batches, fed, model
+from library_models import case
+
+ASYNCHRONOUS_FEEDS = 6
+
+
+def tied(trained: torch.nn.Module) -> bool:
+    """Is the trained model's output embedding (its head) the very tensor of its input embedding?"""
+    head = trained.get_output_embeddings() if hasattr(trained, "get_output_embeddings") else None
+    return head is not None and head.weight is trained.get_input_embeddings().weight
+
+
+def run(entry: str, folder: Path):
+    family, method, precision = entry.split(":")
+    if family not in MODELS:  # a model of tests/library_models.py
+        net, loss_fn, data = case(family)
+        pipe = pipeoptim.Pipeline(net, method=method, stages=2, partitioner="uniform", loss_fn=loss_fn,
+                                  micro_batches=2, precision=precision,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        return pipe, [loss for x, y in data for loss in pipe.step(x, y)] + pipe.flush()
+    pipe = pipeoptim.Pipeline(model(family), method=method, precision=precision, optimizer=adamw, stages=2)
+    if pipe.method.synchronous:
+        return pipe, pipe.fit(batches(family), checkpoint_dir=folder / entry.replace(":", "-")).losses
+    return pipe, fed(pipe, batches(family, count=1) * ASYNCHRONOUS_FEEDS)
+
 
 entries, folder = sys.argv[1].split("@")
+gc.collect()
+gc.freeze()
 for entry in entries.split(","):
-    family, method, precision = entry.split(":")
-    pipe = pipeoptim.Pipeline(model(family), method=method, precision=precision, optimizer=adamw, stages=2)
-    result = pipe.fit(batches(family), checkpoint_dir=Path(folder) / entry.replace(":", "-"))
+    pipe, losses = run(entry, Path(folder))
+    trained = pipe.model()
     if pipe.rank == 0:
-        print(json.dumps({"entry": entry, "losses": result.losses, "points": pipe.split_points}), flush=True)
+        print(json.dumps({"entry": entry, "losses": losses, "points": pipe.split_points, "tied": tied(trained)}),
+              flush=True)
