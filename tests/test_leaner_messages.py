@@ -2,14 +2,20 @@
 gloo socket thread for the whole pipeline, not one per link), and a link's receive buffers are
 reused across messages of one shape once nothing else holds them (``link.ReceiveBuffers``),
 without changing a number: the losses and weights of a 2-process run equal, to the bit, those
-with every message in a new buffer and those of one process."""
+with every message in a new buffer and those of one process.
+
+The two processes are the one 2-process spawn of this file and tests/test_pipelining_peer.py
+(:func:`two_process_job`: a spawn's start, two processes importing torch, costs more CPU than
+their runs): this file's runs first, with the pool's setting put back after them, then the peer's."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipeoptim
@@ -94,10 +100,11 @@ def gloo_socket_threads() -> int:
     return names.count("gloo_tcp_loop")
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
-    init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
-    settle()  # each Pipeline's close() collects garbage: only what was made since
-    results = {"threads_before": gloo_socket_threads()}
+def lean_runs() -> dict:
+    """This process's runs of every case with the pool on (``ReceiveBuffers.per_shape`` 16) and off
+    (0, every message in a new buffer); the pool's setting is put back afterwards."""
+    results: dict = {"threads_before": gloo_socket_threads()}
+    kept = ReceiveBuffers.per_shape
     for reuse in (True, False):
         ReceiveBuffers.per_shape = 16 if reuse else 0
         for method, micro in CASES:
@@ -111,14 +118,39 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                                         "made": sum(s.get("buffers_made", 0) for s in stats.values()),
                                         "reused": sum(s.get("buffers_reused", 0) for s in stats.values()),
                                         "links": len(stats)}
+    ReceiveBuffers.per_shape = kept
+    return results
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    try:
+        from test_pipelining_peer import peer_runs
+    except pytest.skip.Exception:  # no torch.distributed.pipelining: that file is skipped
+        peer_runs = None
+    init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
+    settle()  # each Pipeline's close() collects garbage: only what was made since
+    results = {"lean": lean_runs(), "peer": peer_runs(rank) if peer_runs is not None else None}
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_JOB: Dict[str, List[dict]] = {}
+
+
+def two_process_job(tmp_path_factory) -> List[dict]:
+    """Per rank, {"lean": this file's runs, "peer": tests/test_pipelining_peer.py's} of the one
+    2-process spawn (gloo, a file store), run once for the session."""
+    if not _JOB:
+        tmp = tmp_path_factory.mktemp("two-processes")
+        spawn(_worker, 2, tmp, deadline=300.0)
+        _JOB["ranks"] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return _JOB["ranks"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lean")
-    spawn(_worker, 2, tmp, deadline=300.0)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [rank["lean"] for rank in two_process_job(tmp_path_factory)]
 
 
 @pytest.mark.timeout(360)

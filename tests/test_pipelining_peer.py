@@ -2,7 +2,8 @@
 Schedule1F1B (docs/architecture.md, "Invariants and where they are tested", invariant 2).
 
 Both run in the same two processes (gloo, one thread each, a file store in tmp_path) on the
-same seeded MLP halves and data. The peer uses its manual ``PipelineStage`` API: stage 0 passes
+same seeded MLP halves and data: the one 2-process spawn of this file and
+tests/test_leaner_messages.py (its ``two_process_job``; this file's runs come after that file's). The peer uses its manual ``PipelineStage`` API: stage 0 passes
 the mini-batch, the last stage the target, and the optimizer steps after each ``step()``. Its
 loss reduction is matched to ours: our mini-batch loss is the sum over micro-batches of
 ``micro_loss * micro_size / batch_size``, so the peer's ``loss_fn`` returns that term and
@@ -11,19 +12,13 @@ again. The per-mini-batch loss is the sum of the peer's per-micro-batch losses.
 """
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
 from pipeoptim.partition import split
-from pipeoptim.runtime.control import init_process_group
-from test_distributed import settle, spawn
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
@@ -62,9 +57,8 @@ def _peer(rank: int, schedule_name: str, micro: int):
     return losses, {k: v.clone() for k, v in part.state_dict().items()}
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
-    init_process_group(init_method=init, rank=rank, world_size=world, timeout=60)
-    settle()  # each Pipeline's close() collects garbage: only what was made since
+def peer_runs(rank: int) -> dict:
+    """This process's runs of every case, the peer's and ours (in a 2-process job)."""
     results = {}
     for method, schedule_name, micro in CASES:
         peer_losses, peer_state = _peer(rank, schedule_name, micro)
@@ -75,18 +69,14 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         mine = {k: v.clone() for k, v in split(model, PARTITION)[rank].state_dict().items()}
         results[(method, micro)] = {"peer": peer_losses, "ours": ours.losses,
                                     "peer_state": peer_state, "our_state": mine}
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("peer")
-    start = time.perf_counter()
-    spawn(_worker, 2, tmp)
-    return {"ranks": [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)],
-            "seconds": time.perf_counter() - start}
+    from test_leaner_messages import two_process_job
+
+    return {"ranks": [rank["peer"] for rank in two_process_job(tmp_path_factory)]}
 
 
 @pytest.mark.timeout(120)
