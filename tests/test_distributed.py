@@ -6,9 +6,10 @@ the per-batch losses of a distributed run equal the local runtime's. One spawn o
 stages, and on 2 stages x 2 replicas (each replica on the same data, so that their mean is one
 replica's run), plus tuple activations, uneven micro-batches and the 1-stage `sequential` path;
 the tests below read its results. Separate runs check a hung peer (the run
-fails within the timeout), two "nodes" under torchrun, and `pipeoptim train --runtime
-distributed` starting torchrun itself (with every run option at once); the command-line runs
-train on made-up images (tests/made_up_images.py: each process reads them in milliseconds).
+fails within the timeout: the last run of tests/test_leaner_messages.py's 2-process spawn), two
+"nodes" under torchrun, and `pipeoptim train --runtime distributed` starting torchrun itself (with
+every run option at once); the command-line runs train on made-up images
+(tests/made_up_images.py: each process reads them in milliseconds).
 
 Every test has a pytest-timeout mark and every process group a timeout, so a deadlock fails
 in seconds instead of hanging.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Dict, Sequence
 
 import pytest
 import torch
@@ -111,9 +113,11 @@ def tuple_batches(count: int = 4, size: int = 10):
 # spawning
 
 
-def spawn(fn, world: int, tmp_path: Path, *args, deadline: float = 100.0) -> None:
+def spawn(fn, world: int, tmp_path: Path, *args, deadline: float = 100.0, asleep: Sequence[int] = ()) -> Dict[int, bool]:
     """Run ``fn(rank, world, init_method, out_dir, *args)`` in ``world`` fresh processes; fail
-    if any exits non-zero or is still running after ``deadline`` seconds (then killed)."""
+    if any exits non-zero or is still running after ``deadline`` seconds (then killed). The ranks
+    ``asleep`` (a hung peer's) are not waited for: once the others have exited they are killed;
+    returned: whether each was still running then."""
     ctx = mp.get_context("spawn")
     init = f"file://{tmp_path / 'store'}"
     procs = [ctx.Process(target=fn, args=(r, world, init, str(tmp_path), *args), daemon=True)
@@ -122,12 +126,14 @@ def spawn(fn, world: int, tmp_path: Path, *args, deadline: float = 100.0) -> Non
         p.start()
     end = time.monotonic() + deadline
     try:
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        waited = [r for r in range(world) if r not in asleep]
+        for r in waited:
+            procs[r].join(max(0.0, end - time.monotonic()))
+        alive = [r for r in waited if procs[r].is_alive()]
         assert not alive, f"ranks {alive} still running after {deadline} s (deadlock?)"
-        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        failed = {r: procs[r].exitcode for r in waited if procs[r].exitcode != 0}
         assert not failed, f"ranks exited with status {failed} (their errors are in the captured stderr)"
+        return {r: procs[r].is_alive() for r in asleep}
     finally:
         for p in procs:
             if p.is_alive():
@@ -310,13 +316,18 @@ class HangAfter(nn.Module):
         return x
 
 
-def _hang_worker(rank: int, world: int, init: str, out: str, timeout: float) -> None:
-    init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+HANG_TIMEOUT = 3.0  #: seconds the stage-to-stage links of the hung run wait
+
+
+def hung_peer(rank: int, out: str) -> None:
+    """The last run of a 2-process job: stage 1 stops answering in its third forward. Rank 0
+    writes ``hang0.json`` (the error and the seconds it took) and ends the process; rank 1 sleeps in
+    its forward until it is killed (:func:`spawn`'s ``asleep``)."""
     model = nn.Sequential(*mlp(depth=4), HangAfter(2))  # stage 1 holds the last block and HangAfter
     start = time.perf_counter()
-    try:  # the stage-to-stage links time out after `timeout`
+    try:  # the stage-to-stage links time out after HANG_TIMEOUT
         pipeoptim.Pipeline(model, method="pipeoptim", stages=2, optimizer=sgdm, loss_fn=LOSS,
-                           timeout=timeout).fit(batches(6))
+                           timeout=HANG_TIMEOUT).fit(batches(6))
         outcome = {"error": None}
     except PipelineCommError as error:
         outcome = {"error": str(error)}
@@ -325,28 +336,19 @@ def _hang_worker(rank: int, world: int, init: str, out: str, timeout: float) -> 
     os._exit(0)  # do not wait on the hung peer while tearing down
 
 
-@pytest.mark.timeout(60)
-def test_a_hung_peer_fails_the_run_within_the_timeout(tmp_path):
-    timeout = 3.0
-    ctx = mp.get_context("spawn")
-    init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_hang_worker, args=(r, 2, init, str(tmp_path), timeout), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        procs[0].join(45)
-        assert not procs[0].is_alive(), "stage 0 kept waiting for its hung peer"
-        assert procs[1].is_alive()  # stage 1 is still asleep in its forward
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    outcome = json.loads((tmp_path / "hang0.json").read_text())
+@pytest.mark.timeout(360)
+def test_a_hung_peer_fails_the_run_within_the_timeout(tmp_path_factory):
+    """Stage 0 of two processes gives up on a peer that stops answering, naming what it waited
+    for, within the links' timeout, while the peer is still asleep. (The last run of the one
+    2-process spawn of tests/test_leaner_messages.py and tests/test_pipelining_peer.py.)"""
+    from test_leaner_messages import two_process_job
+
+    hang = two_process_job(tmp_path_factory)["hang"]
+    assert hang["stage 1 asleep"]  # when stage 0 had ended
+    outcome = hang["stage 0"]
     assert outcome["error"] is not None
     assert "gradient of micro-batch" in outcome["error"] and "timeout (3 s)" in outcome["error"]
-    assert timeout <= outcome["seconds"] < timeout + 15
+    assert HANG_TIMEOUT <= outcome["seconds"] < HANG_TIMEOUT + 15
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,14 +4,16 @@ reused across messages of one shape once nothing else holds them (``link.Receive
 without changing a number: the losses and weights of a 2-process run equal, to the bit, those
 with every message in a new buffer and those of one process.
 
-The two processes are the one 2-process spawn of this file and tests/test_pipelining_peer.py
-(:func:`two_process_job`: a spawn's start, two processes importing torch, costs more CPU than
-their runs): this file's runs first, with the pool's setting put back after them, then the peer's."""
+The two processes are the one 2-process spawn of this file, tests/test_pipelining_peer.py and
+tests/test_distributed.py's hung peer (:func:`two_process_job`: a spawn's start, two processes
+importing torch, costs more CPU than their runs): this file's runs first, with the pool's setting
+put back after them, then the peer's, then the hung run (rank 1 asleep until killed)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from conftest import batches, mlp
 from pipeoptim.compat import HAS_STORAGE_USE_COUNT
 from pipeoptim.runtime.link import ReceiveBuffers
 from pipeoptim.runtime.control import init_process_group
-from test_distributed import settle, spawn
+from test_distributed import hung_peer, settle, spawn
 
 LOSS = nn.functional.cross_entropy
 #: (method, micro-batches): one stage per process, a split backward, and two chunks per process
@@ -132,25 +134,27 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     results = {"lean": lean_runs(), "peer": peer_runs(rank) if peer_runs is not None else None}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    hung_peer(rank, out)  # ends the process (rank 0) or sleeps until killed (rank 1)
 
 
-_JOB: Dict[str, List[dict]] = {}
+_JOB: Dict[str, Any] = {}
 
 
-def two_process_job(tmp_path_factory) -> List[dict]:
-    """Per rank, {"lean": this file's runs, "peer": tests/test_pipelining_peer.py's} of the one
-    2-process spawn (gloo, a file store), run once for the session."""
+def two_process_job(tmp_path_factory) -> Dict[str, Any]:
+    """The one 2-process spawn (gloo, a file store), run once for the session: ``ranks``: per rank,
+    {"lean": this file's runs, "peer": tests/test_pipelining_peer.py's}; ``hang``: the hung run's
+    stage 0 outcome and whether stage 1 was still asleep when stage 0 had ended."""
     if not _JOB:
         tmp = tmp_path_factory.mktemp("two-processes")
-        spawn(_worker, 2, tmp, deadline=300.0)
+        asleep = spawn(_worker, 2, tmp, deadline=300.0, asleep=[1])
         _JOB["ranks"] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return _JOB["ranks"]
+        _JOB["hang"] = {"stage 0": json.loads((tmp / "hang0.json").read_text()), "stage 1 asleep": asleep[1]}
+    return _JOB
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return [rank["lean"] for rank in two_process_job(tmp_path_factory)]
+    return [rank["lean"] for rank in two_process_job(tmp_path_factory)["ranks"]]
 
 
 @pytest.mark.timeout(360)

@@ -3,7 +3,8 @@ Schedule1F1B (docs/architecture.md, "Invariants and where they are tested", inva
 
 Both run in the same two processes (gloo, one thread each, a file store in tmp_path) on the
 same seeded MLP halves and data: the one 2-process spawn of this file and
-tests/test_leaner_messages.py (its ``two_process_job``; this file's runs come after that file's). The peer uses its manual ``PipelineStage`` API: stage 0 passes
+tests/test_leaner_messages.py (its ``two_process_job``; this file's runs come after that file's,
+before tests/test_distributed.py's hung peer). The peer uses its manual ``PipelineStage`` API: stage 0 passes
 the mini-batch, the last stage the target, and the optimizer steps after each ``step()``. Its
 loss reduction is matched to ours: our mini-batch loss is the sum over micro-batches of
 ``micro_loss * micro_size / batch_size``, so the peer's ``loss_fn`` returns that term and
@@ -76,7 +77,7 @@ def peer_runs(rank: int) -> dict:
 def runs(tmp_path_factory):
     from test_leaner_messages import two_process_job
 
-    return {"ranks": [rank["peer"] for rank in two_process_job(tmp_path_factory)]}
+    return {"ranks": [rank["peer"] for rank in two_process_job(tmp_path_factory)["ranks"]]}
 
 
 @pytest.mark.timeout(120)
