@@ -1,6 +1,7 @@
-"""Shared fixtures: small seeded models and data that every runtime test can use, and the one
-torchrun job of tests/torchrun_traced.py that tests/test_traced.py and tests/test_tied_async.py
-read (a job's start, two processes importing torch, costs more than its training)."""
+"""Shared fixtures: small seeded models and data that every runtime test can use, and the torchrun
+jobs whose lines the test files read: one of 2 processes and one of 4, each running several of the
+tests' scripts in turn (a job's start, the processes importing torch, costs more than most
+scripts' training)."""
 from __future__ import annotations
 
 import importlib
@@ -70,9 +71,9 @@ def tiny_batches():
     return batches()
 
 
-#: the groups of tests/torchrun_traced.py's one job (model, methods, split points), by name: the tied
-#: GPT cut where the profile says, plain and clipped by the global norm (tests/test_traced.py);
-#: SkipNet's several tensors across (tests/test_traced.py); every asynchronous method on the tied GPT
+#: the groups of tests/torchrun_traced.py (model, methods, split points), by name: the tied GPT cut
+#: where the profile says, plain and clipped by the global norm (tests/test_traced.py); SkipNet's
+#: several tensors across (tests/test_traced.py); every asynchronous method on the tied GPT
 #: (tests/test_tied_async.py; None: its ASYNC, filled in by the fixture)
 TRACED_GROUPS = {
     "tied-gpt": ("gpt", "1f1b-flush,1f1b-flush:0.5", "-"),
@@ -80,18 +81,97 @@ TRACED_GROUPS = {
     "async-gpt": ("gpt", None, "layers.1"),
 }
 
+#: what the scripts of the 2-process job import anyway, imported before its first Pipeline and left
+#: out of the collections of every Pipeline's teardown (tests/torchrun_jobs.py, ``--preload``)
+PRELOAD = ["torch", "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "transformers",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "pipeoptim.pipeline",
+           "pipeoptim.cli", "pipeoptim.lab.tasks.image", "library_models", "traced_models"]
+
+#: the wall-clock limit of a shared job (a loaded 2-core machine runs the 2-process one for minutes)
+JOB_TIMEOUT = 1200
+
+
+def pytest_collection_modifyitems(items):
+    """A test that reads a shared torchrun job may be the one that waits for all of it: its
+    pytest-timeout limit is the job's, not the 300 s of one test."""
+    for item in items:
+        if {"torchrun_2", "torchrun_4"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.timeout(JOB_TIMEOUT + 300))
+
 
 @pytest.fixture(scope="session")
-def traced_under_torchrun():
-    """{group name: rank 0's JSON lines of that group} of one ``torchrun --nproc-per-node 2
-    tests/torchrun_traced.py`` job running every group of :data:`TRACED_GROUPS`."""
-    from test_tied_async import ASYNC
-    from test_traced import torchrun
+def torchrun_2(tmp_path_factory):
+    """One ``torchrun --nproc-per-node 2`` job (tests/torchrun_jobs.py) running, in turn, every
+    2-process script whose numbers the tests hold against one process; ``torchrun_2.rows(name)``:
+    what script ``name`` printed. A job's start (the launcher and two processes importing torch)
+    costs more than most scripts' training. The scripts, by name:
 
-    args = [arg if arg is not None else ",".join(ASYNC) for group in TRACED_GROUPS.values() for arg in group]
+    - ``refusals``: Pipelines the processes cannot hold, refused on every rank (test_torchrun.py,
+      test_bidirectional.py), first: the first Pipeline of the job starts its process group
+    - ``methods``: every method, clipped, evaluated every k, with the delay fixes (test_torchrun.py;
+      and its two-node job's reference)
+    - ``compiled``: every method compiled with aot_eager and eager (test_compile.py)
+    - ``traced``: the groups of :data:`TRACED_GROUPS` (test_traced.py, test_tied_async.py)
+    - ``dict``: library LMs from dict batches (test_dict_batches.py; their weights in ``folder/dict``)
+    - ``eval-2``: evaluation in the bubbles on 2 stages (test_eval_in_bubbles_torchrun.py)
+    - ``example``: examples/fashion_mnist_pipeline.py (test_torchrun.py)
+    - ``bitpipe-whole``: tests/torchrun_checkpoint.py's uninterrupted bitpipe run, which a cut one
+      resumes to (test_chunks.py; in ``folder/bitpipe-whole``)
+    - ``cli-zb-v``: ``-m pipeoptim train`` of a chunked partition (test_chunks.py; with Fashion-MNIST
+      only), last: the command line's worker starts the job's process group and destroys it, and
+      runs once a process (a second run joins the group without a new store prefix, and hangs)
+
+    ``torchrun_2.folder``: where they write."""
+    import test_chunks
+    import test_compile
+    import test_dict_batches
+    import test_torchrun
+    from test_tied_async import ASYNC
+    from torchrun_jobs import HERE, launch
+
+    folder = tmp_path_factory.mktemp("torchrun_2")
+    (folder / "dict").mkdir()
+    traced = [arg if arg is not None else ",".join(ASYNC) for group in TRACED_GROUPS.values() for arg in group]
+    jobs = {
+        "refusals": [HERE / "torchrun_refusals.py"],
+        "methods": [test_torchrun.SCRIPT, ",".join(test_torchrun.ENTRIES), 2],
+        "compiled": [HERE / "torchrun_compiled.py", ",".join(test_compile.UNDER_TORCHRUN), "aot_eager"],
+        "traced": [HERE / "torchrun_traced.py", *traced],
+        "dict": [HERE / "torchrun_dict_batches.py", ",".join(test_dict_batches.UNDER_TORCHRUN), folder / "dict"],
+        "eval-2": [HERE / "torchrun_eval_in_bubbles.py", 2],
+        "example": [test_torchrun.EXAMPLE, *test_torchrun.EXAMPLE_ARGS],
+        "bitpipe-whole": [test_torchrun.CHECKPOINT_SCRIPT, folder / "bitpipe-whole", *test_chunks.BITPIPE_RUN],
+    }
+    if has_image_data():  # last: the command line's worker starts the process group itself and ends it
+        jobs["cli-zb-v"] = ["-m", "pipeoptim", *test_chunks.under_users_torchrun("zb-v", folder / "cli-zb-v")]
+    printed = launch(jobs, nproc=2, preload=PRELOAD, timeout=JOB_TIMEOUT)
+    printed.folder = folder
+    return printed
+
+
+@pytest.fixture(scope="session")
+def torchrun_4():
+    """One ``torchrun --nproc-per-node 4`` job (tests/torchrun_jobs.py) of the 4-process scripts:
+
+    - ``schedules``: the schedules people run, one pipeline over 4 processes (test_torchrun.py)
+    - ``eval-4``: evaluation in the bubbles on 4 stages (test_eval_in_bubbles_torchrun.py)
+    - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
+      it sets the buckets' size for the process"""
+    import test_torchrun
+    from torchrun_jobs import HERE, launch
+
+    return launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
+                   "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
+                   "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
+                  nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="session")
+def traced_under_torchrun(torchrun_2):
+    """{group name: rank 0's JSON lines of that group} of tests/torchrun_traced.py in the 2-process job."""
     names = list(TRACED_GROUPS)
     found = {name: [] for name in names}
-    for row in torchrun(*args):
+    for row in torchrun_2.rows("traced"):
         found[names[row.pop("group")]].append(row)
     return found
 

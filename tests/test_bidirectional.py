@@ -126,23 +126,12 @@ def test_its_settings_are_refused_with_the_fix():
     assert get_method("bidirectional").stage_ranks(3, 2) == [0, 1, 2, 2, 1, 0]
 
 
-def test_with_data_parallel_replicas_it_is_refused_saying_what_to_do(tmp_path):
+def test_with_data_parallel_replicas_it_is_refused_saying_what_to_do(torchrun_2):
     """Under torchrun it runs one pipeline (tests/test_torchrun.py: equal to one process on 2
-    and 4 processes); replicas of that pipeline on top of its own two are refused."""
-    import subprocess
-    import sys
-
-    from test_torchrun import _env
-
-    script = tmp_path / "job.py"
-    script.write_text("import torch, pipeoptim\nfrom torch import nn\n"
-                      "model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))\n"
-                      "pipeoptim.Pipeline(model, method='bidirectional', stages=1, loss_fn=nn.functional.mse_loss,\n"
-                      "                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))"
-                      ".fit([(torch.randn(4, 4), torch.randn(4, 2))])\n")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, env=_env(), timeout=120)
-    assert done.returncode != 0
-    assert "bidirectional already holds two replicas of each piece" in done.stderr
-    assert "run one pipeline (WORLD_SIZE = stages)" in done.stderr
-
+    and 4 processes); replicas of that pipeline on top of its own two are refused, on every rank
+    (tests/torchrun_refusals.py's "bidirectional", in tests/conftest.py's 2-process job)."""
+    refused = [r["refused"] for r in torchrun_2.rows("refusals") if r["case"] == "bidirectional"]
+    assert len(refused) == 2
+    for line in refused:
+        assert "bidirectional already holds two replicas of each piece" in line
+        assert "run one pipeline (WORLD_SIZE = stages)" in line

@@ -197,28 +197,38 @@ def test_the_command_line_under_torchrun_equals_one_process(tmp_path, capfd):
     assert runs[1]["final_metric"] == pytest.approx(runs[0]["final_metric"], rel=1e-6)
 
 
+def chunked_partition(method: str) -> list:
+    """``pipeoptim train`` of the image MLP cut into 4 pieces (``--partition 1,1,1,1``) by ``method``."""
+    return ["train", "--task", "image", "--model", "mlp", "--limit", "128", "--batch-size", "32",
+            "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--method", method,
+            "--partition", "1,1,1,1", "--lr-schedule", "constant", "--no-progress", "--json"]
+
+
+def under_users_torchrun(method: str, out) -> list:
+    """The arguments of ``torchrun ... -m pipeoptim`` for :func:`chunked_partition`."""
+    return [*chunked_partition(method), "--runtime", "distributed", "--device", "cpu", "--out", str(out)]
+
+
 @pytest.mark.parametrize("method", ["interleaved", "zb-v"])
-def test_a_chunked_partition_under_the_users_torchrun_equals_one_process(tmp_path, capfd, method):
+def test_a_chunked_partition_under_the_users_torchrun_equals_one_process(tmp_path, capfd, method, request):
     """`torchrun --nproc-per-node 2 -m pipeoptim train --runtime distributed --partition 1,1,1,1`:
     4 pieces, 2 chunks per process, so 2 stages on the job's 2 processes (the worker once
-    counted the partition's pieces against the processes and refused it), the local run's losses."""
+    counted the partition's pieces against the processes and refused it), the local run's losses.
+    (A torchrun job runs the command line once, as its last script: zb-v in tests/conftest.py's
+    2-process job, interleaved in the job of ``bitpipe_resumed`` below.)"""
     import json
 
     from pipeoptim.cli import main
     from pipeoptim.lab.tasks import MissingDataError, get_task
-    from test_torchrun import run
 
     try:
         get_task("image").load(batch_size=32, limit=128, seed=0)
     except MissingDataError as error:
         pytest.skip(f"needs Fashion-MNIST: {error}")
-    args = ["train", "--task", "image", "--model", "mlp", "--limit", "128", "--batch-size", "32",
-            "--epochs", "1", "--optimizer", "momentum", "--lr", "0.01", "--method", method,
-            "--partition", "1,1,1,1", "--lr-schedule", "constant", "--no-progress", "--json"]
-    assert main([*args, "--out", str(tmp_path / "local")]) == 0
+    assert main([*chunked_partition(method), "--out", str(tmp_path / "local")]) == 0
     local = json.loads(capfd.readouterr().out)
-    spread = json.loads(run(["-m", "pipeoptim", *args, "--runtime", "distributed", "--device", "cpu",
-                             "--out", str(tmp_path / "spread")], nproc=2))
+    job = request.getfixturevalue("torchrun_2" if method == "zb-v" else "bitpipe_resumed")
+    spread = json.loads("\n".join(job.lines(f"cli-{method}", rank=0)))
     assert (spread["stages"], local["stages"], len(local["losses"])) == (4, 4, 4)  # pieces
     assert spread["losses"] == pytest.approx(local["losses"], rel=1e-6)
 
@@ -279,33 +289,57 @@ def test_bench_runs_the_chunked_methods(tmp_path, capfd):
     assert weights["bitpipe"] == 2 * weights["interleaved"] == 2 * weights["zb-v"]
 
 
-def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(tmp_path):
-    """Several stages per process under torchrun, as `interleaved` holds them: `bitpipe` on 2
-    processes, each holding four stages (two pieces, and replicas of the other process's two,
-    which it reads from the checkpoint). A run whose processes all end after 13 mini-batches
-    (checkpoints every 5) resumes from the checkpoint at mini-batch 10 to the losses and weights
-    of the uninterrupted run under torchrun (not one process: the model's dropout draws from one
-    generator there, in another order than two processes' generators do with two pipelines)."""
-    method = "bitpipe"
+#: tests/torchrun_checkpoint.py's arguments after the run folder: mini-batches, epochs, delay, method
+BITPIPE_RUN = [16, 2, 0, "bitpipe"]
+
+
+@pytest.fixture(scope="module")
+def bitpipe_resumed(tmp_path_factory):
+    """A bitpipe run under torchrun (tests/torchrun_checkpoint.py, 2 processes) whose processes all
+    end after 13 mini-batches, then a 2-process job (tests/torchrun_jobs.py) that resumes it (its
+    first script, "resumed") and runs the command line of the interleaved partition
+    ("cli-interleaved", last: see test_a_chunked_partition_under_the_users_torchrun_equals_one_process).
+    ``.cut``: the cut run's exit status; ``.latest``: its latest.json, or None; ``.folder``: the run's
+    folder; ``.cut_left_a_result``: whether the cut run wrote result.json."""
     import json
     import subprocess
     import sys
 
+    from conftest import JOB_TIMEOUT, has_image_data
     from test_torchrun import CHECKPOINT_SCRIPT, REPO, _env
+    from torchrun_jobs import launch
 
-    def job(folder, *extra, launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")):
-        return subprocess.run([sys.executable, *launcher, str(CHECKPOINT_SCRIPT), str(folder), "16", "2", "0",
-                               method, *extra], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+    folder = tmp_path_factory.mktemp("bitpipe") / "cut"
+    cut = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(CHECKPOINT_SCRIPT), str(folder), *map(str, BITPIPE_RUN), "13"],
+                         capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+    latest = folder / "checkpoints" / "latest.json"
+    latest = json.loads(latest.read_text()) if latest.exists() else None
+    cut_left_a_result = (folder / "result.json").exists()
+    jobs = {"resumed": [CHECKPOINT_SCRIPT, folder, *BITPIPE_RUN]}
+    if has_image_data():
+        jobs["cli-interleaved"] = ["-m", "pipeoptim", *under_users_torchrun("interleaved", folder.parent / "cli")]
+    printed = launch(jobs, nproc=2, timeout=JOB_TIMEOUT)
+    printed.cut, printed.latest, printed.folder, printed.cut_left_a_result = \
+        cut.returncode, latest, folder, cut_left_a_result
+    return printed
 
-    whole = job(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    cut = job(tmp_path / "cut", "13")
-    assert cut.returncode != 0 and not (tmp_path / "cut" / "result.json").exists()
-    latest = json.loads((tmp_path / "cut" / "checkpoints" / "latest.json").read_text())
-    resumed = job(tmp_path / "cut")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = json.loads((tmp_path / "whole" / "result.json").read_text())
-    b = json.loads((tmp_path / "cut" / "result.json").read_text())
+
+def test_a_chunked_run_under_torchrun_resumes_mid_epoch_to_the_uninterrupted_run(bitpipe_resumed, torchrun_2):
+    """Several stages per process under torchrun, as `interleaved` holds them: `bitpipe` on 2
+    processes, each holding four stages (two pieces, and replicas of the other process's two,
+    which it reads from the checkpoint). A run whose processes all end after 13 mini-batches
+    (checkpoints every 5) resumes from the checkpoint at mini-batch 10 to the losses and weights
+    of the uninterrupted run under torchrun (the "bitpipe-whole" script of tests/conftest.py's
+    2-process job; not one process: the model's dropout draws from one generator there, in another
+    order than two processes' generators do with two pipelines)."""
+    import json
+
+    assert bitpipe_resumed.cut != 0 and not bitpipe_resumed.cut_left_a_result
+    assert bitpipe_resumed.latest  # the cut run left a checkpoint to resume from
+    bitpipe_resumed.lines("resumed")  # it ended on every rank
+    torchrun_2.lines("bitpipe-whole")
+    a = json.loads((torchrun_2.folder / "bitpipe-whole" / "result.json").read_text())
+    b = json.loads((bitpipe_resumed.folder / "result.json").read_text())
     assert len(a["losses"]) == 32 and b["losses"] == a["losses"]
     assert b["weights"] == a["weights"]
-    assert latest  # the cut run left a checkpoint to resume from

@@ -5,9 +5,6 @@ swap, one more at most for a mini-batch of another size, and the refusals naming
 The compiled runs share one model shape, so inductor's on-disk cache compiles each distinct
 stage graph once for the whole file (about 20 s cold on one core, under 1 s warm)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ from pipeoptim.prepare import check_compile
 from pipeoptim.runtime.compiled import missing_toolchain
 from traced_models import TinyGPT, lm_batches, lm_loss
 
-HERE = Path(__file__).resolve().parent
 REL = 1e-5  #: compiled against eager: inductor fuses differently, so not bit for bit
 
 
@@ -145,21 +141,18 @@ def test_compile_refusals_name_the_fix(monkeypatch):
         check_compile(Settings())
 
 
-def test_compiled_every_method_under_torchrun_equals_eager():
+#: the methods of the torchrun test (bidirectional under torchrun: tests/test_torchrun.py, test_bidirectional.py)
+UNDER_TORCHRUN = [m for m in method_names() if m != "sequential" and not pipeoptim.get_method(m).mirrored]
+
+
+def test_compiled_every_method_under_torchrun_equals_eager(torchrun_2):
     """Two processes, one stage each: the same losses compiled and eager for every method, one
     graph per stage (per chunk) on each rank. With aot_eager (torch's graphs run by eager
     kernels) the losses are equal to the bit: what the distributed executor adds to a compiled
-    stage is exact; inductor's rounding is the one-process tests'."""
-    from test_torchrun import _env
-    env = _env()
-    # (bidirectional under torchrun: tests/test_torchrun.py, test_bidirectional.py)
-    methods = [m for m in method_names() if m != "sequential" and not pipeoptim.get_method(m).mirrored]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "torchrun_compiled.py"), ",".join(methods), "aot_eager"],
-                          capture_output=True, text=True, env=env, cwd=HERE.parent, timeout=480)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = {r["method"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
-    assert sorted(rows) == sorted(methods)
+    stage is exact; inductor's rounding is the one-process tests'. (The "compiled" script,
+    tests/torchrun_compiled.py, of tests/conftest.py's 2-process job.)"""
+    rows = {r["method"]: r for r in torchrun_2.rows("compiled")}
+    assert sorted(rows) == sorted(UNDER_TORCHRUN)
     for method, row in rows.items():
         assert row["compiled"] == row["eager"], (method, row)
         assert row["compilations"] == [1] * (2 * pipeoptim.get_method(method).chunks), (method, row)

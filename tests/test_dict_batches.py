@@ -8,11 +8,6 @@ labels reach only the last stage, as a target does."""
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
@@ -178,31 +173,21 @@ def test_a_model_that_returns_no_loss_is_refused_before_training():
     assert not pipe.prepared and pipe.losses == []
 
 
-def torchrun(out: Path, entries: str) -> List[dict]:
-    """rank 0's JSON lines of ``torchrun --nproc-per-node 2 tests/torchrun_dict_batches.py``."""
-    from test_torchrun import _env
-
-    here = Path(__file__).resolve().parent
-    env = _env()
-    env["PYTHONPATH"] += os.pathsep + str(here)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(here / "torchrun_dict_batches.py"), entries, str(out)],
-                          capture_output=True, text=True, env=env, cwd=here.parent, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+#: the entries of the torchrun test: FAMILY:DRIVE (step/flush by hand, or fit)
+UNDER_TORCHRUN = ["gpt2:step", "llama:step", "llama:fit"]
 
 
-def test_dict_batches_under_torchrun_equal_the_plain_loop(tmp_path):
+def test_dict_batches_under_torchrun_equal_the_plain_loop(torchrun_2):
     """Two processes, one stage each: the labels only on the last one. Losses and the gathered
-    trained weights equal the plain loop's."""
-    entries = ["gpt2:step", "llama:step", "llama:fit"]
-    rows = {row["entry"]: row for row in torchrun(tmp_path, ",".join(entries))}
-    assert list(rows) == entries
+    trained weights equal the plain loop's. (tests/torchrun_dict_batches.py, the "dict" script of
+    tests/conftest.py's 2-process job.)"""
+    rows = {row["entry"]: row for row in torchrun_2.rows("dict")}
+    assert list(rows) == UNDER_TORCHRUN
     for entry, row in rows.items():
         family, _ = entry.split(":")
         expected, trained = plain_dict_loop(case(family)[0], dict_batches(), micro=2)
         assert row["losses"] == pytest.approx(expected, rel=1e-6), entry
         assert row["takes_target"] == [False, True], entry
         result = case(family)[0]
-        result.load_state_dict(torch.load(tmp_path / f"{family}-{row['drive']}.pt"))
+        result.load_state_dict(torch.load(torchrun_2.folder / "dict" / f"{family}-{row['drive']}.pt"))
         assert_same_weights(result, trained)

@@ -9,18 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from test_torchrun import run
+from torchrun_jobs import run_here
 
 SCRIPT = Path(__file__).resolve().parent / "torchrun_eval_in_bubbles.py"
 
 
-def rows(text: str) -> dict:
-    return {(r["method"], r["bubbles"]): r for r in map(json.loads, text.strip().splitlines())}
+def rows(lines) -> dict:
+    return {(r["method"], r["bubbles"]): r for r in map(json.loads, lines)}
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_under_torchrun_the_bubbles_give_the_drained_evaluations_and_one_process_the_same(stages):
-    alone, spread = rows(run([SCRIPT, stages])), rows(run([SCRIPT, stages], nproc=stages))
+@pytest.mark.parametrize("stages", [2, 4])
+def test_under_torchrun_the_bubbles_give_the_drained_evaluations_and_one_process_the_same(stages, request):
+    """On 2 processes (the "eval-2" script of tests/conftest.py's 2-process job) and on 4 (the
+    4-process job's "eval-4": two middle stages, which take the E actions' activations from one
+    process and send them on to the next); one process: the same script, here."""
+    job = request.getfixturevalue(f"torchrun_{stages}")
+    alone, spread = rows(run_here(SCRIPT, stages).strip().splitlines()), rows(job.lines(f"eval-{stages}"))
     assert set(spread) == {(m, b) for m in ("gpipe", "1f1b-flush", "zb-h1") for b in (False, True)} | \
         {("forward_in_bubbles", True)}
     user = spread.pop(("forward_in_bubbles", True))  # a user's forward-only work, on the last stage's process

@@ -1,8 +1,13 @@
 """The same script under `python` (all stages in one process) and under `torchrun` (one stage
 per process, gloo): the same losses, weights and metrics, to the last bit (one compute thread
-each, so the float reductions are the same)."""
+each, so the float reductions are the same).
+
+The torchrun side of most tests is a script of tests/conftest.py's shared jobs (``torchrun_2``,
+``torchrun_4``: one start for several scripts), the python side the same script run in the pytest
+process (tests/torchrun_jobs.py's ``run_here``)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -15,11 +20,13 @@ import numpy as np
 import pytest
 
 from pipeoptim.methods import method_names
+from torchrun_jobs import run_here
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SCRIPT = HERE / "torchrun_methods.py"
 EXAMPLE = REPO / "examples" / "fashion_mnist_pipeline.py"
+EXAMPLE_ARGS = ["--limit", 384, "--epochs", 2, "--stages", 2]
 
 
 def _env() -> dict:
@@ -51,14 +58,16 @@ CLIPPED = [f"{m}+clip=0.05" for m in ("gpipe", "1f1b-flush", "interleaved")]
 EVALUATED = "pipeoptim+eval=2"
 #: the delay fixes: error feedback, the delay-aware optimizer (each stage told its delay per step)
 FIXES = ["pipedream-2bw+ef=1", "pipeoptim-2bw+ef=1", "pipeoptim+opt=delay-nadamw"]
+#: every entry the tests below read, in one run (each starts from the same seed, so a run's line
+#: for it is the entry's alone)
+ENTRIES = [*PIPELINED, *CLIPPED, EVALUATED, *FIXES]
 
 
 @pytest.fixture(scope="module")
-def both():
-    """One job in one process and one under torchrun (2 processes) for every entry the tests
-    read (each entry starts from the same seed, so a job's line for it is the entry's alone)."""
-    entries = ",".join([*PIPELINED, *CLIPPED, EVALUATED, *FIXES])
-    return rows(run([SCRIPT, entries, 2])), rows(run([SCRIPT, entries, 2], nproc=2))
+def both(torchrun_2):
+    """Every entry in one process (here) and under torchrun (2 processes: the "methods" script of
+    the 2-process job)."""
+    return rows(run_here(SCRIPT, ",".join(ENTRIES), 2)), rows("\n".join(torchrun_2.lines("methods", rank=0)))
 
 
 @pytest.mark.parametrize("method", PIPELINED)
@@ -75,16 +84,20 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
     assert len(local["losses"]) == 9
 
 
-def test_the_schedules_people_run_equal_sequential_on_four_processes():
+#: the schedules of the 4-process job (tests/conftest.py's torchrun_4)
+SCHEDULES = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional", "bitpipe"]
+
+
+def test_the_schedules_people_run_equal_sequential_on_four_processes(torchrun_4):
     """zb-h1 (split backward), interleaved and zb-v (2 chunks per process, 8 pieces),
     bidirectional (4 pieces and their replicas, 2 per process) and bitpipe (8 pieces and their
     replicas, 4 per process) on 4 processes: the same numbers as one process, and as sequential
     on the same model."""
-    methods = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "bidirectional", "bitpipe"]
-    local = rows(run([SCRIPT, ",".join(["sequential", *methods]), 4]))
-    spread = rows(run([SCRIPT, ",".join(methods), 4], nproc=4, timeout=300))
+    local = rows(run_here(SCRIPT, ",".join(["sequential", *SCHEDULES]), 4))
+    spread = rows("\n".join(torchrun_4.lines("schedules", rank=0)))
+    assert sorted(spread) == sorted(SCHEDULES)
     reference = local["sequential"]
-    for method in methods:
+    for method in SCHEDULES:
         assert spread[method]["processes"] == 4 and local[method]["processes"] == 1
         assert spread[method]["losses"] == local[method]["losses"], method
         assert spread[method]["weights"] == local[method]["weights"], method
@@ -122,81 +135,94 @@ def test_global_clipping_under_torchrun_equals_one_process(both):
     assert local["gpipe+clip=0.05"]["losses"][4:] != local["gpipe"]["losses"][4:]  # the clipping bites
 
 
-def test_the_example_under_torchrun_prints_what_it_prints_under_python():
-    args = [EXAMPLE, "--limit", 384, "--epochs", 2, "--stages", 2]
-    alone, spread = run(args), run(args, nproc=2)
-    strip = lambda text: [line.split(", ")[0] for line in text.strip().splitlines()]  # noqa: E731 (drop samples/s)
+def test_the_example_under_torchrun_prints_what_it_prints_under_python(torchrun_2):
+    alone = run_here(EXAMPLE, *EXAMPLE_ARGS).strip().splitlines()
+    spread = torchrun_2.lines("example")                     # every rank's lines
+    strip = lambda lines: [line.split(", ")[0] for line in lines]  # noqa: E731 (drop samples/s)
     assert strip(spread) == strip(alone)
-    assert len(spread.strip().splitlines()) == 3            # printed once, by rank 0
-    assert spread.strip().splitlines()[-1].endswith("weight copies per stage [2.0, 1.0]")
+    assert len(spread) == 3 and set(torchrun_2.ranks("example")) == {0}  # printed once, by rank 0
+    assert spread[-1].endswith("weight copies per stage [2.0, 1.0]")
 
 
 EXIT_SCRIPT = HERE / "torchrun_exit.py"
 
 
-@pytest.mark.parametrize("mode", ["exit", "close", "with", "user", "nan", "raise"])
-def test_no_gloo_worker_thread_outlives_the_pipelines_teardown(mode):
+@functools.lru_cache(maxsize=None)
+def teardown(modes: str) -> tuple:
+    """(exit status, stderr, {rank: report}) of ``torchrun --nproc-per-node 2 torchrun_exit.py MODES``."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", str(EXIT_SCRIPT), modes], capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=240)
+    reports = {r["rank"]: r for r in map(json.loads, (l for l in done.stdout.splitlines() if l.startswith("{")))}
+    return done.returncode, done.stderr, reports
+
+
+#: how a script's Pipelines end, a job each: those that let the script go on (close, with) before
+#: the one that ends it; the user's own process group with a stop on a NaN loss
+ENDINGS = ["close,with,exit", "user,nan", "raise"]
+
+
+@pytest.mark.parametrize("modes", ENDINGS)
+def test_no_gloo_worker_thread_outlives_the_pipelines_teardown(modes):
     """A gloo worker thread alive at interpreter finalization may still be releasing the last
     collective's tensor, which takes the GIL from a finalizing interpreter: the process aborts
     ("terminate called without an active exception") after its work is done. However the script
     ends, the Pipeline destroys its process groups before that: every rank has the gloo workers
     (and, where no traceback holds a receive, the threads) it had before the Pipeline, and none
-    more. (Before the fix each rank still had 6 workers at exit: the links' groups and the
-    default group, which a torch module imported after it keeps as a default argument.)"""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           "2", str(EXIT_SCRIPT), mode], capture_output=True, text=True, env=_env(), cwd=REPO,
-                          timeout=240)
-    reports = {r["rank"]: r for r in map(json.loads, (l for l in done.stdout.splitlines() if l.startswith("{")))}
-    assert sorted(reports) == [0, 1], done.stderr[-3000:]
-    assert "terminate called" not in done.stderr
-    assert done.returncode == (0 if mode in ("exit", "close", "with", "user") else 1), done.stderr[-3000:]
+    more; a Pipeline closed (twice) or left by its ``with`` block has them back at once, and the
+    script goes on. (Before the fix each rank still had 6 workers at exit: the links' groups and
+    the default group, which a torch module imported after it keeps as a default argument.)"""
+    returncode, stderr, reports = teardown(modes)
+    ends = [m for m in modes.split(",") if m != "user"] or ["exit"]
+    assert sorted(reports) == [0, 1], stderr[-3000:]
+    assert "terminate called" not in stderr
+    assert returncode == (0 if ends[-1] == "exit" else 1), stderr[-3000:]
     for rank, r in reports.items():
-        assert r["running"] > r["before"]                      # the Pipeline had threads of its own
+        assert [p["mode"] for p in r["pipelines"]] == ends, (rank, r)
+        for p in r["pipelines"]:
+            assert p["running"] > r["before"], (rank, p)         # the Pipeline had threads of its own
+            if p["mode"] in ("close", "with"):
+                assert (p["after"], p["workers_after"]) == (r["before"], r["workers_before"]), (rank, p)
         assert r["workers_at_exit"] == r["workers_before"], (rank, r)
-        if not (mode == "raise" and rank == 0):  # rank 0's traceback holds the receive that failed
+        if not (ends[-1] == "raise" and rank == 0):  # rank 0's traceback holds the receive that failed
             assert r["at_exit"] == r["before"], (rank, r)
-        if mode == "close":
-            assert r["after_close"] == r["before"]
-    if mode == "user":  # the user's own default group: left alone
+    if modes.startswith("user"):  # the user's own default group: left alone
         assert all(r["workers_before"] == 2 for r in reports.values())
-    if mode == "raise":
-        assert "a stage failed on purpose" in done.stderr and "Connection closed by peer" in done.stderr
+    if ends[-1] == "nan":  # the stop on a non-finite loss (every rank's, each at exit above)
+        assert "NonFiniteLoss: loss became nan" in stderr, stderr[-3000:]
+    if ends[-1] == "raise":
+        assert "a stage failed on purpose" in stderr and "Connection closed by peer" in stderr
 
 
-AGAIN = ("import json, torch, pipeoptim; from torch import nn\n"
-         "g = torch.Generator().manual_seed(1)\n"
-         "data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]\n"
-         "for i in range(3):\n"
-         "    torch.manual_seed(0)\n"
-         "    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))\n"
-         "    with pipeoptim.Pipeline(model, method='gpipe', loss_fn=nn.functional.cross_entropy, timeout=60,\n"
-         "                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:\n"
-         "        losses = pipe.fit(data).losses\n"
-         "    if pipe.rank == 0: print(json.dumps(losses), flush=True)\n")
-
-
-def test_a_pipeline_made_after_one_that_ended_the_job_joins_it_again(tmp_path):
-    """Three Pipelines in turn in one script, each closed (with ``with``) before the next: the
-    first two tear the job's process group down, and each later one joins it again, under a
-    store prefix of its own (the torn-down groups' addresses are still in torchrun's store:
-    joined without one, the new groups connected to sockets that were gone)."""
-    script = tmp_path / "again.py"
-    script.write_text(AGAIN)
-    lines = run([script], nproc=2, timeout=180).strip().splitlines()
-    assert len(lines) == 3 and len(set(lines)) == 1, lines
+def test_a_pipeline_made_after_one_that_ended_the_job_joins_it_again():
+    """Three Pipelines in turn in one script (the "close,with,exit" job above), the first closed,
+    the second left by its ``with`` block: the first two tear the job's process group down, and
+    each later one joins it again, under a store prefix of its own (the torn-down groups'
+    addresses are still in torchrun's store: joined without one, the new groups connected to
+    sockets that were gone). The three train alike, from the same seed."""
+    returncode, stderr, reports = teardown("close,with,exit")
+    assert returncode == 0, stderr[-3000:]
+    for rank, r in reports.items():
+        losses = [p["losses"] for p in r["pipelines"]]
+        assert len(losses) == 3 and len(losses[0]) == 6 and losses.count(losses[0]) == 3, (rank, losses)
 
 
 DP_SCRIPT = HERE / "torchrun_data_parallel.py"
 
 
-def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatenated_shards():
+#: the data-parallel script's arguments: methods, stages, micro-batches, replicas
+DATA_PARALLEL = ["gpipe,1f1b-flush,zb-h1,pipeoptim,pipedream", 2, 2, 2]
+
+
+def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatenated_shards(torchrun_4):
     """N = 2, D = 2 (four processes): gradients averaged over the replicas before every update
     make a synchronous method equal one replica on the concatenated shards, and pipeoptim its
     single-replica run on the same concatenated micro-batches (float sums in another order).
     zb-h1 sends each weight group's gradients while its weight half computes the next."""
-    methods = "gpipe,1f1b-flush,zb-h1,pipeoptim,pipedream"
-    one = rows(run([DP_SCRIPT, methods, 2, 2, 2]))
-    two = rows(run([DP_SCRIPT, methods, 2, 2, 2, 256], nproc=4, timeout=300))  # 256-byte buckets: overlapped
+    methods = DATA_PARALLEL[0]
+    one = rows(run_here(DP_SCRIPT, *DATA_PARALLEL))
+    two = rows("\n".join(torchrun_4.lines("data-parallel", rank=0)))  # 256-byte buckets: overlapped
+    assert sorted(two) == sorted(methods.split(","))
     for m in methods.split(","):
         assert (one[m]["replicas"], two[m]["replicas"]) == (1, 2)
         assert two[m]["losses"] == pytest.approx(one[m]["losses"], abs=1e-6)
@@ -206,24 +232,50 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_replica_on_the_concatena
         assert len(one[m]["losses"]) == 12
 
 
-TINY = ("import torch, pipeoptim; from torch import nn\n"
-        "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))\n"
-        "pipeoptim.Pipeline(m, method='pipeoptim', loss_fn=nn.functional.cross_entropy,\n"
-        "                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), {})\n")
+#: tests/torchrun_refusals.py's cases on 2 processes, and the line each is refused with
+REFUSED = {
+    "stages": "WORLD_SIZE 2 is not a multiple of the 3 stages: start N x D processes",
+    "replicas": "data_parallel=3, but WORLD_SIZE 2 with 1 stages makes 2 replicas; start 3 processes or drop "
+                "data_parallel",
+    "layers": "2 stages need at least 2 layers with parameters; the model has 1",
+}
 
 
-@pytest.mark.parametrize("nproc,settings,message", [
-    (2, "stages=3", "WORLD_SIZE 2 is not a multiple of the 3 stages: start N x D processes"),
-    (4, "stages=2, data_parallel=3", "data_parallel=3, but WORLD_SIZE 4 with 2 stages makes 2 replicas; "
-                                     "start 6 processes or drop data_parallel"),
-    (4, "stages=4", "4 stages need at least 4 layers with parameters; the model has 3"),
+def test_a_layout_the_processes_cannot_hold_is_refused_on_every_rank(torchrun_2):
+    """Under torchrun (the "refusals" script of the 2-process job, the job's first Pipelines):
+    every rank refuses each layout with the same line and goes on, none waits on a peer."""
+    refused = torchrun_2.rows("refusals")
+    for case, message in REFUSED.items():
+        lines = [r["refused"] for r in refused if r["case"] == case]
+        assert len(lines) == 2 and all(line and line.startswith(message) for line in lines), (case, lines)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(stages=3, processes=2), "WORLD_SIZE 2 is not a multiple of the 3 stages: start N x D processes"),
+    (dict(stages=2, data_parallel=3, processes=4), "data_parallel=3, but WORLD_SIZE 4 with 2 stages makes 2 "
+                                                   "replicas; start 6 processes or drop data_parallel"),
+    (dict(stages=4, processes=4), None),  # the layout holds; the model does not (below)
 ])
-def test_a_layout_the_processes_cannot_hold_is_refused_on_every_rank(nproc, settings, message):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "--no-python", sys.executable, "-c", TINY.format(settings)],
-                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
-    assert done.returncode != 0
-    assert done.stderr.count(message) == nproc, done.stderr[-3000:]   # the same line on every rank, no hang
+def test_the_layout_refusals_name_the_processes_to_start(settings, message):
+    """The lines of the test above, for the numbers of other jobs (4 processes), from the layout
+    every rank plans (pipeoptim.runtime.layout); a model with fewer layers than 4 stages is refused
+    as it is in one process."""
+    import torch
+    from torch import nn
+
+    import pipeoptim
+    from pipeoptim.runtime.layout import plan_layout
+
+    if message is None:
+        plan_layout(pipeoptim.get_method("pipeoptim"), **settings)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        with pytest.raises(ValueError, match="4 stages need at least 4 layers with parameters; the model has 3"):
+            pipeoptim.Pipeline(model, method="pipeoptim", stages=4, loss_fn=nn.functional.cross_entropy,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        return
+    with pytest.raises(ValueError) as refused:
+        plan_layout(pipeoptim.get_method("pipeoptim"), **settings)
+    assert str(refused.value).startswith(message)
 
 
 CHECKPOINT_SCRIPT = HERE / "torchrun_checkpoint.py"
@@ -270,7 +322,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     checkpoint is complete, and running the script again resumes to the same losses and weights."""
     from pipeoptim.checkpoint import latest_checkpoint, read_manifest
 
-    run([CHECKPOINT_SCRIPT, tmp_path / "whole", 40, 2])
+    run_here(CHECKPOINT_SCRIPT, tmp_path / "whole", 40, 2)  # one process, here
     whole = json.loads((tmp_path / "whole" / "result.json").read_text())
     job = start(tmp_path / "cut", delay=0.05)
     try:
@@ -292,7 +344,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
 
 def test_two_nodes_give_what_one_node_gives(both):
     """Two torchrun agents on this machine (--nnodes 2, one process each, a c10d rendezvous)
-    give the one-node job's numbers (the 2-process job of ``both``)."""
+    give the one-node job's numbers (the 2-process "methods" script of ``both``)."""
     import socket
 
     with socket.socket() as s:
@@ -328,7 +380,7 @@ def test_bench_times_data_parallel_layouts_beside_the_baselines(tmp_path, capfd,
 
     assert main(["bench", "--synthetic", "--batches", "2", "--warmup", "1", "--batch-size", "16",
                  "--methods", "pipeoptim", "--stages", str(stages), "--data-parallel", str(replicas),
-                 "--json", "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
+                 "--repeats", "1", "--json", "--out", str(tmp_path / "bench.json"), "--timeout", "60"]) == 0
     result = json.loads(capfd.readouterr().out)
     assert set(result["samples_per_second"]) == expected
     assert (result["settings"]["stages"], result["settings"]["data_parallel"]) == (stages, replicas)

@@ -6,12 +6,7 @@ before anything runs."""
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -191,20 +186,6 @@ def test_a_chunked_method_is_refused_naming_the_fix(method):
                                          f"nn.Sequential for now"):
         pipeoptim.Pipeline(SkipNet(), method=method, stages=2, loss_fn=nn.functional.cross_entropy,
                            optimizer=SGDM, example_input=skip_batches()[0][0])
-
-
-def torchrun(*args):
-    """rank 0's JSON lines of ``torchrun --nproc-per-node 2 tests/torchrun_traced.py ARGS``."""
-    from test_torchrun import _env
-
-    here = Path(__file__).resolve().parent
-    env = _env()
-    env["PYTHONPATH"] += os.pathsep + str(here)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(here / "torchrun_traced.py"), *args],
-                          capture_output=True, text=True, env=env, cwd=here.parent, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially(traced_under_torchrun):

@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/conftest.py's ``traced_under_torchrun`` (for tests/test_traced.py and
-tests/test_tied_async.py): a traced model split over the processes, trained with each method given;
+"""Run under torchrun in tests/conftest.py's 2-process job (``traced_under_torchrun``, for
+tests/test_traced.py and tests/test_tied_async.py): a traced model split over the processes, trained with each method given;
 rank 0 prints one JSON line per method with the losses and the trained weights. Arguments: one or
 more groups of three (one job runs them all; each line names its group by position): the model
 (``gpt``: TinyGPT with its head tied to its embedding; ``skip``: SkipNet, two inputs and a skip

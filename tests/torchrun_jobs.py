@@ -1,0 +1,191 @@
+"""Several of the tests' torchrun scripts in turn, in one torchrun job (tests/conftest.py's
+``torchrun_2`` and ``torchrun_4``): a job's start, the launcher and every process importing torch,
+costs more CPU than most of the scripts' training, so the checks against one process of several
+test files share one start.
+
+    torchrun ... tests/torchrun_jobs.py [--preload MODULE,...] NAME SCRIPT ARG... [--- NAME SCRIPT ARG... ...]
+
+Each SCRIPT (a path, or ``-m MODULE``) runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``, in
+this process, after the ones before it: its Pipelines join the job as a script's second Pipeline
+does, and like a script's they are torn down at the exit (their ``atexit``). What it prints to
+stdout on each rank comes out after it as JSON lines ``{"job": NAME, "rank": RANK, "line": LINE}``,
+each one write (the ranks share torchrun's stdout), then ``{"job": NAME, "rank": RANK, "done":
+true, "cpu": SECONDS}`` (the script's CPU time on that rank; at the exit, job ``(exit)``: the
+Pipelines' teardowns'). A script that raises ends the job: the scripts after it print nothing.
+
+``--preload``: modules imported before any script, and then, with everything else alive at that
+point, left out of the cyclic garbage collector (``gc.freeze``). Each Pipeline's teardown runs a
+full collection (pipeoptim/torchrun.py, ``leave``), at the exit for every Pipeline of the job:
+over torch's, dynamo's and transformers' modules, about 10 CPU-s a process for the ~70 Pipelines
+of the 2-process job. Nothing of a Pipeline's is frozen (none exists yet), so the collections
+still find every cycle a Pipeline leaves.
+
+This module is also the tests' side of those jobs: :func:`launch` starts one, :class:`Printed`
+reads it, :func:`run_here` runs a script's one-process reference in the pytest process."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import resource
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+
+
+def cpu() -> float:
+    """This process's CPU seconds so far (every thread's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def emit(row: dict) -> None:
+    os.write(1, (json.dumps(row) + "\n").encode())
+
+
+def run_script(script: str, args: Sequence[str], job: Optional[str] = None) -> str:
+    """What ``python SCRIPT ARGS`` (``-m MODULE ARGS``) prints to stdout, run in this process;
+    under a job, each line is also emitted as the job's (even when the script raises)."""
+    out = io.StringIO()
+    saved = sys.argv
+    try:
+        with contextlib.redirect_stdout(out):
+            try:
+                if script == "-m":
+                    sys.argv = [args[0], *args[1:]]
+                    runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = [script, *args]
+                    runpy.run_path(script, run_name="__main__")
+            except SystemExit as end:  # a command line's exit status
+                if end.code not in (0, None):
+                    raise
+    finally:
+        sys.argv = saved
+        if job is not None:
+            rank = int(os.environ.get("RANK", "0"))
+            for line in out.getvalue().splitlines():
+                emit({"job": job, "rank": rank, "line": line})
+    return out.getvalue()
+
+
+def main(argv: List[str]) -> None:
+    if argv[:1] == ["--preload"]:
+        import gc
+        import importlib
+
+        for module in argv[1].split(","):
+            try:
+                importlib.import_module(module)
+            except ImportError:  # a test that needs it skips, and its script is not run
+                pass
+        argv = argv[2:]
+        gc.collect()
+        gc.freeze()
+    jobs: List[List[str]] = [[]]
+    for arg in argv:
+        if arg == "---":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    rank = int(os.environ.get("RANK", "0"))
+    ended: List[float] = []  # the CPU time when the last script ended: the teardowns' share, at the exit
+    atexit.register(lambda: ended and emit({"job": "(exit)", "rank": rank, "cpu": round(cpu() - ended[0], 2)}))
+    for name, script, *args in jobs:
+        start = cpu()
+        run_script(script, args, job=name)
+        emit({"job": name, "rank": rank, "done": True, "cpu": round(cpu() - start, 2)})
+    ended.append(cpu())
+
+
+# -- the tests' side ---------------------------------------------------------------------------------
+
+def env() -> Dict[str, str]:
+    """The environment of a torchrun job of the tests: one compute thread, src/ and tests/ on the
+    path, no torchrun variables of an outer job, gloo on the loopback device."""
+    from test_torchrun import _env
+
+    out = _env()
+    out["PYTHONPATH"] += os.pathsep + str(HERE)
+    return out
+
+
+class Printed:
+    """What one job of :func:`launch` printed, by script: ``lines(name)``, ``rows(name)``."""
+
+    def __init__(self, done: subprocess.CompletedProcess, nproc: int) -> None:
+        self.nproc, self.returncode, self.stdout, self.stderr = nproc, done.returncode, done.stdout, done.stderr
+        self.printed: Dict[str, List[dict]] = {}
+        self.finished: Dict[str, set] = {}
+        self.cpu: Dict[str, float] = {}  #: CPU seconds of each script, every rank's together
+        for line in done.stdout.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict) or "job" not in row:
+                continue
+            if "cpu" in row:
+                self.cpu[row["job"]] = self.cpu.get(row["job"], 0.0) + row["cpu"]
+            if row.get("done"):
+                self.finished.setdefault(row["job"], set()).add(row["rank"])
+            elif "line" in row:
+                self.printed.setdefault(row["job"], []).append(row)
+
+    def lines(self, name: str, rank: Optional[int] = None) -> List[str]:
+        """The lines script ``name`` printed (on ``rank``, or on any), in the order they came; the
+        test fails, with the job's stderr, unless the script ended on every rank."""
+        import pytest
+
+        if self.finished.get(name) != set(range(self.nproc)):
+            pytest.fail(f"{name!r} of the torchrun job did not end on every rank (exit status "
+                        f"{self.returncode}):\n{self.stderr[-4000:]}")
+        return [r["line"] for r in self.printed.get(name, []) if rank is None or r["rank"] == rank]
+
+    def ranks(self, name: str) -> List[int]:
+        """The rank of each line of ``lines(name)``."""
+        self.lines(name)
+        return [r["rank"] for r in self.printed.get(name, [])]
+
+    def rows(self, name: str) -> List[dict]:
+        """The JSON lines script ``name`` printed, from every rank."""
+        return [json.loads(line) for line in self.lines(name) if line.startswith("{")]
+
+
+def launch(jobs: Dict[str, Sequence], nproc: int, preload: Sequence[str] = (), timeout: float = 900) -> Printed:
+    """One ``torchrun --nproc-per-node NPROC`` job running every script of ``jobs`` ({name:
+    [script, *args]}) in turn; killed, its workers too, after ``timeout`` seconds."""
+    argv: List[str] = ["--preload", ",".join(preload)] if preload else []
+    for i, (name, (script, *args)) in enumerate(jobs.items()):
+        argv += [*(["---"] if i else []), name, str(script), *map(str, args)]
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), str(HERE / "torchrun_jobs.py"), *argv], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env(), cwd=HERE.parent, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the launcher and its workers: their own process group
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        err += f"\n(the job was killed after {timeout} s)"
+    return Printed(subprocess.CompletedProcess(job.args, job.returncode, out, err), nproc)
+
+
+def run_here(script, *args) -> str:
+    """stdout of ``python SCRIPT ARGS`` (``-m MODULE ARGS``), run in the pytest process: the
+    one-process reference of a torchrun job, without a process of its own to import torch. The
+    global random state is put back after (the scripts seed it)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        return run_script(str(script), [str(a) for a in args])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
