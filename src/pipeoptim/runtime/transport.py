@@ -1,20 +1,19 @@
 """The transport of one stage: :class:`PipeComm`, its links to the neighbouring stages and the
 control group, over ``torch.distributed`` point to point (nothing home-made).
 
-Links, sends, receives and timeouts are as (docs/architecture.md, "The executor")
-says. On gloo every link of a process is a tag of its pipeline's control group, so that the
-whole pipeline runs one gloo socket thread per process, as ``torch.distributed.pipelining`` does
-(each gloo group runs one that reads its sockets and wakes 100 times a second even when idle: a
-group per link cost 4 more of them under ``zb-v`` on 2 processes, and about 50 more context
-switches per mini-batch). That is safe on gloo: it matches point-to-point messages by tag, a
-send waits until its receiver has posted the matching receive (a rendezvous, so no message
-waits in a queue behind another link's), its sockets are full duplex, and its collectives use
-slots of their own. On NCCL, which matches a communicator's messages in posting order and runs
-them in order on one stream, each direction of each boundary keeps a group of its own. The
-control group also carries losses, timings and state dicts (:mod:`~pipeoptim.runtime.control`).
-Each send's handle is kept with its tensors until waited on (polled after every action, all
-waited at the end of the schedule); a tensor whose shape differs from its signature's agreed
-one is an error that says so. The timeout is ``PipeComm(timeout=...)``, ``--timeout``."""
+Links, sends, receives and timeouts are as (docs/architecture.md, "The executor") says. Each
+direction of each boundary is a 2-rank process group of its own, so that activations and
+gradients never queue behind each other: NCCL matches a communicator's messages in posting order
+and runs them in order on one stream, and on gloo both directions on one group share one socket
+pair (measured: per-direction groups ran the flush and asynchronous schedules 1.12-1.19x faster
+under load than every link a tag of one group, ``benchmarks/link_groups.py``, at the cost of a
+gloo socket thread per link). Where the job's other ranks do not build this PipeComm (a gloo
+pipeline on a sub-group) no group can be created: its links are then tags of the control group
+(gloo matches messages by tag). The control group also carries losses, timings and state dicts
+(:mod:`~pipeoptim.runtime.control`). Each send's handle is kept with its tensors until waited on
+(polled after every action, all waited at the end of the schedule); a tensor whose shape differs
+from its signature's agreed one is an error that says so. The timeout is
+``PipeComm(timeout=...)``, ``--timeout``."""
 from __future__ import annotations
 
 import datetime
@@ -37,9 +36,9 @@ class PipeComm:
     PipeComm at the same point, in the same order as any other groups), or ``group`` itself
     where it already is one the pipeline owns: a replica's group given with ``pipelines``, or
     a gloo pipeline over part of the job whose members alone build their PipeComm (e.g. two
-    pipelines on two sub-groups). On gloo the links are tags of the control group, so any
-    sub-group works; on NCCL each link is a 2-rank group that every rank of the job creates,
-    so ``group`` must be the whole job or ``pipelines`` name every replica.
+    pipelines on two sub-groups; its links are then tags of that group). Elsewhere each link
+    is a 2-rank group that every rank of the job creates, so on NCCL ``group`` must be the
+    whole job or ``pipelines`` name every replica.
     ``timeout`` bounds every wait on a peer and every created group (the group's own timeout
     bounds the control collectives).
 
@@ -51,6 +50,11 @@ class PipeComm:
     ``chain_starts``: the stages after the first that begin a chain of their own (two pipelines
     of the same pieces: the second's first stage), whose boundary before them has no link.
     """
+
+    #: gloo, where every rank of the job builds the PipeComm: a process group per direction of each
+    #: boundary (True), or every link a tag of the control group (False: one socket thread for all
+    #: links; ``benchmarks/link_groups.py`` compares the two)
+    gloo_link_groups = True
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
                  timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2,
@@ -85,19 +89,20 @@ class PipeComm:
                              f"of every replica]: its links are process groups that every rank creates")
         whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
         self.control = self._control_group(replicas, delta, gloo and not (whole_job and self.group is dist.group.WORLD))
-        #: whether the links have process groups of their own (NCCL), or are tags of the control group (gloo)
-        self.link_groups = not gloo
+        #: whether the links have process groups of their own (every rank of the job builds this
+        #: PipeComm), or are tags of the control group (a gloo pipeline on a sub-group)
+        self.link_groups = not gloo or (whole_job and self.gloo_link_groups)
         self._links: Dict[Tuple[str, int], Link] = {}
         k, place = self.stage, self.placement
         for pipeline in replicas:
             for j, what, tag in self._boundaries():
-                # NCCL: a group per direction per boundary, made by every rank for every replica in
-                # the same order (dist.new_group's rule), and used by this replica's ends only
-                group = self._nccl_link(pipeline, j, what, delta) if not gloo else self.control
+                # a group per direction per boundary, made by every rank for every replica in the
+                # same order (dist.new_group's rule), and used by this replica's ends only
+                group = self._link_group(pipeline, j, what, delta, gloo) if self.link_groups else self.control
                 a, b = place[j], place[j + 1]
                 if pipeline == self.ranks and k in (a, b):
                     peer = self.ranks[b] if k == a else self.ranks[a]
-                    self._links[(what, j)] = Link(what, peer, group, tag if gloo else 0, self.device,
+                    self._links[(what, j)] = Link(what, peer, group, 0 if self.link_groups else tag, self.device,
                                                   self.timeout, prefetch)
         #: the links this rank receives on, with their boundaries: activations into its stages,
         #: gradients into them
@@ -134,24 +139,21 @@ class PipeComm:
                 if place[j] != place[j + 1] and j + 1 not in self.chain_starts
                 for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient"))]
 
-    def _nccl_link(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta):
-        """The NCCL group of one direction of boundary ``j`` of ``pipeline`` (every rank of the
-        job calls this, members or not). NCCL matches a communicator's messages in posting order
-        (no tags) and runs its operations in order on one stream, so each link needs its own:
-        on one communicator a send and an opposite receive, or two links' receives posted in
-        another order than their peer's sends, would wait on each other. Its members exchange
-        one message now: NCCL creates a communicator at its first point-to-point use, blocking
-        until both ends join, which must not happen at a first receive posted while the peer
-        is blocked in its first use of the opposite link (a deadlock)."""
+    def _link_group(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta, gloo: bool):
+        """The group of one direction of boundary ``j`` of ``pipeline`` (every rank of the job
+        calls this, members or not). On NCCL its members exchange one message now: NCCL creates
+        a communicator at its first point-to-point use, blocking until both ends join, which
+        must not happen at a first receive posted while the peer is blocked in its first use of
+        the opposite link (a deadlock); gloo connects its members when the group is made."""
         a, b = self.placement[j], self.placement[j + 1]
         try:
-            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta)
+            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta, backend="gloo" if gloo else None)
         except RuntimeError as error:
             raise PipelineCommError(
                 f"creating the {what} link between ranks {pipeline[a]} and {pipeline[b]} failed: "
                 f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
                 f"({self.timeout:g} s); see its own error") from error
-        if pipeline == self.ranks and self.stage in (a, b):
+        if not gloo and pipeline == self.ranks and self.stage in (a, b):
             probe = torch.zeros(1, device=self.device)
             if self.stage == a:
                 dist.isend(probe, dst=self.ranks[b], group=group).wait()
@@ -264,7 +266,7 @@ class PipeComm:
 
     def groups(self) -> List[Any]:
         """The process groups this PipeComm created (its links' own groups, the control group
-        on NCCL), for a teardown that destroys them one by one."""
+        unless it is ``group``), for a teardown that destroys them one by one."""
         made = [link.group for link in self._links.values() if self.link_groups]
         if self.control is not self.group:
             made.append(self.control)
