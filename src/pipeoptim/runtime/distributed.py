@@ -59,7 +59,7 @@ class PipeTransport(Transport):
         self._m = schedule.microbatches_per_update
         # a micro-batch's last message here: its backward's, at this rank's first stage of the
         # chain that has one (its send on, else its receive)
-        rank, place = comm.stage, comm.placement
+        rank, place = comm.rank, comm.placement
         on_send, on_recv = set(), set()
         for chain in schedule.pipelines:
             for k in chain:
@@ -170,11 +170,11 @@ class DistributedExecutor(Executor):
         own = [stage] if isinstance(stage, Stage) else list(stage)
         n = own[0].num_stages
         held = [s.index for s in own]
-        if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.stage]:
-            raise ValueError(f"stages {held} of {n} on pipeline rank {comm.stage} of {comm.num_stages} "
+        if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.rank]:
+            raise ValueError(f"stages {held} of {n} on pipeline rank {comm.rank} of {comm.ranks} "
                              f"(placement {comm.placement}): they must agree")
         sums = {piece: GradientAverager(g, 2, comm.timeout, mean=False) for piece, g in (replica_groups or {}).items()}
-        super().__init__(own, PipeTransport(comm, own, forward_only), schedule_for, ranks=[comm.stage],
+        super().__init__(own, PipeTransport(comm, own, forward_only), schedule_for, ranks=[comm.rank],
                          expected=expected, trace_offset=trace_offset, clip_global=clip_global,
                          forward_only=forward_only, replica_sums=sums)
         self.comm = comm

@@ -64,15 +64,15 @@ class PipeComm:
         global ranks of every replica's stages; each rank passes its own replica's group as
         ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
         self.group = group or dist.group.WORLD
-        self.stage = dist.get_rank(self.group)
-        self.num_stages = dist.get_world_size(self.group)
-        self.ranks = [dist.get_global_rank(self.group, k) for k in range(self.num_stages)]
+        self.rank = dist.get_rank(self.group)
+        self.ranks = dist.get_world_size(self.group)
+        self.global_ranks = [dist.get_global_rank(self.group, k) for k in range(self.ranks)]
         #: the pipeline rank of each stage of the chain (a straight pipeline: stage k on rank k)
-        self.placement = list(placement) if placement is not None else list(range(self.num_stages))
+        self.placement = list(placement) if placement is not None else list(range(self.ranks))
         self.chain_starts = frozenset(chain_starts)
-        if sorted(set(self.placement)) != list(range(self.num_stages)):
+        if sorted(set(self.placement)) != list(range(self.ranks)):
             raise ValueError(f"placement {self.placement} must put stages on every one of the "
-                             f"{self.num_stages} ranks of the pipeline, and on no other")
+                             f"{self.ranks} ranks of the pipeline, and on no other")
         self.timeout = float(timeout)
         self.backend = dist.get_backend(self.group)
         if device is None:
@@ -81,9 +81,9 @@ class PipeComm:
         self.device = torch.device(device)
         delta = datetime.timedelta(seconds=self.timeout)
         gloo = "gloo" in str(self.backend)
-        replicas = [list(p) for p in pipelines] if pipelines is not None else [self.ranks]
-        if self.ranks not in replicas:
-            raise ValueError(f"pipelines {replicas} do not include this pipeline's ranks {self.ranks}")
+        replicas = [list(p) for p in pipelines] if pipelines is not None else [self.global_ranks]
+        if self.global_ranks not in replicas:
+            raise ValueError(f"pipelines {replicas} do not include this pipeline's ranks {self.global_ranks}")
         if not gloo and pipelines is None and self.group is not dist.group.WORLD:
             raise ValueError(f"a {self.backend} pipeline on part of the job needs pipelines=[the ranks "
                              f"of every replica]: its links are process groups that every rank creates")
@@ -93,15 +93,15 @@ class PipeComm:
         #: PipeComm), or are tags of the control group (a gloo pipeline on a sub-group)
         self.link_groups = not gloo or (whole_job and self.gloo_link_groups)
         self._links: Dict[Tuple[str, int], Link] = {}
-        k, place = self.stage, self.placement
+        k, place = self.rank, self.placement
         for pipeline in replicas:
             for j, what, tag in self._boundaries():
                 # a group per direction per boundary, made by every rank for every replica in the
                 # same order (dist.new_group's rule), and used by this replica's ends only
                 group = self._link_group(pipeline, j, what, delta, gloo) if self.link_groups else self.control
                 a, b = place[j], place[j + 1]
-                if pipeline == self.ranks and k in (a, b):
-                    peer = self.ranks[b] if k == a else self.ranks[a]
+                if pipeline == self.global_ranks and k in (a, b):
+                    peer = self.global_ranks[b] if k == a else self.global_ranks[a]
                     self._links[(what, j)] = Link(what, peer, group, 0 if self.link_groups else tag, self.device,
                                                   self.timeout, prefetch)
         #: the links this rank receives on, with their boundaries: activations into its stages,
@@ -126,7 +126,7 @@ class PipeComm:
         control = None
         for ranks in replicas:
             made = dist.new_group(ranks, timeout=delta, backend="gloo")
-            if ranks == self.ranks:
+            if ranks == self.global_ranks:
                 control = made
         return control
 
@@ -153,12 +153,12 @@ class PipeComm:
                 f"creating the {what} link between ranks {pipeline[a]} and {pipeline[b]} failed: "
                 f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
                 f"({self.timeout:g} s); see its own error") from error
-        if not gloo and pipeline == self.ranks and self.stage in (a, b):
+        if not gloo and pipeline == self.global_ranks and self.rank in (a, b):
             probe = torch.zeros(1, device=self.device)
-            if self.stage == a:
-                dist.isend(probe, dst=self.ranks[b], group=group).wait()
+            if self.rank == a:
+                dist.isend(probe, dst=self.global_ranks[b], group=group).wait()
             else:
-                dist.irecv(probe, src=self.ranks[a], group=group).wait()
+                dist.irecv(probe, src=self.global_ranks[a], group=group).wait()
             torch.cuda.synchronize(self.device)
         return group
 
@@ -168,9 +168,9 @@ class PipeComm:
         a schedule, for the peer to take them); receives also the buffers made and the messages
         received into a buffer made for an earlier one (``link.ReceiveBuffers``)."""
         out = {}
-        straight = self.placement == list(range(self.num_stages))
+        straight = self.placement == list(range(self.ranks))
         for (what, pair), link in self._links.items():
-            sending = (what == "activation") == (self.placement[pair] == self.stage)
+            sending = (what == "activation") == (self.placement[pair] == self.rank)
             name = f"{'send' if sending else 'recv'} {what}"
             if not straight:  # several links per direction: name the stages
                 name += f" {pair}->{pair + 1}" if what == "activation" else f" {pair + 1}->{pair}"
@@ -209,7 +209,7 @@ class PipeComm:
         return self._link("gradient", self._own(stage)).recv(microbatch, key)
 
     def _own(self, stage: Optional[int]) -> int:
-        return self.stage if stage is None else stage
+        return self.rank if stage is None else stage
 
     def _send(self, link: Link, microbatch: int, key: Signature, value: Any) -> None:
         try:
