@@ -1,14 +1,8 @@
-"""The distributed executor: one process per rank, the same Stage and the same interpreter.
-
-What it runs and what travels is (docs/architecture.md, "The executor"). This module's part is
-how a transfer travels between processes, :class:`PipeTransport`: over
-:mod:`~pipeoptim.runtime.transport` (and :mod:`~pipeoptim.runtime.link`,
-:mod:`~pipeoptim.runtime.wire`), with the control group's collectives of
-:mod:`~pipeoptim.runtime.control` for global clipping; the replicas' gradient averaging is
-:mod:`~pipeoptim.runtime.averaging`. :class:`pipeoptim.Pipeline` under torchrun
-(:class:`pipeoptim.torchrun.Torchrun`) drives it, for a user's script and the command line alike.
-The loss never leaves the last stage until the segment's drain. Dropout differs from the local
-runtime because the local executor interleaves all stages' draws on one generator."""
+"""The distributed executor: one process per rank, the same Stage and the same interpreter
+(docs/architecture.md, "The executor"); here, how a transfer travels between processes
+(:class:`PipeTransport`, over :mod:`~pipeoptim.runtime.transport`). The loss never leaves the
+last stage until the segment's drain. Dropout differs from the local runtime because the local
+executor interleaves all stages' draws on one generator."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Union
@@ -141,23 +135,13 @@ class PipeTransport(Transport):
 
 
 class DistributedExecutor(Executor):
-    """This process's stages of a pipeline whose other stages run in other processes, with the
-    local executor's ``feed`` / ``finish`` / ``take_completed``.
-
-    A process holds one stage, or several (chunks: ``comm.placement`` says which rank holds
-    each); it walks its rank's lowered order. Between two stages of this process a value is
-    handed over in memory (lowering adds no message there); between processes it goes through
-    ``comm``, on the link of that boundary.
-
-    Every rank feeds the same mini-batches (stage 0 uses the inputs, the last stage the targets,
-    every stage the input shapes as message keys). After a feed, this rank runs its lowered
-    orders up to its first forward (or receive of an activation) of a micro-batch not fed yet:
-    everything before that needs only data fed so far on every rank (tested on the local
-    executor), so waiting on a peer there never waits for a feed that has not happened.
-    ``clip_global`` clips by the norm over all stages, gathered before each update.
-    ``forward_only``: the micro-batches of the schedule's ``E`` actions (an evaluation in the
-    bubbles): their activations travel on the links as the drained evaluation's do.
-    """
+    """This process's stages (one, or several: chunks, ``comm.placement`` says which rank holds
+    each) of a pipeline whose other stages run in other processes; the other arguments are
+    :class:`~pipeoptim.runtime.executor.Executor`'s. Every rank feeds the same mini-batches
+    (stage 0 uses the inputs, the last stage the targets, every stage the input shapes as
+    message keys). After a feed this rank runs its lowered order up to its first forward (or
+    receive of an activation) of a micro-batch not fed yet: everything before that needs only
+    data fed so far on every rank, so waiting on a peer there never waits for a feed."""
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: PipeComm,
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,

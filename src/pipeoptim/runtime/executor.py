@@ -1,25 +1,18 @@
 """The one interpreter of schedules: each rank's lowered order, walked action by action, in one
 process or in one process per rank (docs/architecture.md, "The executor").
 
-A rank's order after lowering (``schedules/lower.py``) holds its compute actions (F, B, I, W,
-E, U) and the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor`
-walks it with a :class:`Walker` per rank this process plays: every rank in one process (the
-walkers take turns until none moves), one under torchrun. Only how a transfer travels differs,
-behind a :class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
-(``runtime/distributed.PipeTransport``). A value between two stages of one rank never is a
-transfer: lowering adds none there, and the walker hands it over itself.
-
-A walker stops (and is resumed later) at a forward, or a receive of an activation, of a
-micro-batch not fed yet, at a receive whose message has not come (in memory; a message waits
-instead), at an update whose other replica has not finished its window (mirrored methods), and,
-with global clipping, at its first update of a number until every walker of the process has
-reached its own. Any interleaving that runs each action once its inputs exist gives the same
-numbers (docs/architecture.md, "Schedules as data"), so the walkers' turns change nothing.
-Written once here for both worlds: replicas' sums (``runtime/replicas.py``), global clipping
-(the norms of every stage, in stage order, gathered by the transport across processes), the
-last stage's losses (:class:`~pipeoptim.runtime.segment.WindowLosses`), forward-only work in the
-bubbles (``E``, :class:`~pipeoptim.runtime.forward_only.ForwardOnly`) and the streamed segment
-(:class:`~pipeoptim.runtime.segment.StreamedSegment`: ``feed`` / ``finish`` / ``take_completed``)."""
+A rank's lowered order (``schedules/lower.py``) holds its compute actions (F, B, I, W, E, U) and
+the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor` walks it
+with a :class:`Walker` per rank this process plays: every rank in one process (the walkers take
+turns until none moves), one under torchrun. Only how a transfer travels differs, behind a
+:class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
+(``runtime/distributed.PipeTransport``); between two stages of one rank the walker hands the
+value over itself. A walker stops (and is resumed later) at a forward, or a receive of an
+activation, of a micro-batch not fed yet, at a receive whose message has not come, at an update
+whose other replica has not finished its window (mirrored methods), and, with global clipping,
+at its first update of a number until every walker of the process has reached its own. Any
+interleaving that runs each action once its inputs exist gives the same numbers
+(docs/architecture.md, "Schedules as data")."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -47,9 +40,11 @@ class Transport:
     """How a value crosses from a stage of one rank to a stage of another: the SEND_*/RECV_*
     actions of a lowered order. ``attach`` gives it the executor's stores, keyed by (stage,
     micro-batch): the inputs of stages (activations), the gradients of their outputs, and the
-    inputs of forward-only passes (E micro-batch j). A ``recv_*`` puts the value into its store
-    and says True, or says False where it has not come yet (a walker then stops there);
-    ``send_*`` gets stage ``k``'s value for the stage on the other side."""
+    inputs of forward-only passes (E micro-batch j). Its ``recv_activation(k, i)``,
+    ``recv_gradient`` and ``recv_eval`` put stage ``k``'s value into its store and say True, or
+    say False where it has not come yet (a walker then stops there); ``send_activation(k, i,
+    value)``, ``send_gradient`` and ``send_eval`` get stage ``k``'s value for the stage on the
+    other side."""
 
     def attach(self, inputs: Dict[Key, Any], grads: Dict[Key, Any], evals: Dict[Key, Any]) -> None:
         self.inputs, self.grads, self.evals = inputs, grads, evals
@@ -66,24 +61,6 @@ class Transport:
 
     def drained(self) -> None:
         """The segment has run to its end."""
-
-    def recv_activation(self, k: int, i: int) -> bool:
-        raise NotImplementedError
-
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        raise NotImplementedError
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        raise NotImplementedError
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        raise NotImplementedError
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        raise NotImplementedError
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        raise NotImplementedError
 
 
 class Mailbox(Transport):
@@ -404,9 +381,10 @@ class Executor(StreamedSegment):
             v.clip_update, v.clip_scale = update, scale
         return scale
 
-    def compute_positions(self) -> List[int]:
-        """Per rank this process plays: how many of its compute actions have run (its place in
-        the schedule's compute-only order)."""
+    @property
+    def _pointer(self) -> List[int]:
+        """Per rank this process plays: the position of its next action in the schedule's
+        (compute-only) order."""
         return [_computed(w) for w in self.walkers]
 
 
