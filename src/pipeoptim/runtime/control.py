@@ -21,16 +21,12 @@ from .wire import PipelineCommError, reason
 
 
 class JobsOfThisProcess:
-    """The one record, per process, of how many times a Pipeline of this process tore the job's
-    process group down (:data:`PROCESS_JOBS`; ``Torchrun.leave`` counts, ``Torchrun.join`` reads).
-    Per process, as torch's default process group is: a Pipeline made after such a teardown joins
-    the job again under a rendezvous prefix of its own (:func:`init_process_group`'s
-    ``generation``). :meth:`reset` is for tests, in a process whose store is fresh."""
+    """How many times a Pipeline of this process tore the job's process group down (per process,
+    as torch's default group is; ``Torchrun.leave`` counts, ``Torchrun.join`` reads): a Pipeline
+    made after such a teardown joins the job again under a rendezvous prefix of its own
+    (:func:`init_process_group`'s ``generation``)."""
 
     def __init__(self) -> None:
-        self.ended = 0  #: teardowns of the job's group by a Pipeline of this process
-
-    def reset(self) -> None:
         self.ended = 0
 
 
@@ -106,6 +102,13 @@ def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
     out: List[Any] = [None] * comm.ranks
     _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
     return out
+
+
+def in_stage_order(parts: List[List[Any]], placement: List[int]) -> List[Any]:
+    """Each pipeline rank's values of its stages (``parts[r]``, in stage order) as one value per
+    stage, in stage order (``placement``: the rank of each stage)."""
+    held = [iter(part) for part in parts]
+    return [next(held[r]) for r in placement]
 
 
 def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> Dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 
 from ..schedules.actions import Action, Kind, Schedule
 from .averaging import GradientAverager
-from .control import gather_all
+from .control import gather_all, in_stage_order
 from .executor import Executor, Transport
 from .forward_only import ForwardOnly
 from .segment import MicroBatch
@@ -118,13 +118,8 @@ class PipeTransport(Transport):
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every rank's norms, gathered over the control group and put in stage order (the
         local executor's order, so that the sum is the same to the bit)."""
-        parts = gather_all([n.cpu() for n in own], self.comm, "agreeing on the gradient norm")
-        place = self.comm.placement
-        by_stage = {}
-        for r, part in enumerate(parts):
-            for k, norm in zip([k for k in range(len(place)) if place[k] == r], part):
-                by_stage[k] = norm
-        return [by_stage[k] for k in range(len(place))]
+        return in_stage_order(gather_all([n.cpu() for n in own], self.comm, "agreeing on the gradient norm"),
+                              self.comm.placement)
 
     def drained(self) -> None:
         """Wait for every send; the holders of a tie take the owner's value (asynchronous methods)."""

@@ -202,13 +202,10 @@ class Executor(StreamedSegment):
         sync = schedule.options.get("synchronous_updates", 0)
         by_stage = stage_orders(schedule)
         for stage in self.own:
+            (stage.policy.begin_epoch if first else stage.policy.extend_epoch)(
+                by_stage[stage.index], schedule.orders, open_ended=open_ended, synchronous_updates=sync)
             if first:
-                stage.policy.begin_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
-                                         synchronous_updates=sync)
                 stage.trace_offset = self.trace_offset
-            else:
-                stage.policy.extend_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
-                                          synchronous_updates=sync)
         if first:
             m = schedule.microbatches_per_update
             lasts = sum(1 for s in self.own if s.is_last)  # a mirrored process: its pipelines' halves

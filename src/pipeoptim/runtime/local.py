@@ -1,6 +1,7 @@
-"""The local executor: every stage in one process, the one interpreter
-(:class:`~pipeoptim.runtime.executor.Executor`) with a walker per rank over an in-memory
-:class:`~pipeoptim.runtime.executor.Mailbox`."""
+"""The local executor: every stage in one process.
+
+The one interpreter (:class:`~pipeoptim.runtime.executor.Executor`) with a walker per rank over
+an in-memory :class:`~pipeoptim.runtime.executor.Mailbox`."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
