@@ -84,36 +84,30 @@ class PipeTransport(Transport):
         m = self._m
         return self._chain_of[boundary] == (0 if microbatch % m < m // 2 else 1)
 
-    def recv_activation(self, k: int, i: int) -> bool:
-        self.inputs[(k, i)] = self.comm.recv_activation(i, self.keys[i], stage=k)
-        self.comm.poll()
+    def recv(self, kind: Kind, k: int, i: int) -> bool:
+        comm = self.comm
+        if kind is Kind.RECV_F:
+            self.inputs[(k, i)] = comm.recv_activation(i, self.keys[i], stage=k)
+        elif kind is Kind.RECV_B:
+            self.grads[(k, i)] = comm.recv_gradient(i, self.keys[i], stage=k)
+            if k in self._drop_on_recv:
+                del self.keys[i]
+        else:  # RECV_E
+            self.evals[(k, i)] = comm.recv_activation(-1 - i, self._e_keys[i], stage=k)
+        comm.poll()
         return True
 
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        self.comm.send_activation(i, self.keys[i], value, stage=k)
-        self.comm.poll()
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        self.grads[(k, i)] = self.comm.recv_gradient(i, self.keys[i], stage=k)
-        if k in self._drop_on_recv:
-            del self.keys[i]
-        self.comm.poll()
-        return True
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        self.comm.send_gradient(i, self.keys[i], value, stage=k)
-        if k in self._drop_on_send:
-            del self.keys[i]
-        self.comm.poll()
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        self.evals[(k, j)] = self.comm.recv_activation(-1 - j, self._e_keys[j], stage=k)
-        self.comm.poll()
-        return True
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        self.comm.send_activation(-1 - j, self._e_keys[j], value, stage=k)
-        self.comm.poll()
+    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
+        comm = self.comm
+        if kind is Kind.SEND_F:
+            comm.send_activation(i, self.keys[i], value, stage=k)
+        elif kind is Kind.SEND_B:
+            comm.send_gradient(i, self.keys[i], value, stage=k)
+            if k in self._drop_on_send:
+                del self.keys[i]
+        else:  # SEND_E
+            comm.send_activation(-1 - i, self._e_keys[i], value, stage=k)
+        comm.poll()
 
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every rank's norms, gathered over the control group and put in stage order (the

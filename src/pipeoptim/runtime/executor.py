@@ -40,11 +40,10 @@ class Transport:
     """How a value crosses from a stage of one rank to a stage of another: the SEND_*/RECV_*
     actions of a lowered order. ``attach`` gives it the executor's stores, keyed by (stage,
     micro-batch): the inputs of stages (activations), the gradients of their outputs, and the
-    inputs of forward-only passes (E micro-batch j). Its ``recv_activation(k, i)``,
-    ``recv_gradient`` and ``recv_eval`` put stage ``k``'s value into its store and say True, or
-    say False where it has not come yet (a walker then stops there); ``send_activation(k, i,
-    value)``, ``send_gradient`` and ``send_eval`` get stage ``k``'s value for the stage on the
-    other side."""
+    inputs of forward-only passes (E micro-batch j). ``recv(kind, k, i)`` (RECV_F, RECV_B or
+    RECV_E) puts stage ``k``'s value into its store and says True, or says False where it has
+    not come yet (a walker then stops there); ``send(kind, k, i, value)`` gets stage ``k``'s
+    value for the stage on the other side."""
 
     def attach(self, inputs: Dict[Key, Any], grads: Dict[Key, Any], evals: Dict[Key, Any]) -> None:
         self.inputs, self.grads, self.evals = inputs, grads, evals
@@ -68,27 +67,17 @@ class Mailbox(Transport):
     and a receive finds it there, or not yet."""
 
     def use(self, schedule: Schedule) -> None:
-        n = schedule.num_stages
-        self._next = [schedule.next_stage(k) for k in range(n)]
-        self._prev = [schedule.prev_stage(k) for k in range(n)]
+        nxt = [schedule.next_stage(k) for k in range(schedule.num_stages)]
+        prv = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
+        self._at = {Kind.RECV_F: self.inputs, Kind.RECV_B: self.grads, Kind.RECV_E: self.evals}
+        self._to = {Kind.SEND_F: (self.inputs, nxt), Kind.SEND_B: (self.grads, prv), Kind.SEND_E: (self.evals, nxt)}
 
-    def recv_activation(self, k: int, i: int) -> bool:
-        return (k, i) in self.inputs
+    def recv(self, kind: Kind, k: int, i: int) -> bool:
+        return (k, i) in self._at[kind]
 
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        self.inputs[(self._next[k], i)] = value
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        return (k, i) in self.grads
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        self.grads[(self._prev[k], i)] = value
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        return (k, j) in self.evals
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        self.evals[(self._next[k], j)] = value
+    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
+        store, to = self._to[kind]
+        store[(to[k], i)] = value
 
 
 class Walker:
@@ -266,8 +255,7 @@ class Executor(StreamedSegment):
 
     def _walk(self, w: Walker) -> bool:
         """Run rank ``w``'s order from where it stands as far as it can go now; whether it moved."""
-        F, B, I, W, U, E = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E
-        SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+        F, B, I, W, U, E, RECV_F = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E, Kind.RECV_F
         order, start = w.order, w.pos
         end, fed, stages, data = len(order), self.fed_micro, self.stage_list, self._data
         inputs, grads, outgoing, t = self._inputs, self._grads, self._outgoing, self.transport
@@ -293,10 +281,13 @@ class Executor(StreamedSegment):
                         inputs[(nxt[k], i)] = y
                     else:
                         outgoing[(k, i)] = y
-                elif kind is SEND_F:
-                    t.send_activation(k, i, outgoing.pop((k, i)))
+                elif kind in _SENDS:
+                    t.send(kind, k, i, outgoing.pop((k, i)))
                 elif kind is RECV_F:
-                    if i >= fed or not t.recv_activation(k, i):
+                    if i >= fed or not t.recv(kind, k, i):
+                        break
+                elif kind in _RECEIVES:  # RECV_B, RECV_E
+                    if not t.recv(kind, k, i):
                         break
                 elif kind is B or kind is I:
                     stage = stages[k]
@@ -311,11 +302,6 @@ class Executor(StreamedSegment):
                             outgoing[(k, i)] = g
                     if replicas is not None and kind is B:
                         replicas.backward_done(k, i)
-                elif kind is SEND_B:
-                    t.send_gradient(k, i, outgoing.pop((k, i)))
-                elif kind is RECV_B:
-                    if not t.recv_gradient(k, i):
-                        break
                 elif kind is W:
                     stage = stages[k]
                     if p in overlap_at:
@@ -335,11 +321,6 @@ class Executor(StreamedSegment):
                         stages[k].update(grad_scale=scale)
                 elif kind is E:
                     self._forward_only(k, i)
-                elif kind is Kind.RECV_E:
-                    if not t.recv_eval(k, i):
-                        break
-                elif kind is Kind.SEND_E:
-                    t.send_eval(k, i, outgoing.pop((k, i)))
                 else:
                     raise ValueError(f"the executor cannot run {order[p]}")
                 p += 1
@@ -386,6 +367,8 @@ class Executor(StreamedSegment):
 
 
 _COMPUTE = frozenset(COMPUTE_KINDS)
+_SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.SEND_E))
+_RECEIVES = frozenset((Kind.RECV_B, Kind.RECV_E))
 
 
 def _computed(w: Walker) -> int:
