@@ -177,7 +177,6 @@ class Torchrun:
 
     @property
     def processes(self) -> int:
-        """Processes of the job."""
         return self.world
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
@@ -294,7 +293,6 @@ class Torchrun:
                            "evaluate(loader, metric) or model()")
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
-        """Every stage's weights into every rank's copy of the whole model."""
         own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
@@ -367,7 +365,7 @@ class Torchrun:
     def share_losses(self, losses: List[float]) -> List[float]:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
         if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
-            parts = self.gather(losses, "sharing the losses of the segment")
+            parts = gather_all(losses, self.comm, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
             return [add_halves([a, b]) for a, b in zip(first, second)]
         if self.is_last:
@@ -376,17 +374,12 @@ class Torchrun:
                          "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
-        """Stage ``src``'s ``value`` on every rank of the pipeline."""
         return broadcast(value, self.comm, src, what)
-
-    def gather(self, value: Any, what: str) -> List[Any]:
-        """Every stage's ``value``, in stage order, on every rank of the pipeline."""
-        return gather_all(value, self.comm, what)
 
     def all_stages(self, own: List[Any], what: str) -> List[Any]:
         """One value per stage, in stage order, on every rank (``own``: this process's stages',
         in order: with chunks, stages k, k + N, ...)."""
-        return in_stage_order(self.gather(own, what), self.placement)
+        return in_stage_order(gather_all(own, self.comm, what), self.placement)
 
     def checkpoint_group(self, background: bool = False) -> Any:
         """A gloo group of every rank of the job (made once, with the pipeline's timeout);

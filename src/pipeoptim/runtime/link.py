@@ -4,11 +4,9 @@ A :class:`Link` carries one ordered stream of messages (activations ``k -> k+1``
 ``k+1 -> k``) over a process group and a tag. Sends are ``dist.isend``, their handles kept by the
 caller until waited on (gloo's send is a rendezvous: a blocking send in a 1F1B loop deadlocks).
 Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers of the agreed
-layout (:mod:`~pipeoptim.runtime.wire`), and waited on when the action comes, so a message
-lands while the stage computes. A link reuses its receive buffers across messages of one dtype
-and shape (:class:`ReceiveBuffers`), each only once nothing but the link holds it. Every wait
-has a timeout and fails with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the
-message.
+layout (:mod:`~pipeoptim.runtime.wire`, reused: :class:`ReceiveBuffers`) and waited on when the
+action comes, so a message lands while the stage computes. Every wait has a timeout and fails
+with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
 """
 from __future__ import annotations
 
