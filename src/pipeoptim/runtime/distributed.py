@@ -34,7 +34,7 @@ class PipeTransport(Transport):
         self.keys: Dict[int, Signature] = {}
         self._e_keys = [signature((x, y, 1.0)) for x, y in forward_only.items] if forward_only else []
         self.mirrored = any(s.replica_of is not None for s in own)
-        self._chain_of: List[int] = []
+        self._chain_of: Dict[int, int] = {}
         self._m = 1
         # the stages after whose gradient send (receive) a micro-batch's key goes
         self._drop_on_send: FrozenSet[int] = frozenset()
@@ -46,10 +46,7 @@ class PipeTransport(Transport):
         if schedule.stage_to_rank != comm.placement:
             raise ValueError(f"schedule {schedule.name} places its stages on ranks {schedule.stage_to_rank}, "
                              f"the links were made for {comm.placement}")
-        self._chain_of = [0] * schedule.num_stages
-        for c, chain in enumerate(schedule.pipelines):
-            for k in chain:
-                self._chain_of[k] = c
+        self._chain_of = {k: c for c, chain in enumerate(schedule.pipelines) for k in chain}
         self._m = schedule.microbatches_per_update
         # a micro-batch's last message here: its backward's, at this rank's first stage of the
         # chain that has one (its send on, else its receive)

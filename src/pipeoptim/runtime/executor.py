@@ -210,14 +210,11 @@ class Executor(StreamedSegment):
         self._next_here = [nxt is not None and rank_of[nxt] == rank_of[k] for k, nxt in enumerate(self._next)]
         self._prev_here = [prv is not None and rank_of[prv] == rank_of[k] for k, prv in enumerate(self._prev)]
         # per stage: whether it is this process's last of its chain (a micro-batch's data is then spent)
-        last_own = {}
-        for c, chain in enumerate(schedule.pipelines):
-            for k in chain:
-                if self.stage_list[k] is not None:
-                    last_own[c] = k
         self._drops_data = [False] * n
-        for k in last_own.values():
-            self._drops_data[k] = True
+        for chain in schedule.pipelines:
+            held = [k for k in chain if self.stage_list[k] is not None]
+            if held:
+                self._drops_data[held[-1]] = True
         self._lower_rest(schedule)
         for w in self.walkers:
             w.overlap_at = self._overlap_points(w.order)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import OrderedDict, deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
