@@ -3,11 +3,11 @@ code of this tree, on the runs of :mod:`benchmarks.peer_runs` (the ``blocks`` mo
 batch 512, momentum SGD, 2 processes, gloo, one compute thread each), with each Pipeline's
 links rearranged right after its ``PipeComm`` is built:
 
-* ``tags``: as shipped (every link a tag of the pipeline's control group: one gloo group, one
-  socket pair and one socket thread per process carry both directions);
+* ``tags``: every link a tag of the pipeline's control group (one gloo group, one socket pair
+  and one socket thread per process carry both directions; ``PipeComm.gloo_link_groups`` off);
 * ``shared``: one more gloo group for the links, both directions as tags in it (the control
   group apart);
-* ``groups``: a gloo group of its own per link, i.e. per direction (as 6bb0f1e made them);
+* ``groups``: as shipped, a gloo group of its own per link, i.e. per direction;
 
 beside torch's ``Schedule1F1B`` at the same M. The arrangements take turns within each round
 (the order rotating), each timed from a barrier to a barrier after ``--warmup`` mini-batches:
@@ -16,8 +16,8 @@ the voluntary context switches of each process's main thread per mini-batch. Onl
 rearrangement differs between the runs, so the ratios isolate the layout of the groups; the
 CPU ratios say whether it changes work or only waiting.
 
-It reaches into ``PipeComm`` (its ``_links``, each ``Link``'s ``group`` and ``tag``) and fails
-saying so where those are gone. Writes ``benchmarks/results/link_groups.json``.
+``shared`` reaches into ``PipeComm`` (its ``_links``, each ``Link``'s ``group`` and ``tag``) and
+fails saying so where those are gone. Writes ``benchmarks/results/link_groups.json``.
 
     .venv/bin/python -m benchmarks.link_groups [--rounds 20] [--batches 16] [--drive fit|step]
 """
@@ -49,6 +49,7 @@ def rearranged(arrangement: str):
     from pipeoptim.runtime import transport
 
     init, close = transport.PipeComm.__init__, transport.PipeComm.close
+    transport.PipeComm.gloo_link_groups = arrangement == "groups"  # else tags of the control group
 
     def patched_init(self, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
@@ -56,18 +57,11 @@ def rearranged(arrangement: str):
         if links is None or any(not hasattr(link, "group") or not hasattr(link, "tag") for link in links.values()):
             raise RuntimeError("PipeComm no longer keeps _links of Links with a group and a tag: update "
                                "benchmarks/link_groups.py")
-        self._benchmark_groups = []
-        ranks = sorted({dist.get_rank(), *(link.peer for link in links.values())})
-        if arrangement == "shared":
-            group = dist.new_group(ranks, backend="gloo")  # every rank, in the same order
-            self._benchmark_groups.append(group)
-            for key in sorted(links):
-                links[key].group = group
-        elif arrangement == "groups":
-            for key in sorted(links):
-                group = dist.new_group(sorted({dist.get_rank(), links[key].peer}), backend="gloo")
-                self._benchmark_groups.append(group)
-                links[key].group, links[key].tag = group, 0
+        group = dist.new_group(sorted({dist.get_rank(), *(link.peer for link in links.values())}),
+                               backend="gloo")  # every rank, in the same order
+        self._benchmark_groups = [group]
+        for key in sorted(links):
+            links[key].group = group
 
     def patched_close(self) -> None:
         made = getattr(self, "_benchmark_groups", [])
@@ -76,10 +70,12 @@ def rearranged(arrangement: str):
             dist.destroy_process_group(group)
         self._benchmark_groups = []
 
-    transport.PipeComm.__init__, transport.PipeComm.close = patched_init, patched_close
+    if arrangement == "shared":
+        transport.PipeComm.__init__, transport.PipeComm.close = patched_init, patched_close
 
     def undo() -> None:
         transport.PipeComm.__init__, transport.PipeComm.close = init, close
+        transport.PipeComm.gloo_link_groups = True
     return undo
 
 

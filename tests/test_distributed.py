@@ -154,10 +154,12 @@ def _train(model, data, method, **kw):
 
 def _links(comm):
     """How a PipeComm's links are carried: process groups of their own, or tags of its control
-    group (which is it, the tags, and the control group's size)."""
+    group (which is it, the tags, the links' group sizes and the control group's size)."""
     links = list(comm._links.values())
     return {"own": comm.link_groups, "links": len(links),
             "on_control": all(link.group is comm.control for link in links),
+            "distinct": len({id(link.group) for link in links}),
+            "sizes": sorted(dist.get_world_size(link.group) for link in links),
             "tags": sorted(link.tag for link in links), "control_size": dist.get_world_size(comm.control)}
 
 
@@ -192,6 +194,7 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
     # sequential is one stage: 4 replicas of a 1-stage pipeline
     results[("mlp", "sequential", 1)] = _train(mlp(), batches(5), "sequential")
     # two pipelines on sub-groups that do not know of each other: their links are tags of the pair's group
+    # (the other ranks build no PipeComm, so no group can be made for a link)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = PipeComm(pairs[rank // 2], timeout=GROUP_TIMEOUT)
     results[("links", rank)] = {"trace": None, "whole": results[("mlp", "pipeoptim", 4)]["links"],
@@ -254,18 +257,21 @@ def test_distributed_losses_equal_local(spawned, method, stages):
 
 
 @pytest.mark.timeout(420)
-def test_every_link_of_a_gloo_pipeline_is_a_tag_of_its_control_group(spawned):
-    """gloo: a pipeline's links are tags of its control group (a group of the whole pipeline
-    made for it, a replica's own group, or a sub-group pipeline's own group), one tag per
-    direction of each boundary, so that no link adds a gloo socket thread."""
-    tags = {0: [1, 2], 1: [1, 2, 3, 4], 2: [3, 4, 5, 6], 3: [5, 6]}  # of a rank in the 4-stage pipeline
+def test_each_direction_of_a_gloo_link_has_a_group_of_its_own(spawned):
+    """gloo: where every rank of the job builds the pipeline (the whole job's, or replicas told
+    of each other) each direction of each boundary is a 2-rank group of its own, so that
+    activations and gradients do not share a socket pair; a pipeline on a sub-group whose
+    other ranks build nothing carries its links as tags of its own group, one per direction."""
+    links_of = {0: 2, 1: 4, 2: 4, 3: 2}  # of a rank in the 4-stage pipeline
     for rank in range(4):
         links = spawned[("links", rank)]
-        assert links["whole"] == {"own": False, "links": len(tags[rank]), "on_control": True,
-                                  "tags": tags[rank], "control_size": 4}
-        for layout in ("told", "pair"):
-            assert links[layout] == {"own": False, "links": 2, "on_control": True, "tags": [1, 2],
-                                     "control_size": 2}, layout
+        n = links_of[rank]
+        assert links["whole"] == {"own": True, "links": n, "on_control": False, "distinct": n,
+                                  "sizes": [2] * n, "tags": [0] * n, "control_size": 4}
+        assert links["told"] == {"own": True, "links": 2, "on_control": False, "distinct": 2,
+                                 "sizes": [2, 2], "tags": [0, 0], "control_size": 2}
+        assert links["pair"] == {"own": False, "links": 2, "on_control": True, "distinct": 1,
+                                 "sizes": [2, 2], "tags": [1, 2], "control_size": 2}
     got = spawned[("mlp", "pipeoptim", "2 told")]
     local = _local(mlp(), batches(5), "pipeoptim", 2)
     _close(got["losses"], local.losses)

@@ -1,5 +1,5 @@
-"""Issue 37, item 3: leaner messages. A gloo pipeline's links are tags of its control group (one
-gloo socket thread for the whole pipeline, not one per link), and a link's receive buffers are
+"""Issue 37, item 3: leaner messages. A gloo pipeline's links are groups of their own, one per
+direction (one gloo socket thread each, issue 50 item 9), and a link's receive buffers are
 reused across messages of one shape once nothing else holds them (``link.ReceiveBuffers``),
 without changing a number: the losses and weights of a 2-process run equal, to the bit, those
 with every message in a new buffer and those of one process.
@@ -174,10 +174,11 @@ def test_reused_buffers_change_no_bit(runs, method, micro):
 
 
 @pytest.mark.timeout(360)
-def test_a_gloo_pipeline_runs_one_socket_thread_for_all_its_links(runs):
+def test_a_gloo_pipeline_runs_a_socket_thread_per_link_and_one_for_its_control(runs):
     """Two chunks per process (4 links each way under zb-v and interleaved): the Pipeline adds
-    one gloo socket thread (its control group, which carries every link), not one per link."""
+    one gloo socket thread per link (each direction its own group) and one for its control group."""
     for r, ranks in enumerate(runs):
         for method, _ in CASES:
-            assert ranks[(method, True)]["threads"] == ranks["threads_before"] + 1, (method, r)
+            run = ranks[(method, True)]
+            assert run["threads"] == ranks["threads_before"] + 1 + run["links"], (method, r)
         assert ranks[("zb-v", True)]["links"] == ranks[("interleaved", True)]["links"] - 2 == 4

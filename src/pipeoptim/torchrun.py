@@ -4,14 +4,10 @@ Ranks, replicas and what every rank reads: (docs/architecture.md, "The Pipeline 
 torchrun"). This world is chosen also where a process group is already initialised: gloo on the
 CPU (one compute thread per process unless the user says otherwise), NCCL on
 ``cuda:LOCAL_RANK``, a timeout on every group and every wait; the same script runs unchanged
-with ``python script.py``. Every rank iterates the same loader, seeded the same way.
-:class:`Torchrun` implements the same methods as ``LocalWorld`` (:mod:`pipeoptim.world`), so the
-Pipeline never asks which world it has.
-
-Each process takes SIGINT, SIGTERM and SIGHUP in a watcher thread (:mod:`pipeoptim.runtime.
-lifecycle`, installed when the Pipeline starts the process group) and ends at once with one line,
-also while it waits on a peer; it also ends when torchrun's agent dies. A Pipeline made where the
-process group already exists leaves the process's signals as they are."""
+with ``python script.py``. :class:`Torchrun` implements the same methods as ``LocalWorld``
+(:mod:`pipeoptim.world`), so the Pipeline never asks which world it has. A Pipeline that starts
+the process group also installs :mod:`pipeoptim.runtime.lifecycle`'s guards (a signal ends the
+process at once with one line, also while it waits on a peer, and so does the agent's death)."""
 from __future__ import annotations
 
 import atexit
@@ -30,7 +26,7 @@ from torch import nn
 from .state_names import with_aliases
 from .methods import Method
 from .runtime.averaging import GradientAverager
-from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, init_process_group
+from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.forward_only import ForwardOnly
@@ -136,16 +132,12 @@ class Torchrun:
     def leave(self) -> None:
         """This process's part of the job ends: wait for the sends still in flight (unless an
         exception is ending the script), then destroy every process group this Pipeline made
-        (the whole job's, default group included, when the Pipeline started it) and drop every
-        reference to them, so that their C++ objects die here and join gloo's worker threads.
-
-        Runs at the script's exit (registered with ``atexit``) or from ``Pipeline.close()``; a
-        second call does nothing. Why not at interpreter finalization: a gloo worker thread may
-        still hold the last reference to a collective's tensor that Python has let go of;
-        releasing it takes the GIL, and a thread that asks a finalizing interpreter for the GIL is
-        ended by an unwind that C++ turns into ``std::terminate``: "terminate called without an
-        active exception" and SIGABRT after a clean run, at random (a worker must be
-        descheduled at the wrong moment, which a loaded machine makes likelier)."""
+        (the whole job's when it started it) and drop every reference to them, so that their C++
+        objects die here and join gloo's worker threads. Runs at the script's exit (``atexit``)
+        or from ``Pipeline.close()``; a second call does nothing. Not left to interpreter
+        finalization: a gloo worker may still hold the last reference to a collective's tensor,
+        and releasing it there takes the GIL from a finalizing interpreter, which ends in
+        ``std::terminate`` (SIGABRT after a clean run, at random)."""
         comm, self.comm = self.comm, None
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
@@ -185,7 +177,6 @@ class Torchrun:
 
     @property
     def processes(self) -> int:
-        """Processes of the job."""
         return self.world
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
@@ -216,7 +207,9 @@ class Torchrun:
             self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement,
                                  chain_starts=(len(placement) // 2,) if self.mirrored else ())
         else:
-            self._connect_replicas(count, replicas, placement)
+            own, pipelines = self._replica_groups(count, replicas)
+            self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
+                                 placement=placement)
         averager = self.gradient_averager() if stages[0].shards is None else None
         for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
             stage.grad_sync = averager if stage.shards is None else stage.shards
@@ -226,15 +219,20 @@ class Torchrun:
             made, self.replica_groups = replica_pair_groups(placement, self.pipeline_rank, self.timeout)
             self._made += made
 
+    def _new_group(self, ranks: Sequence[int], backend: Optional[str] = None) -> Any:
+        """A process group of ``ranks`` with the pipeline's timeout (every rank of the job calls
+        this, in the same order), kept for :meth:`leave` where this rank is a member."""
+        made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=self.timeout), backend=backend)
+        if self.rank in ranks:
+            self._made.append(made)
+        return made
+
     def agree(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` on every rank of the job, before the pipeline's groups exist: over a
         gloo group of every rank made for it (destroyed with the others by :meth:`leave`)."""
-        group = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=self.timeout),
-                               backend="gloo")
-        self._made.append(group)
         box = [value]
         try:
-            dist.broadcast_object_list(box, src=0, group=group)
+            dist.broadcast_object_list(box, src=0, group=self._new_group(range(self.world), "gloo"))
         except RuntimeError as error:
             raise PipelineCommError(f"{what}: rank 0 did not answer within {self.timeout:g} s ({error})") from error
         return box[0]
@@ -244,39 +242,29 @@ class Torchrun:
         every group, in the same order); with an asynchronous method, the 2-rank groups its
         values and gradients travel on per micro-batch, in each replica
         (``runtime/tied.connect_exchanges``)."""
-        delta = datetime.timedelta(seconds=self.timeout)
         for tie in tied.ties:
             for d in range(replicas):
                 ranks = [d * stages + k for k in tie.holders]
-                made = dist.new_group(ranks, timeout=delta)
+                made = self._new_group(ranks)
                 if self.rank in ranks:
                     tie.group, tie.owner_rank = made, ranks[0]
-                    self._made.append(made)
         if not tied.synchronous:
-            def new_group(ranks: List[int]) -> Any:
-                made = dist.new_group(ranks, timeout=delta)
-                if self.rank in ranks:
-                    self._made.append(made)
-                return made
             for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
-                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], new_group)
+                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], self._new_group)
 
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
         """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
         :attr:`stage_group` (its stage's replicas). Made once, every rank at the same point."""
         pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
         if self._pipeline_group is None:
-            delta = datetime.timedelta(seconds=self.timeout)
             for ranks in pipelines:
-                made = dist.new_group(ranks, timeout=delta)
+                made = self._new_group(ranks)
                 if self.rank in ranks:
                     self._pipeline_group = made
-                    self._made.append(made)
             for k in range(stages):
-                made = dist.new_group([d * stages + k for d in range(replicas)], timeout=delta)
+                made = self._new_group([d * stages + k for d in range(replicas)])
                 if k == self.rank % stages:
                     self.stage_group = made
-                    self._made.append(made)
         return self._pipeline_group, pipelines
 
     def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], StageShards]:
@@ -286,11 +274,6 @@ class Torchrun:
         mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
         self._sharded = True
         return lambda: StageShards(mesh, synchronous)
-
-    def _connect_replicas(self, stages: int, replicas: int, placement: List[int]) -> None:
-        own, pipelines = self._replica_groups(stages, replicas)
-        self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
-                             placement=placement)
 
     @property
     def fills_bubbles(self) -> bool:
@@ -310,7 +293,6 @@ class Torchrun:
                            "evaluate(loader, metric) or model()")
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
-        """Every stage's weights into every rank's copy of the whole model."""
         own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
@@ -383,7 +365,7 @@ class Torchrun:
     def share_losses(self, losses: List[float]) -> List[float]:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
         if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
-            parts = self.gather(losses, "sharing the losses of the segment")
+            parts = gather_all(losses, self.comm, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
             return [add_halves([a, b]) for a, b in zip(first, second)]
         if self.is_last:
@@ -392,22 +374,12 @@ class Torchrun:
                          "sharing the losses of the segment")
 
     def share(self, value: Any, src: int, what: str) -> Any:
-        """Stage ``src``'s ``value`` on every rank of the pipeline."""
         return broadcast(value, self.comm, src, what)
-
-    def gather(self, value: Any, what: str) -> List[Any]:
-        """Every stage's ``value``, in stage order, on every rank of the pipeline."""
-        return gather_all(value, self.comm, what)
 
     def all_stages(self, own: List[Any], what: str) -> List[Any]:
         """One value per stage, in stage order, on every rank (``own``: this process's stages',
         in order: with chunks, stages k, k + N, ...)."""
-        parts = self.gather(own, what)
-        if self.chunks == 1:
-            return [value for part in parts for value in part]
-        held = [[s for s, r in enumerate(self.placement) if r == rank] for rank in range(len(parts))]
-        by_stage = {s: value for rank, part in enumerate(parts) for s, value in zip(held[rank], part)}
-        return [by_stage[s] for s in range(len(self.placement))]
+        return in_stage_order(gather_all(own, self.comm, what), self.placement)
 
     def checkpoint_group(self, background: bool = False) -> Any:
         """A gloo group of every rank of the job (made once, with the pipeline's timeout);
@@ -415,10 +387,7 @@ class Torchrun:
         own thread (a group serves one thread at a time)."""
         index = 1 if background else 0
         while len(self._job_groups) <= index:  # made in order, on every rank alike
-            made = dist.new_group(list(range(self.world)), backend="gloo",
-                                  timeout=datetime.timedelta(seconds=self.timeout))
-            self._job_groups.append(made)
-            self._made.append(made)
+            self._job_groups.append(self._new_group(range(self.world), "gloo"))
         return self._job_groups[index]
 
     def everyone(self, value: Any, what: str) -> List[Any]:

@@ -22,8 +22,7 @@ from torch import nn
 
 from .runtime.replicas import copy_to_replicas
 from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_checkpoint, load_state, plan_load,
-                         prune,
-                         read_manifest, save_manifest, verify, write_state)
+                         prune, read_manifest, save_manifest, verify, write_state)
 from .errors import CheckpointError
 from .state_names import StateNames
 from .methods import Method
@@ -56,26 +55,22 @@ class World(Protocol):
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
                chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
-        """The run's layout in this world (:func:`pipeoptim.runtime.layout.plan_layout`);
-        refuses settings the world cannot run."""
+        """The run's layout in this world (:func:`~pipeoptim.runtime.layout.plan_layout`), or a refusal."""
 
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
         """The device of each stage (the ones this process does not hold: its own device)."""
 
     def own_rank(self, ranks: int) -> Optional[int]:
-        """This process's rank in its pipeline of ``ranks`` (it builds the stages placed there),
-        or None: it builds every stage."""
+        """This process's rank in its pipeline of ``ranks`` (None: it builds every stage)."""
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
-        """Make the links between the stages (and the replicas); every rank at the same point.
-        ``placement``: the pipeline rank of each stage (default: stage k on rank k, one stage
-        per rank)."""
+        """Make the links between the stages (and the replicas), every rank at the same point;
+        ``placement``: the pipeline rank of each stage (default: stage k on rank k)."""
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float]) -> Any:
-        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` / ``take_completed``).
-        A world that runs forward-only work in a segment's bubbles (:class:`LocalWorld`) also
-        takes ``forward_only=`` (``runtime/forward_only.ForwardOnly``)."""
+        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` /
+        ``take_completed``); also takes ``forward_only=`` (``runtime/forward_only.ForwardOnly``)."""
 
     def agree(self, value: T, what: str) -> T:
         """Rank 0's ``value`` on every rank of the job, before the stages are connected (a
@@ -91,16 +86,14 @@ class World(Protocol):
         """One value per stage, in stage order, on every rank; ``own`` holds this process's stages'."""
 
     def everyone(self, value: T, what: str) -> List[T]:
-        """Every process's ``value``, in rank order, on every process of the job (every replica's
-        too)."""
+        """Every process's ``value``, in rank order, on every process of the job (every replica's too)."""
 
     def checkpoint_group(self, background: bool = False) -> Any:
         """The process group a checkpoint is written and read over (None: this process alone);
         ``background``: another one, for the writes that go on beside training."""
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
-        """The mean of ``score(output, target)`` over the samples of ``loader``, a forward pass
-        through every stage; on every rank."""
+        """The mean of ``score(output, target)`` over the samples of ``loader``, on every rank."""
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         """The output of the whole model for ``inputs`` (one process only)."""
@@ -269,9 +262,7 @@ class PendingCheckpoint:
                 self.written.result()
             except Exception as error:  # noqa: BLE001 - every rank must hear of it
                 problem = f"{type(error).__name__}: {error}"
-        problems = [p for p in world.everyone(problem, "writing the checkpoint") if p]
-        if problems:
-            raise CheckpointError(f"{self.folder}: cannot be written ({problems[0]})")
+        _raise_any(world, problem and f"{self.folder}: cannot be written ({problem})", "writing the checkpoint")
         if world.rank == 0:
             if self.folder.exists():  # an older run's at this position (resumed from before it): not the latest
                 shutil.rmtree(self.folder)
@@ -352,7 +343,12 @@ def _on_every_rank(world: World, what: str, work: Callable[[], T]) -> T:
         result = work()
     except CheckpointError as error:
         problem = str(error)
+    _raise_any(world, problem, what)
+    return result
+
+
+def _raise_any(world: World, problem: Optional[str], what: str) -> None:
+    """Raise the first rank's ``problem`` (a CheckpointError) on every rank, if any rank has one."""
     problems = [p for p in world.everyone(problem, what) if p]
     if problems:
         raise CheckpointError(problems[0])
-    return result

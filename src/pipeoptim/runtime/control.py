@@ -21,16 +21,12 @@ from .wire import PipelineCommError, reason
 
 
 class JobsOfThisProcess:
-    """The one record, per process, of how many times a Pipeline of this process tore the job's
-    process group down (:data:`PROCESS_JOBS`; ``Torchrun.leave`` counts, ``Torchrun.join`` reads).
-    Per process, as torch's default process group is: a Pipeline made after such a teardown joins
-    the job again under a rendezvous prefix of its own (:func:`init_process_group`'s
-    ``generation``). :meth:`reset` is for tests, in a process whose store is fresh."""
+    """How many times a Pipeline of this process tore the job's process group down (per process,
+    as torch's default group is; ``Torchrun.leave`` counts, ``Torchrun.join`` reads): a Pipeline
+    made after such a teardown joins the job again under a rendezvous prefix of its own
+    (:func:`init_process_group`'s ``generation``)."""
 
     def __init__(self) -> None:
-        self.ended = 0  #: teardowns of the job's group by a Pipeline of this process
-
-    def reset(self) -> None:
         self.ended = 0
 
 
@@ -90,22 +86,29 @@ def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except RuntimeError as error:
         raise PipelineCommError(
-            f"stage {comm.stage}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
+            f"pipeline rank {comm.rank}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
             f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
 
 
 def broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:
     """Pipeline rank ``src``'s picklable ``obj`` on every rank (``what``: the step, for errors)."""
     box = [obj]
-    _control(comm, what, lambda: dist.broadcast_object_list(box, src=comm.ranks[src], group=comm.control))
+    _control(comm, what, lambda: dist.broadcast_object_list(box, src=comm.global_ranks[src], group=comm.control))
     return box[0]
 
 
 def gather_all(value: Any, comm: PipeComm, what: str) -> List[Any]:
     """Every pipeline rank's picklable ``value``, in stage order, on every rank (over the control group)."""
-    out: List[Any] = [None] * comm.num_stages
+    out: List[Any] = [None] * comm.ranks
     _control(comm, what, lambda: dist.all_gather_object(out, value, group=comm.control))
     return out
+
+
+def in_stage_order(parts: List[List[Any]], placement: List[int]) -> List[Any]:
+    """Each pipeline rank's values of its stages (``parts[r]``, in stage order) as one value per
+    stage, in stage order (``placement``: the rank of each stage)."""
+    held = [iter(part) for part in parts]
+    return [next(held[r]) for r in placement]
 
 
 def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> Dict[str, torch.Tensor]:
@@ -120,12 +123,12 @@ def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> D
     for rank, layout in enumerate(layouts):
         for dtype in dict.fromkeys(d for _, d, _ in layout):  # in order of first appearance
             entries = [(k, shape) for k, d, shape in layout if d == dtype]
-            if rank == comm.stage:
+            if rank == comm.rank:
                 flat = torch.cat([own[k].reshape(-1) for k, _ in entries])
             else:
                 flat = torch.empty(sum(math.prod(shape) for _, shape in entries), dtype=dtype)
             if flat.numel():  # as bytes: gloo broadcasts them whatever the dtype (bool, complex)
-                _control(comm, what, lambda: dist.broadcast(flat.view(torch.uint8), src=comm.ranks[rank],
+                _control(comm, what, lambda: dist.broadcast(flat.view(torch.uint8), src=comm.global_ranks[rank],
                                                             group=comm.control))
             pos = 0
             for k, shape in entries:

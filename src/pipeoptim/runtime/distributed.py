@@ -1,14 +1,8 @@
-"""The distributed executor: one process per rank, the same Stage and the same interpreter.
-
-What it runs and what travels is (docs/architecture.md, "The executor"). This module's part is
-how a transfer travels between processes, :class:`PipeTransport`: over
-:mod:`~pipeoptim.runtime.transport` (and :mod:`~pipeoptim.runtime.link`,
-:mod:`~pipeoptim.runtime.wire`), with the control group's collectives of
-:mod:`~pipeoptim.runtime.control` for global clipping; the replicas' gradient averaging is
-:mod:`~pipeoptim.runtime.averaging`. :class:`pipeoptim.Pipeline` under torchrun
-(:class:`pipeoptim.torchrun.Torchrun`) drives it, for a user's script and the command line alike.
-The loss never leaves the last stage until the segment's drain. Dropout differs from the local
-runtime because the local executor interleaves all stages' draws on one generator."""
+"""The distributed executor: one process per rank, the same Stage and the same interpreter
+(docs/architecture.md, "The executor"); here, how a transfer travels between processes
+(:class:`PipeTransport`, over :mod:`~pipeoptim.runtime.transport`). The loss never leaves the
+last stage until the segment's drain. Dropout differs from the local runtime because the local
+executor interleaves all stages' draws on one generator."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Union
@@ -17,7 +11,7 @@ import torch
 
 from ..schedules.actions import Action, Kind, Schedule
 from .averaging import GradientAverager
-from .control import gather_all
+from .control import gather_all, in_stage_order
 from .executor import Executor, Transport
 from .forward_only import ForwardOnly
 from .segment import MicroBatch
@@ -40,7 +34,7 @@ class PipeTransport(Transport):
         self.keys: Dict[int, Signature] = {}
         self._e_keys = [signature((x, y, 1.0)) for x, y in forward_only.items] if forward_only else []
         self.mirrored = any(s.replica_of is not None for s in own)
-        self._chain_of: List[int] = []
+        self._chain_of: Dict[int, int] = {}
         self._m = 1
         # the stages after whose gradient send (receive) a micro-batch's key goes
         self._drop_on_send: FrozenSet[int] = frozenset()
@@ -52,14 +46,11 @@ class PipeTransport(Transport):
         if schedule.stage_to_rank != comm.placement:
             raise ValueError(f"schedule {schedule.name} places its stages on ranks {schedule.stage_to_rank}, "
                              f"the links were made for {comm.placement}")
-        self._chain_of = [0] * schedule.num_stages
-        for c, chain in enumerate(schedule.pipelines):
-            for k in chain:
-                self._chain_of[k] = c
+        self._chain_of = {k: c for c, chain in enumerate(schedule.pipelines) for k in chain}
         self._m = schedule.microbatches_per_update
         # a micro-batch's last message here: its backward's, at this rank's first stage of the
         # chain that has one (its send on, else its receive)
-        rank, place = comm.stage, comm.placement
+        rank, place = comm.rank, comm.placement
         on_send, on_recv = set(), set()
         for chain in schedule.pipelines:
             for k in chain:
@@ -90,47 +81,36 @@ class PipeTransport(Transport):
         m = self._m
         return self._chain_of[boundary] == (0 if microbatch % m < m // 2 else 1)
 
-    def recv_activation(self, k: int, i: int) -> bool:
-        self.inputs[(k, i)] = self.comm.recv_activation(i, self.keys[i], stage=k)
-        self.comm.poll()
+    def recv(self, kind: Kind, k: int, i: int) -> bool:
+        comm = self.comm
+        if kind is Kind.RECV_F:
+            self.inputs[(k, i)] = comm.recv_activation(i, self.keys[i], stage=k)
+        elif kind is Kind.RECV_B:
+            self.grads[(k, i)] = comm.recv_gradient(i, self.keys[i], stage=k)
+            if k in self._drop_on_recv:
+                del self.keys[i]
+        else:  # RECV_E
+            self.evals[(k, i)] = comm.recv_activation(-1 - i, self._e_keys[i], stage=k)
+        comm.poll()
         return True
 
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        self.comm.send_activation(i, self.keys[i], value, stage=k)
-        self.comm.poll()
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        self.grads[(k, i)] = self.comm.recv_gradient(i, self.keys[i], stage=k)
-        if k in self._drop_on_recv:
-            del self.keys[i]
-        self.comm.poll()
-        return True
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        self.comm.send_gradient(i, self.keys[i], value, stage=k)
-        if k in self._drop_on_send:
-            del self.keys[i]
-        self.comm.poll()
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        self.evals[(k, j)] = self.comm.recv_activation(-1 - j, self._e_keys[j], stage=k)
-        self.comm.poll()
-        return True
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        self.comm.send_activation(-1 - j, self._e_keys[j], value, stage=k)
-        self.comm.poll()
+    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
+        comm = self.comm
+        if kind is Kind.SEND_F:
+            comm.send_activation(i, self.keys[i], value, stage=k)
+        elif kind is Kind.SEND_B:
+            comm.send_gradient(i, self.keys[i], value, stage=k)
+            if k in self._drop_on_send:
+                del self.keys[i]
+        else:  # SEND_E
+            comm.send_activation(-1 - i, self._e_keys[i], value, stage=k)
+        comm.poll()
 
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every rank's norms, gathered over the control group and put in stage order (the
         local executor's order, so that the sum is the same to the bit)."""
-        parts = gather_all([n.cpu() for n in own], self.comm, "agreeing on the gradient norm")
-        place = self.comm.placement
-        by_stage = {}
-        for r, part in enumerate(parts):
-            for k, norm in zip([k for k in range(len(place)) if place[k] == r], part):
-                by_stage[k] = norm
-        return [by_stage[k] for k in range(len(place))]
+        return in_stage_order(gather_all([n.cpu() for n in own], self.comm, "agreeing on the gradient norm"),
+                              self.comm.placement)
 
     def drained(self) -> None:
         """Wait for every send; the holders of a tie take the owner's value (asynchronous methods)."""
@@ -141,23 +121,13 @@ class PipeTransport(Transport):
 
 
 class DistributedExecutor(Executor):
-    """This process's stages of a pipeline whose other stages run in other processes, with the
-    local executor's ``feed`` / ``finish`` / ``take_completed``.
-
-    A process holds one stage, or several (chunks: ``comm.placement`` says which rank holds
-    each); it walks its rank's lowered order. Between two stages of this process a value is
-    handed over in memory (lowering adds no message there); between processes it goes through
-    ``comm``, on the link of that boundary.
-
-    Every rank feeds the same mini-batches (stage 0 uses the inputs, the last stage the targets,
-    every stage the input shapes as message keys). After a feed, this rank runs its lowered
-    orders up to its first forward (or receive of an activation) of a micro-batch not fed yet:
-    everything before that needs only data fed so far on every rank (tested on the local
-    executor), so waiting on a peer there never waits for a feed that has not happened.
-    ``clip_global`` clips by the norm over all stages, gathered before each update.
-    ``forward_only``: the micro-batches of the schedule's ``E`` actions (an evaluation in the
-    bubbles): their activations travel on the links as the drained evaluation's do.
-    """
+    """This process's stages (one, or several: chunks, ``comm.placement`` says which rank holds
+    each) of a pipeline whose other stages run in other processes; the other arguments are
+    :class:`~pipeoptim.runtime.executor.Executor`'s. Every rank feeds the same mini-batches
+    (stage 0 uses the inputs, the last stage the targets, every stage the input shapes as
+    message keys). After a feed this rank runs its lowered order up to its first forward (or
+    receive of an activation) of a micro-batch not fed yet: everything before that needs only
+    data fed so far on every rank, so waiting on a peer there never waits for a feed."""
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: PipeComm,
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,
@@ -170,11 +140,11 @@ class DistributedExecutor(Executor):
         own = [stage] if isinstance(stage, Stage) else list(stage)
         n = own[0].num_stages
         held = [s.index for s in own]
-        if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.stage]:
-            raise ValueError(f"stages {held} of {n} on pipeline rank {comm.stage} of {comm.num_stages} "
+        if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.rank]:
+            raise ValueError(f"stages {held} of {n} on pipeline rank {comm.rank} of {comm.ranks} "
                              f"(placement {comm.placement}): they must agree")
         sums = {piece: GradientAverager(g, 2, comm.timeout, mean=False) for piece, g in (replica_groups or {}).items()}
-        super().__init__(own, PipeTransport(comm, own, forward_only), schedule_for, ranks=[comm.stage],
+        super().__init__(own, PipeTransport(comm, own, forward_only), schedule_for, ranks=[comm.rank],
                          expected=expected, trace_offset=trace_offset, clip_global=clip_global,
                          forward_only=forward_only, replica_sums=sums)
         self.comm = comm

@@ -1,25 +1,18 @@
 """The one interpreter of schedules: each rank's lowered order, walked action by action, in one
 process or in one process per rank (docs/architecture.md, "The executor").
 
-A rank's order after lowering (``schedules/lower.py``) holds its compute actions (F, B, I, W,
-E, U) and the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor`
-walks it with a :class:`Walker` per rank this process plays: every rank in one process (the
-walkers take turns until none moves), one under torchrun. Only how a transfer travels differs,
-behind a :class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
-(``runtime/distributed.PipeTransport``). A value between two stages of one rank never is a
-transfer: lowering adds none there, and the walker hands it over itself.
-
-A walker stops (and is resumed later) at a forward, or a receive of an activation, of a
-micro-batch not fed yet, at a receive whose message has not come (in memory; a message waits
-instead), at an update whose other replica has not finished its window (mirrored methods), and,
-with global clipping, at its first update of a number until every walker of the process has
-reached its own. Any interleaving that runs each action once its inputs exist gives the same
-numbers (docs/architecture.md, "Schedules as data"), so the walkers' turns change nothing.
-Written once here for both worlds: replicas' sums (``runtime/replicas.py``), global clipping
-(the norms of every stage, in stage order, gathered by the transport across processes), the
-last stage's losses (:class:`~pipeoptim.runtime.segment.WindowLosses`), forward-only work in the
-bubbles (``E``, :class:`~pipeoptim.runtime.forward_only.ForwardOnly`) and the streamed segment
-(:class:`~pipeoptim.runtime.segment.StreamedSegment`: ``feed`` / ``finish`` / ``take_completed``)."""
+A rank's lowered order (``schedules/lower.py``) holds its compute actions (F, B, I, W, E, U) and
+the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor` walks it
+with a :class:`Walker` per rank this process plays: every rank in one process (the walkers take
+turns until none moves), one under torchrun. Only how a transfer travels differs, behind a
+:class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
+(``runtime/distributed.PipeTransport``); between two stages of one rank the walker hands the
+value over itself. A walker stops (and is resumed later) at a forward, or a receive of an
+activation, of a micro-batch not fed yet, at a receive whose message has not come, at an update
+whose other replica has not finished its window (mirrored methods), and, with global clipping,
+at its first update of a number until every walker of the process has reached its own. Any
+interleaving that runs each action once its inputs exist gives the same numbers
+(docs/architecture.md, "Schedules as data")."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -47,9 +40,10 @@ class Transport:
     """How a value crosses from a stage of one rank to a stage of another: the SEND_*/RECV_*
     actions of a lowered order. ``attach`` gives it the executor's stores, keyed by (stage,
     micro-batch): the inputs of stages (activations), the gradients of their outputs, and the
-    inputs of forward-only passes (E micro-batch j). A ``recv_*`` puts the value into its store
-    and says True, or says False where it has not come yet (a walker then stops there);
-    ``send_*`` gets stage ``k``'s value for the stage on the other side."""
+    inputs of forward-only passes (E micro-batch j). ``recv(kind, k, i)`` (RECV_F, RECV_B or
+    RECV_E) puts stage ``k``'s value into its store and says True, or says False where it has
+    not come yet (a walker then stops there); ``send(kind, k, i, value)`` gets stage ``k``'s
+    value for the stage on the other side."""
 
     def attach(self, inputs: Dict[Key, Any], grads: Dict[Key, Any], evals: Dict[Key, Any]) -> None:
         self.inputs, self.grads, self.evals = inputs, grads, evals
@@ -67,51 +61,23 @@ class Transport:
     def drained(self) -> None:
         """The segment has run to its end."""
 
-    def recv_activation(self, k: int, i: int) -> bool:
-        raise NotImplementedError
-
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        raise NotImplementedError
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        raise NotImplementedError
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        raise NotImplementedError
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        raise NotImplementedError
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        raise NotImplementedError
-
 
 class Mailbox(Transport):
     """Every rank in this process: a send puts the value where the receiving stage reads it,
     and a receive finds it there, or not yet."""
 
     def use(self, schedule: Schedule) -> None:
-        n = schedule.num_stages
-        self._next = [schedule.next_stage(k) for k in range(n)]
-        self._prev = [schedule.prev_stage(k) for k in range(n)]
+        nxt = [schedule.next_stage(k) for k in range(schedule.num_stages)]
+        prv = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
+        self._at = {Kind.RECV_F: self.inputs, Kind.RECV_B: self.grads, Kind.RECV_E: self.evals}
+        self._to = {Kind.SEND_F: (self.inputs, nxt), Kind.SEND_B: (self.grads, prv), Kind.SEND_E: (self.evals, nxt)}
 
-    def recv_activation(self, k: int, i: int) -> bool:
-        return (k, i) in self.inputs
+    def recv(self, kind: Kind, k: int, i: int) -> bool:
+        return (k, i) in self._at[kind]
 
-    def send_activation(self, k: int, i: int, value: Any) -> None:
-        self.inputs[(self._next[k], i)] = value
-
-    def recv_gradient(self, k: int, i: int) -> bool:
-        return (k, i) in self.grads
-
-    def send_gradient(self, k: int, i: int, value: Any) -> None:
-        self.grads[(self._prev[k], i)] = value
-
-    def recv_eval(self, k: int, j: int) -> bool:
-        return (k, j) in self.evals
-
-    def send_eval(self, k: int, j: int, value: Any) -> None:
-        self.evals[(self._next[k], j)] = value
+    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
+        store, to = self._to[kind]
+        store[(to[k], i)] = value
 
 
 class Walker:
@@ -225,13 +191,10 @@ class Executor(StreamedSegment):
         sync = schedule.options.get("synchronous_updates", 0)
         by_stage = stage_orders(schedule)
         for stage in self.own:
+            (stage.policy.begin_epoch if first else stage.policy.extend_epoch)(
+                by_stage[stage.index], schedule.orders, open_ended=open_ended, synchronous_updates=sync)
             if first:
-                stage.policy.begin_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
-                                         synchronous_updates=sync)
                 stage.trace_offset = self.trace_offset
-            else:
-                stage.policy.extend_epoch(by_stage[stage.index], schedule.orders, open_ended=open_ended,
-                                          synchronous_updates=sync)
         if first:
             m = schedule.microbatches_per_update
             lasts = sum(1 for s in self.own if s.is_last)  # a mirrored process: its pipelines' halves
@@ -247,14 +210,11 @@ class Executor(StreamedSegment):
         self._next_here = [nxt is not None and rank_of[nxt] == rank_of[k] for k, nxt in enumerate(self._next)]
         self._prev_here = [prv is not None and rank_of[prv] == rank_of[k] for k, prv in enumerate(self._prev)]
         # per stage: whether it is this process's last of its chain (a micro-batch's data is then spent)
-        last_own = {}
-        for c, chain in enumerate(schedule.pipelines):
-            for k in chain:
-                if self.stage_list[k] is not None:
-                    last_own[c] = k
         self._drops_data = [False] * n
-        for k in last_own.values():
-            self._drops_data[k] = True
+        for chain in schedule.pipelines:
+            held = [k for k in chain if self.stage_list[k] is not None]
+            if held:
+                self._drops_data[held[-1]] = True
         self._lower_rest(schedule)
         for w in self.walkers:
             w.overlap_at = self._overlap_points(w.order)
@@ -292,8 +252,7 @@ class Executor(StreamedSegment):
 
     def _walk(self, w: Walker) -> bool:
         """Run rank ``w``'s order from where it stands as far as it can go now; whether it moved."""
-        F, B, I, W, U, E = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E
-        SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+        F, B, I, W, U, E, RECV_F = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E, Kind.RECV_F
         order, start = w.order, w.pos
         end, fed, stages, data = len(order), self.fed_micro, self.stage_list, self._data
         inputs, grads, outgoing, t = self._inputs, self._grads, self._outgoing, self.transport
@@ -319,10 +278,13 @@ class Executor(StreamedSegment):
                         inputs[(nxt[k], i)] = y
                     else:
                         outgoing[(k, i)] = y
-                elif kind is SEND_F:
-                    t.send_activation(k, i, outgoing.pop((k, i)))
+                elif kind in _SENDS:
+                    t.send(kind, k, i, outgoing.pop((k, i)))
                 elif kind is RECV_F:
-                    if i >= fed or not t.recv_activation(k, i):
+                    if i >= fed or not t.recv(kind, k, i):
+                        break
+                elif kind in _RECEIVES:  # RECV_B, RECV_E
+                    if not t.recv(kind, k, i):
                         break
                 elif kind is B or kind is I:
                     stage = stages[k]
@@ -337,11 +299,6 @@ class Executor(StreamedSegment):
                             outgoing[(k, i)] = g
                     if replicas is not None and kind is B:
                         replicas.backward_done(k, i)
-                elif kind is SEND_B:
-                    t.send_gradient(k, i, outgoing.pop((k, i)))
-                elif kind is RECV_B:
-                    if not t.recv_gradient(k, i):
-                        break
                 elif kind is W:
                     stage = stages[k]
                     if p in overlap_at:
@@ -361,11 +318,6 @@ class Executor(StreamedSegment):
                         stages[k].update(grad_scale=scale)
                 elif kind is E:
                     self._forward_only(k, i)
-                elif kind is Kind.RECV_E:
-                    if not t.recv_eval(k, i):
-                        break
-                elif kind is Kind.SEND_E:
-                    t.send_eval(k, i, outgoing.pop((k, i)))
                 else:
                     raise ValueError(f"the executor cannot run {order[p]}")
                 p += 1
@@ -404,13 +356,16 @@ class Executor(StreamedSegment):
             v.clip_update, v.clip_scale = update, scale
         return scale
 
-    def compute_positions(self) -> List[int]:
-        """Per rank this process plays: how many of its compute actions have run (its place in
-        the schedule's compute-only order)."""
+    @property
+    def _pointer(self) -> List[int]:
+        """Per rank this process plays: the position of its next action in the schedule's
+        (compute-only) order."""
         return [_computed(w) for w in self.walkers]
 
 
 _COMPUTE = frozenset(COMPUTE_KINDS)
+_SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.SEND_E))
+_RECEIVES = frozenset((Kind.RECV_B, Kind.RECV_E))
 
 
 def _computed(w: Walker) -> int:

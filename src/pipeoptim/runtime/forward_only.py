@@ -1,18 +1,11 @@
 """Forward-only micro-batches that a schedule's ``E`` actions run: an evaluation in the bubbles of
-the mini-batch after the weights it evaluates (docs/architecture.md, "Evaluation in the bubbles").
-
-:class:`ForwardOnly` holds an evaluation's mini-batches (each one ``E`` micro-batch, whole, as
-the drained evaluation forwards it) and runs one stage's forward of one of them, as the drained
-evaluation (:meth:`pipeoptim.world.LocalWorld.evaluate`) does: without gradients, in eval mode
-(the Pipeline's ``EvalMode``: a traced model's eval-mode graph), under the stage's autocast. So
-that a training forward run meanwhile changes nothing it reads, the stage runs in eval mode only
-for the span of the pass (dropout draws no random numbers in eval mode, so the training
-forwards' random streams stay theirs) and on the buffers the stage held when the evaluation was
-asked for (batch norm's running statistics, which training forwards update in place): a copy
-taken then is swapped in for the pass and the live buffers put back after. The last stage
-scores each micro-batch; :class:`Scores` sums the scores over the samples in micro-batch order,
-as the drained evaluation does, so the two results are equal to the bit. A user's forward-only
-work (``Pipeline.forward_in_bubbles``) runs the same way, its outputs handed to a callable."""
+the mini-batch after the weights it evaluates (docs/architecture.md, "Evaluation in the bubbles"),
+or a user's forward-only work (``Pipeline.forward_in_bubbles``), run as the drained evaluation
+(:meth:`pipeoptim.world.LocalWorld.evaluate`) runs it, so that the two results are equal to the
+bit. So that a training forward run meanwhile changes nothing it reads, a stage runs in eval
+mode only for the span of the pass (dropout then draws no random numbers: the training
+forwards' streams stay theirs) and on the buffers it held when the evaluation was asked for
+(batch norm's running statistics), swapped in for the pass."""
 from __future__ import annotations
 
 import contextlib
@@ -61,14 +54,13 @@ class ForwardOnly:
     ``eval_mode(stage)``: the context in which a stage runs as the drained evaluation runs it
     (:class:`StageEvalMode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
     graph). At the last stage ``on_output(j, output)`` receives the output (a user's work), or
-    else ``score(output, target)`` gives an evaluation mini-batch's value (a mean over it; the
-    evaluation's value is :class:`Scores`' mean; a process without the last stage may have no
-    ``score``). ``on_done(value)`` is called once the last stage has run every micro-batch
-    (``value``: the evaluation's, None for ``on_output``), or with ``at_drain`` when
-    :meth:`deliver` gives it at the segment's drain (every rank at once, under torchrun). Built
-    while the pipeline is drained: the stages' buffers are copied then (the weights need no
-    copy: a synchronous stage's do not change before its next update, which the schedule runs
-    after its E's)."""
+    else ``score(output, target)`` gives an evaluation mini-batch's value (summed over the
+    samples in micro-batch order by :class:`Scores`, as the drained evaluation sums). ``on_done(value)``
+    is called once the last stage has run every micro-batch (``value``: the evaluation's, None
+    for ``on_output``), or with ``at_drain`` when :meth:`deliver` gives it at the segment's
+    drain (every rank at once, under torchrun). Built while the pipeline is drained: the
+    stages' buffers are copied then (a synchronous stage's weights do not change before its
+    next update, which the schedule runs after its E's)."""
 
     def __init__(self, items: Sequence[Tuple[Any, Any]], eval_mode: Callable[[Stage], ContextManager[Any]],
                  stages: Sequence[Stage], *, score: Optional[Callable[[Any, Any], Any]] = None,

@@ -3,29 +3,22 @@ that started it dies.
 
 A stage process is started by torchrun's agent (``torchrun``, or ``pipeoptim train --runtime
 distributed``, which runs that agent in-process) in a session of its own: a terminal's Ctrl-C
-reaches only the launcher, which forwards it to the stages; and a launcher killed outright
-(SIGKILL, the out-of-memory killer) forwards nothing. :func:`guard` installs two guards, first
-thing in the process, before any other thread starts:
+reaches only the launcher, which forwards it, and a launcher killed outright (SIGKILL, the
+out-of-memory killer) forwards nothing. :func:`guard` installs two guards, first thing in the
+process, before any other thread starts:
 
 * **Signals.** SIGINT, SIGTERM and SIGHUP are blocked in every thread and taken by one watcher
   thread (``sigwaitinfo``), so they act at once even while the main thread waits inside gloo or
-  NCCL or runs a long kernel (a Python signal handler would run only when the main thread comes
-  back to the interpreter, which a wait on a peer may not do for minutes). The watcher tells who
-  sent the signal: the process that started this one (a launcher forwarding a stop), someone else
-  (``kill``, a scheduler), or the kernel because that parent died; it calls ``on_stop`` with a
-  :class:`Stop` (to record it) and ends the process with ``os._exit(128 + signal)``: no traceback,
-  no interpreter teardown (gloo's threads can abort it), the last complete checkpoint untouched
-  (checkpoints are written to temporary names and renamed, the manifest and the pointer last).
-* **The parent's death.** Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``,
-  through ctypes): when the parent dies the kernel sends SIGTERM, which the watcher takes as
-  above. Where prctl is not available a daemon thread checks every 0.25 s whether the parent is
-  still the process that started this one.
+  NCCL (a Python handler would run only when the main thread next runs Python code). The
+  watcher tells who sent the signal (:class:`Stop`), calls ``on_stop`` and ends the process
+  with ``os._exit(128 + signal)``: no traceback, no interpreter teardown (gloo's threads can
+  abort it), the last complete checkpoint untouched (checkpoints are written to temporary
+  names and renamed). Without ``sigwaitinfo`` (not Linux), handlers in the main thread do it.
+* **The parent's death.** ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes) has the kernel
+  send SIGTERM when the parent dies, taken as above; without prctl a daemon thread checks every
+  0.25 s whether the parent is still the process that started this one.
 
-Where ``sigwaitinfo`` is missing (not Linux), ordinary handlers in the main thread stop the
-process instead (they run when the main thread next runs Python code).
-
-Imports nothing of pipeoptim: the launcher (experiment layer) and any script under torchrun can
-use it.
+Imports nothing of pipeoptim: the launcher and any script under torchrun can use it.
 """
 from __future__ import annotations
 
@@ -47,22 +40,9 @@ _PR_SET_PDEATHSIG = 1
 _PF_EXITING = 0x4  #: a task's flag in /proc/PID/stat while it exits
 
 
-class ProcessGuards:
-    """What :func:`guard` installed in this process: the one record per process
-    (:data:`PROCESS_GUARDS`), as signal handlers, the blocked signals and the parent-death signal
-    belong to the process. ``how``: None before :func:`guard`, then ``"<signals>+<parent>"``
-    (``sigwait``, ``handler`` or ``none``; ``prctl`` or ``poll``). :meth:`reset` is for tests: it
-    forgets the record and uninstalls nothing."""
-
-    def __init__(self) -> None:
-        self.how: Optional[str] = None
-
-    def reset(self) -> None:
-        self.how = None
-
-
-#: this process's record of its guards (:class:`ProcessGuards`)
-PROCESS_GUARDS = ProcessGuards()
+#: how this process's guards were installed (None: not yet), ``"<signals>+<parent>"``: ``sigwait``,
+#: ``handler`` or ``none``; ``prctl`` or ``poll`` (one per process, as signal handlers are)
+_installed: Optional[str] = None
 
 
 def under_torchrun() -> bool:
@@ -119,14 +99,15 @@ def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Option
           use_prctl: bool = True) -> str:
     """Install both guards in this process (call it from the main thread, before other threads
     start: only threads started afterwards inherit the blocked signals; a second call does nothing,
-    :data:`PROCESS_GUARDS` records the first; from another thread only the parent is watched).
+    the first is kept; from another thread only the parent is watched).
     ``parent`` is the pid of the process that started this one (default: the current parent; a
     launcher that knows better passes its own pid, so that a parent already gone is noticed).
     ``on_stop`` runs in the watcher thread just before the process ends; keep it short (write a
     status, print a line) and free of imports. Returns how the parent is watched, ``"prctl"`` or
     ``"poll"``."""
-    if PROCESS_GUARDS.how is not None:
-        return PROCESS_GUARDS.how.split("+")[1]
+    global _installed
+    if _installed is not None:
+        return _installed.split("+")[1]
     parent = os.getppid() if parent is None else parent
     once = threading.Lock()
 
@@ -183,5 +164,5 @@ def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Option
             stop(Stop(PARENT_DEATH_SIGNAL, "parent-died"))
 
         threading.Thread(target=watch_parent, name="pipeoptim-parent", daemon=True).start()
-    PROCESS_GUARDS.how = f"{how_signals}+{how}"
+    _installed = f"{how_signals}+{how}"
     return how

@@ -4,18 +4,16 @@ A :class:`Link` carries one ordered stream of messages (activations ``k -> k+1``
 ``k+1 -> k``) over a process group and a tag. Sends are ``dist.isend``, their handles kept by the
 caller until waited on (gloo's send is a rendezvous: a blocking send in a 1F1B loop deadlocks).
 Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers of the agreed
-layout (:mod:`~pipeoptim.runtime.wire`), and waited on when the action comes, so a message
-lands while the stage computes. A link reuses its receive buffers across messages of one dtype
-and shape (:class:`ReceiveBuffers`), each only once nothing but the link holds it. Every wait
-has a timeout and fails with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the
-message.
+layout (:mod:`~pipeoptim.runtime.wire`, reused: :class:`ReceiveBuffers`) and waited on when the
+action comes, so a message lands while the stage computes. Every wait has a timeout and fails
+with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
 """
 from __future__ import annotations
 
 import datetime
 import time
 from collections import OrderedDict, deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,19 +29,16 @@ Kept = Tuple[torch.Tensor, Any, int]
 class ReceiveBuffers:
     """One link's receive buffers, reused across messages of the same dtype and shape.
 
-    A received tensor may be held long after its message: an activation by the stage's
-    autograd graph until its micro-batch's backward (weight half included) is over, a gradient
-    by a weight's ``.grad`` that autograd made of it, either by a send of the stage's output
-    that aliases it. So a buffer is reused only when nothing but this pool holds its memory: the
-    pool hands out an alias of each buffer it keeps (a second tensor on the same storage), and
-    a buffer is free when its storage's reference count is back to what the pool alone holds
-    (any tensor, view, saved tensor or send in flight on that memory counts, wherever it is).
-    Its next message then overwrites all of it, so reuse changes no number (on a GPU too: NCCL's
-    receive waits for the work queued before it on the current stream, the last reads of the
-    buffer among it). Where no kept
-    buffer is free, a new one is made (and kept, up to :attr:`per_shape`); the
-    :attr:`shapes` most recently received shapes are kept, so that inputs of many lengths do
-    not pile up buffers."""
+    A received tensor may be held long after its message: by the stage's autograd graph until
+    its micro-batch's backward is over, by a ``.grad`` autograd made of it, by a send of the
+    stage's output that aliases it. So a buffer is reused only when nothing but this pool holds
+    its memory: the pool hands out an alias of each buffer it keeps, and a buffer is free when
+    its storage's reference count is back to what the pool alone holds (any tensor, view, saved
+    tensor or send in flight on that memory counts). Its next message then overwrites all of it,
+    so reuse changes no number (on a GPU too: NCCL's receive waits for the work queued before it
+    on the current stream, the last reads of the buffer among it). Where no kept buffer is free
+    a new one is made (and kept, up to :attr:`per_shape`); the :attr:`shapes` most recently
+    received shapes are kept, so that inputs of many lengths do not pile up buffers."""
 
     #: buffers kept per (dtype, shape); 0: none (every message gets a new one)
     per_shape = 16
@@ -87,12 +82,13 @@ class ReceiveBuffers:
 
 
 class Link:
-    """One direction of traffic between two neighbouring stages (a process group and a tag)."""
+    """One direction of traffic between two neighbouring stages (a process group and a tag;
+    ``peer``: the global rank of the other end)."""
 
     def __init__(self, what: str, peer: int, group, tag: int, device: torch.device, timeout: float,
                  prefetch: int) -> None:
-        self.what = what          # "activation" or "gradient"
-        self.peer = peer          # global rank of the other end
+        self.what = what  # "activation" or "gradient"
+        self.peer = peer
         self.group = group
         self.tag = tag
         self.wait_timeout = datetime.timedelta(seconds=timeout)
@@ -106,48 +102,51 @@ class Link:
         self.expected: Deque[Tuple[int, Signature]] = deque()
         self.posted: Deque[Tuple[int, Signature, List[Optional[torch.Tensor]], List[Any]]] = deque()
 
-    # -- errors ------------------------------------------------------------------------------
     def fail(self, doing: str, microbatch: int, error: BaseException) -> PipelineCommError:
         return PipelineCommError(
             f"{doing} the {self.what} of micro-batch {microbatch} (peer: rank {self.peer}) failed: "
-            f"{reason(error)}. "
-            f"A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); see its "
-            f"own error, or raise --timeout if stages are merely slow")
+            f"{reason(error)}. A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); "
+            f"see its own error, or raise --timeout if stages are merely slow")
 
-    # -- sending -----------------------------------------------------------------------------
-    def send(self, microbatch: int, key: Signature, value: Any, pending: List) -> None:
-        layout = self.layouts.get(key)
-        if layout is None:
-            layout = layout_of(value, self.what)
-            self.layouts[key] = layout
-            meta = encode_layout(layout).to(self.device)
-            size = torch.tensor([meta.numel()], dtype=torch.int64, device=self.device)
-            for t in (size, meta):
-                pending.append((self._isend(t), t, self, microbatch))
-        is_tuple, entries = layout
-        values = as_tuple(value)
-        if len(values) != len(entries) or isinstance(value, tuple) != is_tuple:
-            raise PipelineCommError(f"{self.what} of micro-batch {microbatch} has {len(values)} "
-                                    f"entries, but {len(entries)} were agreed for its input shapes")
-        for v, e in zip(values, entries):
-            if e is None:
-                if v is not None:
+    def send(self, microbatch: int, key: Signature, value: Any, pending: Deque) -> None:
+        """Send ``value`` (its layout first, the first time ``key`` is sent), each tensor's work
+        appended to ``pending`` with the tensor, until waited on."""
+        try:
+            layout = self.layouts.get(key)
+            if layout is None:
+                layout = self.layouts[key] = layout_of(value, self.what)
+                meta = encode_layout(layout).to(self.device)
+                size = torch.tensor([meta.numel()], dtype=torch.int64, device=self.device)
+                for t in (size, meta):
+                    pending.append((self._isend(t), t, self, microbatch))
+            is_tuple, entries = layout
+            values = as_tuple(value)
+            if len(values) != len(entries) or isinstance(value, tuple) != is_tuple:
+                raise PipelineCommError(f"{self.what} of micro-batch {microbatch} has {len(values)} "
+                                        f"entries, but {len(entries)} were agreed for its input shapes")
+            for v, e in zip(values, entries):
+                if e is None:
+                    if v is not None:
+                        raise PipelineCommError(
+                            f"{self.what} of micro-batch {microbatch} carries a tensor where the first "
+                            f"micro-batch of its shape had none")
+                    continue
+                dtype, shape = e
+                if v is None:  # a gradient that did not reach this input this time: it is zero
+                    v = torch.zeros(shape, dtype=dtype, device=self.device)
+                elif tuple(v.shape) != shape or v.dtype != dtype:
                     raise PipelineCommError(
-                        f"{self.what} of micro-batch {microbatch} carries a tensor where the first "
-                        f"micro-batch of its shape had none")
-                continue
-            dtype, shape = e
-            if v is None:  # a gradient that did not reach this input this time: it is zero
-                v = torch.zeros(shape, dtype=dtype, device=self.device)
-            elif tuple(v.shape) != shape or v.dtype != dtype:
-                raise PipelineCommError(
-                    f"{self.what} of micro-batch {microbatch} is {v.dtype} {tuple(v.shape)}, but "
-                    f"{dtype} {shape} was agreed for micro-batches of input shapes {key}: the "
-                    f"stage's output shape must depend only on its input shapes")
-            t = v.detach().contiguous()
-            pending.append((self._isend(t), t, self, microbatch))
-            self.stats["bytes"] += t.numel() * t.element_size()
-        self.stats["messages"] += 1
+                        f"{self.what} of micro-batch {microbatch} is {v.dtype} {tuple(v.shape)}, but "
+                        f"{dtype} {shape} was agreed for micro-batches of input shapes {key}: the "
+                        f"stage's output shape must depend only on its input shapes")
+                t = v.detach().contiguous()
+                pending.append((self._isend(t), t, self, microbatch))
+                self.stats["bytes"] += t.numel() * t.element_size()
+            self.stats["messages"] += 1
+        except PipelineCommError:
+            raise
+        except RuntimeError as error:
+            raise self.fail("sending", microbatch, error) from error
 
     def _isend(self, tensor: torch.Tensor):
         return dist.isend(tensor, dst=self.peer, group=self.group, tag=self.tag)
@@ -162,30 +161,20 @@ class Link:
         finally:
             self.stats["wait_seconds"] += time.perf_counter() - start
 
-    # -- receiving ---------------------------------------------------------------------------
-    def expect(self, items: Sequence[Tuple[int, Signature]]) -> None:
-        if self.expected or self.posted:
-            raise RuntimeError(f"{self.what} link: messages of the last schedule were never received")
-        self.expected.extend(items)
-
     def post(self) -> None:
         """Post receives for the next expected messages whose layout is known."""
-        while self.expected and len(self.posted) < self.prefetch:
-            i, key = self.expected[0]
-            layout = self.layouts.get(key)
-            if layout is None:  # its metadata comes first on the wire: receive it when due
-                return
-            self.expected.popleft()
-            buffers: List[Optional[torch.Tensor]] = []
-            works = []
-            for e in layout[1]:
-                if e is None:
-                    buffers.append(None)
-                    continue
-                buf = self.buffers.take(e[0], e[1])
-                buffers.append(buf)
-                works.append(self._irecv(buf))
-            self.posted.append((i, key, buffers, works))
+        i = -1
+        try:
+            while self.expected and len(self.posted) < self.prefetch:
+                i, key = self.expected[0]
+                layout = self.layouts.get(key)
+                if layout is None:  # its metadata comes first on the wire: receive it when due
+                    return
+                self.expected.popleft()
+                buffers = [None if e is None else self.buffers.take(e[0], e[1]) for e in layout[1]]
+                self.posted.append((i, key, buffers, [self._irecv(b) for b in buffers if b is not None]))
+        except RuntimeError as error:
+            raise self.fail("receiving", i, error) from error
 
     def recv(self, microbatch: int, key: Signature) -> Any:
         try:

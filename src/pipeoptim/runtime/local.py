@@ -1,13 +1,10 @@
 """The local executor: every stage in one process.
 
 The one interpreter (:class:`~pipeoptim.runtime.executor.Executor`) with a walker per rank over
-an in-memory :class:`~pipeoptim.runtime.executor.Mailbox`: the walkers take turns, each running
-its rank's lowered order as far as its inputs exist, until none can move; a forward of a
-micro-batch not fed yet waits, and :meth:`LocalExecutor.finish` drains (docs/architecture.md,
-"Schedules as data", why any such interleaving gives the same numbers)."""
+an in-memory :class:`~pipeoptim.runtime.executor.Mailbox`."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ..schedules.actions import Schedule
 from .executor import Executor, Mailbox, ScheduleStuck
@@ -19,17 +16,8 @@ __all__ = ["LocalExecutor", "ScheduleStuck", "run_schedule"]
 
 
 class LocalExecutor(Executor):
-    """Runs one schedule (a segment: the mini-batches between two drains) over all stages.
-
-    ``schedule_for(T)`` builds the segment's schedule for T mini-batches. ``expected`` is the
-    segment's length when known (then the schedule is built once, for exactly that many);
-    otherwise the horizon doubles as data comes. ``clip_global`` clips the gradient norm over
-    all stages before each update (synchronous schedules only: every stage's update waits for
-    the others'). ``on_loss(window, loss)`` is called as each mini-batch's loss completes
-    (windows counted from 0 in this segment); :meth:`take_completed` returns them too.
-    ``forward_only``: the micro-batches the schedule's ``E`` actions forward (an evaluation in
-    the bubbles, ``runtime/forward_only.py``); a schedule with E actions needs it.
-    """
+    """Runs one segment (the mini-batches between two drains) over all stages; the arguments
+    are :class:`~pipeoptim.runtime.executor.Executor`'s."""
 
     def __init__(self, stages: Sequence[Stage], schedule_for: ScheduleFor, *,
                  expected: Optional[int] = None, trace_offset: int = 0,
@@ -38,11 +26,6 @@ class LocalExecutor(Executor):
                  forward_only: Optional[ForwardOnly] = None) -> None:
         super().__init__(stages, Mailbox(), schedule_for, expected=expected, trace_offset=trace_offset,
                          clip_global=clip_global, on_loss=on_loss, forward_only=forward_only)
-
-    @property
-    def _pointer(self) -> List[int]:
-        """Per rank: the position of its next action in the schedule's (compute-only) order."""
-        return self.compute_positions()
 
 
 def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequence[MicroBatch],

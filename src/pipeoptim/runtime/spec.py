@@ -68,13 +68,9 @@ RESUME_MATCHES = ("method", "options", "batches_per_epoch", "segment", "eval_eve
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
                         eval_every: Optional[int] = None) -> Tuple[int, Dict[str, Any]]:
     """The checkpoint interval in mini-batches and the facts a checkpoint's manifest records of
-    the run: method, stages, partition, micro-batches, options, batches per epoch, interval,
-    evaluation interval. A resumed run must match those of :data:`RESUME_MATCHES` (it must cut
-    its segments where the first one did); the layout may change (a checkpoint loads into any).
-
-    The pipeline also drains every ``eval_every`` mini-batches (to evaluate one set of weights);
-    :func:`next_drain` cuts at both kinds of points. (The intervals are checked first:
-    ``pipeoptim.checks.check_drains``.)"""
+    the run. A resumed run must match those of :data:`RESUME_MATCHES` (it must cut its segments
+    where the first one did; the pipeline also drains every ``eval_every`` mini-batches, to
+    evaluate one set of weights); the layout may change (a checkpoint loads into any)."""
     segment = checkpoint_every or num_batches
     return segment, {"method": spec.method, "stages": spec.stages, "partition": spec.partition,
                      "microbatches": spec.microbatches, "options": spec.options,

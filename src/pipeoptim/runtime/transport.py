@@ -1,20 +1,18 @@
 """The transport of one stage: :class:`PipeComm`, its links to the neighbouring stages and the
 control group, over ``torch.distributed`` point to point (nothing home-made).
 
-Links, sends, receives and timeouts are as (docs/architecture.md, "The executor")
-says. On gloo every link of a process is a tag of its pipeline's control group, so that the
-whole pipeline runs one gloo socket thread per process, as ``torch.distributed.pipelining`` does
-(each gloo group runs one that reads its sockets and wakes 100 times a second even when idle: a
-group per link cost 4 more of them under ``zb-v`` on 2 processes, and about 50 more context
-switches per mini-batch). That is safe on gloo: it matches point-to-point messages by tag, a
-send waits until its receiver has posted the matching receive (a rendezvous, so no message
-waits in a queue behind another link's), its sockets are full duplex, and its collectives use
-slots of their own. On NCCL, which matches a communicator's messages in posting order and runs
-them in order on one stream, each direction of each boundary keeps a group of its own. The
-control group also carries losses, timings and state dicts (:mod:`~pipeoptim.runtime.control`).
-Each send's handle is kept with its tensors until waited on (polled after every action, all
-waited at the end of the schedule); a tensor whose shape differs from its signature's agreed
-one is an error that says so. The timeout is ``PipeComm(timeout=...)``, ``--timeout``."""
+Links, sends, receives and timeouts are as (docs/architecture.md, "The executor") says. Each
+direction of each boundary is a 2-rank process group of its own, so that activations and
+gradients never queue behind each other: NCCL matches a communicator's messages in posting order
+and runs them in order on one stream, and on gloo both directions on one group share one socket
+pair (per-direction groups ran the flush and asynchronous schedules 1.12-1.19x faster under load
+than every link a tag of one group, ``benchmarks/link_groups.py``, at the cost of a gloo socket
+thread per link). Where the job's other ranks do not build this PipeComm (a gloo pipeline on a
+sub-group) no group can be made: its links are then tags of the control group (gloo matches
+messages by tag). The control group also carries losses, timings and state dicts
+(:mod:`~pipeoptim.runtime.control`). Each send's handle is kept with its tensors until waited
+on (polled after every action, all waited at the end of the schedule). The timeout is
+``PipeComm(timeout=...)``, ``--timeout``."""
 from __future__ import annotations
 
 import datetime
@@ -30,77 +28,81 @@ from .wire import PipelineCommError, Signature, reason
 
 
 class PipeComm:
-    """The communication of one stage of a straight pipeline over a process group.
+    """The communication of one rank of a pipeline over a process group.
 
-    Stage k is rank k of ``group`` (default: the whole job). The control group is a gloo group
-    of the pipeline's ranks made with ``dist.new_group`` (every rank of the job creates the
+    Pipeline rank k is rank k of ``group`` (default: the whole job). The control group is a gloo
+    group of the pipeline's ranks made with ``dist.new_group`` (every rank of the job creates the
     PipeComm at the same point, in the same order as any other groups), or ``group`` itself
     where it already is one the pipeline owns: a replica's group given with ``pipelines``, or
     a gloo pipeline over part of the job whose members alone build their PipeComm (e.g. two
-    pipelines on two sub-groups). On gloo the links are tags of the control group, so any
-    sub-group works; on NCCL each link is a 2-rank group that every rank of the job creates,
-    so ``group`` must be the whole job or ``pipelines`` name every replica.
-    ``timeout`` bounds every wait on a peer and every created group (the group's own timeout
-    bounds the control collectives).
+    pipelines on two sub-groups; its links are then tags of that group). Elsewhere each link
+    is a 2-rank group that every rank of the job creates, so on NCCL ``group`` must be the
+    whole job or ``pipelines`` name every replica. ``timeout`` bounds every wait on a peer and
+    every created group (the group's own timeout bounds the control collectives).
 
     ``placement`` (default: stage k on rank k): the rank of each stage of the chain, where a rank
     holds several (chunks, docs/architecture.md, "Chunks: several stages per process"). Each
-    boundary between stages on two ranks is then its own pair of links (boundary j: activations
-    of stage j, gradients of stage j + 1); a boundary inside one rank has none (the executor
-    hands the value over in memory). The send and receive methods take the stage they act for.
-    ``chain_starts``: the stages after the first that begin a chain of their own (two pipelines
-    of the same pieces: the second's first stage), whose boundary before them has no link.
-    """
+    boundary j between stages on two ranks has two links (activations of stage j, gradients of
+    stage j + 1); a boundary inside one rank has none (the executor hands the value over in
+    memory). The send and receive methods take the stage they act for (default: this rank's,
+    in a straight pipeline). ``chain_starts``: the stages after the first that begin a chain of
+    their own (two pipelines of the same pieces: the second's first stage), whose boundary
+    before them has no link. ``pipelines``: with several replicas of the pipeline (pipeline x
+    data parallel), the global ranks of every replica's stages; each rank passes its own
+    replica's group as ``group``, and every rank creates every replica's link groups, in the
+    same order."""
+
+    #: gloo, where every rank of the job builds the PipeComm: a process group per direction of each
+    #: boundary (True), or every link a tag of the control group (False: one socket thread for all
+    #: links; ``benchmarks/link_groups.py`` compares the two)
+    gloo_link_groups = True
 
     def __init__(self, group=None, *, device: Optional[torch.device] = None,
                  timeout: float = DEFAULT_TIMEOUT, prefetch: int = 2,
                  pipelines: Optional[Sequence[Sequence[int]]] = None,
                  placement: Optional[Sequence[int]] = None, chain_starts: Sequence[int] = ()) -> None:
-        """``pipelines``: with several replicas of the pipeline (pipeline x data parallel), the
-        global ranks of every replica's stages; each rank passes its own replica's group as
-        ``group``. On NCCL every rank creates every replica's link groups, in the same order."""
         self.group = group or dist.group.WORLD
-        self.stage = dist.get_rank(self.group)
-        self.num_stages = dist.get_world_size(self.group)
-        self.ranks = [dist.get_global_rank(self.group, k) for k in range(self.num_stages)]
+        self.rank = dist.get_rank(self.group)  #: this process's pipeline rank
+        self.ranks = dist.get_world_size(self.group)  #: ranks of the pipeline
+        self.global_ranks = [dist.get_global_rank(self.group, k) for k in range(self.ranks)]
         #: the pipeline rank of each stage of the chain (a straight pipeline: stage k on rank k)
-        self.placement = list(placement) if placement is not None else list(range(self.num_stages))
-        self.chain_starts = frozenset(chain_starts)
-        if sorted(set(self.placement)) != list(range(self.num_stages)):
+        self.placement = list(placement) if placement is not None else list(range(self.ranks))
+        if sorted(set(self.placement)) != list(range(self.ranks)):
             raise ValueError(f"placement {self.placement} must put stages on every one of the "
-                             f"{self.num_stages} ranks of the pipeline, and on no other")
+                             f"{self.ranks} ranks of the pipeline, and on no other")
         self.timeout = float(timeout)
         self.backend = dist.get_backend(self.group)
+        gloo = "gloo" in str(self.backend)
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(self.backend)
-                      else torch.device("cpu"))
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(self.backend) else "cpu"
         self.device = torch.device(device)
         delta = datetime.timedelta(seconds=self.timeout)
-        gloo = "gloo" in str(self.backend)
-        replicas = [list(p) for p in pipelines] if pipelines is not None else [self.ranks]
-        if self.ranks not in replicas:
-            raise ValueError(f"pipelines {replicas} do not include this pipeline's ranks {self.ranks}")
+        replicas = [list(p) for p in pipelines] if pipelines is not None else [self.global_ranks]
+        if self.global_ranks not in replicas:
+            raise ValueError(f"pipelines {replicas} do not include this pipeline's ranks {self.global_ranks}")
         if not gloo and pipelines is None and self.group is not dist.group.WORLD:
             raise ValueError(f"a {self.backend} pipeline on part of the job needs pipelines=[the ranks "
                              f"of every replica]: its links are process groups that every rank creates")
         whole_job = sorted(r for p in replicas for r in p) == list(range(dist.get_world_size()))
         self.control = self._control_group(replicas, delta, gloo and not (whole_job and self.group is dist.group.WORLD))
-        #: whether the links have process groups of their own (NCCL), or are tags of the control group (gloo)
-        self.link_groups = not gloo
+        #: whether the links have process groups of their own (every rank of the job builds this
+        #: PipeComm), or are tags of the control group (a gloo pipeline on a sub-group)
+        self.link_groups = not gloo or (whole_job and self.gloo_link_groups)
         self._links: Dict[Tuple[str, int], Link] = {}
-        k, place = self.stage, self.placement
+        k, place = self.rank, self.placement
+        boundaries = [j for j in range(len(place) - 1) if place[j] != place[j + 1] and j + 1 not in chain_starts]
         for pipeline in replicas:
-            for j, what, tag in self._boundaries():
-                # NCCL: a group per direction per boundary, made by every rank for every replica in
-                # the same order (dist.new_group's rule), and used by this replica's ends only
-                group = self._nccl_link(pipeline, j, what, delta) if not gloo else self.control
-                a, b = place[j], place[j + 1]
-                if pipeline == self.ranks and k in (a, b):
-                    peer = self.ranks[b] if k == a else self.ranks[a]
-                    self._links[(what, j)] = Link(what, peer, group, tag if gloo else 0, self.device,
-                                                  self.timeout, prefetch)
-        #: the links this rank receives on, with their boundaries: activations into its stages,
-        #: gradients into them
+            for j in boundaries:
+                for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient")):
+                    # a group per direction per boundary, made by every rank for every replica in the
+                    # same order (dist.new_group's rule), and used by this replica's ends only
+                    group = self._link_group(pipeline, j, what, delta, gloo) if self.link_groups else self.control
+                    a, b = place[j], place[j + 1]
+                    if pipeline == self.global_ranks and k in (a, b):
+                        self._links[(what, j)] = Link(what, pipeline[b if k == a else a], group,
+                                                      0 if self.link_groups else tag, self.device,
+                                                      self.timeout, prefetch)
+        #: the links this rank receives on, with their boundaries: activations and gradients into its stages
         self._receiving = {what: [(j, link) for (w, j), link in self._links.items()
                                   if w == what and place[j + (what == "activation")] == k]
                            for what in ("activation", "gradient")}
@@ -121,42 +123,30 @@ class PipeComm:
         control = None
         for ranks in replicas:
             made = dist.new_group(ranks, timeout=delta, backend="gloo")
-            if ranks == self.ranks:
+            if ranks == self.global_ranks:
                 control = made
         return control
 
-    def _boundaries(self) -> List[Tuple[int, str, int]]:
-        """(boundary, "activation" or "gradient", tag) of each link of the chain: boundary j
-        joins stages j and j + 1 of one chain where they are on two ranks (in one process: no
-        message)."""
-        place = self.placement
-        return [(j, what, tag) for j in range(len(place) - 1)
-                if place[j] != place[j + 1] and j + 1 not in self.chain_starts
-                for tag, what in ((1 + 2 * j, "activation"), (2 + 2 * j, "gradient"))]
-
-    def _nccl_link(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta):
-        """The NCCL group of one direction of boundary ``j`` of ``pipeline`` (every rank of the
-        job calls this, members or not). NCCL matches a communicator's messages in posting order
-        (no tags) and runs its operations in order on one stream, so each link needs its own:
-        on one communicator a send and an opposite receive, or two links' receives posted in
-        another order than their peer's sends, would wait on each other. Its members exchange
-        one message now: NCCL creates a communicator at its first point-to-point use, blocking
-        until both ends join, which must not happen at a first receive posted while the peer
-        is blocked in its first use of the opposite link (a deadlock)."""
+    def _link_group(self, pipeline: List[int], j: int, what: str, delta: datetime.timedelta, gloo: bool):
+        """The group of one direction of boundary ``j`` of ``pipeline`` (every rank of the job
+        calls this, members or not). On NCCL its members exchange one message now: NCCL creates
+        a communicator at its first point-to-point use, blocking until both ends join, which
+        must not happen at a first receive posted while the peer is blocked in its first use of
+        the opposite link (a deadlock); gloo connects its members when the group is made."""
         a, b = self.placement[j], self.placement[j + 1]
         try:
-            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta)
+            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta, backend="gloo" if gloo else None)
         except RuntimeError as error:
             raise PipelineCommError(
                 f"creating the {what} link between ranks {pipeline[a]} and {pipeline[b]} failed: "
                 f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
                 f"({self.timeout:g} s); see its own error") from error
-        if pipeline == self.ranks and self.stage in (a, b):
+        if not gloo and pipeline == self.global_ranks and self.rank in (a, b):
             probe = torch.zeros(1, device=self.device)
-            if self.stage == a:
-                dist.isend(probe, dst=self.ranks[b], group=group).wait()
+            if self.rank == a:
+                dist.isend(probe, dst=pipeline[b], group=group).wait()
             else:
-                dist.irecv(probe, src=self.ranks[a], group=group).wait()
+                dist.irecv(probe, src=pipeline[a], group=group).wait()
             torch.cuda.synchronize(self.device)
         return group
 
@@ -166,9 +156,9 @@ class PipeComm:
         a schedule, for the peer to take them); receives also the buffers made and the messages
         received into a buffer made for an earlier one (``link.ReceiveBuffers``)."""
         out = {}
-        straight = self.placement == list(range(self.num_stages))
+        straight = self.placement == list(range(self.ranks))
         for (what, pair), link in self._links.items():
-            sending = (what == "activation") == (self.placement[pair] == self.stage)
+            sending = (what == "activation") == (self.placement[pair] == self.rank)
             name = f"{'send' if sending else 'recv'} {what}"
             if not straight:  # several links per direction: name the stages
                 name += f" {pair}->{pair + 1}" if what == "activation" else f" {pair + 1}->{pair}"
@@ -184,68 +174,41 @@ class PipeComm:
             raise PipelineCommError("this pipeline's process groups were closed (Pipeline.close(), or "
                                     "the end of the script): build a new Pipeline to train again")
 
-    def _link(self, what: str, pair: int) -> Link:
+    def _link(self, what: str, stage: Optional[int], boundary_offset: int) -> Link:
+        """The link of ``what`` at the boundary ``stage`` + ``boundary_offset`` (``stage``: this rank's by default)."""
         self.check_open()
-        return self._links[(what, pair)]
+        return self._links[(what, (self.rank if stage is None else stage) + boundary_offset)]
 
-    # activations flow k -> k+1 on pair k; gradients k+1 -> k on pair k. ``stage``: the stage
-    # of the chain acting (default: this rank's, in a straight pipeline)
+    # activations flow k -> k+1 on boundary k; gradients k+1 -> k on boundary k
     def send_activation(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
         """Send ``stage``'s output for ``microbatch`` to the next stage."""
-        self._send(self._link("activation", self._own(stage)), microbatch, key, value)
+        self._link("activation", stage, 0).send(microbatch, key, value, self._pending)
 
     def recv_activation(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
         """Receive ``stage``'s input for ``microbatch`` from the previous stage."""
-        return self._link("activation", self._own(stage) - 1).recv(microbatch, key)
+        return self._link("activation", stage, -1).recv(microbatch, key)
 
     def send_gradient(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
         """Send the gradient of ``stage``'s input to the previous stage."""
-        self._send(self._link("gradient", self._own(stage) - 1), microbatch, key, value)
+        self._link("gradient", stage, -1).send(microbatch, key, value, self._pending)
 
     def recv_gradient(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
         """Receive the gradient of ``stage``'s output from the next stage."""
-        return self._link("gradient", self._own(stage)).recv(microbatch, key)
-
-    def _own(self, stage: Optional[int]) -> int:
-        return self.stage if stage is None else stage
-
-    def _send(self, link: Link, microbatch: int, key: Signature, value: Any) -> None:
-        try:
-            link.send(microbatch, key, value, self._pending)
-        except PipelineCommError:
-            raise
-        except RuntimeError as error:
-            raise link.fail("sending", microbatch, error) from error
-
-    def expect(self, activations: Sequence[Tuple[int, Signature]],
-               gradients: Sequence[Tuple[int, Signature]]) -> None:
-        """The receives the next schedule will make on each link into this rank's stages
-        (activations) and out of them (gradients), in order, and post the first ones."""
-        for what, items in (("activation", activations), ("gradient", gradients)):
-            for _, link in self._receiving[what] if items else ():
-                self.check_open()
-                link.expect(items)
-        self._post_all()
+        return self._link("gradient", stage, 0).recv(microbatch, key)
 
     def expect_more(self, activations: Sequence[Tuple[int, Signature]],
                     gradients: Sequence[Tuple[int, Signature]],
                     travels: Optional[Callable[[int, int], bool]] = None) -> None:
-        """More receives of the running schedule (a streamed segment learns its micro-batches as
+        """The receives of the running schedule (a streamed segment learns its micro-batches as
         they are fed), appended in order on each receiving link, and posted as far as the
         prefetch allows. Every such link carries every micro-batch once; with ``travels``
         (boundary, micro-batch) -> bool, those it says (two pipelines: each link its own's)."""
         for what, items in (("activation", activations), ("gradient", gradients)):
             for j, link in self._receiving[what] if items else ():
                 link.expected.extend(items if travels is None else [it for it in items if travels(j, it[0])])
-        self._post_all()
-
-    def _post_all(self) -> None:
         for link in self._links.values():
             if link.expected:
-                try:
-                    link.post()
-                except RuntimeError as error:
-                    raise link.fail("receiving", link.expected[0][0], error) from error
+                link.post()
 
     def poll(self) -> None:
         """Forget the sends that have completed (their tensors may then be freed)."""
@@ -264,19 +227,17 @@ class PipeComm:
 
     def groups(self) -> List[Any]:
         """The process groups this PipeComm created (its links' own groups, the control group
-        on NCCL), for a teardown that destroys them one by one."""
+        unless it is ``group``), for a teardown that destroys them one by one."""
         made = [link.group for link in self._links.values() if self.link_groups]
         if self.control is not self.group:
             made.append(self.control)
         return [g for g in made if g is not None]
 
     def close(self) -> None:
-        """Forget every message in flight and every process group this PipeComm holds.
-
-        Called when the process's part of the job ends (``Torchrun.leave``, which says why that
-        must happen while the interpreter is whole). Sends and receives still posted (a run cut
-        off by an error) are dropped first, so that no work object keeps a group's connections
-        alive."""
+        """Forget every message in flight and every process group this PipeComm holds (called
+        by ``Torchrun.leave``, which says why that must happen while the interpreter is whole).
+        Sends and receives still posted (a run cut off by an error) are dropped first, so that
+        no work object keeps a group's connections alive."""
         self._pending.clear()
         for link in self._links.values():  # a traceback's frames may still hold a link
             link.posted.clear()
