@@ -46,7 +46,7 @@ from ..compat import tensor_version
 from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
 from .fused import copy_all, local_all
 
-__all__ = ["Predictor", "optimizer_direction_supported", "predicted"]
+__all__ = ["Predictor", "optimizer_direction_supported", "predict_plan"]
 
 #: The group settings a Delta formula reads (besides the lr of the last step): a change to any
 #: of them between two predictions rebuilds Delta.
@@ -65,7 +65,7 @@ def _setting(value: Any) -> Any:
 
 
 @torch.no_grad()
-def predicted(plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+def predict_plan(plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
               rate: Callable[[int, dict[str, Any]], float]) -> dict[Tensor, Tensor]:
     """``W - rate * Delta`` (new tensors) of each parameter of ``plan`` (:meth:`Predictor.directions`'s
     form), ``rate(index, group)`` being group number ``index``'s lr mass: one multi-tensor add per
@@ -197,7 +197,7 @@ class Predictor(DirectionFormulas):
         Parameters without a direction yet (before the first step) map to a clone of W.
         The live parameters are not modified.
         """
-        moved = predicted(self.directions(), lambda index, group: float(group.get("lr", 1.0)) * steps)
+        moved = predict_plan(self.directions(), lambda index, group: float(group.get("lr", 1.0)) * steps)
         return {p: moved[p] if p in moved else p.detach().clone()
                 for group in self.optimizer.param_groups for p in group["params"]}
 

@@ -18,7 +18,7 @@ import torch
 from ..schedules.actions import Kind
 from .base import WeightUse, alias, nbytes
 from .predicting import PredictingPolicy
-from .stash import VersionStore
+from .stash import VersionStore, window_of
 
 
 class _Window:
@@ -39,16 +39,12 @@ class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.window = 1
         self._windows: Dict[int, _Window] = {}
         self._window_steps: Dict[int, int] = {}
 
     def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
         super().learn_orders(stage_actions, full_orders, synchronous_updates)
-        forwards = sum(1 for a in stage_actions if a.kind is Kind.F)
-        updates = sum(1 for a in stage_actions if a.kind is Kind.U)
-        self.window = max(1, forwards // max(1, updates))
-        m = self.window
+        m = self.window = window_of(stage_actions)
         # per window: the updates between its first forward and its last backward, after which
         # the update its gradient joins comes
         self._window_steps = {

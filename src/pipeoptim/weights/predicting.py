@@ -19,7 +19,7 @@ from .base import WeightPolicy, WeightUse, local, nbytes
 from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
                           horizon_rate)
 from .fused import Into, copy_all
-from .predict import Predictor
+from .predict import Predictor, predict_plan
 
 
 class _GroupWork(NamedTuple):
@@ -32,25 +32,16 @@ class _GroupWork(NamedTuple):
 
 
 class PredictingPolicy(WeightPolicy):
-    """Runs a pass on predicted weights held in the live storage, with one cache per stage.
+    """Runs a pass on predicted weights held in the live storage, with one cache per stage, so
+    that a forward's graph keeps aliases of the live storage and its backward reads whatever is
+    live then. Two ways, the same numbers:
 
-    Each pass that predicts reads ``W_hat = W - lr*s*Delta`` through the live parameters' own
-    storage, so that the autograd graph of a forward keeps aliases of the live storage and its
-    backward reads whatever is live then (docs/architecture.md, "Weight versions per method").
-    Two ways, the same numbers:
-
-    * swap (the default where the parameters own their storage and torch can swap two storages'
-      memory: ``compat.swap_storage_memory``): ``W_hat`` is computed into the cache, per parameter
-      group by one multi-tensor copy of W and one multi-tensor add (on the CPU a large tensor
-      keeps its single ``torch.add(W, Delta, alpha=-lr*s, out=cache)`` pass: ``fused.Into``),
-      then the memory of each parameter's storage and of its cache are swapped, which every
-      alias sees at once; after the pass they are swapped back. No restore pass, nothing
-      allocated per pass.
-    * write and restore (otherwise): the cache saves W (one multi-tensor copy), ``W_hat`` is
-      written into the live storage (one multi-tensor add per group), and the cache is copied
-      back after the pass.
-
-    Delta comes from :meth:`Predictor.directions`, computed once per update.
+    * swap (where the parameters own their storage and torch can swap two storages' memory,
+      ``compat.swap_storage_memory``): ``W_hat`` is computed into the cache (``fused.Into``), then
+      the memory of each parameter's storage and its cache's are swapped, which every alias sees
+      at once, and swapped back after the pass. Nothing allocated, no restore pass.
+    * write and restore (otherwise): the cache saves W, ``W_hat`` is written into the live
+      storage, and the cache is copied back after the pass.
     """
 
     #: Private switch (tests, benchmarks): False forces the write-and-restore path.
@@ -98,6 +89,12 @@ class PredictingPolicy(WeightPolicy):
         """The method's own step count for ``microbatch``'s forward (no correction)."""
         raise NotImplementedError
 
+    def _forward_on_prediction(self, microbatch: int, steps: float) -> WeightUse:
+        """``microbatch``'s forward on the live weights, predicted ``steps`` ahead for the pass."""
+        self._forward_version[microbatch] = self.version
+        restore = self._write_prediction(steps)
+        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+
     # -- corrections --------------------------------------------------------------------------
     @property
     def source(self):
@@ -142,11 +139,7 @@ class PredictingPolicy(WeightPolicy):
         steps = self.ramp(steps, corrected="prediction_warmup" not in disable)
         out = {}
         if source.has_direction and steps:
-            for index, (group, params, deltas) in enumerate(source.directions()):
-                if params:  # one multi-tensor add per group (DTensors: torch's own sharded one)
-                    alpha = -self.horizon_lr(index, group, steps, disable)
-                    out.update(zip(params, torch._foreach_add([p.detach() for p in params], deltas,
-                                                              alpha=alpha)))
+            out = predict_plan(source.directions(), lambda index, group: self.horizon_lr(index, group, steps, disable))
         return [out[p] if p in out else p.detach().clone() for _, p in self.named]
 
     def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
@@ -242,13 +235,12 @@ class PredictingPolicy(WeightPolicy):
             for index, work in enumerate(self._work):
                 work.into_cache("add", alpha=-self.horizon_lr(index, work.group, steps))
             storages = self._storages
-            for live, buf in storages:
-                swap_storage_memory(live, buf)
 
-            def swap_back() -> None:
+            def swap() -> None:
                 for live, buf in storages:
                     swap_storage_memory(live, buf)
-            return swap_back
+            swap()
+            return swap
         live = [p.data for _, p in self.named]
         copy_all(self.cache, live)
         for index, work in enumerate(self._work):
@@ -316,15 +308,14 @@ class PipeOptimPolicy(PredictingPolicy):
 
     def forward_weights(self, microbatch: int) -> WeightUse:
         steps = self.forward_steps(microbatch) if self.source.has_direction else 0
-        self._forward_version[microbatch] = self.version
         if self.backward_weights == "predicted" and steps:
+            self._forward_version[microbatch] = self.version
             tensors = self.predicted(self.base_forward_steps(microbatch))
             self._held[microbatch] = tensors
             self.note_memory()
             return WeightUse({n: t.requires_grad_(True) for (n, _), t in zip(self.named, tensors)},
                              self.version, steps)
-        restore = self._write_prediction(steps)
-        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+        return self._forward_on_prediction(microbatch, steps)
 
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         # backward="predicted": the forward's W_hat is held; else the live weights, unpredicted
@@ -372,10 +363,7 @@ class SpecTrainPolicy(PredictingPolicy):
         return self.stage // 2 + self.num_stages - self.stage - 1
 
     def forward_weights(self, microbatch: int) -> WeightUse:
-        steps = self.forward_steps(microbatch)
-        self._forward_version[microbatch] = self.version
-        restore = self._write_prediction(steps)
-        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+        return self._forward_on_prediction(microbatch, self.forward_steps(microbatch))
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:
