@@ -8,11 +8,10 @@ torch's Muon step on a 2-D parameter W with gradient g and momentum buffer m::
     O  = NS(u)                                   (Newton-Schulz, in bfloat16)
     W <- (1 - lr * wd) * W - lr * r * O          (r from adjust_lr_fn and W's shape)
 
-so ``W_before - W_after = lr * (r * O + wd * W_before)``: Delta relative to the group lr is
-``r * O + wd * W_before``. This module computes ``r * O`` from the gradient and the buffer after
-the step, with torch's own Newton-Schulz and ratio functions (the same arithmetic, the same
-bits; private in torch, reached through :mod:`pipeoptim.compat`); the Predictor adds the
-decoupled decay as for AdamW.
+so Delta relative to the group lr is ``r * O + wd * W_before``. This module computes ``r * O``
+from the gradient and the buffer after the step with torch's own (private, through
+:mod:`pipeoptim.compat`) Newton-Schulz and ratio functions, so the same bits; the Predictor adds
+the decoupled decay as for AdamW.
 """
 from __future__ import annotations
 

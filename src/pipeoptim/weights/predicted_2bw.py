@@ -11,6 +11,7 @@ that comes while the window is in flight. With one stage s is always 0: sequenti
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -21,14 +22,14 @@ from .predicting import PredictingPolicy
 from .stash import VersionStore, window_of
 
 
+@dataclass
 class _Window:
-    """One update window in flight at this stage: the version it runs on (or predicts from), the
-    prediction steps, the predicted tensors (None: the stored version itself), the backwards left."""
+    """One update window in flight at this stage."""
 
-    __slots__ = ("version", "steps", "tensors", "left")
-
-    def __init__(self, version: int, steps: float, tensors: Optional[List[torch.Tensor]], left: int) -> None:
-        self.version, self.steps, self.tensors, self.left = version, steps, tensors, left
+    version: int                                #: the version it runs on (or predicts from)
+    steps: float                                #: the prediction steps
+    tensors: Optional[List[torch.Tensor]]       #: the predicted tensors; None: the version itself
+    left: int                                   #: its backwards not run yet
 
 
 class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,15 +20,6 @@ from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead,
                           horizon_rate)
 from .fused import Into, copy_all
 from .predict import Predictor, predict_plan
-
-
-class _GroupWork(NamedTuple):
-    """One parameter group's share of a prediction, made once per Delta (local shards)."""
-
-    group: dict
-    weights: List[torch.Tensor]   #: W, through ``p.data``
-    deltas: List[torch.Tensor]    #: Delta, in the same order
-    into_cache: Into              #: writes W + alpha*Delta into the cache (the swap)
 
 
 class PredictingPolicy(WeightPolicy):
@@ -76,7 +67,9 @@ class PredictingPolicy(WeightPolicy):
         self._homes: List[int] = []      # each parameter's data_ptr when the cache was made
         self._swap = False               # whether the cache is used by swapping
         self._plan_seen: object = None   # the predictor's plan the work lists were made for
-        self._work: List[_GroupWork] = []  # per parameter group, for the current Delta
+        # per parameter group, for the current Delta (local shards): (group, W through p.data,
+        # Delta in the same order, the Into that writes W + alpha*Delta into the cache)
+        self._work: List[Tuple[dict, List[torch.Tensor], List[torch.Tensor], Into]] = []
         self._storages: List[tuple] = []  # (live storage, cache storage) of the predicted params
 
     def forward_steps(self, microbatch: int) -> float:
@@ -203,7 +196,7 @@ class PredictingPolicy(WeightPolicy):
                 caches.append(local(self.cache[i]))
                 if self._swap and p.numel():
                     self._storages.append((p.untyped_storage(), self.cache[i].untyped_storage()))
-            self._work.append(_GroupWork(group, weights, own, Into(caches, weights, own)))
+            self._work.append((group, weights, own, Into(caches, weights, own)))
         self._plan_seen = plan
 
     def _swappable(self) -> bool:
@@ -232,8 +225,8 @@ class PredictingPolicy(WeightPolicy):
             return None
         self._prepare()
         if self._swap:
-            for index, work in enumerate(self._work):
-                work.into_cache("add", alpha=-self.horizon_lr(index, work.group, steps))
+            for index, (group, _, _, into_cache) in enumerate(self._work):
+                into_cache("add", alpha=-self.horizon_lr(index, group, steps))
             storages = self._storages
 
             def swap() -> None:
@@ -243,9 +236,9 @@ class PredictingPolicy(WeightPolicy):
             return swap
         live = [p.data for _, p in self.named]
         copy_all(self.cache, live)
-        for index, work in enumerate(self._work):
-            if work.weights:  # one multi-tensor add per group (the same kernel per element as torch.add)
-                torch._foreach_add_(work.weights, work.deltas, alpha=-self.horizon_lr(index, work.group, steps))
+        for index, (group, weights, deltas, _) in enumerate(self._work):
+            if weights:  # one multi-tensor add per group (the same kernel per element as torch.add)
+                torch._foreach_add_(weights, deltas, alpha=-self.horizon_lr(index, group, steps))
 
         def restore() -> None:
             with torch.no_grad():
