@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fused import batches, clone_all, local_all
+from .fused import applied_update, batches, clone_all, local_all
 
 LR_CORRECTIONS = ("none", "delay")
 HORIZONS = ("constant", "scheduled")
@@ -156,9 +156,7 @@ class UpdateAverage:
     def _fold(self, before: Sequence[torch.Tensor], positions: List[int], lr: float, first: bool) -> bool:
         """:meth:`observe` for the parameters at ``positions`` (of one group, applied at ``lr``),
         as multi-tensor ops on the local shards; whether an average was started for one."""
-        d = local_all([before[i] for i in positions])  # d = (W_before - W_after) / lr
-        torch._foreach_sub_(d, local_all([self.named[i][1].detach() for i in positions]))
-        torch._foreach_div_(d, lr)
+        d = applied_update([before[i] for i in positions], [self.named[i][1] for i in positions], lr)
         names = [self.named[i][0] for i in positions]
         new = [k for k, name in enumerate(names) if first or name not in self.average]
         old = [k for k in range(len(names)) if k not in new]

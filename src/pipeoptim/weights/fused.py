@@ -56,6 +56,16 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             d.copy_(s)
 
 
+def applied_update(before: Sequence[torch.Tensor], params: Sequence[torch.Tensor], lr: float) -> List[torch.Tensor]:
+    """In place, the update just applied per unit lr: ``before <- (before - W) / lr`` (``W`` the
+    ``params`` now; no division for lr 0); the local shards of ``before``."""
+    d = local_all(before)
+    torch._foreach_sub_(d, local_all([p.detach() for p in params]))
+    if lr != 0.0:
+        torch._foreach_div_(d, lr)
+    return d
+
+
 def clone_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """``[t.detach().clone() for t in tensors]``: the same values in new memory (DTensors stay
     DTensors), allocated per tensor as ``clone`` does and filled by one multi-tensor copy."""

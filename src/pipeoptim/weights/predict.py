@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..compat import tensor_version
 from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
-from .fused import copy_all, local_all
+from .fused import applied_update, copy_all
 
 __all__ = ["Predictor", "optimizer_direction_supported", "predict_plan"]
 
@@ -273,12 +273,8 @@ class Predictor(DirectionFormulas):
         with torch.no_grad():
             for group, params in self._pending:
                 bufs = [self._stored[p] for p in params]
-                if self.uses_fallback:  # (W_before - W_after) / lr
-                    own = local_all(bufs)
-                    torch._foreach_sub_(own, local_all([p.detach() for p in params]))
-                    lr = self._step_lr[id(group)]
-                    if lr != 0.0:
-                        torch._foreach_div_(own, lr)
+                if self.uses_fallback:
+                    applied_update(bufs, params, self._step_lr[id(group)])
                 else:
                     self._finish_all(group, params, [optimizer.state[p] for p in params], bufs)
         self._pending = []
