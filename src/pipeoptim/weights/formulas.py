@@ -45,12 +45,9 @@ KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
 
 
 def formula_of(optimizer: torch.optim.Optimizer) -> str | None:
-    """Name of the exact formula for ``optimizer``, or None.
-
-    Decided on the ``step`` function itself, not on ``isinstance``: a subclass that overrides
-    ``step`` gets None. Both sides are unwrapped because torch wraps ``step`` (per class,
-    lazily) with its hook/profiling wrapper.
-    """
+    """Name of the exact formula for ``optimizer``, or None: by its ``step`` function, not by
+    ``isinstance`` (a subclass that overrides ``step`` gets None), both sides unwrapped from
+    torch's hook/profiling wrapper."""
     step = inspect.unwrap(type(optimizer).step)
     for name, cls in KNOWN:
         if step is inspect.unwrap(cls.step):

@@ -175,16 +175,10 @@ class Predictor(DirectionFormulas):
 
     def directions(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]:
         """Delta of the current update, per parameter group: ``(group, params, deltas)`` for
-        the parameters that have one (none before the first step; a parameter the optimizer has
-        not updated yet has none).
-
-        Built at most once per update: the first call after a step computes it (the adaptive
-        formulas into tensors kept from one update to the next, so nothing is allocated after
-        the first time), later calls return the same lists until the optimizer steps again,
-        loads a state, a setting Delta depends on changes or a parameter is modified in place
-        (its version counter moves). The tensors are Delta itself, some of them the optimizer's
-        own state: read them, never write them.
-        """
+        the parameters that have one (none before their first step). Built once per update
+        (into tensors kept across updates) and the same lists returned until the optimizer
+        steps, loads a state, a setting Delta reads changes or a parameter is modified in place.
+        The tensors are Delta itself, some the optimizer's own state: never write them."""
         key = self._key()
         if key != self._plan_key:
             self._build_plan()
