@@ -22,11 +22,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..compat import muon_lr_ratio, muon_orthogonalize
 from ..delay_nadamw import DelayNAdamW, adam_denominators, lookahead_direction, runs_by
 from .fused import Into, batches, copy_all, local_all
-from .muon_direction import muon_direction
 
-__all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported"]
+__all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported", "muon_direction"]
 
 #: (formula, optimizer class): the optimizers with an exact formula (Muon where torch has it;
 #: DelayNAdamW is pipeoptim's own, :mod:`pipeoptim.delay_nadamw`)
@@ -78,6 +78,22 @@ def _betas(group: dict[str, Any]) -> tuple[float, float]:
 def _states(states: Sequence[dict[str, Any]], name: str) -> list[Tensor]:
     """The local shards of one state tensor of each parameter."""
     return local_all([state[name] for state in states])
+
+
+def muon_direction(group: dict[str, Any], param: Tensor, buf: Tensor, g: Tensor) -> None:
+    """In place: ``g`` (the step's gradient) becomes ``r * NS(u)`` for ``param`` of ``group``,
+    ``buf`` being the momentum buffer after the step. torch's Muon step on a 2-D W::
+
+        m <- m.lerp(g, 1 - mu);  u = g.lerp(m, mu) under Nesterov, else m
+        W <- (1 - lr * wd) * W - lr * r * NS(u)     (NS: Newton-Schulz in bfloat16; r from
+                                                     adjust_lr_fn and W's shape)
+
+    so Delta is ``r * NS(u) + wd * W_before`` (the decay added as for AdamW), computed with
+    torch's own (private, through :mod:`pipeoptim.compat`) NS and ratio: the same bits."""
+    update = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    ortho = muon_orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    ratio = muon_lr_ratio(group["adjust_lr_fn"], param.shape)
+    g.copy_(ortho).mul_(ratio)
 
 
 class DirectionFormulas:

@@ -19,7 +19,8 @@ RMSprop        ``g / (sqrt(v [- mean_g^2 if centered]) + eps)``; with momentum: 
 Adagrad        ``g / (sqrt(sum) + eps) / (1 + (t - 1) * lr_decay)`` (lr decay folded in:
                Delta is relative to the group lr).
 Adadelta       ``sqrt(acc_delta_before + eps) / sqrt(v + eps) * g``.
-Muon           ``r * NS(u) + wd * W_before`` (:mod:`.muon_direction`); decay always decoupled.
+Muon           ``r * NS(u) + wd * W_before`` (:func:`.formulas.muon_direction`); decay
+               always decoupled.
 DelayNAdamW    :mod:`pipeoptim.delay_nadamw`'s ``d``, plus decoupled decay.
 =============  ==========================================================================
 
