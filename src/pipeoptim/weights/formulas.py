@@ -96,6 +96,15 @@ def muon_direction(group: dict[str, Any], param: Tensor, buf: Tensor, g: Tensor)
     g.copy_(ortho).mul_(ratio)
 
 
+def kept_like(table: dict[Tensor, Tensor], p: Tensor) -> Tensor:
+    """``table[p]``, a tensor kept from one update to the next: made like ``p`` when missing or
+    no longer like it."""
+    buf = table.get(p)
+    if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+        buf = table[p] = torch.empty_like(p)
+    return buf
+
+
 class DirectionFormulas:
     """Delta's formulas for the Predictor (attributes it sets: ``optimizer``, ``sgd_momentum``,
     ``steps_taken``, ``uses_fallback``, ``_kind``, ``_composite``, ``_stored``, ``_step_lr``,
@@ -108,11 +117,7 @@ class DirectionFormulas:
         if (self.uses_fallback or self._needs_grad(group) or kind in ("sgd", "rmsprop")
                 or not self.optimizer.state.get(p)):
             return None
-        buf = self._computed.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-            buf = torch.empty_like(p)
-            self._computed[p] = buf
-        return buf
+        return kept_like(self._computed, p)
 
     def _kind_of(self, group: dict[str, Any]) -> str | None:
         """The formula of ``group``: the optimizer's, or that of the part holding the group."""

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..compat import tensor_version
-from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
+from .formulas import DirectionFormulas, formula_of, kept_like, optimizer_direction_supported, parts_of
 from .fused import applied_update, copy_all
 
 __all__ = ["Predictor", "optimizer_direction_supported", "predict_plan"]
@@ -247,21 +247,13 @@ class Predictor(DirectionFormulas):
                 if not (self.uses_fallback or self._needs_grad(group)):
                     continue
                 params = [p for p in group["params"] if self.uses_fallback or p.grad is not None]
-                bufs = [self._buffer(p) for p in params]
+                bufs = [kept_like(self._stored, p) for p in params]
                 if self.uses_fallback:
                     copy_all(bufs, [p.detach() for p in params])
                 else:
                     self._capture_grads(group, params, bufs)
                 if params:
                     self._pending.append((group, params))
-
-    def _buffer(self, p: Tensor) -> Tensor:
-        """The tensor the hooks keep for ``p`` (kept from one step to the next)."""
-        buf = self._stored.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-            buf = torch.empty_like(p)
-            self._stored[p] = buf
-        return buf
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
