@@ -67,10 +67,10 @@ def _setting(value: Any) -> Any:
 
 @torch.no_grad()
 def predict_plan(plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
-              rate: Callable[[int, dict[str, Any]], float]) -> dict[Tensor, Tensor]:
-    """``W - rate * Delta`` (new tensors) of each parameter of ``plan`` (:meth:`Predictor.directions`'s
-    form), ``rate(index, group)`` being group number ``index``'s lr mass: one multi-tensor add per
-    group (DTensors: torch's own sharded one)."""
+                 rate: Callable[[int, dict[str, Any]], float]) -> dict[Tensor, Tensor]:
+    """``W - rate * Delta`` (new tensors) of each parameter of ``plan`` (in the form of
+    :meth:`Predictor.directions`), ``rate(index, group)`` being group number ``index``'s lr mass:
+    one multi-tensor add per group (DTensors: torch's own sharded one)."""
     out: dict[Tensor, Tensor] = {}
     for index, (group, params, deltas) in enumerate(plan):
         if params:

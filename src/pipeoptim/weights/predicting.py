@@ -3,8 +3,7 @@ versions per method" and "The prediction per optimizer").
 
 A pass that predicts runs on ``W_hat = W - lr*s*Delta``, Delta being the stage optimizer's own
 direction (:class:`~pipeoptim.weights.predict.Predictor`) or, with ``delta="ema"``, the average
-of the updates applied. The values are held by the live storage for the duration of the pass
-and W is put back afterwards, with one cache per stage: two versions per stage, whatever N.
+of the updates applied; one cache per stage, whatever N.
 """
 from __future__ import annotations
 
@@ -132,7 +131,8 @@ class PredictingPolicy(WeightPolicy):
         steps = self.ramp(steps, corrected="prediction_warmup" not in disable)
         out = {}
         if source.has_direction and steps:
-            out = predict_plan(source.directions(), lambda index, group: self.horizon_lr(index, group, steps, disable))
+            out = predict_plan(source.directions(),
+                               lambda index, group: self.horizon_lr(index, group, steps, disable))
         return [out[p] if p in out else p.detach().clone() for _, p in self.named]
 
     def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
