@@ -172,7 +172,7 @@ class ReferenceDelta:
 
     @torch.no_grad()
     def after(self, opt, args, kwargs) -> None:
-        from pipeoptim.weights.muon_direction import muon_direction
+        from pipeoptim.weights.formulas import muon_direction
         for group, p in self.pending:
             g, state, kind = self.kept[p], opt.state[p], self.pred._kind_of(group)
             if kind == "sgd" and group["momentum"]:

@@ -16,30 +16,28 @@ step count after this step (1 at its first), ``g`` its gradient (negated under `
 ``a * m + b * g`` is the first moment ``k`` updates ahead were the gradient to stay ``g``
 (``m_{t+k} = b1**k * m_t + (1 - b1**k) * g``), its ``m`` part bias-corrected as the moment then
 (``1 - b1**(t+k)``), its ``g`` part as the moment now (``1 - b1**t``), Dozat's choice for one
-update ahead; far from the start both corrections are 1 and it is ``m_{t+k}`` itself. With
-``tau = 0`` the rule is Dozat's NAdam with a constant momentum ``b1`` (``a = b1 / (1 - b1**(t+1))``,
-``b = (1 - b1) / (1 - b1**t)``) and decoupled weight decay. ``torch.optim.NAdam`` is not that: its
-momentum follows the schedule ``mu_t = b1 * (1 - 0.5 * 0.96**(t * momentum_decay))``, which with
-the default momentum decay 0.004 is about ``0.5 * b1`` at the first step, ``0.58 * b1`` after
-1000 steps and reaches ``0.9 * b1`` only after 10000.
+update ahead. With ``tau = 0`` it is Dozat's NAdam with a constant momentum ``b1`` and decoupled
+weight decay; ``torch.optim.NAdam`` is not that: its momentum follows the schedule
+``mu_t = b1 * (1 - 0.5 * 0.96**(t * momentum_decay))``, about ``0.5 * b1`` at the first step with
+the default decay 0.004, ``0.9 * b1`` only after 10000 steps.
 
 The delay is a group setting: ``delay=None`` (the default) counts as 0 until a pipeline sets the
 stage's delay with :meth:`DelayNAdamW.set_pipeline_delay`, which leaves a delay the user gave
-alone. A pipeline's delay is the one each update's gradients have (``Stage.gradient_delay``), which
-never exceeds the updates so far (``k <= t``), so ``b <= 1`` from the first step; a delay fixed
-from the start weights the first steps' gradient more (``b = 7.7`` at ``t = 1`` for ``b1 = 0.99``,
-``delay = 7``). The parameters of a group whose step counts differ (one without a gradient at some step)
-are stepped by step count, since their scalars differ. The Predictor's exact Delta for this
-optimizer (``weights/formulas.py``) uses :func:`lookahead_coefficients` too.
+alone. A pipeline's delay is the one each update's gradients have (``Stage.gradient_delay``), never
+more than the updates so far (``k <= t``), so ``b <= 1``; a delay fixed from the start weights the
+first steps' gradient more (``b = 7.7`` at ``t = 1`` for ``b1 = 0.99``, ``delay = 7``). The
+Predictor's exact Delta for this optimizer (``weights/formulas.py``) is :func:`lookahead_direction`
+too.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["DelayNAdamW", "lookahead_coefficients", "delay_of"]
+__all__ = ["DelayNAdamW", "lookahead_coefficients", "lookahead_direction", "adam_denominators", "delay_of",
+           "runs_by"]
 
 
 def lookahead_coefficients(b1: float, step: float, delay: int) -> Tuple[float, float]:
@@ -54,6 +52,31 @@ def lookahead_coefficients(b1: float, step: float, delay: int) -> Tuple[float, f
 def delay_of(group: Dict[str, Any]) -> int:
     """The delay a group's look-ahead spans: its ``delay``, 0 while that is None."""
     return 0 if group["delay"] is None else int(group["delay"])
+
+
+def adam_denominators(exp_avg_sqs: List[Tensor], b2: float, step: float, eps: float) -> List[Tensor]:
+    """``sqrt(v / (1 - b2**step)) + eps`` of each ``v`` (new tensors)."""
+    denoms = torch._foreach_div(exp_avg_sqs, 1 - b2**step)
+    torch._foreach_sqrt_(denoms)
+    torch._foreach_add_(denoms, eps)
+    return denoms
+
+
+def lookahead_direction(group: Dict[str, Any], step: float, grads: List[Tensor], exp_avgs: List[Tensor],
+                        exp_avg_sqs: List[Tensor], *, in_place: bool = False) -> List[Tensor]:
+    """``d = (a * m + b * g) / (sqrt(v / (1 - b2**t)) + eps)`` of parameters of ``group`` at step
+    count ``step`` (after the step), with the group's delay; written into ``grads`` when
+    ``in_place``. The step and the Predictor's Delta run these operations, so d has the same bits."""
+    b1, b2 = (float(b) for b in group["betas"])
+    a, b = lookahead_coefficients(b1, step, delay_of(group))
+    if in_place:
+        d = grads
+        torch._foreach_mul_(d, b)
+    else:
+        d = torch._foreach_mul(grads, b)
+    torch._foreach_add_(d, exp_avgs, alpha=a)
+    torch._foreach_div_(d, adam_denominators(exp_avg_sqs, b2, step, group["eps"]))
+    return d
 
 
 def _check_delay(delay: Any) -> None:
@@ -77,12 +100,12 @@ def _check(settings: Dict[str, Any]) -> None:
     _check_delay(settings["delay"])
 
 
-def _by_step(states: Sequence[Dict[str, Any]]) -> Dict[float, List[int]]:
-    """The positions of ``states`` by step count (in first-seen order): one run of multi-tensor
-    operations per count, the scalars being the count's."""
-    runs: Dict[float, List[int]] = {}
-    for i, state in enumerate(states):
-        runs.setdefault(float(state["step"]), []).append(i)
+def runs_by(indices: Iterable[int], key: Callable[[int], Any]) -> Dict[Any, List[int]]:
+    """``indices`` by ``key`` (in first-seen order): the parameters whose per-parameter scalars
+    (from the step count) are equal, so one run of multi-tensor operations each."""
+    runs: Dict[Any, List[int]] = {}
+    for i in indices:
+        runs.setdefault(key(i), []).append(i)
     return runs
 
 
@@ -157,16 +180,9 @@ class DelayNAdamW(torch.optim.Optimizer):
         torch._foreach_mul_(exp_avg_sqs, b2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for step, run in _by_step(states).items():
-            a, b = lookahead_coefficients(b1, step, delay_of(group))
-            # the Predictor's Delta (weights/formulas.py) runs these operations in this order on
-            # the captured gradient, so its d has these bits
-            d = torch._foreach_mul([grads[i] for i in run], b)
-            torch._foreach_add_(d, [exp_avgs[i] for i in run], alpha=a)
-            denoms = torch._foreach_div([exp_avg_sqs[i] for i in run], 1 - b2**step)
-            torch._foreach_sqrt_(denoms)
-            torch._foreach_add_(denoms, group["eps"])
-            torch._foreach_div_(d, denoms)
+        for step, run in runs_by(range(len(states)), lambda i: float(states[i]["step"])).items():
+            d = lookahead_direction(group, step, [grads[i] for i in run], [exp_avgs[i] for i in run],
+                                    [exp_avg_sqs[i] for i in run])
             moved = [params[i] for i in run]
             if wd != 0.0:
                 torch._foreach_mul_(moved, 1 - lr * wd)

@@ -1,19 +1,18 @@
 """Weight policies: the interface and the policies without copies (synchronous, latest).
 
 A policy serves one stage. Before a forward it hands the stage a :class:`WeightUse`: the tensors
-to call the stage's module with (through ``torch.func.functional_call``), the weight version they
-carry and the prediction step count applied. Around a backward it may swap in other values, and
-around an update it may keep the outgoing version alive. It never knows which executor runs it:
-everything it needs comes from the stage's own action list and the stage's optimizer. Forwards
-run on *aliases* of the storage (``param.data``: same memory, a separate autograd version
-counter), which makes an update between a forward and its backward safe on any PyTorch 2.x
-(docs/architecture.md, "Weight versions per method"). Version v is the weights after v updates."""
+to call the stage's module with (``torch.func.functional_call``), their weight version and the
+prediction steps applied; around a backward it may swap in other values, around an update keep
+the outgoing version. It knows only the stage's action list and optimizer, never the executor.
+Forwards run on *aliases* of the storage (``param.data``: same memory, its own autograd version
+counter), so an update between a forward and its backward is safe (docs/architecture.md, "Weight
+versions per method"). Version v is the weights after v updates."""
 from __future__ import annotations
 
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -21,17 +20,12 @@ from torch import nn
 from ..schedules.actions import Action, Kind
 from .corrections import LR_CORRECTIONS, delay_divisor
 from .error_feedback import UpdateFeedback
-from .fused import local
+from .fused import local, nbytes
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
     """A leaf sharing ``tensor``'s storage with its own version counter, collecting a gradient."""
     return tensor.data.requires_grad_(True)
-
-
-def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes this process holds of ``tensors`` (of a sharded one, its shard)."""
-    return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -94,7 +88,6 @@ class WeightPolicy:
         #: :meth:`forward_weights_kept`), counted with the copies
         self.recompute_copy_bytes = 0
         self._forward_version: Dict[int, int] = {}
-        self._order: List[Action] = []
         #: the parameters are shards of the stage over its replicas (``runtime/sharding.py``):
         #: versions are kept as copies, never by moving the live storage (FSDP gathers from it)
         self.sharded = False
@@ -123,11 +116,10 @@ class WeightPolicy:
     def learn_orders(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]],
                      synchronous_updates: int = 0) -> None:
         """Read what this policy needs from the orders of the current schedule."""
-        self._order = list(stage_actions)
         self._updates_before: Dict[tuple, int] = {}
         count = 0
         sync_micro = []
-        for a in self._order:
+        for a in stage_actions:
             if a.kind is Kind.U:
                 count += 1
             else:

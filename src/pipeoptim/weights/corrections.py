@@ -1,31 +1,26 @@
 """Delay corrections of the asynchronous methods: options, all off by default (docs/architecture.md,
 "Delay corrections").
 
-An asynchronous pipeline's stage k applies each update from a gradient computed ``tau_k = N-1-k``
-updates earlier. Published work closes the gap to synchronous training with a few corrections
-(PipeMare's delay-scaled learning rate among them); each is an option of the methods it
-applies to (:mod:`pipeoptim.methods`), and this module holds their arithmetic:
+Stage k of an asynchronous pipeline applies each update from a gradient ``tau_k = N-1-k`` updates
+stale. Each correction is an option of the methods it applies to (:mod:`pipeoptim.options`); this
+module holds their arithmetic:
 
 * ``lr_correction="delay"`` (PipeMare): stage k applies update t with
-  ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))``, T = ``lr_correction_steps`` updates: it
-  starts at lr / tau_k and anneals to the scheduled lr by update T. The last stage (tau = 0) and
-  updates of a synchronous warm-up are untouched. No weight copy. (:func:`delay_divisor`)
-* ``horizon="scheduled"``: the prediction spans the learning rates of the updates to come,
-  ``W_hat = W - (lr(t) + ... + lr(t+s-1)) * Delta`` (update t being the next one), instead of
-  ``s * lr(t)``; a fractional s takes that share of the last lr. The future lrs come from a
-  shadow copy of the stage's scheduler, made by the same factory on a stand-in optimizer and
-  stepped ahead (:class:`LrLookahead`), so any ``torch.optim.lr_scheduler`` works. Equal to
-  today's prediction under a constant lr. No weight copy.
-* ``delta="ema"``: Delta is an exponential moving average of the updates actually applied, per
-  unit lr: ``d_t = (W_before - W_after) / lr_t``, ``u_1 = d_1``, ``u_t = g u_{t-1} + (1-g) d_t``
-  with g = ``ema_decay`` (default 0.9), instead of the optimizer's own next direction. It sees
-  weight decay, clipping and schedules and works for any optimizer; one more weight-sized buffer
-  per stage. (:class:`UpdateAverage`)
-* ``prediction_warmup=T``: the prediction's step count ramps as ``s * min(1, t / T)`` over the
-  first T updates. No weight copy.
-* ``sync_warmup=K``: the run's first K mini-batches use 1F1B with a flush (no staleness, no
-  prediction, no lr correction), then the asynchronous schedule takes over: the schedule is the
-  two concatenated (:mod:`pipeoptim.schedules.concat`). No weight copy.
+  ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))``, T = ``lr_correction_steps``; the last stage
+  and a synchronous warm-up's updates untouched. (:func:`delay_divisor`)
+* ``horizon="scheduled"``: ``W_hat = W - (lr(t) + ... + lr(t+s-1)) * Delta`` (t the next update;
+  a fractional s takes that share of the last lr) instead of ``s * lr(t)``, the lrs read from a
+  shadow of the stage's scheduler stepped ahead (:class:`LrLookahead`), any
+  ``torch.optim.lr_scheduler``. Equal to ``s * lr(t)`` under a constant lr.
+* ``delta="ema"``: Delta is the average of the updates applied, per unit lr:
+  ``d_t = (W_before - W_after) / lr_t``, ``u_1 = d_1``, ``u_t = g u_{t-1} + (1-g) d_t``, g =
+  ``ema_decay`` (0.9): it sees weight decay, clipping and schedules, for any optimizer; one
+  weight-sized buffer more per stage. (:class:`UpdateAverage`)
+* ``prediction_warmup=T``: the prediction's step count ramps as ``s * min(1, t / T)``.
+* ``sync_warmup=K``: the first K mini-batches run 1F1B with a flush (no staleness, prediction or
+  lr correction), then the asynchronous schedule (:mod:`pipeoptim.schedules.concat`).
+
+Only ``delta="ema"`` holds a weight copy.
 """
 from __future__ import annotations
 
@@ -35,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fused import batches, clone_all, local_all
+from .fused import applied_update, batches, clone_all, local_all
 
 LR_CORRECTIONS = ("none", "delay")
 HORIZONS = ("constant", "scheduled")
@@ -69,14 +64,10 @@ def horizon_rate(rates: Sequence[float], steps: float) -> float:
 
 
 class LrLookahead:
-    """The learning rates a stage's scheduler will set for the updates to come.
-
-    A shadow scheduler, built by the user's own factory on a stand-in optimizer that has the
-    stage optimizer's groups and settings as they were before any scheduler touched them, is
-    stepped ahead as far as a prediction looks: :meth:`rates` of update u is the lr the real
-    scheduler gives update u (the u-th optimizer step, counted from 0). Cheap: a few floats per
-    update, no tensors beyond one scalar per group.
-    """
+    """The learning rates a stage's scheduler will set for the updates to come: a shadow
+    scheduler, built by the user's factory on a stand-in optimizer with the stage optimizer's
+    groups as they were before any scheduler touched them, stepped ahead as far as a prediction
+    looks. :meth:`rates` of update u is the lr the real scheduler gives the u-th step (from 0)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, factory: Callable[[Any], Any]) -> None:
         self._factory = factory
@@ -165,12 +156,10 @@ class UpdateAverage:
     def _fold(self, before: Sequence[torch.Tensor], positions: List[int], lr: float, first: bool) -> bool:
         """:meth:`observe` for the parameters at ``positions`` (of one group, applied at ``lr``),
         as multi-tensor ops on the local shards; whether an average was started for one."""
-        d = local_all([before[i] for i in positions])  # d = (W_before - W_after) / lr
-        torch._foreach_sub_(d, local_all([self.named[i][1].detach() for i in positions]))
-        torch._foreach_div_(d, lr)
+        d = applied_update([before[i] for i in positions], [self.named[i][1] for i in positions], lr)
         names = [self.named[i][0] for i in positions]
         new = [k for k, name in enumerate(names) if first or name not in self.average]
-        old = [k for k, name in enumerate(names) if not (first or name not in self.average)]
+        old = [k for k in range(len(names)) if k not in new]
         added = any(names[k] not in self.average for k in new)
         self.average.update(zip([names[k] for k in new], clone_all([before[positions[k]] for k in new])))
         if old:  # u <- g u + (1 - g) d

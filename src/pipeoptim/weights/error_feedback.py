@@ -1,23 +1,19 @@
 """Error feedback on the update: ``error_feedback=True`` of the methods with a one-update delay
 (docs/architecture.md, "Delay corrections").
 
-PipeDream-2BW applies update t from a gradient computed on the weights of one update before:
-with ``u_t`` the update the optimizer applies at step t (any ``torch.optim`` optimizer, the
-library's Muon: ``u_t = W_before - W_after``, weight decay, clipping and the lr schedule
-included), ``u_t`` is the update synchronous training would have applied one step earlier,
-at ``W_{t-1}``, where ``u_{t-1}`` was applied instead. Error feedback keeps that error,
-``e_t = u_t - u_{t-1}``, and adds it to the weights with the update that reveals it::
+PipeDream-2BW applies update t from a gradient computed on the weights of one update before.
+With ``u_t = W_before - W_after`` the update the optimizer applies at step t (any optimizer;
+weight decay, clipping and the lr schedule included), ``u_t`` is what synchronous training would
+have applied one step earlier, where ``u_{t-1}`` was applied instead. Error feedback adds that
+error, ``e_t = u_t - u_{t-1}``, with the update that reveals it::
 
     W_{t+1} = W_t - u_t - beta * (u_t - u_{t-1})
 
-so that the sum of what was applied follows the sum of what should have been, one update
-ahead (it telescopes: ``sum_t (u_t + e_t) = sum_t u_t + u_T - u_0``). This is the correction of
-Zmushko et al. (arXiv 2606.30634, section 3) as this library reads its description (an
-update-level, optimizer-agnostic error feedback that mixes the two latest delayed updates, one
-update-sized buffer); the scale ``beta`` is 1 there. The correction applies only to an update
-whose gradient is one or more updates stale (a pipeline's warm-up update after a drain is not)
-and needs a previous update; it costs one weight-sized buffer (the previous update) and one
-scratch copy of the weights during the update.
+so that the sum applied follows the sum that should have been, one update ahead (it
+telescopes). This is the correction of Zmushko et al. (arXiv 2606.30634, section 3) as this
+library reads it, with ``beta = 1``. It applies only to an update whose gradient is one or more
+updates stale and that has a previous update; it costs one weight-sized buffer (the previous
+update) and a scratch copy of the weights during the update.
 """
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fused import clone_all, copy_all, local_all
+from .fused import clone_all, copy_all, local_all, nbytes
 
 
 class GradientDelay:
@@ -79,7 +75,7 @@ class UpdateFeedback:
                                         for s, p in zip(self._scratch, live)):
             self._scratch = clone_all(live)
         else:
-            copy_all(local_all(self._scratch), local_all(live))
+            copy_all(self._scratch, live)
 
     @torch.no_grad()
     def after_step(self, delay: int) -> bool:
@@ -107,8 +103,7 @@ class UpdateFeedback:
 
     def nbytes(self) -> int:
         """Bytes held: the previous update and the scratch copy."""
-        held = list(self.previous.values()) + (self._scratch or [])
-        return sum(local_all([t])[0].numel() * t.element_size() for t in held)
+        return nbytes(list(self.previous.values()) + (self._scratch or []))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"updates": self.updates, "corrected": self.corrected,

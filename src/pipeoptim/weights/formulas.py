@@ -1,35 +1,32 @@
 """The per-optimizer formulas of Delta (docs/architecture.md, "The prediction per optimizer").
 
 Delta is the direction each optimizer applied at its last step relative to the group lr (the
-table of :mod:`pipeoptim.weights.predict`). This module holds which formula an optimizer follows
-(by its ``step`` function, per group for a composite optimizer), what the step hooks capture
-before a step, and how the capture and the optimizer's state become Delta after it.
-:class:`DirectionFormulas` is the :class:`~pipeoptim.weights.predict.Predictor`'s half that
-knows the optimizers; the Predictor keeps the hooks, the cache of Delta and the predictions.
+table of :mod:`pipeoptim.weights.predict`). :class:`DirectionFormulas` is the Predictor's half
+that knows the optimizers: which formula one follows (by its ``step`` function, per group for a
+composite optimizer), what the step hooks capture before a step, how that and the optimizer's
+state become Delta after it.
 
-Each formula runs over a parameter group at once, as multi-tensor operations (:mod:`.fused`),
-the same operations per element as one parameter at a time, so the same bits. The parameters of
-a group whose step counts differ (one without a gradient at some step) are taken by step count,
-since their scalars differ. Two pieces stay per parameter: the division ``m / d`` written into
-``d``'s own tensor (Adam, RAdam; torch has no multi-tensor op that writes ``a / b`` into ``b``,
-and a second tensor per parameter would cost a weight-sized buffer), and Muon's
-orthogonalisation, which is per matrix.
+Each formula runs over a parameter group as multi-tensor operations (:mod:`.fused`): the same
+operations per element as one parameter at a time, so the same bits. Parameters whose step
+counts differ are taken by step count (their scalars differ). Per parameter stay the division
+``m / d`` written into ``d`` (Adam, RAdam: torch has no multi-tensor op writing ``a / b`` into
+``b``, and a second tensor would cost a weight-sized buffer) and Muon's orthogonalisation.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from ..delay_nadamw import DelayNAdamW, delay_of, lookahead_coefficients
+from ..compat import muon_lr_ratio, muon_orthogonalize
+from ..delay_nadamw import DelayNAdamW, adam_denominators, lookahead_direction, runs_by
 from .fused import Into, batches, copy_all, local_all
-from .muon_direction import muon_direction
 
-__all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported"]
+__all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported", "muon_direction"]
 
 #: (formula, optimizer class): the optimizers with an exact formula (Muon where torch has it;
 #: DelayNAdamW is pipeoptim's own, :mod:`pipeoptim.delay_nadamw`)
@@ -48,12 +45,9 @@ KNOWN: tuple[tuple[str, type[torch.optim.Optimizer]], ...] = (
 
 
 def formula_of(optimizer: torch.optim.Optimizer) -> str | None:
-    """Name of the exact formula for ``optimizer``, or None.
-
-    Decided on the ``step`` function itself, not on ``isinstance``: a subclass that overrides
-    ``step`` gets None. Both sides are unwrapped because torch wraps ``step`` (per class,
-    lazily) with its hook/profiling wrapper.
-    """
+    """Name of the exact formula for ``optimizer``, or None: by its ``step`` function, not by
+    ``isinstance`` (a subclass that overrides ``step`` gets None), both sides unwrapped from
+    torch's hook/profiling wrapper."""
     step = inspect.unwrap(type(optimizer).step)
     for name, cls in KNOWN:
         if step is inspect.unwrap(cls.step):
@@ -81,18 +75,34 @@ def _betas(group: dict[str, Any]) -> tuple[float, float]:
     return float(b1), float(b2)
 
 
-def _by_key(indices: Sequence[int], key: Callable[[int], Any]) -> Iterator[tuple[Any, list[int]]]:
-    """``indices`` in runs of equal ``key`` (in first-seen order): the parameters of a group
-    whose per-parameter scalars (from the step count) are equal, so one multi-tensor op each."""
-    runs: dict[Any, list[int]] = {}
-    for i in indices:
-        runs.setdefault(key(i), []).append(i)
-    return iter(runs.items())
-
-
 def _states(states: Sequence[dict[str, Any]], name: str) -> list[Tensor]:
     """The local shards of one state tensor of each parameter."""
     return local_all([state[name] for state in states])
+
+
+def muon_direction(group: dict[str, Any], param: Tensor, buf: Tensor, g: Tensor) -> None:
+    """In place: ``g`` (the step's gradient) becomes ``r * NS(u)`` for ``param`` of ``group``,
+    ``buf`` being the momentum buffer after the step. torch's Muon step on a 2-D W::
+
+        m <- m.lerp(g, 1 - mu);  u = g.lerp(m, mu) under Nesterov, else m
+        W <- (1 - lr * wd) * W - lr * r * NS(u)     (NS: Newton-Schulz in bfloat16; r from
+                                                     adjust_lr_fn and W's shape)
+
+    so Delta is ``r * NS(u) + wd * W_before`` (the decay added as for AdamW), computed with
+    torch's own (private, through :mod:`pipeoptim.compat`) NS and ratio: the same bits."""
+    update = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    ortho = muon_orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    ratio = muon_lr_ratio(group["adjust_lr_fn"], param.shape)
+    g.copy_(ortho).mul_(ratio)
+
+
+def kept_like(table: dict[Tensor, Tensor], p: Tensor) -> Tensor:
+    """``table[p]``, a tensor kept from one update to the next: made like ``p`` when missing or
+    no longer like it."""
+    buf = table.get(p)
+    if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+        buf = table[p] = torch.empty_like(p)
+    return buf
 
 
 class DirectionFormulas:
@@ -107,11 +117,7 @@ class DirectionFormulas:
         if (self.uses_fallback or self._needs_grad(group) or kind in ("sgd", "rmsprop")
                 or not self.optimizer.state.get(p)):
             return None
-        buf = self._computed.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-            buf = torch.empty_like(p)
-            self._computed[p] = buf
-        return buf
+        return kept_like(self._computed, p)
 
     def _kind_of(self, group: dict[str, Any]) -> str | None:
         """The formula of ``group``: the optimizer's, or that of the part holding the group."""
@@ -159,7 +165,6 @@ class DirectionFormulas:
             self._capture_batch(group, [params[i] for i in batch], [bufs[i] for i in batch])
 
     def _capture_batch(self, group: dict[str, Any], params: Sequence[Tensor], bufs: Sequence[Tensor]) -> None:
-        """:meth:`_capture_grads` for one of its :func:`~.fused.batches`."""
         grads = local_all([p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params])
         own = local_all(bufs)
         if group.get("maximize", False):
@@ -190,7 +195,6 @@ class DirectionFormulas:
 
     def _finish_batch(self, group: dict[str, Any], params: Sequence[Tensor],
                       states: Sequence[dict[str, Any]], bufs: Sequence[Tensor]) -> None:
-        """:meth:`_finish_all` for one of its :func:`~.fused.batches`."""
         kind, g = self._kind_of(group), local_all(bufs)
         if kind == "sgd":
             mu = group["momentum"]
@@ -201,12 +205,13 @@ class DirectionFormulas:
             torch._foreach_add_(g, _states(states, "momentum_buffer"), alpha=mu)
         elif kind == "nadam":
             key = lambda i: (float(states[i]["step"]), float(states[i]["mu_product"]))  # noqa: E731
-            for (step, prod), run in _by_key(range(len(params)), key):
+            for (step, prod), run in runs_by(range(len(params)), key).items():
                 self._nadam(group, step, prod, [g[i] for i in run], [states[i] for i in run])
             self._decoupled(group, params, g)
         elif kind == "delay-nadamw":
-            for step, run in _by_key(range(len(params)), lambda i: float(states[i]["step"])):
-                self._delay_nadamw(group, step, [g[i] for i in run], [states[i] for i in run])
+            for step, run in runs_by(range(len(params)), lambda i: float(states[i]["step"])).items():
+                lookahead_direction(group, step, [g[i] for i in run], _states([states[i] for i in run], "exp_avg"),
+                                    _states([states[i] for i in run], "exp_avg_sq"), in_place=True)
             self._decoupled(group, params, g)
         elif kind == "rmsprop":
             if group["centered"]:
@@ -221,7 +226,7 @@ class DirectionFormulas:
             roots = torch._foreach_sqrt(_states(states, "sum"))
             torch._foreach_add_(roots, group["eps"])
             torch._foreach_div_(g, roots)
-            for step, run in _by_key(range(len(params)), lambda i: float(states[i]["step"])):
+            for step, run in runs_by(range(len(params)), lambda i: float(states[i]["step"])).items():
                 torch._foreach_div_([g[i] for i in run], 1 + (step - 1) * group["lr_decay"])
         elif kind == "adadelta":
             roots = torch._foreach_add(_states(states, "square_avg"), group["eps"])
@@ -240,26 +245,9 @@ class DirectionFormulas:
         decay = group["momentum_decay"]
         mu = b1 * (1.0 - 0.5 * 0.96 ** (step * decay))
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * decay))
-        denoms = torch._foreach_div(_states(states, "exp_avg_sq"), 1 - b2**step)
-        torch._foreach_sqrt_(denoms)
-        torch._foreach_add_(denoms, group["eps"])
+        denoms = adam_denominators(_states(states, "exp_avg_sq"), b2, step, group["eps"])
         torch._foreach_mul_(g, (1 - mu) / (1 - prod))
         torch._foreach_add_(g, _states(states, "exp_avg"), alpha=mu_next / (1 - prod * mu_next))
-        torch._foreach_div_(g, denoms)
-
-    @staticmethod
-    def _delay_nadamw(group: dict[str, Any], step: float, g: list[Tensor],
-                      states: Sequence[dict[str, Any]]) -> None:
-        """DelayNAdamW's ``d = (a * m + b * g) / (sqrt(v_hat) + eps)`` from its gradients ``g``
-        (local shards) at one step count, with the delay the step used: the operations of
-        :meth:`DelayNAdamW.step <pipeoptim.delay_nadamw.DelayNAdamW.step>`, in its order."""
-        b1, b2 = _betas(group)
-        a, b = lookahead_coefficients(b1, step, delay_of(group))
-        torch._foreach_mul_(g, b)
-        torch._foreach_add_(g, _states(states, "exp_avg"), alpha=a)
-        denoms = torch._foreach_div(_states(states, "exp_avg_sq"), 1 - b2**step)
-        torch._foreach_sqrt_(denoms)
-        torch._foreach_add_(denoms, group["eps"])
         torch._foreach_div_(g, denoms)
 
     def _decoupled(self, group: dict[str, Any], params: Sequence[Tensor], deltas: list[Tensor]) -> None:
@@ -298,7 +286,7 @@ class DirectionFormulas:
         held = [i for i, state in enumerate(states) if state]
         for i in held:
             deltas[i] = torch.empty_like(params[i]) if outs[i] is None else outs[i]
-        for step, run in _by_key(held, lambda i: float(states[i]["step"])):
+        for step, run in runs_by(held, lambda i: float(states[i]["step"])).items():
             for batch in batches(deltas, run):
                 self._adaptive(group, step, [params[i] for i in batch], [states[i] for i in batch],
                                local_all([deltas[i] for i in batch]))

@@ -2,19 +2,15 @@
 method"): the prediction, the copies, Delta's formulas, the delay corrections and the diagnostic
 run as ``torch._foreach_*`` operations over lists of tensors, not a Python loop per parameter.
 
-Every helper here gives the bits the per-tensor operation it replaces gives (torch's foreach
-ops apply the same kernel per element; on the CPU they are a loop over the tensors in C++, on a
-GPU a few fused launches for the whole list). A sharded stage's tensors are DTensors: the
-elementwise helpers run on the local shards (:func:`local_all`), which computes each element as
-without sharding.
+Each helper gives the bits of the per-tensor operation it replaces (a foreach op applies the same
+kernel per element). A sharded stage's tensors are DTensors: the elementwise helpers run on the
+local shards (:func:`local_all`), each element computed as without sharding.
 
-An out-of-place result written into tensors that already exist (``out=``) has no multi-tensor
-form in torch (its ``_foreach_*.out`` variants allocate and copy), so :class:`Into` writes it
-as a copy followed by the in-place multi-tensor op: one extra pass over the memory. On the CPU,
-where a foreach op saves only the Python call, that pass costs more than the call for a large
-tensor, which then keeps one ``out=`` pass of its own (:data:`ONE_PASS_NUMEL`); and a formula of
-several operations runs them on such a tensor one after the other, while it is in cache, rather
-than each over the whole list (:func:`batches`)."""
+torch has no multi-tensor ``out=`` (its ``_foreach_*.out`` allocate and copy), so :class:`Into`
+writes a copy then the in-place multi-tensor op: one extra pass over memory. On the CPU that pass
+costs more than the Python call it saves for a large tensor, which keeps an ``out=`` pass of its
+own (:data:`ONE_PASS_NUMEL`), and a formula of several operations runs them on such a tensor one
+after the other while it is in cache (:func:`batches`)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -44,19 +40,30 @@ def local_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [local(t) for t in tensors]
 
 
-def _copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for lists already local (one multi-tensor copy)."""
-    if _HAS_FOREACH_COPY:
-        torch._foreach_copy_(dst, src)
-    else:  # pragma: no cover - torch 2.0
-        for d, s in zip(dst, src):
-            d.copy_(s)
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes this process holds of ``tensors`` (of a sharded one, its shard)."""
+    return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every i, as one multi-tensor copy of the local shards."""
-    if dst:
-        _copy(local_all(dst), local_all(src))
+    if not dst:
+        return
+    if _HAS_FOREACH_COPY:
+        torch._foreach_copy_(local_all(dst), local_all(src))
+    else:  # pragma: no cover - torch 2.0
+        for d, s in zip(local_all(dst), local_all(src)):
+            d.copy_(s)
+
+
+def applied_update(before: Sequence[torch.Tensor], params: Sequence[torch.Tensor], lr: float) -> List[torch.Tensor]:
+    """In place, the update just applied per unit lr: ``before <- (before - W) / lr`` (``W`` the
+    ``params`` now; no division for lr 0); the local shards of ``before``."""
+    d = local_all(before)
+    torch._foreach_sub_(d, local_all([p.detach() for p in params]))
+    if lr != 0.0:
+        torch._foreach_div_(d, lr)
+    return d
 
 
 def clone_all(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -119,5 +126,5 @@ class Into:
         for out, first, others in self.single:
             function(first, *others, out=out, **kwargs)
         if self.outs:
-            _copy(self.outs, self.first)
+            copy_all(self.outs, self.first)
             getattr(torch, f"_foreach_{op}_")(self.outs, *self.others, **kwargs)

@@ -1,10 +1,8 @@
 """Weight policies by name: which weights each pass of each micro-batch uses, one class per
 method family (docs/architecture.md, "Weight versions per method").
 
-The classes live by family: the interface and the copy-free policies in :mod:`.base`, the
-stashing ones in :mod:`.stash`, the predicting ones in :mod:`.predicting` (PipeOptim on 2BW's
-windows in :mod:`.predicted_2bw`); this module names
-them for the method registry (``Method.policy``) and builds one for a stage.
+The classes live in :mod:`.base` (interface, no copies), :mod:`.stash`, :mod:`.predicting` and
+:mod:`.predicted_2bw`; this module names them for the method registry (``Method.policy``).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 optimizer").
 
 A :class:`Predictor` watches an optimizer through its step hooks and predicts the weights ``s``
-optimizer steps ahead, ``W_hat = W - lr * s * Delta``, with lr and Delta as that section defines
-them. In the exact formulas below, ``g`` is the step's gradient, negated when ``maximize`` is set
-and with the L2 term ``wd * W_before`` added for the optimizers that fold weight decay into it:
+optimizer steps ahead, ``W_hat = W - lr * s * Delta``, Delta being the direction the last step
+applied per unit of the group lr. ``g`` below is the step's gradient, negated under ``maximize``,
+with ``wd * W_before`` added for the optimizers that fold weight decay into it:
 
 =============  ==========================================================================
 SGD            plain: ``g``; momentum: ``m`` (the buffer after the step, the paper),
@@ -16,44 +16,38 @@ NAdam          ``((1-mu_t)/(1-prod mu) * g + mu_{t+1}/(1-prod mu * mu_{t+1}) * m
 RAdam          ``m_hat * r_t * sqrt(1-beta2^t) / (sqrt(v) + eps)`` if ``rho_t > 5``, else
                ``m_hat``.
 RMSprop        ``g / (sqrt(v [- mean_g^2 if centered]) + eps)``; with momentum: the buffer.
-Adagrad        ``g / (sqrt(sum) + eps) / (1 + (t - 1) * lr_decay)``: lr decay is folded in
-               because Delta is relative to the group lr.
+Adagrad        ``g / (sqrt(sum) + eps) / (1 + (t - 1) * lr_decay)`` (lr decay folded in:
+               Delta is relative to the group lr).
 Adadelta       ``sqrt(acc_delta_before + eps) / sqrt(v + eps) * g``.
-Muon           ``r * NS(u) + wd * W_before``: ``u`` the Nesterov update ``g.lerp(m, mu)`` (or
-               the buffer ``m`` without Nesterov), ``NS`` torch's Newton-Schulz
-               orthogonalisation, ``r`` torch's shape ratio (``adjust_lr_fn``); decay is
+Muon           ``r * NS(u) + wd * W_before`` (:func:`.formulas.muon_direction`); decay
                always decoupled.
+DelayNAdamW    :mod:`pipeoptim.delay_nadamw`'s ``d``, plus decoupled decay.
 =============  ==========================================================================
 
-A composite optimizer's ``parts`` (as :class:`pipeoptim.muon_adamw.MuonWithAdamW`) are torch
-optimizers whose ``param_groups`` are, dict for dict, the composite's. Decoupled weight decay
-(AdamW; NAdam / RAdam with ``decoupled_weight_decay=True``) is recovered from ``W_after``
-without storing ``W_before`` (:mod:`.formulas`). Delta is built lazily at the first prediction
-after a step, so a scheduler's change to a setting it reads (OneCycleLR's betas) is seen, and
-reused until it changes (:meth:`Predictor.directions`); a prediction is then
-``W + (-lr*s) * Delta``, one multi-tensor add per parameter group. The hooks and the formulas
-run per group as multi-tensor operations too (:mod:`.formulas`, :mod:`.fused`).
+A composite optimizer's ``parts`` (:class:`pipeoptim.muon_adamw.MuonWithAdamW`) each follow their
+own formula. Decoupled decay (AdamW; NAdam / RAdam with ``decoupled_weight_decay=True``) is
+recovered from ``W_after``, without storing ``W_before``. Any other optimizer: the last applied
+update ``(W_before - W_after) / lr``, with a warning. Delta is built at the first prediction after
+a step (so a scheduler's change to a setting it reads, OneCycleLR's betas, is seen) and reused
+until it changes (:meth:`Predictor.directions`).
 
-Memory: formulas read from the optimizer state (SGD momentum, RMSprop momentum) need nothing
-extra; those that need the step's gradient (SGD plain/Nesterov/``code``, NAdam, RMSprop without
-momentum, Adagrad, Adadelta) keep one tensor per parameter, reused across steps, which becomes
-Delta; the adaptive formulas computed from the state (Adam, AdamW, Adamax, RAdam) keep Delta in
-one tensor per parameter, allocated at the first prediction and reused; the fallback keeps one
-snapshot per parameter. Complex parameters are not supported by the exact formulas."""
+Memory: Delta read from the state (SGD, RMSprop momentum) costs nothing; every other formula, and
+the fallback, keeps one tensor per parameter, reused across steps. Complex parameters are not
+supported by the exact formulas."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from ..compat import tensor_version
-from .formulas import DirectionFormulas, formula_of, optimizer_direction_supported, parts_of
-from .fused import copy_all, local_all
+from .formulas import DirectionFormulas, formula_of, kept_like, optimizer_direction_supported, parts_of
+from .fused import applied_update, copy_all
 
-__all__ = ["Predictor", "optimizer_direction_supported"]
+__all__ = ["Predictor", "optimizer_direction_supported", "predict_plan"]
 
 #: The group settings a Delta formula reads (besides the lr of the last step): a change to any
 #: of them between two predictions rebuilds Delta.
@@ -69,6 +63,20 @@ def _setting(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_setting(v) for v in value)
     return value
+
+
+@torch.no_grad()
+def predict_plan(plan: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+                 rate: Callable[[int, dict[str, Any]], float]) -> dict[Tensor, Tensor]:
+    """``W - rate * Delta`` (new tensors) of each parameter of ``plan`` (in the form of
+    :meth:`Predictor.directions`), ``rate(index, group)`` being group number ``index``'s lr mass:
+    one multi-tensor add per group (DTensors: torch's own sharded one)."""
+    out: dict[Tensor, Tensor] = {}
+    for index, (group, params, deltas) in enumerate(plan):
+        if params:
+            out.update(zip(params, torch._foreach_add([p.detach() for p in params], deltas,
+                                                      alpha=-rate(index, group))))
+    return out
 
 
 class Predictor(DirectionFormulas):
@@ -108,16 +116,11 @@ class Predictor(DirectionFormulas):
         self._plan_key: Any = None
         self._generation = 0  # bumped when a state is loaded (the optimizer's or ours)
         if self.uses_fallback:
-            warnings.warn(
-                f"Predictor: no exact update-direction formula for {type(optimizer).__name__}; "
-                "using the last applied update (W_before - W_after) / lr as Delta.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self._handles = [
-            optimizer.register_step_pre_hook(self._pre_hook),
-            optimizer.register_step_post_hook(self._post_hook),
-        ]
+            warnings.warn(f"Predictor: no exact update-direction formula for {type(optimizer).__name__}; "
+                          "using the last applied update (W_before - W_after) / lr as Delta.",
+                          RuntimeWarning, stacklevel=2)
+        self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
+                         optimizer.register_step_post_hook(self._post_hook)]
         if hasattr(optimizer, "register_load_state_dict_post_hook"):  # torch >= 2.2
             self._handles += [optimizer.register_load_state_dict_pre_hook(self._loading),
                               optimizer.register_load_state_dict_post_hook(self._loaded)]
@@ -148,19 +151,16 @@ class Predictor(DirectionFormulas):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.steps_taken = int(state["steps_taken"])
         self._stored = {params[int(i)]: t.clone() for i, t in state["stored"].items()}
-        self._step_lr = {id(g): lr for g, lr in zip(self.optimizer.param_groups, state["step_lr"])
-                         if lr is not None}
-        self._group_of = {}
-        self._generation += 1
+        self._loaded(self.optimizer, state["step_lr"])
 
     def _loading(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
         self._loading_lrs = [self._step_lr.get(id(g)) for g in optimizer.param_groups]
 
-    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer loaded a state: its groups are new dicts (the last step's lrs follow
-        them by position) and its tensors new, so Delta is rebuilt."""
-        self._step_lr = {id(g): lr for g, lr in zip(optimizer.param_groups, self._loading_lrs)
-                         if lr is not None}
+    def _loaded(self, optimizer: torch.optim.Optimizer, lrs: list[float | None] | None = None) -> None:
+        """A state was loaded (the optimizer's: new group dicts, the last step's lrs following
+        them by position, and new tensors; or ours, with ``lrs``): Delta is rebuilt."""
+        lrs = self._loading_lrs if lrs is None else lrs
+        self._step_lr = {id(g): lr for g, lr in zip(optimizer.param_groups, lrs) if lr is not None}
         self._group_of = {}
         self._generation += 1
 
@@ -176,16 +176,10 @@ class Predictor(DirectionFormulas):
 
     def directions(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]:
         """Delta of the current update, per parameter group: ``(group, params, deltas)`` for
-        the parameters that have one (none before the first step; a parameter the optimizer has
-        not updated yet has none).
-
-        Built at most once per update: the first call after a step computes it (the adaptive
-        formulas into tensors kept from one update to the next, so nothing is allocated after
-        the first time), later calls return the same lists until the optimizer steps again,
-        loads a state, a setting Delta depends on changes or a parameter is modified in place
-        (its version counter moves). The tensors are Delta itself, some of them the optimizer's
-        own state: read them, never write them.
-        """
+        the parameters that have one (none before their first step). Built once per update
+        (into tensors kept across updates) and the same lists returned until the optimizer
+        steps, loads a state, a setting Delta reads changes or a parameter is modified in place.
+        The tensors are Delta itself, some the optimizer's own state: never write them."""
         key = self._key()
         if key != self._plan_key:
             self._build_plan()
@@ -198,17 +192,9 @@ class Predictor(DirectionFormulas):
         Parameters without a direction yet (before the first step) map to a clone of W.
         The live parameters are not modified.
         """
-        by_param = self._directions_by_param()
-        out: dict[Tensor, Tensor] = {}
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                moved = [p for p in group["params"] if p in by_param]
-                if moved:  # one multi-tensor add per group
-                    out.update(zip(moved, torch._foreach_add([p.detach() for p in moved],
-                                                             [by_param[p] for p in moved],
-                                                             alpha=-float(group.get("lr", 1.0)) * steps)))
-                out.update((p, p.detach().clone()) for p in group["params"] if p not in by_param)
-        return {p: out[p] for group in self.optimizer.param_groups for p in group["params"]}
+        moved = predict_plan(self.directions(), lambda index, group: float(group.get("lr", 1.0)) * steps)
+        return {p: moved[p] if p in moved else p.detach().clone()
+                for group in self.optimizer.param_groups for p in group["params"]}
 
     def predict_into(self, param: Tensor, steps: float, out: Tensor) -> bool:
         """Write ``W - lr * steps * Delta`` into ``out``; False (``out`` untouched) if no Delta.
@@ -261,7 +247,7 @@ class Predictor(DirectionFormulas):
                 if not (self.uses_fallback or self._needs_grad(group)):
                     continue
                 params = [p for p in group["params"] if self.uses_fallback or p.grad is not None]
-                bufs = [self._buffer(p) for p in params]
+                bufs = [kept_like(self._stored, p) for p in params]
                 if self.uses_fallback:
                     copy_all(bufs, [p.detach() for p in params])
                 else:
@@ -269,25 +255,13 @@ class Predictor(DirectionFormulas):
                 if params:
                     self._pending.append((group, params))
 
-    def _buffer(self, p: Tensor) -> Tensor:
-        """The tensor the hooks keep for ``p`` (kept from one step to the next)."""
-        buf = self._stored.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-            buf = torch.empty_like(p)
-            self._stored[p] = buf
-        return buf
-
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
         with torch.no_grad():
             for group, params in self._pending:
                 bufs = [self._stored[p] for p in params]
-                if self.uses_fallback:  # (W_before - W_after) / lr
-                    own = local_all(bufs)
-                    torch._foreach_sub_(own, local_all([p.detach() for p in params]))
-                    lr = self._step_lr[id(group)]
-                    if lr != 0.0:
-                        torch._foreach_div_(own, lr)
+                if self.uses_fallback:
+                    applied_update(bufs, params, self._step_lr[id(group)])
                 else:
                     self._finish_all(group, params, [optimizer.state[p] for p in params], bufs)
         self._pending = []

@@ -11,6 +11,7 @@ that comes while the window is in flight. With one stage s is always 0: sequenti
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -18,17 +19,17 @@ import torch
 from ..schedules.actions import Kind
 from .base import WeightUse, alias, nbytes
 from .predicting import PredictingPolicy
-from .stash import VersionStore
+from .stash import VersionStore, window_of
 
 
+@dataclass
 class _Window:
-    """One update window in flight at this stage: the version it runs on (or predicts from), the
-    prediction steps, the predicted tensors (None: the stored version itself), the backwards left."""
+    """One update window in flight at this stage."""
 
-    __slots__ = ("version", "steps", "tensors", "left")
-
-    def __init__(self, version: int, steps: float, tensors: Optional[List[torch.Tensor]], left: int) -> None:
-        self.version, self.steps, self.tensors, self.left = version, steps, tensors, left
+    version: int                                #: the version it runs on (or predicts from)
+    steps: float                                #: the prediction steps
+    tensors: Optional[List[torch.Tensor]]       #: the predicted tensors; None: the version itself
+    left: int                                   #: its backwards not run yet
 
 
 class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
@@ -39,16 +40,12 @@ class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.window = 1
         self._windows: Dict[int, _Window] = {}
         self._window_steps: Dict[int, int] = {}
 
     def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
         super().learn_orders(stage_actions, full_orders, synchronous_updates)
-        forwards = sum(1 for a in stage_actions if a.kind is Kind.F)
-        updates = sum(1 for a in stage_actions if a.kind is Kind.U)
-        self.window = max(1, forwards // max(1, updates))
-        m = self.window
+        m = self.window = window_of(stage_actions)
         # per window: the updates between its first forward and its last backward, after which
         # the update its gradient joins comes
         self._window_steps = {

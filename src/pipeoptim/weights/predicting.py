@@ -3,14 +3,13 @@ versions per method" and "The prediction per optimizer").
 
 A pass that predicts runs on ``W_hat = W - lr*s*Delta``, Delta being the stage optimizer's own
 direction (:class:`~pipeoptim.weights.predict.Predictor`) or, with ``delta="ema"``, the average
-of the updates applied. The values are held by the live storage for the duration of the pass
-and W is put back afterwards, with one cache per stage: two versions per stage, whatever N.
+of the updates applied; one cache per stage, whatever N.
 """
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,38 +18,20 @@ from .base import WeightPolicy, WeightUse, local, nbytes
 from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
                           horizon_rate)
 from .fused import Into, copy_all
-from .predict import Predictor
-
-
-class _GroupWork(NamedTuple):
-    """One parameter group's share of a prediction, made once per Delta (local shards)."""
-
-    group: dict
-    weights: List[torch.Tensor]   #: W, through ``p.data``
-    deltas: List[torch.Tensor]    #: Delta, in the same order
-    into_cache: Into              #: writes W + alpha*Delta into the cache (the swap)
+from .predict import Predictor, predict_plan
 
 
 class PredictingPolicy(WeightPolicy):
-    """Runs a pass on predicted weights held in the live storage, with one cache per stage.
+    """Runs a pass on predicted weights held in the live storage, with one cache per stage, so
+    that a forward's graph keeps aliases of the live storage and its backward reads whatever is
+    live then. Two ways, the same numbers:
 
-    Each pass that predicts reads ``W_hat = W - lr*s*Delta`` through the live parameters' own
-    storage, so that the autograd graph of a forward keeps aliases of the live storage and its
-    backward reads whatever is live then (docs/architecture.md, "Weight versions per method").
-    Two ways, the same numbers:
-
-    * swap (the default where the parameters own their storage and torch can swap two storages'
-      memory: ``compat.swap_storage_memory``): ``W_hat`` is computed into the cache, per parameter
-      group by one multi-tensor copy of W and one multi-tensor add (on the CPU a large tensor
-      keeps its single ``torch.add(W, Delta, alpha=-lr*s, out=cache)`` pass: ``fused.Into``),
-      then the memory of each parameter's storage and of its cache are swapped, which every
-      alias sees at once; after the pass they are swapped back. No restore pass, nothing
-      allocated per pass.
-    * write and restore (otherwise): the cache saves W (one multi-tensor copy), ``W_hat`` is
-      written into the live storage (one multi-tensor add per group), and the cache is copied
-      back after the pass.
-
-    Delta comes from :meth:`Predictor.directions`, computed once per update.
+    * swap (where the parameters own their storage and torch can swap two storages' memory,
+      ``compat.swap_storage_memory``): ``W_hat`` is computed into the cache (``fused.Into``), then
+      the memory of each parameter's storage and its cache's are swapped, which every alias sees
+      at once, and swapped back after the pass. Nothing allocated, no restore pass.
+    * write and restore (otherwise): the cache saves W, ``W_hat`` is written into the live
+      storage, and the cache is copied back after the pass.
     """
 
     #: Private switch (tests, benchmarks): False forces the write-and-restore path.
@@ -85,7 +66,9 @@ class PredictingPolicy(WeightPolicy):
         self._homes: List[int] = []      # each parameter's data_ptr when the cache was made
         self._swap = False               # whether the cache is used by swapping
         self._plan_seen: object = None   # the predictor's plan the work lists were made for
-        self._work: List[_GroupWork] = []  # per parameter group, for the current Delta
+        # per parameter group, for the current Delta (local shards): (group, W through p.data,
+        # Delta in the same order, the Into that writes W + alpha*Delta into the cache)
+        self._work: List[Tuple[dict, List[torch.Tensor], List[torch.Tensor], Into]] = []
         self._storages: List[tuple] = []  # (live storage, cache storage) of the predicted params
 
     def forward_steps(self, microbatch: int) -> float:
@@ -97,6 +80,12 @@ class PredictingPolicy(WeightPolicy):
     def base_forward_steps(self, microbatch: int) -> float:
         """The method's own step count for ``microbatch``'s forward (no correction)."""
         raise NotImplementedError
+
+    def _forward_on_prediction(self, microbatch: int, steps: float) -> WeightUse:
+        """``microbatch``'s forward on the live weights, predicted ``steps`` ahead for the pass."""
+        self._forward_version[microbatch] = self.version
+        restore = self._write_prediction(steps)
+        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
 
     # -- corrections --------------------------------------------------------------------------
     @property
@@ -142,11 +131,8 @@ class PredictingPolicy(WeightPolicy):
         steps = self.ramp(steps, corrected="prediction_warmup" not in disable)
         out = {}
         if source.has_direction and steps:
-            for index, (group, params, deltas) in enumerate(source.directions()):
-                if params:  # one multi-tensor add per group (DTensors: torch's own sharded one)
-                    alpha = -self.horizon_lr(index, group, steps, disable)
-                    out.update(zip(params, torch._foreach_add([p.detach() for p in params], deltas,
-                                                              alpha=alpha)))
+            out = predict_plan(source.directions(),
+                               lambda index, group: self.horizon_lr(index, group, steps, disable))
         return [out[p] if p in out else p.detach().clone() for _, p in self.named]
 
     def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
@@ -210,7 +196,7 @@ class PredictingPolicy(WeightPolicy):
                 caches.append(local(self.cache[i]))
                 if self._swap and p.numel():
                     self._storages.append((p.untyped_storage(), self.cache[i].untyped_storage()))
-            self._work.append(_GroupWork(group, weights, own, Into(caches, weights, own)))
+            self._work.append((group, weights, own, Into(caches, weights, own)))
         self._plan_seen = plan
 
     def _swappable(self) -> bool:
@@ -239,21 +225,20 @@ class PredictingPolicy(WeightPolicy):
             return None
         self._prepare()
         if self._swap:
-            for index, work in enumerate(self._work):
-                work.into_cache("add", alpha=-self.horizon_lr(index, work.group, steps))
+            for index, (group, _, _, into_cache) in enumerate(self._work):
+                into_cache("add", alpha=-self.horizon_lr(index, group, steps))
             storages = self._storages
-            for live, buf in storages:
-                swap_storage_memory(live, buf)
 
-            def swap_back() -> None:
+            def swap() -> None:
                 for live, buf in storages:
                     swap_storage_memory(live, buf)
-            return swap_back
+            swap()
+            return swap
         live = [p.data for _, p in self.named]
         copy_all(self.cache, live)
-        for index, work in enumerate(self._work):
-            if work.weights:  # one multi-tensor add per group (the same kernel per element as torch.add)
-                torch._foreach_add_(work.weights, work.deltas, alpha=-self.horizon_lr(index, work.group, steps))
+        for index, (group, weights, deltas, _) in enumerate(self._work):
+            if weights:  # one multi-tensor add per group (the same kernel per element as torch.add)
+                torch._foreach_add_(weights, deltas, alpha=-self.horizon_lr(index, group, steps))
 
         def restore() -> None:
             with torch.no_grad():
@@ -316,15 +301,14 @@ class PipeOptimPolicy(PredictingPolicy):
 
     def forward_weights(self, microbatch: int) -> WeightUse:
         steps = self.forward_steps(microbatch) if self.source.has_direction else 0
-        self._forward_version[microbatch] = self.version
         if self.backward_weights == "predicted" and steps:
+            self._forward_version[microbatch] = self.version
             tensors = self.predicted(self.base_forward_steps(microbatch))
             self._held[microbatch] = tensors
             self.note_memory()
             return WeightUse({n: t.requires_grad_(True) for (n, _), t in zip(self.named, tensors)},
                              self.version, steps)
-        restore = self._write_prediction(steps)
-        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+        return self._forward_on_prediction(microbatch, steps)
 
     def forward_weights_kept(self, microbatch: int, use: WeightUse) -> bool:
         # backward="predicted": the forward's W_hat is held; else the live weights, unpredicted
@@ -372,10 +356,7 @@ class SpecTrainPolicy(PredictingPolicy):
         return self.stage // 2 + self.num_stages - self.stage - 1
 
     def forward_weights(self, microbatch: int) -> WeightUse:
-        steps = self.forward_steps(microbatch)
-        self._forward_version[microbatch] = self.version
-        restore = self._write_prediction(steps)
-        return WeightUse(self.live_weights(), self.version, steps if restore else 0, restore)
+        return self._forward_on_prediction(microbatch, self.forward_steps(microbatch))
 
     @contextmanager
     def backward_pass(self, microbatch: int, use: WeightUse) -> Iterator[WeightUse]:

@@ -1,49 +1,81 @@
 """Weight policies that keep older versions: weight stashing (PipeDream, vertical sync) and
 2BW's double buffer.
 
-How a stash keeps a version (docs/architecture.md, "Weight versions per method"): later forwards
-can alias the old storage too, and a stash costs one copy per *update that in-flight work still
-needs*, never one per micro-batch."""
+A stash costs one copy per *update that in-flight work still needs*, never one per micro-batch
+(docs/architecture.md, "Weight versions per method")."""
 from __future__ import annotations
 
 from collections import Counter
 from contextlib import contextmanager
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from ..schedules.actions import Kind
+from ..schedules.actions import Action, Kind
 from .base import WeightPolicy, WeightUse, alias, local, nbytes
 from .fused import clone_all
+
+
+def window_of(stage_actions: Sequence[Action]) -> int:
+    """Micro-batches per update in ``stage_actions`` (2BW's window), at least 1."""
+    forwards = sum(1 for a in stage_actions if a.kind is Kind.F)
+    return max(1, forwards // max(1, sum(1 for a in stage_actions if a.kind is Kind.U)))
 
 
 class VersionStore(WeightPolicy):
     """Base of the stashing policies: keeps outgoing versions that in-flight or future forwards still need (stash, 2BW).
 
     Before an update, if the live version is still needed, the parameters move to fresh storage
-    (a copy, one multi-tensor copy for the stage) and the old storage stays with the
-    micro-batches that use it: their saved aliases keep reading the old values, and later
-    forwards can alias it too.
+    (one multi-tensor copy) and the old storage stays with the micro-batches that use it: their
+    saved aliases keep reading the old values, and later forwards can alias it too.
+
+    A forward uses the live version, or, once :meth:`schedule_versions` has read them, the
+    version the schedule gives its window of ``window`` forwards (vertical sync: stage 0's; 2BW:
+    the window's first forward's), kept alive for the forwards not run yet.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kept: Dict[int, List[torch.Tensor]] = {}
         self.users: Counter = Counter()
+        self.window = 1
+        self._scheduled: Dict[int, int] = {}   # window -> the version its forwards use
+        self._left: Counter = Counter()        # window -> its forwards not run yet
+
+    def schedule_versions(self, order: Sequence[Action], stage: Optional[int] = None) -> None:
+        """The version of each window of ``order`` (of ``stage``'s actions only, if given): the
+        updates before the window's first forward."""
+        count, self._scheduled = 0, {}
+        for a in order:
+            if stage is not None and a.stage != stage:
+                continue
+            if a.kind is Kind.U:
+                count += 1
+            elif a.kind is Kind.F and a.index % self.window == 0:
+                self._scheduled[a.index // self.window] = self.epoch_start_version + count
+        self._left = Counter({w: self.window - self._consumed[w] for w in self._scheduled})
+
+    def target_version(self, microbatch: int) -> int:
+        """The version micro-batch's forward must use."""
+        if not self._scheduled:
+            return self.version
+        window = microbatch // self.window
+        self._left[window] -= 1
+        self._consumed[window] += 1
+        return self._scheduled[window]
+
+    def future_needs(self, version: int) -> bool:
+        """Whether a forward that has not run yet will need ``version``."""
+        # beyond open-ended orders, later forwards use the last listed version or a later one
+        if self.open_ended and self._scheduled and version >= max(self._scheduled.values()):
+            return True
+        return any(self._scheduled[w] == version for w, left in self._left.items() if left > 0)
 
     def extend_epoch(self, stage_actions, full_orders=(), *, open_ended: bool = False,
                      synchronous_updates: int = 0) -> None:
         super().extend_epoch(stage_actions, full_orders, open_ended=open_ended,
                              synchronous_updates=synchronous_updates)
         self._drop_unneeded()  # versions kept for forwards the final orders no longer hold
-
-    def target_version(self, microbatch: int) -> int:
-        """The version micro-batch's forward must use."""
-        return self.version
-
-    def future_needs(self, version: int) -> bool:
-        """Whether a forward that has not run yet will need ``version``."""
-        return False
 
     def weights_of(self, version: int) -> Dict[str, torch.Tensor]:
         if version == self.version:
@@ -113,38 +145,13 @@ class StashingPolicy(VersionStore):
     def __init__(self, *args, vertical_sync: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.vertical_sync = vertical_sync
-        self._stage0_version: Dict[int, int] = {}
 
     def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
         super().learn_orders(stage_actions, full_orders, synchronous_updates)
         if self.vertical_sync:
             if not full_orders:
                 raise ValueError("vertical sync needs stage 0's order")
-            count = 0
-            self._stage0_version = {}
-            for a in full_orders[0]:
-                if a.stage != 0:
-                    continue
-                if a.kind is Kind.U:
-                    count += 1
-                elif a.kind is Kind.F:
-                    self._stage0_version[a.index] = self.epoch_start_version + count
-            self._pending = [i for i in sorted(self._stage0_version) if not self._consumed[i]]
-
-    def target_version(self, microbatch: int) -> int:
-        if not self.vertical_sync:
-            return self.version
-        self._pending.remove(microbatch)
-        self._consumed[microbatch] += 1
-        return self._stage0_version[microbatch]
-
-    def future_needs(self, version: int) -> bool:
-        if not self.vertical_sync:
-            return False
-        # beyond open-ended orders, stage 0's forwards use its last listed version or later
-        if self.open_ended and self._stage0_version and version >= max(self._stage0_version.values()):
-            return True
-        return any(self._stage0_version[i] == version for i in self._pending)
+            self.schedule_versions(full_orders[0], stage=0)
 
 
 class DoubleBufferPolicy(VersionStore):
@@ -155,25 +162,6 @@ class DoubleBufferPolicy(VersionStore):
 
     def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
         super().learn_orders(stage_actions, full_orders, synchronous_updates)
-        m = max(1, sum(1 for a in stage_actions if a.kind is Kind.F) //
-                max(1, sum(1 for a in stage_actions if a.kind is Kind.U)))
-        self.window = m
-        count, self._window_version = 0, {}
-        for a in (full_orders[0] if full_orders else stage_actions):
-            if a.kind is Kind.U:
-                count += 1
-            elif a.kind is Kind.F and a.index % m == 0:
-                self._window_version[a.index // m] = self.epoch_start_version + count
-        self._pending_windows = Counter({w: m - self._consumed[w] for w in self._window_version})
+        self.window = window_of(stage_actions)
+        self.schedule_versions(full_orders[0] if full_orders else stage_actions)
 
-    def target_version(self, microbatch: int) -> int:
-        window = microbatch // self.window
-        self._pending_windows[window] -= 1
-        self._consumed[window] += 1
-        return self._window_version[window]
-
-    def future_needs(self, version: int) -> bool:
-        # beyond open-ended orders, later windows use the last listed window's version or later
-        if self.open_ended and self._window_version and version >= max(self._window_version.values()):
-            return True
-        return any(self._window_version[w] == version for w, left in self._pending_windows.items() if left > 0)
