@@ -6,13 +6,10 @@ from typing import Callable, Dict, Optional
 from .actions import Schedule
 from .async_1f1b import async_1f1b
 from .bidirectional import bidirectional, bitpipe
-from .flush_1f1b import one_f_one_b_flush
-from .gpipe import gpipe
-from .interleaved import interleaved_1f1b
+from .flush_1f1b import gpipe, interleaved_1f1b, one_f_one_b_flush, zb_h1
 from .simulate import Costs, gc_paused
 from .twobw import two_bw
 from .zbv import zb_v
-from .zero_bubble import zb_h1
 
 Builder = Callable[..., Schedule]
 
