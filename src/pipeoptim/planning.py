@@ -35,7 +35,7 @@ from .methods import get_method
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .throughput import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
-from .profile import STATISTICS, tensors_of
+from .profile import check_statistic, tensors_of
 from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
 
@@ -149,8 +149,7 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
     ``max_rounds`` (default 3 x ``repeats``). Returns ({split: {"forward", "backward", "update":
     seconds per stage}}, the measurement: rounds, whether stable, the largest disagreement of
     halves, and per split its spread, the interquartile range of its rounds over their median)."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    check_statistic(statistic)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     limit = max(repeats, max_rounds if max_rounds is not None else 3 * repeats)

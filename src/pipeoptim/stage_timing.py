@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .profile import STATISTICS, Activation, Clock, OptimizerFactory, detached, on_device
+from .profile import Activation, Clock, OptimizerFactory, check_statistic, detached, on_device
 
 class StageTimer:
     """A split of ``model`` (layers per stage ``sizes``; a mirrored method's pieces, which it holds
@@ -71,8 +71,7 @@ class StageTimer:
         minimum taken stage by stage would add up each one's luckiest run). ``forward``,
         ``backward`` (a split one's two halves added), ``update``, and ``weight`` (the weight
         half) where the backward was split."""
-        if statistic not in STATISTICS:
-            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+        check_statistic(statistic)
         runs = sorted(range(skip, len(self.rounds)), key=self.rounds.__getitem__)
         pick = runs[0] if statistic == "min" else runs[(len(runs) - 1) // 2]
 
