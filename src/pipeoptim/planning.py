@@ -1,25 +1,17 @@
 """Plan a pipeline run of any model from a profile: which method, how many micro-batches, which
 split (``pipeoptim.plan``; the command line's ``pipeoptim plan`` adds the lab's study to it).
 
-**Any model.** An ``nn.Sequential`` is planned layer by layer; any other module (a
-``transformers`` model, a model of your own) is traced as the Pipeline traces it
-(:func:`pipeoptim.graph_split.trace`) and planned unit by unit
-(:meth:`~pipeoptim.graph_split.TracedModel.unit_modules`): a partition then counts units, as the
-Pipeline's ``partition=`` does for that model. A dict batch with ``"labels"`` and no ``loss_fn``
-is a model that computes its own loss (:mod:`pipeoptim.batches`). Chunked and mirrored methods
-(interleaved, zb-v, bidirectional, bitpipe) need an ``nn.Sequential``, as the Pipeline does.
+**Any model.** An ``nn.Sequential`` is planned layer by layer; any other module is traced as the
+Pipeline traces it (:func:`pipeoptim.graph_split.trace`) and planned unit by unit: a partition
+then counts units, as the Pipeline's ``partition=`` does for that model. Chunked and mirrored
+methods (interleaved, zb-v, bidirectional, bitpipe) need an ``nn.Sequential``, as the Pipeline does.
 
 **Measured on a busy machine.** The per-unit profile (:mod:`pipeoptim.profile`) feeds the
-partitioners and the memory; the predictions' stage costs are the splits timed as the runtime
-runs them (:class:`pipeoptim.stage_timing.StageTimer`), every split and the sequential reference
-(the whole model as one stage) the same way and in turns (:func:`time_splits`): one mini-batch
-of each per round, so that other work on the machine slows all of them alike, and rounds go on
-until each one's first and second halves agree within ``tolerance`` (or ``max_rounds``; the
-spread is reported either way). A candidate predicted faster than its process count times the
-sequential reference is one no split can give: it is flagged (``reachable`` False, why in
-``unreachable``) and not recommended.
-
-**The rule for a model no study measured**: :mod:`pipeoptim.recommendation`."""
+partitioners and the memory; the predictions' stage costs are the splits and the sequential
+reference timed as the runtime runs them, in turns (:func:`time_splits`), so that other work on
+the machine slows all of them alike. A candidate predicted faster than its process count times
+the sequential reference is flagged and not recommended (:mod:`pipeoptim.recommendation`, also
+the rule for a model no study measured)."""
 from __future__ import annotations
 
 import statistics

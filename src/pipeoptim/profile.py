@@ -167,10 +167,6 @@ def nbytes(value: Activation) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(value))
 
 
-def parameter_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def _mapped(value: Activation, fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
     """``value`` with ``fn`` applied to each of its tensors (in tuples, lists and dicts)."""
     if torch.is_tensor(value):
@@ -245,13 +241,6 @@ def _saved_tensor_bytes(layer: nn.Module, inputs: Activation) -> Tuple[int, int,
     shared_in = sum(b for k, b in saved.items() if k in in_keys)
     shared_out = sum(b for k, b in saved.items() if k in out_keys)
     return total, shared_in, shared_out, output
-
-
-def _grad_pairs(output: Activation, generator: torch.Generator) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """The output tensors that need a gradient and a random gradient for each."""
-    outs = [t for t in tensors_of(output) if t.requires_grad]
-    grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
-    return outs, grads
 
 
 STATISTICS = ("median", "min")
@@ -329,7 +318,8 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
             return clock.time(lambda: torch.autograd.backward(fresh_outs, grads))[0]
 
         forward_times = _timed_runs(forward, runs, warmup)
-        outs, grads = _grad_pairs(output, generator)
+        outs = [t for t in tensors_of(output) if t.requires_grad]  # a random gradient for each
+        grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
         backward_times = _timed_runs(backward, runs, warmup) if outs else []
 
         update_seconds, state_bytes = 0.0, 0
@@ -350,7 +340,8 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
             index=index, name=type(layer).__name__, forward=_summary(forward_times, statistic),
             backward=_summary(backward_times, statistic), output_bytes=nbytes(output), saved_bytes=saved,
             saved_input_bytes=saved_in, saved_output_bytes=saved_out,
-            parameter_bytes=parameter_bytes(layer), parameters=sum(p.numel() for p in layer.parameters()),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            parameters=sum(p.numel() for p in layer.parameters()),
             update=update_seconds, optimizer_bytes=state_bytes))
         x = detached(output)
 

@@ -1,5 +1,5 @@
-"""Throughput and memory predicted from a profile, for the planner (not the prediction of
-weights, which is ``weights/predict*.py``).
+"""Throughput and memory predicted from a profile, for the planner. Not the prediction of
+weights, which is ``weights/predict*.py``.
 
 * **throughput**: the schedule simulator runs the method's schedule for ``batches`` mini-batches
   with per-stage costs from the profile (:func:`stage_costs`: seconds of one micro-batch, divided

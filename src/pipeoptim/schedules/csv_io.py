@@ -133,15 +133,12 @@ def from_csv_rows(rows: Iterable[Sequence[str]], name: str = "csv",
     for a in work:
         if a.kind is Kind.F:
             forwards.setdefault(a.stage, set()).add(a.index)
-    has_updates = any(a.kind is Kind.U for order in orders for a in order)
     m = microbatches_per_update
     if m is None:
         updates0 = sum(1 for a in orders[stage_to_rank[0]] if a.kind is Kind.U and a.stage == 0)
         m = total // updates0 if updates0 and total % updates0 == 0 else max(total, 1)
-    if add_updates and not has_updates:
-        split = any(a.kind is Kind.I for a in work)
-        orders = _insert_updates(orders, m, split)
-        has_updates = True
+    if add_updates and not any(a.kind is Kind.U for order in orders for a in order):
+        orders = _insert_updates(orders, m, split=any(a.kind is Kind.I for a in work))
     if synchronous is None:
         synchronous = True
         for order in orders:

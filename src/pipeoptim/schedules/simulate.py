@@ -104,8 +104,7 @@ class SimResult:
 
     @cached_property
     def end_of(self) -> Dict[Action, float]:
-        """When each action ends. Built on first use: no caller in pipeoptim reads it, and a dict
-        keyed by every action is a sizeable share of simulating a large schedule."""
+        """When each action ends (built on first use: a sizeable share of a large simulation)."""
         return {t.action: t.end for t in self.timeline}
 
     @property
