@@ -259,11 +259,12 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
         raised to it (what they lack is other work's noise; ``measurement["raised"]``)."""
         if stage_timing != "measured":
             return None
-        found, whole = times[key(split, m, method)], times[key([layers], m)]
+        timed = key(split, m, method)
+        found, whole = times[timed], times[key([layers], m)]
         pieces = len(split)  # a mirrored method's stages past its pieces are their replicas
         done = sum(found["forward"][:pieces]) + sum(found["backward"][:pieces])
         floor = (whole["forward"][0] + whole["backward"][0]) / done if done > 0 else 1.0
-        factor = (microbatch_size(batch_size, m) / key(split, m, method)[1] if key(split, m, method)[3] == 1 else 1)
+        factor = microbatch_size(batch_size, m) / timed[1] if timed[3] == 1 else 1
         if floor > 1:
             measurement["raised"][f"{list(split)}, {method}, M = {m}"] = floor
         raise_by = max(floor, 1.0) * factor

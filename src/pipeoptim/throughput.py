@@ -189,8 +189,8 @@ def stage_placement(method: str, sizes: Sequence[int]) -> List[int]:
 def stage_slices(profile: ModelProfile, method: str, sizes: Sequence[int]) -> List[tuple]:
     """The (first, end) layers of each stage of ``method`` on the split ``sizes`` (a mirrored
     method's replicas: their pieces' layers again)."""
-    slices = profile.stage_slices(list(sizes))
-    return slices + slices if get_method(method).mirrored else slices
+    pieces = profile.stage_slices(list(sizes))
+    return pieces + pieces if get_method(method).mirrored else pieces
 
 
 def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optional[Sequence[float]],

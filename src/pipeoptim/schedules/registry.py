@@ -11,9 +11,7 @@ from .simulate import Costs, gc_paused
 from .twobw import two_bw
 from .zbv import zb_v
 
-Builder = Callable[..., Schedule]
-
-_BUILDERS: Dict[str, Builder] = {
+_BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": lambda n, m, t, v, c: gpipe(n, m, t),
     "1f1b-flush": lambda n, m, t, v, c: one_f_one_b_flush(n, m, t),
     "async-1f1b": lambda n, m, t, v, c: async_1f1b(n, t, m),

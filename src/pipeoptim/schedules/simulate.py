@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, repeat
 from operator import attrgetter
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Union
 
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 from .deps import dependency_rules, schedule_dependencies
