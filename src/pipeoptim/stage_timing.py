@@ -94,10 +94,9 @@ def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, t
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
                    optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
                    statistic: str = "median") -> Dict[str, List[float]]:
-    """Seconds of each stage's forward, backward and update for the split ``sizes`` (the median,
-    or fastest, of ``repeats`` mini-batches of ``sample`` after ``warmup``: :meth:`StageTimer.
-    summary`), timed as the runtime runs them: layers timed one by one add up to less than a
-    whole stage (caches; the runtime's own work per pass)."""
+    """Seconds of each stage's forward, backward and update for the split ``sizes``, timed as the
+    runtime runs them (the median, or fastest, of ``repeats`` mini-batches of ``sample`` after
+    ``warmup``: :meth:`StageTimer.summary`)."""
     timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
     timer.run(warmup + repeats)
     return timer.summary(warmup, statistic)

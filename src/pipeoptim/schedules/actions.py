@@ -43,7 +43,7 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E)
+        return self in COMPUTE_KINDS
 
     @property
     def is_comm(self) -> bool:

@@ -29,12 +29,8 @@ def unit_costs(schedule: Schedule, updates: bool = True) -> Costs:
 
 
 def to_csv_rows(schedule_or_result: Union[Schedule, SimResult], updates: bool = True) -> List[List[str]]:
-    """One row per rank, one cell per unit time step: the action string, or ``""`` when idle.
-
-    The steps come from simulating the schedule with :func:`unit_costs`, whatever costs a
-    ``SimResult`` was simulated with. Without ``updates``, ``U`` actions are left out (torch's
-    format has none) and take no step.
-    """
+    """One row per rank, one cell per unit time step (:func:`unit_costs`, whatever costs a
+    ``SimResult`` had): the action string, or ``""`` when idle; without ``updates`` no ``U``."""
     schedule = (schedule_or_result.schedule if isinstance(schedule_or_result, SimResult)
                 else schedule_or_result)
     comm = next((a for order in schedule.orders for a in order if a.kind.is_comm), None)
