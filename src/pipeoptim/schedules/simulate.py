@@ -114,10 +114,6 @@ class SimResult:
             return 0.0
         return 1.0 - sum(self.busy) / (self.schedule.num_ranks * self.makespan)
 
-    def throughput(self, samples_per_microbatch: int = 1) -> float:
-        """Micro-batch samples per unit of time."""
-        return self.schedule.num_microbatches * samples_per_microbatch / self.makespan
-
 
 def peak_activations(schedule: Schedule, split: Optional[bool] = None) -> List[int]:
     """Per stage, the most micro-batches whose forward ran and whose backward has not freed them.
