@@ -61,7 +61,7 @@ def weighted_units(model: nn.Sequential) -> List[int]:
     return units
 
 
-def group_sums(values: Sequence, sizes: Sequence[int]) -> list:
+def _group_sums(values: Sequence, sizes: Sequence[int]) -> list:
     """The sums of ``values`` over consecutive groups of ``sizes`` items."""
     out, start = [], 0
     for size in sizes:
@@ -93,10 +93,10 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
     if how == "uniform":
         per_stage = uniform(len(units), stages)
     elif how == "params":
-        per_stage = balanced(group_sums(parameter_counts(model), units), stages)
+        per_stage = balanced(_group_sums(parameter_counts(model), units), stages)
     else:
         raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
-    return group_sums(units, per_stage)
+    return _group_sums(units, per_stage)
 
 
 def slices(sizes: Sequence[int]) -> List[Tuple[int, int]]:
@@ -221,7 +221,7 @@ def stage_times(layer_costs: Sequence[float], sizes: Sequence[int],
     """Per stage of the split ``sizes``: its layers' total cost divided by its device's speed."""
     sizes = validate_partition(sizes, len(layer_costs))
     speed = _speeds(speeds, len(sizes))
-    return [total / v for total, v in zip(group_sums([float(c) for c in layer_costs], sizes), speed)]
+    return [total / v for total, v in zip(_group_sums([float(c) for c in layer_costs], sizes), speed)]
 
 
 def cut_seconds(sizes: Sequence[int], boundary_bytes: Optional[Sequence[float]],
@@ -259,6 +259,6 @@ def plan_time_partition(model: nn.Sequential, stages: int, layer_costs: Sequence
     unit_bytes = None  # the bytes after each unit's last layer, but the last unit's
     if boundary_bytes is not None:
         unit_bytes = [float(boundary_bytes[end - 1]) for _, end in slices(units)[:-1]]
-    per_stage = time_partition(group_sums([float(c) for c in layer_costs], units), stages, speeds, unit_bytes,
+    per_stage = time_partition(_group_sums([float(c) for c in layer_costs], units), stages, speeds, unit_bytes,
                                bandwidth)
-    return group_sums(units, per_stage)
+    return _group_sums(units, per_stage)
