@@ -21,11 +21,8 @@ PathLike = Union[str, Path]
 
 def unit_costs(schedule: Schedule, updates: bool = True) -> Costs:
     """Costs under which every compute action takes one step (``U`` none if not ``updates``)."""
-    split = schedule.split_backward
-    n = schedule.num_stages
-    # I costs backward - weight: with a split backward, I = W = 1
-    return Costs([1.0] * n, [2.0 if split else 1.0] * n, [1.0 if split else 0.0] * n,
-                 update=1.0 if updates else 0.0)
+    split = schedule.split_backward  # I costs backward - weight: with a split backward, I = W = 1
+    return Costs.uniform(schedule.num_stages, 1, 2 if split else 1, 1 if split else 0, update=1 if updates else 0)
 
 
 def to_csv_rows(schedule_or_result: Union[Schedule, SimResult], updates: bool = True) -> List[List[str]]:
