@@ -2,7 +2,7 @@
 or balanced by profiled time (:func:`time_partition`, heterogeneous devices and link costs)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -61,6 +61,24 @@ def weighted_units(model: nn.Sequential) -> List[int]:
     return units
 
 
+def _group_sums(values: Sequence, sizes: Sequence[int]) -> list:
+    """The sums of ``values`` over consecutive groups of ``sizes`` items."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(sum(values[start:start + size]))
+        start += size
+    return out
+
+
+def _units_for(model: nn.Sequential, stages: int) -> List[int]:
+    """:func:`weighted_units` of ``model``, refused where they are fewer than ``stages``."""
+    units = weighted_units(model)
+    if stages > len(units):
+        raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
+                         f"{len(units)} (of {len(model)} layers); use --stages {len(units)} or fewer")
+    return units
+
+
 def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
                    sizes: Optional[Sequence[int]] = None) -> List[int]:
     """Layers per stage: ``sizes`` if given, else ``uniform`` (equal numbers of layers with
@@ -71,41 +89,42 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
         return validate_partition(sizes, num_layers)
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
-    units = weighted_units(model)
-    if stages > len(units):
-        raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
-                         f"{len(units)} (of {num_layers} layers); use --stages {len(units)} or fewer")
+    units = _units_for(model, stages)
     if how == "uniform":
         per_stage = uniform(len(units), stages)
     elif how == "params":
-        counts, start = parameter_counts(model), 0
-        unit_params = []
-        for size in units:
-            unit_params.append(sum(counts[start:start + size]))
-            start += size
-        per_stage = balanced(unit_params, stages)
+        per_stage = balanced(_group_sums(parameter_counts(model), units), stages)
     else:
         raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
-    result, start = [], 0
-    for count in per_stage:
-        result.append(sum(units[start:start + count]))
-        start += count
-    return result
+    return _group_sums(units, per_stage)
+
+
+def slices(sizes: Sequence[int]) -> List[Tuple[int, int]]:
+    """The (first, end) layers of each stage of the split ``sizes``."""
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
 
 
 def split(model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Sequential]:
     """Stage modules sharing ``model``'s layers (no copy): training them trains ``model``."""
     validate_partition(sizes, len(model))
-    parts, start = [], 0
-    for size in sizes:
-        # slicing an nn.Sequential keeps its layers' names, so stage k's parameters carry the
-        # model's own names ("3.weight", not "0.weight"): checkpoints and state dicts by name
-        parts.append(model[start:start + size])
-        start += size
-    return parts
+    # slicing an nn.Sequential keeps its layers' names, so stage k's parameters carry the
+    # model's own names ("3.weight", not "0.weight"): checkpoints and state dicts by name
+    return [model[a:b] for a, b in slices(sizes)]
 
 
 # -- the `time` partitioner: balance profiled forward+backward time ------------------------------
+
+def _speeds(speeds: Optional[Sequence[float]], stages: int) -> List[float]:
+    """``speeds`` as floats (all 1 when None), refused unless one per stage."""
+    speed = [1.0] * stages if speeds is None else [float(s) for s in speeds]
+    if len(speed) != stages:
+        raise ValueError(f"speeds has {len(speed)} values but there are {stages} stages (one per stage)")
+    return speed
+
 
 def _check_time_inputs(layer_costs: Sequence[float], stages: int, speeds: Optional[Sequence[float]],
                        boundary_bytes: Optional[Sequence[float]], bandwidth: Optional[float]):
@@ -120,14 +139,9 @@ def _check_time_inputs(layer_costs: Sequence[float], stages: int, speeds: Option
         raise ValueError(f"{stages} stages need at least {stages} layers; the model has {n}")
     if any(not (c >= 0 and c < float("inf")) for c in costs):
         raise ValueError(f"layer costs must be finite and non-negative, got {costs}")
-    if speeds is None:
-        speed = [1.0] * stages
-    else:
-        speed = [float(s) for s in speeds]
-        if len(speed) != stages:
-            raise ValueError(f"speeds has {len(speed)} values but there are {stages} stages (one per stage)")
-        if any(not (s > 0 and s < float("inf")) for s in speed):
-            raise ValueError(f"speeds must be positive and finite, got {speed}")
+    speed = _speeds(speeds, stages)
+    if any(not (s > 0 and s < float("inf")) for s in speed):
+        raise ValueError(f"speeds must be positive and finite, got {speed}")
     if bandwidth is not None:
         if not (bandwidth > 0):
             raise ValueError(f"bandwidth must be positive (bytes per second), got {bandwidth}")
@@ -206,14 +220,8 @@ def stage_times(layer_costs: Sequence[float], sizes: Sequence[int],
                 speeds: Optional[Sequence[float]] = None) -> List[float]:
     """Per stage of the split ``sizes``: its layers' total cost divided by its device's speed."""
     sizes = validate_partition(sizes, len(layer_costs))
-    speed = [1.0] * len(sizes) if speeds is None else [float(s) for s in speeds]
-    if len(speed) != len(sizes):
-        raise ValueError(f"speeds has {len(speed)} values but there are {len(sizes)} stages (one per stage)")
-    out, start = [], 0
-    for k, size in enumerate(sizes):
-        out.append(sum(float(c) for c in layer_costs[start:start + size]) / speed[k])
-        start += size
-    return out
+    speed = _speeds(speeds, len(sizes))
+    return [total / v for total, v in zip(_group_sums([float(c) for c in layer_costs], sizes), speed)]
 
 
 def cut_seconds(sizes: Sequence[int], boundary_bytes: Optional[Sequence[float]],
@@ -222,8 +230,7 @@ def cut_seconds(sizes: Sequence[int], boundary_bytes: Optional[Sequence[float]],
     bandwidth), the link time :func:`time_partition` charges for one micro-batch."""
     if bandwidth is None or boundary_bytes is None:
         return [0.0] * (len(sizes) - 1)
-    ends = [sum(sizes[:k + 1]) for k in range(len(sizes) - 1)]
-    return [2.0 * float(boundary_bytes[e - 1]) / bandwidth for e in ends]
+    return [2.0 * float(boundary_bytes[end - 1]) / bandwidth for _, end in slices(sizes)[:-1]]
 
 
 def partition_cycle(layer_costs: Sequence[float], sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
@@ -248,21 +255,10 @@ def plan_time_partition(model: nn.Sequential, stages: int, layer_costs: Sequence
         raise ValueError(f"boundary_bytes needs {num_layers - 1} or {num_layers} values, got {len(boundary_bytes)}")
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
-    units = weighted_units(model)
-    if stages > len(units):
-        raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
-                         f"{len(units)} (of {num_layers} layers); use --stages {len(units)} or fewer")
-    unit_costs, unit_bytes, start = [], [], 0
-    for size in units:
-        unit_costs.append(sum(float(c) for c in layer_costs[start:start + size]))
-        end = start + size
-        if boundary_bytes is not None and end - 1 < len(boundary_bytes):
-            unit_bytes.append(float(boundary_bytes[end - 1]))
-        start = end
-    per_stage = time_partition(unit_costs, stages, speeds,
-                               unit_bytes[:len(units) - 1] if boundary_bytes is not None else None, bandwidth)
-    result, start = [], 0
-    for count in per_stage:
-        result.append(sum(units[start:start + count]))
-        start += count
-    return result
+    units = _units_for(model, stages)
+    unit_bytes = None  # the bytes after each unit's last layer, but the last unit's
+    if boundary_bytes is not None:
+        unit_bytes = [float(boundary_bytes[end - 1]) for _, end in slices(units)[:-1]]
+    per_stage = time_partition(_group_sums([float(c) for c in layer_costs], units), stages, speeds, unit_bytes,
+                               bandwidth)
+    return _group_sums(units, per_stage)

@@ -1,25 +1,17 @@
 """Plan a pipeline run of any model from a profile: which method, how many micro-batches, which
 split (``pipeoptim.plan``; the command line's ``pipeoptim plan`` adds the lab's study to it).
 
-**Any model.** An ``nn.Sequential`` is planned layer by layer; any other module (a
-``transformers`` model, a model of your own) is traced as the Pipeline traces it
-(:func:`pipeoptim.graph_split.trace`) and planned unit by unit
-(:meth:`~pipeoptim.graph_split.TracedModel.unit_modules`): a partition then counts units, as the
-Pipeline's ``partition=`` does for that model. A dict batch with ``"labels"`` and no ``loss_fn``
-is a model that computes its own loss (:mod:`pipeoptim.batches`). Chunked and mirrored methods
-(interleaved, zb-v, bidirectional, bitpipe) need an ``nn.Sequential``, as the Pipeline does.
+**Any model.** An ``nn.Sequential`` is planned layer by layer; any other module is traced as the
+Pipeline traces it (:func:`pipeoptim.graph_split.trace`) and planned unit by unit: a partition
+then counts units, as the Pipeline's ``partition=`` does for that model. Chunked and mirrored
+methods (interleaved, zb-v, bidirectional, bitpipe) need an ``nn.Sequential``, as the Pipeline does.
 
 **Measured on a busy machine.** The per-unit profile (:mod:`pipeoptim.profile`) feeds the
-partitioners and the memory; the predictions' stage costs are the splits timed as the runtime
-runs them (:class:`pipeoptim.stage_timing.StageTimer`), every split and the sequential reference
-(the whole model as one stage) the same way and in turns (:func:`time_splits`): one mini-batch
-of each per round, so that other work on the machine slows all of them alike, and rounds go on
-until each one's first and second halves agree within ``tolerance`` (or ``max_rounds``; the
-spread is reported either way). A candidate predicted faster than its process count times the
-sequential reference is one no split can give: it is flagged (``reachable`` False, why in
-``unreachable``) and not recommended.
-
-**The rule for a model no study measured**: :mod:`pipeoptim.recommendation`."""
+partitioners and the memory; the predictions' stage costs are the splits and the sequential
+reference timed as the runtime runs them, in turns (:func:`time_splits`), so that other work on
+the machine slows all of them alike. A candidate predicted faster than its process count times
+the sequential reference is flagged and not recommended (:mod:`pipeoptim.recommendation`, also
+the rule for a model no study measured)."""
 from __future__ import annotations
 
 import statistics
@@ -35,7 +27,7 @@ from .methods import get_method
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .throughput import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
-from .profile import STATISTICS, tensors_of
+from .profile import check_statistic, tensors_of
 from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
 
@@ -149,8 +141,7 @@ def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target
     ``max_rounds`` (default 3 x ``repeats``). Returns ({split: {"forward", "backward", "update":
     seconds per stage}}, the measurement: rounds, whether stable, the largest disagreement of
     halves, and per split its spread, the interquartile range of its rounds over their median)."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    check_statistic(statistic)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     limit = max(repeats, max_rounds if max_rounds is not None else 3 * repeats)
@@ -268,11 +259,12 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
         raised to it (what they lack is other work's noise; ``measurement["raised"]``)."""
         if stage_timing != "measured":
             return None
-        found, whole = times[key(split, m, method)], times[key([layers], m)]
+        timed = key(split, m, method)
+        found, whole = times[timed], times[key([layers], m)]
         pieces = len(split)  # a mirrored method's stages past its pieces are their replicas
         done = sum(found["forward"][:pieces]) + sum(found["backward"][:pieces])
         floor = (whole["forward"][0] + whole["backward"][0]) / done if done > 0 else 1.0
-        factor = (microbatch_size(batch_size, m) / key(split, m, method)[1] if key(split, m, method)[3] == 1 else 1)
+        factor = microbatch_size(batch_size, m) / timed[1] if timed[3] == 1 else 1
         if floor > 1:
             measurement["raised"][f"{list(split)}, {method}, M = {m}"] = floor
         raise_by = max(floor, 1.0) * factor

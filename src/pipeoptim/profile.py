@@ -1,25 +1,14 @@
 """Per-layer profile of an ``nn.Sequential``: what the ``time`` partitioner and the planner need.
 
-For every layer (every element of the ``nn.Sequential``, as :func:`pipeoptim.partition.split`
-sees them) :func:`profile_model` measures, on a real sample batch and on the chosen device:
-
-* ``forward``: seconds of the layer's forward with autograd recording (as in training);
-* ``backward``: seconds of the backward of that layer alone: the layer's forward runs on a
-  detached leaf copy of its input, then ``torch.autograd.backward`` is timed with a random
-  gradient of the output's shape (so input and weight gradients are both computed, as a
-  pipeline stage does; the first layer gets the data itself, whose gradient no stage computes);
-* ``update`` (when an optimizer is given): seconds of one optimizer step over the layer's
-  parameters, and ``optimizer_bytes``, the optimizer state it creates;
-* ``output_bytes``: the bytes of the layer's output (sum of ``numel * element_size`` over the
-  tensors of a tuple output): what crosses a stage boundary after this layer;
-* ``saved_bytes``: the bytes autograd keeps for the layer's backward (its saved tensors,
-  parameters excluded, each storage counted once): what one in-flight micro-batch holds;
-* ``parameter_bytes`` and ``parameters``: ``sum(numel * element_size)`` and ``sum(numel)``
-  over the layer's parameters.
-
-Repeats, the statistic and the copy: :func:`profile_model` (on CUDA the device is synchronised
-around each measured call); a layer receives its predecessor's output as its one argument. Whole
-stages, as the runtime runs them: :mod:`pipeoptim.stage_timing`.
+:func:`profile_model` measures every layer (every element of the ``nn.Sequential``, as
+:func:`pipeoptim.partition.split` sees them) on a real sample batch and on the chosen device, a
+layer receiving its predecessor's output as its one argument (:class:`LayerProfile` lists what).
+A layer's ``backward`` is timed alone: its forward runs on a detached leaf copy of its input, then
+``torch.autograd.backward`` with a random gradient of the output's shape, so that input and weight
+gradients are both computed, as a pipeline stage does (the first layer gets the data itself, whose
+gradient no stage computes). ``saved_bytes`` counts each storage autograd keeps once, parameters
+excluded: what one in-flight micro-batch holds. On CUDA the device is synchronised around each
+measured call. Whole stages, as the runtime runs them: :mod:`pipeoptim.stage_timing`.
 """
 from __future__ import annotations
 
@@ -32,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .partition import slices
 from .runtime.build import StageParameters
 
 Activation = Any  #: a tensor or a tuple of tensors
@@ -119,13 +109,9 @@ class ModelProfile:
 
     # -- per stage -----------------------------------------------------------------------------
     def stage_slices(self, sizes: List[int]) -> List[Tuple[int, int]]:
-        bounds, start = [], 0
-        for size in sizes:
-            bounds.append((start, start + size))
-            start += size
-        if start != len(self.layers):
-            raise ValueError(f"partition {sizes} covers {start} layers but the profile has {len(self.layers)}")
-        return bounds
+        if sum(sizes) != len(self.layers):
+            raise ValueError(f"partition {sizes} covers {sum(sizes)} layers but the profile has {len(self.layers)}")
+        return slices(sizes)
 
     def held_bytes(self, first: int, end: int, recompute: bool = False) -> int:
         """Bytes one in-flight micro-batch holds on a stage of layers ``[first, end)`` (what
@@ -179,10 +165,6 @@ def tensors_of(value: Activation) -> List[torch.Tensor]:
 def nbytes(value: Activation) -> int:
     """Bytes of the tensors of an activation: ``sum(numel * element_size)``."""
     return sum(t.numel() * t.element_size() for t in tensors_of(value))
-
-
-def parameter_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _mapped(value: Activation, fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
@@ -261,20 +243,23 @@ def _saved_tensor_bytes(layer: nn.Module, inputs: Activation) -> Tuple[int, int,
     return total, shared_in, shared_out, output
 
 
-def _grad_pairs(output: Activation, generator: torch.Generator) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """The output tensors that need a gradient and a random gradient for each."""
-    outs = [t for t in tensors_of(output) if t.requires_grad]
-    grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
-    return outs, grads
-
-
 STATISTICS = ("median", "min")
+
+
+def check_statistic(statistic: str) -> None:
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
 
 
 def _summary(times: List[float], statistic: str = "median") -> float:
     if not times:
         return 0.0
     return float(min(times)) if statistic == "min" else float(statistics.median(times))
+
+
+def _timed_runs(once: Callable[[], Any], runs: int, warmup: int) -> List[Any]:
+    """What ``once()`` returns (seconds) in each of ``runs`` calls, but the first ``warmup``."""
+    return [once() for _ in range(runs)][warmup:]
 
 
 # -- the profiler ----------------------------------------------------------------------------------
@@ -299,8 +284,7 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
         raise ValueError("profile_model needs a non-empty nn.Sequential")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    check_statistic(statistic)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
@@ -322,25 +306,21 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
         leaf = _leaf_or_data(x)
         saved, saved_in, saved_out, output = _saved_tensor_bytes(layer, leaf)
 
-        forward_times: List[float] = []
-        for r in range(runs):
+        def forward() -> float:
             inp = _leaf_or_data(x)
             with torch.enable_grad():
-                seconds, _ = clock.time(lambda: layer(inp))
-            del _
-            if r >= warmup:
-                forward_times.append(seconds)
+                return clock.time(lambda: layer(inp))[0]
 
-        backward_times: List[float] = []
-        outs, grads = _grad_pairs(output, generator)
-        if outs:
-            for r in range(runs):
-                with torch.enable_grad():
-                    fresh = layer(_leaf_or_data(x))
-                fresh_outs = [t for t in tensors_of(fresh) if t.requires_grad]
-                seconds, _ = clock.time(lambda: torch.autograd.backward(fresh_outs, grads))
-                if r >= warmup:
-                    backward_times.append(seconds)
+        def backward() -> float:
+            with torch.enable_grad():
+                fresh = layer(_leaf_or_data(x))
+            fresh_outs = [t for t in tensors_of(fresh) if t.requires_grad]
+            return clock.time(lambda: torch.autograd.backward(fresh_outs, grads))[0]
+
+        forward_times = _timed_runs(forward, runs, warmup)
+        outs = [t for t in tensors_of(output) if t.requires_grad]  # a random gradient for each
+        grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
+        backward_times = _timed_runs(backward, runs, warmup) if outs else []
 
         update_seconds, state_bytes = 0.0, 0
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -350,12 +330,7 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            update_times: List[float] = []
-            for r in range(runs):
-                seconds, _ = clock.time(opt.step)
-                if r >= warmup:
-                    update_times.append(seconds)
-            update_seconds = _summary(update_times, statistic)
+            update_seconds = _summary(_timed_runs(lambda: clock.time(opt.step)[0], runs, warmup), statistic)
             state_bytes = sum(v.numel() * v.element_size() for state in opt.state.values()
                               for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         for p in layer.parameters():
@@ -365,23 +340,23 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
             index=index, name=type(layer).__name__, forward=_summary(forward_times, statistic),
             backward=_summary(backward_times, statistic), output_bytes=nbytes(output), saved_bytes=saved,
             saved_input_bytes=saved_in, saved_output_bytes=saved_out,
-            parameter_bytes=parameter_bytes(layer), parameters=sum(p.numel() for p in layer.parameters()),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            parameters=sum(p.numel() for p in layer.parameters()),
             update=update_seconds, optimizer_bytes=state_bytes))
         x = detached(output)
 
     loss_forward = loss_backward = 0.0
     if loss_fn is not None and target is not None:
         tgt = on_device(target, dev)
-        fwd, bwd = [], []
-        for r in range(runs):
+
+        def loss_once() -> Tuple[float, float]:
             out = _leaf(x)
             with torch.enable_grad():
                 seconds, loss = clock.time(lambda: loss_fn(out, tgt))
-            back, _ = clock.time(lambda: loss.backward())
-            if r >= warmup:
-                fwd.append(seconds)
-                bwd.append(back)
-        loss_forward, loss_backward = _summary(fwd, statistic), _summary(bwd, statistic)
+            return seconds, clock.time(lambda: loss.backward())[0]
+
+        pairs = _timed_runs(loss_once, runs, warmup)
+        loss_forward, loss_backward = (_summary([p[i] for p in pairs], statistic) for i in (0, 1))
 
     return ModelProfile(layers=layers, device=str(dev), batch_size=batch, input_bytes=nbytes(sample),
                         warmup=warmup, repeats=repeats, threads=torch.get_num_threads(),

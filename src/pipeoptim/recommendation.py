@@ -1,14 +1,9 @@
 """The rule a plan recommends by where no study measured a model, and the flags beside it.
 
-:func:`pipeoptim.plan` follows it, and the lab's ``pipeoptim plan`` for a model no study covers
-(another task's model, batch size or optimizer, ``--model-fn``). The flags: a prediction no
-split can reach, a method whose several stages per process the simulator over-predicts.
-
-The rule (:data:`RULE`, :func:`recommend`): the fastest synchronous candidate (they compute the
-updates of non-pipelined training) among those that fit the memory limit and whose speedup a
-split can reach; the fastest asynchronous one is named as the one to try. A pipeline over P
-processes runs at most P times the sequential speed (:func:`reach`): a prediction above it says
-the timings were disturbed, and is flagged, not recommended."""
+:func:`pipeoptim.plan` follows it, and the lab's ``pipeoptim plan`` for a model no study covers.
+The rule: :data:`RULE`, :func:`recommend`. The flags: a prediction no split can reach
+(:func:`reach`), a method whose several stages per process the simulator over-predicts
+(:func:`pieces_note`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence

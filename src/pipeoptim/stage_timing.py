@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .profile import STATISTICS, Activation, Clock, OptimizerFactory, detached, on_device
+from .profile import Activation, Clock, OptimizerFactory, check_statistic, detached, on_device
 
 class StageTimer:
     """A split of ``model`` (layers per stage ``sizes``; a mirrored method's pieces, which it holds
@@ -71,8 +71,7 @@ class StageTimer:
         minimum taken stage by stage would add up each one's luckiest run). ``forward``,
         ``backward`` (a split one's two halves added), ``update``, and ``weight`` (the weight
         half) where the backward was split."""
-        if statistic not in STATISTICS:
-            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+        check_statistic(statistic)
         runs = sorted(range(skip, len(self.rounds)), key=self.rounds.__getitem__)
         pick = runs[0] if statistic == "min" else runs[(len(runs) - 1) // 2]
 
@@ -95,10 +94,9 @@ def measure_stages(model: nn.Sequential, sizes: List[int], sample: Activation, t
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *, device: str = "cpu",
                    optimizer: Optional[OptimizerFactory] = None, warmup: int = 2, repeats: int = 5,
                    statistic: str = "median") -> Dict[str, List[float]]:
-    """Seconds of each stage's forward, backward and update for the split ``sizes`` (the median,
-    or fastest, of ``repeats`` mini-batches of ``sample`` after ``warmup``: :meth:`StageTimer.
-    summary`), timed as the runtime runs them: layers timed one by one add up to less than a
-    whole stage (caches; the runtime's own work per pass)."""
+    """Seconds of each stage's forward, backward and update for the split ``sizes``, timed as the
+    runtime runs them (the median, or fastest, of ``repeats`` mini-batches of ``sample`` after
+    ``warmup``: :meth:`StageTimer.summary`)."""
     timer = StageTimer(model, sizes, sample, target, loss_fn, device=device, optimizer=optimizer)
     timer.run(warmup + repeats)
     return timer.summary(warmup, statistic)

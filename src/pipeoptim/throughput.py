@@ -1,30 +1,19 @@
-"""Throughput and memory predicted from a profile, for the planner: per-stage costs, the
-simulated makespan and throughput of a method, and the memory of every stage
-(:mod:`pipeoptim.lab.planner` recommends one of these and writes the plan). Not the prediction of
+"""Throughput and memory predicted from a profile, for the planner. Not the prediction of
 weights, which is ``weights/predict*.py``.
 
-* **throughput**: the schedule simulator (:func:`pipeoptim.schedules.simulate`) runs the
-  method's schedule for ``batches`` mini-batches with per-stage costs from the profile: stage
-  k's forward (backward) cost is the sum of its layers' profiled forward (backward) seconds for
-  one micro-batch (or the stage as a whole, timed as the runtime runs it), divided by the stage's
-  device speed; the loss is charged to the last stage; the update cost is the slowest stage's
-  optimizer step; each cross-stage message costs ``bytes / bandwidth`` of the largest activation
-  that crosses a cut. The W half of a split backward (zb-h1, zb-v) is priced at half the
-  backward. A **chunked** method (interleaved, zb-v: V chunks per process) is priced on a split
-  of the model into N x V pieces, each piece a model stage with its own costs, on the ranks the
-  method places it on (a rank's speed applies to each of its pieces). A **mirrored** method
-  (bidirectional, bitpipe) is priced on a split into its pieces, each of whose two replicas is a
-  stage costing what the piece does on its rank; the replicas' gradient sum before each update
-  adds the slowest rank's all-reduce seconds at the bandwidth to every mini-batch (an upper
-  bound: the runtime overlaps it with the rest of the window). More than
-  :data:`EXACT_BATCHES` mini-batches are predicted from two simulations extrapolated linearly,
-  exact once the pipeline has reached its periodic steady state.
-* **memory per stage** (bytes, per process: a chunked method's rows add its pieces, a mirrored
-  method's add both replicas of each piece it holds): parameters x
-  the weight versions the method holds, plus one gradient buffer and the optimizer state, plus
-  in-flight activations: the simulator's peak number of micro-batches whose activations a stage
-  holds x the bytes one micro-batch holds there (:meth:`ModelProfile.held_bytes`, what
-  ``runtime/held.py`` measures), with and without activation recomputation.
+* **throughput**: the schedule simulator runs the method's schedule for ``batches`` mini-batches
+  with per-stage costs from the profile (:func:`stage_costs`: seconds of one micro-batch, divided
+  by the stage's device speed; each message costs ``bytes / bandwidth`` of the largest activation
+  that crosses a cut). A **chunked** method (interleaved, zb-v) is priced on a split into N x V
+  pieces, each a model stage on the rank the method places it on; a **mirrored** one
+  (bidirectional, bitpipe) on a split into its pieces, each replica a stage costing what its
+  piece does on its rank, plus the replicas' gradient sum (:func:`replica_sum_seconds`). More
+  than :data:`EXACT_BATCHES` mini-batches are extrapolated linearly from two simulations, exact
+  once the pipeline has reached its periodic steady state.
+* **memory per stage** (bytes, per process): parameters x the weight versions the method holds,
+  one gradient buffer, the optimizer state, and the simulator's peak count of micro-batches in
+  flight x the bytes one holds there (:meth:`ModelProfile.held_bytes`, what ``runtime/held.py``
+  measures), with and without activation recomputation.
 """
 from __future__ import annotations
 
@@ -34,15 +23,13 @@ import torch
 from torch import nn
 
 from .methods import get_method
-from .partition import cut_seconds, plan_partition, plan_time_partition, stage_times
+from .partition import cut_seconds, plan_partition, plan_time_partition, slices, stage_times
 from .plan_defaults import PARTITIONERS
 from .profile import ModelProfile, profile_model
 from .schedules import Costs, Schedule, build_schedule, peak_activations, simulate
 
 EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
 
-
-# -- profiles at micro-batch sizes -----------------------------------------------------------------
 
 def microbatch_size(batch_size: int, microbatches: int) -> int:
     """The largest micro-batch of a mini-batch split ``microbatches`` ways (as ``split_batch``)."""
@@ -99,8 +86,6 @@ def profile_sizes(model: nn.Sequential, sample: Any, target: Optional[torch.Tens
     return out
 
 
-# -- partitions ------------------------------------------------------------------------------------
-
 def partition_for(how: str, model: nn.Sequential, profile: ModelProfile, stages: int,
                   speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None) -> List[int]:
     """Layers per stage by partitioner ``how`` (uniform, params or time)."""
@@ -124,8 +109,6 @@ def describe_partition(profile: ModelProfile, sizes: Sequence[int], speeds: Opti
     return {"sizes": sizes, "stage_seconds": times, "cut_seconds": links, "slowest_stage_seconds": slowest,
             "cycle_seconds": max([slowest] + links), "imbalance": slowest / mean if mean > 0 else 1.0}
 
-
-# -- prediction ------------------------------------------------------------------------------------
 
 def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
                 bandwidth: Optional[float] = None, measured: Optional[Dict[str, List[float]]] = None) -> Costs:
@@ -151,8 +134,7 @@ def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Se
         upd.append(u / speed[k])
     comm = 0.0
     if bandwidth is not None and n > 1:
-        ends = [sum(sizes[:k + 1]) for k in range(n - 1)]
-        comm = max(profile.layers[e - 1].output_bytes for e in ends) / bandwidth
+        comm = max(profile.layers[end - 1].output_bytes for _, end in slices(list(sizes))[:-1]) / bandwidth
     # The W half of a split backward (zb-h1) is not profiled apart: take half the backward, as
     # for matmul layers, whose input and weight gradients are two products of the same size;
     # where the split was timed as the method runs it, its measured W.
@@ -207,32 +189,28 @@ def stage_placement(method: str, sizes: Sequence[int]) -> List[int]:
 def stage_slices(profile: ModelProfile, method: str, sizes: Sequence[int]) -> List[tuple]:
     """The (first, end) layers of each stage of ``method`` on the split ``sizes`` (a mirrored
     method's replicas: their pieces' layers again)."""
-    slices = profile.stage_slices(list(sizes))
-    return slices + slices if get_method(method).mirrored else slices
+    pieces = profile.stage_slices(list(sizes))
+    return pieces + pieces if get_method(method).mirrored else pieces
 
 
-def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optional[Sequence[float]]) -> Costs:
-    """A mirrored method's costs per stage from its pieces' (at speed 1): each replica costs what
-    its piece does, on the speed of the rank that holds it."""
-    half = len(placement) // 2
+def mirrored_costs(piece_costs: Costs, placement: Sequence[int], speeds: Optional[Sequence[float]],
+                   measured: Optional[Dict[str, List[float]]] = None) -> Costs:
+    """A mirrored method's costs per stage, each at the speed of the rank that holds it: each
+    replica costs what its piece does (``piece_costs``, at speed 1), or, with ``measured``, every
+    stage what it took timed as the method runs it (:class:`pipeoptim.stage_timing.StageTimer`:
+    two replicas per process, their gradients summed)."""
     speed = [1.0 if speeds is None else float(speeds[r]) for r in placement]
-    f, b, w = piece_costs.forward, piece_costs.backward, piece_costs.weight
-    upd = piece_costs.update / min(speed)
-    return Costs([f[k % half] / speed[k] for k in range(2 * half)], [b[k % half] / speed[k] for k in range(2 * half)],
-                 [w[k % half] / speed[k] for k in range(2 * half)], update=upd, comm=piece_costs.comm)
-
-
-def measured_costs(measured: Dict[str, List[float]], placement: Sequence[int], speeds: Optional[Sequence[float]],
-                   comm: float) -> Costs:
-    """Costs of every stage of a mirrored method, replicas too, from its stages timed as it runs
-    them (:class:`pipeoptim.stage_timing.StageTimer` with the method: two replicas per process, their
-    gradients summed), each at the speed of the rank that holds it."""
-    speed = [1.0 if speeds is None else float(speeds[r]) for r in placement]
-    f, b = measured["forward"], measured["backward"]
-    w = measured.get("weight") or [g / 2 for g in b]
+    if measured is not None:
+        f, b = measured["forward"], measured["backward"]
+        w = measured.get("weight") or [g / 2 for g in b]
+        update = max(u / v for u, v in zip(measured["update"], speed))
+    else:
+        half = len(placement) // 2
+        f, b, w = ([c[k % half] for k in range(2 * half)]
+                   for c in (piece_costs.forward, piece_costs.backward, piece_costs.weight))
+        update = piece_costs.update / min(speed)
     return Costs([x / v for x, v in zip(f, speed)], [x / v for x, v in zip(b, speed)],
-                 [x / v for x, v in zip(w, speed)], update=max(u / v for u, v in zip(measured["update"], speed)),
-                 comm=comm)
+                 [x / v for x, v in zip(w, speed)], update=update, comm=piece_costs.comm)
 
 
 def replica_sum_seconds(profile: ModelProfile, method: str, sizes: Sequence[int],
@@ -306,7 +284,7 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     placement = stage_placement(method, sizes)
     ranks = 1 + max(placement)
     if meth.mirrored and measured is not None and len(measured["forward"]) == len(placement):
-        costs = measured_costs(measured, placement, speeds, stage_costs(profile, sizes, None, bandwidth).comm)
+        costs = mirrored_costs(stage_costs(profile, sizes, None, bandwidth), placement, speeds, measured)
     elif meth.mirrored:
         costs = mirrored_costs(stage_costs(profile, sizes, None, bandwidth, measured), placement, speeds)
     else:

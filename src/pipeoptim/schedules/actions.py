@@ -43,7 +43,7 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E)
+        return self in COMPUTE_KINDS
 
     @property
     def is_comm(self) -> bool:
@@ -83,18 +83,6 @@ def actions_of(stage: int, kind: Kind, indices: Iterable[int]) -> List[Action]:
     builds the same Action in C, which is what generating 10^5 actions mostly costs.
     """
     return list(map(tuple.__new__, repeat(Action), zip(repeat(stage), repeat(kind), indices)))
-
-
-def F(stage: int, index: int) -> Action:
-    return Action(stage, Kind.F, index)
-
-
-def B(stage: int, index: int) -> Action:
-    return Action(stage, Kind.B, index)
-
-
-def U(stage: int, index: int) -> Action:
-    return Action(stage, Kind.U, index)
 
 
 @dataclass
@@ -171,6 +159,18 @@ class Schedule:
 def straight(num_stages: int) -> Dict[str, object]:
     """Placement of a straight pipeline: stage k on rank k."""
     return {"stage_to_rank": list(range(num_stages)), "pipelines": [list(range(num_stages))]}
+
+
+def one_f_one_b(forwards: List[Action], backwards: List[List[Action]], warmup: int) -> List[Action]:
+    """1F1B's order: ``warmup`` forwards, then each further forward followed by the oldest backward
+    step not run yet, then the steps left. A step is a backward and what runs right after it."""
+    order = forwards[:warmup]
+    for forward, step in zip(forwards[warmup:], backwards):
+        order.append(forward)
+        order += step
+    for step in backwards[len(forwards) - warmup:]:
+        order += step
+    return order
 
 
 def check_positive(**values: int) -> None:

@@ -5,7 +5,7 @@ micro-batch per update, that weight stashing and weight prediction deal with: (d
 "Schedules as data")."""
 from __future__ import annotations
 
-from .actions import Kind, Schedule, actions_of, check_positive, straight
+from .actions import Action, Kind, Schedule, actions_of, check_positive, one_f_one_b, straight
 
 
 def async_1f1b(num_stages: int, batches: int, microbatches_per_update: int = 1,
@@ -19,17 +19,9 @@ def async_1f1b(num_stages: int, batches: int, microbatches_per_update: int = 1,
     total = batches * m
     orders = []
     for stage in range(num_stages):
-        warmup = min(num_stages - 1 - stage, total)
-        forwards = actions_of(stage, Kind.F, range(total))
-        backwards = actions_of(stage, Kind.B, range(total))
-        updates = actions_of(stage, Kind.U, range(batches))
-        order = forwards[:warmup]
-        for j in range(total):  # F(warmup + j) while forwards remain, B(j), U when a window ends
-            if warmup + j < total:
-                order.append(forwards[warmup + j])
-            order.append(backwards[j])
-            if (j + 1) % m == 0:
-                order.append(updates[j // m])
-        orders.append(order)
+        steps = [[b] for b in actions_of(stage, Kind.B, range(total))]
+        for u in range(batches):  # U when a window's last backward has run
+            steps[(u + 1) * m - 1].append(Action(stage, Kind.U, u))
+        orders.append(one_f_one_b(actions_of(stage, Kind.F, range(total)), steps, min(num_stages - 1 - stage, total)))
     return Schedule(name, num_stages, num_stages, total, m, orders, synchronous=False,
                     options={"microbatches_per_update": m}, **straight(num_stages))

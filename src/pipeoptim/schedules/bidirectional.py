@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .actions import Action, B, F, Kind, Schedule, U, check_positive
+from .actions import Action, Kind, Schedule, check_positive
 from .deps import schedule_dependencies
 from .simulate import Costs
 from .zbv import v_placement
@@ -76,7 +76,7 @@ def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
         micro = {s: list(range(base, base + m // 2)) for s in down}
         micro |= {s: list(range(base + m // 2, base + m)) for s in up}
         skeleton = Schedule(name, stages, n, batches * m, m,
-                            [[F(s, i) for s in range(stages) if stage_to_rank[s] == r for i in micro[s]]
+                            [[Action(s, Kind.F, i) for s in range(stages) if stage_to_rank[s] == r for i in micro[s]]
                              for r in range(n)],
                             stage_to_rank=stage_to_rank, pipelines=[down, up], synchronous=True)
         deps_of = schedule_dependencies(skeleton)
@@ -90,9 +90,9 @@ def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
                 rank, mics = stage_to_rank[s], micro[s]
                 candidates = []
                 if backwarded[s] < len(mics):
-                    candidates.append(B(s, mics[backwarded[s]]))
+                    candidates.append(Action(s, Kind.B, mics[backwarded[s]]))
                 if forwarded[s] < len(mics) and forwarded[s] - backwarded[s] < length - position[s]:
-                    candidates.append(F(s, mics[forwarded[s]]))
+                    candidates.append(Action(s, Kind.F, mics[forwarded[s]]))
                 for action in candidates:
                     deps = deps_of(action)
                     if any(d not in end for d in deps):
@@ -112,6 +112,6 @@ def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
         for rank in range(n):  # in the order of their pieces, on every rank
             pieces = sorted((s for s in range(stages) if stage_to_rank[s] == rank),
                             key=lambda s: (s % length, s))
-            orders[rank] += [U(s, t) for s in pieces]
+            orders[rank] += [Action(s, Kind.U, t) for s in pieces]
     return Schedule(name, stages, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
                     pipelines=[down, up], synchronous=True)

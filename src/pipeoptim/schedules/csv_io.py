@@ -21,20 +21,13 @@ PathLike = Union[str, Path]
 
 def unit_costs(schedule: Schedule, updates: bool = True) -> Costs:
     """Costs under which every compute action takes one step (``U`` none if not ``updates``)."""
-    split = schedule.split_backward
-    n = schedule.num_stages
-    # I costs backward - weight: with a split backward, I = W = 1
-    return Costs([1.0] * n, [2.0 if split else 1.0] * n, [1.0 if split else 0.0] * n,
-                 update=1.0 if updates else 0.0)
+    split = schedule.split_backward  # I costs backward - weight: with a split backward, I = W = 1
+    return Costs.uniform(schedule.num_stages, 1, 2 if split else 1, 1 if split else 0, update=1 if updates else 0)
 
 
 def to_csv_rows(schedule_or_result: Union[Schedule, SimResult], updates: bool = True) -> List[List[str]]:
-    """One row per rank, one cell per unit time step: the action string, or ``""`` when idle.
-
-    The steps come from simulating the schedule with :func:`unit_costs`, whatever costs a
-    ``SimResult`` was simulated with. Without ``updates``, ``U`` actions are left out (torch's
-    format has none) and take no step.
-    """
+    """One row per rank, one cell per unit time step (:func:`unit_costs`, whatever costs a
+    ``SimResult`` had): the action string, or ``""`` when idle; without ``updates`` no ``U``."""
     schedule = (schedule_or_result.schedule if isinstance(schedule_or_result, SimResult)
                 else schedule_or_result)
     comm = next((a for order in schedule.orders for a in order if a.kind.is_comm), None)
@@ -133,15 +126,12 @@ def from_csv_rows(rows: Iterable[Sequence[str]], name: str = "csv",
     for a in work:
         if a.kind is Kind.F:
             forwards.setdefault(a.stage, set()).add(a.index)
-    has_updates = any(a.kind is Kind.U for order in orders for a in order)
     m = microbatches_per_update
     if m is None:
         updates0 = sum(1 for a in orders[stage_to_rank[0]] if a.kind is Kind.U and a.stage == 0)
         m = total // updates0 if updates0 and total % updates0 == 0 else max(total, 1)
-    if add_updates and not has_updates:
-        split = any(a.kind is Kind.I for a in work)
-        orders = _insert_updates(orders, m, split)
-        has_updates = True
+    if add_updates and not any(a.kind is Kind.U for order in orders for a in order):
+        orders = _insert_updates(orders, m, split=any(a.kind is Kind.I for a in work))
     if synchronous is None:
         synchronous = True
         for order in orders:

@@ -10,10 +10,7 @@ The same rules serve the simulator, the greedy generators and the executors' che
 
 Order within a rank is implied by the rank's list and is not a dependency here. Dependencies
 come back as plain ``(stage, kind, index)`` tuples, which hash and compare equal to the
-:class:`~.actions.Action` they name.
-
-:func:`dependency_rules` states the rules once, as tables; :func:`schedule_dependencies` answers
-from them one action at a time, and the simulator reads the tables directly (see :mod:`.simulate`).
+:class:`~.actions.Action` they name; the simulator reads :func:`dependency_rules`' tables directly.
 """
 from __future__ import annotations
 

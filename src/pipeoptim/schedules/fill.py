@@ -20,8 +20,6 @@ backward of mini-batch 0, before the update (the rest, which delays the next min
 what draining for it would cost). The plan reads only mini-batch 0 and the first forward of
 mini-batch 1, so that one plan serves the schedule built for any number of mini-batches (the
 streaming property the executors rely on: docs/architecture.md, "Schedules as data").
-:func:`drain_first` is the drained evaluation as a schedule, for comparison: every ``E``
-before anything else, pipelined.
 """
 from __future__ import annotations
 

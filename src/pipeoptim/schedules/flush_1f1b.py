@@ -1,27 +1,99 @@
-"""1F1B with a flush (DAPPLE, PipeDream-Flush): warm-up, alternate, drain, then one update."""
+"""1F1B with a flush (DAPPLE, PipeDream-Flush) and its flushed relatives: GPipe, interleaved 1F1B
+(Megatron-LM) and ZB-H1 (zero bubble), each mini-batch ending in every stage's update."""
 from __future__ import annotations
 
-from .actions import B, F, Schedule, U, check_positive, straight
+from typing import Callable, List
+
+from .actions import Action, Kind, Schedule, actions_of, check_positive, one_f_one_b, straight
+
+_F, _B, _I, _W, _U = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U
+
+
+def _per_batch(num_ranks: int, batches: int, one_batch: Callable[[int, int], List[Action]]) -> List[List[Action]]:
+    """Per rank, ``one_batch(rank, t)`` for each mini-batch t in turn."""
+    return [[a for t in range(batches) for a in one_batch(rank, t)] for rank in range(num_ranks)]
+
+
+def gpipe(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
+    """All forwards of a mini-batch, then all backwards in micro-batch order (as
+    ``torch.distributed.pipelining.ScheduleGPipe``), then the update."""
+    check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
+    m = microbatches
+
+    def one_batch(stage: int, t: int) -> List[Action]:
+        window = range(t * m, (t + 1) * m)
+        return actions_of(stage, _F, window) + actions_of(stage, _B, window) + [Action(stage, _U, t)]
+
+    return Schedule("gpipe", num_stages, num_stages, batches * m, m, _per_batch(num_stages, batches, one_batch),
+                    synchronous=True, **straight(num_stages))
 
 
 def one_f_one_b_flush(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
     """Stage k runs ``min(N-1-k, M)`` warm-up forwards, then forward/backward pairs, then the
-    remaining backwards, then its update; the same for each of ``batches`` mini-batches.
-
-    Stage k never holds more than ``N-k`` micro-batches' activations (GPipe holds ``M``).
-    """
+    remaining backwards, then its update. Stage k never holds more than ``N-k`` micro-batches'
+    activations (GPipe holds ``M``)."""
     check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
-    orders = []
-    for stage in range(num_stages):
-        warmup = min(num_stages - 1 - stage, microbatches)
-        order = []
-        for t in range(batches):
-            base = t * microbatches
-            order += [F(stage, base + i) for i in range(warmup)]
-            for j in range(microbatches - warmup):
-                order += [F(stage, base + warmup + j), B(stage, base + j)]
-            order += [B(stage, base + j) for j in range(microbatches - warmup, microbatches)]
-            order.append(U(stage, t))
-        orders.append(order)
-    return Schedule("1f1b-flush", num_stages, num_stages, batches * microbatches, microbatches,
-                    orders, synchronous=True, **straight(num_stages))
+    n, m = num_stages, microbatches
+
+    def one_batch(stage: int, t: int) -> List[Action]:
+        window = range(t * m, (t + 1) * m)
+        steps = [[b] for b in actions_of(stage, _B, window)]
+        return one_f_one_b(actions_of(stage, _F, window), steps, min(n - 1 - stage, m)) + [Action(stage, _U, t)]
+
+    return Schedule("1f1b-flush", n, n, batches * m, m, _per_batch(n, batches, one_batch), synchronous=True,
+                    **straight(n))
+
+
+def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2, batches: int = 1) -> Schedule:
+    """Interleaved 1F1B: each rank holds ``v`` model chunks, stage ``c*N + r`` on rank r.
+
+    Micro-batches go through the ranks in groups of N, one chunk at a time, so a rank can start
+    its second chunk while later ranks still work on the first: the bubble shrinks by a factor v
+    at the price of v times more messages. Needs M to be a multiple of N, as Megatron does."""
+    check_positive(stages=num_ranks, microbatches=microbatches, chunks=chunks, batches=batches)
+    if microbatches % num_ranks:
+        raise ValueError(f"interleaved-1f1b needs micro-batches to be a multiple of the ranks "
+                         f"(got M={microbatches}, N={num_ranks}); try micro_batches="
+                         f"{num_ranks * max(1, microbatches // num_ranks)} (--micro-batches)")
+    n, v, m = num_ranks, chunks, microbatches
+    total = m * v  # virtual steps per rank and mini-batch
+
+    def virtual(step: int, backward: bool, rank: int, base: int) -> Action:
+        chunk = (step // n) % v
+        if backward:
+            chunk = v - 1 - chunk
+        micro = (step // (n * v)) * n + step % n
+        return Action(chunk * n + rank, _B if backward else _F, base + micro)
+
+    def one_batch(rank: int, t: int) -> List[Action]:
+        forwards = [virtual(i, False, rank, t * m) for i in range(total)]
+        steps = [[virtual(j, True, rank, t * m)] for j in range(total)]
+        warmup = min((n - rank - 1) * 2 + (v - 1) * n, total)
+        return one_f_one_b(forwards, steps, warmup) + [Action(c * n + rank, _U, t) for c in range(v)]
+
+    stages = n * v
+    return Schedule("interleaved-1f1b", stages, n, batches * m, m, _per_batch(n, batches, one_batch),
+                    stage_to_rank=[s % n for s in range(stages)], pipelines=[list(range(stages))],
+                    synchronous=True, options={"chunks": v})
+
+
+def zb_h1(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al., zero bubble pipeline parallelism): 1F1B with the backward split in two.
+
+    ``I`` computes the input gradient, which the previous stage waits for; ``W`` computes the
+    weight gradient, which nobody waits for. Stage k runs 1F1B with I in place of B and defers
+    its W's by k micro-batches, so the chain of input gradients reaches stage 0 sooner and the
+    deferred W's fill the cool-down. Stage k then holds up to N micro-batches' activations, the
+    same peak as stage 0 of 1F1B: the same memory, a smaller bubble."""
+    check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
+    n, m = num_stages, microbatches
+
+    def one_batch(stage: int, t: int) -> List[Action]:
+        base, delay = t * m, min(stage, m)
+        steps = [[Action(stage, _I, base + j)] + ([Action(stage, _W, base + j - delay)] if j >= delay else [])
+                 for j in range(m)]
+        order = one_f_one_b(actions_of(stage, _F, range(base, base + m)), steps, min(n - 1 - stage, m))
+        return order + actions_of(stage, _W, range(base + m - delay, base + m)) + [Action(stage, _U, t)]
+
+    return Schedule("zb-h1", n, n, batches * m, m, _per_batch(n, batches, one_batch), synchronous=True,
+                    **straight(n))

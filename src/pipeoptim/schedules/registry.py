@@ -6,17 +6,12 @@ from typing import Callable, Dict, Optional
 from .actions import Schedule
 from .async_1f1b import async_1f1b
 from .bidirectional import bidirectional, bitpipe
-from .flush_1f1b import one_f_one_b_flush
-from .gpipe import gpipe
-from .interleaved import interleaved_1f1b
+from .flush_1f1b import gpipe, interleaved_1f1b, one_f_one_b_flush, zb_h1
 from .simulate import Costs, gc_paused
 from .twobw import two_bw
 from .zbv import zb_v
-from .zero_bubble import zb_h1
 
-Builder = Callable[..., Schedule]
-
-_BUILDERS: Dict[str, Builder] = {
+_BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": lambda n, m, t, v, c: gpipe(n, m, t),
     "1f1b-flush": lambda n, m, t, v, c: one_f_one_b_flush(n, m, t),
     "async-1f1b": lambda n, m, t, v, c: async_1f1b(n, t, m),

@@ -1,14 +1,6 @@
-"""Show a simulated schedule: a terminal timeline, a PNG and a Chrome trace (the CSV of
-``torch.distributed.pipelining`` is :mod:`pipeoptim.schedules.csv_io`'s).
-
-* :func:`to_text` draws one row per rank with time flowing right, each action as a box of its
-  compact label scaled by its duration, ``.`` where the rank is idle, and a summary line.
-* :func:`to_png` draws the same timeline with matplotlib (Agg canvas, no pyplot state):
-  forwards blue, backwards orange (``I`` and ``W`` of a split backward in lighter and darker
-  orange), micro-batch numbers on boxes wide enough to hold them, updates as dark ticks.
-* :func:`to_chrome_trace` / :func:`write_chrome_trace` give Chrome / Perfetto trace-event JSON
-  (open it in https://ui.perfetto.dev or ``chrome://tracing``). One simulator unit of cost is
-  written as :data:`TRACE_US_PER_UNIT` microseconds (1000: a cost of 1 shows as 1 ms).
+"""Show a simulated schedule: a terminal timeline (:func:`to_text`), a PNG (:func:`to_png`) and a
+Chrome / Perfetto trace (:func:`to_chrome_trace`; the CSV of ``torch.distributed.pipelining`` is
+:mod:`pipeoptim.schedules.csv_io`'s).
 """
 from __future__ import annotations
 
@@ -29,7 +21,6 @@ KIND_NAMES: Dict[Kind, str] = {
     Kind.W: "weight-grad backward", Kind.U: "update", Kind.E: "evaluation forward",
 }
 
-#: Colours of the PNG: forward blue, backward orange, I and W lighter and darker orange.
 COLORS: Dict[Kind, str] = {
     Kind.F: "#3B75AF", Kind.B: "#EF8636", Kind.I: "#F7B479", Kind.W: "#B5561A", Kind.U: "#1A1A1A",
     Kind.E: "#4C9F50",
@@ -71,14 +62,17 @@ def _plural(count: int, word: str) -> str:
     return word if count == 1 else word + ("es" if word.endswith("h") else "s")
 
 
+def _per_update(s: Schedule, sep: str) -> str:
+    m, u = s.microbatches_per_update, s.num_updates
+    return f"M={m} {_plural(m, 'micro-batch')} per update{sep}{u} {_plural(u, 'update')}"
+
+
 def summary(result: SimResult) -> str:
     """One line: schedule, sizes, makespan, bubble fraction (and its closed form if known)."""
     s = result.schedule
     placement = (f"{s.num_stages} stages" if s.num_stages == s.num_ranks
                  else f"{s.num_stages} stages on {s.num_ranks} ranks")
-    m = s.microbatches_per_update
-    line = (f"{s.name}: {placement}, M={m} {_plural(m, 'micro-batch')} "
-            f"per update, {s.num_updates} {_plural(s.num_updates, 'update')} "
+    line = (f"{s.name}: {placement}, {_per_update(s, ', ')} "
             f"({s.num_microbatches} {_plural(s.num_microbatches, 'micro-batch')}); "
             f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}")
     analytic = analytic_bubble_fraction(s, result.costs)
@@ -243,9 +237,7 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
     s = schedule
     stats = (f"N={s.num_ranks} stages" if s.num_stages == s.num_ranks
              else f"N={s.num_ranks} ranks, {s.num_stages} stages")
-    stats += (f" · M={s.microbatches_per_update} {_plural(s.microbatches_per_update, 'micro-batch')}"
-              f" per update · {s.num_updates} {_plural(s.num_updates, 'update')}"
-              f" · makespan {result.makespan:g} · bubble {result.bubble_fraction:.1%}")
+    stats += f" · {_per_update(s, ' · ')} · makespan {result.makespan:g} · bubble {result.bubble_fraction:.1%}"
     fig.suptitle(title or s.name, fontsize=12, fontweight="bold", y=1 - 0.12 / height_in, va="top")
     ax.set_title(stats, fontsize=9, pad=6)
 

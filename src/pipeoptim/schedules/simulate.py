@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, repeat
 from operator import attrgetter
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Union
 
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 from .deps import dependency_rules, schedule_dependencies
@@ -104,8 +104,7 @@ class SimResult:
 
     @cached_property
     def end_of(self) -> Dict[Action, float]:
-        """When each action ends. Built on first use: no caller in pipeoptim reads it, and a dict
-        keyed by every action is a sizeable share of simulating a large schedule."""
+        """When each action ends (built on first use: a sizeable share of a large simulation)."""
         return {t.action: t.end for t in self.timeline}
 
     @property
@@ -114,10 +113,6 @@ class SimResult:
         if self.makespan == 0:
             return 0.0
         return 1.0 - sum(self.busy) / (self.schedule.num_ranks * self.makespan)
-
-    def throughput(self, samples_per_microbatch: int = 1) -> float:
-        """Micro-batch samples per unit of time."""
-        return self.schedule.num_microbatches * samples_per_microbatch / self.makespan
 
 
 def peak_activations(schedule: Schedule, split: Optional[bool] = None) -> List[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Set, Tuple
 
-from .actions import Action, Kind, Schedule, U, check_positive
+from .actions import Action, Kind, Schedule, check_positive
 
 
 def v_placement(num_ranks: int) -> List[int]:
@@ -80,7 +80,7 @@ def zb_v(num_ranks: int, microbatches: int, batches: int = 1) -> Schedule:
         base = t * m
         for r in range(n):
             orders[r] += [Action(s, kind, base + i) for s, kind, i in one[r]]
-            orders[r] += [U(s, t) for s in sorted((r, 2 * n - 1 - r))]
+            orders[r] += [Action(s, Kind.U, t) for s in sorted((r, 2 * n - 1 - r))]
     stages = 2 * n
     return Schedule("zb-v", stages, n, batches * m, m, orders, stage_to_rank=v_placement(n),
                     pipelines=[list(range(stages))], synchronous=True, options={"chunks": 2})
