@@ -69,9 +69,8 @@ class FitRun:
         self.epoch_rng: Optional[torch.Tensor] = None
         self.batch_base = pipe.batches_done  #: mini-batches fed before this run
         self.probes_seen = [0] * len(pipe.stages)
-        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations
-        # within an epoch (which the epochs' and the run's throughput leave out; as before
-        # eval_every, they include the epoch-end evaluations and the checkpoint writes)
+        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations within
+        # an epoch (the throughputs leave out these only, not epoch-end evaluations or writes)
         self.paused = {"eval": 0.0, "save": 0.0, "mid_eval": 0.0, "mid_eval_epoch": 0.0}
         self.started = self.epoch_start = 0.0
         #: a checkpoint being written in the background (``async_checkpoint``), not named yet
