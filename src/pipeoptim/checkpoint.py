@@ -35,8 +35,7 @@ from .runtime import named_state
 if TYPE_CHECKING:
     from .state_names import StateNames
 
-#: 3: torch's distributed checkpoint, keyed by the model's parameter names (2, before: a file per
-#: stage; 1: torch's positional optimizer state)
+#: 3: torch's distributed checkpoint, keyed by the model's parameter names
 FORMAT = 3
 #: what a checkpoint of each older format holds, for the message that refuses it
 FORMATS = {1: "torch's positional optimizer state", 2: "a file per stage"}
@@ -76,14 +75,12 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def checkpoint_state(stages, rank: int, names: Optional["StateNames"] = None) -> Dict[str, Any]:
-    """What this process writes of a drained pipeline: its stages' weights and their state by
-    parameter name (:mod:`pipeoptim.runtime.named_state`), in torch's distributed checkpoint
-    layout. Tensors go under ``model``, ``optim`` and ``policy`` keyed by the original model's
-    names (a sharded stage's as DTensors, which the checkpoint stores as shards); the rest of each
-    stage's state under ``stages.K``; this process's RNG under ``rng.RANK``. ``names``: the
-    model's state-dict names (a traced model's), so that ``model`` holds every name of a tied
-    weight and no buffer the model does not save: converted by ``dcp_to_torch_save``, it loads
-    into the model's class with ``strict=True``."""
+    """What this process writes of a drained pipeline (the module docstring): tensors under
+    ``model``, ``optim`` and ``policy`` keyed by the original model's names (a sharded stage's as
+    DTensors, stored as shards), the rest of each stage's state under ``stages.K``, this process's
+    RNG under ``rng.RANK``. ``names``: a traced model's state-dict names, so that ``model`` loads
+    into the model's class with ``strict=True`` (every name of a tied weight, no buffer it does
+    not save)."""
     state: Dict[str, Any] = {"model": {}, "optim": {}, "policy": {}, "stages": {}, "rng": {str(rank): rng_state()}}
     for stage in stages:
         if stage.shards is not None:

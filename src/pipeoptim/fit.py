@@ -69,9 +69,8 @@ class FitRun:
         self.epoch_rng: Optional[torch.Tensor] = None
         self.batch_base = pipe.batches_done  #: mini-batches fed before this run
         self.probes_seen = [0] * len(pipe.stages)
-        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations
-        # within an epoch (which the epochs' and the run's throughput leave out; as before
-        # eval_every, they include the epoch-end evaluations and the checkpoint writes)
+        # seconds not spent training: every evaluation, checkpoint writes, and the evaluations within
+        # an epoch (the throughputs leave out these only, not epoch-end evaluations or writes)
         self.paused = {"eval": 0.0, "save": 0.0, "mid_eval": 0.0, "mid_eval_epoch": 0.0}
         self.started = self.epoch_start = 0.0
         #: a checkpoint being written in the background (``async_checkpoint``), not named yet
@@ -231,40 +230,37 @@ class FitRun:
         """Evaluate the drained pipeline and record it (once per point: a drain at the epoch's
         end may already have evaluated); None without anything to evaluate."""
         pipe, settings = self.pipe, self.settings
-        trained = pipe.batches_done - self.batch_base
-        if self.evaluations and self.evaluations[-1]["batch"] == trained:
+        if self.evaluations and self.evaluations[-1]["batch"] == pipe.batches_done - self.batch_base:
             return self.evaluations[-1]["metric"]
         if settings.evaluate is None and settings.eval_loader is None:
             return None
-        seconds = self.train_seconds()
+        record = self.recorder(epoch)
         began = time.perf_counter()
         if settings.evaluate is not None:
             value = pipe.evaluate_model(settings.evaluate)
         else:
             value = pipe.evaluate(settings.eval_loader, settings.metric)
         self.paused["eval"] += time.perf_counter() - began
-        entry = {"epoch": epoch, "batch": trained, "updates": int(pipe.stages[0].policy.version),
-                 "metric": value, "seconds": seconds}
-        self.evaluations.append(entry)
-        if settings.on_eval is not None:
-            settings.on_eval(entry)
+        record(value)
         return value
 
     def evaluation_in_bubbles(self, epoch: int) -> None:
         """Ask for the evaluation of the drained pipeline's weights in the next mini-batch's
-        bubbles (``eval_in_bubbles``); it is recorded, as :meth:`evaluation` records it, once its
-        value is known (its ``seconds``: the training time at this point)."""
-        pipe, settings = self.pipe, self.settings
-        entry = {"epoch": epoch, "batch": pipe.batches_done - self.batch_base,
-                 "updates": int(pipe.stages[0].policy.version), "metric": None, "seconds": self.train_seconds()}
+        bubbles (``eval_in_bubbles``); recorded as :meth:`evaluation` records it, once known."""
+        self.pipe.evaluate_in_bubbles(self.settings.eval_loader, self.settings.metric, on_done=self.recorder(epoch))
+
+    def recorder(self, epoch: int) -> Callable[[float], None]:
+        """The function that records the evaluation at this point once its value is known: its
+        entry (``seconds``: the training time now) among the evaluations, then ``on_eval``."""
+        entry = {"epoch": epoch, "batch": self.pipe.batches_done - self.batch_base,
+                 "updates": int(self.pipe.stages[0].policy.version), "metric": None, "seconds": self.train_seconds()}
 
         def record(value: float) -> None:
             entry["metric"] = value
             self.evaluations.append(entry)
-            if settings.on_eval is not None:
-                settings.on_eval(entry)
-
-        pipe.evaluate_in_bubbles(settings.eval_loader, settings.metric, on_done=record)
+            if self.settings.on_eval is not None:
+                self.settings.on_eval(entry)
+        return record
 
     def save(self, epoch: int, batch: int, rng: Optional[torch.Tensor]) -> None:
         """Checkpoint the drained pipeline at (epoch, batch); ``rng``: the epoch's RNG at its start."""
@@ -314,12 +310,9 @@ class FitRun:
 
 
 def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]:
-    """What one stage measured: weight copies at the peak, trace, updates, seconds per pass, in
-    all (``busy_seconds``, per kind: F, B with both halves of a split one, U) and passes run,
-    diagnostics, device, its messages to its neighbours (per link: bytes, seconds waited), the
-    activations it held (``runtime/held.py``: peak bytes, peak micro-batches in flight), its
-    state's bytes beside the closed form of ``design_versions`` (``runtime/state_memory.py``) and
-    the graphs torch.compile made of its forward (None: eager)."""
+    """What one stage measured (the metrics' per-stage entries): ``busy_seconds`` per kind (F, B
+    with both halves of a split one, U), ``comm`` per link (bytes, seconds waited), ``activations``
+    (``runtime/held.py``), ``state_memory`` beside ``design_versions``' closed form."""
     return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
             "state_memory": state_memory(stage, design_versions),
             "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import inspect
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,17 +37,12 @@ class TraceError(ValueError):
     """The model's forward cannot be exported; the message names the call and the fix."""
 
 
-def as_args(inputs: Any) -> Tuple[Any, ...]:
-    """The forward's positional arguments for a mini-batch's inputs (a tuple means several)."""
-    return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
 def as_call(inputs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """The forward's (positional, keyword) arguments for a mini-batch's inputs: a dict is the
     keyword arguments (``model(**batch)``), anything else the positional ones."""
     if isinstance(inputs, dict):
         return (), dict(inputs)
-    return as_args(inputs), {}
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
 def _dynamic(value: Any) -> Any:
@@ -180,20 +174,8 @@ def candidate_names(model: nn.Module, prefix: str = "") -> List[str]:
     return names
 
 
-def _reads_size(node: fx.Node, of: fx.Node) -> bool:
-    """Whether ``node`` reads a dimension of ``of`` (``aten.sym_size.int``)."""
-    return node.target is torch.ops.aten.sym_size.int and node.args[0] is of
-
-
 def _is_size(value: Any) -> bool:
     return isinstance(value, (torch.SymInt, int, float, bool, torch.SymFloat, torch.SymBool))
-
-
-@dataclass
-class _Boundary:
-    """The values that cross from one stage to the next, in the order they travel."""
-
-    nodes: List[fx.Node]
 
 
 class TracedModel:
@@ -298,13 +280,14 @@ class TracedModel:
         if last_input is not None:
             # a size read off the late input (the batch dimension the export found equal to an
             # input's) is read again, where it is needed, off a tensor the stage holds
-            stage_of = {n: k for n, k in stage_of.items() if not _reads_size(n, last_input)}
+            stage_of = {n: k for n, k in stage_of.items()
+                        if not (n.target is torch.ops.aten.sym_size.int and n.args[0] is last_input)}
             self._check_late(last_input, stage_of, len(sizes))
         boundaries = self._boundaries(stage_of, len(sizes), last_input)
         parts = []
         for k in range(len(sizes)):
-            incoming = [n for n in self.inputs if n is not last_input] if k == 0 else boundaries[k - 1].nodes
-            outgoing = None if k == len(sizes) - 1 else boundaries[k].nodes
+            incoming = [n for n in self.inputs if n is not last_input] if k == 0 else boundaries[k - 1]
+            outgoing = None if k == len(sizes) - 1 else boundaries[k]
             own = [n for n in self.compute if stage_of.get(n) == k]
             graph = self._stage_graph(own, incoming, outgoing, self.names if k == 0 else None,
                                       last_input if outgoing is None else None)
@@ -325,9 +308,9 @@ class TracedModel:
                              f"use, or give the Pipeline a loss_fn (then {self.late!r} is its target)")
 
     def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int,
-                    last_input: Optional[fx.Node] = None) -> List[_Boundary]:
-        """For each cut k -> k+1, the tensors defined at or before stage k and read after it
-        (``last_input`` is the last stage's own: it crosses none)."""
+                    last_input: Optional[fx.Node] = None) -> List[List[fx.Node]]:
+        """For each cut k -> k+1, the tensors defined at or before stage k and read after it, in
+        the order they travel (``last_input`` is the last stage's own: it crosses none)."""
         last_use: Dict[fx.Node, int] = {}
         for node in self.compute + [self.output]:
             reader = stage_of.get(node, stages - 1)
@@ -346,7 +329,7 @@ class TracedModel:
                     raise ValueError(f"{n.format_node()} crosses a stage boundary but is not a tensor "
                                      f"({type(n.meta.get('val')).__name__}); choose split points "
                                      f"where only tensors cross")
-            crossing.append(_Boundary(values))
+            crossing.append(values)
         return crossing
 
     def _stage_graph(self, own: List[fx.Node], incoming: List[fx.Node], outgoing: Optional[List[fx.Node]],
@@ -359,16 +342,12 @@ class TracedModel:
         if late is not None:
             env[late] = graph.placeholder("target")
             env[late].meta = dict(late.meta)
-        if names is not None:
-            for node in incoming:
-                env[node] = graph.call_function(_item, (packed, names[node]))
-                env[node].meta = dict(node.meta)
-        elif len(incoming) == 1:  # one value travels as itself, several as a tuple
+        if names is None and len(incoming) == 1:  # one value travels as itself, several as a tuple
             env[incoming[0]] = packed
             packed.meta = dict(incoming[0].meta)
         else:
             for i, node in enumerate(incoming):
-                env[node] = graph.call_function(_item, (packed, i))
+                env[node] = graph.call_function(_item, (packed, i if names is None else names[node]))
                 env[node].meta = dict(node.meta)
 
         def value(arg: fx.Node) -> fx.Node:
@@ -412,10 +391,9 @@ class TracedModel:
                             read = graph.call_function(torch.ops.aten.sym_size.int, (here, dim))
                             read.meta = dict(node.meta)
                             return read
-        if node.op == "call_function" and node.target is not torch.ops.aten.sym_size.int:
+        if not isinstance(wanted, torch.SymInt) or (node.op == "call_function"
+                                                    and node.target is not torch.ops.aten.sym_size.int):
             return graph.node_copy(node, value)  # e.g. s0 * 8 from s0, read as above
-        if not isinstance(wanted, torch.SymInt):
-            return graph.node_copy(node, value)
         raise ValueError(f"stage needs the size {wanted} ({node.format_node()}) but holds no tensor "
                          f"with that dimension; choose other split points")
 

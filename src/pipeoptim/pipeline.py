@@ -43,7 +43,6 @@ from .world import LocalWorld, OnStageDevices, World, resolve_devices
 __all__ = ["Pipeline", "TrainResult", "OnStageDevices", "resolve_devices", "Batch", "Metric", "CLIP_SCOPES"]
 
 
-
 class Pipeline:
     """A copy of ``model`` split into pipeline stages, trained with ``method``.
 

@@ -85,7 +85,10 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, checked: Che
     spec = resolve(units, stages=stages, partition=sizes, layout=dataclasses.replace(layout, stages=stages), **given)
     parts = traced.stage_modules(spec.partition)
     prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition), traced=traced)
-    _find_ties(traced, prepared)
+    for param, holders in traced.shared_parameters(parts).items():
+        prepared.ties[id(param)] = holders
+        prepared.tied_names[id(param)] = [name for name, p in model.named_parameters(remove_duplicate=False)
+                                          if p is param]
     return prepared
 
 
@@ -93,18 +96,6 @@ def _time_sizes(units: nn.Sequential, example: Any, stages: int) -> List[int]:
     with torch.random.fork_rng(devices=[]):  # dropout while profiling draws from torch's generator
         profile = profile_model(units, example, warmup=1, repeats=3)
     return plan_time_partition(units, stages, profile.layer_costs(include_loss=False))
-
-
-def _find_ties(traced: TracedModel, prepared: PreparedModel) -> None:
-    for param, holders in traced.shared_parameters(prepared.parts).items():
-        prepared.ties[id(param)] = holders
-        prepared.tied_names[id(param)] = [name for name, p in traced.model.named_parameters(remove_duplicate=False)
-                                          if p is param]
-
-
-def _describe_ties(prepared: PreparedModel) -> str:
-    return "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
-                     f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
 
 
 def say_cut(model: nn.Module, prepared: PreparedModel) -> None:
@@ -160,7 +151,9 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
         say_cut(model, prepared)
     devices = world.place(config.devices, spec.stages)
     check_toolchain(checked.backend, devices)
-    check_tie_devices(prepared.ties, _describe_ties(prepared), devices, local=world.processes == 1)
+    described = "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
+                          f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
+    check_tie_devices(prepared.ties, described, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
     rank = world.own_rank(spec.ranks)
     only = None if rank is None else [k for k, r in enumerate(placement) if r == rank]
