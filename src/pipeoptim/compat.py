@@ -111,7 +111,7 @@ def muon_orthogonalize(update: torch.Tensor, coefficients: Sequence[float], step
     """``torch.optim.Muon``'s orthogonalization of a 2-D update: ``steps`` quintic Newton-Schulz
     iterations with ``coefficients`` (a, b, c) in bfloat16, on the update divided by its norm
     (clamped below at ``eps``); a tall matrix is transposed for the iterations and back. The
-    result has the update's shape, in bfloat16. ``weights/muon_direction.py`` computes the
+    result has the update's shape, in bfloat16. ``weights/formulas.py`` (``muon_direction``) computes the
     step's direction with it, so that the prediction runs on the bits the step applied.
 
     Private API: ``torch.optim._muon._zeropower_via_newtonschulz``.
