@@ -11,6 +11,8 @@ from torch import nn
 from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
+from .interfaces import orthogonalizes
+from .probes import PredictionProbes
 from .stage import Stage
 from .tied import Tie, TiedWeights, local_exchanges
 
@@ -143,7 +145,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
             raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
-        if sharded is not None and type(opt).__name__ in ("Muon", "MuonWithAdamW"):
+        if sharded is not None and orthogonalizes(opt):
             raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage sharded over its "
                              "replicas holds in pieces: drop shard_replicas (replicas hold whole matrices) or "
                              "use an elementwise optimizer (AdamW, SGD)")
@@ -151,16 +153,18 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         policy.sharded = sharded is not None
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
+        # every tie of the model, held here or not: each rank makes the same groups
+        tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
+                                   exchange=exchanges[key]) for key, holders in ties.items()],
+                           synchronous=method.synchronous) if ties else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
                       recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
-                      first=k in firsts, last=k in lasts, config=config)
-        stage.shards = sharded
-        if method.mirrored and k >= n // 2:  # the second pipeline's copy of piece k - n/2
-            stage.replica_of = k - n // 2
-        if ties:  # every tie of the model, held here or not: each rank makes the same groups
-            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
-                                             exchange=exchanges[key]) for key, holders in ties.items()],
-                                     synchronous=method.synchronous)
+                      first=k in firsts, last=k in lasts, config=config, shards=sharded, tied=tied,
+                      # a mirrored method's second pipeline: copies of pieces 0 .. n/2 - 1
+                      replica_of=k - n // 2 if method.mirrored and k >= n // 2 else None,
+                      # a model without loss_fn computes its own loss: the labels go into its last module
+                      takes_target=k in lasts and config is not None and config.loss_fn is None,
+                      probes=PredictionProbes(config.diagnose_every if config is not None else 0))
         stages.append(stage)
     return stages

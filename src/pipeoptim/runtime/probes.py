@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..weights.fused import clone_all, norms64
+from .interfaces import PredictsVariants
 
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -43,8 +44,8 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 class PredictionProbes:
     """The probes of one stage's weight policy; ``every`` = 0 is off."""
 
-    def __init__(self) -> None:
-        self.every = 0
+    def __init__(self, every: int = 0) -> None:
+        self.every = every  #: every how many micro-batches (by their number in the run) a probe runs
         #: one row per probed micro-batch, at its backward
         self.rows: List[Dict[str, Any]] = []
         self._open: Dict[int, Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]] = {}
@@ -56,7 +57,7 @@ class PredictionProbes:
         if not self.every or number % self.every:
             return False
         stale = clone_all([p for _, p in policy.named])
-        variants = getattr(policy, "prediction_variants", lambda _: {})(microbatch)
+        variants = policy.prediction_variants(microbatch) if isinstance(policy, PredictsVariants) else {}
         self._open[microbatch] = (stale, variants)
         return True
 

@@ -108,7 +108,7 @@ def copy_to_replicas(stages: Sequence) -> None:
     takes that stage's weights and buffers: after a load, which reads each piece once."""
     by_index = {stage.index: stage for stage in stages}
     for stage in stages:
-        original = by_index.get(getattr(stage, "replica_of", None))
+        original = by_index.get(stage.replica_of)
         if original is None:
             continue
         for mine, theirs in zip(stage.module.state_dict().values(), original.module.state_dict().values()):
