@@ -26,12 +26,10 @@ except AttributeError:  # pragma: no cover
 
 
 class StageParameters(list):
-    """What the optimizer factory is called with: a list of the stage's trainable parameters (so
-    that any ``torch.optim`` class takes it), which also tells factories that treat parameters by
-    the layer they belong to (``--optimizer muon``: hidden matrices apart from embeddings, norms
-    and the output layer) where they come from: ``module``, the stage's slice of the model (its
-    layers under the model's names), and ``holds_output``, whether that slice holds the model's
-    last layer."""
+    """What the optimizer factory is called with: a list of the stage's trainable parameters (any
+    ``torch.optim`` class takes it), which also tells factories that treat parameters by their
+    layer (``--optimizer muon``) where they come from: ``module``, the stage's slice of the model,
+    and ``holds_output``, whether it holds the model's last layer."""
 
     def __init__(self, params: Iterable[nn.Parameter], module: nn.Module, holds_output: bool) -> None:
         super().__init__(params)
@@ -97,19 +95,17 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None,
                  config: Any = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
-    stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
-    moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
-    the backward if ``recompute[k]`` (``pipeoptim.checks.recompute_per_stage``); every stage's forward
-    runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
+    stages (one process of a distributed run). Stage k's layers are moved to ``devices[k]``
+    before its optimizer is made; it recomputes its forward in the backward if ``recompute[k]``;
+    every forward runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
 
-    ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
-    ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
-    stages that read it; only the first of them (the owner) optimizes it (with an asynchronous
-    method, the others read it per micro-batch from the owner: ``runtime/tied.py``). ``shards``:
-    makes the :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module
-    over its replicas (a sharded copy, before its optimizer is made). ``config``: the run's
-    options whole (``pipeoptim.config.PipelineConfig``), handed to every stage; the keywords
-    above are what this run resolved from it (None: stages built by hand, on those alone)."""
+    ``parts``: the stage modules of a model cut otherwise (traced), instead of ``model`` split by
+    ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> those stages; the first
+    owns it (``runtime/tied.py``). ``shards``: makes the
+    :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module over its
+    replicas. ``config``: the run's options whole (``pipeoptim.config.PipelineConfig``), handed
+    to every stage (its ``diagnose_every`` and whether ``loss_fn`` is None read here); the
+    keywords above are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
     exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)

@@ -1,15 +1,12 @@
 """The prediction-error diagnostic of one stage (``diagnose_every``): how far the weights a
 forward ran on were from those live at its backward, against the stale weights' distance.
 
-Every K-th micro-batch (by its number in the run), the stage keeps, at its forward, the weights
-the forward would have used unpredicted (W_stale), those it used (W_used), and with delay
-corrections on, those it would have used with none of them and without each; at its backward it
-measures each against the weights live then (W_b). The copies cost memory and time only on the
-probed micro-batches. Copies and distances are multi-tensor operations over the stage's
-parameters (``weights/fused.py``): the differences are taken in the probe's own copies, in the
-weights' dtype (exact wherever the two values lie within a factor 2 of each other), and their
-norms accumulated in float64. On a sharded stage they run on the DTensors, so the norms are
-the whole stage's.
+Every K-th micro-batch (by its number in the run), the stage keeps at its forward the weights it
+would have used unpredicted (W_stale), those it used (W_used), and with delay corrections on,
+those with none of them and without each; at its backward it measures each against the weights
+live then (W_b). Copies and distances are multi-tensor operations (``weights/fused.py``): the
+differences taken in the probe's own copies, in the weights' dtype, their norms accumulated in
+float64 (on a sharded stage over the DTensors: the whole stage's).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What a stage reports of its passes, kept by the observer it calls after each one: the weight
-version each pass ran on (the version trace), the learning rates each update applied, the busy
-seconds and counts of its passes, and the most bytes of gradients held at an update
+"""What a stage reports of its passes: the observer it calls after each.
+
+The weight version each pass ran on (the version trace), the learning rates each update applied,
+the busy seconds and counts of its passes, and the most bytes of gradients held at an update
 (``runtime/state_memory.py``)."""
 from __future__ import annotations
 

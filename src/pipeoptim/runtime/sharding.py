@@ -1,4 +1,4 @@
-"""Each stage sharded over its data-parallel replicas with torch's FSDP2 (``shard_replicas``).
+"""Each stage sharded over its replicas with torch's FSDP2 (``shard_replicas``).
 
 Under torchrun with N stages x D replicas, stage k's D processes hold one ``fully_shard`` copy of
 the stage module on the "dp" dimension of a 2-D ``DeviceMesh`` ("pp", "dp"): parameters,
@@ -70,14 +70,15 @@ class StageShards:
         self.module = part
         self._named = dict(part.named_parameters())
         if self.synchronous:
-            self._accumulate()
+            self._last_backward(False)
         return part
 
-    def _accumulate(self) -> None:
-        """Backwards before the update keep the weights gathered and the gradients unreduced."""
-        self.module.set_is_last_backward(False)
-        self.module.set_reshard_after_backward(False)
-        self.module.set_requires_gradient_sync(False)
+    def _last_backward(self, last: bool) -> None:
+        """Not ``last``: backwards before the update keep the weights gathered and the gradients
+        unreduced; ``last``: the next backward (or reduction) reduces and frees them."""
+        self.module.set_is_last_backward(last)
+        self.module.set_reshard_after_backward(last)
+        self.module.set_requires_gradient_sync(last)
 
     @torch.no_grad()
     def hold(self, values: Optional[Dict[str, torch.Tensor]]) -> Callable[[], None]:
@@ -125,14 +126,10 @@ class StageShards:
         """Before a synchronous stage's update: reduce-scatter the mini-batch's gradients (averaged
         over the replicas) into the sharded ``.grad`` and free the gathered weights; then back to
         accumulating for the next mini-batch."""
-        if not self.synchronous:
-            return
-        module = self.module
-        module.set_is_last_backward(True)
-        module.set_reshard_after_backward(True)
-        module.set_requires_gradient_sync(True)
-        fsdp_reduce_gradients(module)
-        self._accumulate()
+        if self.synchronous:
+            self._last_backward(True)
+            fsdp_reduce_gradients(self.module)
+            self._last_backward(False)
 
     def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The 2-norm of the whole stage's gradients from the shards (summed over the replicas)."""

@@ -1,5 +1,6 @@
-"""A stage's backward in two halves, ``I`` (:func:`backward_input`: the input gradient now) and
-``W`` (:func:`backward_weight`: the weight gradients later), sharing the forward's graph
+"""A stage's backward in two halves: the input's gradient now, the weights' later.
+
+``I`` (:func:`backward_input`) and ``W`` (:func:`backward_weight`) share the forward's graph
 (docs/architecture.md, "Split backward"). A *boundary* node is one of the input path that also
 leads to a weight (a matrix product whose other operand is a weight, a bias addition, ...); an
 output that does not depend on the stage's input is its own boundary. Each weight gradient is the

@@ -1,9 +1,10 @@
-"""One pipeline stage: runs the compute actions of a schedule, F, B (or its halves I and W) and U,
-on its module, whichever executor calls it (the local executor every stage in one process, the
-distributed one a stage per process). Activations and gradients go in and out as tensors or
-tuples of tensors; the stage never sends anything itself. The weight versions are its policy's;
-what it reports goes to the observers it is given (``runtime/record.py``, ``runtime/probes.py``,
-``runtime/held.py``), and its collaborators are declared in ``runtime/interfaces.py``.
+"""One pipeline stage: its passes F, B (I and W) and U on its module.
+
+Whichever executor calls it (every stage in one process, or one per process), activations and
+gradients go in and out as tensors or tuples of tensors; the stage never sends anything itself.
+The weight versions are its policy's; what it reports goes to the observers it is given
+(``runtime/record.py``, ``runtime/probes.py``, ``runtime/held.py``); what it calls on its
+collaborators is declared in ``runtime/interfaces.py``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from .held import HeldActivations, signature
 from .interfaces import DelayAware, GradientSync, OverlappedSync
 from .probes import PredictionProbes
 from .record import StageRecord, TraceEntry, UpdateEntry  # noqa: F401 (the entries: read here by fit.py)
+from .sharding import StageShards
+from .tied import TiedWeights
 from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
 
 
@@ -38,14 +41,13 @@ def _check_scalar(loss: Any) -> None:
 class Stage:
     """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module.
 
-    Collaborators, given here (None: none): ``shards`` (``runtime/sharding.StageShards``: the
-    module is sharded over the stage's replicas; passes call it directly, with the version they
-    need written into its shards), ``tied`` (``runtime/tied.TiedWeights``: weights shared with
-    other stages, made equal around each update (synchronous methods) or read per micro-batch
-    from their owner (asynchronous ones)), ``grad_sync`` (averages the gradients over the
-    stage's replicas before each update; the world sets it once its groups exist). Observers:
-    ``record`` (trace, updates, seconds, counts), ``probes`` (the prediction-error diagnostic;
-    ``every`` 0: off)."""
+    Collaborators, given here (None: none): ``shards`` (the module sharded over the stage's
+    replicas: passes call it directly, with the version they need written into its shards),
+    ``tied`` (weights shared with other stages, made equal around each update, or read per
+    micro-batch from their owner), ``grad_sync`` (the gradients reduced over the stage's replicas
+    before each update; the world sets it once its groups exist). Observers: ``record`` (trace,
+    updates, seconds, counts), ``probes`` (the prediction-error diagnostic), ``held`` (the
+    activations held per micro-batch in flight)."""
 
     def __init__(self, index: int, num_stages: int, module: nn.Module,
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
@@ -54,25 +56,22 @@ class Stage:
                  precision: str = "fp32", device: Optional[torch.device] = None,
                  recompute: bool = False, compile: Optional[str] = None,
                  first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None,
-                 shards: Optional[Any] = None, tied: Optional[Any] = None, replica_of: Optional[int] = None,
-                 takes_target: bool = False, grad_sync: Optional[GradientSync] = None,
-                 record: Optional[StageRecord] = None, probes: Optional[PredictionProbes] = None) -> None:
+                 shards: Optional[StageShards] = None, tied: Optional[TiedWeights] = None,
+                 replica_of: Optional[int] = None, takes_target: bool = False,
+                 grad_sync: Optional[GradientSync] = None, record: Optional[StageRecord] = None,
+                 probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.config = config  #: the run's options whole (pipeoptim.config.PipelineConfig; None: built by hand)
         self.index, self.num_stages = index, num_stages
         self.module, self.optimizer, self.policy, self.loss_fn = module, optimizer, policy, loss_fn
-        #: stepped right after every update, so that update j has the same lr on every stage
-        self.scheduler = scheduler
-        #: per-stage gradient clipping (max norm) before each update; None: no clipping
-        self.clip_grad_norm = clip_grad_norm
+        self.scheduler = scheduler  #: stepped right after every update (update j: the same lr on every stage)
+        self.clip_grad_norm = clip_grad_norm  #: per-stage clipping (max norm) before each update; None: none
         self.precision = precision
         #: where this stage's parameters live and its passes run; inputs are moved here
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        #: keep only the input of each micro-batch in flight and run the forward again in its
-        #: backward (``runtime/recompute.py``)
+        #: keep only the input of each micro-batch in flight; rerun the forward in its backward
         self.recompute = recompute
-        #: the forward through torch.compile with this backend (``runtime/compiled.py``); None: eager
         self.compiled = CompiledForward(module, compile) if compile else None
         self.shards, self.tied, self.grad_sync = shards, tied, grad_sync
         #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
@@ -82,23 +81,18 @@ class Stage:
         #: a bidirectional run's second-pipeline stage: the index of the stage whose piece it copies
         self.replica_of = replica_of
         #: the last stage's module takes the target as a second argument (a model that computes
-        #: its own loss from the labels: they reach it the way a target does, and only it)
+        #: its own loss from the labels)
         self.takes_target = takes_target
-        self.record = record if record is not None else StageRecord(index)
-        self.trace, self.updates = self.record.trace, self.record.updates
-        self.time, self.count = self.record.time, self.record.count
+        self.record = record = record if record is not None else StageRecord(index)
+        self.trace, self.updates, self.time, self.count = record.trace, record.updates, record.time, record.count
         self.probes = probes if probes is not None else PredictionProbes()
-        #: the activations held per micro-batch in flight, measured (``runtime/held.py``)
-        self.held = HeldActivations()
-        #: added to schedule-local micro-batch numbers in the trace (micro-batches of earlier
-        #: epochs; the executor sets it per segment)
-        self.trace_offset = 0
+        self.held = held if held is not None else HeldActivations()
+        self.trace_offset = 0  #: added to the micro-batch numbers in the trace (set per segment)
         #: how stale the next update's gradients are (what error feedback and a delay-aware optimizer read)
         self.delays = GradientDelay()
         self._buffers: Optional[List[torch.Tensor]] = None
         self._kept_bytes: Dict[int, int] = {}
-        #: per micro-batch in flight: the tied weights' values from their owner (a holder's own
-        #: leaves, docs/architecture.md, "Tied weights")
+        #: per micro-batch in flight: the tied weights' values from their owner (a holder's own leaves)
         self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
         self._synced = False
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
@@ -178,10 +172,9 @@ class Stage:
         return detach_for_send(output)
 
     def _keep_forward_values(self, microbatch: int, use: WeightUse) -> Optional[recompute.KeptValues]:
-        """What the recomputation of this forward runs on: nothing to keep where the forward's
-        tensors still hold its values at the backward, else a copy (counted as a weight copy).
-        A sharded stage copies the weights FSDP gathers for this forward, as it gathers them
-        (whole, not a shard: its recomputation writes them where FSDP gathered the backward's)."""
+        """What the recomputation of this forward runs on: nothing where the forward's tensors
+        still hold its values at the backward, else a copy (a sharded stage's: of the weights
+        FSDP gathers for this forward, whole, written back where FSDP gathers the backward's)."""
         if use.direct or self.policy.forward_weights_kept(microbatch, use):
             return None
         if self.shards is not None:
@@ -195,8 +188,8 @@ class Stage:
             self.policy.recompute_copy_bytes += size
 
     def autocast(self):
-        """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;
-        parameters, gradients, optimizer state and the prediction stay fp32)."""
+        """The autocast context of this stage's passes (bf16: ``torch.autocast``; parameters,
+        gradients, optimizer state and the prediction stay fp32)."""
         if self.precision == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
