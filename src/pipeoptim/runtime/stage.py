@@ -74,6 +74,7 @@ class Stage:
         self.recompute = recompute
         self.compiled = CompiledForward(module, compile) if compile else None
         self.shards, self.tied, self.grad_sync = shards, tied, grad_sync
+        self._delay_aware = isinstance(optimizer, DelayAware)  # (a Protocol test costs tens of us: once)
         #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
         #: method's second pipeline starts and ends too)
         self.is_first = index == 0 if first is None else first
@@ -98,6 +99,15 @@ class Stage:
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
         #: micro-batches whose input half ran and whose weight half has not (split backward)
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
+
+    @property
+    def grad_sync(self) -> Optional[GradientSync]:
+        return self._grad_sync
+
+    @grad_sync.setter
+    def grad_sync(self, sync: Optional[GradientSync]) -> None:
+        self._grad_sync = sync
+        self._overlapped = sync if isinstance(sync, OverlappedSync) else None
 
     @property
     def grad_bytes_peak(self) -> int:
@@ -256,7 +266,7 @@ class Stage:
         try:
             with scope:
                 split_backward.backward_weight(pending, weight_grads.announce_groups(
-                    self.grad_sync.ready_all, use, self.parameters()) if overlap else None)
+                    self._overlapped.ready_all, use, self.parameters()) if overlap else None)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -277,13 +287,13 @@ class Stage:
 
     def _overlapping(self) -> bool:
         """Whether the gradients are reduced over the replicas as this backward makes them final."""
-        return isinstance(self.grad_sync, OverlappedSync) and self.grad_sync.overlapping
+        return self._overlapped is not None and self._overlapped.overlapping
 
     def _announce(self, use: WeightUse) -> List[Any]:
         """The hooks that announce each parameter's final gradient to an overlapping sync."""
         if not self._overlapping():
             return []
-        return weight_grads.announce_on_accumulate(self.grad_sync.ready, use, self.parameters(), self.policy.named)
+        return weight_grads.announce_on_accumulate(self._overlapped.ready, use, self.parameters(), self.policy.named)
 
     def _hold_backward_values(self, microbatch: int, use: WeightUse, used: WeightUse) -> Callable[[], None]:
         """A sharded stage: the backward's version (and the owner's tied values of
@@ -352,7 +362,7 @@ class Stage:
                 g["lr"] = g["lr"] / divisor
         self.record.updating(self.policy.version, tuple(float(g["lr"]) for g in groups), nbytes(self.grads()))
         delay, feedback = self.delays.take(self.policy.version), self.policy.feedback
-        if isinstance(self.optimizer, DelayAware):
+        if self._delay_aware:
             self.optimizer.set_pipeline_delay(delay)
         if feedback is not None:
             feedback.before_step()
@@ -383,8 +393,7 @@ class Stage:
         itself)."""
         if not self._synced:
             if self.grad_sync is not None:  # a synchronous method's copy of a weight another stage owns
-                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] \
-                    if self.tied is not None and self.tied.synchronous else []
+                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied is not None else []
                 self.grad_sync(self.parameters() + held)
             if self.tied is not None:
                 self.tied.before_update()

@@ -128,8 +128,8 @@ class TiedWeights:
         self.synchronous = synchronous
 
     def held(self) -> List[Tie]:
-        """The ties this stage holds a copy of in a run of one process per stage."""
-        return [t for t in self.ties if t.param is not None and t.group is not None]
+        """Synchronous methods: the ties this stage holds a copy of in a run of one process per stage."""
+        return [t for t in self.ties if t.param is not None and t.group is not None] if self.synchronous else []
 
     def read_not_owned(self) -> List[nn.Parameter]:
         """Synchronous methods: the tied weights this stage reads and another owns (the owner's
@@ -140,8 +140,6 @@ class TiedWeights:
 
     def before_update(self) -> None:
         """Synchronous methods: the holders' gradients summed into the owner's (a holder's dropped)."""
-        if not self.synchronous:
-            return
         for tie in self.held():
             p = tie.param
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -151,8 +149,6 @@ class TiedWeights:
     @torch.no_grad()
     def after_update(self) -> None:
         """Synchronous methods: every holder's copy takes the owner's value after its update."""
-        if not self.synchronous:
-            return
         for tie in self.held():
             _from_owner(tie)
 

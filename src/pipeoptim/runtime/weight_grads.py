@@ -24,15 +24,10 @@ def collect(use: WeightUse, named: Named) -> None:
         return  # autograd accumulated into the parameters' own .grad
     by_name = dict(named)
     for name, tensor in use.weights.items():
-        grad = tensor.grad
-        if grad is None:
-            continue
-        param = by_name[name]
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
-        tensor.grad = None
+        if tensor.grad is not None:
+            param = by_name[name]
+            param.grad = tensor.grad if param.grad is None else param.grad.add_(tensor.grad)
+            tensor.grad = None
 
 
 def announce_on_accumulate(ready: Callable[[torch.Tensor], None], use: WeightUse,
