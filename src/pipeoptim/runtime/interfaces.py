@@ -45,7 +45,8 @@ class PredictsVariants(Protocol):
 
 @runtime_checkable
 class ComposedOptimizer(Protocol):
-    """An optimizer made of others, whose groups are its own (``muon_adamw.MuonWithAdamW``)."""
+    """An optimizer made of others, whose groups are its own (``muon_adamw.MuonWithAdamW``: Muon
+    on a stage's matrices, AdamW on the rest)."""
 
     parts: List[torch.optim.Optimizer]
 
@@ -55,6 +56,7 @@ MUON = getattr(torch.optim, "Muon", ())
 
 
 def orthogonalizes(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is, or is made of, torch's Muon, which needs each matrix whole."""
-    parts = optimizer.parts if isinstance(optimizer, ComposedOptimizer) else [optimizer]
-    return any(isinstance(part, MUON) for part in parts)
+    """Whether ``optimizer`` is torch's Muon, or made of parts (Muon with AdamW), which needs each
+    matrix whole. A composed one counts whatever its parts on this stage (a stage without
+    matrices has no Muon part): every rank must refuse a sharded run alike."""
+    return isinstance(optimizer, (MUON, ComposedOptimizer))
