@@ -179,10 +179,11 @@ class WindowLosses(dict):
 
 def add_halves(halves: Sequence[float]) -> float:
     """A bidirectional window's loss from its two pipelines' sums (first pipeline first)."""
-    return _float_sum(list(halves))
+    return _float_sum(halves)
 
 
-def _float_sum(values: List[Any]) -> float:
+def _float_sum(values: Sequence[Any]) -> float:
+    """The float sum of ``values``, in order."""
     total = 0.0
     for value in values:
         total += float(value)

@@ -109,11 +109,6 @@ class Stage:
         self._grad_sync = sync
         self._overlapped = sync if isinstance(sync, OverlappedSync) else None
 
-    @property
-    def grad_bytes_peak(self) -> int:
-        """The most bytes of gradients held at an update (``runtime/state_memory.py``)."""
-        return self.record.grad_bytes_peak
-
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0) -> Activation:

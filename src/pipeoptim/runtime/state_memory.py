@@ -27,7 +27,7 @@ def state_memory(stage: Any, design_versions: int) -> Dict[str, int]:
     ``weights_closed_form`` (parameters x ``design_versions``) and ``total``."""
     parameters = stage.policy.param_bytes  # the trained parameters' bytes, as the policy counts them
     copies = int(stage.policy.copy_bytes_peak)
-    report = {"parameters": parameters, "gradients": int(stage.grad_bytes_peak),
+    report = {"parameters": parameters, "gradients": int(stage.record.grad_bytes_peak),
               "optimizer": optimizer_state_bytes(stage.optimizer), "weight_copies": copies,
               "weights": parameters + copies, "weights_closed_form": parameters * design_versions}
     report["total"] = report["weights"] + report["gradients"] + report["optimizer"]
