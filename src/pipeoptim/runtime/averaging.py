@@ -17,18 +17,13 @@ class GradientAverager:
     across replicas: ``all_reduce`` (sum, then divided by the number of replicas) on the group of
     that stage's ranks, before every update.
 
-    Overlapped with the backward: during the backward of the last micro-batch before an update
-    (:meth:`overlap`), each parameter is announced (:meth:`ready`) as soon as autograd has its final
-    gradient, and every ``bucket_bytes`` of them are reduced asynchronously while the rest of the
-    backward runs; the update (:meth:`__call__`) reduces what is left and waits for all. Every
-    replica runs the same graph, so the buckets go out in the same order on every rank.
-
-    A split backward's weight half (``W``) computes its gradients group by group with
-    ``torch.autograd.grad`` and accumulates them itself, so no autograd hook sees them: the
-    executor calls :meth:`overlap` before the last ``W`` before an update as before the last
-    ``B``, and the stage announces each group's parameters with :meth:`ready_all` once their
-    gradients are accumulated (``Stage.backward_weight``; until it does, everything is reduced at
-    the update, as without overlap)."""
+    Overlapped with the backward: during the last backward before an update (:meth:`overlap`),
+    each parameter is announced (:meth:`ready`) as soon as autograd has its final gradient, and
+    every ``bucket_bytes`` of them are reduced asynchronously while the rest of the backward
+    runs; the update (:meth:`__call__`) reduces what is left and waits for all. Every replica runs
+    the same graph, so the buckets go out in the same order on every rank. A split backward's
+    weight half accumulates its gradients itself, unseen by autograd's hooks: the stage announces
+    each weight group with :meth:`ready_all` once it is accumulated (``Stage.backward_weight``)."""
 
     #: gradient bytes per asynchronous reduction (the default of new averagers)
     bucket_bytes = 1 << 22
@@ -40,16 +35,20 @@ class GradientAverager:
         self.group, self.replicas, self.timeout, self.mean = group, replicas, timeout, mean
         if bucket_bytes is not None:
             self.bucket_bytes = bucket_bytes
+        self.overlapping = False
+        self._reset()
+
+    def _reset(self) -> None:
         self._bucket: List[torch.Tensor] = []
         self._bucket_size = 0  # bytes of the gradients in _bucket
         self._in_flight: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
         self._sent: Dict[int, torch.Tensor] = {}
-        self.overlapping = False
 
     def close(self) -> None:
         """Forget the group and any reduction in flight (the process's part of the job ended;
         see :meth:`PipeComm.close`)."""
-        self.group, self._bucket, self._bucket_size, self._in_flight, self._sent = None, [], 0, [], {}
+        self.group = None
+        self._reset()
 
     def overlap(self) -> None:
         """The next backward is the last before an update: reduce gradients as they are final."""
@@ -65,25 +64,23 @@ class GradientAverager:
         self._bucket.append(param)
         self._bucket_size += param.numel() * param.element_size()
         if self._bucket_size >= self.bucket_bytes:
-            self._launch(self._bucket)
-            self._bucket, self._bucket_size = [], 0
+            self.launch_bucketed()
 
     def ready_all(self, params: Sequence[torch.Tensor]) -> None:
-        """Each of ``params`` has its final gradient for this update (a weight group of a split
-        backward's weight half, accumulated), in the order every replica announces them."""
+        """Each of ``params`` has its final gradient for this update, in the order every replica
+        announces them."""
         for param in params:
             self.ready(param)
 
     def launch_bucketed(self) -> None:
         """Start reducing the gradients announced but not sent yet (a bucket smaller than
-        ``bucket_bytes``): the caller knows no more will come before the update."""
+        ``bucket_bytes``: the caller knows no more will come before the update)."""
         if self._bucket:
             self._launch(self._bucket)
             self._bucket, self._bucket_size = [], 0
 
     def _launch(self, params: List[torch.Tensor]) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = flatten_dense(grads)
+        flat = flatten_dense(_grads(params))
         try:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -95,8 +92,7 @@ class GradientAverager:
     def _fail(self, error: BaseException) -> PipelineCommError:
         return PipelineCommError(
             f"{'averaging' if self.mean else 'summing'} gradients over the {self.replicas} replicas of this "
-            f"stage failed: "
-            f"{reason(error)}. A replica hung, died or is slower than the timeout ({self.timeout:g} s)")
+            f"stage failed: {reason(error)}. A replica hung, died or is slower than the timeout ({self.timeout:g} s)")
 
     def __call__(self, params: Sequence[torch.Tensor]) -> None:
         """Before the update: reduce what was not sent yet, wait for all, divide (``mean``)."""
@@ -109,11 +105,15 @@ class GradientAverager:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
                 if self.mean:
                     flat.div_(self.replicas)
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-                for p, g in zip(group, unflatten_dense(flat, grads)):
+                for p, g in zip(group, unflatten_dense(flat, _grads(group))):
                     p.grad = g
         except RuntimeError as error:
             raise self._fail(error) from error
         finally:
-            self._bucket, self._bucket_size, self._in_flight, self._sent = [], 0, [], {}
+            self._reset()
             self.overlapping = False
+
+
+def _grads(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each parameter's gradient (zeros where it has none: every replica reduces the same tensors)."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -11,6 +11,8 @@ from torch import nn
 from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
+from .interfaces import orthogonalizes
+from .probes import PredictionProbes
 from .stage import Stage
 from .tied import Tie, TiedWeights, local_exchanges
 
@@ -24,12 +26,10 @@ except AttributeError:  # pragma: no cover
 
 
 class StageParameters(list):
-    """What the optimizer factory is called with: a list of the stage's trainable parameters (so
-    that any ``torch.optim`` class takes it), which also tells factories that treat parameters by
-    the layer they belong to (``--optimizer muon``: hidden matrices apart from embeddings, norms
-    and the output layer) where they come from: ``module``, the stage's slice of the model (its
-    layers under the model's names), and ``holds_output``, whether that slice holds the model's
-    last layer."""
+    """What the optimizer factory is called with: a list of the stage's trainable parameters (any
+    ``torch.optim`` class takes it), which also tells factories that treat parameters by their
+    layer (``--optimizer muon``) where they come from: ``module``, the stage's slice of the model,
+    and ``holds_output``, whether it holds the model's last layer."""
 
     def __init__(self, params: Iterable[nn.Parameter], module: nn.Module, holds_output: bool) -> None:
         super().__init__(params)
@@ -95,19 +95,17 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None,
                  config: Any = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
-    stages (one process of a distributed run); the others are left out of the list. Stage k's layers are
-    moved to ``devices[k]`` before its optimizer is made; stage k recomputes its forward in
-    the backward if ``recompute[k]`` (``pipeoptim.checks.recompute_per_stage``); every stage's forward
-    runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
+    stages (one process of a distributed run). Stage k's layers are moved to ``devices[k]``
+    before its optimizer is made; it recomputes its forward in the backward if ``recompute[k]``;
+    every forward runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
 
-    ``parts``: the stage modules when the model was cut otherwise (a traced model), instead of
-    ``model`` split by ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> the
-    stages that read it; only the first of them (the owner) optimizes it (with an asynchronous
-    method, the others read it per micro-batch from the owner: ``runtime/tied.py``). ``shards``:
-    makes the :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module
-    over its replicas (a sharded copy, before its optimizer is made). ``config``: the run's
-    options whole (``pipeoptim.config.PipelineConfig``), handed to every stage; the keywords
-    above are what this run resolved from it (None: stages built by hand, on those alone)."""
+    ``parts``: the stage modules of a model cut otherwise (traced), instead of ``model`` split by
+    ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> those stages; the first
+    owns it (``runtime/tied.py``). ``shards``: makes the
+    :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module over its
+    replicas. ``config``: the run's options whole (``pipeoptim.config.PipelineConfig``), handed
+    to every stage (its ``diagnose_every`` and whether ``loss_fn`` is None read here); the
+    keywords above are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
     exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
@@ -143,7 +141,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
             raise ValueError(f"stage {k} ({what} {sum(sizes[:k])}..{sum(sizes[:k + 1]) - 1}) has no "
                              f"trainable parameters of its own; choose another partition (or split points)")
         opt = make_optimizer(optimizer, params, k)
-        if sharded is not None and type(opt).__name__ in ("Muon", "MuonWithAdamW"):
+        if sharded is not None and orthogonalizes(opt):
             raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage sharded over its "
                              "replicas holds in pieces: drop shard_replicas (replicas hold whole matrices) or "
                              "use an elementwise optimizer (AdamW, SGD)")
@@ -151,16 +149,18 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         policy.sharded = sharded is not None
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
+        # every tie of the model, held here or not: each rank makes the same groups
+        tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
+                                   exchange=exchanges[key]) for key, holders in ties.items()],
+                           synchronous=method.synchronous) if ties else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
                       recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
-                      first=k in firsts, last=k in lasts, config=config)
-        stage.shards = sharded
-        if method.mirrored and k >= n // 2:  # the second pipeline's copy of piece k - n/2
-            stage.replica_of = k - n // 2
-        if ties:  # every tie of the model, held here or not: each rank makes the same groups
-            stage.tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
-                                             exchange=exchanges[key]) for key, holders in ties.items()],
-                                     synchronous=method.synchronous)
+                      first=k in firsts, last=k in lasts, config=config, shards=sharded, tied=tied,
+                      # a mirrored method's second pipeline: copies of pieces 0 .. n/2 - 1
+                      replica_of=k - n // 2 if method.mirrored and k >= n // 2 else None,
+                      # a model without loss_fn computes its own loss: the labels go into its last module
+                      takes_target=k in lasts and config is not None and config.loss_fn is None,
+                      probes=PredictionProbes(config.diagnose_every if config is not None else 0))
         stages.append(stage)
     return stages

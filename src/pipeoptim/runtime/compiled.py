@@ -1,25 +1,15 @@
-"""Compiled stages: a stage's forward through ``torch.compile``, its compilations counted.
+"""A stage's forward through ``torch.compile``, its compilations counted.
 
-A stage runs each pass on the weight version the method hands it, a dict of tensors given to
-``torch.func.functional_call`` (or, for a synchronous method, the module's own parameters). The
-compiled function takes those tensors as graph inputs, so a pass on another version runs the
-same graph: dynamo guards on each tensor's dtype, shape, strides and ``requires_grad``, never on
-its values or identity. What does recompile: the first mini-batch of another size (or a sequence
-of another length), once, after which torch marks that dimension dynamic; a change of autocast
-or grad mode. Each compilation of a stage calls its backend once, and :class:`CompiledForward`
-counts those calls (``compilations``), so that a test can assert that swapping versions costs
-none.
-
-Each stage compiles its own copy of the pass function (a fresh code object): dynamo keeps its
-cache of graphs per code object, limited to ``recompile_limit`` entries (8), and stages sharing
-one code object would fill that cache together and fall back to eager without an error. The
-compiled graphs themselves are still shared where two stages trace the same graph: inductor's
-on-disk cache finds the second by its hash (a few tenths of a second instead of seconds).
-
-The backward of a compiled forward is one graph (AOT autograd's), which computes the input's
-and the weights' gradients together; a split backward (zb-h1, zb-v) therefore computes both in
-its input half and hands the weights' on in its weight half (``runtime/split_backward.py``,
-:func:`~pipeoptim.runtime.split_backward.backward_together`)."""
+The compiled function takes the weight version of each pass (the tensors given to
+``functional_call``, or the module's own parameters) as graph inputs, so a pass on another
+version runs the same graph: dynamo guards on each tensor's dtype, shape, strides and
+``requires_grad``, never on its values. Recompiling: the first mini-batch of another size, once
+(torch then marks that dimension dynamic); a change of autocast or grad mode.
+:class:`CompiledForward` counts its backend's calls (``compilations``). Each stage compiles its
+own copy of the pass function: dynamo's cache of graphs is per code object and limited to 8
+entries, which stages sharing one would fill together and fall back to eager without an error.
+The backward of a compiled forward is one graph: a split backward computes both halves in its
+input half (``split_backward.backward_together``)."""
 from __future__ import annotations
 
 import os
@@ -38,9 +28,6 @@ from .defaults import COMPILE_BACKENDS
 #: what ``compile=True`` means: torch's default backend
 DEFAULT_BACKEND = "inductor"
 
-#: the backends the command line offers (any name torch.compile knows works in the API)
-BACKENDS = COMPILE_BACKENDS
-
 
 def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
     """The backend that ``Pipeline(compile=...)`` names: None (off) for False/None, the default
@@ -51,12 +38,12 @@ def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
         return DEFAULT_BACKEND
     if not isinstance(compile, str):
         raise ValueError(f"compile must be True, False or a torch.compile backend's name "
-                         f"({', '.join(BACKENDS)}), got {compile!r}")
+                         f"({', '.join(COMPILE_BACKENDS)}), got {compile!r}")
     try:
         compile_backend(compile)
     except Exception:  # torch raises its own InvalidBackend; any failure means the same to the user
         raise ValueError(f"compile={compile!r}: torch.compile has no backend of that name; use one of "
-                         f"{', '.join(BACKENDS)} (or True for {DEFAULT_BACKEND})") from None
+                         f"{', '.join(COMPILE_BACKENDS)} (or True for {DEFAULT_BACKEND})") from None
     return compile
 
 

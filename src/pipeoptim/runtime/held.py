@@ -1,24 +1,13 @@
-"""The activations a stage holds, measured from the tensors it keeps (not the process's memory).
+"""The activations a stage holds, measured from the tensors it keeps.
 
-Per micro-batch in flight a stage keeps what autograd saved in its forward (recorded by a
-``saved_tensors_hooks`` pack hook; under recomputation only what torch's checkpoint saves, the
-stage's input), the received input (a stage after the first) and its output (a stage before the
-last), until the micro-batch's backward frees them (a split backward: its weight half). The
-weights and buffers the forward ran on are not activations and are left out. A tensor counts
-the bytes its view spans in its storage, and the tensors of one micro-batch that share a
-storage count the span of their union once (a ReLU's saved output is the next linear layer's
-saved input; a micro-batch that is a slice of the mini-batch counts its own rows, not the whole
-mini-batch's).
-
-:class:`HeldActivations` sums these over the micro-batches in flight and keeps the peak over the
-stage's life: the measured figure that the planner's prediction (the simulator's peak count of
-micro-batches in flight x the bytes one micro-batch holds, :meth:`ModelProfile.held_bytes`) is
-read against.
-
-Measuring costs a Python call per saved tensor (8 % of a pipelined LM step on the local runtime),
-so a micro-batch whose inputs have a shape already measured twice, with the same bytes both
-times, is counted at those bytes without the hooks; a shape whose two measurements differ (a
-model whose saved tensors depend on the data) is measured every time.
+Per micro-batch in flight: what autograd saved in its forward (a ``saved_tensors_hooks`` pack
+hook; under recomputation only the stage's input), the received input and its output, until its
+backward frees them; the weights and buffers the forward ran on are left out. A tensor counts
+the bytes its view spans in its storage, and the tensors of one micro-batch that share a storage
+count the span of their union once. :class:`HeldActivations` keeps the sum over the micro-batches
+in flight and its peak, what the planner's prediction (:meth:`ModelProfile.held_bytes`) is read
+against. The hooks cost a Python call per saved tensor (8 % of a pipelined LM step), so a
+micro-batch whose input shape was measured twice with the same bytes is counted without them.
 """
 from __future__ import annotations
 
@@ -43,9 +32,8 @@ def _span(t: torch.Tensor) -> Span:
 
 
 def signature(*values: Any) -> Optional[Tuple[Any, ...]]:
-    """The shapes, dtypes and devices of a micro-batch's tensors, what the bytes it holds depend
-    on (tuples, lists and dicts of them, None and numbers); None for anything else (measured
-    every time)."""
+    """The shapes, dtypes and devices of a micro-batch's tensors (in tuples, lists and dicts, with
+    None and numbers), what the bytes it holds depend on; None for anything else."""
     def sign(value: Any) -> Any:
         if torch.is_tensor(value):
             return (tuple(value.shape), value.dtype, value.device)
@@ -102,11 +90,9 @@ class HeldActivations:
     @contextlib.contextmanager
     def forward(self, microbatch: int, weights: Callable[[], Iterable[torch.Tensor]] | Iterable[torch.Tensor],
                 signature: Optional[Hashable] = None, refresh: bool = False) -> Iterator[None]:
-        """Record what autograd saves within the block for ``microbatch`` (``weights``, or a
-        function that gives them: the parameters and buffers it runs on, left out; ``refresh``:
-        they change within the block, so ask again for a tensor not known as one). ``signature``
-        (the shapes and dtypes of its inputs) lets a micro-batch of a shape already measured alike
-        twice skip the hooks."""
+        """Record what autograd saves within the block for ``microbatch``, less ``weights`` (or a
+        function that gives them, asked again for an unknown tensor with ``refresh``); a known
+        ``signature`` skips the hooks."""
         known = self.known_bytes(signature)
         if known is not None:
             self._known[microbatch] = known
@@ -127,13 +113,9 @@ class HeldActivations:
         def pack(t: torch.Tensor) -> torch.Tensor:
             if not is_weight(t):
                 saved.append(t)
-            # A detached alias (same storage, same version counter), not ``t``: a saved output
-            # (ReLU's result) points to the node that saves it (its grad_fn), so keeping ``t``
-            # would make node -> saved value -> grad_fn -> node, a cycle of C++ references that
-            # Python's collector cannot see. Autograd breaks it only when it runs the node without
-            # retain_graph; a split backward runs the input path's nodes with it and never again,
-            # so every micro-batch's graph leaked (measured: 9 MB per mini-batch on the last stage
-            # of benchmarks/peer_throughput.py's zb-h1, thousands of page faults per mini-batch).
+            # A detached alias, not ``t``: a saved output points to the node that saves it, so
+            # keeping ``t`` makes a cycle of C++ references Python's collector cannot see, which
+            # a split backward (retain_graph) never breaks: every micro-batch's graph leaked.
             return t.detach()
 
         try:
@@ -147,8 +129,7 @@ class HeldActivations:
             saved.clear()
 
     def keep(self, microbatch: int, tensors: Iterable[Any]) -> None:
-        """Also count ``tensors`` (the received input, the output) for ``microbatch``, then
-        close its count: the bytes it holds join the stage's sum."""
+        """Also count ``tensors`` (the received input, the output) for ``microbatch``, then close its count."""
         if microbatch in self._known:
             held = self._known.pop(microbatch)
         else:

@@ -1,5 +1,5 @@
-"""Splitting mini-batches into micro-batches (inputs may be tuples of tensors, or a dict of the
-forward's keyword tensors)."""
+"""Splitting mini-batches into micro-batches: inputs may be tuples of tensors, or a dict of the
+forward's keyword tensors."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple

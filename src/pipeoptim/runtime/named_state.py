@@ -1,15 +1,11 @@
-"""A stage's state keyed by parameter names, so that it loads into another partition.
+"""A stage's state keyed by parameter names, to load into another partition.
 
-``torch.optim`` keys optimizer state by a parameter's position in the optimizer; a stage's
-position depends on the partition. Here every per-parameter entry (optimizer state, the
-predictor's stored directions, ``delta="ema"``'s averages) is keyed by the parameter's name in
-the whole model, and every per-group entry (hyper-parameters, the scheduler's base and last learning rates, the lr of the
-predictor's last step) by the name of the group's first parameter. Loading looks each of the new
-stages' parameters and groups up by those names, wherever they were before.
-
-The state is taken at a drained point: every stage has applied the same updates (synchronous
-methods after every mini-batch, asynchronous ones after a flush), so the weight version and the
-scheduler's position of any stage hold for all.
+``torch.optim`` keys optimizer state by a parameter's position, which depends on the partition.
+Here every per-parameter entry (optimizer state, the predictor's stored directions, ``ema``'s
+averages) is keyed by the parameter's name in the whole model, and every per-group entry
+(hyper-parameters, the scheduler's learning rates, the lr of the predictor's last step) by the
+name of the group's first parameter. The state is taken at a drained point, where every stage has
+applied the same updates, so the weight version and the scheduler's position of any stage hold for all.
 """
 from __future__ import annotations
 
@@ -102,27 +98,27 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
             stage.scheduler.load_state_dict(scheduler)
         policy = dict(first["policy"])
         if "predictor" in policy:
-            order = [name for names in groups for name in names]
-            pred = policy["predictor"]
-            stored = {}
-            for s_entry in saved:
-                stored.update(s_entry["policy"].get("predictor", {}).get("stored", {}))
             step_lr = {}  # parameter name -> the lr of its group's last step
             for s_entry in saved:
                 by_group = s_entry["policy"].get("predictor", {}).get("step_lr", {})
-                for names in s_entry["groups"]:
-                    for name in names:
-                        step_lr[name] = by_group.get(names[0])
+                step_lr.update({name: by_group.get(names[0]) for names in s_entry["groups"] for name in names})
+            stored = _gathered(saved, "predictor", "stored")
+            order = [name for names in groups for name in names]
             policy["predictor"] = {
-                "steps_taken": pred["steps_taken"],
+                "steps_taken": policy["predictor"]["steps_taken"],
                 "stored": {i: stored[name] for i, name in enumerate(order) if name in stored},
                 "step_lr": [step_lr.get(names[0]) for names in groups]}
         for section, field in (("ema", "average"), ("error_feedback", "previous")):
             if section in policy:  # keyed by parameter name already: gather every stage's
-                tensors = {}
-                for s_entry in saved:
-                    tensors.update(s_entry["policy"].get(section, {}).get(field, {}))
-                policy[section] = {**policy[section], field: tensors}
+                policy[section] = {**policy[section], field: _gathered(saved, section, field)}
         stage.policy.load_state_dict(policy)
         if first["stage"] == stage.index and len(saved) == len(stages):
             stage.count.update(first["counters"])
+
+
+def _gathered(saved: Sequence[Dict[str, Any]], section: str, field: str) -> Dict[str, Any]:
+    """Every saved stage's ``policy[section][field]`` (keyed by parameter name), in one dict."""
+    tensors: Dict[str, Any] = {}
+    for entry in saved:
+        tensors.update(entry["policy"].get(section, {}).get(field, {}))
+    return tensors

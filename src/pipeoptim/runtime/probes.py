@@ -1,15 +1,12 @@
 """The prediction-error diagnostic of one stage (``diagnose_every``): how far the weights a
 forward ran on were from those live at its backward, against the stale weights' distance.
 
-Every K-th micro-batch (by its number in the run), the stage keeps, at its forward, the weights
-the forward would have used unpredicted (W_stale), those it used (W_used), and with delay
-corrections on, those it would have used with none of them and without each; at its backward it
-measures each against the weights live then (W_b). The copies cost memory and time only on the
-probed micro-batches. Copies and distances are multi-tensor operations over the stage's
-parameters (``weights/fused.py``): the differences are taken in the probe's own copies, in the
-weights' dtype (exact wherever the two values lie within a factor 2 of each other), and their
-norms accumulated in float64. On a sharded stage they run on the DTensors, so the norms are
-the whole stage's.
+Every K-th micro-batch (by its number in the run), the stage keeps at its forward the weights it
+would have used unpredicted (W_stale), those it used (W_used), and with delay corrections on,
+those with none of them and without each; at its backward it measures each against the weights
+live then (W_b). Copies and distances are multi-tensor operations (``weights/fused.py``): the
+differences taken in the probe's own copies, in the weights' dtype, their norms accumulated in
+float64 (on a sharded stage over the DTensors: the whole stage's).
 """
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..weights.fused import clone_all, norms64
+from .interfaces import PredictsVariants
 
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -43,8 +41,8 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 class PredictionProbes:
     """The probes of one stage's weight policy; ``every`` = 0 is off."""
 
-    def __init__(self) -> None:
-        self.every = 0
+    def __init__(self, every: int = 0) -> None:
+        self.every = every  #: every how many micro-batches (by their number in the run) a probe runs
         #: one row per probed micro-batch, at its backward
         self.rows: List[Dict[str, Any]] = []
         self._open: Dict[int, Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]] = {}
@@ -56,7 +54,7 @@ class PredictionProbes:
         if not self.every or number % self.every:
             return False
         stale = clone_all([p for _, p in policy.named])
-        variants = getattr(policy, "prediction_variants", lambda _: {})(microbatch)
+        variants = policy.prediction_variants(microbatch) if isinstance(policy, PredictsVariants) else {}
         self._open[microbatch] = (stale, variants)
         return True
 

@@ -1,13 +1,12 @@
 """Activation recomputation: a stage keeps only its input per micro-batch in flight and runs its
-forward again when the backward needs what the forward saved.
+forward again when the backward needs what the forward saved (docs/architecture.md, "Activation
+recomputation").
 
-torch's checkpointing, and when the forward's weights must be copied: (docs/architecture.md,
-"Activation recomputation"). An asynchronous stage may have updated its weights, or swapped a
-prediction in and out of their storage, since the forward; then the stage keeps a copy from the
-forward (:func:`copy_forward_values`) and :func:`forward_values` writes it into the weights'
-storage for the recomputation only, then puts back what the backward runs on (the latest
-weights, a backward prediction). The recomputed graph saves the same aliases of that storage as
-without recomputation, so the backward reads the same weights as it would have."""
+Where the weights' storage may hold other values at the backward than at the forward (an update,
+a prediction swapped in and out since), the stage keeps a copy from the forward
+(:func:`copy_forward_values`), which :func:`forward_values` writes into that storage for the
+recomputation only: the recomputed graph saves the same aliases as without recomputation, so the
+backward reads the same weights as it would have."""
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +27,8 @@ def copy_forward_values(weights: List[torch.Tensor]) -> KeptValues:
 
 class forward_values:  # noqa: N801 (used as a context manager, like contextlib's)
     """Within the block the weights' storage holds the forward's values (``kept``; None: it
-    already does); after it, what it held before. Written through ``.data`` so that the
-    autograd version counters of the tensors the graph saved do not move. Reusable: torch
-    enters the same object for every recomputation (a split backward recomputes in each half)."""
+    already does), after it what it held before; written through ``.data`` so that the saved
+    tensors' version counters do not move. Reusable: torch enters it for every recomputation."""
 
     def __init__(self, kept: Optional[KeptValues], before: Optional[Callable[[], None]] = None) -> None:
         self.kept, self.before = kept, before
@@ -55,10 +53,9 @@ class forward_values:  # noqa: N801 (used as a context manager, like contextlib'
 
 def checkpointed(fn: Callable[[Any], Any], inputs: Any, kept: Optional[KeptValues],
                  before: Optional[Callable[[], None]] = None) -> Any:
-    """``fn(inputs)`` (a tensor or a tuple of them) under non-reentrant checkpointing; its
-    recomputation runs on ``kept`` (see :func:`forward_values`; ``before``: called first, where
-    ``kept`` is not empty). The tuple's entries are passed to torch separately, so that it finds
-    their devices and keeps those devices' random state."""
+    """``fn(inputs)`` (a tensor or a tuple of them, passed to torch separately, so that it keeps
+    their devices' random state) under non-reentrant checkpointing, recomputed on ``kept``
+    (:func:`forward_values`; ``before``: called first where ``kept`` is not empty)."""
     is_tuple = isinstance(inputs, tuple)
 
     def run(*values: Any) -> Any:

@@ -1,14 +1,12 @@
-"""The two replicas of a model piece in a bidirectional run, in one process: their gradients
-summed before the update (docs/architecture.md, "Bidirectional pipelines").
+"""The two replicas of a model piece in a bidirectional run: their gradients summed before the
+update (docs/architecture.md, "Bidirectional pipelines").
 
-A mirrored method (bidirectional, bitpipe) runs two pipelines of the same P pieces in opposite
-directions: stage j of the first and stage P+j of the second hold copies of piece j, each seeing
-its pipeline's half of the micro-batches. Before update u, each replica's gradient becomes the sum of both replicas'
-over window u (the mini-batch's gradient, as one copy would have accumulated it), so that both
-apply the same update and stay equal. Each replica's update waits for the other's last backward
-of the window; whichever comes first sums for both. Where the two replicas are on two processes
-(torchrun), each sums over the piece's 2-process group instead: started after its last backward
-of the window, overlapped with the rest of the schedule until its update waits for it.
+A mirrored method runs two pipelines of the same P pieces in opposite directions: stages j and
+P+j hold copies of piece j, each seeing its pipeline's half of the micro-batches. Before update
+u, each replica's gradient becomes the sum of both replicas' over window u, so that both apply
+the same update and stay equal. Each replica's update waits for the other's last backward of the
+window; whichever comes first sums for both. Replicas on two processes sum over the piece's
+2-process group instead, started after the last backward of the window.
 """
 from __future__ import annotations
 
@@ -25,10 +23,9 @@ class ReplicaUpdates:
     """When a replicated stage may update, and the sum of its replicas' gradients."""
 
     def __init__(self, stages: Sequence, summers: Optional[Dict[int, Any]] = None) -> None:
-        """``stages``: indexable by stage number (None where another process holds one); the
-        schedule comes with :meth:`use`. ``summers``: piece -> the summer of its replicas'
-        gradients over their 2-process group (``averaging.GradientAverager``, ``mean=False``),
-        for each piece whose other replica is on another process."""
+        """``stages``: by stage number (None where another process holds one). ``summers``: piece
+        -> the summer of its replicas' gradients over their 2-process group
+        (``averaging.GradientAverager``, ``mean=False``), where the other replica is elsewhere."""
         self.stages = list(stages)
         self.summers = dict(summers or {})
         self.pieces = len(self.stages) // 2
@@ -39,8 +36,7 @@ class ReplicaUpdates:
         self.summed: Set[Tuple[int, int]] = set()   # (stage, window) whose gradient is the sum already
 
     def use(self, schedule: Schedule) -> None:
-        """The current schedule (a segment's, or the same one known further): what each window's
-        update waits for; the backwards counted so far stay."""
+        """The current schedule: what each window's update waits for (the counts so far stay)."""
         self.partner = replica_pairs(schedule)
         m = schedule.microbatches_per_update
         self.expected = Counter((a.stage, a.index // m) for order in schedule.orders for a in order
@@ -48,8 +44,8 @@ class ReplicaUpdates:
         self.m = m
 
     def backward_done(self, stage: int, microbatch: int) -> None:
-        """``stage`` finished the (last half of the) backward of ``microbatch``; after its last of
-        the window, a piece whose other replica is on another process starts their sum."""
+        """``stage`` finished the backward of ``microbatch``; after its last of the window, a piece
+        whose other replica is on another process starts their sum."""
         self.done[(stage, microbatch // self.m)] += 1
         summer = self.summers.get(stage % self.pieces) if self.summers else None
         if summer is not None and self.window_done(stage, microbatch):
@@ -58,8 +54,8 @@ class ReplicaUpdates:
             summer.launch_bucketed()
 
     def window_done(self, stage: int, microbatch: int) -> bool:
-        """Whether ``stage``'s backwards of the window of ``microbatch`` are all done (its
-        gradient for that update is final); the count is forgotten once it says so."""
+        """Whether ``stage``'s backwards of the window of ``microbatch`` are all done (its count
+        is forgotten once it says so)."""
         key = (stage, microbatch // self.m)
         if self.done[key] < self.expected[key]:
             return False
@@ -68,10 +64,9 @@ class ReplicaUpdates:
 
     def ready(self, stage: int, update: int) -> bool:
         """Whether ``stage`` may run update ``update`` now; the first of a pair to be ready sums
-        both replicas' gradients (into each), the second finds them summed. A piece summed over
-        two processes waits here for its sum. A parameter with no gradient in the window on
-        either replica there takes a zero one (in one process: none), which only an optimizer
-        that skips parameters without a gradient tells apart."""
+        both replicas' gradients (into each), the second finds them summed; a piece summed over
+        two processes waits here for its sum (a parameter without a gradient there takes a zero
+        one; in one process none)."""
         if self.summers:
             summer = self.summers.get(stage % self.pieces)
             if summer is not None:
@@ -104,11 +99,11 @@ class ReplicaUpdates:
 
 @torch.no_grad()
 def copy_to_replicas(stages: Sequence) -> None:
-    """Each replica stage (``replica_of`` set: the index of the stage whose piece it copies)
-    takes that stage's weights and buffers: after a load, which reads each piece once."""
+    """Each replica stage takes the weights and buffers of the stage it copies (``replica_of``):
+    after a load, which reads each piece once."""
     by_index = {stage.index: stage for stage in stages}
     for stage in stages:
-        original = by_index.get(getattr(stage, "replica_of", None))
+        original = by_index.get(stage.replica_of)
         if original is None:
             continue
         for mine, theirs in zip(stage.module.state_dict().values(), original.module.state_dict().values()):
@@ -117,13 +112,10 @@ def copy_to_replicas(stages: Sequence) -> None:
 
 def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
     """A run of two pipelines of the same pieces under torchrun (``placement``: the rank of each
-    stage, the second half replicating the first): one 2-process group for each piece whose two
-    replicas are on two ranks (bidirectional: piece j on ranks j and N-1-j; bitpipe: ranks r and
-    N-1-r share four pieces, one group each). One group per piece, not per pair of ranks: each
-    piece's sum starts as soon as its gradient is final, and two pieces of one pair may become
-    final in another order on each rank, which one group would pair up wrongly. Every rank makes
-    every group, in piece order; a rank holding both replicas of a piece (the middle rank of an
-    odd N) needs none for it. Returns (every group made, this rank's: piece -> group)."""
+    stage): a 2-process group for each piece whose two replicas are on two ranks. One group per
+    piece, not per pair of ranks: two pieces of one pair may become final in another order on
+    each rank, which one group would pair up wrongly. Every rank makes every group, in piece
+    order. Returns (every group made, this rank's: piece -> group)."""
     import datetime
 
     import torch.distributed as dist

@@ -1,12 +1,10 @@
-"""The segment an executor runs: the streamed horizon, the micro-batch, the checks on a schedule,
-the global clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
+"""The segment an executor runs: the streamed horizon, the checks on a schedule, the global
+clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
 
-A *segment* is the mini-batches between two drains (an epoch, K mini-batches with checkpoints,
-or every epoch with ``continuous``), run on orders built for a horizon past the mini-batches
-fed, rebuilt longer as more come, and drained on those for exactly the mini-batches fed; why
-that is exact: (docs/architecture.md, "Schedules as data"). The one interpreter,
-:class:`~pipeoptim.runtime.executor.Executor`, subclasses :class:`StreamedSegment`, in one
-process and under torchrun alike."""
+A *segment* is the mini-batches between two drains, run on orders built for a horizon past the
+mini-batches fed, rebuilt longer as more come, and drained on those for exactly the mini-batches
+fed (why that is exact: docs/architecture.md, "Schedules as data"). The executor subclasses
+:class:`StreamedSegment`."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -20,10 +18,8 @@ ScheduleFor = Callable[[int], Schedule]        # mini-batches -> the segment's s
 
 
 def check_runnable(schedule: Schedule, num_stages: int, mirrored: bool = False) -> None:
-    """The runtimes run one chain of ``num_stages`` stages, 0 -> 1 -> ... (full or split
-    backwards), each rank holding one stage or several (chunks: Megatron's interleaved
-    placement, or a V shape); or, ``mirrored``, two chains of half of them each, the second
-    replicating the first's pieces (a bidirectional schedule)."""
+    """The runtimes run one chain of ``num_stages`` stages (a rank holding one or several), or,
+    ``mirrored``, two chains of half of them each, the second replicating the first's pieces."""
     half = num_stages // 2
     chains = [list(range(half)), list(range(half, num_stages))] if mirrored else [list(range(num_stages))]
     if schedule.num_stages != num_stages or schedule.pipelines != chains:
@@ -59,9 +55,9 @@ def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Te
 
 def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -> Optional[Tuple[int, bool]]:
     """After ``fed`` mini-batches of a segment: None if the orders built for ``horizon`` still
-    do, else (mini-batches to build them for, whether more may follow). The orders must reach
-    past the data fed, so that the drain never runs early; a segment of known length
-    (``expected``) is built once, for exactly that many; otherwise the horizon doubles."""
+    do (they must reach past the data fed, so that the drain never runs early), else
+    (mini-batches to build them for, whether more may follow): a segment of known length
+    (``expected``) once, for exactly that many; otherwise the horizon doubles."""
     if expected is not None and fed > expected:
         raise ValueError(f"this segment was to hold {expected} mini-batches and has drained; got one "
                          f"more (does the loader yield more than its len() says?)")
@@ -73,9 +69,8 @@ def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -
 
 
 class StreamedSegment:
-    """A segment's orders, built for a horizon past the mini-batches fed and rebuilt as more
-    come (:func:`next_horizon`), then for exactly those fed when the data ends. The subclass
-    runs the orders (``_use`` takes a new schedule)."""
+    """A segment's orders, built past the mini-batches fed (:func:`next_horizon`), then for
+    exactly those fed when the data ends; the subclass runs them (``_use`` takes a new schedule)."""
 
     def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
         self.schedule_for = schedule_for
@@ -89,8 +84,7 @@ class StreamedSegment:
         raise NotImplementedError
 
     def _add_batch(self, microbatches: int) -> None:
-        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they no longer
-        reach past the data."""
+        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they must."""
         if self.finished:
             raise RuntimeError("this segment has finished; start a new one")
         self.fed_batches += 1
@@ -102,8 +96,7 @@ class StreamedSegment:
                              f"micro-batches, got {microbatches}")
 
     def _final_orders(self) -> Optional[Schedule]:
-        """End the feeding; the orders for exactly the mini-batches fed, if the current ones
-        were built for more (None: keep them)."""
+        """End the feeding; the orders for exactly the mini-batches fed (None: the current ones)."""
         self.finished = True
         if self.fed_batches and self.horizon != self.fed_batches:
             return self.schedule_for(self.fed_batches)
@@ -118,19 +111,15 @@ class StreamedSegment:
 
 
 class WindowLosses(dict):
-    """The last stage's micro-batch losses summed per update window (mini-batch), reporting each
-    window to ``on_loss(window, loss)`` as soon as its ``microbatches`` losses are in.
+    """The last stage's micro-batch losses summed per update window (mini-batch), in micro-batch
+    order, each window reported to ``on_loss(window, loss)`` as soon as its losses are in.
 
-    Losses arrive as floats, or as 0-dim tensors still on an accelerator, so that the host never
-    waits for the device to queue more work: without ``on_loss``, a complete window's losses are
-    copied to pinned host memory without blocking and taken once the copy is done
-    (:meth:`take_completed`). Either way a window's loss is the float sum of its micro-batch
-    losses in micro-batch order.
-
-    Two pipelines (a bidirectional run: ``halves``, the micro-batches of a window that the first
-    one takes) sum each pipeline's losses apart, in micro-batch order, and then the two sums; a
-    process holding one pipeline's last stage receives ``expected`` losses a window, its half,
-    and reports that half's sum (the job adds the halves, :func:`add_halves`)."""
+    Losses arrive as floats, or as 0-dim tensors still on an accelerator (so that the host never
+    waits for the device): without ``on_loss``, a complete window's are copied to pinned host
+    memory without blocking and taken once there (:meth:`take_completed`). Two pipelines
+    (``halves``: the micro-batches of a window that the first takes) sum each pipeline's losses
+    apart, then the two sums; a process holding one pipeline's last stage receives ``expected``
+    losses a window and reports its half's sum (the job adds the halves, :func:`add_halves`)."""
 
     def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None,
                  halves: Optional[int] = None, expected: Optional[int] = None) -> None:
@@ -173,9 +162,8 @@ class WindowLosses(dict):
             self.on_loss(window, total)
 
     def take_completed(self, wait: bool = False) -> List[Tuple[int, float]]:
-        """The windows completed since the last call, with their losses, in window order; a
-        window whose losses are still on their way from the device waits for the next call (or,
-        with ``wait``, is waited for)."""
+        """The windows completed since the last call, with their losses, in window order (one
+        still on its way from the device: at a later call, or waited for with ``wait``)."""
         done = []
         while self._ready:
             window, host, event = self._ready[0]
@@ -191,10 +179,11 @@ class WindowLosses(dict):
 
 def add_halves(halves: Sequence[float]) -> float:
     """A bidirectional window's loss from its two pipelines' sums (first pipeline first)."""
-    return _float_sum(list(halves))
+    return _float_sum(halves)
 
 
-def _float_sum(values: List[Any]) -> float:
+def _float_sum(values: Sequence[Any]) -> float:
+    """The float sum of ``values``, in order."""
     total = 0.0
     for value in values:
         total += float(value)

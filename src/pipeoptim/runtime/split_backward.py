@@ -1,4 +1,4 @@
-"""A stage's backward in two halves: the input gradient now, the weight gradient later.
+"""A stage's backward in two halves: the input's gradient now, the weights' later.
 
 ``I`` (:func:`backward_input`) and ``W`` (:func:`backward_weight`) share the forward's graph
 (docs/architecture.md, "Split backward"). A *boundary* node is one of the input path that also
@@ -9,12 +9,10 @@ where a weight is used twice.
 
 The input half keeps only the outputs that seed a weight group, and each group's call frees what
 it ran: keeping the whole graph to the end of the weight half made every weight gradient a fresh
-allocation while the activations were still held, freed all at once (on the CPU, measured, a few
-thousand page faults per mini-batch of ``benchmarks/peer_throughput.py``).
-
-This is ``torch.distributed.pipelining``'s split backward, written on torch's public autograd API
-(graph nodes, their pre-hooks, ``GradientEdge``), and keeping the gradients of weights that hang
-only from outputs that do not depend on the input (torch's version drops them)."""
+allocation while the activations were still held (measured on the CPU: thousands of page faults
+per mini-batch of ``benchmarks/peer_throughput.py``). This is ``torch.distributed.pipelining``'s
+split backward on torch's public autograd API, keeping the gradients of weights that hang only
+from outputs that do not depend on the input (torch's version drops them)."""
 from __future__ import annotations
 
 from collections import deque
@@ -170,6 +168,16 @@ def _recorder(group: WeightGroup, node: Node):
     return record
 
 
+def _accumulate(weights: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """Each gradient into its weight's ``.grad``, as autograd accumulates; the weights that got one."""
+    got = []
+    for weight, grad in zip(weights, grads):
+        if grad is not None:
+            weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+            got.append(weight)
+    return got
+
+
 def backward_weight(pending: PendingWeightGrads,
                     on_group: Optional[Callable[[List[torch.Tensor]], None]] = None) -> None:
     """The weight half: accumulate each weight's gradient into its ``.grad``, as autograd does;
@@ -182,11 +190,9 @@ def backward_weight(pending: PendingWeightGrads,
     path that leads to the weights of two groups would be crossed by the upward search from both
     weights, which would then meet the same seeds, and share a group."""
     if pending.computed is not None:  # computed with the input half (backward_together)
-        for weight, grad in zip(pending.weights, pending.computed):
-            if grad is not None:
-                weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+        got = _accumulate(pending.weights, pending.computed)
         if on_group is not None:
-            on_group([w for w, g in zip(pending.weights, pending.computed) if g is not None])
+            on_group(got)
         pending.computed = None
         return
     if pending.full:  # no input half: the plain backward, into the leaves' .grad (as Stage.backward)
@@ -218,13 +224,7 @@ def backward_weight(pending: PendingWeightGrads,
         finally:
             for handle in handles:
                 handle.remove()
-        for weight, grad in zip(weights, found):
-            if grad is None:
-                continue
-            if weight.grad is None:
-                weight.grad = grad
-            else:
-                weight.grad.add_(grad)
+        got = _accumulate(weights, found)
         if on_group is not None:
-            on_group([w for w, g in zip(weights, found) if g is not None])
+            on_group(got)
     pending.groups, pending.outputs, pending.output_grads = [], [], []  # the graph may go

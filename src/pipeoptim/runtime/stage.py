@@ -1,16 +1,15 @@
-"""One pipeline stage: its modules, its optimizer, its weight policy, its version trace.
+"""One pipeline stage: its passes F, B (I and W) and U on its module.
 
-The stage runs the compute actions of a schedule, F, B (or its halves I and W) and U, whichever
-executor calls it:
-the local executor calls every stage in one process, the distributed executor one stage per
-process. Activations and gradients go in and out as tensors or tuples of tensors; the stage
-never sends anything itself.
+Whichever executor calls it (every stage in one process, or one per process), activations and
+gradients go in and out as tensors or tuples of tensors; the stage never sends anything itself.
+The weight versions are its policy's; what it reports goes to the observers it is given
+(``runtime/record.py``, ``runtime/probes.py``, ``runtime/held.py``); what it calls on its
+collaborators is declared in ``runtime/interfaces.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -24,30 +23,12 @@ from . import recompute, split_backward, weight_grads
 from .compiled import CompiledForward
 from .defaults import PRECISIONS
 from .held import HeldActivations, signature
+from .interfaces import DelayAware, GradientSync, OverlappedSync
 from .probes import PredictionProbes
+from .record import StageRecord, TraceEntry, UpdateEntry  # noqa: F401 (the entries: read here by fit.py)
+from .sharding import StageShards
+from .tied import TiedWeights
 from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """Which weights one pass of one micro-batch used at one stage."""
-
-    stage: int
-    microbatch: int
-    kind: str        #: "F", "B", or "I" / "W" (the two halves of a split backward)
-    version: int     #: weight version the pass ran on (or predicted from)
-    steps: float     #: prediction steps applied on top of ``version`` (0: none)
-
-
-@dataclass(frozen=True)
-class UpdateEntry:
-    """The learning rates one update of one stage applied (one per parameter group)."""
-
-    stage: int
-    update: int      #: the update's number at this stage (version before it)
-    lrs: Tuple[float, ...]
-
-
 
 
 def _check_scalar(loss: Any) -> None:
@@ -58,7 +39,15 @@ def _check_scalar(loss: Any) -> None:
 
 
 class Stage:
-    """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module."""
+    """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module.
+
+    Collaborators, given here (None: none): ``shards`` (the module sharded over the stage's
+    replicas: passes call it directly, with the version they need written into its shards),
+    ``tied`` (weights shared with other stages, made equal around each update, or read per
+    micro-batch from their owner), ``grad_sync`` (the gradients reduced over the stage's replicas
+    before each update; the world sets it once its groups exist). Observers: ``record`` (trace,
+    updates, seconds, counts), ``probes`` (the prediction-error diagnostic), ``held`` (the
+    activations held per micro-batch in flight)."""
 
     def __init__(self, index: int, num_stages: int, module: nn.Module,
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
@@ -66,71 +55,59 @@ class Stage:
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
                  precision: str = "fp32", device: Optional[torch.device] = None,
                  recompute: bool = False, compile: Optional[str] = None,
-                 first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None) -> None:
+                 first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None,
+                 shards: Optional[StageShards] = None, tied: Optional[TiedWeights] = None,
+                 replica_of: Optional[int] = None, takes_target: bool = False,
+                 grad_sync: Optional[GradientSync] = None, record: Optional[StageRecord] = None,
+                 probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.config = config  #: the run's options whole (pipeoptim.config.PipelineConfig; None: built by hand)
-        self.index = index
-        self.num_stages = num_stages
-        self.module = module
-        self.optimizer = optimizer
-        self.policy = policy
-        self.loss_fn = loss_fn
-        #: stepped right after every update, so that update j has the same lr on every stage
-        self.scheduler = scheduler
-        #: per-stage gradient clipping (max norm) before each update; None: no clipping
-        self.clip_grad_norm = clip_grad_norm
+        self.index, self.num_stages = index, num_stages
+        self.module, self.optimizer, self.policy, self.loss_fn = module, optimizer, policy, loss_fn
+        self.scheduler = scheduler  #: stepped right after every update (update j: the same lr on every stage)
+        self.clip_grad_norm = clip_grad_norm  #: per-stage clipping (max norm) before each update; None: none
         self.precision = precision
         #: where this stage's parameters live and its passes run; inputs are moved here
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        #: keep only the input of each micro-batch in flight and run the forward again in its
-        #: backward (``runtime/recompute.py``)
+        #: keep only the input of each micro-batch in flight; rerun the forward in its backward
         self.recompute = recompute
-        #: the forward through torch.compile with this backend (``runtime/compiled.py``); None: eager
         self.compiled = CompiledForward(module, compile) if compile else None
-        self._kept_bytes: Dict[int, int] = {}
-        #: the activations held per micro-batch in flight, measured (``runtime/held.py``)
-        self.held = HeldActivations()
-        self._buffers: Optional[List[torch.Tensor]] = None
-        #: per update: the learning rates it applied (the scheduler's effect, checkable)
-        self.updates: List[UpdateEntry] = []
-        #: called with the parameters before each update to average their gradients over the
-        #: stage's replicas (pipeline x data parallel); None: one replica
-        self.grad_sync: Optional[Callable[[List[nn.Parameter]], None]] = None
-        #: weights this stage shares with other stages (``runtime/tied.TiedWeights``): made equal
-        #: around each update (synchronous methods, one process per stage), or read per
-        #: micro-batch from the owner (asynchronous methods); None: no tie
-        self.tied: Optional[Any] = None
-        #: per micro-batch in flight: the tied weights' values from their owner (a holder's own
-        #: leaves, docs/architecture.md, "Tied weights")
-        self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
-        #: the stage's module is sharded over its replicas (``runtime/sharding.StageShards``):
-        #: passes call it directly, with the version they need written into its shards
-        self.shards: Optional[Any] = None
-        self._synced = False
+        self.shards, self.tied, self.grad_sync = shards, tied, grad_sync
+        self._delay_aware = isinstance(optimizer, DelayAware)  # (a Protocol test costs tens of us: once)
         #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
         #: method's second pipeline starts and ends too)
         self.is_first = index == 0 if first is None else first
         self.is_last = index == num_stages - 1 if last is None else last
         #: a bidirectional run's second-pipeline stage: the index of the stage whose piece it copies
-        self.replica_of: Optional[int] = None
+        self.replica_of = replica_of
         #: the last stage's module takes the target as a second argument (a model that computes
-        #: its own loss from the labels: they reach it the way a target does, and only it)
-        self.takes_target = False
-        self.trace: List[TraceEntry] = []
+        #: its own loss from the labels)
+        self.takes_target = takes_target
+        self.record = record = record if record is not None else StageRecord(index)
+        self.trace, self.updates, self.time, self.count = record.trace, record.updates, record.time, record.count
+        self.probes = probes if probes is not None else PredictionProbes()
+        self.held = held if held is not None else HeldActivations()
+        self.trace_offset = 0  #: added to the micro-batch numbers in the trace (set per segment)
         #: how stale the next update's gradients are (what error feedback and a delay-aware optimizer read)
         self.delays = GradientDelay()
-        #: Added to schedule-local micro-batch numbers in the trace (micro-batches of earlier epochs).
-        self.trace_offset = 0
-        self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
-        self.count = {"F": 0, "B": 0, "U": 0}
-        self.grad_bytes_peak = 0  #: the most bytes of gradients held at an update (runtime/state_memory.py)
+        self._buffers: Optional[List[torch.Tensor]] = None
+        self._kept_bytes: Dict[int, int] = {}
+        #: per micro-batch in flight: the tied weights' values from their owner (a holder's own leaves)
+        self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._synced = False
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
         #: micro-batches whose input half ran and whose weight half has not (split backward)
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
-        self._losses: Dict[int, float] = {}
-        #: the prediction-error diagnostic (``probes.every``: every how many micro-batches; 0: never)
-        self.probes = PredictionProbes()
+
+    @property
+    def grad_sync(self) -> Optional[GradientSync]:
+        return self._grad_sync
+
+    @grad_sync.setter
+    def grad_sync(self, sync: Optional[GradientSync]) -> None:
+        self._grad_sync = sync
+        self._overlapped = sync if isinstance(sync, OverlappedSync) else None
 
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
@@ -138,7 +115,8 @@ class Stage:
         """Forward of one micro-batch. The last stage also computes the (scaled) loss and
         returns its value as a float; other stages return the activation to send on."""
         start = time.perf_counter()
-        probe = self.probes.before_forward(microbatch, self.trace_offset + microbatch, self.policy)
+        probe = self.probes.every and self.probes.before_forward(microbatch, self.trace_offset + microbatch,
+                                                                 self.policy)
         use = self.policy.forward_weights(microbatch)
         direct = use.direct or self.shards is not None
         held_back = None
@@ -188,25 +166,20 @@ class Stage:
                 held_back()
             use.done()
         self.policy.note_memory()
-        self._traced(microbatch, "F", use)
         self._saved[microbatch] = (leaves, as_tuple(output), use)
         self.held.keep(microbatch, (() if self.is_first else as_tuple(leaves))
                        + (() if self.is_last else as_tuple(output)))
-        self.time["F"] += time.perf_counter() - start
-        self.count["F"] += 1
+        self._passed("F", microbatch, use, start)
         if self.is_last:
             # A float on the CPU; on an accelerator the 0-dim tensor, read when its mini-batch's
             # loss is complete, so that queuing work never waits for the device.
-            value = float(output.detach()) if self.device.type == "cpu" else output.detach()
-            self._losses[microbatch] = value
-            return value
+            return float(output.detach()) if self.device.type == "cpu" else output.detach()
         return detach_for_send(output)
 
     def _keep_forward_values(self, microbatch: int, use: WeightUse) -> Optional[recompute.KeptValues]:
-        """What the recomputation of this forward runs on: nothing to keep where the forward's
-        tensors still hold its values at the backward, else a copy (counted as a weight copy).
-        A sharded stage copies the weights FSDP gathers for this forward, as it gathers them
-        (whole, not a shard: its recomputation writes them where FSDP gathered the backward's)."""
+        """What the recomputation of this forward runs on: nothing where the forward's tensors
+        still hold its values at the backward, else a copy (a sharded stage's: of the weights
+        FSDP gathers for this forward, whole, written back where FSDP gathers the backward's)."""
         if use.direct or self.policy.forward_weights_kept(microbatch, use):
             return None
         if self.shards is not None:
@@ -219,14 +192,9 @@ class Stage:
             self._kept_bytes[microbatch] = size
             self.policy.recompute_copy_bytes += size
 
-    def _release(self, microbatch: int) -> None:
-        """A micro-batch's backward is over: its recomputation's copy, if any, goes."""
-        self.policy.recompute_copy_bytes -= self._kept_bytes.pop(microbatch, 0)
-        self.held.release(microbatch)
-
     def autocast(self):
-        """The autocast context of this stage's passes (bf16: ``torch.autocast`` for its device;
-        parameters, gradients, optimizer state and the prediction stay fp32)."""
+        """The autocast context of this stage's passes (bf16: ``torch.autocast``; parameters,
+        gradients, optimizer state and the prediction stay fp32)."""
         if self.precision == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -236,12 +204,8 @@ class Stage:
         (None for the first stage). ``grad_output`` matches the forward's output tuple, with
         None for entries that carry no gradient."""
         start = time.perf_counter()
-        leaves, outputs, use = self._saved.pop(microbatch)
-        self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
-        tensors, grads = self._output_grads(outputs, grad_output)
-        overlap = getattr(self.grad_sync, "overlapping", False)  # the last backward before an update
-        hooks = weight_grads.announce_on_accumulate(self.grad_sync.ready, use, self.parameters(),
-                                                    self.policy.named) if overlap else []
+        leaves, tensors, grads, use = self._backward_start(microbatch, grad_output)
+        hooks = self._announce(use)  # the last backward before an update
         try:
             with self.policy.backward_pass(microbatch, use) as used:
                 held_back = self._hold_backward_values(microbatch, use, used)
@@ -253,17 +217,8 @@ class Stage:
         finally:
             for hook in hooks:
                 hook.remove()
-        weight_grads.collect(use, self.policy.named)
-        self._tied_backward_done(microbatch)
-        self._release(microbatch)
-        self._traced(microbatch, "B", used)
-        self.time["B"] += time.perf_counter() - start
-        self.count["B"] += 1
-        if self.is_first:
-            return None
-        grads_in = tuple(v.grad if torch.is_tensor(v) and v.requires_grad else None
-                         for v in as_tuple(leaves))
-        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+        self._backward_done(microbatch, "B", use, used, start)
+        return self._to_previous(leaves, lambda v: v.grad if v.requires_grad else None)
 
     def backward_input(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
         """The input half of a split backward (a schedule's ``I``): the gradient to send to the
@@ -271,9 +226,7 @@ class Stage:
         for :meth:`backward_weight` (``runtime/split_backward.py``). The policy's backward pass
         spans both halves (it is entered here and left by the weight half)."""
         start = time.perf_counter()
-        leaves, outputs, use = self._saved.pop(microbatch)
-        self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
-        tensors, grads = self._output_grads(outputs, grad_output)
+        leaves, tensors, grads, use = self._backward_start(microbatch, grad_output)
         inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
         if self.shards is not None:  # what the graph holds: the weights FSDP gathered (kept to the update)
             weights = [p for p in self.module.parameters() if p.requires_grad]
@@ -294,35 +247,48 @@ class Stage:
             scope.close()
             raise
         self._weight_halves[microbatch] = (pending, use, scope, used)
-        self._traced(microbatch, "I", used)
-        self.time["B"] += time.perf_counter() - start
-        if self.is_first:
-            return None
+        self._passed("I", microbatch, used, start)
         by_leaf = {id(v): g for v, g in zip(inputs, found)}
-        grads_in = tuple(by_leaf.get(id(v)) if torch.is_tensor(v) else None for v in as_tuple(leaves))
-        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+        return self._to_previous(leaves, lambda v: by_leaf.get(id(v)))
 
     def backward_weight(self, microbatch: int) -> None:
         """The weight half of a split backward (a schedule's ``W``): the weight gradients of the
         micro-batch whose input half ran, accumulated into the parameters' ``.grad``."""
         start = time.perf_counter()
         pending, use, scope, used = self._weight_halves.pop(microbatch)
-        overlap = getattr(self.grad_sync, "overlapping", False)  # the last W before an update
-        hooks = weight_grads.announce_on_accumulate(self.grad_sync.ready, use, self.parameters(),
-                                                    self.policy.named) if overlap and pending.full else []
+        overlap = self._overlapping()  # the last W before an update
+        hooks = self._announce(use) if pending.full else []
         try:
             with scope:
                 split_backward.backward_weight(pending, weight_grads.announce_groups(
-                    self.grad_sync.ready_all, use, self.parameters()) if overlap else None)
+                    self._overlapped.ready_all, use, self.parameters()) if overlap else None)
         finally:
             for hook in hooks:
                 hook.remove()
-        weight_grads.collect(use, self.policy.named)
-        self._tied_backward_done(microbatch)
-        self._release(microbatch)
-        self._traced(microbatch, "W", used)
-        self.time["B"] += time.perf_counter() - start
-        self.count["B"] += 1
+        self._backward_done(microbatch, "W", use, used, start)
+
+    def _backward_start(self, microbatch: int, grad_output: Optional[Activation]):
+        """``microbatch``'s saved forward: its leaves, the outputs its backward starts from and
+        their gradients (None: the loss's 1), and the weights it ran on."""
+        leaves, outputs, use = self._saved.pop(microbatch)
+        if self.probes.every:
+            self.probes.at_backward(microbatch, self.trace_offset + microbatch, self.policy)
+        if self.is_last:
+            return leaves, list(outputs), [None], use
+        grad_output = to_device(grad_output, self.device)
+        pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        return leaves, [o for o, _ in pairs], [g for _, g in pairs], use
+
+    def _overlapping(self) -> bool:
+        """Whether the gradients are reduced over the replicas as this backward makes them final."""
+        return self._overlapped is not None and self._overlapped.overlapping
+
+    def _announce(self, use: WeightUse) -> List[Any]:
+        """The hooks that announce each parameter's final gradient to an overlapping sync."""
+        if not self._overlapping():
+            return []
+        return weight_grads.announce_on_accumulate(self._overlapped.ready, use, self.parameters(), self.policy.named)
 
     def _hold_backward_values(self, microbatch: int, use: WeightUse, used: WeightUse) -> Callable[[], None]:
         """A sharded stage: the backward's version (and the owner's tied values of
@@ -333,17 +299,32 @@ class Stage:
         return self.shards.hold({**(self.policy.backward_values(use, used) or {}),
                                  **self._tied_values.get(microbatch, {})})
 
-    def _output_grads(self, outputs: Tuple[Any, ...], grad_output: Optional[Activation]):
-        """The outputs a backward starts from and their gradients (None: the loss's 1)."""
-        if self.is_last:
-            return list(outputs), [None]
-        grad_output = to_device(grad_output, self.device)
-        pairs = [(o, g) for o, g in zip(outputs, as_tuple(grad_output))
-                 if torch.is_tensor(o) and o.requires_grad and g is not None]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+    def _backward_done(self, microbatch: int, kind: str, use: WeightUse, used: WeightUse, start: float) -> None:
+        """The weight gradients of ``microbatch`` are in: onto the parameters, a tied weight's to
+        its owner (asynchronous methods; a sharded holder's is its copy's, which FSDP reduced:
+        its shard goes to the owner's same shard); its recomputation's copy and activations go."""
+        weight_grads.collect(use, self.policy.named)
+        if self.tied is not None:
+            extra = self._tied_values.pop(microbatch, {})
+            if self.shards is not None:
+                for name, leaf in extra.items():
+                    copy = self.shards.shard_of(name)
+                    leaf.grad = local(copy.grad) if copy.grad is not None else None
+                    copy.grad = None
+            self.tied.backward_done(microbatch, extra)
+        self.policy.recompute_copy_bytes -= self._kept_bytes.pop(microbatch, 0)
+        self.held.release(microbatch)
+        self._passed(kind, microbatch, used, start)
 
-    def _traced(self, microbatch: int, kind: str, used: WeightUse) -> None:
-        self.trace.append(TraceEntry(self.index, self.trace_offset + microbatch, kind, used.version, used.steps))
+    def _to_previous(self, leaves: Activation, grad_of: Callable[[torch.Tensor], Any]) -> Optional[Activation]:
+        """The gradient to send to the previous stage, one per input leaf (None: the first stage)."""
+        if self.is_first:
+            return None
+        grads_in = tuple(grad_of(v) if torch.is_tensor(v) else None for v in as_tuple(leaves))
+        return grads_in if isinstance(leaves, tuple) else grads_in[0]
+
+    def _passed(self, kind: str, microbatch: int, used: WeightUse, start: float) -> None:
+        self.record.passed(kind, self.trace_offset + microbatch, used, time.perf_counter() - start)
         self.delays.saw(kind, microbatch, used.version)
 
     def gradient_delay(self) -> int:
@@ -368,25 +349,23 @@ class Stage:
         elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad_norm)
         self.policy.before_update()
+        groups = self.optimizer.param_groups
         divisor = self.policy.lr_divisor()
         if divisor != 1.0:  # a delay correction: this update only, the scheduler's lr put back after
-            scheduled = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
+            scheduled = [g["lr"] for g in groups]
+            for g in groups:
                 g["lr"] = g["lr"] / divisor
-        self.grad_bytes_peak = max(self.grad_bytes_peak, nbytes(self.grads()))
-        self.updates.append(UpdateEntry(self.index, self.policy.version,
-                                        tuple(float(g["lr"]) for g in self.optimizer.param_groups)))
+        self.record.updating(self.policy.version, tuple(float(g["lr"]) for g in groups), nbytes(self.grads()))
         delay, feedback = self.delays.take(self.policy.version), self.policy.feedback
-        tell_delay = getattr(self.optimizer, "set_pipeline_delay", None)  # a delay-aware optimizer
-        if tell_delay is not None:
-            tell_delay(delay)
+        if self._delay_aware:
+            self.optimizer.set_pipeline_delay(delay)
         if feedback is not None:
             feedback.before_step()
         self.optimizer.step()
         if feedback is not None:
             feedback.after_step(delay)
         if divisor != 1.0:
-            for g, lr in zip(self.optimizer.param_groups, scheduled):
+            for g, lr in zip(groups, scheduled):
                 g["lr"] = lr
         if self.scheduler is not None:
             self.scheduler.step()
@@ -394,8 +373,7 @@ class Stage:
         if self.tied is not None:
             self.tied.after_update()
         self.policy.after_update()
-        self.time["U"] += time.perf_counter() - start
-        self.count["U"] += 1
+        self.record.took("U", time.perf_counter() - start)
 
     # -- helpers ------------------------------------------------------------------------------
     def parameters(self) -> List[nn.Parameter]:
@@ -410,8 +388,7 @@ class Stage:
         itself)."""
         if not self._synced:
             if self.grad_sync is not None:  # a synchronous method's copy of a weight another stage owns
-                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] \
-                    if self.tied is not None and self.tied.synchronous else []
+                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied is not None else []
                 self.grad_sync(self.parameters() + held)
             if self.tied is not None:
                 self.tied.before_update()
@@ -425,19 +402,6 @@ class Stage:
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-
-    def _tied_backward_done(self, microbatch: int) -> None:
-        """A tied weight's gradient of ``microbatch``: a holder's to its owner, the holders' into
-        the owner's own (asynchronous methods; nothing otherwise). A sharded holder's is its
-        copy's (FSDP reduced it there; its shard goes to the owner's same shard)."""
-        if self.tied is not None:
-            extra = self._tied_values.pop(microbatch, {})
-            if self.shards is not None:
-                for name, leaf in extra.items():
-                    copy = self.shards.shard_of(name)
-                    leaf.grad = local(copy.grad) if copy.grad is not None else None
-                    copy.grad = None
-            self.tied.backward_done(microbatch, extra)
 
     @property
     def compilations(self) -> Optional[int]:

@@ -1,14 +1,11 @@
-"""The bytes a stage's training state takes, measured from its tensors, beside the closed form.
+"""The bytes a stage's training state takes: measured, and the closed form.
 
-Per stage (one rank's share under torchrun): the parameters it holds, their gradients at the
-update (the peak: they are freed right after it), the optimizer's state (every tensor in
-``optimizer.state``: momentum buffers, Adam's two moments, step counters), and the weight copies
-its policy kept beyond the live weights at their peak (``WeightPolicy.copy_bytes_peak``: a
-stash, 2BW's buffer, PipeOptim's cache and predicted copies). The closed form of the weights,
-replicated over the data-parallel replicas, is the stage's parameter bytes times the weight
-versions the method's design table gives it (``Method.weight_versions``); the measured weights
-are the parameters plus the copies. ``fit``'s ``metrics["state_memory"]`` and ``pipeoptim
-bench`` report both.
+Per stage (one rank's share under torchrun): its parameters, their gradients at the update (the
+peak), the optimizer's state (every tensor in ``optimizer.state``), and the weight copies its
+policy kept beyond the live weights at their peak (``WeightPolicy.copy_bytes_peak``). The closed
+form of the weights is the parameter bytes times the weight versions of the method's design
+table (``Method.weight_versions``). ``fit``'s ``metrics["state_memory"]`` and ``pipeoptim bench``
+report both.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def state_memory(stage: Any, design_versions: int) -> Dict[str, int]:
     ``weights_closed_form`` (parameters x ``design_versions``) and ``total``."""
     parameters = stage.policy.param_bytes  # the trained parameters' bytes, as the policy counts them
     copies = int(stage.policy.copy_bytes_peak)
-    report = {"parameters": parameters, "gradients": int(stage.grad_bytes_peak),
+    report = {"parameters": parameters, "gradients": int(stage.record.grad_bytes_peak),
               "optimizer": optimizer_state_bytes(stage.optimizer), "weight_copies": copies,
               "weights": parameters + copies, "weights_closed_form": parameters * design_versions}
     report["total"] = report["weights"] + report["gradients"] + report["optimizer"]

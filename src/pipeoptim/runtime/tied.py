@@ -1,14 +1,11 @@
 """Weights tied across stages (docs/architecture.md, "Tied weights").
 
-Synchronous methods under torchrun: a holder that is not the owner waits at each update for the
-owner's new value, which a synchronous schedule applies after every backward of the mini-batch
-and before the next one's first forward. Asynchronous methods (docs/architecture.md, "Tied
-weights with the asynchronous methods"): a holder's passes of micro-batch i (recomputation
-included) run on the owner's values of i, and its gradient of i joins the owner's update that
-consumes i. :class:`LocalExchange` hands them over in memory, :class:`MessageExchange` between
-processes (two 2-rank groups per pair, one per direction); after each drain
-:meth:`TiedWeights.drained` gives the holders the owner's value, for evaluations, checkpoints and
-``model()``."""
+Synchronous methods under torchrun: a holder that is not the owner takes the owner's new value
+at each update. Asynchronous methods (docs/architecture.md, "Tied weights with the asynchronous
+methods"): a holder's passes of micro-batch i (recomputation included) run on the owner's values
+of i, and its gradient of i joins the owner's update that consumes i, handed over in memory
+(:class:`LocalExchange`) or between processes (:class:`MessageExchange`); after each drain the
+holders take the owner's value (:meth:`TiedWeights.drained`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,8 +42,7 @@ class LocalExchange:
             self.grads.setdefault(microbatch, {})[holder] = grad
 
     def collect(self, microbatch: int) -> Optional[torch.Tensor]:
-        """The holders' gradients of ``microbatch``, summed in holder order (as the processes'
-        exchange sums them, so that both runtimes add the same numbers in the same order)."""
+        """The holders' gradients of ``microbatch``, summed in holder order (as between processes)."""
         given = self.grads.pop(microbatch, {})
         total = None
         for holder in sorted(given):
@@ -59,9 +55,9 @@ class LocalExchange:
 
 class MessageExchange:
     """One tie across processes, as seen from this rank: the owner sends its forward values of
-    each micro-batch to every other holder, each holder sends back its gradient of it. Sends are
-    asynchronous and kept until complete; a receive waits only for a message the schedule has
-    already made its sender send (see the module docstring)."""
+    each micro-batch to every other holder, each holder sends back its gradient of it (two 2-rank
+    groups per pair, one per direction). Sends are asynchronous and kept until complete; a
+    receive waits only for a message the schedule has already made its sender send."""
 
     def __init__(self, owner_rank: int, like: torch.Tensor,
                  peers: Dict[int, Tuple[int, Any, Any]]) -> None:
@@ -123,11 +119,8 @@ class Tie:
 
 
 class TiedWeights:
-    """Every tie of the model as seen from stage ``stage`` (all of them, in the same order on
-    every rank, so that each rank makes the same groups). Synchronous methods:
-    :meth:`before_update` and :meth:`after_update` run around the stage's optimizer step.
-    Asynchronous ones: :meth:`forward_values` and :meth:`backward_done` run in each forward and
-    backward, :meth:`drained` at each drain."""
+    """Every tie of the model as seen from stage ``stage`` (in the same order on every rank, so
+    that each rank makes the same groups)."""
 
     def __init__(self, stage: int, ties: List[Tie], synchronous: bool = True) -> None:
         self.stage = stage
@@ -135,22 +128,18 @@ class TiedWeights:
         self.synchronous = synchronous
 
     def held(self) -> List[Tie]:
-        """The ties this stage holds a copy of in a run of one process per stage."""
-        return [t for t in self.ties if t.param is not None and t.group is not None]
+        """Synchronous methods: the ties this stage holds a copy of in a run of one process per stage."""
+        return [t for t in self.ties if t.param is not None and t.group is not None] if self.synchronous else []
 
     def read_not_owned(self) -> List[nn.Parameter]:
-        """Synchronous methods: the tied weights this stage reads and another owns (in one process
-        the owner's tensor, under torchrun this rank's copy), whose gradient a split backward's
-        weight half must compute as well as its own parameters'."""
+        """Synchronous methods: the tied weights this stage reads and another owns (the owner's
+        tensor, or under torchrun this rank's copy), whose gradient a split backward computes too."""
         if not self.synchronous:
             return []
         return [t.param for t in self.ties if t.param is not None and t.holders[0] != self.stage]
 
     def before_update(self) -> None:
-        """Synchronous methods: sum the holders' gradients into the owner's (a holder's own is
-        then dropped)."""
-        if not self.synchronous:
-            return
+        """Synchronous methods: the holders' gradients summed into the owner's (a holder's dropped)."""
         for tie in self.held():
             p = tie.param
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -160,19 +149,17 @@ class TiedWeights:
     @torch.no_grad()
     def after_update(self) -> None:
         """Synchronous methods: every holder's copy takes the owner's value after its update."""
-        if not self.synchronous:
-            return
         for tie in self.held():
-            dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
+            _from_owner(tie)
 
     # -- asynchronous methods: per micro-batch ---------------------------------------------------
     def _exchanged(self) -> List[Tie]:
         return [] if self.synchronous else [t for t in self.ties if t.param is not None and t.exchange is not None]
 
     def forward_values(self, microbatch: int, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """In a forward, with ``weights`` the tensors its policy gives it: the owner hands a copy
-        of its tied values on; another holder gets them, as a leaf of its own that collects its
-        gradient, to run its passes of ``microbatch`` on (name -> tensor, for functional_call)."""
+        """In a forward on ``weights`` (its policy's): the owner hands a copy of its tied values
+        on; another holder gets them as leaves of its own to run its passes of ``microbatch`` on
+        (name -> tensor, for functional_call)."""
         extra = {}
         for tie in self._exchanged():
             if tie.holders[0] == self.stage:
@@ -184,8 +171,7 @@ class TiedWeights:
 
     def backward_done(self, microbatch: int, extra: Dict[str, torch.Tensor]) -> None:
         """After a backward's weight gradients: a holder gives its gradient of the tied weight
-        (``extra``, from :meth:`forward_values`) to the owner; the owner adds the holders'
-        gradients of ``microbatch`` to its own, in the window that micro-batch belongs to."""
+        (``extra``, from :meth:`forward_values`) to the owner, who adds the holders' to its own."""
         for tie in self._exchanged():
             if tie.holders[0] == self.stage:
                 grad = tie.exchange.collect(microbatch)
@@ -202,12 +188,16 @@ class TiedWeights:
 
     @torch.no_grad()
     def drained(self) -> None:
-        """At a drain of a run of one process per stage (asynchronous methods): every send is
-        complete, and every holder's copy takes the owner's value."""
+        """At a drain (asynchronous methods): every send completes; the holders take the owner's value."""
         for tie in self._exchanged():
             tie.exchange.finish()
             if tie.group is not None:
-                dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
+                _from_owner(tie)
+
+
+def _from_owner(tie: Tie) -> None:
+    """Every holder's copy of ``tie`` takes the owner's value."""
+    dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
 
 
 def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
@@ -218,9 +208,8 @@ def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
                       new_group: Callable[[List[int]], Any]) -> None:
     """The processes' exchanges of the asynchronous methods: for every tie, every other holder
-    and each direction, a 2-rank group with the owner (every rank makes every group, in the same
-    order, as ``new_group`` requires); the ties this rank holds get a :class:`MessageExchange`.
-    ``rank_of(stage)``: the job rank of a stage."""
+    and each direction, a 2-rank group with the owner (every rank makes every group, in order);
+    the ties this rank holds get a :class:`MessageExchange`. ``rank_of(stage)``: its job rank."""
     for tie in ties:
         owner = rank_of(tie.holders[0])
         peers = {}

@@ -1,12 +1,10 @@
 """Where a pass's weight gradients go: into the parameters' ``.grad``, and, as each becomes
 final for an update, to the reduction over the stage's replicas.
 
-A pass runs on the parameters themselves (``WeightUse.direct``: autograd accumulates into
-``param.grad``) or on tensors a weight policy handed it (a stash, a prediction, aliases), whose
-gradients the stage moves onto the parameters after the backward. With data parallelism the
-last backward before an update announces each parameter (``ready``) as soon as its gradient is
-final, so that the replicas reduce it while the rest of the backward runs
-(``runtime/averaging.GradientAverager``)."""
+A pass runs on the parameters themselves (``WeightUse.direct``) or on tensors a weight policy
+handed it, whose gradients the stage moves onto the parameters after the backward. The last
+backward before an update announces each parameter (``ready``) as soon as its gradient is final,
+so that the replicas reduce it while the rest of the backward runs (``averaging.GradientAverager``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -26,22 +24,16 @@ def collect(use: WeightUse, named: Named) -> None:
         return  # autograd accumulated into the parameters' own .grad
     by_name = dict(named)
     for name, tensor in use.weights.items():
-        grad = tensor.grad
-        if grad is None:
-            continue
-        param = by_name[name]
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
-        tensor.grad = None
+        if tensor.grad is not None:
+            param = by_name[name]
+            param.grad = tensor.grad if param.grad is None else param.grad.add_(tensor.grad)
+            tensor.grad = None
 
 
 def announce_on_accumulate(ready: Callable[[torch.Tensor], None], use: WeightUse,
                            params: Sequence[nn.Parameter], named: Named) -> List[Any]:
     """Hooks that hand each parameter to ``ready`` as soon as autograd has its final gradient in
-    this backward (a tensor of ``use.weights`` first gives its gradient to its parameter, as
-    :func:`collect` does). Remove them after the backward."""
+    this backward (a tensor of ``use.weights`` first gives it to its parameter); remove them after."""
     if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):  # torch < 2.1
         return []
     if use.direct:
@@ -62,9 +54,8 @@ def announce_on_accumulate(ready: Callable[[torch.Tensor], None], use: WeightUse
 def announce_groups(ready_all: Callable[[List[torch.Tensor]], None], use: WeightUse,
                     params: Sequence[nn.Parameter]) -> Optional[Callable[[List[torch.Tensor]], None]]:
     """For a split backward's weight half: what hands each weight group's own parameters to
-    ``ready_all`` once their gradients are accumulated (a tied value stays for its owner). The
-    split schedules are synchronous, whose passes run on the parameters themselves; on other
-    tensors (None) the gradients are reduced at the update."""
+    ``ready_all`` once accumulated (a tied value stays for its owner); None where the passes run
+    on other tensors than the parameters (reduced at the update)."""
     if not use.direct:
         return None
     own = {id(p) for p in params}
