@@ -165,9 +165,6 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
                           shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
                           if config.shard_replicas else None, compile=checked.backend)
     world.connect(stages, replicas, placement=placement)
-    for stage in stages:
-        stage.probes.every = config.diagnose_every
-        stage.takes_target = stage.is_last and config.loss_fn is None  # the labels go into its module
     return BuiltStages(spec, stages, devices, placement, recompute, prepared.split_points,
                        EvalMode(model, prepared.traced, spec.partition, stages))
 
