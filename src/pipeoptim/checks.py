@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .methods import METHODS, Method, clip_scope_for
+from .methods import METHODS, Method, clip_scope_for, get_method, with_order
 from .options import BY_NAME, OPTIONS
 from .partition import weighted_units
 from .plan_defaults import PARTITIONERS
@@ -30,6 +30,7 @@ from .runtime.compiled import backend_of, missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import Layout
 from .runtime.sharding import fsdp_available
+from .schedules.custom import load_order
 
 
 class Words:
@@ -80,6 +81,28 @@ class Checked:
 
 
 # -- a Pipeline, when it is built ---------------------------------------------------------------
+def method_of(config: Any) -> Method:
+    """The run's method: ``config.method``, running ``config.schedule`` where one is given
+    (``schedules/custom.py`` checks it before any work: the refusal names the action), whose
+    stages, chunks and micro-batches the other options must then agree with."""
+    method = get_method(config.method)
+    if config.schedule is None:
+        return method
+    if not method.synchronous:
+        raise ValueError(f"schedule= runs with a synchronous method's weights; {method.name} is asynchronous: "
+                         f"drop method= (zb-h1's) or give method='1f1b-flush'")
+    order = load_order(config.schedule)
+    ranks, chunks, micro = order.num_ranks, order.num_stages // order.num_ranks, order.microbatches_per_update
+    for name, given, own in (("stages", config.stages, ranks), ("chunks", config.chunks, chunks),
+                             ("micro_batches", config.micro_batches, micro)):
+        if given is not None and given != own:
+            raise ValueError(f"{name}={given}, but schedule {order.name} has {own}: drop {name}=")
+    if config.partition is not None and len(config.partition) != order.num_stages:
+        raise ValueError(f"schedule {order.name} runs {order.num_stages} stages; the partition "
+                         f"{list(config.partition)} lists {len(config.partition)}")
+    return with_order(method, order)
+
+
 def check_model(model: Any) -> None:
     """The model: any ``nn.Module``."""
     if not isinstance(model, nn.Module):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .schedules import Schedule, build_schedule
-from .schedules.concat import concatenate
+from .schedules.concat import concatenate, repeat
 from .schedules.bidirectional import bidirectional_placement, bitpipe_placement
 
 
@@ -40,9 +40,14 @@ class Method:
     #: replica pair summing its gradients before the update (docs/architecture.md,
     #: "Bidirectional pipelines"); the model is cut into N pieces, not N x chunks
     mirrored: bool = False
+    #: a user's own schedule of one mini-batch (``Pipeline(schedule=...)``, :func:`with_order`):
+    #: run instead of ``schedule``, once per mini-batch, on its own placement
+    order: Optional[Schedule] = None
 
     def stage_ranks(self, ranks: int, chunks: int) -> List[int]:
         """The rank of each of the ``ranks x chunks`` stages (the schedule's ``stage_to_rank``)."""
+        if self.order is not None:
+            return list(self.order.stage_to_rank)
         if self.placement == "v":
             return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
         if self.placement == "bidirectional":
@@ -69,6 +74,8 @@ class Method:
         method's own: ``stages * chunks`` stages in all). With ``sync_warmup=K`` among
         ``options``, those of the run's first K mini-batches that fall in this span run with 1F1B
         and a flush, before the method's own schedule takes over (two concatenated schedules)."""
+        if self.order is not None:
+            return repeat(self.order, batches)
         warmup = int((options or {}).get("sync_warmup") or 0)
         sync = min(batches, max(0, warmup - first_batch))
         if not sync:
@@ -159,6 +166,11 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            "two chunks per process in a V (stage k holds chunks k and 2N-1-k), backward split into "
            "input and weight halves, a flush before each update (zero bubble V)", True,
            default_microbatches=lambda n: n, chunks=2, placement="v"),
+    Method("dualpipev", "dualpipev", "SynchronousPolicy",
+           "two chunks per process in a V (as zb-v), the forward of one micro-batch paired with the backward "
+           "of another (OVERLAP_F_B, run one after the other on the CPU), a flush before each update "
+           "(DeepSeek's DualPipeV, as torch's ScheduleDualPipeV orders it)", True,
+           default_microbatches=lambda n: 2 * n, chunks=2, placement="v"),
     Method("bidirectional", "bidirectional", "SynchronousPolicy",
            "two pipelines of the same pieces in opposite directions, half the micro-batches each, every "
            "process holding a stage of each; the two replicas of a piece sum their gradients before the "
@@ -202,6 +214,14 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
                     "sgd_momentum": ("paper", "code"), **CORRECTION_CHOICES},
            versions=_pipeoptim_versions),
 ]}
+
+
+def with_order(method: Method, order: Schedule) -> Method:
+    """``method`` (synchronous: its weight policy) running ``order``, one mini-batch's schedule
+    checked by ``schedules.custom.check_order``: its placement, chunks and micro-batches."""
+    m = order.microbatches_per_update
+    return dataclasses.replace(method, order=order, chunks=order.num_stages // order.num_ranks,
+                               placement="custom", default_microbatches=lambda n: m)
 
 
 def method_names() -> List[str]:

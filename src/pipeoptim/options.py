@@ -141,6 +141,15 @@ OPTIONS: Tuple[Option, ...] = (
                 "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
                 "that many layers, and --micro-batches a multiple of the stages); zb-v always holds 2, in a V "
                 "(pieces k and 2N-1-k)")),
+    Option("schedule", "Any", None,
+           "a schedule of one's own, run instead of the method's: a pipeoptim.schedules.Schedule of one "
+           "mini-batch (one update per stage), or the path of torch's compute-only CSV (one row per rank, "
+           "torch's actions: 0F1, 1B0, 0I2, 0W2, (0F7;7B3)OVERLAP_F_B; the updates go after each stage's last "
+           "backward). The stages and their ranks, chunks and micro-batches are the schedule's; the weights "
+           "are the method's, which must be synchronous (default zb-h1's: equal to sequential training). It "
+           "is checked before any work (a stage on one rank, every forward before its backward, no deadlock "
+           "under the simulator; a refusal names the action) and runs once per mini-batch", "pipeline",
+           api_only="a Schedule or a file; `pipeoptim schedule --from-csv FILE` simulates and draws one"),
     Option("micro_batches", "Optional[int]", None,
            "micro-batches per mini-batch for the methods that use them (default: the "
            "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2 for xpipe, "

@@ -22,11 +22,10 @@ import torch
 from torch import nn
 
 from .batches import BatchForm
-from .checks import Checked, check_fit, check_model, check_options, check_pipeline
+from .checks import Checked, check_fit, check_model, check_options, check_pipeline, method_of
 from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, Metric, TrainResult
-from .methods import get_method
 from .options import describe, of_scope
 from .prepare import build_model_stages, first_inputs, needs_example
 from .runtime import named_state
@@ -81,7 +80,7 @@ class Pipeline:
     def _build(self, model: nn.Module, config: PipelineConfig) -> None:
         check_model(model)
         self.config = config  #: every option, as given (pipeoptim.config.PipelineConfig)
-        self.method = get_method(config.method)
+        self.method = method_of(config)  # config.method, or running config.schedule (checked now)
         check_options(self.method, config)  # before a torchrun job is joined
         self.world: World = config.world if config.world is not None else (
             Torchrun.join(config.devices, config.timeout, config.threads) or LocalWorld())

@@ -60,7 +60,7 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, checked: Che
     own loss). What only the trace shows is refused here, naming the fix."""
     method, layout = checked.method, checked.layout
     timed = config.partitioner == "time" and config.partition is None and method.name != "sequential"
-    given = dict(method=method.name, partitioner="uniform" if config.partitioner == "time" else config.partitioner,
+    given = dict(method=method, partitioner="uniform" if config.partitioner == "time" else config.partitioner,
                  micro_batches=config.micro_batches, method_options=config.method_options)
     if isinstance(model, nn.Sequential):
         sizes = config.partition

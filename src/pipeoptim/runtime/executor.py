@@ -12,7 +12,15 @@ activation, of a micro-batch not fed yet, at a receive whose message has not com
 whose other replica has not finished its window (mirrored methods), and, with global clipping,
 at its first update of a number until every walker of the process has reached its own. Any
 interleaving that runs each action once its inputs exist gives the same numbers
-(docs/architecture.md, "Schedules as data")."""
+(docs/architecture.md, "Schedules as data").
+
+A forward paired with another micro-batch's backward (``Schedule.pairs``, torch's
+``OVERLAP_F_B``; ``schedules/dualpipev.py``) is lowered as both receives, the forward, the
+backward, both sends; a receive of the pair waits, as the forward's own would, until the forward's
+micro-batch is fed. Here the forward runs, then the backward. A GPU build would overlap them at
+that point of :meth:`Executor._walk` (the ``F`` branch meeting a paired forward: both inputs are
+in the stores), launching the two passes on two CUDA streams so that one's compute hides the
+other's transfers (DualPipe's all-to-all); the numbers stay the same, the two being independent."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -84,7 +92,7 @@ class Walker:
     """One rank's place in its lowered order, and the clipping coefficient of its update in
     progress (global clipping: taken at its first update of that number, reused by the others)."""
 
-    __slots__ = ("rank", "order", "pos", "overlap_at", "clip_update", "clip_scale")
+    __slots__ = ("rank", "order", "pos", "overlap_at", "clip_update", "clip_scale", "gates")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -93,6 +101,9 @@ class Walker:
         #: positions of the backwards (or weight halves) after which the next compute action is an
         #: update: the replicas' gradient averaging starts there (torchrun's data parallel)
         self.overlap_at: FrozenSet[int] = frozenset()
+        #: positions of the receives of a pair (forward and backward): the forward's micro-batch,
+        #: which must be fed before the pair starts
+        self.gates: Dict[int, int] = {}
         self.clip_update = -1
         self.clip_scale: Optional[torch.Tensor] = None
 
@@ -231,6 +242,7 @@ class Executor(StreamedSegment):
         lowered = lower(rest).orders
         for w in self.walkers:
             w.order = w.order[:w.pos] + lowered[w.rank]
+            w.gates = _pair_gates(w.order, schedule) if schedule.pairs else {}
 
     def _overlap_points(self, order: List[Action]) -> FrozenSet[int]:
         """Where in ``order`` a replica's gradient averaging starts (none in one process)."""
@@ -284,6 +296,8 @@ class Executor(StreamedSegment):
                     if i >= fed or not t.recv(kind, k, i):
                         break
                 elif kind in _RECEIVES:  # RECV_B, RECV_E
+                    if w.gates and w.gates.get(p, -1) >= fed:
+                        break  # a pair's: its forward's micro-batch is not fed yet
                     if not t.recv(kind, k, i):
                         break
                 elif kind is B or kind is I:
@@ -371,3 +385,19 @@ _RECEIVES = frozenset((Kind.RECV_B, Kind.RECV_E))
 def _computed(w: Walker) -> int:
     """How many compute actions walker ``w`` has run (counted without a Python call per action)."""
     return sum(map(_COMPUTE.__contains__, map(attrgetter("kind"), w.order[:w.pos])))
+
+
+def _pair_gates(order: List[Action], schedule: Schedule) -> Dict[int, int]:
+    """Position of each receive that lowering put before a paired forward -> that forward's
+    micro-batch (``schedules/lower.py``: a pair's receives come right before it)."""
+    gates: Dict[int, int] = {}
+    for p, a in enumerate(order):
+        if a.kind is Kind.F and schedule.pair_of(a) is not None:
+            q = p - 1
+            while q >= 0 and order[q].kind in _ALL_RECEIVES:
+                gates[q] = a.index
+                q -= 1
+    return gates
+
+
+_ALL_RECEIVES = frozenset((Kind.RECV_F, Kind.RECV_B))

@@ -79,6 +79,8 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
                              + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")
     elif stages is not None:
         n = stages
+    elif getattr(method, "order", None) is not None:  # a user's schedule: its ranks
+        n = method.order.num_ranks
     elif processes is not None:
         n = processes // data_parallel if data_parallel else processes
     else:

@@ -11,11 +11,11 @@ the command line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from ..methods import get_method
+from ..methods import Method, get_method
 from .layout import Layout, plan_layout
 from ..partition import plan_partition
 
@@ -37,7 +37,7 @@ class RunSpec:
         return self.stages // self.chunks
 
 
-def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partition: Optional[Sequence[int]],
+def resolve(model: nn.Sequential, *, method: Union[str, Method], stages: Optional[int], partition: Optional[Sequence[int]],
             partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
             chunks: Optional[int] = None, layout: Optional[Layout] = None) -> RunSpec:
     """The resolved run of settings that ``pipeoptim.checks`` has checked (the partitioner's
@@ -45,8 +45,10 @@ def resolve(model: nn.Sequential, *, method: str, stages: Optional[int], partiti
 
     ``stages`` counts ranks; with ``chunks=V`` (a chunked method: interleaved) the model is cut
     into ``stages x V`` stages, and ``partition`` lists the layers of each of them. ``layout``:
-    the run's layout where the caller has it (else it is planned from these)."""
-    m = get_method(method)
+    the run's layout where the caller has it (else it is planned from these). ``method``: a
+    registry name, or the Method itself (one running a user's schedule: ``methods.with_order``)."""
+    m = method if isinstance(method, Method) else get_method(method)
+    method = m.name
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got {type(model).__name__}")
     layout = layout or plan_layout(m, stages=stages, partition=partition, chunks=chunks)

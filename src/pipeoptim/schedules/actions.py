@@ -93,7 +93,10 @@ class Schedule:
     ``[0, 1, ..., N-1]`` for a straight pipeline, ``[0..N*V-1]`` for interleaved chunks, two
     chains for a bidirectional schedule. ``microbatches_per_update`` (M) is how many micro-batches
     a stage accumulates before one update ``U``. ``synchronous`` is true when every forward of
-    an update window runs on the same weights (a flush before each update).
+    an update window runs on the same weights (a flush before each update). ``pairs`` maps a
+    forward to the backward of another micro-batch that its rank runs together with it, right
+    after it in its order (torch's ``OVERLAP_F_B``; ``schedules/dualpipev.py``): both start once
+    the inputs of both are there.
     """
 
     name: str
@@ -106,6 +109,7 @@ class Schedule:
     pipelines: List[List[int]]
     synchronous: bool
     options: Dict[str, object] = field(default_factory=dict)
+    pairs: Dict[Action, Action] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.orders) != self.num_ranks:
@@ -139,9 +143,14 @@ class Schedule:
 
     @property
     def split_backward(self) -> bool:
-        """Whether backwards are split into I and W. (Sets of kinds are built in C: a Python loop
+        """Whether backwards are split into I and W (some at least: a schedule may mix them, as
+        torch's DualPipeV does; a ``B`` there stands for both halves of its micro-batch). (Sets of kinds are built in C: a Python loop
         over the actions of a large schedule costs more than simulating it.)"""
         return any(Kind.I in set(map(attrgetter("kind"), order)) for order in self.orders)
+
+    def pair_of(self, action: Action) -> Optional[Action]:
+        """The backward run together with forward ``action`` (None: it runs alone)."""
+        return self.pairs.get(action) if self.pairs else None
 
     def update_window(self, update: int) -> range:
         """The micro-batches whose gradients update number ``update`` applies."""

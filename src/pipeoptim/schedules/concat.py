@@ -1,4 +1,5 @@
-"""Two schedules run one after the other: the synchronous warm-up of an asynchronous method.
+"""Two schedules run one after the other: the synchronous warm-up of an asynchronous method;
+and one mini-batch's schedule repeated (a user's own, ``Pipeline(schedule=...)``).
 
 A schedule that drains at its end (every schedule here does) can be followed by another over the
 next mini-batches: stage k runs all of the first schedule's actions, then all of the second's,
@@ -32,3 +33,19 @@ def concatenate(first: Schedule, second: Schedule, *, name: str) -> Schedule:
     return Schedule(name, first.num_stages, first.num_ranks,
                     first.num_microbatches + second.num_microbatches, first.microbatches_per_update,
                     orders, first.stage_to_rank, first.pipelines, synchronous=False, options=options)
+
+
+def repeat(one: Schedule, batches: int) -> Schedule:
+    """``one`` (a schedule of one update window that drains at its end) run ``batches`` times,
+    micro-batch and update numbers continuing; its pairs too. A prefix of the schedule of more
+    mini-batches, so it streams (docs/architecture.md, "Schedules as data")."""
+    m, updates = one.num_microbatches, one.num_updates
+
+    def shifted(action: Action, t: int) -> Action:
+        return Action(action.stage, action.kind, action.index + t * (updates if action.kind is Kind.U else m))
+
+    orders = [[shifted(a, t) for t in range(batches) for a in order] for order in one.orders]
+    pairs = {shifted(f, t): shifted(b, t) for t in range(batches) for f, b in one.pairs.items()}
+    return Schedule(one.name, one.num_stages, one.num_ranks, batches * m, one.microbatches_per_update,
+                    orders, list(one.stage_to_rank), [list(c) for c in one.pipelines], one.synchronous,
+                    dict(one.options), pairs)

@@ -6,6 +6,13 @@ The time steps are those of a *unit-cost* simulation (every action, updates incl
 step, no transfer cost), so the CSV depends only on the schedule's orders, not on measured costs.
 torch has no update action: write with ``updates=False`` for a file its ``_load_csv`` accepts, and
 read such a file back with ``add_updates=True``.
+
+The cells follow torch's action grammar (``_Action.from_str``): ``2F5``, ``1B0``, ``0I3``,
+``0W3``, and a forward paired with another micro-batch's backward on the same rank,
+``(0F7;7B3)OVERLAP_F_B`` (``Schedule.pairs``): one cell at the pair's start, the backward's
+steps left empty. Communication (``SEND_F`` ...) and torch's FSDP actions (``UNSHARD``,
+``RESHARD``, ``REDUCE_GRAD``) are refused: the runtime adds the one by lowering and does the
+other itself (``shard_replicas``).
 """
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from .actions import Action, Kind, Schedule
 from .simulate import Costs, SimResult, simulate
 
 PathLike = Union[str, Path]
+OVERLAP = "OVERLAP_F_B"  #: torch's name of a forward and a backward run together
+#: torch's actions that the runtime does by itself, and why they are not in a schedule here
+_TORCH_ONLY = {"UNSHARD": "gathers", "RESHARD": "frees", "REDUCE_GRAD": "reduces"}
 
 
 def unit_costs(schedule: Schedule, updates: bool = True) -> Costs:
@@ -35,12 +45,14 @@ def to_csv_rows(schedule_or_result: Union[Schedule, SimResult], updates: bool = 
         raise ValueError(f"the compute_only CSV holds no communication; {schedule.name} has {comm}")
     unit = simulate(schedule, unit_costs(schedule, updates))
     rows: List[List[str]] = [[] for _ in range(schedule.num_ranks)]
+    paired = set(schedule.pairs.values())
     for t in unit.timeline:
-        if t.action.kind is Kind.U and not updates:
+        if (t.action.kind is Kind.U and not updates) or t.action in paired:
             continue
         row, step = rows[t.rank], int(t.start)
         row.extend([""] * (step - len(row)))
-        row.append(str(t.action))
+        partner = schedule.pair_of(t.action)
+        row.append(str(t.action) if partner is None else f"({t.action};{partner}){OVERLAP}")
     return rows
 
 
@@ -64,14 +76,13 @@ def _infer_pipelines(stages: Sequence[int], forwards: Dict[int, set]) -> List[Li
     return chains
 
 
-def _insert_updates(orders: List[List[Action]], m: int, split: bool) -> List[List[Action]]:
+def _insert_updates(orders: List[List[Action]], m: int) -> List[List[Action]]:
     """Put ``U(s, u)`` right after the last backward of update window ``u`` of stage ``s``."""
-    release = Kind.W if split else Kind.B
     result = []
     for order in orders:
         last: Dict[Tuple[int, int], int] = {}
         for pos, a in enumerate(order):
-            if a.kind is release:
+            if a.kind is Kind.W or a.kind is Kind.B:  # a micro-batch's last backward (B or W)
                 last[(a.stage, a.index // m)] = pos
         after: Dict[int, List[Action]] = {}
         for (stage, u), pos in sorted(last.items()):
@@ -101,20 +112,22 @@ def from_csv_rows(rows: Iterable[Sequence[str]], name: str = "csv",
       stage s's last backward of window u.
     """
     orders: List[List[Action]] = []
+    pairs: Dict[Action, Action] = {}
     for r, row in enumerate(rows):
         order = []
         for cell in row:
             if cell.strip():
-                action = Action.parse(cell)
-                if action.kind.is_comm:
-                    raise ValueError(f"row {r}: {cell!r} is communication; the compute_only CSV has none")
-                order.append(action)
+                parsed = parse_cell(cell, r)
+                if len(parsed) == 2:
+                    pairs[parsed[0]] = parsed[1]
+                order += parsed
         orders.append(order)
     stage_to_rank: Dict[int, int] = {}
     for rank, order in enumerate(orders):
         for a in order:
             if stage_to_rank.setdefault(a.stage, rank) != rank:
-                raise ValueError(f"stage {a.stage} appears on rows {stage_to_rank[a.stage]} and {rank}")
+                raise ValueError(f"{a}: stage {a.stage} appears on rows {stage_to_rank[a.stage]} and {rank}; "
+                                 f"a stage's actions go on one row (one rank)")
     if not stage_to_rank:
         raise ValueError("the CSV holds no action")
     stages = sorted(stage_to_rank)
@@ -131,7 +144,7 @@ def from_csv_rows(rows: Iterable[Sequence[str]], name: str = "csv",
         updates0 = sum(1 for a in orders[stage_to_rank[0]] if a.kind is Kind.U and a.stage == 0)
         m = total // updates0 if updates0 and total % updates0 == 0 else max(total, 1)
     if add_updates and not any(a.kind is Kind.U for order in orders for a in order):
-        orders = _insert_updates(orders, m, split=any(a.kind is Kind.I for a in work))
+        orders = _insert_updates(orders, m)
     if synchronous is None:
         synchronous = True
         for order in orders:
@@ -144,7 +157,37 @@ def from_csv_rows(rows: Iterable[Sequence[str]], name: str = "csv",
     chains = pipelines if pipelines is not None else _infer_pipelines(stages, forwards)
     return Schedule(name, len(stages), len(orders), total, m, orders,
                     stage_to_rank=[stage_to_rank[s] for s in stages], pipelines=chains,
-                    synchronous=synchronous)
+                    synchronous=synchronous, pairs=pairs)
+
+
+def parse_cell(cell: str, row: int = 0) -> List[Action]:
+    """The actions of one cell: one, or a pair ``(F;B)OVERLAP_F_B`` (its forward, then its backward)."""
+    text = cell.strip()
+    if text.startswith("("):
+        inner, close, kind = text[1:].partition(")")
+        parts = [p.strip() for p in inner.split(";") if p.strip()]
+        if not close or kind != OVERLAP or len(parts) != 2:
+            raise ValueError(f"row {row}: {cell!r} is not an action: a pair reads '(0F7;7B3){OVERLAP}', "
+                             f"a forward and a backward")
+        forward, backward = (_one(p, row) for p in parts)
+        if forward.kind is not Kind.F or backward.kind not in (Kind.B, Kind.I):
+            raise ValueError(f"row {row}: {cell!r} must pair a forward with a backward (B or I) of "
+                             f"another micro-batch, the forward first, e.g. '(0F7;7B3){OVERLAP}'")
+        return [forward, backward]
+    return [_one(text, row)]
+
+
+def _one(text: str, row: int) -> Action:
+    head = text.lstrip("0123456789")
+    for name, does in _TORCH_ONLY.items():
+        if head.startswith(name):
+            raise ValueError(f"row {row}: {text!r} is torch's FSDP action; the runtime {does} parameters "
+                             f"itself (shard_replicas=True): remove it from the schedule")
+    action = Action.parse(text)
+    if action.kind.is_comm:
+        raise ValueError(f"row {row}: {text!r} is communication; the compute_only CSV has none "
+                         f"(the runtime adds it)")
+    return action
 
 
 def read_csv(path: PathLike, name: Optional[str] = None, microbatches_per_update: Optional[int] = None,

@@ -8,6 +8,9 @@ The same rules serve the simulator, the greedy generators and the executors' che
 * ``U(s, u)`` needs every backward of stage s in update window u;
 * ``E(s, j)`` (forward only, evaluation micro-batch j) needs the previous stage's ``E(s-1, j)``.
 
+A schedule that splits some backwards may run others whole (torch's DualPipeV): there a ``B(s, i)``
+counts as both ``I(s, i)`` and ``W(s, i)`` for whatever waits on them (the simulator records it so).
+
 Order within a rank is implied by the rank's list and is not a dependency here. Dependencies
 come back as plain ``(stage, kind, index)`` tuples, which hash and compare equal to the
 :class:`~.actions.Action` they name; the simulator reads :func:`dependency_rules`' tables directly.

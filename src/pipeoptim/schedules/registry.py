@@ -6,6 +6,7 @@ from typing import Callable, Dict, Optional
 from .actions import Schedule
 from .async_1f1b import async_1f1b
 from .bidirectional import bidirectional, bitpipe
+from .dualpipev import dualpipev
 from .flush_1f1b import gpipe, interleaved_1f1b, one_f_one_b_flush, zb_h1
 from .simulate import Costs, gc_paused
 from .twobw import two_bw
@@ -21,6 +22,7 @@ _BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "bitpipe": lambda n, m, t, v, c: bitpipe(n, m, t, c),
     "zb-h1": lambda n, m, t, v, c: zb_h1(n, m, t),
     "zb-v": lambda n, m, t, v, c: zb_v(n, m, t),
+    "dualpipev": lambda n, m, t, v, c: dualpipev(n, m, t),
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -33,6 +35,8 @@ DESCRIPTIONS: Dict[str, str] = {
     "bitpipe": "two V-shaped pipelines in opposite directions, four stages per rank (BitPipe)",
     "zb-h1": "1F1B with split backward, weight gradients fill the bubble (zero bubble H1)",
     "zb-v": "two chunks per rank in a V, split backward, weight gradients fill the bubble (ZB-V)",
+    "dualpipev": "two chunks per rank in a V, a forward paired with another micro-batch's backward "
+                 "(OVERLAP_F_B; DeepSeek's DualPipeV)",
 }
 
 

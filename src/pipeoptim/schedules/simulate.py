@@ -2,7 +2,9 @@
 
 Given per-stage costs of F and B (and W for split backwards), an optional update cost and a
 per-message transfer cost, every action starts as soon as its rank is free and its dependencies
-(:mod:`.deps`) have finished, plus the transfer cost when a dependency ran on another rank. The
+(:mod:`.deps`) have finished, plus the transfer cost when a dependency ran on another rank. A
+forward paired with a backward (``Schedule.pairs``) waits for the dependencies of both, and the
+two run one after the other, as on the CPU (a GPU build overlapping them would take less). The
 result is the timeline a perfect executor would produce; a schedule whose dependencies can never
 be met raises :class:`DeadlockError` naming the blocked actions.
 """
@@ -118,7 +120,7 @@ class SimResult:
 def peak_activations(schedule: Schedule, split: Optional[bool] = None) -> List[int]:
     """Per stage, the most micro-batches whose forward ran and whose backward has not freed them.
 
-    A full backward frees its micro-batch; with a split backward only ``W`` does. ``split`` is
+    A full backward frees its micro-batch; of a split one only ``W`` does. ``split`` is
     read off the schedule when not given.
     """
     if split is None:
@@ -135,7 +137,7 @@ def peak_activations(schedule: Schedule, split: Optional[bool] = None) -> List[i
         else:
             for stage, kind, _ in order:
                 kinds_of[stage].append(kind)
-    change = {Kind.F: 1, Kind.W if split else Kind.B: -1}
+    change = {Kind.F: 1, Kind.B: -1, Kind.W: -1} if split else {Kind.F: 1, Kind.B: -1}
     peaks = [0] * schedule.num_stages
     for stage, kinds in kinds_of.items():
         peaks[stage] = max(0, max(accumulate(map(change.get, kinds, repeat(0)))))
@@ -190,6 +192,11 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
              for kind in COMPUTE_KINDS}
     _U, window_kind = Kind.U, rules.window_kind
     walk_windows = _U not in rules.same_index  # several micro-batches per update
+    pairs = schedule.pairs or None
+    # a split schedule's whole backward B(s, i) also ends I(s, i) and W(s, i) (torch's DualPipeV mixes them)
+    halves = {s: ((ends[Kind.I][s], waiters[Kind.I][s]), (ends[Kind.W][s], waiters[Kind.W][s]))
+              for s in stages} if split else None
+    _B = Kind.B
 
     pointer = [0] * num_ranks
     free_at = [0.0] * num_ranks
@@ -228,6 +235,17 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
                             break
                         if done > start:
                             start = done
+                if pairs is not None and wait_list is None and action in pairs:
+                    # the pair starts once the backward's inputs are there too
+                    b_stage, b_kind, b_index = pairs[action]
+                    for dep_ends, dep_waiters, delay in steps[b_kind][b_stage][3]:
+                        done = dep_ends.get(b_index)
+                        if done is None:
+                            wait_list, wait_for = dep_waiters, b_index
+                            break
+                        done += delay
+                        if done > start:
+                            start = done
                 if wait_list is not None:  # resume this rank when the missing action has run
                     wait_list.setdefault(wait_for, []).append(rank)
                     break
@@ -238,13 +256,23 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
                 ptr += 1
                 if own_waiters and index in own_waiters:
                     work.extend(own_waiters.pop(index))
+                if halves is not None and kind is _B:
+                    for half_ends, half_waiters in halves[stage]:
+                        half_ends[index] = t_free
+                        if index in half_waiters:
+                            work.extend(half_waiters.pop(index))
             pointer[rank], free_at[rank], busy[rank] = ptr, t_free, spent
 
     heads = [order[ptr] for order, ptr in zip(schedule.orders, pointer) if ptr < len(order)]
     if heads:
         deps_of = schedule_dependencies(schedule)
-        raise DeadlockError({head: [(s, k, i) for s, k, i in deps_of(head) if i not in ends[k][s]]
-                             for head in heads})
+
+        def missing(head: Action) -> List[tuple]:
+            partner = schedule.pair_of(head)  # a pair waits for its backward's inputs too
+            return [(s, k, i) for a in (head, partner) if a is not None for s, k, i in deps_of(a)
+                    if i not in ends[k][s]]
+
+        raise DeadlockError({head: missing(head) for head in heads})
     makespan = max(map(attrgetter("end"), timeline), default=0.0)
     return SimResult(schedule, costs, timeline, makespan, busy, peak_activations(schedule, split))
 
