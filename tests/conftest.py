@@ -115,6 +115,7 @@ def torchrun_2(tmp_path_factory):
     - ``dict``: library LMs from dict batches (test_dict_batches.py; their weights in ``folder/dict``)
     - ``eval-2``: evaluation in the bubbles on 2 stages (test_eval_in_bubbles_torchrun.py)
     - ``example``: examples/fashion_mnist_pipeline.py (test_torchrun.py)
+    - ``dualpipev-2``: dualpipev and torch's DualPipeV order on 2 processes (test_dualpipev.py)
     - ``bitpipe-whole``: tests/torchrun_checkpoint.py's uninterrupted bitpipe run, which a cut one
       resumes to (test_chunks.py; in ``folder/bitpipe-whole``)
     - ``cli-zb-v``: ``-m pipeoptim train`` of a chunked partition (test_chunks.py; with Fashion-MNIST
@@ -140,6 +141,7 @@ def torchrun_2(tmp_path_factory):
         "dict": [HERE / "torchrun_dict_batches.py", ",".join(test_dict_batches.UNDER_TORCHRUN), folder / "dict"],
         "eval-2": [HERE / "torchrun_eval_in_bubbles.py", 2],
         "example": [test_torchrun.EXAMPLE, *test_torchrun.EXAMPLE_ARGS],
+        "dualpipev-2": [HERE / "torchrun_dualpipev.py", 2],
         "bitpipe-whole": [test_torchrun.CHECKPOINT_SCRIPT, folder / "bitpipe-whole", *test_chunks.BITPIPE_RUN],
     }
     if has_image_data():  # last: the command line's worker starts the process group itself and ends it
@@ -155,6 +157,7 @@ def torchrun_4():
 
     - ``schedules``: the schedules people run, one pipeline over 4 processes (test_torchrun.py)
     - ``eval-4``: evaluation in the bubbles on 4 stages (test_eval_in_bubbles_torchrun.py)
+    - ``dualpipev-4``: dualpipev and torch's DualPipeV order on 4 processes (test_dualpipev.py)
     - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
       it sets the buckets' size for the process"""
     import test_torchrun
@@ -162,6 +165,7 @@ def torchrun_4():
 
     return launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
                    "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
+                   "dualpipev-4": [HERE / "torchrun_dualpipev.py", 4],
                    "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
                   nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
 

@@ -5,7 +5,9 @@ As text, PNG, Chrome trace or CSV.
 NAME is a schedule (``gpipe``, ``async-1f1b``, ...) or a training method (``pipeoptim``,
 ``pipedream``, ...). For a method, the command shows the method's schedule, uses its default
 number of micro-batches when ``--micro-batches`` is not given, and reports the weight versions
-each stage holds.
+each stage holds. ``--from-csv FILE`` shows a schedule of one's own instead: torch's
+compute-only CSV (one row per rank, ``(0F7;7B3)OVERLAP_F_B`` included), checked as
+``Pipeline(schedule=FILE)`` checks it, repeated for ``--batches`` mini-batches.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any, Dict, List, Optional
 from ..methods import get_method, method_names
 from ..schedules import Costs, analytic_bubble_fraction, build_schedule, schedule_names, simulate
 from ..schedules import csv_io, render
+from ..schedules.concat import repeat
+from ..schedules.custom import load_order
 
 FORMATS = ("text", "png", "chrome", "csv")
 EXTENSIONS = {"png": "png", "chrome": "json", "csv": "csv", "text": "txt"}
@@ -34,9 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="schedules: " + ", ".join(schedule_names()) + ". methods: " + ", ".join(method_names())
                + ". Example: pipeoptim schedule pipeoptim --stages 4 --batches 8 --format png",
     )
-    parser.add_argument("name", metavar="NAME",
+    parser.add_argument("name", metavar="NAME", nargs="?",
                         help=f"a schedule or a method name, one of: {', '.join(names)}")
-    parser.add_argument("--stages", "-N", metavar="N", default="4",
+    parser.add_argument("--from-csv", metavar="FILE", default=None,
+                        help="show the schedule of this compute-only CSV instead of NAME's (torch's "
+                             "format, one row per rank: 0F1, 1B0, 0I2, 0W2, (0F7;7B3)OVERLAP_F_B; the "
+                             "updates added after each stage's last backward): checked as "
+                             "Pipeline(schedule=FILE) checks it; its ranks and micro-batches are the file's")
+    parser.add_argument("--stages", "-N", metavar="N", default=None,
                         help="pipeline stages, one per rank (ranks for interleaved-1f1b, zb-v, "
                              "bidirectional and bitpipe, which put several stages on a rank); default 4")
     parser.add_argument("--micro-batches", "-M", metavar="M", default=None,
@@ -116,10 +125,28 @@ def _default_microbatches(schedule: str, stages: int) -> int:
     return stages
 
 
+def _from_csv(args: argparse.Namespace):
+    """The schedule of ``--from-csv`` for ``--batches`` mini-batches (default 1)."""
+    if args.name is not None:
+        raise ValueError(f"give NAME or --from-csv FILE, not both (got {args.name!r})")
+    for option, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches),
+                          ("--chunks", args.chunks)):
+        if value is not None:
+            raise ValueError(f"--from-csv takes its stages, chunks and micro-batches from the file: drop {option}")
+    one = load_order(args.from_csv)
+    batches = _integer("--batches", args.batches) if args.batches is not None else 1
+    return one.name, repeat(one, batches)
+
+
 def run(args: argparse.Namespace) -> int:
     name = args.name
     method = None
-    if name in method_names():
+    if args.from_csv is not None:
+        name, schedule = _from_csv(args)
+        schedule_name, stages, microbatches = name, schedule.num_ranks, schedule.microbatches_per_update
+    elif name is None:
+        raise ValueError("give a schedule or method NAME, or --from-csv FILE")
+    elif name in method_names():
         method = get_method(name)
         schedule_name = method.schedule
     elif name in schedule_names():
@@ -127,15 +154,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise ValueError(f"unknown schedule or method {name!r}; schedules: {', '.join(schedule_names())}; "
                          f"methods: {', '.join(method_names())}")
-    stages = _integer("--stages", args.stages)
-    chunks = _integer("--chunks", args.chunks) if args.chunks is not None else 2
     width = _integer("--width", args.width)
-    if args.micro_batches is not None:
-        microbatches = _integer("--micro-batches", args.micro_batches)
-    elif method is not None:
-        microbatches = method.microbatches(stages, None)
-    else:
-        microbatches = _default_microbatches(schedule_name, stages)
+    if args.from_csv is None:
+        stages = _integer("--stages", args.stages if args.stages is not None else "4")
+        chunks = _integer("--chunks", args.chunks) if args.chunks is not None else 2
+        if args.micro_batches is not None:
+            microbatches = _integer("--micro-batches", args.micro_batches)
+        elif method is not None:
+            microbatches = method.microbatches(stages, None)
+        else:
+            microbatches = _default_microbatches(schedule_name, stages)
     asynchronous = schedule_name in ASYNC_SCHEDULES
     batches = (_integer("--batches", args.batches) if args.batches is not None
                else (2 * stages if asynchronous else 1))
@@ -152,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
         return Costs.uniform(num_stages, forward, backward, weight[0] if weight else None,
                              update=update, comm=comm)
 
-    schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks)
+    if args.from_csv is None:
+        schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks)
     costs = costs_for(schedule.num_stages)
-    if schedule_name in LIST_SCHEDULED:  # its order is list-scheduled against the costs
+    if schedule_name in LIST_SCHEDULED and args.from_csv is None:  # its order is list-scheduled against the costs
         schedule = build_schedule(schedule_name, stages, microbatches, batches, chunks, costs)
     result = simulate(schedule, costs)
     analytic = analytic_bubble_fraction(schedule, costs)
