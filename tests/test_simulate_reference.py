@@ -53,14 +53,15 @@ def reference_dependencies(schedule):
 
 
 def reference_peaks(schedule):
-    release = Kind.W if reference_split(schedule) else Kind.B
+    # a split schedule may run some backwards whole (dualpipev): B frees its micro-batch too
+    release = (Kind.W, Kind.B) if reference_split(schedule) else (Kind.B,)
     peaks, live = [0] * schedule.num_stages, [0] * schedule.num_stages
     for order in schedule.orders:
         for a in order:
             if a.kind is Kind.F:
                 live[a.stage] += 1
                 peaks[a.stage] = max(peaks[a.stage], live[a.stage])
-            elif a.kind is release:
+            elif a.kind in release:
                 live[a.stage] -= 1
     return peaks
 
@@ -68,8 +69,15 @@ def reference_peaks(schedule):
 def reference_simulate(schedule, costs):
     """(timeline as (rank, action, start, end) tuples, end of each action, busy), or raises."""
     deps_of = reference_dependencies(schedule)
+    split = reference_split(schedule)
+
+    def needs(action):  # a forward paired with a backward starts once the backward's inputs are there too
+        partner = schedule.pairs.get(action)
+        return deps_of(action) + (deps_of(partner) if partner is not None else [])
+
     rank_of = schedule.stage_to_rank
     end, timeline = {}, []
+    halves = {}  # the I and W a whole backward B stands for, in a schedule that splits others
     pointer, free_at, busy = [0] * schedule.num_ranks, [0.0] * schedule.num_ranks, [0.0] * schedule.num_ranks
     waiting = defaultdict(list)
     work = deque(range(schedule.num_ranks))
@@ -79,11 +87,11 @@ def reference_simulate(schedule, costs):
         while pointer[rank] < len(order):
             action = order[pointer[rank]]
             start, missing = free_at[rank], None
-            for d in deps_of(action):
-                if d not in end:
+            for d in needs(action):
+                if d not in end and d not in halves:
                     missing = d
                     break
-                start = max(start, end[d] + (costs.comm if rank_of[d[0]] != rank else 0.0))
+                start = max(start, end.get(d, halves.get(d)) + (costs.comm if rank_of[d[0]] != rank else 0.0))
             if missing is not None:
                 waiting[missing].append(rank)
                 break
@@ -92,11 +100,15 @@ def reference_simulate(schedule, costs):
             timeline.append((rank, action, start, free_at[rank]))
             pointer[rank] += 1
             work.extend(waiting.pop(action, []))
+            if split and action.kind is Kind.B:  # a whole backward ends both halves
+                for half in (Kind.I, Kind.W):
+                    halves[(action.stage, half, action.index)] = end[action]
+                    work.extend(waiting.pop((action.stage, half, action.index), []))
     blocked = {}
     for rank, order in enumerate(schedule.orders):
         if pointer[rank] < len(order):
             head = order[pointer[rank]]
-            blocked[head] = [d for d in deps_of(head) if d not in end]
+            blocked[head] = [d for d in needs(head) if d not in end and d not in halves]
     if blocked:
         raise DeadlockError(blocked)
     return timeline, end, busy

@@ -52,7 +52,7 @@ def test_sequential_equals_a_plain_pytorch_loop():
 @pytest.mark.parametrize("make_opt", [SGDM, ADAM], ids=["momentum", "adam"])
 def test_one_stage_equals_sequential(method, make_opt):
     model, data = mlp(), batches()
-    micro = 2 if method in ("gpipe", "1f1b-flush", "zb-h1", "pipedream-2bw", "pipeoptim-2bw", "xpipe",
+    micro = 2 if method in ("gpipe", "1f1b-flush", "zb-h1", "dualpipev", "pipedream-2bw", "pipeoptim-2bw", "xpipe",
                             "bidirectional", "bitpipe") else 1
     reference = pipeoptim.train(model, data, method="sequential", optimizer=make_opt, loss_fn=LOSS,
                                 micro_batches=micro)
