@@ -135,11 +135,11 @@ OPTIONS: Tuple[Option, ...] = (
     Option("chunks", "Optional[int]", None,
            "model chunks per stage, for interleaved (default 2): the model is cut into "
            "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
-           "least that many layers and micro-batches a multiple of the stages); zb-v always holds 2, in a V "
+           "least that many layers and micro-batches a multiple of the stages); zb-v and dualpipev always hold 2, in a V "
            "(pieces k and 2N-1-k)", "pipeline",
            Flag("int", help="model chunks per stage, for interleaved (default 2): the model is cut into stages x "
                 "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
-                "that many layers, and --micro-batches a multiple of the stages); zb-v always holds 2, in a V "
+                "that many layers, and --micro-batches a multiple of the stages); zb-v and dualpipev always hold 2, in a V "
                 "(pieces k and 2N-1-k)")),
     Option("schedule", "Any", None,
            "a schedule of one's own, run instead of the method's: a pipeoptim.schedules.Schedule of one "
@@ -152,7 +152,7 @@ OPTIONS: Tuple[Option, ...] = (
            api_only="a Schedule or a file; `pipeoptim schedule --from-csv FILE` simulates and draws one"),
     Option("micro_batches", "Optional[int]", None,
            "micro-batches per mini-batch for the methods that use them (default: the "
-           "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2 for xpipe, "
+           "method's own: N for gpipe, 1f1b-flush, zb-h1, interleaved, zb-v and the 2BW methods, 2N for dualpipev, 2 for xpipe, "
            "1 for the others)", "pipeline", Flag("int")),
     Option("lr_scheduler", "Optional[Callable[..., Any]]", None,
            "lr_scheduler(optimizer) -> LRScheduler, called once per stage; each stage "
