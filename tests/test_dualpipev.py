@@ -143,6 +143,8 @@ def test_a_hand_written_csv_and_a_schedule_object_run_through_the_pipeline(tmp_p
     _assert_equal(got, reference)
     schedule = csv_io.read_csv(path, add_updates=True)
     _assert_equal(_train(schedule=schedule, method="1f1b-flush", stages=2, micro_batches=3), reference)
+    with pytest.raises(ValueError, match="pairs forwards with backwards"):
+        pipe.fit(batches(2), eval_every=1, eval_in_bubbles=True, eval_loader=batches(1))
     assert main(["schedule", "--from-csv", str(path), "--batches", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["schedule"], report["ranks"], report["microbatches"], report["batches"]) == ("mine", 2, 3, 2)

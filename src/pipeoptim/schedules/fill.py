@@ -80,6 +80,9 @@ def check_fillable(schedule: Schedule) -> None:
                          f"drained (eval_in_bubbles=False)")
     if any(a.kind is Kind.E for order in schedule.orders for a in order):
         raise ValueError(f"{schedule.name} already holds forward-only work")
+    if schedule.pairs:
+        raise ValueError(f"{schedule.name} pairs forwards with backwards (OVERLAP_F_B), between which no "
+                         f"forward-only work may go: evaluate drained (eval_in_bubbles=False)")
 
 
 class _Gap:
