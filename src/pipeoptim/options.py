@@ -135,12 +135,12 @@ OPTIONS: Tuple[Option, ...] = (
     Option("chunks", "Optional[int]", None,
            "model chunks per stage, for interleaved (default 2): the model is cut into "
            "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
-           "least that many layers and micro-batches a multiple of the stages); zb-v and dualpipev always hold 2, in a V "
-           "(pieces k and 2N-1-k)", "pipeline",
+           "least that many layers and micro-batches a multiple of the stages); zb-v and dualpipev always "
+           "hold 2, in a V (pieces k and 2N-1-k)", "pipeline",
            Flag("int", help="model chunks per stage, for interleaved (default 2): the model is cut into stages x "
                 "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
-                "that many layers, and --micro-batches a multiple of the stages); zb-v and dualpipev always hold 2, in a V "
-                "(pieces k and 2N-1-k)")),
+                "that many layers, and --micro-batches a multiple of the stages); zb-v and dualpipev always "
+                "hold 2, in a V (pieces k and 2N-1-k)")),
     Option("schedule", "Any", None,
            "a schedule of one's own, run instead of the method's: a pipeoptim.schedules.Schedule of one "
            "mini-batch (one update per stage), or the path of torch's compute-only CSV (one row per rank, "

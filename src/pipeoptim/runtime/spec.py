@@ -37,8 +37,9 @@ class RunSpec:
         return self.stages // self.chunks
 
 
-def resolve(model: nn.Sequential, *, method: Union[str, Method], stages: Optional[int], partition: Optional[Sequence[int]],
-            partitioner: str, micro_batches: Optional[int], method_options: Dict[str, Any],
+def resolve(model: nn.Sequential, *, method: Union[str, Method], stages: Optional[int],
+            partition: Optional[Sequence[int]], partitioner: str, micro_batches: Optional[int],
+            method_options: Dict[str, Any],
             chunks: Optional[int] = None, layout: Optional[Layout] = None) -> RunSpec:
     """The resolved run of settings that ``pipeoptim.checks`` has checked (the partitioner's
     own refusals aside, which say the fix: a partition that does not cover the model).
