@@ -20,7 +20,7 @@ from pipeoptim.cli import main
 from pipeoptim.schedules import Costs, Kind, build_schedule, csv_io, simulate
 from pipeoptim.schedules.lower import lower
 from pipeoptim.throughput import predict
-from test_memory import synthetic
+from test_memory import measured, simulated_in_flight, synthetic
 from torch_orders import CLASSES, torch_rows
 from torchrun_jobs import run_here
 
@@ -115,6 +115,13 @@ def test_the_planner_prices_dualpipev_as_the_simulator_runs_it():
     assert row["bubble_fraction"] == pytest.approx(result.bubble_fraction)
     assert [r["rank"] for r in row["memory"]] == [0, 1, 1, 0]
     assert [r["in_flight_microbatches"] for r in row["memory"]] == result.peak_activations == [4, 3, 2, 1]
+
+
+def test_dualpipev_holds_the_activations_the_simulator_counts():
+    """2 processes x 2 chunks, M = 4: each model stage's measured peak of micro-batches held
+    (whole backwards free theirs, split ones at the weight half) is the simulator's."""
+    stages = measured("dualpipev", partition=(1, 1, 1, 2))
+    assert [s["peak_microbatches"] for s in stages] == simulated_in_flight("dualpipev") == [4, 3, 2, 1]
 
 
 # -- torch's orders, read and run ------------------------------------------------------------------
