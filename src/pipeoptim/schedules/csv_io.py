@@ -26,7 +26,8 @@ from .simulate import Costs, SimResult, simulate
 PathLike = Union[str, Path]
 OVERLAP = "OVERLAP_F_B"  #: torch's name of a forward and a backward run together
 #: torch's actions that the runtime does by itself, and why they are not in a schedule here
-_TORCH_ONLY = {"UNSHARD": "gathers", "RESHARD": "frees", "REDUCE_GRAD": "reduces"}
+_TORCH_ONLY = {"UNSHARD": "gathers a sharded stage's parameters", "RESHARD": "frees them again",
+               "REDUCE_GRAD": "reduces the gradients over replicas"}
 
 
 def unit_costs(schedule: Schedule, updates: bool = True) -> Costs:
@@ -181,8 +182,8 @@ def _one(text: str, row: int) -> Action:
     head = text.lstrip("0123456789")
     for name, does in _TORCH_ONLY.items():
         if head.startswith(name):
-            raise ValueError(f"row {row}: {text!r} is torch's FSDP action; the runtime {does} parameters "
-                             f"itself (shard_replicas=True): remove it from the schedule")
+            raise ValueError(f"row {row}: {text!r} is torch's FSDP action; the runtime {does} by itself "
+                             f"(data_parallel, shard_replicas=True): remove it from the schedule")
     action = Action.parse(text)
     if action.kind.is_comm:
         raise ValueError(f"row {row}: {text!r} is communication; the compute_only CSV has none "
