@@ -204,7 +204,7 @@ def test_dualpipev_and_torchs_order_under_torchrun_equal_one_process_and_sequent
     job = request.getfixturevalue(f"torchrun_{nproc}")
     spread = _runs("\n".join(job.lines(f"dualpipev-{nproc}", rank=0)))
     local = _runs(run_here(HERE_SCRIPT, nproc))
-    assert sorted(spread) == ["dualpipev", "torch-dualpipev"] and sorted(local) == [*sorted(spread), "sequential"]
+    assert sorted(spread) == ["dualpipev", "torch-dualpipev"] and sorted(local) == sorted([*spread, "sequential"])
     reference = local["sequential"]
     for run in ("dualpipev", "torch-dualpipev"):
         assert (spread[run]["processes"], local[run]["processes"]) == (nproc, 1)
