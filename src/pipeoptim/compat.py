@@ -20,8 +20,7 @@ from torch.utils import _pytree
 __all__ = ["HAS_STORAGE_USE_COUNT", "storage_use_count", "CAN_SWAP_STORAGE", "swap_storage_memory",
            "FOREACH_NORM_TAKES_DTYPE", "FOREACH_OPS", "muon_orthogonalize", "newton_schulz", "muon_lr_ratio",
            "fsdp_reduce_gradients", "forget_sharding_cache", "tensor_version", "compile_backend",
-           "flatten_dense", "unflatten_dense", "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves",
-           "tree_unflatten"]
+           "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves", "tree_unflatten"]
 
 
 # -- storages ----------------------------------------------------------------------------------
@@ -240,33 +239,6 @@ def compile_backend(name: str) -> Callable[..., Any]:
         return lookup_backend(name)
     except Exception as error:  # torch raises its own InvalidBackend
         raise ValueError(f"torch.compile has no backend {name!r}") from error
-
-
-def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The dense ``tensors`` (one dtype) concatenated into one contiguous 1-D tensor (one
-    collective for a bucket of gradients: ``runtime/averaging.GradientAverager``).
-
-    Private API: ``torch._utils._flatten_dense_tensors`` (a C++ concatenation).
-    Fallback: where missing, ``torch.cat`` of the flattened tensors (the same values).
-    Public alternative: ``torch.cat([t.reshape(-1) for t in tensors])`` (one more Python loop);
-    ``torch.nn.utils.parameters_to_vector`` does the same for parameters."""
-    flatten = getattr(getattr(torch, "_utils", None), "_flatten_dense_tensors", None)
-    if flatten is None:
-        return torch.cat([t.reshape(-1) for t in tensors])
-    return flatten(list(tensors))
-
-
-def unflatten_dense(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` (made by :func:`flatten_dense`) with the shapes of ``like``, in order.
-
-    Private API: ``torch._utils._unflatten_dense_tensors``.
-    Fallback: where missing, ``flat.split`` by the sizes and ``view`` to each shape (the same views).
-    Public alternative: that split; ``torch.nn.utils.vector_to_parameters`` copies instead."""
-    unflatten = getattr(getattr(torch, "_utils", None), "_unflatten_dense_tensors", None)
-    if unflatten is None:
-        parts = flat.split([t.numel() for t in like])
-        return [part.view_as(t) for part, t in zip(parts, like)]
-    return list(unflatten(flat, list(like)))
 
 
 def _assertion_ops() -> Tuple[Any, ...]:

@@ -7,7 +7,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compat import flatten_dense, unflatten_dense
 from .wire import PipelineCommError, reason
 
 
@@ -80,7 +79,7 @@ class GradientAverager:
             self._bucket, self._bucket_size = [], 0
 
     def _launch(self, params: List[torch.Tensor]) -> None:
-        flat = flatten_dense(_grads(params))
+        flat = torch.cat([g.reshape(-1) for g in _grads(params)])  # one collective per bucket
         try:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -105,8 +104,8 @@ class GradientAverager:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
                 if self.mean:
                     flat.div_(self.replicas)
-                for p, g in zip(group, unflatten_dense(flat, _grads(group))):
-                    p.grad = g
+                for p, g in zip(group, flat.split([q.numel() for q in group])):
+                    p.grad = g.view_as(p)
         except RuntimeError as error:
             raise self._fail(error) from error
         finally:

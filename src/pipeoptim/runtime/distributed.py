@@ -82,29 +82,25 @@ class PipeTransport(Transport):
         return self._chain_of[boundary] == (0 if microbatch % m < m // 2 else 1)
 
     def recv(self, kind: Kind, k: int, i: int) -> bool:
-        comm = self.comm
-        if kind is Kind.RECV_F:
-            self.inputs[(k, i)] = comm.recv_activation(i, self.keys[i], stage=k)
-        elif kind is Kind.RECV_B:
-            self.grads[(k, i)] = comm.recv_gradient(i, self.keys[i], stage=k)
+        if kind is Kind.RECV_E:
+            self.evals[(k, i)] = self.comm.recv("activation", -1 - i, self._e_keys[i], stage=k)
+        elif kind is Kind.RECV_F:
+            self.inputs[(k, i)] = self.comm.recv("activation", i, self.keys[i], stage=k)
+        else:
+            self.grads[(k, i)] = self.comm.recv("gradient", i, self.keys[i], stage=k)
             if k in self._drop_on_recv:
                 del self.keys[i]
-        else:  # RECV_E
-            self.evals[(k, i)] = comm.recv_activation(-1 - i, self._e_keys[i], stage=k)
-        comm.poll()
+        self.comm.poll()
         return True
 
     def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
-        comm = self.comm
-        if kind is Kind.SEND_F:
-            comm.send_activation(i, self.keys[i], value, stage=k)
-        elif kind is Kind.SEND_B:
-            comm.send_gradient(i, self.keys[i], value, stage=k)
-            if k in self._drop_on_send:
+        if kind is Kind.SEND_E:
+            self.comm.send("activation", -1 - i, self._e_keys[i], value, stage=k)
+        else:
+            self.comm.send("activation" if kind is Kind.SEND_F else "gradient", i, self.keys[i], value, stage=k)
+            if kind is Kind.SEND_B and k in self._drop_on_send:
                 del self.keys[i]
-        else:  # SEND_E
-            comm.send_activation(-1 - i, self._e_keys[i], value, stage=k)
-        comm.poll()
+        self.comm.poll()
 
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every rank's norms, gathered over the control group and put in stage order (the

@@ -32,13 +32,13 @@ def scored_forward(comm: PipeComm, stages: List[Stage], loader: Iterable, score:
         for stage in stages:  # this process's chunks in chain order; the others between them
             k = stage.index
             if k > 0 and (k - 1) not in held:
-                value = comm.recv_activation(ident, key, stage=k)
+                value = comm.recv("activation", ident, key, stage=k)
             with stage.autocast():
                 value = stage.module(to_device(value, stage.device))
                 if k == last:
                     values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
             if k < last and (k + 1) not in held:
-                comm.send_activation(ident, key, value, stage=k)
+                comm.send("activation", ident, key, value, stage=k)
         comm.poll()
         count += batch_size(inputs)
     comm.flush()
