@@ -2,21 +2,18 @@
 
 Tracing, candidate points, units, what crosses a cut, late inputs and the refusals:
 (docs/architecture.md, "Splitting any module" and "Batches as a model library gives them").
-:func:`trace` keeps the flat graph of ``ExportedProgram.module()``: aten operations in call
-order, each tagged with the modules it ran in (``nn_module_stack``), the parameters read by name
-(``get_attr``). A partition counts units per stage, as an ``nn.Sequential``'s counts layers.
-
-:meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage, which
-takes one argument and returns one value: the first stage the model's input (a tensor, a tuple
-of the forward's positional arguments, or a dict of its keyword arguments), the others what the
-stage before returned, in a fixed order; a stage that needs a size reads it from a tensor it
-holds. A late input is refused if an earlier stage reads it."""
+:func:`trace` keeps the flat graph of ``ExportedProgram.module()`` (aten operations in call
+order, tagged with the modules they ran in); a partition counts units per stage, as an
+``nn.Sequential``'s counts layers. Each stage module takes one argument and returns one value
+(:meth:`TracedModel.stage_modules`)."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import itertools
 import re
+import traceback
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -55,8 +52,6 @@ def _dynamic(value: Any) -> Any:
 
 def _first_user_frame(error: BaseException) -> str:
     """The innermost frame of the user's code in the traceback (not torch's), as 'file:line in f'."""
-    import traceback
-
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if "/torch/" not in f.filename and not f.filename.startswith("<")]
     if not frames:
@@ -255,13 +250,8 @@ class TracedModel:
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
     def points_for_sizes(self, sizes: Sequence[int]) -> List[str]:
-        """The split points of a partition in units per stage (the inverse of
-        :meth:`sizes_for_points`)."""
-        points, start = [], 0
-        for size in list(sizes)[:-1]:
-            start += size
-            points.append(self.candidates[start])
-        return points
+        """The split points of a partition in units per stage (the inverse of :meth:`sizes_for_points`)."""
+        return [self.candidates[start] for start in itertools.accumulate(list(sizes)[:-1])]
 
     # -- the stage modules ------------------------------------------------------------------------
     def stage_modules(self, sizes: Sequence[int], late: bool = True) -> List[fx.GraphModule]:
@@ -271,9 +261,7 @@ class TracedModel:
         if sum(sizes) != self.units or any(s < 1 for s in sizes):
             raise ValueError(f"a partition of this model needs stages of at least one unit covering "
                              f"{self.units} units, got {list(sizes)}")
-        ends = []
-        for size in sizes:
-            ends.append((ends[-1] if ends else 0) + size)
+        ends = list(itertools.accumulate(sizes))
         stage_of = {node: next(k for k, end in enumerate(ends) if self.unit[node] < end)
                     for node in self.compute}
         last_input = self._late_node() if late else None

@@ -41,10 +41,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``nesterov``, ``ns_steps`` and ``adjust_lr_fn`` are Muon's (torch's defaults); ``adamw_lr``
     (default ``lr``), ``betas``, ``eps`` and ``adamw_weight_decay`` are AdamW's."""
 
-    #: Muon orthogonalizes each whole matrix, so a shard of one will not do: True tells the
-    #: engine, without naming the class, that a stage sharded over its replicas cannot run it.
-    shards_whole_matrices = True
-
     def __init__(self, muon_params: Iterable[Any], adamw_params: Iterable[Any], *, lr: float = 1e-3,
                  weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  adjust_lr_fn: Optional[str] = None, adamw_lr: Optional[float] = None,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -14,15 +13,10 @@ from ..weights.policies import make_policy
 from .interfaces import orthogonalizes
 from .probes import PredictionProbes
 from .stage import Stage
-from .tied import Tie, TiedWeights, local_exchanges
+from .tied import LocalExchange, Tie, TiedWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-try:  # torch >= 2.0 names the base class LRScheduler; older 2.x releases only _LRScheduler
-    _SCHEDULER_BASE = torch.optim.lr_scheduler.LRScheduler
-except AttributeError:  # pragma: no cover
-    _SCHEDULER_BASE = torch.optim.lr_scheduler._LRScheduler
 
 
 class StageParameters(list):
@@ -53,7 +47,7 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, 
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau steps on a metric, not after every update; step it "
                          "yourself from on_epoch, or use a schedule such as LambdaLR or CosineAnnealingLR")
-    if not isinstance(scheduler, _SCHEDULER_BASE):
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ValueError(f"lr_scheduler must be a factory optimizer -> torch.optim.lr_scheduler."
                          f"LRScheduler, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f); "
                          f"it returned {type(scheduler).__name__} for stage {stage}")
@@ -108,7 +102,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     keywords above are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
-    exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
+    # one in-memory exchange per tie, shared by its holders' stages (torchrun's world replaces them)
+    exchanges = {key: LocalExchange(holders) for key, holders in ties.items()}
     n = len(parts)
     # where each pipeline starts and ends: one chain 0..n-1, or a mirrored method's two of n/2
     chains = [range(n // 2), range(n // 2, n)] if method.mirrored else [range(n)]

@@ -200,11 +200,6 @@ def _from_owner(tie: Tie) -> None:
     dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
 
 
-def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
-    """One in-memory exchange per tie (key ``id(parameter)``), shared by its holders' stages."""
-    return {key: LocalExchange(holders) for key, holders in ties.items()}
-
-
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
                       new_group: Callable[[List[int]], Any]) -> None:
     """The processes' exchanges of the asynchronous methods: for every tie, every other holder
