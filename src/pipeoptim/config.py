@@ -3,12 +3,9 @@
 
 Each has one field per option of :mod:`pipeoptim.options` in its scope, named, typed and
 defaulted as the table says, so that an option added to the table is a field here with nothing
-else to edit. ``Pipeline(model, **options)`` makes its PipelineConfig once and hands it whole to
-the checks, the preparation and the stage builders (``Pipeline.from_config`` takes one made
-elsewhere); ``fit(loader, **options)`` makes a FitConfig for its loop; ``train`` splits its
-keywords between the two; the lab's run configuration embeds both (``pipeoptim.lab.config``).
-The signatures of ``Pipeline``, ``fit`` and ``train`` are made here from the same table
-(:func:`keyword_parameters`). Imports no torch.
+else to edit. A Pipeline hands its PipelineConfig whole to the checks, the preparation and the
+stage builders. The signatures of ``Pipeline``, ``fit`` and ``train`` are made here from the
+same table (:func:`keyword_parameters`). Imports no torch.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
 
-An ``nn.Sequential`` is split by layers (``partition`` = layers per stage); any other module is
-traced (:mod:`pipeoptim.graph_split`) and cut at candidate points, ``partition`` then counting
-units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner (the
-default) counts the units that hold parameters, and ``time`` (opt-in: a profile differs between
-runs and machines) balances each unit's profiled forward+backward time on the example input and
-prints the cut it chose, so that it can be given again. A tied weight stays one parameter, owned
-by the first stage that reads it (docs/architecture.md, "Tied weights")."""
+An ``nn.Sequential`` is split by layers; any other module is traced and cut at candidate points
+(docs/architecture.md, "Splitting any module"). The ``time`` partitioner (opt-in: a profile
+differs between runs and machines) prints the cut it chose, so that it can be given again. A
+tied weight stays one parameter, owned by the first stage that reads it (docs/architecture.md,
+"Tied weights")."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,6 @@
 """Executing schedules: one stage implementation (stage.py) and one executor (executor.py), which
 walks each rank's lowered order in one process (local.py) or under torchrun (distributed.py).
-
-``Stage``, ``TraceEntry`` and ``run_schedule`` are imported on first use, so that the modules of
-this package that need no torch (:mod:`~pipeoptim.runtime.defaults`, whose values the command
-line shows in its options) can be imported without it.
+Its names are imported on first use: ``runtime.defaults`` imports no torch.
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@ forward ran on were from those live at its backward, against the stale weights' 
 Every K-th micro-batch (by its number in the run), the stage keeps at its forward the weights it
 would have used unpredicted (W_stale), those it used (W_used), and with delay corrections on,
 those with none of them and without each; at its backward it measures each against the weights
-live then (W_b). Copies and distances are multi-tensor operations (``weights/fused.py``): the
-differences taken in the probe's own copies, in the weights' dtype, their norms accumulated in
-float64 (on a sharded stage over the DTensors: the whole stage's).
+live then (W_b), the norms accumulated in float64.
 """
 from __future__ import annotations
 
