@@ -1,11 +1,9 @@
 """Weights tied across stages (docs/architecture.md, "Tied weights").
 
-Synchronous methods under torchrun: a holder that is not the owner takes the owner's new value
-at each update. Asynchronous methods (docs/architecture.md, "Tied weights with the asynchronous
-methods"): a holder's passes of micro-batch i (recomputation included) run on the owner's values
-of i, and its gradient of i joins the owner's update that consumes i, handed over in memory
-(:class:`LocalExchange`) or between processes (:class:`MessageExchange`); after each drain the
-holders take the owner's value (:meth:`TiedWeights.drained`)."""
+With the asynchronous methods (docs/architecture.md, "Tied weights with the asynchronous
+methods") a holder's passes of micro-batch i run on the owner's values of i, and its gradient of
+i joins the owner's update that consumes i, handed over in memory (:class:`LocalExchange`) or
+between processes (:class:`MessageExchange`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
