@@ -17,10 +17,9 @@ from .wire import signature
 @torch.no_grad()
 def scored_forward(comm: PipeComm, stages: List[Stage], loader: Iterable, score: Callable, last: int,
                    first_chain: bool = False) -> Tuple[float, int]:
-    """(the sum over samples of ``score(output, target)`` on the process of stage ``last``, 0.0
-    elsewhere; the samples) of ``loader``'s mini-batches through ``stages``, this process's
-    stages of the model in chain order. ``first_chain``: a bidirectional run's stages 0 ..
-    ``last`` are the model once (the messages go on that chain's links only)."""
+    """(the sum over samples of ``score(output, target)``, on the process of stage ``last``, 0.0
+    elsewhere; the samples) of ``loader``'s mini-batches through this process's ``stages``, in
+    chain order. ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once."""
     held = {stage.index for stage in stages}
     travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
     count, values = 0, []
