@@ -98,11 +98,9 @@ def _muon_module() -> Any:
 
 def muon_orthogonalize(update: torch.Tensor, coefficients: Sequence[float], steps: int,
                        eps: float) -> torch.Tensor:
-    """``torch.optim.Muon``'s orthogonalization of a 2-D update: ``steps`` quintic Newton-Schulz
-    iterations with ``coefficients`` (a, b, c) in bfloat16, on the update divided by its norm
-    (clamped below at ``eps``); a tall matrix is transposed for the iterations and back. The
-    result has the update's shape, in bfloat16. ``weights/formulas.py`` (``muon_direction``) computes the
-    step's direction with it, so that the prediction runs on the bits the step applied.
+    """``torch.optim.Muon``'s orthogonalization of a 2-D update (``steps`` quintic Newton-Schulz
+    iterations with ``coefficients`` (a, b, c) in bfloat16), in bfloat16: ``weights/formulas.py``
+    predicts with it, so that the prediction runs on the bits the step applied.
 
     Private API: ``torch.optim._muon._zeropower_via_newtonschulz``.
     Fallback: where missing, the same arithmetic written out below (torch 2.13's), which
@@ -153,11 +151,9 @@ def muon_lr_ratio(adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
 # -- FSDP2 and DTensor -------------------------------------------------------------------------
 def fsdp_reduce_gradients(module: torch.nn.Module) -> None:
     """Run FSDP2's post-backward now for every parameter group of the ``fully_shard``-ed
-    ``module`` (and of the modules sharing its state context), then its root's final callback:
-    the gradients accumulated with ``set_requires_gradient_sync(False)`` are reduce-scattered into
-    the sharded ``.grad`` and the gathered weights freed. ``runtime/sharding.StageShards`` calls it
-    before a synchronous stage's update, once every backward of the mini-batch has run (the
-    schedule, not autograd, knows which backward was the last).
+    ``module`` (and the modules sharing its state context), then its root's final callback: the
+    gradients accumulated without sync are reduce-scattered into the sharded ``.grad`` and the
+    gathered weights freed (the schedule, not autograd, knows which backward was the last).
 
     Private API: ``fully_shard.state(module)``, ``FSDPState._state_ctx.all_states``,
     ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup.post_backward()`` and

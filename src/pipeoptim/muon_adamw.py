@@ -1,16 +1,13 @@
 """Muon as it is meant to be used: ``torch.optim.Muon`` on the hidden weight matrices, AdamW on
 everything else, as one optimizer per stage (``--optimizer muon``).
 
-Which parameters Muon takes (:func:`split_for_muon`): the 2-D ``weight`` of every ``nn.Linear``
-except the model's output layer (the last ``nn.Linear``, in the stage that holds the model's last
-layer). AdamW takes the rest: embeddings (2-D but not a linear map of hidden features), norms,
-biases, convolution kernels (torch's Muon takes 2-D parameters only) and the output layer. Given
-a plain list of parameters instead of a :class:`pipeoptim.runtime.build.StageParameters` (which
-carries the stage's module), every 2-D parameter goes to Muon.
-
-:class:`MuonWithAdamW`'s ``param_groups`` and ``state`` are, dict for dict, its parts' (Muon's
-groups first): schedulers, ``state_dict`` / ``load_state_dict``, ``zero_grad`` and the step hooks
-act on it as on any torch optimizer; its ``parts`` tell the Predictor each group's formula.
+Muon takes the 2-D ``weight`` of every ``nn.Linear`` but the model's output layer (the last one,
+in the stage that holds the model's last layer); AdamW the rest: embeddings (2-D but not a linear
+map of hidden features), norms, biases, convolution kernels and the output layer. Given a plain
+list of parameters instead of a :class:`pipeoptim.runtime.build.StageParameters` (which carries
+the stage's module), every 2-D parameter goes to Muon. :class:`MuonWithAdamW`'s ``param_groups``
+and ``state`` are its parts' (Muon's first), so that schedulers, state dicts and hooks act on it
+as on any torch optimizer; its ``parts`` tell the Predictor each group's formula.
 """
 from __future__ import annotations
 
