@@ -28,12 +28,8 @@ def relative_distance(copies: List[torch.Tensor], live: Sequence[torch.Tensor], 
     """||copies - live|| / ||live||, the difference taken in ``copies`` (the probe's own, spent)."""
     if copies:
         torch._foreach_sub_(copies, list(live))
-    return float(_whole(norm_of(copies) / live_norm))
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor's value on every shard (a sharded stage's norms), else ``value``."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    value = norm_of(copies) / live_norm
+    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)  # a DTensor's: whole
 
 
 class PredictionProbes:
