@@ -178,19 +178,6 @@ def test_a_compile_backend_is_looked_up_by_name():
         compat.compile_backend("no-such-backend")
 
 
-def test_flatten_and_unflatten_round_trip_as_views():
-    assert hasattr(torch._utils, "_flatten_dense_tensors") and hasattr(torch._utils, "_unflatten_dense_tensors"), \
-        moved("torch._utils' dense flatten helpers are gone", "flatten_dense / unflatten_dense")
-    tensors = [torch.arange(6.0).view(2, 3), torch.tensor([7.0]), torch.ones(2, 1, 2)]
-    flat = compat.flatten_dense(tensors)
-    assert flat.tolist() == torch.cat([t.reshape(-1) for t in tensors]).tolist()
-    parts = compat.unflatten_dense(flat, tensors)
-    assert [p.shape for p in parts] == [t.shape for t in tensors]
-    assert all(torch.equal(p, t) for p, t in zip(parts, tensors))
-    flat.zero_()
-    assert all(float(p.abs().sum()) == 0.0 for p in parts), moved("unflatten no longer gives views", "unflatten_dense")
-
-
 def test_an_exported_graph_has_the_guard_and_assertion_nodes_graph_split_leaves_out():
     class ToDouble(nn.Module):
         def forward(self, x):

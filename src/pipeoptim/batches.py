@@ -1,11 +1,8 @@
 """The forms a Pipeline's mini-batches come in, and the loss of a model that computes its own.
 
-The three forms (``Pipeline.step`` and the items of ``fit``'s loader) and what is refused:
-(docs/architecture.md, "Batches as a model library gives them"). In ``(inputs, target)``,
-``inputs`` is a tensor, a tuple of the forward's positional arguments, or a dict of its keyword
-arguments; a dict with a ``loss_fn`` is computed as ``transformers``' Trainer does with a
-``compute_loss_func``. :class:`BatchForm` turns each into the ``(inputs, target)`` pair the
-runtime carries and names the fix of a combination that cannot work."""
+The three forms and what is refused: docs/architecture.md, "Batches as a model library gives
+them". :class:`BatchForm` turns each into the ``(inputs, target)`` pair the runtime carries and
+names the fix of a combination that cannot work."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Optional, Tuple

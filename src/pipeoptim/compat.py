@@ -1,13 +1,9 @@
 """torch's private APIs, each behind one named function or constant: the one module of pipeoptim
-that touches a private name of torch (an attribute, module or operator whose name starts with an
-underscore), so that a torch release that moves one breaks here, where ``tests/test_compat.py``
-checks each, and nowhere else.
-
-Each entry's docstring says what it does, which private API it relies on, what happens where that
-API is missing (the fallback), and the public API that would replace it. The one family left at
-its call sites is the multi-tensor arithmetic ``torch._foreach_*`` (:data:`FOREACH_OPS`): torch's
-own optimizers are written with it, it has no public counterpart, and a wrapper per operation
-would only rename it; the test checks that every operation named there exists.
+that touches a private name of torch, so that a torch release that moves one breaks here, where
+``tests/test_compat.py`` checks each. Each entry says the private API, the fallback where it is
+missing, and the public API that would replace it. The multi-tensor arithmetic ``torch._foreach_*``
+stays at its call sites (:data:`FOREACH_OPS`): it has no public counterpart, and a wrapper per
+operation would only rename it.
 """
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from torch.utils import _pytree
 __all__ = ["HAS_STORAGE_USE_COUNT", "storage_use_count", "CAN_SWAP_STORAGE", "swap_storage_memory",
            "FOREACH_NORM_TAKES_DTYPE", "FOREACH_OPS", "muon_orthogonalize", "newton_schulz", "muon_lr_ratio",
            "fsdp_reduce_gradients", "forget_sharding_cache", "tensor_version", "compile_backend",
-           "flatten_dense", "unflatten_dense", "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves",
-           "tree_unflatten"]
+           "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves", "tree_unflatten"]
 
 
 # -- storages ----------------------------------------------------------------------------------
@@ -32,13 +27,11 @@ HAS_STORAGE_USE_COUNT = _USE_COUNT is not None
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many references hold ``storage``'s memory: c10's own count of the storage's owners
-    (every tensor, view, autograd-saved tensor or send in flight on it counts, wherever it is).
-    ``runtime/link.ReceiveBuffers`` reuses a receive buffer only when this is back to what its
-    pool alone holds.
+    (every tensor, view, autograd-saved tensor or send in flight on it counts), which
+    ``runtime/link.ReceiveBuffers`` reads to reuse a receive buffer.
 
     Private API: ``torch._C._storage_Use_Count(storage._cdata)``.
-    Fallback: where missing, :data:`HAS_STORAGE_USE_COUNT` is False and the pool reuses nothing
-    (a new buffer per message, as before the pool existed); this function is then not called.
+    Fallback: where missing, :data:`HAS_STORAGE_USE_COUNT` is False and the pool reuses nothing.
     Public alternative awaited: a use count on ``torch.UntypedStorage`` (none in torch 2.13)."""
     return _USE_COUNT(storage._cdata)  # type: ignore[misc]
 
@@ -49,24 +42,21 @@ CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Swap the memory of two storages of the same size in place: every tensor and alias on ``a``
-    (an autograd graph's saved tensors included) reads ``b``'s former bytes, and the reverse. The
-    predicting weight policies (``weights/predicting.py``) put the predicted weights under the
-    live parameters this way, and back after the pass.
+    (an autograd graph's saved tensors included) reads ``b``'s former bytes, and the reverse
+    (``weights/predicting.py`` puts the predicted weights under the live parameters so).
 
     Private API: ``torch.UntypedStorage._swap_data_ptr_``.
-    Fallback: where missing, :data:`CAN_SWAP_STORAGE` is False and the policies write the
-    predicted weights into the live storage and copy W back afterwards (the same numbers, one
-    more pass over the memory); this function is then not called.
-    Public alternative awaited: a public storage swap. ``torch.utils.swap_tensors`` swaps two
-    tensor objects, which the tensors an autograd graph saved do not follow."""
+    Fallback: where missing, :data:`CAN_SWAP_STORAGE` is False and the policies copy the
+    predicted weights in and W back afterwards (the same numbers, one more pass over the memory).
+    Public alternative awaited: a public storage swap (``torch.utils.swap_tensors`` swaps tensor
+    objects, which the tensors an autograd graph saved do not follow)."""
     a._swap_data_ptr_(b)
 
 
 # -- multi-tensor arithmetic -------------------------------------------------------------------
-#: the ``torch._foreach_*`` operations pipeoptim calls (at their call sites: the module's
-#: docstring says why); tests/test_compat.py checks that each exists. Fallback: none (they exist
-#: since torch 1.x; ``_foreach_copy_`` since 2.1, which ``weights/fused.py`` checks itself).
-#: Public alternative awaited: a public multi-tensor API.
+#: the ``torch._foreach_*`` operations pipeoptim calls at their call sites; tests/test_compat.py
+#: checks that each exists. Fallback: none (``_foreach_copy_``, since 2.1, ``weights/fused.py``
+#: checks itself). Public alternative awaited: a public multi-tensor API.
 FOREACH_OPS: Tuple[str, ...] = (
     "_foreach_add", "_foreach_add_", "_foreach_addcmul", "_foreach_addcmul_", "_foreach_copy_",
     "_foreach_div", "_foreach_div_", "_foreach_lerp_", "_foreach_mul", "_foreach_mul_",
@@ -108,11 +98,9 @@ def _muon_module() -> Any:
 
 def muon_orthogonalize(update: torch.Tensor, coefficients: Sequence[float], steps: int,
                        eps: float) -> torch.Tensor:
-    """``torch.optim.Muon``'s orthogonalization of a 2-D update: ``steps`` quintic Newton-Schulz
-    iterations with ``coefficients`` (a, b, c) in bfloat16, on the update divided by its norm
-    (clamped below at ``eps``); a tall matrix is transposed for the iterations and back. The
-    result has the update's shape, in bfloat16. ``weights/formulas.py`` (``muon_direction``) computes the
-    step's direction with it, so that the prediction runs on the bits the step applied.
+    """``torch.optim.Muon``'s orthogonalization of a 2-D update (``steps`` quintic Newton-Schulz
+    iterations with ``coefficients`` (a, b, c) in bfloat16), in bfloat16: ``weights/formulas.py``
+    predicts with it, so that the prediction runs on the bits the step applied.
 
     Private API: ``torch.optim._muon._zeropower_via_newtonschulz``.
     Fallback: where missing, the same arithmetic written out below (torch 2.13's), which
@@ -163,11 +151,9 @@ def muon_lr_ratio(adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
 # -- FSDP2 and DTensor -------------------------------------------------------------------------
 def fsdp_reduce_gradients(module: torch.nn.Module) -> None:
     """Run FSDP2's post-backward now for every parameter group of the ``fully_shard``-ed
-    ``module`` (and of the modules sharing its state context), then its root's final callback:
-    the gradients accumulated with ``set_requires_gradient_sync(False)`` are reduce-scattered into
-    the sharded ``.grad`` and the gathered weights freed. ``runtime/sharding.StageShards`` calls it
-    before a synchronous stage's update, once every backward of the mini-batch has run (the
-    schedule, not autograd, knows which backward was the last).
+    ``module`` (and the modules sharing its state context), then its root's final callback: the
+    gradients accumulated without sync are reduce-scattered into the sharded ``.grad`` and the
+    gathered weights freed (the schedule, not autograd, knows which backward was the last).
 
     Private API: ``fully_shard.state(module)``, ``FSDPState._state_ctx.all_states``,
     ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup.post_backward()`` and
@@ -192,9 +178,8 @@ def fsdp_reduce_gradients(module: torch.nn.Module) -> None:
 
 
 def forget_sharding_cache() -> None:
-    """Drop DTensor's cached sharding decisions (``runtime/sharding.forget_meshes``): a
-    ``DeviceMesh`` compares equal to any other of the same ranks and names, so a later Pipeline's
-    parameters would be handed a closed Pipeline's mesh, whose groups no longer resolve.
+    """Drop DTensor's cached sharding decisions: a ``DeviceMesh`` compares equal to any other of the
+    same ranks and names, so a later Pipeline would be handed a closed Pipeline's mesh.
 
     Private API: ``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
     Fallback: where missing, nothing (a torch without that cache has nothing to forget).
@@ -209,8 +194,7 @@ def forget_sharding_cache() -> None:
 # -- autograd, compilation, collectives, graphs ------------------------------------------------
 def tensor_version(tensor: torch.Tensor) -> Any:
     """A value that changes whenever ``tensor`` is modified in place (autograd's version counter),
-    read without waiting for the tensor's device. ``weights/predict.Predictor`` rebuilds Delta
-    when a parameter's or a tensor setting's version changed.
+    read without waiting for the tensor's device (``weights/predict.Predictor`` rebuilds Delta then).
 
     Private API: ``Tensor._version``.
     Fallback: where missing, a new object per call, which never equals the last one: Delta is
@@ -222,9 +206,8 @@ def tensor_version(tensor: torch.Tensor) -> Any:
 
 
 def compile_backend(name: str) -> Callable[..., Any]:
-    """The ``torch.compile`` backend registered as ``name`` (a callable taking the FX graph and
-    example inputs); a ValueError where no backend has that name. ``runtime/compiled.py`` wraps it
-    to count a stage's compilations, and checks ``compile=`` names with it.
+    """The ``torch.compile`` backend registered as ``name``; a ValueError where there is none
+    (``runtime/compiled.py`` wraps it to count a stage's compilations).
 
     Private API: ``torch._dynamo.lookup_backend``.
     Fallback: none (the backend must be wrapped); where missing, a RuntimeError names this module
@@ -240,33 +223,6 @@ def compile_backend(name: str) -> Callable[..., Any]:
         return lookup_backend(name)
     except Exception as error:  # torch raises its own InvalidBackend
         raise ValueError(f"torch.compile has no backend {name!r}") from error
-
-
-def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The dense ``tensors`` (one dtype) concatenated into one contiguous 1-D tensor (one
-    collective for a bucket of gradients: ``runtime/averaging.GradientAverager``).
-
-    Private API: ``torch._utils._flatten_dense_tensors`` (a C++ concatenation).
-    Fallback: where missing, ``torch.cat`` of the flattened tensors (the same values).
-    Public alternative: ``torch.cat([t.reshape(-1) for t in tensors])`` (one more Python loop);
-    ``torch.nn.utils.parameters_to_vector`` does the same for parameters."""
-    flatten = getattr(getattr(torch, "_utils", None), "_flatten_dense_tensors", None)
-    if flatten is None:
-        return torch.cat([t.reshape(-1) for t in tensors])
-    return flatten(list(tensors))
-
-
-def unflatten_dense(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` (made by :func:`flatten_dense`) with the shapes of ``like``, in order.
-
-    Private API: ``torch._utils._unflatten_dense_tensors``.
-    Fallback: where missing, ``flat.split`` by the sizes and ``view`` to each shape (the same views).
-    Public alternative: that split; ``torch.nn.utils.vector_to_parameters`` copies instead."""
-    unflatten = getattr(getattr(torch, "_utils", None), "_unflatten_dense_tensors", None)
-    if unflatten is None:
-        parts = flat.split([t.numel() for t in like])
-        return [part.view_as(t) for part, t in zip(parts, like)]
-    return list(unflatten(flat, list(like)))
 
 
 def _assertion_ops() -> Tuple[Any, ...]:

@@ -3,12 +3,9 @@
 
 Each has one field per option of :mod:`pipeoptim.options` in its scope, named, typed and
 defaulted as the table says, so that an option added to the table is a field here with nothing
-else to edit. ``Pipeline(model, **options)`` makes its PipelineConfig once and hands it whole to
-the checks, the preparation and the stage builders (``Pipeline.from_config`` takes one made
-elsewhere); ``fit(loader, **options)`` makes a FitConfig for its loop; ``train`` splits its
-keywords between the two; the lab's run configuration embeds both (``pipeoptim.lab.config``).
-The signatures of ``Pipeline``, ``fit`` and ``train`` are made here from the same table
-(:func:`keyword_parameters`). Imports no torch.
+else to edit. A Pipeline hands its PipelineConfig whole to the checks, the preparation and the
+stage builders. The signatures of ``Pipeline``, ``fit`` and ``train`` are made here from the
+same table (:func:`keyword_parameters`). Imports no torch.
 """
 from __future__ import annotations
 
@@ -23,6 +20,21 @@ from .options import REQUIRED, Option, of_scope
 class _Config:
     """What both configurations do beyond holding their fields."""
 
+    @classmethod
+    def of(cls, **keywords: Any) -> Any:
+        """The configuration of these keywords. A PipelineConfig takes every other keyword as a
+        method's option (the method refuses one it does not take when the run is checked); a
+        FitConfig refuses it with a TypeError, as Python does a function's unknown keyword."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        names = fields - {"method_options"}
+        given = {k: v for k, v in keywords.items() if k in names}
+        other = {k: v for k, v in keywords.items() if k not in names}
+        if "method_options" in fields:
+            return cls(**given, method_options=other)
+        if other:
+            raise TypeError(f"fit() got an unexpected keyword argument {next(iter(other))!r}")
+        return cls(**given)
+
     def keywords(self) -> Dict[str, Any]:
         """The options as the keywords that make them (a method's own options among them)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "method_options"}
@@ -33,46 +45,24 @@ class _Config:
         return dataclasses.replace(self, **changes)
 
 
-def _made_from(name: str, options: List[Option], base: type, doc: str, extra: Sequence[tuple] = ()) -> type:
+def _made_from(name: str, options: List[Option], doc: str, extra: Sequence[tuple] = ()) -> type:
     """A frozen dataclass with one field per option (a required option's field defaults to None:
     not given yet; what requires it says so)."""
     fields = [(o.name, o.annotation, dataclasses.field(default=None if o.default is REQUIRED else o.default))
               for o in options]
-    cls = dataclasses.make_dataclass(name, [*fields, *extra], bases=(base,), frozen=True)
+    cls = dataclasses.make_dataclass(name, [*fields, *extra], bases=(_Config,), frozen=True)
     cls.__module__, cls.__doc__ = __name__, doc
     return cls
 
 
-class _PipelineOptions(_Config):
-    @classmethod
-    def of(cls, **keywords: Any) -> Any:
-        """The configuration of these keywords: the Pipeline's options by name, every other one
-        a method's option (the method refuses one it does not take when the run is checked)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"method_options"}
-        return cls(**{k: v for k, v in keywords.items() if k in names},
-                   method_options={k: v for k, v in keywords.items() if k not in names})
-
-
-class _FitOptions(_Config):
-    @classmethod
-    def of(cls, **keywords: Any) -> Any:
-        """The configuration of these keywords; one that is no option of fit is a TypeError, as
-        Python raises for a function's unknown keyword."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in keywords:
-            if key not in names:
-                raise TypeError(f"fit() got an unexpected keyword argument {key!r}")
-        return cls(**keywords)
-
-
 PipelineConfig = _made_from(
-    "PipelineConfig", of_scope("pipeline"), _PipelineOptions,
+    "PipelineConfig", of_scope("pipeline"),
     """Every option of a Pipeline, as ``Pipeline(model, **options)`` takes them, and
     ``method_options``: the method's own options given (``steps``, ``lr_correction``, ...; the
     method's defaults fill the rest when the run is checked). Made by ``of(**keywords)``.""",
     [("method_options", "Dict[str, Any]", dataclasses.field(default_factory=dict))])
 
-FitConfig = _made_from("FitConfig", of_scope("fit"), _FitOptions,
+FitConfig = _made_from("FitConfig", of_scope("fit"),
                        """Every option of :meth:`pipeoptim.Pipeline.fit`, as it takes them.""")
 
 

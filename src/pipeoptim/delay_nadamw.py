@@ -111,12 +111,9 @@ def runs_by(indices: Iterable[int], key: Callable[[int], Any]) -> Dict[Any, List
 
 class DelayNAdamW(torch.optim.Optimizer):
     """NAdamW with a constant ``betas[0]`` and a look-ahead of ``delay + 1`` updates (the module
-    docstring has the rule). ``weight_decay`` is decoupled (AdamW's); ``delay`` None means 0
-    until :meth:`set_pipeline_delay` sets it.
-
-    State per parameter: ``step`` (a float32 tensor, as torch's optimizers keep it), ``exp_avg``
-    (m) and ``exp_avg_sq`` (v). Each group keeps ``fixed_delay``: whether its delay was given
-    (not None) when the group was added, so that a pipeline's delay does not override it.
+    docstring has the rule). State per parameter: ``step`` (a float32 tensor, as torch's
+    optimizers keep it), ``exp_avg`` (m) and ``exp_avg_sq`` (v). Each group keeps
+    ``fixed_delay``: whether its delay was given, so that a pipeline's delay does not override it.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.99, 0.999),

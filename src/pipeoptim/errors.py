@@ -1,10 +1,5 @@
-"""Errors a user can fix or catch, importable without torch.
-
-The command line catches these to print one line instead of a traceback, and it parses its
-options without importing torch; so they live here, in a module that imports nothing, and are
-re-exported from the modules that raise them (:mod:`pipeoptim.checkpoint`,
-:mod:`pipeoptim.lab.tasks`, :mod:`pipeoptim.training`). :class:`Interrupted` is a signal that stopped
-a run, with what to say about it.
+"""Errors a user can fix or catch, importable without torch. The command line catches them to
+print one line instead of a traceback, before it imports torch.
 """
 from __future__ import annotations
 

@@ -2,21 +2,19 @@
 
 Tracing, candidate points, units, what crosses a cut, late inputs and the refusals:
 (docs/architecture.md, "Splitting any module" and "Batches as a model library gives them").
-:func:`trace` keeps the flat graph of ``ExportedProgram.module()``: aten operations in call
-order, each tagged with the modules it ran in (``nn_module_stack``), the parameters read by name
-(``get_attr``). A partition counts units per stage, as an ``nn.Sequential``'s counts layers.
-
-:meth:`TracedModel.stage_modules` cuts the graph into one ``fx.GraphModule`` per stage, which
-takes one argument and returns one value: the first stage the model's input (a tensor, a tuple
-of the forward's positional arguments, or a dict of its keyword arguments), the others what the
-stage before returned, in a fixed order; a stage that needs a size reads it from a tensor it
-holds. A late input is refused if an earlier stage reads it."""
+:func:`trace` keeps the flat graph of ``ExportedProgram.module()`` (aten operations in call
+order, tagged with the modules they ran in); a partition counts units per stage, as an
+``nn.Sequential``'s counts layers. Each stage module takes one argument and returns one value
+(:meth:`TracedModel.stage_modules`)."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import inspect
+import itertools
 import re
+import traceback
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -55,8 +53,6 @@ def _dynamic(value: Any) -> Any:
 
 def _first_user_frame(error: BaseException) -> str:
     """The innermost frame of the user's code in the traceback (not torch's), as 'file:line in f'."""
-    import traceback
-
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if "/torch/" not in f.filename and not f.filename.startswith("<")]
     if not frames:
@@ -68,8 +64,8 @@ def _first_user_frame(error: BaseException) -> str:
 def trace(model: nn.Module, inputs: Any, late: Optional[str] = None) -> "TracedModel":
     """Export ``model`` on the example ``inputs`` (a mini-batch, or a micro-batch: a tensor, a
     tuple of positional arguments or a dict of keyword ones); the model's parameters stay its own
-    objects. ``late``: the keyword input the last stage takes as its second argument (see the
-    module docstring). A forward torch cannot export (data-dependent control flow, an
+    objects. ``late``: the keyword input the last stage takes as its second argument (the labels
+    of a model that computes its own loss). A forward torch cannot export (data-dependent control flow, an
     unsupported operation) raises :class:`TraceError` naming the call."""
     args, kwargs = as_call(inputs)
     values = list(args) + list(kwargs.values())
@@ -187,7 +183,7 @@ class TracedModel:
         self.example = example  #: the positional arguments (a tuple) or keyword ones (a dict) it was traced on
         #: per input of a model called with keyword arguments, its name (None: positional)
         self.names: Optional[Dict[fx.Node, str]] = None
-        self.late: Optional[str] = None  #: the keyword input the last stage takes (module docstring)
+        self.late: Optional[str] = None  #: the keyword input the last stage takes (trace's ``late``)
         self.graph_module = graph_module
         self.out_spec = out_spec
         nodes = list(graph_module.graph.nodes)
@@ -207,14 +203,10 @@ class TracedModel:
         #: the candidate points the forward calls, in call order
         self.candidates: List[str] = sorted((c for c in candidate_names(model) if c in first),
                                             key=lambda c: first[c])
-        self._start = [first[c] for c in self.candidates]
+        starts = [first[c] for c in self.candidates]
         #: unit of each compute node: the last candidate whose first call is at or before it
-        self.unit: Dict[fx.Node, int] = {}
-        unit = 0
-        for position, node in enumerate(self.compute):
-            while unit + 1 < len(self._start) and self._start[unit + 1] <= position:
-                unit += 1
-            self.unit[node] = unit
+        self.unit: Dict[fx.Node, int] = {node: max(0, bisect.bisect_right(starts, position) - 1)
+                                         for position, node in enumerate(self.compute)}
 
     def use_keywords(self, in_spec: Any, late: Optional[str]) -> None:
         """The model was called with keyword arguments: name each input by its keyword (from the
@@ -255,25 +247,21 @@ class TracedModel:
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
     def points_for_sizes(self, sizes: Sequence[int]) -> List[str]:
-        """The split points of a partition in units per stage (the inverse of
-        :meth:`sizes_for_points`)."""
-        points, start = [], 0
-        for size in list(sizes)[:-1]:
-            start += size
-            points.append(self.candidates[start])
-        return points
+        """The split points of a partition in units per stage (the inverse of :meth:`sizes_for_points`)."""
+        return [self.candidates[start] for start in itertools.accumulate(list(sizes)[:-1])]
 
     # -- the stage modules ------------------------------------------------------------------------
     def stage_modules(self, sizes: Sequence[int], late: bool = True) -> List[fx.GraphModule]:
-        """One module per stage over ``sizes`` (units per stage); see the module docstring.
+        """One module per stage over ``sizes`` (units per stage), each taking one argument and
+        returning one value: the first stage the model's input, the others what the stage before
+        returned; a stage that needs a size reads it off a tensor it holds, and a late input is
+        the last stage's second argument, refused if an earlier stage reads it.
         ``late=False``: a late input is one of the first stage's like any other, and crosses the
         cuts to the stages that read it (the unit chain of the partitioners and the profile)."""
         if sum(sizes) != self.units or any(s < 1 for s in sizes):
             raise ValueError(f"a partition of this model needs stages of at least one unit covering "
                              f"{self.units} units, got {list(sizes)}")
-        ends = []
-        for size in sizes:
-            ends.append((ends[-1] if ends else 0) + size)
+        ends = list(itertools.accumulate(sizes))
         stage_of = {node: next(k for k, end in enumerate(ends) if self.unit[node] < end)
                     for node in self.compute}
         last_input = self._late_node() if late else None

@@ -1,16 +1,13 @@
 """Muon as it is meant to be used: ``torch.optim.Muon`` on the hidden weight matrices, AdamW on
 everything else, as one optimizer per stage (``--optimizer muon``).
 
-Which parameters Muon takes (:func:`split_for_muon`): the 2-D ``weight`` of every ``nn.Linear``
-except the model's output layer (the last ``nn.Linear``, in the stage that holds the model's last
-layer). AdamW takes the rest: embeddings (2-D but not a linear map of hidden features), norms,
-biases, convolution kernels (torch's Muon takes 2-D parameters only) and the output layer. Given
-a plain list of parameters instead of a :class:`pipeoptim.runtime.build.StageParameters` (which
-carries the stage's module), every 2-D parameter goes to Muon.
-
-:class:`MuonWithAdamW`'s ``param_groups`` and ``state`` are, dict for dict, its parts' (Muon's
-groups first): schedulers, ``state_dict`` / ``load_state_dict``, ``zero_grad`` and the step hooks
-act on it as on any torch optimizer; its ``parts`` tell the Predictor each group's formula.
+Muon takes the 2-D ``weight`` of every ``nn.Linear`` but the model's output layer (the last one,
+in the stage that holds the model's last layer); AdamW the rest: embeddings (2-D but not a linear
+map of hidden features), norms, biases, convolution kernels and the output layer. Given a plain
+list of parameters instead of a :class:`pipeoptim.runtime.build.StageParameters` (which carries
+the stage's module), every 2-D parameter goes to Muon. :class:`MuonWithAdamW`'s ``param_groups``
+and ``state`` are its parts' (Muon's first), so that schedulers, state dicts and hooks act on it
+as on any torch optimizer; its ``parts`` tell the Predictor each group's formula.
 """
 from __future__ import annotations
 
@@ -40,10 +37,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     optimizer (either list may be empty, not both). ``lr``, ``weight_decay``, ``momentum``,
     ``nesterov``, ``ns_steps`` and ``adjust_lr_fn`` are Muon's (torch's defaults); ``adamw_lr``
     (default ``lr``), ``betas``, ``eps`` and ``adamw_weight_decay`` are AdamW's."""
-
-    #: Muon orthogonalizes each whole matrix, so a shard of one will not do: True tells the
-    #: engine, without naming the class, that a stage sharded over its replicas cannot run it.
-    shards_whole_matrices = True
 
     def __init__(self, muon_params: Iterable[Any], adamw_params: Iterable[Any], *, lr: float = 1e-3,
                  weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,

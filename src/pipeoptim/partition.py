@@ -2,6 +2,7 @@
 or balanced by profiled time (:func:`time_partition`, heterogeneous devices and link costs)."""
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -63,11 +64,7 @@ def weighted_units(model: nn.Sequential) -> List[int]:
 
 def _group_sums(values: Sequence, sizes: Sequence[int]) -> list:
     """The sums of ``values`` over consecutive groups of ``sizes`` items."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(sum(values[start:start + size]))
-        start += size
-    return out
+    return [sum(values[a:b]) for a, b in slices(sizes)]
 
 
 def _units_for(model: nn.Sequential, stages: int) -> List[int]:
@@ -101,11 +98,8 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
 
 def slices(sizes: Sequence[int]) -> List[Tuple[int, int]]:
     """The (first, end) layers of each stage of the split ``sizes``."""
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def split(model: nn.Sequential, sizes: Sequence[int]) -> List[nn.Sequential]:
@@ -187,9 +181,7 @@ def time_partition(layer_costs: Sequence[float], stages: int, speeds: Optional[S
     """
     costs, speed, link = _check_time_inputs(layer_costs, stages, speeds, boundary_bytes, bandwidth)
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
     inf = float("inf")
     # best[j][i]: the smallest cycle time of j stages covering layers [0, i)
     best = [[inf] * (n + 1) for _ in range(stages + 1)]

@@ -1,12 +1,10 @@
 """Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
 
-An ``nn.Sequential`` is split by layers (``partition`` = layers per stage); any other module is
-traced (:mod:`pipeoptim.graph_split`) and cut at candidate points, ``partition`` then counting
-units (docs/architecture.md, "Splitting any module"). There the ``uniform`` partitioner (the
-default) counts the units that hold parameters, and ``time`` (opt-in: a profile differs between
-runs and machines) balances each unit's profiled forward+backward time on the example input and
-prints the cut it chose, so that it can be given again. A tied weight stays one parameter, owned
-by the first stage that reads it (docs/architecture.md, "Tied weights")."""
+An ``nn.Sequential`` is split by layers; any other module is traced and cut at candidate points
+(docs/architecture.md, "Splitting any module"). The ``time`` partitioner (opt-in: a profile
+differs between runs and machines) prints the cut it chose, so that it can be given again. A
+tied weight stays one parameter, owned by the first stage that reads it (docs/architecture.md,
+"Tied weights")."""
 from __future__ import annotations
 
 import contextlib
@@ -98,15 +96,6 @@ def _time_sizes(units: nn.Sequential, example: Any, stages: int) -> List[int]:
     return plan_time_partition(units, stages, profile.layer_costs(include_loss=False))
 
 
-def say_cut(model: nn.Module, prepared: PreparedModel) -> None:
-    """Print the cut the ``time`` partitioner chose (on stderr, once per job), as the keyword that
-    gives it again: a profile is measured, so another run may choose another."""
-    given = (f"split_points={prepared.split_points}" if prepared.split_points is not None
-             else f"partition={list(prepared.spec.partition)}")
-    print(f"pipeoptim: partitioner='time' cut {type(model).__name__} into {prepared.spec.stages} stages: "
-          f"give Pipeline({given}) to use this cut again", file=sys.stderr, flush=True)
-
-
 def first_inputs(loader: Iterable, form: BatchForm) -> Any:
     """What the model is called with for ``loader``'s first mini-batch (its inputs; a dict batch's
     keyword tensors, read by ``form``), read without disturbing torch's global random state (a
@@ -125,9 +114,7 @@ def first_inputs(loader: Iterable, form: BatchForm) -> Any:
 
 @dataclass
 class BuiltStages:
-    """What :func:`build_model_stages` made: the resolved run, this process's stages, every
-    stage's device and rank, whether each recomputes, the split points of a traced model and the
-    stages' evaluation mode."""
+    """What :func:`build_model_stages` made (``stages``: this process's; the rest per stage)."""
 
     spec: RunSpec
     stages: List[Stage]
@@ -147,8 +134,12 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
                        late=LABELS if config.loss_fn is None else None)
     spec = prepared.spec
     chose = config.partition is None and config.split_points is None and method.name != "sequential"
-    if config.partitioner == "time" and chose and world.rank == 0:  # a cut the profile chose, not the user
-        say_cut(model, prepared)
+    if config.partitioner == "time" and chose and world.rank == 0:
+        # a cut the profile chose (another run may choose another): how to give it again
+        given = (f"split_points={prepared.split_points}" if prepared.split_points is not None
+                 else f"partition={list(spec.partition)}")
+        print(f"pipeoptim: partitioner='time' cut {type(model).__name__} into {spec.stages} stages: "
+              f"give Pipeline({given}) to use this cut again", file=sys.stderr, flush=True)
     devices = world.place(config.devices, spec.stages)
     check_toolchain(checked.backend, devices)
     described = "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "

@@ -1,9 +1,5 @@
-"""Whole stages timed as the runtime runs them: a split of an ``nn.Sequential`` cut into stages
-and driven by the local executor, every pass timed (:class:`StageTimer`, :func:`measure_stages`).
-
-Layers timed one by one (:mod:`pipeoptim.profile`) add up to less than a whole stage (caches,
-the runtime's own work per pass); the planner times its candidate splits and its sequential
-reference this way, in turns (:func:`pipeoptim.planning.time_splits`)."""
+"""Whole stages timed as the runtime runs them. Layers timed one by one (:mod:`pipeoptim.profile`)
+add up to less than a whole stage (caches, the runtime's own work per pass)."""
 from __future__ import annotations
 
 import copy
@@ -15,14 +11,11 @@ from torch import nn
 from .profile import Activation, Clock, OptimizerFactory, check_statistic, detached, on_device
 
 class StageTimer:
-    """A split of ``model`` (layers per stage ``sizes``; a mirrored method's pieces, which it holds
-    twice) as the runtime runs it under ``method`` (default gpipe): copied, cut into
-    :class:`pipeoptim.runtime.stage.Stage` s driven by the local executor over mini-batches of
-    ``microbatches`` micro-batches, every forward, backward (or its two halves), update timed. A
-    chunked or mirrored method, timed so, runs its pieces in turns and its split backward as it
-    does on a process. :meth:`run` trains mini-batches; :meth:`summary` gives each stage's
-    seconds per micro-batch. Timers taking turns see the same load on a busy machine
-    (:func:`pipeoptim.planning.time_splits`). The caller's model is not touched."""
+    """A copy of ``model`` split by ``sizes`` (a mirrored method's pieces, held twice) into stages
+    driven by the local executor under ``method`` over mini-batches of ``microbatches``
+    micro-batches, every forward, backward (or its two halves) and update timed. :meth:`run`
+    trains mini-batches; :meth:`summary` gives each stage's seconds per micro-batch. The planner
+    runs timers in turns, so that they see the same load (:func:`pipeoptim.planning.time_splits`)."""
 
     KINDS = ("forward", "backward", "backward_input", "backward_weight", "update")
 

@@ -1,10 +1,7 @@
 """The names of a model's ``state_dict`` for a state gathered from its stages: a tied weight under
-every name, no buffer the model does not save (:class:`StateNames`, :func:`with_aliases`).
-
-A traced model's stage modules read a tied tensor by the one name the trace gave it, and hold a
-non-persistent buffer (Llama's rotary ``inv_freq``) as a buffer of their own; a checkpoint
-(:mod:`pipeoptim.checkpoint`) and ``Pipeline.model()`` under torchrun name the state as the model
-does, so that it loads into the model's class with ``strict=True``."""
+every name, no buffer the model does not save (:class:`StateNames`, :func:`with_aliases`), so
+that a checkpoint and ``Pipeline.model()`` under torchrun load into the model's class with
+``strict=True``."""
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -14,10 +11,9 @@ from torch import nn
 
 
 class StateNames:
-    """The names of ``model``'s ``state_dict``, for a state gathered from stage modules: there a
-    tied tensor appears under the one name the trace read it by, and a non-persistent buffer of
-    the model (Llama's rotary ``inv_freq``, a constant) as a buffer of the stage's own, which the
-    model's state has no entry for."""
+    """The names of ``model``'s ``state_dict``, for a state gathered from a traced model's stage
+    modules: there a tied tensor appears under the one name the trace read it by, and a
+    non-persistent buffer of the model (Llama's rotary ``inv_freq``) as a buffer of their own."""
 
     def __init__(self, model: nn.Module) -> None:
         own = model.state_dict(keep_vars=True)

@@ -1,15 +1,7 @@
 """``pipeoptim.train(model, batches, method=..., ...)``: the one-call form of
-:class:`~pipeoptim.pipeline.Pipeline`.
-
-``train(model, batches, **options)`` is ``Pipeline(model, **options).fit(batches, ...)``: the
-options of :mod:`pipeoptim.options` in the scope ``fit`` go to ``fit``, every other one (the
-Pipeline's and the method's) to the Pipeline, and the same :class:`TrainResult` comes back;
-there is no second road to training behind it. What it adds is one call, and one argument,
-``runtime``, which must be ``"local"`` (the command line's ``--runtime distributed`` starts
-torchrun itself; a script started under torchrun runs one stage per process, as the Pipeline
-does). Scripts that feed mini-batches by hand (``step`` / ``flush``) or read the model between
-mini-batches use the Pipeline. The caller's model is never modified; the trained copy comes
-back in the result.
+:class:`~pipeoptim.pipeline.Pipeline`, ``Pipeline(model, **options).fit(batches, ...)`` and
+nothing else (a script started under torchrun runs one stage per process, as the Pipeline
+does). The caller's model is never modified; the trained copy comes back in the result.
 """
 from __future__ import annotations
 
@@ -34,7 +26,7 @@ def train(model: nn.Module, batches: Iterable[Batch], *, method: str = DEFAULT_M
     """Train a copy of ``model`` on ``batches`` (one epoch of mini-batches, any iterable, iterated
     once per epoch) with a pipeline method (default: the Pipeline's, zb-h1): ``Pipeline(model,
     method=method, ...).fit(batches, ...)``, each option given to the one that takes it.
-    ``runtime`` must be ``"local"``.
+    ``runtime`` must be ``"local"`` (the command line's ``--runtime distributed`` starts torchrun).
 
     Options (:mod:`pipeoptim.options`):
 {options}

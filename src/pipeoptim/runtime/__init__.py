@@ -1,23 +1,4 @@
 """Executing schedules: one stage implementation (stage.py) and one executor (executor.py), which
 walks each rank's lowered order in one process (local.py) or under torchrun (distributed.py).
-
-``Stage``, ``TraceEntry`` and ``run_schedule`` are imported on first use, so that the modules of
-this package that need no torch (:mod:`~pipeoptim.runtime.defaults`, whose values the command
-line shows in its options) can be imported without it.
+The package imports nothing, so that ``runtime.defaults`` is read without torch.
 """
-from __future__ import annotations
-
-from typing import Any
-
-_LAZY = {"Stage": "stage", "TraceEntry": "stage", "run_schedule": "local"}  #: name -> submodule
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["Stage", "TraceEntry", "run_schedule"]

@@ -7,23 +7,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compat import flatten_dense, unflatten_dense
 from .wire import PipelineCommError, reason
 
 
 class GradientAverager:
-    """Averages one stage's gradients over the replicas of the pipeline (pipeline x data
-    parallel), so that weights, optimizer state, weight versions and predictions stay identical
-    across replicas: ``all_reduce`` (sum, then divided by the number of replicas) on the group of
-    that stage's ranks, before every update.
+    """Averages one stage's gradients over the replicas of the pipeline (``all_reduce`` on the
+    group of that stage's ranks, sum then divide, before every update), so that weights,
+    optimizer state, weight versions and predictions stay identical across replicas.
 
-    Overlapped with the backward: during the last backward before an update (:meth:`overlap`),
-    each parameter is announced (:meth:`ready`) as soon as autograd has its final gradient, and
-    every ``bucket_bytes`` of them are reduced asynchronously while the rest of the backward
-    runs; the update (:meth:`__call__`) reduces what is left and waits for all. Every replica runs
-    the same graph, so the buckets go out in the same order on every rank. A split backward's
-    weight half accumulates its gradients itself, unseen by autograd's hooks: the stage announces
-    each weight group with :meth:`ready_all` once it is accumulated (``Stage.backward_weight``)."""
+    During the last backward before an update (:meth:`overlap`), each parameter is announced
+    (:meth:`ready`, or :meth:`ready_all` for a split backward's weight group) as soon as its
+    gradient is final, and every ``bucket_bytes`` of them are reduced asynchronously while the
+    rest of the backward runs; the update (:meth:`__call__`) reduces what is left and waits for
+    all. Every replica runs the same graph, so the buckets go out in the same order."""
 
     #: gradient bytes per asynchronous reduction (the default of new averagers)
     bucket_bytes = 1 << 22
@@ -80,7 +76,7 @@ class GradientAverager:
             self._bucket, self._bucket_size = [], 0
 
     def _launch(self, params: List[torch.Tensor]) -> None:
-        flat = flatten_dense(_grads(params))
+        flat = torch.cat([g.reshape(-1) for g in _grads(params)])  # one collective per bucket
         try:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -105,8 +101,8 @@ class GradientAverager:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
                 if self.mean:
                     flat.div_(self.replicas)
-                for p, g in zip(group, unflatten_dense(flat, _grads(group))):
-                    p.grad = g
+                for p, g in zip(group, flat.split([q.numel() for q in group])):
+                    p.grad = g.view_as(p)
         except RuntimeError as error:
             raise self._fail(error) from error
         finally:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -14,15 +13,10 @@ from ..weights.policies import make_policy
 from .interfaces import orthogonalizes
 from .probes import PredictionProbes
 from .stage import Stage
-from .tied import Tie, TiedWeights, local_exchanges
+from .tied import LocalExchange, Tie, TiedWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-try:  # torch >= 2.0 names the base class LRScheduler; older 2.x releases only _LRScheduler
-    _SCHEDULER_BASE = torch.optim.lr_scheduler.LRScheduler
-except AttributeError:  # pragma: no cover
-    _SCHEDULER_BASE = torch.optim.lr_scheduler._LRScheduler
 
 
 class StageParameters(list):
@@ -53,7 +47,7 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer, 
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau steps on a metric, not after every update; step it "
                          "yourself from on_epoch, or use a schedule such as LambdaLR or CosineAnnealingLR")
-    if not isinstance(scheduler, _SCHEDULER_BASE):
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ValueError(f"lr_scheduler must be a factory optimizer -> torch.optim.lr_scheduler."
                          f"LRScheduler, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f); "
                          f"it returned {type(scheduler).__name__} for stage {stage}")
@@ -94,21 +88,17 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  recompute: Optional[Sequence[bool]] = None,
                  shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None,
                  config: Any = None) -> List[Stage]:
-    """Stages over ``model``'s own layers (no copy). ``only`` builds just that stage, or those
-    stages (one process of a distributed run). Stage k's layers are moved to ``devices[k]``
-    before its optimizer is made; it recomputes its forward in the backward if ``recompute[k]``;
-    every forward runs through ``torch.compile`` with the backend ``compile`` names (None: eager).
-
-    ``parts``: the stage modules of a model cut otherwise (traced), instead of ``model`` split by
-    ``sizes``. ``ties``: parameters read by several stages, ``id(p)`` -> those stages; the first
-    owns it (``runtime/tied.py``). ``shards``: makes the
-    :class:`~pipeoptim.runtime.sharding.StageShards` that shards each stage module over its
-    replicas. ``config``: the run's options whole (``pipeoptim.config.PipelineConfig``), handed
-    to every stage (its ``diagnose_every`` and whether ``loss_fn`` is None read here); the
-    keywords above are what this run resolved from it (None: stages built by hand)."""
+    """Stages over ``model``'s own layers (no copy), or over ``parts`` (a traced model's stage
+    modules). ``only`` builds just that stage, or those stages (one process of a distributed run).
+    Stage k's layers are moved to ``devices[k]`` before its optimizer is made. ``ties``:
+    parameters read by several stages, ``id(p)`` -> those stages; the first owns it. ``shards``:
+    makes the :class:`~pipeoptim.runtime.sharding.StageShards` of each stage. ``config``: the
+    run's options whole, handed to every stage (its ``diagnose_every`` and whether ``loss_fn`` is
+    None read here); the keywords are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
-    exchanges = local_exchanges(ties)  # the stages of this process share them (another world replaces them)
+    # one in-memory exchange per tie, shared by its holders' stages (torchrun's world replaces them)
+    exchanges = {key: LocalExchange(holders) for key, holders in ties.items()}
     n = len(parts)
     # where each pipeline starts and ends: one chain 0..n-1, or a mirrored method's two of n/2
     chains = [range(n // 2), range(n // 2, n)] if method.mirrored else [range(n)]
@@ -120,21 +110,18 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         device = torch.device(devices[k]) if devices is not None else None
         if device is not None:
             part.to(device)
-
-        def owned(p: nn.Parameter, k: int = k) -> bool:
-            return p.requires_grad and ties.get(id(p), [k])[0] == k
-        # each parameter under its model key (id of the original: how ``ties`` names it)
-        own = {id(p): (name, p) for name, p in part.named_parameters()}
+        # each parameter's name under its model key (id of the original: how ``ties`` names it), and
+        # the names of those this stage trains (a tied one: its owner only)
+        own = {id(p): name for name, p in part.named_parameters()}
+        trains = {name for name, p in part.named_parameters() if p.requires_grad and ties.get(id(p), [k])[0] == k}
         sharded = shards() if shards is not None else None
         if sharded is not None:  # the copy's parameters, owned and tied as the originals were
-            owned_names = {name for name, p in part.named_parameters() if owned(p)}
             part = sharded.shard(part)
-            copied = dict(part.named_parameters())
-            own = {key: (name, copied[name]) for key, (name, _) in own.items()}
-            owned_ids = frozenset(id(copied[name]) for name in owned_names)
+        named = dict(part.named_parameters())
+        owned_ids = frozenset(id(named[name]) for name in trains)
 
-            def owned(p: nn.Parameter, ids: frozenset = owned_ids) -> bool:  # noqa: F811
-                return id(p) in ids
+        def owned(p: nn.Parameter, ids: frozenset = owned_ids) -> bool:
+            return id(p) in ids
         params = StageParameters([p for p in part.parameters() if owned(p)], part, k in lasts)
         if not params:
             what = "units" if isinstance(part, torch.fx.GraphModule) else "layers"
@@ -150,7 +137,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         # every tie of the model, held here or not: each rank makes the same groups
-        tied = TiedWeights(k, [Tie(holders, own.get(key, (None, None))[1], own.get(key, ("", None))[0],
+        tied = TiedWeights(k, [Tie(holders, named[own[key]] if key in own else None, own.get(key, ""),
                                    exchange=exchanges[key]) for key, holders in ties.items()],
                            synchronous=method.synchronous) if ties else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,

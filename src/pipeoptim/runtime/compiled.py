@@ -1,15 +1,11 @@
 """A stage's forward through ``torch.compile``, its compilations counted.
 
-The compiled function takes the weight version of each pass (the tensors given to
-``functional_call``, or the module's own parameters) as graph inputs, so a pass on another
-version runs the same graph: dynamo guards on each tensor's dtype, shape, strides and
-``requires_grad``, never on its values. Recompiling: the first mini-batch of another size, once
-(torch then marks that dimension dynamic); a change of autocast or grad mode.
-:class:`CompiledForward` counts its backend's calls (``compilations``). Each stage compiles its
-own copy of the pass function: dynamo's cache of graphs is per code object and limited to 8
-entries, which stages sharing one would fill together and fall back to eager without an error.
-The backward of a compiled forward is one graph: a split backward computes both halves in its
-input half (``split_backward.backward_together``)."""
+The compiled function takes the weight version of each pass as graph inputs, so a pass on
+another version runs the same graph (dynamo guards on dtypes, shapes, strides and
+``requires_grad``, never on values). Each stage compiles its own copy of the pass function:
+dynamo's cache of graphs is per code object and limited to 8 entries, which stages sharing one
+would fill together and fall back to eager without an error. The backward of a compiled forward
+is one graph (``split_backward.backward_together``)."""
 from __future__ import annotations
 
 import os
@@ -65,7 +61,6 @@ def missing_toolchain(backend: Optional[str], device_types: Tuple[str, ...]) -> 
 
 
 def _run(module: nn.Module, weights: Optional[Dict[str, torch.Tensor]], args: Tuple[Any, ...]) -> Any:
-    # the pass itself: the module on its own parameters, or on the version handed in
     if weights is None:
         return module(*args)
     return functional_call(module, weights, args)
@@ -73,8 +68,7 @@ def _run(module: nn.Module, weights: Optional[Dict[str, torch.Tensor]], args: Tu
 
 class CompiledForward:
     """``module``'s forward, compiled once per stage with ``backend`` and called with the weight
-    version of each pass (see the module docstring). ``compilations``: how many graphs the
-    backend has compiled for this stage so far."""
+    version of each pass. ``compilations``: how many graphs the backend has compiled so far."""
 
     def __init__(self, module: nn.Module, backend: str) -> None:
         self.module = module

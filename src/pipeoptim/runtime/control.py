@@ -1,10 +1,9 @@
 """Joining the job's process group, and the collectives of a pipeline's control group.
 
-:func:`init_process_group` joins the job (gloo on CPU, NCCL on GPU) with a timeout. The control
-group of a :class:`~pipeoptim.runtime.transport.PipeComm` (gloo, the pipeline's ranks) carries
-what is not a stage-to-stage message: losses, timings, norms, state dicts (:func:`broadcast`,
-:func:`gather_all`, :func:`gather_tensors`); a timeout or a dead peer there becomes a
-:class:`~pipeoptim.runtime.wire.PipelineCommError` saying what the stages were doing.
+The control group of a :class:`~pipeoptim.runtime.transport.PipeComm` (gloo, the pipeline's
+ranks) carries what is not a stage-to-stage message: losses, timings, norms, state dicts; a
+timeout or a dead peer there becomes a :class:`~pipeoptim.runtime.wire.PipelineCommError`
+saying what the stages were doing.
 """
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ from .wire import PipelineCommError, reason
 
 
 class JobsOfThisProcess:
-    """How many times a Pipeline of this process tore the job's process group down (per process,
-    as torch's default group is; ``Torchrun.leave`` counts, ``Torchrun.join`` reads): a Pipeline
-    made after such a teardown joins the job again under a rendezvous prefix of its own
-    (:func:`init_process_group`'s ``generation``)."""
+    """How many times a Pipeline of this process tore the job's process group down
+    (``Torchrun.leave`` counts): a Pipeline made after that joins the job again under a
+    rendezvous prefix of its own (:func:`init_process_group`'s ``generation``)."""
 
     def __init__(self) -> None:
         self.ended = 0
@@ -42,12 +40,10 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     this process's device (``cuda:LOCAL_RANK`` on GPU). Without ``init_method`` the torchrun
     environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
 
-    ``threads``: intra-op threads of this process (default 1: one compute thread per stage,
-    so that N stages on N cores do not oversubscribe them); None leaves torch's setting.
-    ``generation``: how many times this process has joined and torn down the job before. A
-    job joined again rendezvouses under a prefix of its own in the same store: without it the
-    new groups would read the addresses the torn-down ones left there, and connect to sockets
-    that are gone."""
+    ``threads``: intra-op threads of this process (default 1: N stages on N cores do not
+    oversubscribe them); None leaves torch's setting. ``generation``: how many times this
+    process has joined and torn down the job before; a job joined again rendezvouses under a
+    prefix of its own, or the new groups would read the addresses the torn-down ones left."""
     import os
 
     if threads is not None:
@@ -114,9 +110,8 @@ def in_stage_order(parts: List[List[Any]], placement: List[int]) -> List[Any]:
 def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> Dict[str, torch.Tensor]:
     """Every pipeline rank's named tensors (``own``: this rank's; a name several ranks hold: the
     last rank's) on every rank, on the CPU, bit for bit. Only names, dtypes and shapes are
-    pickled; the values travel as one flat byte tensor per rank and dtype, broadcast from the
-    rank holding them (pickled into ``all_gather_object``, the 9-block benchmark model's weights
-    took about 30 ms, profiled, at the end of every ``fit``)."""
+    pickled (pickling the values cost ~30 ms per ``fit`` on the benchmark model); the values
+    travel as one flat byte tensor per rank and dtype, broadcast from the rank holding them."""
     own = {k: v.detach().to("cpu") for k, v in own.items()}
     layouts = gather_all([(k, v.dtype, tuple(v.shape)) for k, v in own.items()], comm, what)
     out: Dict[str, torch.Tensor] = {}

@@ -1,8 +1,7 @@
 """The distributed executor: one process per rank, the same Stage and the same interpreter
 (docs/architecture.md, "The executor"); here, how a transfer travels between processes
-(:class:`PipeTransport`, over :mod:`~pipeoptim.runtime.transport`). The loss never leaves the
-last stage until the segment's drain. Dropout differs from the local runtime because the local
-executor interleaves all stages' draws on one generator."""
+(:class:`PipeTransport`). Dropout differs from the local runtime, whose stages draw from one
+generator."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Union
@@ -21,12 +20,10 @@ from .wire import Signature, signature
 
 
 class PipeTransport(Transport):
-    """The transfers of this process's rank as messages over ``comm`` (each on the link of its
-    boundary), keyed by their micro-batch's input shapes (every rank is fed the same
-    mini-batches). A receive waits for its message (posted ahead as micro-batches are fed);
-    completed sends are forgotten at each message. A micro-batch's key goes after this rank's
-    last message of it. Forward-only (E) micro-batch j travels as micro-batch ``-1 - j``, keyed
-    as the drained evaluation's, expected after the first mini-batch's."""
+    """The transfers of this process's rank as messages over ``comm``, keyed by their
+    micro-batch's input shapes (every rank is fed the same mini-batches); a key goes after this
+    rank's last message of its micro-batch. Forward-only (E) micro-batch j travels as micro-batch
+    ``-1 - j``, keyed as the drained evaluation's, expected after the first mini-batch's."""
 
     def __init__(self, comm: PipeComm, own: Sequence[Stage], forward_only: Optional[ForwardOnly]) -> None:
         self.comm = comm
@@ -82,29 +79,25 @@ class PipeTransport(Transport):
         return self._chain_of[boundary] == (0 if microbatch % m < m // 2 else 1)
 
     def recv(self, kind: Kind, k: int, i: int) -> bool:
-        comm = self.comm
-        if kind is Kind.RECV_F:
-            self.inputs[(k, i)] = comm.recv_activation(i, self.keys[i], stage=k)
-        elif kind is Kind.RECV_B:
-            self.grads[(k, i)] = comm.recv_gradient(i, self.keys[i], stage=k)
+        if kind is Kind.RECV_E:
+            self.evals[(k, i)] = self.comm.recv("activation", -1 - i, self._e_keys[i], stage=k)
+        elif kind is Kind.RECV_F:
+            self.inputs[(k, i)] = self.comm.recv("activation", i, self.keys[i], stage=k)
+        else:
+            self.grads[(k, i)] = self.comm.recv("gradient", i, self.keys[i], stage=k)
             if k in self._drop_on_recv:
                 del self.keys[i]
-        else:  # RECV_E
-            self.evals[(k, i)] = comm.recv_activation(-1 - i, self._e_keys[i], stage=k)
-        comm.poll()
+        self.comm.poll()
         return True
 
     def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
-        comm = self.comm
-        if kind is Kind.SEND_F:
-            comm.send_activation(i, self.keys[i], value, stage=k)
-        elif kind is Kind.SEND_B:
-            comm.send_gradient(i, self.keys[i], value, stage=k)
-            if k in self._drop_on_send:
+        if kind is Kind.SEND_E:
+            self.comm.send("activation", -1 - i, self._e_keys[i], value, stage=k)
+        else:
+            self.comm.send("activation" if kind is Kind.SEND_F else "gradient", i, self.keys[i], value, stage=k)
+            if kind is Kind.SEND_B and k in self._drop_on_send:
                 del self.keys[i]
-        else:  # SEND_E
-            comm.send_activation(-1 - i, self._e_keys[i], value, stage=k)
-        comm.poll()
+        self.comm.poll()
 
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
         """Every rank's norms, gathered over the control group and put in stage order (the
@@ -121,13 +114,10 @@ class PipeTransport(Transport):
 
 
 class DistributedExecutor(Executor):
-    """This process's stages (one, or several: chunks, ``comm.placement`` says which rank holds
-    each) of a pipeline whose other stages run in other processes; the other arguments are
-    :class:`~pipeoptim.runtime.executor.Executor`'s. Every rank feeds the same mini-batches
-    (stage 0 uses the inputs, the last stage the targets, every stage the input shapes as
-    message keys). After a feed this rank runs its lowered order up to its first forward (or
-    receive of an activation) of a micro-batch not fed yet: everything before that needs only
-    data fed so far on every rank, so waiting on a peer there never waits for a feed."""
+    """This process's stages (one, or several: ``comm.placement`` says which rank holds each) of a
+    pipeline whose other stages run in other processes; the other arguments are
+    :class:`~pipeoptim.runtime.executor.Executor`'s. Every rank feeds the same mini-batches (every
+    stage uses their input shapes as message keys)."""
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: PipeComm,
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,

@@ -1,11 +1,8 @@
-"""Forward-only micro-batches that a schedule's ``E`` actions run: an evaluation in the bubbles of
-the mini-batch after the weights it evaluates (docs/architecture.md, "Evaluation in the bubbles"),
-or a user's forward-only work (``Pipeline.forward_in_bubbles``), run as the drained evaluation
-(:meth:`pipeoptim.world.LocalWorld.evaluate`) runs it, so that the two results are equal to the
-bit. So that a training forward run meanwhile changes nothing it reads, a stage runs in eval
-mode only for the span of the pass (dropout then draws no random numbers: the training
-forwards' streams stay theirs) and on the buffers it held when the evaluation was asked for
-(batch norm's running statistics), swapped in for the pass."""
+"""Forward-only micro-batches that a schedule's ``E`` actions run: an evaluation in the bubbles
+(docs/architecture.md, "Evaluation in the bubbles") or a user's forward-only work
+(``Pipeline.forward_in_bubbles``), run as the drained evaluation runs it, to the bit. A stage is
+in eval mode only for the span of each pass (dropout then draws no random numbers from the
+training forwards' streams), on the buffers it held when the evaluation was asked for."""
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +19,8 @@ from .values import to_device
 
 
 class Scores:
-    """An evaluation's scores per micro-batch: ``add(j, value, samples)``; :meth:`mean` is the
-    mean over the samples, summed in micro-batch order (values read back only then, so that an
-    accelerator is never waited for while work is queued)."""
+    """An evaluation's scores per micro-batch; :meth:`mean` is the mean over the samples, summed in
+    micro-batch order (values read back only then: an accelerator is not waited for meanwhile)."""
 
     def __init__(self) -> None:
         self._values: Dict[int, Tuple[Any, int]] = {}
@@ -48,19 +44,14 @@ class Scores:
 
 class ForwardOnly:
     """The ``E`` micro-batches of an evaluation, or of a user's forward-only work, over
-    ``stages`` (the model's, in chain order).
-
-    ``items``: ``(inputs, target)`` pairs, micro-batch j being item j, each run whole;
-    ``eval_mode(stage)``: the context in which a stage runs as the drained evaluation runs it
-    (:class:`StageEvalMode`, or the Pipeline's ``EvalMode`` for a traced model's eval-mode
-    graph). At the last stage ``on_output(j, output)`` receives the output (a user's work), or
-    else ``score(output, target)`` gives an evaluation mini-batch's value (summed over the
-    samples in micro-batch order by :class:`Scores`, as the drained evaluation sums). ``on_done(value)``
-    is called once the last stage has run every micro-batch (``value``: the evaluation's, None
-    for ``on_output``), or with ``at_drain`` when :meth:`deliver` gives it at the segment's
-    drain (every rank at once, under torchrun). Built while the pipeline is drained: the
-    stages' buffers are copied then (a synchronous stage's weights do not change before its
-    next update, which the schedule runs after its E's)."""
+    ``stages`` (the model's, in chain order): micro-batch j is ``items[j]``, an
+    ``(inputs, target)`` pair run whole, in ``eval_mode(stage)``. At the last stage
+    ``on_output(j, output)`` receives the output (a user's work), or else ``score(output,
+    target)`` gives the mini-batch's value. ``on_done(value)`` is called once the last stage has
+    run every micro-batch, or, ``at_drain``, when :meth:`deliver` gives it at the segment's drain
+    (every rank at once, under torchrun). Built while the pipeline is drained: the stages'
+    buffers are copied then (a synchronous stage's weights do not change before its next update,
+    which the schedule runs after its E's)."""
 
     def __init__(self, items: Sequence[Tuple[Any, Any]], eval_mode: Callable[[Stage], ContextManager[Any]],
                  stages: Sequence[Stage], *, score: Optional[Callable[[Any, Any], Any]] = None,
@@ -215,10 +206,9 @@ class BubbleWork:
 
 class StageEvalMode:
     """``mode(stage)``: a context in which ``stage``'s module is in eval mode, its modes put back
-    after (a model that is an nn.Sequential: its layers are the stages' modules, and eval mode is
-    theirs alone). Each module's flag is set directly, as ``nn.Module.train`` sets it, except
-    where a class overrides ``train``: an evaluation's E actions switch modes twice per stage
-    and mini-batch, and ``train()``'s recursion costs more than a small stage's forward."""
+    after. Each module's flag is set directly, except where a class overrides ``train``: the E
+    actions switch modes twice per stage and mini-batch, and ``train()``'s recursion costs more
+    than a small stage's forward."""
 
     def __init__(self) -> None:
         self._modules: Dict[int, List[Tuple[Any, bool]]] = {}  # stage -> (module, overrides train)

@@ -1,7 +1,5 @@
-"""What a stage calls on its collaborators, as ``typing.Protocol`` classes.
-
-Each collaborator is given to the stage at construction and tested by what it declares, never
-found by its class name or by ``getattr``."""
+"""What a stage calls on its collaborators, as ``typing.Protocol`` classes: each is given to the
+stage at construction and tested by what it declares, never by its class name or ``getattr``."""
 from __future__ import annotations
 
 from typing import Dict, List, Protocol, Sequence, runtime_checkable

@@ -1,12 +1,10 @@
 """One link of the transport: one direction of traffic between two neighbouring stages.
 
-A :class:`Link` carries one ordered stream of messages (activations ``k -> k+1`` or gradients
-``k+1 -> k``) over a process group and a tag. Sends are ``dist.isend``, their handles kept by the
-caller until waited on (gloo's send is a rendezvous: a blocking send in a 1F1B loop deadlocks).
-Receives are ``dist.irecv`` posted ahead (``prefetch`` per link) into buffers of the agreed
-layout (:mod:`~pipeoptim.runtime.wire`, reused: :class:`ReceiveBuffers`) and waited on when the
-action comes, so a message lands while the stage computes. Every wait has a timeout and fails
-with a :class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
+Sends are ``dist.isend``, their handles kept by the caller until waited on (gloo's send is a
+rendezvous: a blocking send in a 1F1B loop deadlocks). Receives are ``dist.irecv`` posted ahead
+(``prefetch`` per link) into buffers of the agreed layout (:mod:`~pipeoptim.runtime.wire`),
+so that a message lands while the stage computes. Every wait has a timeout and fails with a
+:class:`~pipeoptim.runtime.wire.PipelineCommError` naming the message.
 """
 from __future__ import annotations
 
@@ -29,16 +27,12 @@ Kept = Tuple[torch.Tensor, Any, int]
 class ReceiveBuffers:
     """One link's receive buffers, reused across messages of the same dtype and shape.
 
-    A received tensor may be held long after its message: by the stage's autograd graph until
-    its micro-batch's backward is over, by a ``.grad`` autograd made of it, by a send of the
-    stage's output that aliases it. So a buffer is reused only when nothing but this pool holds
-    its memory: the pool hands out an alias of each buffer it keeps, and a buffer is free when
-    its storage's reference count is back to what the pool alone holds (any tensor, view, saved
-    tensor or send in flight on that memory counts). Its next message then overwrites all of it,
-    so reuse changes no number (on a GPU too: NCCL's receive waits for the work queued before it
-    on the current stream, the last reads of the buffer among it). Where no kept buffer is free
-    a new one is made (and kept, up to :attr:`per_shape`); the :attr:`shapes` most recently
-    received shapes are kept, so that inputs of many lengths do not pile up buffers."""
+    A received tensor may be held long after its message (by the autograd graph, a ``.grad``
+    made of it, a send that aliases it), so a buffer is reused only when nothing but this pool
+    holds its memory: its storage's reference count is back to what the pool alone holds. Its
+    next message then overwrites all of it, so reuse changes no number (on a GPU too: NCCL's
+    receive waits for the work queued before it on the current stream). Up to :attr:`per_shape`
+    buffers are kept for each of the :attr:`shapes` most recently received shapes."""
 
     #: buffers kept per (dtype, shape); 0: none (every message gets a new one)
     per_shape = 16

@@ -1,7 +1,5 @@
-"""The local executor: every stage in one process.
-
-The one interpreter (:class:`~pipeoptim.runtime.executor.Executor`) with a walker per rank over
-an in-memory :class:`~pipeoptim.runtime.executor.Mailbox`."""
+"""The local executor: every stage in one process. The one interpreter, with a walker per rank
+over an in-memory :class:`~pipeoptim.runtime.executor.Mailbox`."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
@@ -31,12 +29,9 @@ class LocalExecutor(Executor):
 def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequence[MicroBatch],
                  on_loss: Optional[Callable[[int, float], None]] = None,
                  trace_offset: int = 0) -> Dict[int, float]:
-    """Run one whole schedule over ``microbatches`` (indexed as the schedule's micro-batches).
-
-    Returns the loss of each update window (mini-batch): the sum of its micro-batches' scaled
-    losses. ``on_loss(window, loss)`` is called as soon as a window's loss is complete.
-    ``trace_offset`` numbers this schedule's micro-batches after earlier epochs' in the traces.
-    """
+    """Run one whole schedule over ``microbatches``; the loss of each update window (the sum of
+    its micro-batches' scaled losses), each also given to ``on_loss(window, loss)`` as soon as
+    it is complete. ``trace_offset`` numbers the micro-batches after earlier epochs' in the traces."""
     m = schedule.microbatches_per_update
     windows = schedule.num_updates
     executor = LocalExecutor(stages, lambda batches: schedule, expected=windows,

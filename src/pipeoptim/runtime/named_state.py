@@ -19,15 +19,11 @@ from .stage import Stage
 PER_GROUP_SCHEDULER_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
-def _names(stage: Stage) -> Dict[int, str]:
-    # the policy's: the parameters the optimizer holds (a sharded module registers gathered
-    # copies in their place while it holds them)
-    return {id(p): name for name, p in stage.policy.named}
-
-
 def stage_groups(stage: Stage) -> List[List[str]]:
     """The names of the parameters of each of ``stage``'s optimizer groups."""
-    names = _names(stage)
+    # the policy's names: of the parameters the optimizer holds (a sharded module registers
+    # gathered copies in their place while it holds them)
+    names = {id(p): name for name, p in stage.policy.named}
     return [[names[id(p)] for p in group["params"]] for group in stage.optimizer.param_groups]
 
 

@@ -17,10 +17,9 @@ from .wire import signature
 @torch.no_grad()
 def scored_forward(comm: PipeComm, stages: List[Stage], loader: Iterable, score: Callable, last: int,
                    first_chain: bool = False) -> Tuple[float, int]:
-    """(the sum over samples of ``score(output, target)`` on the process of stage ``last``, 0.0
-    elsewhere; the samples) of ``loader``'s mini-batches through ``stages``, this process's
-    stages of the model in chain order. ``first_chain``: a bidirectional run's stages 0 ..
-    ``last`` are the model once (the messages go on that chain's links only)."""
+    """(the sum over samples of ``score(output, target)``, on the process of stage ``last``, 0.0
+    elsewhere; the samples) of ``loader``'s mini-batches through this process's ``stages``, in
+    chain order. ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once."""
     held = {stage.index for stage in stages}
     travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
     count, values = 0, []
@@ -32,13 +31,13 @@ def scored_forward(comm: PipeComm, stages: List[Stage], loader: Iterable, score:
         for stage in stages:  # this process's chunks in chain order; the others between them
             k = stage.index
             if k > 0 and (k - 1) not in held:
-                value = comm.recv_activation(ident, key, stage=k)
+                value = comm.recv("activation", ident, key, stage=k)
             with stage.autocast():
                 value = stage.module(to_device(value, stage.device))
                 if k == last:
                     values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
             if k < last and (k + 1) not in held:
-                comm.send_activation(ident, key, value, stage=k)
+                comm.send("activation", ident, key, value, stage=k)
         comm.poll()
         count += batch_size(inputs)
     comm.flush()

@@ -4,9 +4,7 @@ forward ran on were from those live at its backward, against the stale weights' 
 Every K-th micro-batch (by its number in the run), the stage keeps at its forward the weights it
 would have used unpredicted (W_stale), those it used (W_used), and with delay corrections on,
 those with none of them and without each; at its backward it measures each against the weights
-live then (W_b). Copies and distances are multi-tensor operations (``weights/fused.py``): the
-differences taken in the probe's own copies, in the weights' dtype, their norms accumulated in
-float64 (on a sharded stage over the DTensors: the whole stage's).
+live then (W_b), the norms accumulated in float64.
 """
 from __future__ import annotations
 
@@ -30,12 +28,8 @@ def relative_distance(copies: List[torch.Tensor], live: Sequence[torch.Tensor], 
     """||copies - live|| / ||live||, the difference taken in ``copies`` (the probe's own, spent)."""
     if copies:
         torch._foreach_sub_(copies, list(live))
-    return float(_whole(norm_of(copies) / live_norm))
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor's value on every shard (a sharded stage's norms), else ``value``."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    value = norm_of(copies) / live_norm
+    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)  # a DTensor's: whole
 
 
 class PredictionProbes:

@@ -1,8 +1,5 @@
-"""What a stage reports of its passes: the observer it calls after each.
-
-The weight version each pass ran on (the version trace), the learning rates each update applied,
-the busy seconds and counts of its passes, and the most bytes of gradients held at an update
-(``runtime/state_memory.py``)."""
+"""What a stage reports of its passes: the observer it calls after each. The version trace, the
+learning rates of each update, busy seconds and counts, the peak gradient bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,9 +2,8 @@
 clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains, run on orders built for a horizon past the
-mini-batches fed, rebuilt longer as more come, and drained on those for exactly the mini-batches
-fed (why that is exact: docs/architecture.md, "Schedules as data"). The executor subclasses
-:class:`StreamedSegment`."""
+mini-batches fed and drained on those for exactly the mini-batches fed (why that is exact:
+docs/architecture.md, "Schedules as data")."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -114,12 +113,11 @@ class WindowLosses(dict):
     """The last stage's micro-batch losses summed per update window (mini-batch), in micro-batch
     order, each window reported to ``on_loss(window, loss)`` as soon as its losses are in.
 
-    Losses arrive as floats, or as 0-dim tensors still on an accelerator (so that the host never
-    waits for the device): without ``on_loss``, a complete window's are copied to pinned host
-    memory without blocking and taken once there (:meth:`take_completed`). Two pipelines
-    (``halves``: the micro-batches of a window that the first takes) sum each pipeline's losses
-    apart, then the two sums; a process holding one pipeline's last stage receives ``expected``
-    losses a window and reports its half's sum (the job adds the halves, :func:`add_halves`)."""
+    Losses on an accelerator stay there (the host never waits for the device): without
+    ``on_loss``, a complete window's are copied to pinned host memory without blocking and taken
+    once there (:meth:`take_completed`). Two pipelines (``halves``: the micro-batches of a window
+    that the first takes) sum each pipeline's losses apart, then the two sums; a process holding
+    one pipeline's last stage receives ``expected`` losses a window and reports its half's sum."""
 
     def __init__(self, microbatches: int, on_loss: Optional[Callable[[int, float], None]] = None,
                  halves: Optional[int] = None, expected: Optional[int] = None) -> None:

@@ -8,11 +8,10 @@ same sum of the same products as a plain ``loss.backward()``, up to the order of
 where a weight is used twice.
 
 The input half keeps only the outputs that seed a weight group, and each group's call frees what
-it ran: keeping the whole graph to the end of the weight half made every weight gradient a fresh
-allocation while the activations were still held (measured on the CPU: thousands of page faults
-per mini-batch of ``benchmarks/peer_throughput.py``). This is ``torch.distributed.pipelining``'s
-split backward on torch's public autograd API, keeping the gradients of weights that hang only
-from outputs that do not depend on the input (torch's version drops them)."""
+it ran (keeping the whole graph made every weight gradient a fresh allocation while the
+activations were still held). This is ``torch.distributed.pipelining``'s split backward on
+torch's public autograd API, keeping the gradients of weights that hang only from outputs that
+do not depend on the input (torch's version drops them)."""
 from __future__ import annotations
 
 from collections import deque

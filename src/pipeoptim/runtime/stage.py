@@ -41,13 +41,11 @@ def _check_scalar(loss: Any) -> None:
 class Stage:
     """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module.
 
-    Collaborators, given here (None: none): ``shards`` (the module sharded over the stage's
-    replicas: passes call it directly, with the version they need written into its shards),
-    ``tied`` (weights shared with other stages, made equal around each update, or read per
-    micro-batch from their owner), ``grad_sync`` (the gradients reduced over the stage's replicas
-    before each update; the world sets it once its groups exist). Observers: ``record`` (trace,
-    updates, seconds, counts), ``probes`` (the prediction-error diagnostic), ``held`` (the
-    activations held per micro-batch in flight)."""
+    Collaborators (None: none): ``shards`` (the module sharded over the stage's replicas: passes
+    call it directly, with the version they need written into its shards), ``tied`` (weights
+    shared with other stages), ``grad_sync`` (the gradients reduced over the stage's replicas
+    before each update; the world sets it once its groups exist). Observers: ``record``,
+    ``probes``, ``held``."""
 
     def __init__(self, index: int, num_stages: int, module: nn.Module,
                  optimizer: torch.optim.Optimizer, policy: WeightPolicy, *,
@@ -170,9 +168,7 @@ class Stage:
         self.held.keep(microbatch, (() if self.is_first else as_tuple(leaves))
                        + (() if self.is_last else as_tuple(output)))
         self._passed("F", microbatch, use, start)
-        if self.is_last:
-            # A float on the CPU; on an accelerator the 0-dim tensor, read when its mini-batch's
-            # loss is complete, so that queuing work never waits for the device.
+        if self.is_last:  # on an accelerator the 0-dim tensor: queuing work never waits for the device
             return float(output.detach()) if self.device.type == "cpu" else output.detach()
         return detach_for_send(output)
 

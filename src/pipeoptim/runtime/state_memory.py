@@ -1,11 +1,6 @@
-"""The bytes a stage's training state takes: measured, and the closed form.
-
-Per stage (one rank's share under torchrun): its parameters, their gradients at the update (the
-peak), the optimizer's state (every tensor in ``optimizer.state``), and the weight copies its
-policy kept beyond the live weights at their peak (``WeightPolicy.copy_bytes_peak``). The closed
-form of the weights is the parameter bytes times the weight versions of the method's design
-table (``Method.weight_versions``). ``fit``'s ``metrics["state_memory"]`` and ``pipeoptim bench``
-report both.
+"""The bytes a stage's training state takes: measured, and the closed form. Per stage (one rank's
+share under torchrun); the weights' closed form is the parameter bytes times the method's
+``weight_versions``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Weights tied across stages (docs/architecture.md, "Tied weights").
 
-Synchronous methods under torchrun: a holder that is not the owner takes the owner's new value
-at each update. Asynchronous methods (docs/architecture.md, "Tied weights with the asynchronous
-methods"): a holder's passes of micro-batch i (recomputation included) run on the owner's values
-of i, and its gradient of i joins the owner's update that consumes i, handed over in memory
-(:class:`LocalExchange`) or between processes (:class:`MessageExchange`); after each drain the
-holders take the owner's value (:meth:`TiedWeights.drained`)."""
+With the asynchronous methods (docs/architecture.md, "Tied weights with the asynchronous
+methods") a holder's passes of micro-batch i run on the owner's values of i, and its gradient of
+i joins the owner's update that consumes i, handed over in memory (:class:`LocalExchange`) or
+between processes (:class:`MessageExchange`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -198,11 +196,6 @@ class TiedWeights:
 def _from_owner(tie: Tie) -> None:
     """Every holder's copy of ``tie`` takes the owner's value."""
     dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
-
-
-def local_exchanges(ties: Dict[int, List[int]]) -> Dict[int, LocalExchange]:
-    """One in-memory exchange per tie (key ``id(parameter)``), shared by its holders' stages."""
-    return {key: LocalExchange(holders) for key, holders in ties.items()}
 
 
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],

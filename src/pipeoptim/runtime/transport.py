@@ -1,18 +1,14 @@
-"""The transport of one stage: :class:`PipeComm`, its links to the neighbouring stages and the
-control group, over ``torch.distributed`` point to point (nothing home-made).
+"""The transport of one rank: :class:`PipeComm`, its links to the neighbouring stages and the
+control group, over ``torch.distributed`` point to point (docs/architecture.md, "The executor").
 
-Links, sends, receives and timeouts are as (docs/architecture.md, "The executor") says. Each
-direction of each boundary is a 2-rank process group of its own, so that activations and
-gradients never queue behind each other: NCCL matches a communicator's messages in posting order
-and runs them in order on one stream, and on gloo both directions on one group share one socket
-pair (per-direction groups ran the flush and asynchronous schedules 1.12-1.19x faster under load
-than every link a tag of one group, ``benchmarks/link_groups.py``, at the cost of a gloo socket
-thread per link). Where the job's other ranks do not build this PipeComm (a gloo pipeline on a
-sub-group) no group can be made: its links are then tags of the control group (gloo matches
-messages by tag). The control group also carries losses, timings and state dicts
-(:mod:`~pipeoptim.runtime.control`). Each send's handle is kept with its tensors until waited
-on (polled after every action, all waited at the end of the schedule). The timeout is
-``PipeComm(timeout=...)``, ``--timeout``."""
+Each direction of each boundary is a 2-rank process group of its own, so that activations and
+gradients never queue behind each other: NCCL runs a communicator's messages in posting order on
+one stream, and on gloo both directions on one group share one socket pair (per-direction groups
+ran the flush and asynchronous schedules 1.12-1.19x faster under load than tags of one group,
+``benchmarks/link_groups.py``, at the cost of a gloo socket thread per link). Where the job's
+other ranks do not build this PipeComm (a gloo pipeline on a sub-group) no group can be made:
+its links are then tags of the control group. The control group also carries losses, timings
+and state dicts (:mod:`~pipeoptim.runtime.control`)."""
 from __future__ import annotations
 
 import datetime
@@ -31,26 +27,18 @@ class PipeComm:
     """The communication of one rank of a pipeline over a process group.
 
     Pipeline rank k is rank k of ``group`` (default: the whole job). The control group is a gloo
-    group of the pipeline's ranks made with ``dist.new_group`` (every rank of the job creates the
-    PipeComm at the same point, in the same order as any other groups), or ``group`` itself
-    where it already is one the pipeline owns: a replica's group given with ``pipelines``, or
-    a gloo pipeline over part of the job whose members alone build their PipeComm (e.g. two
-    pipelines on two sub-groups; its links are then tags of that group). Elsewhere each link
-    is a 2-rank group that every rank of the job creates, so on NCCL ``group`` must be the
-    whole job or ``pipelines`` name every replica. ``timeout`` bounds every wait on a peer and
-    every created group (the group's own timeout bounds the control collectives).
+    group of the pipeline's ranks made with ``dist.new_group`` by every rank of the job, in the
+    same order, or ``group`` itself where the pipeline owns it (a replica's group given with
+    ``pipelines``, or a gloo pipeline on a sub-group, whose members alone build their PipeComm).
+    On NCCL ``group`` must therefore be the whole job or ``pipelines`` name every replica.
+    ``timeout`` bounds every wait on a peer and every group made.
 
-    ``placement`` (default: stage k on rank k): the rank of each stage of the chain, where a rank
-    holds several (chunks, docs/architecture.md, "Chunks: several stages per process"). Each
-    boundary j between stages on two ranks has two links (activations of stage j, gradients of
-    stage j + 1); a boundary inside one rank has none (the executor hands the value over in
-    memory). The send and receive methods take the stage they act for (default: this rank's,
-    in a straight pipeline). ``chain_starts``: the stages after the first that begin a chain of
-    their own (two pipelines of the same pieces: the second's first stage), whose boundary
-    before them has no link. ``pipelines``: with several replicas of the pipeline (pipeline x
-    data parallel), the global ranks of every replica's stages; each rank passes its own
-    replica's group as ``group``, and every rank creates every replica's link groups, in the
-    same order."""
+    ``placement`` (default: stage k on rank k): the rank of each stage of the chain (chunks,
+    docs/architecture.md, "Chunks: several stages per process"). Each boundary between stages on
+    two ranks has two links; one inside a rank has none (the executor hands the value over in
+    memory), nor has the boundary before a stage of ``chain_starts`` (a second chain's first
+    stage). ``pipelines``: with several replicas of the pipeline, the global ranks of every
+    replica's stages; each rank passes its own replica's group as ``group``."""
 
     #: gloo, where every rank of the job builds the PipeComm: a process group per direction of each
     #: boundary (True), or every link a tag of the control group (False: one socket thread for all
@@ -179,22 +167,15 @@ class PipeComm:
         self.check_open()
         return self._links[(what, (self.rank if stage is None else stage) + boundary_offset)]
 
-    # activations flow k -> k+1 on boundary k; gradients k+1 -> k on boundary k
-    def send_activation(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
-        """Send ``stage``'s output for ``microbatch`` to the next stage."""
-        self._link("activation", stage, 0).send(microbatch, key, value, self._pending)
+    def send(self, what: str, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
+        """Send ``stage``'s output (``what`` "activation") to the next stage, or the gradient of its
+        input ("gradient") to the previous one (``stage``: this rank's by default)."""
+        self._link(what, stage, 0 if what == "activation" else -1).send(microbatch, key, value, self._pending)
 
-    def recv_activation(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
-        """Receive ``stage``'s input for ``microbatch`` from the previous stage."""
-        return self._link("activation", stage, -1).recv(microbatch, key)
-
-    def send_gradient(self, microbatch: int, key: Signature, value: Any, stage: Optional[int] = None) -> None:
-        """Send the gradient of ``stage``'s input to the previous stage."""
-        self._link("gradient", stage, -1).send(microbatch, key, value, self._pending)
-
-    def recv_gradient(self, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
-        """Receive the gradient of ``stage``'s output from the next stage."""
-        return self._link("gradient", stage, 0).recv(microbatch, key)
+    def recv(self, what: str, microbatch: int, key: Signature, stage: Optional[int] = None) -> Any:
+        """Receive ``stage``'s input (``what`` "activation") from the previous stage, or the gradient
+        of its output ("gradient") from the next one."""
+        return self._link(what, stage, -1 if what == "activation" else 0).recv(microbatch, key)
 
     def expect_more(self, activations: Sequence[Tuple[int, Signature]],
                     gradients: Sequence[Tuple[int, Signature]],

@@ -1,10 +1,6 @@
-"""Where a pass's weight gradients go: into the parameters' ``.grad``, and, as each becomes
-final for an update, to the reduction over the stage's replicas.
-
-A pass runs on the parameters themselves (``WeightUse.direct``) or on tensors a weight policy
-handed it, whose gradients the stage moves onto the parameters after the backward. The last
-backward before an update announces each parameter (``ready``) as soon as its gradient is final,
-so that the replicas reduce it while the rest of the backward runs (``averaging.GradientAverager``)."""
+"""Where a pass's weight gradients go: into the parameters' ``.grad`` (from the tensors a weight
+policy handed the pass, unless it ran on the parameters themselves), and, as each becomes final
+for an update, to the reduction over the stage's replicas (``averaging.GradientAverager``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple

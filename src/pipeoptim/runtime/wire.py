@@ -1,13 +1,10 @@
 """What crosses a stage boundary, as bytes: the layout of a message and its metadata encoding.
 
 A message is a tensor or a tuple of tensors (entries may be None: a gradient that reached no
-input). Its *layout* (tuple or not; per entry dtype and shape) is agreed once per micro-batch
-*signature* (the shapes of the micro-batch's inputs, which every rank computes from its copy of
-the data) and link: the first message of a signature is preceded by its layout, encoded as a
-small int64 tensor; later messages are raw tensors into buffers allocated from the layout.
-
-Also here: :class:`PipelineCommError`, the error of every failed message or collective, and
-:func:`reason`, the gist of a backend's error text.
+input). Its *layout* (tuple or not; per entry dtype and shape) is agreed once per link and
+micro-batch *signature* (the shapes of its inputs, which every rank computes from its copy of
+the data): the first message of a signature is preceded by its layout, a small int64 tensor.
+Also :class:`PipelineCommError`, the error of every failed message or collective.
 """
 from __future__ import annotations
 
