@@ -92,3 +92,12 @@ def test_gap_closed():
     assert report.gap_closed(0.90, 0.88, 0.91) == pytest.approx(-2.0)    # higher is better: wider
     assert report.gap_closed(57.5, 50.0, 57.5) is None
     assert report.gap_closed(math.inf, 60.0, 57.5) is None
+
+
+def test_the_planner_prices_error_feedback_with_the_measured_ratio():
+    """pipeoptim plan's +ef candidates cost the time study/error_feedback_cost.py measured."""
+    from pipeoptim.throughput import FEEDBACK_TIME_RATIO
+
+    measured = json.loads((ROOT / "study/results/error_feedback_cost.json").read_text())
+    assert FEEDBACK_TIME_RATIO == round(measured["ratio"], 4), \
+        "study/results/error_feedback_cost.json changed: set pipeoptim.throughput.FEEDBACK_TIME_RATIO to its ratio"

@@ -1,0 +1,73 @@
+"""The planner's candidates with error feedback (``pipeoptim-2bw+ef``): named as the study names
+them, priced with the measured cost (time x FEEDBACK_TIME_RATIO, two more weight copies per
+stage), matched to the study's ratios by their options, and carried into the plan file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeoptim.lab.planner import load_plan, pipeline_call
+from pipeoptim.methods import feedback_variants, split_variant, variant_name
+from pipeoptim.recommendation import recommend, try_in_code
+from pipeoptim.throughput import FEEDBACK_TIME_RATIO, predict
+from test_planner import synthetic
+
+
+def test_a_variant_name_is_a_method_and_its_options():
+    assert split_variant("pipeoptim-2bw+ef") == ("pipeoptim-2bw", {"error_feedback": True})
+    assert split_variant("zb-h1") == ("zb-h1", {})
+    assert variant_name("pipedream-2bw", {"error_feedback": True}) == "pipedream-2bw+ef"
+    assert variant_name("pipedream-2bw", {"error_feedback": False}) == "pipedream-2bw"
+    assert feedback_variants() == ["pipedream-2bw+ef", "pipeoptim-2bw+ef"]
+    with pytest.raises(ValueError, match=r"'zb-h1\+ef': \+ef \(error feedback\) applies to pipedream-2bw\+ef, "
+                                         r"pipeoptim-2bw\+ef"):
+        split_variant("zb-h1+ef")
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        split_variant("magic")
+
+
+def test_error_feedback_is_priced_with_its_measured_time_and_its_two_buffers():
+    prof = synthetic([0.001] * 4, [0.002] * 4, params=[100] * 4)
+    plain = predict("pipeoptim-2bw", prof, [1, 1, 1, 1], microbatches=4, batches=6, batch_size=8)
+    fed = predict("pipeoptim-2bw", prof, [1, 1, 1, 1], microbatches=4, batches=6, batch_size=8,
+                  options={"error_feedback": True})
+    assert FEEDBACK_TIME_RATIO == 1.0194
+    assert fed["makespan_seconds"] == pytest.approx(plain["makespan_seconds"] * 1.0194, rel=1e-12)
+    assert fed["samples_per_second"] == pytest.approx(plain["samples_per_second"] / 1.0194, rel=1e-12)
+    assert (fed["variant"], fed["options"], fed["feedback_time_ratio"]) == ("pipeoptim-2bw+ef",
+                                                                           {"error_feedback": True}, 1.0194)
+    assert (plain["variant"], plain["options"], plain["feedback_time_ratio"]) == ("pipeoptim-2bw", {}, 1.0)
+    # the previous update and the scratch copy: 2 more weight copies on every stage
+    assert [m["weight_versions"] for m in plain["memory"]] == [3, 3, 3, 1]
+    assert [m["weight_versions"] for m in fed["memory"]] == [5, 5, 5, 3]
+    assert fed["max_stage_memory"] - plain["max_stage_memory"] == 2 * 100
+
+
+def test_the_rule_names_a_variant_and_the_code_to_try_it():
+    rows = [{"method": "pipeoptim-2bw", "variant": name, "synchronous": False, "microbatches": 4,
+             "samples_per_second": 100.0, "max_stage_memory": 10, "fits": True}
+            for name in ("pipeoptim-2bw", "pipeoptim-2bw+ef")]
+    assert recommend(rows, prefer="pipeoptim-2bw+ef")["variant"] == "pipeoptim-2bw+ef"
+    assert recommend(rows, order=["pipeoptim-2bw+ef", "pipeoptim-2bw"])["variant"] == "pipeoptim-2bw+ef"
+    assert recommend(rows)["variant"] == "pipeoptim-2bw"  # tied: the earlier one
+    assert try_in_code(["zb-h1", "pipeoptim-2bw+ef"]) == (
+        "train them on your data for the same time and compare the models (pipeoptim.train with method='zb-h1' "
+        "and method='pipeoptim-2bw', error_feedback=True)")
+
+
+def test_a_plan_with_error_feedback_sets_it_for_train_and_the_pipeline(tmp_path):
+    plan = {"format": "pipeoptim-plan", "version": 1, "task": "image", "model": "vgg", "batch_size": 64,
+            "stages": 2, "partition": [3, 3], "method": "pipeoptim-2bw", "microbatches": 2,
+            "options": {"error_feedback": True},
+            "pipeline": {"method": "pipeoptim-2bw", "stages": 2, "partition": [3, 3], "micro_batches": 2,
+                         "error_feedback": True}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert load_plan(path) == {"task": "image", "model": "vgg", "batch_size": 64, "stages": 2, "partition": [3, 3],
+                               "method": "pipeoptim-2bw", "micro_batches": 2, "error_feedback": True}
+    assert pipeline_call(plan) == ("Pipeline(model, method='pipeoptim-2bw', stages=2, partition=[3, 3], "
+                                   "micro_batches=2, error_feedback=True, optimizer=..., loss_fn=...)")
+    path.write_text(json.dumps(dict(plan, method="zb-h1")))
+    with pytest.raises(ValueError, match=r"options must be options zb-h1 takes, with their values \(none\)"):
+        load_plan(path)
