@@ -71,3 +71,34 @@ def test_a_plan_with_error_feedback_sets_it_for_train_and_the_pipeline(tmp_path)
     path.write_text(json.dumps(dict(plan, method="zb-h1")))
     with pytest.raises(ValueError, match=r"options must be options zb-h1 takes, with their values \(none\)"):
         load_plan(path)
+
+
+def test_image_with_adamw_recommends_what_the_advice_does_pipeoptim_2bw_with_error_feedback():
+    """The study's advice for image at N = 8 is pipeoptim-2bw with error feedback and AdamW; it
+    reached the target in the synchronous pipeline's 2100 updates (ratio 1.0), the plain one in
+    2400 (1.14286), which the advice does not name: it may not be recommended."""
+    from test_plan_targets import cand, plan
+
+    def fed(samples_per_second):
+        return dict(cand("pipeoptim-2bw", 8, samples_per_second), options={"error_feedback": True},
+                    variant="pipeoptim-2bw+ef")
+
+    cands = [cand("zb-h1", 8, 6400), cand("pipeoptim-2bw", 8, 8000), fed(8000)]
+    study, best, said = plan(cands, optimizer="adamw")
+    zb, plain, ef = cands
+    assert (study["setting"], study["target_updates"], study["advised_variant"]) == (
+        "image, adamw, N = 8", 2100.0, "pipeoptim-2bw+ef")
+    assert (ef["updates_ratio"], ef["ratio_source"]) == (1.0, "pipeoptim-2bw+ef: 2100 updates, 2 seed(s)")
+    assert ef["time_to_target_seconds"] == pytest.approx(0.008 * 2100)
+    assert plain["updates_ratio"] == 1.14286 and plain["ratio_source"] == "pipeoptim-2bw: 2400 updates, 3 seed(s)"
+    assert [c["eligible"] for c in cands] == [True, False, True]
+    assert best is ef and said[2:] == []
+    # within the 2 % tie (21.3 s against 21.0 s): the study's method, the better model at equal time
+    cands = [cand("zb-h1", 8, 6400), fed(6300)]
+    assert plan(cands, optimizer="adamw")[1] is cands[1]
+    # where this profile predicts it later: 64 / 6000 s x 2100 = 22.4 s against zb-h1's 21 s
+    cands = [cand("zb-h1", 8, 6400), fed(6000)]
+    study, best, said = plan(cands, optimizer="adamw")
+    assert best["method"] == "zb-h1"
+    assert said[2] == ("the study's pipeoptim-2bw+ef is predicted to reach the target later on this profile (22.4 s "
+                       "against 21.0 s), so the synchronous pipeline is recommended")

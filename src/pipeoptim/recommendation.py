@@ -38,8 +38,8 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     which may be recommended (``eligible``, True where absent; all that fit and reach, where none
     may; all that fit, where none reaches), the shortest ``time_to_target_seconds`` where every
     one has it, else the highest ``samples_per_second``. Candidates within ``tie`` (relative) of
-    the best are tied, and among them a synchronous method wins, then ``prefer``, then the smaller
-    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``. A
+    the best are tied, and among them ``prefer`` wins (the study's method: the better model at
+    equal time), then a synchronous method, then the smaller largest-stage memory, then fewer micro-batches, then the earlier method in ``order``. A
     candidate's name there is its ``variant`` where it has one (``pipeoptim-2bw+ef``: with error
     feedback), else its ``method``. Raises ValueError when no candidate fits."""
     if not candidates:
@@ -57,7 +57,7 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     best = min(cost(c) for c in pool)
     tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
     rank = {m: i for i, m in enumerate(order or [])}
-    return min(tied, key=lambda c: (not c["synchronous"], candidate_name(c) != prefer, c["max_stage_memory"],
+    return min(tied, key=lambda c: (candidate_name(c) != prefer, not c["synchronous"], c["max_stage_memory"],
                                     c["microbatches"], rank.get(candidate_name(c), len(rank))))
 
 

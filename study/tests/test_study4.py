@@ -92,6 +92,10 @@ def test_gap_closed():
     assert report.gap_closed(0.90, 0.88, 0.91) == pytest.approx(-2.0)    # higher is better: wider
     assert report.gap_closed(57.5, 50.0, 57.5) is None
     assert report.gap_closed(math.inf, 60.0, 57.5) is None
+    # with the direction: a base already ahead of the synchronous pipeline had no gap to close
+    assert report.gap_closed(91.13, 91.36, 90.82, higher=True) is None
+    assert report.gap_closed(0.90, 0.88, 0.91, higher=True) == pytest.approx(-2.0)
+    assert report.gap_closed(87.5, 67.5, 57.5, higher=False) == pytest.approx(2 / 3)
 
 
 def test_the_planner_prices_error_feedback_with_the_measured_ratio():

@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     recommended, advice_text = advice(args.task, first.stages)
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot), "advice": advice_text,
-              "recommended": None if recommended is None else recommended.method}
+              "recommended": None if recommended is None else recommended.method,
+              # the method with its options as pipeoptim plan names it (pipeoptim-2bw+ef: with error feedback)
+              "recommended_variant": None if recommended is None else recommended.variant()}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print_json(report)

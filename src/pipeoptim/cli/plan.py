@@ -54,9 +54,9 @@ where it did not run the method at that micro-batch count). Among the candidates
 stage memory fits --memory-limit (all, without a limit), the shortest time to target is
 recommended, taking an asynchronous method only where the study's advice for the task and N
 recommends it with this optimizer (the advice `pipeoptim compare` ends with and the README
-lists: the same table); candidates within --tie of the best are tied, and among tied ones a
-synchronous method wins, then the study's method, then the smaller largest-stage memory, then
-fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
+lists: the same table); candidates within --tie of the best are tied, and among tied ones the
+study's method wins (the better model at equal time), then a synchronous method, then the smaller
+largest-stage memory, then fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
 task, --model, --batch-size or --optimizer the study did not run, or --model-fn), the plan says
 so in one line, recommends the fastest synchronous candidate and names the fastest asynchronous
 one as the one to try with `pipeoptim compare` (your own model: by training both on your data).

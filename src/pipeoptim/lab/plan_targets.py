@@ -34,8 +34,9 @@ RULE = ("the shortest predicted time to target (seconds per mini-batch x the upd
         "task, optimizer and nearest N, times the method's ratio to them, 1 for a synchronous method) among "
         "candidates whose largest stage memory fits the memory limit: every synchronous one, and an "
         "asynchronous one only where the study's advice for the task and N recommends it (as pipeoptim compare "
-        "says); within {tie:.0%} of the best counts as a tie, and ties go to a synchronous method, then the "
-        "study's method, then less memory, then fewer micro-batches, then the earlier method. Where no study "
+        "says); within {tie:.0%} of the best counts as a tie, and ties go to the study's method (the better "
+        "model at equal time), then a synchronous method, then less memory, then fewer micro-batches, then the "
+        "earlier method. Where no study "
         "covers the task, model, batch size or optimizer: the fastest synchronous candidate, and the fastest "
         "asynchronous one is named as the one to try with pipeoptim compare")
 
@@ -155,9 +156,11 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
               and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
     if sooner and best["synchronous"]:
         first = min(sooner, key=lambda c: c["time_to_target_seconds"])
+        why = ("the study found no asynchronous model better than the synchronous pipeline's beyond the seed "
+               "spread here" if study["advised_synchronous"] else
+               f"the study's advice here is {study['advised_variant']} with {study['advised_optimizer']}, not it")
         out.append(f"{_m(first)} is predicted to reach the target sooner ({first['time_to_target_seconds']:.1f} s "
-                   f"against {best['time_to_target_seconds']:.1f} s), but at equal time the study found no "
-                   f"asynchronous model better than the synchronous pipeline's beyond the seed spread here, so it is "
+                   f"against {best['time_to_target_seconds']:.1f} s), but at equal time {why}, so it is "
                    f"not recommended; to see it on your task: "
                    + compare_command(task, model, stages, optimizer, [candidate_name(best), candidate_name(first)]))
     elif study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
