@@ -217,6 +217,20 @@ def package_advice(study: Path, arm: Optional[Path],
     return {c: entries[c] for c in order if c in entries}
 
 
+def nadam_lines() -> List[str]:
+    """Which NAdam the study ran, against AsyncPP's public code, and what ``delay-nadamw`` is."""
+    return ["**The NAdam arm and AsyncPP's code.** The public code of AsyncPP (arXiv 2505.01099; its "
+            "`optim/nadamw.py`) builds its optimizer on `torch.optim.NAdam` with betas (0.99, 0.999), torch's "
+            "default momentum decay (0.004) and weight decay applied apart from the gradient (decoupled). The "
+            "study's NAdam arm (`--optimizer nadam`, beta1 0.99) is that same torch optimizer with the same "
+            "betas and momentum decay, but without weight decay: the lab's `weight_decay` is 0 unless given "
+            "(only adamw and muon keep torch's own), the study gives none, so `decoupled_weight_decay` is left "
+            "off and would change nothing at 0. It is that code's optimizer less its weight decay. "
+            "`delay-nadamw` is this library's reading of the paper's description (a constant beta1 whose "
+            "Nesterov look-ahead spans each stage's delay, decoupled weight decay 0.01 by default), not that "
+            "code.", ""]
+
+
 def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
     """The section that opens docs/results.md (nothing where the arm has no rows)."""
     runs = planned(arm)
@@ -241,6 +255,7 @@ def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
              "(`python -m study.study3 --suite delay_fixes`; the plan and its rules in "
              "`study/study4_plan.py`). " + status, ""]
     lines += fix_table(settings, suite) + [""]
+    lines += nadam_lines()
     lines += ["**What each fix did to the LM with AdamW** (where every asynchronous method is furthest behind):", ""]
     lines += adamw_lines(settings) + [""]
     lines += ["**The close calls, with the third seeds:**", ""] + close_call_lines(settings, suite) + [""]
