@@ -97,8 +97,19 @@ def test_image_with_adamw_recommends_what_the_advice_does_pipeoptim_2bw_with_err
     cands = [cand("zb-h1", 8, 6400), fed(6300)]
     assert plan(cands, optimizer="adamw")[1] is cands[1]
     # where this profile predicts it later: 64 / 6000 s x 2100 = 22.4 s against zb-h1's 21 s
-    cands = [cand("zb-h1", 8, 6400), fed(6000)]
+    # (and pipeoptim at M = 2, XPipe's computation, sooner still, is not the advice: 4 ms x 1.28571 x 2100)
+    cands = [cand("zb-h1", 8, 6400), fed(6000), cand("pipeoptim", 2, 16000)]
     study, best, said = plan(cands, optimizer="adamw")
     assert best["method"] == "zb-h1"
-    assert said[2] == ("the study's pipeoptim-2bw+ef is predicted to reach the target later on this profile (22.4 s "
-                       "against 21.0 s), so the synchronous pipeline is recommended")
+    assert said[2:] == [
+        "the study's pipeoptim-2bw+ef is predicted to reach the target later on this profile (22.4 s against 21.0 s), "
+        "so the synchronous pipeline is recommended",
+        "pipeoptim (M = 2) is predicted to reach the target sooner (10.8 s against 21.0 s), but at equal time the "
+        "study's advice here is pipeoptim-2bw+ef with adamw, not it, so it is not recommended; to see it on your "
+        "task: pipeoptim compare --task image --model vgg --stages 8 --optimizer adamw --methods zb-h1,pipeoptim"]
+    # the command that compares a +ef candidate names its method and the switch
+    from pipeoptim.lab.plan_targets import compare_command
+
+    assert compare_command("image", "vgg", 8, "adamw", ["zb-h1", "pipeoptim-2bw+ef"]) == (
+        "pipeoptim compare --task image --model vgg --stages 8 --optimizer adamw --methods zb-h1,pipeoptim-2bw "
+        "--error-feedback")

@@ -56,7 +56,10 @@ recommended, taking an asynchronous method only where the study's advice for the
 recommends it with this optimizer (the advice `pipeoptim compare` ends with and the README
 lists: the same table); candidates within --tie of the best are tied, and among tied ones the
 study's method wins (the better model at equal time), then a synchronous method, then the smaller
-largest-stage memory, then fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
+largest-stage memory, then fewer micro-batches, then the earlier method in --methods. A candidate
+METHOD+ef (pipeoptim-2bw+ef) is METHOD with error feedback: its time is the method's x the cost
+the study measured (1.94 %), its memory two more weight copies per stage, its ratio of updates the
+study's for the method with error feedback. Where no study covers the case (a
 task, --model, --batch-size or --optimizer the study did not run, or --model-fn), the plan says
 so in one line, recommends the fastest synchronous candidate and names the fastest asynchronous
 one as the one to try with `pipeoptim compare` (your own model: by training both on your data).

@@ -152,6 +152,12 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
     if best["synchronous"] and study["advised_synchronous"] and candidate_name(best) != study["advised_variant"]:
         out.append(f"{_m(best)} computes the updates of the study's {study['advised_method']} (every synchronous "
                    f"schedule computes sequential's): it is the fastest synchronous one on this profile")
+    if study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
+        mine = [c["time_to_target_seconds"] for c in fits if c["eligible"] and not c["synchronous"]]
+        out.append(f"the study's {study['advised_variant']} is " + (
+            f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
+            f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
+            + ", so the synchronous pipeline is recommended")
     sooner = [c for c in rivals if c.get("time_to_target_seconds") is not None
               and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
     if sooner and best["synchronous"]:
@@ -163,10 +169,4 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
                    f"against {best['time_to_target_seconds']:.1f} s), but at equal time {why}, so it is "
                    f"not recommended; to see it on your task: "
                    + compare_command(task, model, stages, optimizer, [candidate_name(best), candidate_name(first)]))
-    elif study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
-        mine = [c["time_to_target_seconds"] for c in fits if c["eligible"] and not c["synchronous"]]
-        out.append(f"the study's {study['advised_variant']} is " + (
-            f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
-            f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
-            + ", so the synchronous pipeline is recommended")
     return out

@@ -320,7 +320,8 @@ def format_plan(plan: Dict[str, Any]) -> str:
               for note in plan["recommendation"]["notes"]]
     to_target = plan["predicted"].get("time_to_target_seconds")
     points = plan.get("split_points")
-    lines.append(f"recommended: {plan.get('variant') or plan['method']} with {plan['microbatches']} micro-batch(es), partition "
+    lines.append(f"recommended: {plan.get('variant') or plan['method']} with {plan['microbatches']} micro-batch(es), "
+                 f"partition "
                  f"{plan['partition']}" + (f" (stages begin at {', '.join(points)})" if points else "")
                  + f": {plan['predicted']['samples_per_second']:.0f} samples/s"
                  + (f", {to_target:.1f} s to target" if to_target is not None else "") + " predicted")
