@@ -113,3 +113,12 @@ def test_image_with_adamw_recommends_what_the_advice_does_pipeoptim_2bw_with_err
     assert compare_command("image", "vgg", 8, "adamw", ["zb-h1", "pipeoptim-2bw+ef"]) == (
         "pipeoptim compare --task image --model vgg --stages 8 --optimizer adamw --methods zb-h1,pipeoptim-2bw "
         "--error-feedback")
+
+
+def test_compare_names_a_run_with_error_feedback_as_plan_does():
+    from pipeoptim.cli.compare import format_table
+
+    row = {"method": "pipeoptim-2bw", "options": {"error_feedback": True}, "final_metric": 0.9, "best_metric": 0.9,
+           "final_loss": 0.3, "weight_copies": [5, 3], "samples_per_second": 100.0}
+    lines = format_table([row, dict(row, options={})], "accuracy").splitlines()
+    assert lines[2].startswith("pipeoptim-2bw+ef  0.9000") and lines[3].startswith("pipeoptim-2bw     0.9000")
