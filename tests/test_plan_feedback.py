@@ -122,3 +122,11 @@ def test_compare_names_a_run_with_error_feedback_as_plan_does():
            "final_loss": 0.3, "weight_copies": [5, 3], "samples_per_second": 100.0}
     lines = format_table([row, dict(row, options={})], "accuracy").splitlines()
     assert lines[2].startswith("pipeoptim-2bw+ef  0.9000") and lines[3].startswith("pipeoptim-2bw     0.9000")
+
+
+def test_every_variant_the_advice_names_is_a_default_candidate_of_plan():
+    from pipeoptim.lab.tasks.advice import ADVICE
+    from pipeoptim.plan_defaults import DEFAULT_METHODS
+
+    assert {entry.variant() for entry in ADVICE.values()} == {"zb-h1", "xpipe", "pipeoptim-2bw+ef"}
+    assert all(entry.variant() in DEFAULT_METHODS for entry in ADVICE.values())
