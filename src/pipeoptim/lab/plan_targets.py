@@ -128,9 +128,10 @@ def _m(c: Dict[str, Any]) -> str:
 
 
 def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str, Any], *, task: Optional[str],
-          model: Optional[str], stages: int, optimizer: str) -> List[str]:
+          model: Optional[str], stages: int, optimizer: str, stable: bool = True) -> List[str]:
     """What the plan says beside its recommendation ``best``: whether a study covers the case
-    (``study``: :func:`annotate`'s), the study's advice, and the asynchronous candidate to try
+    (``study``: :func:`annotate`'s), the study's advice (and, where the timings were not
+    ``stable`` and the plan departs from it, that they may be why), and the asynchronous candidate to try
     where the recommendation is not it (and, as the engine's rule says, the candidates no split can
     reach)."""
     out = [study["line"] + "."]
@@ -157,7 +158,9 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
         out.append(f"the study's {study['advised_variant']} is " + (
             f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
             f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
-            + ", so the synchronous pipeline is recommended")
+            + ", so the synchronous pipeline is recommended" + ("" if stable or not mine else
+            "; the timings were not stable (the machine's other work): plan again on a quieter machine, with "
+            "--threads 1 per stage or more --repeats, before trusting the difference"))
     sooner = [c for c in rivals if c.get("time_to_target_seconds") is not None
               and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
     if sooner and best["synchronous"]:

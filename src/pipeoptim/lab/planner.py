@@ -180,7 +180,8 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     study = annotate(candidates, task=task, model=model_name, batch_size=units.batch_size, optimizer=optimizer,
                      stages=stages)
     best = recommend(candidates, memory_limit, tie, order=methods, prefer=study["advised_variant"])
-    said = notes(study, candidates, best, task=task, model=model_name, stages=stages, optimizer=optimizer)
+    said = notes(study, candidates, best, task=task, model=model_name, stages=stages, optimizer=optimizer,
+                 stable=(found["measurement"] or {}).get("stable", True))
     settings = {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
                 "microbatch_counts": microbatches, "scaling": scaling, "batches": batches, "limit": None,
                 "seed": seed, "optimizer": optimizer, "lr": lr, "warmup": warmup, "repeats": repeats,
