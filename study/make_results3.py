@@ -144,8 +144,11 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
                 f"{st.budget['fastest']['microbatches']})" if variant == SYNC else f"`{variant}`")
         text = f"  - {task}, N = {stages}: {name} with {st.optimizer}, final test {metric_name(st.metric)} " \
                f"{fmt(final, st.scale, st.digits)}"
-        if rec["runner_up"] is not None:
-            rst, rv = rec["runner_up"]
+        # an asynchronous winner is weighed against the best synchronous pipeline (the choice the
+        # advice is about, as the package's advice weighs it); a synchronous one against the next best
+        against = rec["synchronous"] if variant != SYNC and rec["synchronous"] is not None else rec["runner_up"]
+        if against is not None:
+            rst, rv = against
             margin = (final[0] - rst.final(rv)[0]) * st.scale
             single = min(len(st.arms[variant].rows), len(rst.arms[rv].rows)) < 2
             sd = max(final[1], rst.final(rv)[1]) * st.scale
@@ -159,6 +162,9 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
                 text += f": {rv} is better on the mean, not beyond the seed spread"
             elif close:
                 text += ": only just beyond the seed spread (another seed could make it a tie)"
+                fewer = len(st.arms[variant].rows) < len(rst.arms[rv].rows)
+                text += (f"; it rests on {len(st.arms[variant].rows)} seeds against "
+                         f"{len(rst.arms[rv].rows)}: another seed of it is pending" if fewer else "")
         out.append(text)
     return out or ["  - none yet"]
 

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from study.make_results2_data import run_updates_to_target
 from study.make_results3_arith import SYNC, Setting, read_rows, settings_of
 from study.study3_suite import SAME_AS, variant_microbatches, variant_spec
+from pipeoptim.lab.plan_targets import study_options
 
 SIGNIFICANT = 6  #: significant digits of the table's ratios and updates
 
@@ -42,10 +43,6 @@ def updates_per_seed(st: Setting, variant: str) -> List[Optional[float]]:
     return [run_updates_to_target(r, target, st.higher) for r in st.arms[variant].rows]
 
 
-def _options(options: Dict[str, Any]) -> Tuple[Tuple[str, str], ...]:
-    return tuple((k, f"{v:g}" if isinstance(v, float) else str(v)) for k, v in sorted(options.items()))
-
-
 def variant_entry(st: Setting, variant: str, sync_updates: Optional[float],
                   as_variant: Optional[str] = None) -> Dict[str, Any]:
     """One variant's line: as :class:`pipeoptim.lab.tasks.updates_to_target.VariantRatio`'s fields.
@@ -56,7 +53,7 @@ def variant_entry(st: Setting, variant: str, sync_updates: Optional[float],
     reached = [u for u in seeds if u is not None]
     updates = statistics.mean(reached) if reached and len(reached) == len(seeds) else None
     other = st.stages // 2 if st.stages > 1 else 2
-    return {"variant": name, "method": method, "options": _options(options),
+    return {"variant": name, "method": method, "options": study_options(options),
             "microbatches": variant_microbatches(name, st.stages),
             "per_stage": (variant_microbatches(name, st.stages) == st.stages
                           and variant_microbatches(name, other) == other),

@@ -36,10 +36,13 @@ def merged(study: Path, arm: Optional[Path]) -> Tuple[List[Dict[str, Any]], Dict
     return rows + read_rows(arm), alias_times(times)
 
 
-def gap_closed(base: float, fixed: float, sync: float) -> Optional[float]:
+def gap_closed(base: float, fixed: float, sync: float, higher: Optional[bool] = None) -> Optional[float]:
     """The share of ``base``'s gap to ``sync`` that ``fixed`` closed (1: all of it, above 1: past
-    the synchronous pipeline, below 0: wider); None where ``base`` had no gap."""
+    the synchronous pipeline, below 0: wider); None where ``base`` had no gap (also, given the
+    metric's direction ``higher``, where ``base`` was already ahead of ``sync``)."""
     if any(math.isnan(x) or math.isinf(x) for x in (base, fixed, sync)) or base == sync:
+        return None
+    if higher is not None and (base > sync) == higher:
         return None
     return (base - fixed) / (base - sync)
 
@@ -83,8 +86,9 @@ def fix_table(settings: Sequence[Setting], suite: Dict[str, Any]) -> List[str]:
             closed = "-"
             base = BASE_VARIANT.get(variant)
             if base is not None and st.arms.get(base) and st.arms[base].rows:
-                share = gap_closed(st.final(base)[0], final[0], st.final(SYNC)[0])
-                closed = f"{share:.0%} (from {fmt(st.final(base), st.scale, st.digits)})" if share is not None else "-"
+                share = gap_closed(st.final(base)[0], final[0], st.final(SYNC)[0], st.higher)
+                closed = (f"{share:.0%} (from {fmt(st.final(base), st.scale, st.digits)})" if share is not None
+                          else f"no gap: {base} was ahead ({fmt(st.final(base), st.scale, st.digits)})")
             lines.append(f"| {name} | {task}, {optimizer} | {variant} | {arm.lr:g} ({arm.source}) | {len(arm.rows)} | "
                          f"{fmt(final, st.scale, st.digits)} | {same} | {against_best} | {closed} |")
     return lines
@@ -122,7 +126,7 @@ def adamw_lines(settings: Sequence[Setting]) -> List[str]:
     out = []
     for fixed, base in BASE_VARIANT.items():
         if st.arms.get(fixed) and st.arms[fixed].rows and st.arms.get(base) and st.arms[base].rows:
-            share = gap_closed(st.final(base)[0], st.final(fixed)[0], st.final(SYNC)[0])
+            share = gap_closed(st.final(base)[0], st.final(fixed)[0], st.final(SYNC)[0], st.higher)
             out.append(f"  - error feedback on {base}: {fmt(st.final(base), st.scale, st.digits)} -> "
                        f"{fmt(st.final(fixed), st.scale, st.digits)} against the synchronous pipeline's "
                        f"{fmt(st.final(SYNC), st.scale, st.digits)}"
@@ -132,7 +136,7 @@ def adamw_lines(settings: Sequence[Setting]) -> List[str]:
         for variant, arm in nesterov.arms.items():
             if variant == SYNC or not arm.rows or not st.arms.get(variant) or not st.arms[variant].rows:
                 continue
-            share = gap_closed(st.final(variant)[0], nesterov.final(variant)[0], st.final(SYNC)[0])
+            share = gap_closed(st.final(variant)[0], nesterov.final(variant)[0], st.final(SYNC)[0], st.higher)
             out.append(f"  - the delay-aware Nesterov step in AdamW's place on {variant}: "
                        f"{fmt(st.final(variant), st.scale, st.digits)} -> "
                        f"{fmt(nesterov.final(variant), st.scale, st.digits)} against AdamW's synchronous pipeline "
@@ -213,6 +217,20 @@ def package_advice(study: Path, arm: Optional[Path],
     return {c: entries[c] for c in order if c in entries}
 
 
+def nadam_lines() -> List[str]:
+    """Which NAdam the study ran, against AsyncPP's public code, and what ``delay-nadamw`` is."""
+    return ["**The NAdam arm and AsyncPP's code.** The public code of AsyncPP (arXiv 2505.01099; its "
+            "`optim/nadamw.py`) builds its optimizer on `torch.optim.NAdam` with betas (0.99, 0.999), torch's "
+            "default momentum decay (0.004) and weight decay applied apart from the gradient (decoupled). The "
+            "study's NAdam arm (`--optimizer nadam`, beta1 0.99) is that same torch optimizer with the same "
+            "betas and momentum decay, but without weight decay: the lab's `weight_decay` is 0 unless given "
+            "(only adamw and muon keep torch's own), the study gives none, so `decoupled_weight_decay` is left "
+            "off and would change nothing at 0. It is that code's optimizer less its weight decay. "
+            "`delay-nadamw` is this library's reading of the paper's description (a constant beta1 whose "
+            "Nesterov look-ahead spans each stage's delay, decoupled weight decay 0.01 by default), not that "
+            "code.", ""]
+
+
 def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
     """The section that opens docs/results.md (nothing where the arm has no rows)."""
     runs = planned(arm)
@@ -237,6 +255,7 @@ def arm_lines(settings: Sequence[Setting], arm: Path) -> List[str]:
              "(`python -m study.study3 --suite delay_fixes`; the plan and its rules in "
              "`study/study4_plan.py`). " + status, ""]
     lines += fix_table(settings, suite) + [""]
+    lines += nadam_lines()
     lines += ["**What each fix did to the LM with AdamW** (where every asynchronous method is furthest behind):", ""]
     lines += adamw_lines(settings) + [""]
     lines += ["**The close calls, with the third seeds:**", ""] + close_call_lines(settings, suite) + [""]

@@ -386,28 +386,43 @@ def test_a_model_of_your_own_gets_a_synchronous_method_and_why():
 
 @needs_data
 def test_plan_and_compare_name_the_same_method(tmp_path, capsys):
-    """Issue 40: on the same task and N, `plan` recommends what `compare`'s advice (the study's
-    ADVICE, the README's) recommends: on image at N = 8, the synchronous pipeline's zb-h1."""
+    """Issues 40 and 51: on the same task and N, `plan` recommends what `compare`'s advice (the
+    study's ADVICE, the README's) recommends: on image at N = 8, pipeoptim-2bw with error feedback
+    and AdamW. At the same M the candidates run on the same measured stage times, and 2BW's schedule
+    (no flush) runs about 20 % faster than zb-h1's on a balanced split and no slower where one stage
+    dominates (a disturbed timing of a few rounds on a busy machine: both then run at that stage's
+    pace); with the feedback's 1.94 % it stays within a 5 % tie, which goes to the study's method:
+    the plan names it however the machine's load moves the timings. (Across micro-batch counts the
+    stages are timed at other sizes, which a busy machine disturbs unevenly: one M is planned.)"""
     from pipeoptim.cli import main
     from pipeoptim.lab.tasks.advice import ADVICE
 
-    assert main(["plan", "--task", "image", "--stages", "8", "--limit", "128", "--warmup", "0", "--repeats", "1",
-                 "--batches", "8", "--threads", "1", "--stage-timing", "profile", "--scaling", "linear",
-                 "--optimizer", "momentum",
-                 "--methods", "gpipe,1f1b-flush,zb-h1,pipedream,pipeoptim", "--micro-batches", "2,8",
+    assert main(["plan", "--task", "image", "--stages", "8", "--limit", "128", "--warmup", "1", "--repeats", "1",
+                 "--max-rounds", "2", "--batches", "8", "--threads", "1", "--optimizer", "adamw", "--tie", "0.05",
+                 "--methods", "gpipe,zb-h1,pipedream,pipeoptim-2bw,pipeoptim-2bw+ef", "--micro-batches", "8",
                  "--json", "--out", str(tmp_path / "plan.json")]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert main(["compare", "--task", "image", "--model", "mlp", "--limit", "128", "--batch-size", "64",
                  "--epochs", "1", "--methods", "sequential", "--stages", "8", "--no-progress", "--json",
                  "--out", str(tmp_path / "cmp")]) == 0
     compared = json.loads(capsys.readouterr().out)
-    assert plan["method"] == compared["recommended"] == plan["study"]["advised_method"] == ADVICE[("image", 8)].method
+    entry = ADVICE[("image", 8)]
+    assert (entry.method, entry.options, entry.optimizer) == ("pipeoptim-2bw", (("error_feedback", "True"),), "adamw")
+    assert plan["method"] == compared["recommended"] == plan["study"]["advised_method"] == entry.method
+    assert plan["variant"] == compared["recommended_variant"] == plan["study"]["advised_variant"] == "pipeoptim-2bw+ef"
+    assert plan["options"] == plan["recommendation"]["options"] == {"error_feedback": True}
+    assert plan["pipeline"]["error_feedback"] is True and plan["microbatches"] == 8
     assert plan["study"]["advice"] == compared["advice"]
-    assert plan["study"]["setting"] == "image, momentum, N = 8"
-    # every candidate has its time to target or says why not
+    assert plan["study"]["setting"] == "image, adamw, N = 8"
+    # every candidate has its time to target or says why not; only the study's variant may be
+    # recommended among the asynchronous ones
     for c in plan["candidates"]:
         if c["synchronous"]:
             assert c["updates_ratio"] == 1.0 and c["time_to_target_seconds"] == pytest.approx(
-                c["makespan_seconds"] / c["batches"] * 1900)
+                c["makespan_seconds"] / c["batches"] * 2100)
         else:
-            assert c["eligible"] is False and c["ratio_source"]
+            assert c["eligible"] is (c["variant"] == "pipeoptim-2bw+ef") and c["ratio_source"]
+    fed = next(c for c in plan["candidates"] if c["variant"] == "pipeoptim-2bw+ef")
+    plain = next(c for c in plan["candidates"] if c["variant"] == "pipeoptim-2bw")
+    assert fed["makespan_seconds"] == pytest.approx(plain["makespan_seconds"] * 1.0194, rel=1e-9)
+    assert [r["weight_versions"] - p["weight_versions"] for r, p in zip(fed["memory"], plain["memory"])] == [2] * 8

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .schedules import Schedule, build_schedule
 from .schedules.concat import concatenate, repeat
@@ -241,3 +241,33 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
     return METHODS[name]
+
+
+#: A candidate the planner may name beside the plain methods: a method with error feedback on,
+#: written as the study writes it (``pipeoptim-2bw+ef`` is pipeoptim-2bw with error_feedback=True).
+FEEDBACK_SUFFIX = "+ef"
+
+
+def split_variant(name: str) -> Tuple[str, Dict[str, Any]]:
+    """``(method, options)`` of a variant name: a method's name (no options), or a method that
+    offers error feedback (:data:`FEEDBACK_OPTIONS`) with :data:`FEEDBACK_SUFFIX`
+    (``{"error_feedback": True}``). Anything else is a ValueError naming the choices."""
+    if name.endswith(FEEDBACK_SUFFIX):
+        base = name[:-len(FEEDBACK_SUFFIX)]
+        if base in METHODS and "error_feedback" in METHODS[base].options:
+            return base, {"error_feedback": True}
+        raise ValueError(f"unknown variant {name!r}: {FEEDBACK_SUFFIX} (error feedback) applies to "
+                         f"{', '.join(feedback_variants())}")
+    get_method(name)
+    return name, {}
+
+
+def variant_name(method: str, options: Dict[str, Any]) -> str:
+    """The name :func:`split_variant` reads back: ``method``, with :data:`FEEDBACK_SUFFIX` where
+    ``options`` turn error feedback on."""
+    return method + (FEEDBACK_SUFFIX if options.get("error_feedback") else "")
+
+
+def feedback_variants() -> List[str]:
+    """The variant names with error feedback: one per method that offers it."""
+    return [name + FEEDBACK_SUFFIX for name, m in METHODS.items() if "error_feedback" in m.options]

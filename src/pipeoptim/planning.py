@@ -23,7 +23,7 @@ from torch import nn
 
 from .batches import LABELS, BatchForm, loader_item, model_loss
 from .graph_split import TracedModel, trace
-from .methods import get_method
+from .methods import get_method, split_variant
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .throughput import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
                          profile_sizes)
@@ -98,7 +98,7 @@ def check_options(stages: int, methods: Sequence[str], microbatches: Sequence[in
     option (``flag(name)``: its name where it is given, e.g. ``--micro-batches``) otherwise."""
     methods = list(methods)
     for m in methods:
-        get_method(m)
+        split_variant(m)  # a method, or one with error feedback (pipeoptim-2bw+ef)
     counts = list(microbatches)
     if not counts or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in counts):
         raise ValueError(f"{flag('micro_batches')} must be positive integers, got {microbatches!r}")
@@ -212,7 +212,8 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
     for m in microbatches:
         sizes = partition_for(partitioner, net, profiles[m], stages, speeds, bandwidth)
         pieces: Dict[Any, List[int]] = {}  # the split of a chunked method, by its placement
-        for method in methods:
+        for name in methods:
+            method, options = split_variant(name)
             n, meth = (1 if method == "sequential" else stages), get_method(method)
             if method == "sequential" and m != 1:
                 continue
@@ -221,7 +222,7 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
                 problem = (f"{method} places {meth.chunks} model pieces per process, which needs an nn.Sequential; "
                            f"give the model as an nn.Sequential of its blocks to plan it")
             if problem:
-                skipped.append({"method": method, "microbatches": m, "reason": problem})
+                skipped.append({"method": name, "microbatches": m, "reason": problem})
                 continue
             split = sizes if n == stages else [layers]
             if n == stages and meth.chunks > 1:  # stages x pieces per rank, each on its rank's device
@@ -232,7 +233,7 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
                                                       None if speeds is None else [speeds[r] for r in placement],
                                                       bandwidth)
                 split = pieces[placement]
-            plans.append((method, m, list(split)))
+            plans.append((name, m, list(split)))
     rows = (lambda m: microbatch_size(batch_size, m)) if scaling == "measure" else (lambda m: batch_size)
 
     def key(split: Sequence[int], m: int, method: str = "gpipe") -> Split:
@@ -243,7 +244,7 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
         return tuple(split), rows(m), "gpipe", 1
 
     keys = [key([layers], m) for m in dict.fromkeys([1, *microbatches])] + [key(s, 1) for s in splits.values()] + [
-        key(split, m, meth) for meth, m, split in plans]
+        key(split, m, split_variant(name)[0]) for name, m, split in plans]
     times, measurement = {}, None
     if stage_timing == "measured":
         log(f"timing {len(dict.fromkeys(keys))} splits as the runtime runs them, in turns, until stable")
@@ -287,10 +288,11 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
     reference = predict("sequential", full, [layers], microbatches=1, batches=batches, batch_size=batch_size,
                         measured=measured([layers], 1))
     candidates = []
-    for method, m, split in plans:
+    for name, m, split in plans:
+        method, options = split_variant(name)
         n = 1 if method == "sequential" else stages
         row = predict(method, profiles[m], split, microbatches=m, batches=batches, batch_size=batch_size,
-                      speeds=speeds if n == stages else None, bandwidth=bandwidth,
+                      speeds=speeds if n == stages else None, bandwidth=bandwidth, options=options,
                       measured=measured(split, m, method))
         row["memory_fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
         reach(row, reference["samples_per_second"], n, speeds)
@@ -314,17 +316,20 @@ def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stage
     keys = ("samples_per_second", "makespan_seconds", "batches", "bubble_fraction", "speedup", "reachable",
             "stage_forward_seconds", "stage_backward_seconds", "update_seconds", "comm_seconds", "limited_by_link",
             "seconds_per_batch", "updates_ratio", "time_to_target_seconds")
+    options = dict(best.get("options") or {})  # error_feedback=True for a +ef candidate
     run = {"method": best["method"], "stages": n_best, "partition": best["partition"],
-           "micro_batches": best["microbatches"]}
+           "micro_batches": best["microbatches"], **options}
     profiles = found["profiles"]
     return {
         "batch_size": units.batch_size, "stages": n_best, "partition": best["partition"],
         "split_points": units.split_points(best["partition"]) if get_method(best["method"]).chunks == 1 else None,
         "partitioner": partitioner if n_best == stages else "uniform", "method": best["method"],
+        "options": options, "variant": best.get("variant", best["method"]),
         "microbatches": best["microbatches"], "pipeline": run,
         "predicted": {k: best.get(k) for k in keys},
         "memory": {"per_stage": best["memory"], "max_stage": best["max_stage_memory"], "limit": memory_limit},
-        "recommendation": {"method": best["method"], "microbatches": best["microbatches"],
+        "recommendation": {"method": best["method"], "options": options, "variant": best.get("variant", best["method"]),
+                           "microbatches": best["microbatches"],
                            "synchronous": best["synchronous"], "rule": rule, "notes": notes},
         "settings": dict(settings, threads=torch.get_num_threads(), stages=stages),
         "units": {"traced": units.traced is not None, "count": len(units.net), "own_loss": units.loss is _own_loss,

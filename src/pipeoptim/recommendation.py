@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .methods import get_method
+from .methods import get_method, split_variant
 
 RULE = ("the fastest synchronous candidate (predicted samples/s) among those whose largest process memory fits the "
         "memory limit and whose speedup a split can reach (at most the process count); within {tie:.0%} of the "
@@ -38,16 +38,17 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     which may be recommended (``eligible``, True where absent; all that fit and reach, where none
     may; all that fit, where none reaches), the shortest ``time_to_target_seconds`` where every
     one has it, else the highest ``samples_per_second``. Candidates within ``tie`` (relative) of
-    the best are tied, and among them a synchronous method wins, then ``prefer``, then the smaller
-    largest-stage memory, then fewer micro-batches, then the earlier method in ``order``.
-    Raises ValueError when no candidate fits."""
+    the best are tied, and among them ``prefer`` wins (the study's method: the better model at
+    equal time), then a synchronous method, then the smaller largest-stage memory, then fewer micro-batches, then the earlier method in ``order``. A
+    candidate's name there is its ``variant`` where it has one (``pipeoptim-2bw+ef``: with error
+    feedback), else its ``method``. Raises ValueError when no candidate fits."""
     if not candidates:
         raise ValueError("no candidate (method, micro-batches) can run; see the reasons in the plan")
     fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
     if not fits:
         least = min(candidates, key=lambda c: c["max_stage_memory"])
         raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
-                         f"{least['method']} with {least['microbatches']} micro-batches, needs "
+                         f"{candidate_name(least)} with {least['microbatches']} micro-batches, needs "
                          f"{least['max_stage_memory']} bytes")
     reached = [c for c in fits if c.get("reachable", True)] or fits
     pool = [c for c in reached if c.get("eligible", True)] or reached
@@ -56,12 +57,17 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     best = min(cost(c) for c in pool)
     tied = [c for c in pool if cost(c) * (1.0 - tie) <= best]
     rank = {m: i for i, m in enumerate(order or [])}
-    return min(tied, key=lambda c: (not c["synchronous"], c["method"] != prefer, c["max_stage_memory"],
-                                    c["microbatches"], rank.get(c["method"], len(rank))))
+    return min(tied, key=lambda c: (candidate_name(c) != prefer, not c["synchronous"], c["max_stage_memory"],
+                                    c["microbatches"], rank.get(candidate_name(c), len(rank))))
+
+
+def candidate_name(c: Dict[str, Any]) -> str:
+    """A candidate's name: its variant (a method with its options, pipeoptim-2bw+ef), else its method."""
+    return c.get("variant") or c["method"]
 
 
 def _m(c: Dict[str, Any]) -> str:
-    return f"{c['method']} (M = {c['microbatches']})"
+    return f"{candidate_name(c)} (M = {c['microbatches']})"
 
 
 def unstudied_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any],
@@ -83,7 +89,8 @@ def unstudied_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any],
             out.append(f"so the fastest synchronous candidate is recommended, {_m(best)}; the fastest asynchronous "
                        f"one, {_m(fast)}, predicts {fast['samples_per_second']:.0f} samples/s "
                        f"({fast['samples_per_second'] / best['samples_per_second']:.2f}x), but what its staleness "
-                       f"costs in updates is unmeasured here; to try it: " + try_it([best["method"], fast["method"]]))
+                       f"costs in updates is unmeasured here; to try it: "
+                       + try_it([candidate_name(best), candidate_name(fast)]))
     return out
 
 
@@ -102,7 +109,7 @@ def pieces_note(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any], chec
             f"simulator does not see: measured by pipeoptim bench, such methods have run slower than predicted")
     if rival is not None:
         line += (f"; measure it against {_m(rival)} ({rival['samples_per_second']:.0f} samples/s predicted) before "
-                 f"relying on it: " + check([best["method"], rival["method"]]))
+                 f"relying on it: " + check([candidate_name(best), candidate_name(rival)]))
     return [line]
 
 
@@ -121,13 +128,22 @@ def reach_notes(candidates: Sequence[Dict[str, Any]], best: Dict[str, Any]) -> L
     return [line]
 
 
+def _call(name: str) -> str:
+    """A candidate's keyword arguments: ``method='pipeoptim-2bw', error_feedback=True`` for
+    ``pipeoptim-2bw+ef``."""
+    method, options = split_variant(name)
+    return ", ".join([f"method={method!r}"] + [f"{k}={v!r}" for k, v in options.items()])
+
+
 def time_in_code(methods: List[str]) -> str:
-    """How to measure ``methods``' speed on a model of your own."""
-    return (f"time Pipeline(method={methods[0]!r}) and Pipeline(method={methods[-1]!r}) on your model under "
+    """How to measure ``methods``' speed on a model of your own (variant names, as
+    :func:`pipeoptim.methods.split_variant` reads them)."""
+    return (f"time Pipeline({_call(methods[0])}) and Pipeline({_call(methods[-1])}) on your model under "
             f"torchrun, one process per stage")
 
 
 def try_in_code(methods: List[str]) -> str:
-    """How to compare ``methods`` on a model of your own."""
+    """How to compare ``methods`` on a model of your own (variant names, as
+    :func:`pipeoptim.methods.split_variant` reads them)."""
     return ("train them on your data for the same time and compare the models (pipeoptim.train with "
-            f"method={methods[0]!r} and method={methods[-1]!r})")
+            f"{_call(methods[0])} and {_call(methods[-1])})")

@@ -14,6 +14,9 @@ weights, which is ``weights/predict*.py``.
   one gradient buffer, the optimizer state, and the simulator's peak count of micro-batches in
   flight x the bytes one holds there (:meth:`ModelProfile.held_bytes`, what ``runtime/held.py``
   measures), with and without activation recomputation.
+* **error feedback** (a ``+ef`` candidate, ``options={"error_feedback": True}``): its two passes
+  over the weights per update cost :data:`FEEDBACK_TIME_RATIO` times the method's time, and its
+  two weight-sized buffers per stage show in the weight versions (``Method.versions``).
 """
 from __future__ import annotations
 
@@ -22,13 +25,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .methods import get_method
+from .methods import get_method, variant_name
 from .partition import cut_seconds, plan_partition, plan_time_partition, slices, stage_times
 from .plan_defaults import PARTITIONERS
 from .profile import ModelProfile, profile_model
 from .schedules import Costs, Schedule, build_schedule, peak_activations, simulate
 
 EXACT_BATCHES = 64  #: above this many mini-batches the makespan is extrapolated
+#: what error feedback costs in time: a run with it over the same run without it, as
+#: study/error_feedback_cost.py measured it (pipedream-2bw at N = 8 on the study's LM model, CPU
+#: time of whole fits; study/results/error_feedback_cost.json, "ratio", which a test holds it to)
+FEEDBACK_TIME_RATIO = 1.0194
 
 
 def microbatch_size(batch_size: int, microbatches: int) -> int:
@@ -278,7 +285,8 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     """Predicted throughput and memory of ``method`` on the split ``sizes``, with ``profile``
     the profile of one micro-batch (of ``ceil(batch_size / microbatches)`` samples) and
     ``measured`` that micro-batch's measured stage times, if any (see :func:`stage_costs`).
-    For a chunked method ``sizes`` has one entry per piece (processes x chunks) and ``speeds``
+    ``options``: the method's options (error feedback: the time x :data:`FEEDBACK_TIME_RATIO`
+    and its buffers in the memory). For a chunked method ``sizes`` has one entry per piece (processes x chunks) and ``speeds``
     one per process."""
     meth = get_method(method)
     placement = stage_placement(method, sizes)
@@ -297,15 +305,18 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     link_bound = batches * microbatches * max(links, default=0.0)
     limited_by_link = link_bound > makespan
     makespan = max(makespan, link_bound)
+    feedback = FEEDBACK_TIME_RATIO if (options or {}).get("error_feedback") else 1.0
+    makespan *= feedback
     throughput = batches * batch_size / makespan if makespan > 0 else float("inf")
     memory = stage_memory(method, profile, sizes, result.peak_activations, options)
     return {
-        "method": method, "synchronous": meth.synchronous, "microbatches": microbatches,
+        "method": method, "options": dict(options or {}), "variant": variant_name(method, options or {}),
+        "synchronous": meth.synchronous, "microbatches": microbatches,
         "microbatch_size": microbatch_size(batch_size, microbatches), "partition": list(sizes),
         "chunks": meth.chunks, "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
         "stage_costs": "measured" if measured is not None else "profile",
         "simulated_batches": simulated, "bubble_fraction": result.bubble_fraction,
-        "replica_sum_seconds": replica_sum,
+        "replica_sum_seconds": replica_sum, "feedback_time_ratio": feedback,
         "limited_by_link": limited_by_link,
         "stage_forward_seconds": costs.forward, "stage_backward_seconds": costs.backward,
         "update_seconds": costs.update, "comm_seconds": costs.comm, "cut_seconds": links,

@@ -92,3 +92,32 @@ def test_gap_closed():
     assert report.gap_closed(0.90, 0.88, 0.91) == pytest.approx(-2.0)    # higher is better: wider
     assert report.gap_closed(57.5, 50.0, 57.5) is None
     assert report.gap_closed(math.inf, 60.0, 57.5) is None
+    # with the direction: a base already ahead of the synchronous pipeline had no gap to close
+    assert report.gap_closed(91.13, 91.36, 90.82, higher=True) is None
+    assert report.gap_closed(0.90, 0.88, 0.91, higher=True) == pytest.approx(-2.0)
+    assert report.gap_closed(87.5, 67.5, 57.5, higher=False) == pytest.approx(2 / 3)
+
+
+def test_the_planner_prices_error_feedback_with_the_measured_ratio():
+    """pipeoptim plan's +ef candidates cost the time study/error_feedback_cost.py measured."""
+    from pipeoptim.throughput import FEEDBACK_TIME_RATIO
+
+    measured = json.loads((ROOT / "study/results/error_feedback_cost.json").read_text())
+    assert FEEDBACK_TIME_RATIO == round(measured["ratio"], 4), \
+        "study/results/error_feedback_cost.json changed: set pipeoptim.throughput.FEEDBACK_TIME_RATIO to its ratio"
+
+
+def test_the_nadam_arm_is_torchs_nadam_without_weight_decay():
+    """What the report says of the study's NAdam against AsyncPP's code: torch's NAdam, betas
+    (0.99, 0.999), momentum decay 0.004, no weight decay (so its decoupling changes nothing)."""
+    import torch
+
+    from pipeoptim.lab.config import RunConfig
+    from pipeoptim.lab.optimizers import make_optimizer
+
+    beta1 = study3_suite.SUITES["delay_fixes"]["optimizer_arms"]["beta1"]["nadam"]
+    built = make_optimizer("nadam", 1e-3, RunConfig().weight_decay, beta1=beta1)([torch.nn.Parameter(torch.zeros(2))])
+    group = built.param_groups[0]
+    assert type(built) is torch.optim.NAdam and group["betas"] == (0.99, 0.999)
+    assert (group["momentum_decay"], group["weight_decay"], group["decoupled_weight_decay"]) == (0.004, 0.0, False)
+    assert make_results4.nadam_lines()[0].startswith("**The NAdam arm and AsyncPP's code.**")

@@ -7,7 +7,7 @@ import argparse
 import json
 import textwrap
 
-from ..methods import get_method
+from ..methods import get_method, variant_name
 from ..lab.tasks import get_task
 from ..lab.tasks.advice import advice
 from .flags import add_run_options
@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
-    """One line per run. With a validation split (``--holdout``) the final test metric, the final
+    """One line per run, named as ``pipeoptim plan`` names it (``pipeoptim-2bw+ef`` where a run had
+    error feedback). With a validation split (``--holdout``) the final test metric, the final
     validation metric and the best validation metric; else the final and best test metric."""
     validated = any(r.get("validation_metric") is not None for r in rows)
     best = f"best {'validation ' if validated else ''}{metric}" + ("" if higher_is_better else " (lowest)")
@@ -34,7 +35,7 @@ def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
     for r in rows:
         copies = ",".join(f"{c:g}" for c in r["weight_copies"])
         pred = r.get("predicted_samples_per_second")
-        cells = [r["method"], f"{r['final_metric']:.4f}"]
+        cells = [variant_name(r["method"], r.get("options") or {}), f"{r['final_metric']:.4f}"]  # pipeoptim-2bw+ef
         cells += [f"{r['validation_metric']:.4f}"] if validated else []
         tuned = "*" if (r.get("lr_source") or "").startswith("tuned") else ""
         lines.append(cells + [f"{r['best_metric']:.4f}", f"{r['final_loss']:.4f}", f"{r['lr']:g}{tuned}" if r.get("lr") is not None else "-", copies,
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     recommended, advice_text = advice(args.task, first.stages)
     report = {"task": args.task, "model": first.model, "stages": first.stages, "metric": task.metric,
               "runs": rows, "plot": str(plot), "advice": advice_text,
-              "recommended": None if recommended is None else recommended.method}
+              "recommended": None if recommended is None else recommended.method,
+              # the method with its options as pipeoptim plan names it (pipeoptim-2bw+ef: with error feedback)
+              "recommended_variant": None if recommended is None else recommended.variant()}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print_json(report)

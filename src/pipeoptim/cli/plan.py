@@ -10,7 +10,8 @@ from typing import Any, Tuple
 
 from ..lab.optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .common import check_positive, known_methods, log_for, print_json
+from ..methods import feedback_variants, method_names, split_variant
+from .common import check_positive, log_for, print_json
 from .flags import add_table_flags
 
 DESCRIPTION = """\
@@ -53,9 +54,12 @@ where it did not run the method at that micro-batch count). Among the candidates
 stage memory fits --memory-limit (all, without a limit), the shortest time to target is
 recommended, taking an asynchronous method only where the study's advice for the task and N
 recommends it with this optimizer (the advice `pipeoptim compare` ends with and the README
-lists: the same table); candidates within --tie of the best are tied, and among tied ones a
-synchronous method wins, then the study's method, then the smaller largest-stage memory, then
-fewer micro-batches, then the earlier method in --methods. Where no study covers the case (a
+lists: the same table); candidates within --tie of the best are tied, and among tied ones the
+study's method wins (the better model at equal time), then a synchronous method, then the smaller
+largest-stage memory, then fewer micro-batches, then the earlier method in --methods. A candidate
+METHOD+ef (pipeoptim-2bw+ef) is METHOD with error feedback: its time is the method's x the cost
+the study measured (1.94 %), its memory two more weight copies per stage, its ratio of updates the
+study's for the method with error feedback. Where no study covers the case (a
 task, --model, --batch-size or --optimizer the study did not run, or --model-fn), the plan says
 so in one line, recommends the fastest synchronous candidate and names the fastest asynchronous
 one as the one to try with `pipeoptim compare` (your own model: by training both on your data).
@@ -100,7 +104,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--threads", type=int, help="torch threads while profiling (default: torch's; use the "
                                                "per-stage thread count of the run you plan)")
     g = p.add_argument_group("search")
-    g.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods to consider (default: %(default)s)")
+    g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="methods to consider; METHOD+ef is METHOD with error feedback, priced with its measured "
+                        "cost, for the methods that offer it (" + ", ".join(feedback_variants())
+                        + ") (default: %(default)s)")
     g.add_argument("--micro-batches", default=",".join(map(str, DEFAULT_MICROBATCHES)),
                    help="micro-batch counts to consider, comma-separated (default: %(default)s)")
     g.add_argument("--partitioner", default="uniform", choices=PARTITIONERS,
@@ -188,7 +195,15 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"--model-fn plans your own model on the batch its function returns; drop "
                              f"{', '.join(given)}")
-    methods = known_methods(args.methods)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods is empty")
+    for name in methods:  # a method, or one with error feedback (pipeoptim-2bw+ef)
+        try:
+            split_variant(name)
+        except ValueError:
+            raise ValueError(f"unknown method {name}; choose from: "
+                             f"{', '.join(method_names() + feedback_variants())}") from None
     microbatches = parse_int_list(args.micro_batches, "--micro-batches")
     speeds = parse_speeds(args.speeds, args.stages)
     bandwidth = None if args.bandwidth is None else parse_bytes(args.bandwidth, "--bandwidth")

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..recommendation import pieces_note, reach_notes, time_in_code, unstudied_notes
+from ..methods import split_variant
+from ..recommendation import candidate_name, pieces_note, reach_notes, time_in_code, unstudied_notes
 from .tasks.advice import Advice, advice
 from .tasks.updates_to_target import StudiedSetting, VariantRatio, studied_setting
 
@@ -33,8 +34,9 @@ RULE = ("the shortest predicted time to target (seconds per mini-batch x the upd
         "task, optimizer and nearest N, times the method's ratio to them, 1 for a synchronous method) among "
         "candidates whose largest stage memory fits the memory limit: every synchronous one, and an "
         "asynchronous one only where the study's advice for the task and N recommends it (as pipeoptim compare "
-        "says); within {tie:.0%} of the best counts as a tie, and ties go to a synchronous method, then the "
-        "study's method, then less memory, then fewer micro-batches, then the earlier method. Where no study "
+        "says); within {tie:.0%} of the best counts as a tie, and ties go to the study's method (the better "
+        "model at equal time), then a synchronous method, then less memory, then fewer micro-batches, then the "
+        "earlier method. Where no study "
         "covers the task, model, batch size or optimizer: the fastest synchronous candidate, and the fastest "
         "asynchronous one is named as the one to try with pipeoptim compare")
 
@@ -46,11 +48,18 @@ def advised_variant(setting: Optional[StudiedSetting], entry: Optional[Advice],
     if setting is None or entry is None or entry.synchronous or entry.optimizer != optimizer \
             or entry.stages != setting.stages:
         return None
-    options = tuple(o for o in entry.options if o[0] != "beta1")  # beta1: the optimizer's, not the method's
+    options = study_options(o for o in entry.options if o[0] != "beta1")  # beta1: the optimizer's, not the method's
     for v in setting.variants:
         if (v.method, v.microbatches, v.options) == (entry.method, entry.microbatches, options) and not v.same_as:
             return v if v.ratio is not None else None
     return None
+
+
+def study_options(options: Any) -> tuple:
+    """Method options as the study's table holds them: sorted (option, value) pairs, the value as
+    text (``{"error_feedback": True}`` -> ``(("error_feedback", "True"),)``)."""
+    pairs = options.items() if isinstance(options, dict) else options
+    return tuple(sorted((k, f"{v:g}" if isinstance(v, float) else str(v)) for k, v in pairs))
 
 
 def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model: Optional[str],
@@ -70,10 +79,10 @@ def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model
         elif setting is None:
             ratio, source = None, "not studied"
         else:
-            variant = setting.lookup(c["method"], c["microbatches"], stages)
+            variant = setting.lookup(c["method"], c["microbatches"], stages, study_options(c.get("options") or {}))
             ratio = None if variant is None else variant.ratio
             source = (variant.describe() if variant
-                      else f"the study did not run {c['method']} at M = {c['microbatches']}")
+                      else f"the study did not run {candidate_name(c)} at M = {c['microbatches']}")
         c["updates_ratio"], c["ratio_source"] = ratio, source
         c["time_to_target_seconds"] = (c["seconds_per_batch"] * ratio * setting.sync_updates
                                        if setting is not None and ratio is not None else None)
@@ -83,35 +92,46 @@ def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model
             "target": None if setting is None else setting.target,
             "target_updates": None if setting is None else setting.sync_updates,
             "advice": text, "advised_method": None if entry is None else entry.method,
+            "advised_variant": None if entry is None else entry.variant(),
             "advised_synchronous": None if entry is None else entry.synchronous,
             "advised_optimizer": None if entry is None else entry.optimizer}
 
 
+def methods_flags(names: Sequence[str]) -> str:
+    """``--methods`` of a command for candidates named ``names`` (variants too: a ``+ef`` one is
+    its method there, and ``--error-feedback`` follows, which the methods without it ignore in a
+    comparison)."""
+    split = [split_variant(n) for n in names]
+    flags = f"--methods {','.join(dict.fromkeys(m for m, _ in split))}"
+    return flags + (" --error-feedback" if any(o.get("error_feedback") for _, o in split) else "")
+
+
 def compare_command(task: Optional[str], model: Optional[str], stages: int, optimizer: str,
                     methods: Sequence[str]) -> str:
-    """The ``pipeoptim compare`` that measures ``methods`` against each other on the task."""
+    """The ``pipeoptim compare`` that measures ``methods`` (candidates' names) against each other on the task."""
     if task is None:
         return ("train them on your data for the same time and compare the models (pipeoptim.train with "
                 f"method={methods[0]!r} and method={methods[-1]!r})")
     flags = [f"--task {task}"] + ([f"--model {model}"] if model else []) + [
-        f"--stages {stages}", f"--optimizer {optimizer}", f"--methods {','.join(dict.fromkeys(methods))}"]
+        f"--stages {stages}", f"--optimizer {optimizer}", methods_flags(methods)]
     return "pipeoptim compare " + " ".join(flags)
 
 
 def bench_command(task: str, model: Optional[str], stages: int, best: Dict[str, Any], methods: Sequence[str]) -> str:
-    """The ``pipeoptim bench`` that measures ``methods`` on the task's model at the plan's M."""
+    """The ``pipeoptim bench`` that measures ``methods`` (candidates' names) on the task's model at the plan's M."""
     return " ".join(["pipeoptim bench --task", task] + (["--model", model] if model else []) + [
-        f"--stages {stages} --micro-batches {best['microbatches']} --methods {','.join(dict.fromkeys(methods))}"])
+        f"--stages {stages} --micro-batches {best['microbatches']} {methods_flags(methods)}"])
 
 
 def _m(c: Dict[str, Any]) -> str:
-    return f"{c['method']} (M = {c['microbatches']})"
+    return f"{candidate_name(c)} (M = {c['microbatches']})"
 
 
 def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str, Any], *, task: Optional[str],
-          model: Optional[str], stages: int, optimizer: str) -> List[str]:
+          model: Optional[str], stages: int, optimizer: str, stable: bool = True) -> List[str]:
     """What the plan says beside its recommendation ``best``: whether a study covers the case
-    (``study``: :func:`annotate`'s), the study's advice, and the asynchronous candidate to try
+    (``study``: :func:`annotate`'s), the study's advice (and, where the timings were not
+    ``stable`` and the plan departs from it, that they may be why), and the asynchronous candidate to try
     where the recommendation is not it (and, as the engine's rule says, the candidates no split can
     reach)."""
     out = [study["line"] + "."]
@@ -130,22 +150,26 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
     if study["advised_optimizer"] != optimizer:
         out.append(f"(that advice is for {study['advised_optimizer']}; this plan is for {optimizer}: "
                    f"--optimizer {study['advised_optimizer']} plans it)")
-    if best["synchronous"] and study["advised_synchronous"] and best["method"] != study["advised_method"]:
+    if best["synchronous"] and study["advised_synchronous"] and candidate_name(best) != study["advised_variant"]:
         out.append(f"{_m(best)} computes the updates of the study's {study['advised_method']} (every synchronous "
                    f"schedule computes sequential's): it is the fastest synchronous one on this profile")
+    if study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
+        mine = [c["time_to_target_seconds"] for c in fits if c["eligible"] and not c["synchronous"]]
+        out.append(f"the study's {study['advised_variant']} is " + (
+            f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
+            f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
+            + ", so the synchronous pipeline is recommended" + ("" if stable or not mine else
+            "; the timings were not stable (the machine's other work): plan again on a quieter machine, with "
+            "--threads 1 per stage or more --repeats, before trusting the difference"))
     sooner = [c for c in rivals if c.get("time_to_target_seconds") is not None
               and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
     if sooner and best["synchronous"]:
         first = min(sooner, key=lambda c: c["time_to_target_seconds"])
+        why = ("the study found no asynchronous model better than the synchronous pipeline's beyond the seed "
+               "spread here" if study["advised_synchronous"] else
+               f"the study's advice here is {study['advised_variant']} with {study['advised_optimizer']}, not it")
         out.append(f"{_m(first)} is predicted to reach the target sooner ({first['time_to_target_seconds']:.1f} s "
-                   f"against {best['time_to_target_seconds']:.1f} s), but at equal time the study found no "
-                   f"asynchronous model better than the synchronous pipeline's beyond the seed spread here, so it is "
+                   f"against {best['time_to_target_seconds']:.1f} s), but at equal time {why}, so it is "
                    f"not recommended; to see it on your task: "
-                   + compare_command(task, model, stages, optimizer, [best["method"], first["method"]]))
-    elif study["advised_synchronous"] is False and best["synchronous"] and study["advised_optimizer"] == optimizer:
-        mine = [c["time_to_target_seconds"] for c in fits if c["eligible"] and not c["synchronous"]]
-        out.append(f"the study's {study['advised_method']} is " + (
-            f"predicted to reach the target later on this profile ({min(mine):.1f} s against "
-            f"{best['time_to_target_seconds']:.1f} s)" if mine else "not among the candidates that fit")
-            + ", so the synchronous pipeline is recommended")
+                   + compare_command(task, model, stages, optimizer, [candidate_name(best), candidate_name(first)]))
     return out

@@ -29,7 +29,7 @@ from ..methods import get_method, method_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES
 from ..planning import assemble, check_options, model_units, survey
 from ..recommendation import RULE as UNSTUDIED_RULE
-from ..recommendation import recommend
+from ..recommendation import candidate_name, recommend
 from ..throughput import candidate_problem
 from .plan_targets import RULE, annotate, notes
 
@@ -179,8 +179,9 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     candidates = found["candidates"]
     study = annotate(candidates, task=task, model=model_name, batch_size=units.batch_size, optimizer=optimizer,
                      stages=stages)
-    best = recommend(candidates, memory_limit, tie, order=methods, prefer=study["advised_method"])
-    said = notes(study, candidates, best, task=task, model=model_name, stages=stages, optimizer=optimizer)
+    best = recommend(candidates, memory_limit, tie, order=methods, prefer=study["advised_variant"])
+    said = notes(study, candidates, best, task=task, model=model_name, stages=stages, optimizer=optimizer,
+                 stable=(found["measurement"] or {}).get("stable", True))
     settings = {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
                 "microbatch_counts": microbatches, "scaling": scaling, "batches": batches, "limit": None,
                 "seed": seed, "optimizer": optimizer, "lr": lr, "warmup": warmup, "repeats": repeats,
@@ -206,7 +207,8 @@ def load_plan(path: Any) -> Dict[str, Any]:
 
     ``task`` (--task), ``model`` (--model), ``batch_size`` (--batch-size), ``stages``
     (--stages), ``partition`` (--partition, layers per stage), ``method`` (--method),
-    ``micro_batches`` (--micro-batches). Every problem is a one-line ValueError."""
+    ``micro_batches`` (--micro-batches); and the method's options the plan sets (``error_feedback``,
+    --error-feedback, for a ``+ef`` recommendation). Every problem is a one-line ValueError."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -256,7 +258,12 @@ def load_plan(path: Any) -> Dict[str, Any]:
                                 sum(sizes))
     if problem:
         raise ValueError(f"plan {path}: {problem}")
-    return {dest: plan[key] for key, dest in TRAIN_FIELDS.items()}
+    options = plan.get("options") or {}
+    if not isinstance(options, dict) or any(k not in meth.choices or v not in meth.choices[k]
+                                            for k, v in options.items()):
+        raise bad("options", f"must be options {plan['method']} takes, with their values "
+                             f"({', '.join(f'{k}: {v}' for k, v in meth.choices.items()) or 'none'})")
+    return {**{dest: plan[key] for key, dest in TRAIN_FIELDS.items()}, **options}
 
 
 def pipeline_call(plan: Dict[str, Any]) -> str:
@@ -264,8 +271,9 @@ def pipeline_call(plan: Dict[str, Any]) -> str:
     loss function unless the model computes its own from the batch's labels)."""
     run = plan["pipeline"]
     loss = "" if plan.get("units", {}).get("own_loss") else ", loss_fn=..."
+    options = "".join(f", {k}={v!r}" for k, v in (plan.get("options") or {}).items())
     return (f"Pipeline(model, method={run['method']!r}, stages={run['stages']}, partition={run['partition']}, "
-            f"micro_batches={run['micro_batches']}, optimizer=...{loss})")
+            f"micro_batches={run['micro_batches']}{options}, optimizer=...{loss})")
 
 
 def format_plan(plan: Dict[str, Any]) -> str:
@@ -292,12 +300,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
     ref = plan["reference"]["samples_per_second"]
     lines += measurement_lines(plan.get("measurement"))
     lines.append(f"predicted ({plan['partitioner']} partition; sequential reference {ref:.0f} samples/s):")
-    lines.append("method          M  partition             samples/s  speedup  bubble  max stage MB  fits  "
+    lines.append("method            M  partition             samples/s  speedup  bubble  max stage MB  fits  "
                  "activations MB (recompute)")
     for c in plan["candidates"]:
         act = max(r["activations"] for r in c["memory"]) / 2 ** 20
         light = max(r.get("activations_recompute", 0) for r in c["memory"]) / 2 ** 20
-        lines.append(f"{c['method']:<14} {c['microbatches']:>2}  {str(c['partition']):<20} "
+        lines.append(f"{candidate_name(c):<16} {c['microbatches']:>2}  {str(c['partition']):<20} "
                      f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
                      f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
                      f"{act:.3f} ({light:.3f})" + ("" if c.get("reachable", True) else "  flagged: unreachable"))
@@ -305,7 +313,7 @@ def format_plan(plan: Dict[str, Any]) -> str:
     for s in plan["skipped"]:
         reasons.setdefault((s["method"], s["reason"]), []).append(s["microbatches"])
     for (method, reason), counts in reasons.items():
-        lines.append(f"{method:<14} {','.join(map(str, counts)):>2}  skipped: {reason}")
+        lines.append(f"{method:<16} {','.join(map(str, counts)):>2}  skipped: {reason}")
     lines.append("")
     lines += target_table(plan)
     lines.append("")
@@ -313,7 +321,8 @@ def format_plan(plan: Dict[str, Any]) -> str:
               for note in plan["recommendation"]["notes"]]
     to_target = plan["predicted"].get("time_to_target_seconds")
     points = plan.get("split_points")
-    lines.append(f"recommended: {plan['method']} with {plan['microbatches']} micro-batch(es), partition "
+    lines.append(f"recommended: {plan.get('variant') or plan['method']} with {plan['microbatches']} micro-batch(es), "
+                 f"partition "
                  f"{plan['partition']}" + (f" (stages begin at {', '.join(points)})" if points else "")
                  + f": {plan['predicted']['samples_per_second']:.0f} samples/s"
                  + (f", {to_target:.1f} s to target" if to_target is not None else "") + " predicted")
@@ -349,13 +358,13 @@ def target_table(plan: Dict[str, Any]) -> List[str]:
     head = (f"by predicted time to target ({study['setting']} of the equal-time study: "
             f"{study['target_updates']:.0f} updates of the synchronous pipeline to the target):" if study["covered"]
             else "by predicted time to target (no study covers this case: ratios unknown but the synchronous 1):")
-    lines = [head, "method          M   samples/s  updates x  to target s  may recommend  ratio from"]
+    lines = [head, "method            M   samples/s  updates x  to target s  may recommend  ratio from"]
     ranked = sorted(plan["candidates"], key=lambda c: (c.get("time_to_target_seconds") is None,
                                                        c.get("time_to_target_seconds") or 0.0,
                                                        -c["samples_per_second"]))
     for c in ranked:
         ratio, to_target = c.get("updates_ratio"), c.get("time_to_target_seconds")
-        lines.append(f"{c['method']:<14} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
+        lines.append(f"{candidate_name(c):<16} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
                      f"{(f'{ratio:.2f}' if ratio is not None else '-'):>9}  "
                      f"{(f'{to_target:.1f}' if to_target is not None else '-'):>11}  "
                      f"{'yes' if c.get('eligible', True) else 'no':<13}  {c.get('ratio_source', '')}")

@@ -27,6 +27,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+from ...methods import variant_name
+
 #: the study's conclusions as the package ships them: this module's advice and the ratios of
 #: :mod:`.updates_to_target` (pyproject's package-data installs it beside this module)
 TABLE = Path(__file__).with_name("equal_time_study.json")
@@ -68,6 +70,11 @@ class Advice:
     runner_up_value: float
     runner_up_spread: float     #: the runner-up's standard deviation over its seeds
     margin: float               #: value - runner_up_value (in the metric's own unit)
+
+    def variant(self) -> str:
+        """The recommendation's name as the study and ``pipeoptim plan`` write it: the method, with
+        ``+ef`` where it runs with error feedback (``pipeoptim-2bw+ef``)."""
+        return variant_name(self.method, {o: v == "True" for o, v in self.options if o == "error_feedback"})
 
     def command(self) -> str:
         """The flags that train the recommended setting with ``pipeoptim train``."""

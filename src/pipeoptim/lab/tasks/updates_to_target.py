@@ -68,12 +68,14 @@ class StudiedSetting:
     def name(self) -> str:
         return f"{self.task}, {self.optimizer}, N = {self.stages}"
 
-    def lookup(self, method: str, microbatches: int, stages: int) -> Optional[VariantRatio]:
-        """The variant that is ``method`` with its default options at ``microbatches`` on
-        ``stages`` stages (a variant run at M = N stands for M = ``stages``); None if none is."""
+    def lookup(self, method: str, microbatches: int, stages: int,
+               options: Tuple[Tuple[str, str], ...] = ()) -> Optional[VariantRatio]:
+        """The variant that is ``method`` with ``options`` beyond its defaults (none: its
+        defaults; as (option, value) pairs, ``(("error_feedback", "True"),)``) at ``microbatches``
+        on ``stages`` stages (a variant run at M = N stands for M = ``stages``); None if none is."""
         for v in self.variants:
             wanted = stages if v.per_stage else v.microbatches
-            if v.method == method and not v.options and microbatches == wanted:
+            if v.method == method and v.options == tuple(options) and microbatches == wanted:
                 return v
         return None
 
