@@ -1,0 +1,102 @@
+"""Recovery without a person (tests/torchrun_restarts.py): under ``torchrun --max-restarts 2`` a worker
+SIGKILLed mid-epoch is restarted by torchrun's agent, with every other worker, and each run started
+with ``resume=True`` ends with the uninterrupted run's losses and weights exactly (a synchronous
+method replicated, an asynchronous one sharded whose kill lands while a checkpoint is being written
+in the background); a job started again on fewer processes continues with fewer replicas, to the
+uninterrupted run's numbers within floating-point tolerance; the log says where each start began."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_torchrun import HERE, REPO, _env
+from torchrun_jobs import run_here
+
+SCRIPT = HERE / "torchrun_restarts.py"
+#: one 4-process job (2 stages x 2 replicas): each run uninterrupted, then killed. Start 0: rank 3
+#: kills itself after 11 losses (epoch 1, past the checkpoint at mini-batch 10); start 1: rank 0
+#: after 5 (its checkpoint at 4 still being written in the background); start 2, the last: the
+#: "shrink" run, after 11, which ends the job (no restart left) and is started again on 2 processes
+ENTRIES = ["sync-whole:1f1b-flush:d:-", "sync-cut:1f1b-flush:d:0/3/11", "async-whole:pipeoptim:sbd:-",
+           "async-cut:pipeoptim:sbd:1/0/5", "shrink:1f1b-flush:-:2/3/11"]
+
+
+def torchrun(nproc: int, *args, timeout: float = 400) -> subprocess.CompletedProcess:
+    """``torchrun --max-restarts 2 --nproc-per-node NPROC SCRIPT ARGS`` (killed, workers too, after ``timeout`` s)."""
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "2",
+                            "--nproc-per-node", str(nproc), str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("restarts")
+    first = torchrun(4, folder, *ENTRIES)
+    second = torchrun(2, folder, "shrink:1f1b-flush:-:-")  # the same run, on 2 processes
+    return folder, first, second
+
+
+def result(folder: Path, name: str) -> dict:
+    return json.loads((folder / name / "result.json").read_text())
+
+
+def said(err: str) -> list:
+    return [line for line in err.splitlines() if line.startswith("pipeoptim: ")]
+
+
+def test_torchrun_restarts_a_killed_job_to_the_uninterrupted_losses_and_weights(jobs):
+    folder, first, _ = jobs
+    for whole, cut in (("sync-whole", "sync-cut"), ("async-whole", "async-cut")):
+        assert (folder / cut / "result.json").exists(), first.stderr[-4000:]
+        a, b = result(folder, whole), result(folder, cut)
+        assert len(a["losses"]) == 16 and a["replicas"] == 2
+        assert b["losses"] == a["losses"], cut
+        assert b["weights"] == a["weights"], cut
+    lines = said(first.stderr)
+    store = lambda name: folder / name / "checkpoints"  # noqa: E731
+    assert f"pipeoptim: no checkpoint in {store('sync-cut')} yet: training from the beginning" in lines
+    # start 1: the killed run resumes mid-epoch; the finished one resumes at its end
+    assert f"pipeoptim: torchrun restart 1 of at most 2: resumed from {store('sync-cut') / 'epoch0001-batch000002'} " \
+           f"(epoch 1, mini-batch 2) (2 stages x 2 replicas on 4 processes)" in lines
+    assert f"pipeoptim: torchrun restart 1 of at most 2: resumed from {store('sync-whole') / 'epoch0002-batch000000'} " \
+           f"(epoch 2, mini-batch 0) (2 stages x 2 replicas on 4 processes)" in lines
+    # start 2: the checkpoint at mini-batch 4, being written when rank 0 died, was never named
+    assert f"pipeoptim: torchrun restart 2 of at most 2: resumed from {store('async-cut') / 'epoch0000-batch000002'} " \
+           f"(epoch 0, mini-batch 2) (2 stages x 2 replicas (sharded) on 4 processes)" in lines
+    stopped = [line for line in lines if "stopped by SIGTERM (launcher)" in line]
+    assert any(line.endswith("torchrun restarts the job (restart 1 of at most 2), and fit(..., resume=True) "
+                             "continues it from the last checkpoint") for line in stopped), stopped
+    # every start joined over torchrun's store, which holds the earlier starts' keys (a peer of the killed
+    # rank may still end with its own error before the agent stops it: not checked)
+    assert "connectFullMesh failed" not in first.stderr and "fresh_join" not in first.stderr
+
+
+def test_a_job_started_again_on_fewer_processes_continues_with_fewer_replicas(jobs, tmp_path):
+    """The shrink run's last start (4 processes: 2 stages x 2 replicas) dies with no restart left;
+    the job started again on 2 processes continues it with one replica, each mini-batch whole, the
+    checkpoint resharded on load: 1f1b-flush's numbers stay those of the uninterrupted run."""
+    folder, first, second = jobs
+    assert first.returncode != 0
+    assert second.returncode == 0, second.stderr[-4000:]
+    run_here(SCRIPT, tmp_path, "shrink:1f1b-flush:-:-")  # uninterrupted, in one process
+    whole, shrunk = result(tmp_path, "shrink"), result(folder, "shrink")
+    assert shrunk["replicas"] == 1 and len(shrunk["losses"]) == 16
+    assert max(abs(x - y) / abs(x) for x, y in zip(whole["losses"], shrunk["losses"])) < 1e-6
+    for name, value in whole["weights"].items():
+        assert np.abs(np.subtract(value, shrunk["weights"][name])).max() <= 1e-6 * np.abs(value).max(), name
+    assert said(second.stderr) == [
+        f"pipeoptim: resumed from {folder / 'shrink' / 'checkpoints' / 'epoch0001-batch000002'} (epoch 1, mini-batch "
+        f"2); written by 2 stages x 2 replicas on 4 processes, now 2 stages on 2 processes"]
