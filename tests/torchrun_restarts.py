@@ -9,7 +9,8 @@ Each ENTRY ``NAME:METHOD:FLAGS:KILL`` is one run of 2 stages (the replicas: what
 makes, each training on its share of every whole mini-batch), in RUN/NAME, one after the other
 (a run already finished resumes at its end and does nothing). FLAGS, any of ``s`` (each stage
 sharded over its replicas, ``shard_replicas``), ``b`` (checkpoints written in the background,
-``async_checkpoint``), ``d`` (dropout); ``-`` for none. KILL ``R/RANK/AFTER``: in the job's start
+``async_checkpoint``), ``d`` (dropout), ``w`` (each rank sleeps 0.25 s per loss: a run slow enough
+for benchmarks/chaos.py to kill at a random moment); ``-`` for none. KILL ``R/RANK/AFTER``: in the job's start
 R (``TORCHELASTIC_RESTART_COUNT``), rank RANK kills itself with SIGKILL once it has seen AFTER
 losses; ``-``: never. Rank 0 writes RUN/NAME/result.json (losses, weights) at each run's end.
 """
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +40,8 @@ def train(folder: Path, method: str, flags: str, kill: str) -> dict:
         if (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == restart and pipe.rank == victim
                 and seen[0] == after):
             os.kill(os.getpid(), signal.SIGKILL)
+        if "w" in flags:
+            time.sleep(0.25)
 
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(BATCHES)]
