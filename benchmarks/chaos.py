@@ -85,6 +85,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def rank_of(pid: int) -> str:
+    """The RANK torchrun gave worker ``pid`` (from its environment)."""
+    try:
+        env_vars = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    return next((v[5:].decode() for v in env_vars if v.startswith(b"RANK=")), "?")
+
+
 def stages_and_replicas(layout: str) -> Tuple[int, int]:
     """N and D of a layout ``NxD`` (or ``NxDs``, sharded): N stages x D replicas, N x D processes."""
     found = re.fullmatch(r"(\d+)x(\d+)s?", layout)
@@ -188,14 +197,14 @@ def restarts(args, root: Path, rng: random.Random) -> dict:
             time.sleep(wait)
             moment = f"{wait:.1f} s after this start's first checkpoint"
         victim = rng.choice(up)
-        rank = up.index(victim)
+        rank = rank_of(victim)
         try:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             raise SystemExit(f"kill {k + 1}: the worker had ended; use a larger --delay") from None
         newest = check_newest(cut / "checkpoints") if (cut / "checkpoints" / "latest.json").exists() else None
-        kills.append({"worker": rank, "moment": moment, "newest_checkpoint_whole": newest})
-        print(f"kill {k + 1}: worker {rank} of {count} (pid {victim}), {moment}; newest checkpoint: "
+        kills.append({"rank": rank, "moment": moment, "newest_checkpoint_whole": newest})
+        print(f"kill {k + 1}: rank {rank} of {count} (pid {victim}), {moment}; newest checkpoint: "
               f"{newest + ' (whole)' if newest else 'none yet'}", flush=True)
     job.wait(timeout=900)
     err = log.read_text()
