@@ -100,3 +100,30 @@ def test_a_job_started_again_on_fewer_processes_continues_with_fewer_replicas(jo
     assert said(second.stderr) == [
         f"pipeoptim: resumed from {folder / 'shrink' / 'checkpoints' / 'epoch0001-batch000002'} (epoch 1, mini-batch "
         f"2); written by 2 stages x 2 replicas on 4 processes, now 2 stages on 2 processes"]
+
+
+def test_each_join_gets_a_number_of_its_own_though_the_store_holds_an_earlier_starts_keys():
+    """runtime/lifecycle.fresh_join over one store, as torchrun's agent keeps it across starts: an
+    announcement left by an earlier start (read before the new one replaces it) leads nobody astray,
+    and every join of 3 ranks agrees on a number no earlier join had."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from pipeoptim.runtime.lifecycle import fresh_join
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    store.set("pipeoptim/join/hello/2", "a-rank-of-an-earlier-start")  # its answer would never come
+    numbers = []
+    for _ in range(2):
+        got = {}
+        threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, fresh_join(store, r, 3, 30)))
+                   for r in (2, 1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(got) == [0, 1, 2] and len(set(got.values())) == 1, got
+        numbers.append(got[0])
+    assert numbers[1] > numbers[0] >= 1
