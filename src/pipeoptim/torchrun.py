@@ -31,7 +31,7 @@ from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
 from .runtime.forward_only import ForwardOnly
 from .runtime.layout import Layout, plan_layout
-from .runtime.lifecycle import fresh_join, guard, shares_agent_store
+from .runtime.lifecycle import guard
 from .runtime.pipelined_forward import scored_forward
 from .runtime.replicas import replica_pair_groups
 from .runtime.segment import ScheduleFor, add_halves
@@ -132,13 +132,8 @@ class Torchrun:
             # torch._dynamo), they would keep the group alive past leave(), into interpreter
             # finalization. Imported now, they hold None.
             import torch.distributed.nn.functional  # noqa: F401
-        generation = PROCESS_JOBS.ended
-        if ours and shares_agent_store():  # torchrun's store: it holds the keys of every earlier start
-            store, rank, size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
-            generation = fresh_join(store, rank, size, timeout)
-            del store
         device = init_process_group(device=kind, timeout=timeout, threads=threads if kind == "cpu" else None,
-                                    generation=generation if ours else 0)
+                                    generation=PROCESS_JOBS.ended if ours else 0)
         joined = cls(dist.get_rank(), world, device, float(timeout), owns_job=ours)
         # at the script's exit, while the interpreter is whole: see leave()
         atexit.register(joined.leave)
