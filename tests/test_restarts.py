@@ -11,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_torchrun import HERE, REPO, _env
+from made_up_images import use_made_up_images
+from test_torchrun import HERE, REPO, _env, children
 from torchrun_jobs import run_here
 
 SCRIPT = HERE / "torchrun_restarts.py"
@@ -26,6 +28,16 @@ SCRIPT = HERE / "torchrun_restarts.py"
 #: "shrink" run, after 11, which ends the job (no restart left) and is started again on 2 processes
 ENTRIES = ["sync-whole:1f1b-flush:d:-", "sync-cut:1f1b-flush:d:0/3/11", "async-whole:pipeoptim:sbd:-",
            "async-cut:pipeoptim:sbd:1/0/5", "shrink:1f1b-flush:-:2/3/11"]
+
+
+#: `pipeoptim train` on made-up images: 3 epochs of 20 mini-batches, a checkpoint every 5
+CLI = ["train", "--task", "image", "--model", "mlp", "--stages", "2", "--method", "1f1b-flush", "--epochs", "3",
+       "--limit", "1280", "--checkpoint-every", "5", "--no-progress", "--json"]
+
+
+@pytest.fixture(scope="module")
+def made_up_images(tmp_path_factory):
+    yield from use_made_up_images(tmp_path_factory)
 
 
 def torchrun(nproc: int, *args, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -127,3 +139,38 @@ def test_each_join_gets_a_number_of_its_own_though_the_store_holds_an_earlier_st
         assert sorted(got) == [0, 1, 2] and len(set(got.values())) == 1, got
         numbers.append(got[0])
     assert numbers[1] > numbers[0] >= 1
+
+
+def test_pipeoptim_train_under_torchrun_restarts_continues_by_itself(made_up_images, tmp_path):
+    """The command line's one command for the first start and every restart (``--resume --out RUN``)
+    under ``torchrun --max-restarts 1``: a stage killed after the first checkpoint, the job continues
+    from the newest one by itself, to the losses of the same run in one process (to 1e-5: the stage
+    processes sum in other orders)."""
+    from pipeoptim.cli import main
+
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as err:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+                                "--nproc-per-node", "2", "-m", "pipeoptim", *CLI, "--runtime", "distributed", "--out",
+                                str(tmp_path / "run"), "--resume"], stdout=subprocess.PIPE, stderr=err, text=True,
+                               env=_env(), cwd=REPO, start_new_session=True)
+        try:
+            while not (tmp_path / "run" / "checkpoints" / "latest.json").exists():
+                assert job.poll() is None, log.read_text()[-4000:]
+                time.sleep(0.01)
+            os.kill(max(children(job.pid)), signal.SIGKILL)
+            out, _ = job.communicate(timeout=300)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    stderr = log.read_text()
+    assert job.returncode == 0, stderr[-4000:]
+    lines = said(stderr)
+    assert lines[0] == f"pipeoptim: no checkpoint in {tmp_path / 'run' / 'checkpoints'} yet: training from the beginning"
+    assert any(line.startswith(f"pipeoptim: torchrun restart 1 of at most 1: resumed from {tmp_path / 'run'}")
+               and line.endswith("(2 stages on 2 processes)") for line in lines), lines
+    assert main([*CLI, "--out", str(tmp_path / "alone")]) == 0
+    alone = json.loads((tmp_path / "alone" / "summary.json").read_text())["losses"]
+    restarted = json.loads(out)["losses"]
+    assert len(restarted) == len(alone) == 60
+    assert np.allclose(restarted, alone, rtol=1e-5, atol=1e-6)  # (the made-up images are learned: losses reach 0)
