@@ -52,6 +52,7 @@ CASES = [
     (["train", "--diagnose-every", "-1"], "--diagnose-every must be 0 (off) or more, got -1"),
     (["train", "--method", "pipeoptim", "--continuous", "--checkpoint-every", "2", *QUICK], "continuous run never drains"),
     (["train", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
+    (["train", "--resume"], "--resume without RUN_DIR continues the run in --out: give --out RUN_DIR"),
     (["train", "--runtime", "distributed", "--resume", "/nonexistent/run"], "/nonexistent/run is not a run folder"),
     (["train", "--runtime", "distributed", "--stages", "9", *QUICK], "9 stages need at least 9 layers with parameters"),
     (["train", "--clip-grad", "0", *QUICK], "--clip-grad must be a positive max norm (or none), got 0.0"),
@@ -163,3 +164,23 @@ def test_resume_continues_a_cli_run_to_the_same_losses(tmp_path, capsys):
     roll_back_to_older_checkpoint(tmp_path / "b")  # as if the run had died after its first one
     assert main(["train", "--resume", str(tmp_path / "b"), "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["losses"] == full
+
+
+def test_resume_without_a_folder_starts_the_run_in_out_and_continues_it_there(tmp_path, capsys):
+    """One command line for the first start and every restart: ``--resume --out RUN`` trains from the
+    beginning where RUN has no checkpoint, and continues from its newest one where it has."""
+    again = ["train", *QUICK, "--method", "pipeoptim", "--stages", "2", "--epochs", "2", "--checkpoint-every", "3",
+             "--json", "--out", str(tmp_path / "run"), "--resume"]
+    assert main(again) == 0
+    captured = capsys.readouterr()
+    full = json.loads(captured.out)["losses"]
+    assert f"pipeoptim: no checkpoint in {tmp_path / 'run' / 'checkpoints'} yet: training from the beginning" \
+        in captured.err
+    roll_back_to_older_checkpoint(tmp_path / "run")  # as if the run had died after its first one
+    older = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["checkpoint"]
+    assert main(again) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["losses"] == full
+    assert older == "epoch0001-batch000009"  # (the two newest are kept)
+    assert f"pipeoptim: resumed from {tmp_path / 'run' / 'checkpoints' / older} (epoch 1, mini-batch 9) (2 stages on 1 " \
+           f"process)\n" in captured.err

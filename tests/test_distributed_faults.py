@@ -109,11 +109,12 @@ def test_kill_9_of_one_stage_then_resume_gives_the_uninterrupted_losses(uninterr
     assert _losses(run) == expected  # every mini-batch, to the last bit
 
 
-#: a damaged file of stage 1's process: a flipped byte (a truncated file fails the same checksum
-#: comparison, both held in one process by tests/test_checkpoint.py). Rank 0 checks the manifest
-#: and every file before any rank loads, and a refusal reaches every rank as rank 0's, so a manifest
-#: that does not fit the run (held in one process by tests/test_resume.py and tests/test_checkpoint.py)
-#: takes the same way to the command line as this one.
+#: a damaged file of stage 1's process in every checkpoint of the run: a flipped byte (a truncated file
+#: fails the same checksum comparison, both held in one process by tests/test_checkpoint.py; a damaged
+#: newest checkpoint alone is passed over for the one before, tests/test_resume.py). Rank 0 checks the
+#: manifest and every file before any rank loads, and a refusal reaches every rank as rank 0's, so a
+#: manifest that does not fit the run (held in one process by tests/test_resume.py and
+#: tests/test_checkpoint.py) takes the same way to the command line as this one.
 def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, capfd):
     damage, why = "flip", "checksum mismatch"
     run = tmp_path / "run"
@@ -121,14 +122,15 @@ def test_resume_refuses_a_damaged_checkpoint(uninterrupted, tmp_path, capfd):
     store = run / "checkpoints"
     folder = store / json.loads((store / "latest.json").read_text())["checkpoint"]
     stage_file = folder / "__1_0.distcp"
-    data = bytearray(stage_file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    stage_file.write_bytes(bytes(data))
+    for each in (p for p in store.iterdir() if p.is_dir()):
+        data = bytearray((each / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (each / "__1_0.distcp").write_bytes(bytes(data))
     code = _main("train", "--runtime", "distributed", "--resume", str(run), "--no-progress")
     stderr = capfd.readouterr().err
     assert code == 2, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if "error:" in line and str(stage_file) in line]
-    assert errors and why in errors[-1], stderr[-3000:]
+    assert errors and why in errors[-1] and "no whole checkpoint is left to resume from" in errors[-1], stderr[-3000:]
     assert "Traceback" not in stderr
 
 

@@ -65,3 +65,38 @@ def test_checkpoints_written_in_the_background_resume_alike(tmp_path):
     latest = (tmp_path / "cut" / "latest.json").read_text()
     assert "batch000003" in latest  # 6's is not named: its writer was never waited for
     assert run(tmp_path / "cut", "pipeoptim", async_checkpoint=True, resume=True).losses == expected
+
+
+def test_resume_says_where_it_starts_and_passes_over_a_damaged_newest_checkpoint(tmp_path, capfd):
+    """resume=True serves the first start and every restart: with no checkpoint it trains from the
+    beginning and says so; a newest checkpoint damaged after it was written (a flipped byte) is passed
+    over for the one before, named in the log, and the run still reaches the uninterrupted losses; a
+    run whose every checkpoint is damaged is refused, naming the fix; one whose only checkpoint was
+    torn while being written (no manifest) starts from the beginning."""
+    expected = run(tmp_path / "full", "pipeoptim").losses
+    capfd.readouterr()
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", "pipeoptim", resume=True, on_batch=crash_at(13))
+    assert capfd.readouterr().err == f"pipeoptim: no checkpoint in {tmp_path / 'cut'} yet: training from the beginning\n"
+    store = tmp_path / "cut"
+    newest = store / "epoch0001-batch000003"
+    assert sorted(p.name for p in store.iterdir()) == ["epoch0001-batch000000", newest.name, "latest.json"]
+    data = bytearray((newest / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / "__0_0.distcp").write_bytes(bytes(data))
+    assert run(store, "pipeoptim", resume=True).losses == expected
+    err = capfd.readouterr().err.splitlines()
+    assert err[0] == f"pipeoptim: passed over a checkpoint that is not whole: {newest / '__0_0.distcp'}: checksum " \
+                     f"mismatch (truncated or corrupted; {len(data)} bytes)"
+    assert err[1] == f"pipeoptim: resumed from {store / 'epoch0001-batch000000'} (epoch 1, mini-batch 0) " \
+                     f"(3 stages on 1 process)"
+    for folder in (p for p in store.iterdir() if p.is_dir()):  # the run wrote its own two again: damage both
+        (folder / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"{store}: no whole checkpoint is left to resume from .*: delete "
+                                              f"{store} to train from the beginning"):
+        run(store, "pipeoptim", resume=True)
+    torn = tmp_path / "torn" / "epoch0000-batch000003"
+    torn.mkdir(parents=True)
+    (torn / ".metadata").write_bytes(b"")  # renamed into place, killed before its manifest was written
+    assert run(tmp_path / "torn", "pipeoptim", resume=True).losses == expected
+    assert "manifest.json: missing (the checkpoint was not completed)" in capfd.readouterr().err

@@ -2,13 +2,14 @@
 run under torchrun (one stage per process) or python. Always resumes from the newest checkpoint
 in RUN (starting fresh when there is none); rank 0 writes RUN/result.json at the end.
 
-    script RUN [BATCHES] [EPOCHS] [DELAY_S] [METHOD] [STOP_AFTER] [LAYOUT]
+    script RUN [BATCHES] [EPOCHS] [DELAY_S] [METHOD] [STOP_AFTER] [LAYOUT] [BACKGROUND]
 
 METHOD (default pipeoptim; ``interleaved``: 2 chunks per process; ``bitpipe``: 4 pieces); STOP_AFTER: every process
 ends at once (``os._exit(3)``) after that many mini-batches, as a crash would, for a resume that
 starts mid-epoch from the last checkpoint ("-": never). LAYOUT ``NxD``, ``s`` appended for
 sharded (default ``2x1``): N stages x D replicas (N x D processes), each replica training on its
 shard of every mini-batch, ``2x2s`` each stage sharded over its 2 replicas (``shard_replicas``).
+BACKGROUND ``1``: the checkpoints are written in the background (``async_checkpoint``).
 """
 import json
 import os
@@ -54,7 +55,7 @@ pipe = pipeoptim.Pipeline(model, method=method, stages=stages, loss_fn=nn.functi
 d, size = pipe.data_parallel_rank, pipe.data_parallel_size
 own = [(x.chunk(size)[d], y.chunk(size)[d]) for x, y in data]
 result = pipe.fit(own, epochs=epochs, checkpoint_dir=run / "checkpoints", checkpoint_every=5, resume=True,
-                  on_batch=on_batch)
+                  on_batch=on_batch, async_checkpoint=len(sys.argv) > 8 and sys.argv[8] == "1")
 weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
 if pipe.rank == 0:
     (run / "result.json").write_text(json.dumps({"losses": result.losses, "weights": weights}))

@@ -16,6 +16,8 @@ into the user's ``nn.Module`` (README, "Checkpoints").
 
 A missing, truncated, corrupted or mismatched file is refused with :class:`CheckpointError`
 naming the file and the reason, and so is a checkpoint of another model or of an older format.
+A resumed run takes the newest *whole* checkpoint (:func:`newest_whole`): one torn or damaged
+(:class:`Damaged`) is passed over for the one before it, and the run's log says so.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +36,16 @@ from .runtime import named_state
 
 if TYPE_CHECKING:
     from .state_names import StateNames
+
+class Damaged(CheckpointError):
+    """A checkpoint whose files are not whole: a file missing, truncated or corrupted (its checksum
+    differs), its manifest unreadable or never written. ``completed``: its manifest was written
+    (the checkpoint was whole once), else it was torn while being written."""
+
+    def __init__(self, message: str, completed: bool = True) -> None:
+        super().__init__(message)
+        self.completed = completed
+
 
 #: 3: torch's distributed checkpoint, keyed by the model's parameter names
 FORMAT = 3
@@ -136,10 +148,10 @@ def verify(folder: Path, manifest: Dict[str, Any]) -> None:
     for name, digest in manifest["files"].items():
         path = folder / name
         if not path.exists():
-            raise CheckpointError(f"{path}: missing")
+            raise Damaged(f"{path}: missing")
         data = path.read_bytes()
         if sha256(data) != digest:
-            raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted; {len(data)} bytes)")
+            raise Damaged(f"{path}: checksum mismatch (truncated or corrupted; {len(data)} bytes)")
 
 
 def _template(meta: Any, prefix: str, names: Any, like: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, Any]]:
@@ -270,19 +282,51 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     try:
         name = json.loads(pointer.read_text())["checkpoint"]
     except (ValueError, KeyError) as error:
-        raise CheckpointError(f"{pointer}: unreadable ({error})") from None
+        raise Damaged(f"{pointer}: unreadable ({error})") from None
     return root / name
+
+
+def newest_whole(root: Path, expect: Optional[Dict[str, Any]] = None) -> Tuple[Optional[Path], List[str]]:
+    """The newest whole checkpoint under ``root`` (None: none yet) and why each newer one was
+    passed over. The first candidate is the one ``latest.json`` names, then every other folder
+    older than it, newest first (all of them where ``latest.json`` is missing or unreadable);
+    one :class:`Damaged` is passed over. A checkpoint of another run (``expect``, as
+    :func:`read_manifest`) or of another format is refused, not passed over; and so is a run
+    whose every checkpoint was damaged after it was completed (starting again would silently
+    lose it): the message names the fix. Checkpoints torn while being written, and nothing
+    else, leave None (the run starts from the beginning)."""
+    passed: List[str] = []
+    try:
+        named = latest_checkpoint(root)
+    except CheckpointError as error:
+        named, passed = None, [str(error)]
+    folders = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                     reverse=True) if root.is_dir() else []
+    if named is not None:
+        folders = [named] + [p for p in folders if p.name < named.name]
+    completed = False
+    for folder in folders:
+        try:
+            verify(folder, read_manifest(folder, expect=expect))
+            return folder, passed
+        except Damaged as error:
+            passed.append(str(error))
+            completed = completed or error.completed
+    if completed:
+        raise CheckpointError(f"{root}: no whole checkpoint is left to resume from ({'; '.join(passed)}): "
+                              f"delete {root} to train from the beginning")
+    return None, passed
 
 
 def read_manifest(folder: Path, expect: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Read and check a checkpoint's manifest; ``expect`` lists fields that must match."""
     path = folder / "manifest.json"
     if not path.exists():
-        raise CheckpointError(f"{path}: missing (the checkpoint was not completed)")
+        raise Damaged(f"{path}: missing (the checkpoint was not completed)", completed=False)
     try:
         manifest = json.loads(path.read_text())
     except ValueError as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+        raise Damaged(f"{path}: not valid JSON ({error})") from None
     if manifest.get("format") != FORMAT:
         held = FORMATS.get(manifest.get("format"), "unknown")
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} ({held}), this version reads {FORMAT} "

@@ -1,7 +1,9 @@
 """``Pipeline.fit``'s training loop, as named steps: :class:`FitRun`.
 
-One FitRun is one call of :meth:`pipeoptim.pipeline.Pipeline.fit`: it resumes from a checkpoint
-if asked, feeds the loader's mini-batches epoch by epoch, drains where a segment ends (a
+One FitRun is one call of :meth:`pipeoptim.pipeline.Pipeline.fit`: it resumes from the newest
+whole checkpoint if asked and there is one (else it starts from the beginning; either way rank 0
+says so on stderr, with the layout that wrote the checkpoint where it differs from this one:
+:func:`say`), feeds the loader's mini-batches epoch by epoch, drains where a segment ends (a
 checkpoint, an evaluation, an epoch's end), evaluates, checkpoints, keeps the epochs' metrics
 and the run's clock (training time less evaluations and checkpoint writes), and assembles the
 :class:`TrainResult`. It drives the Pipeline only through its public steps (``step``,
@@ -11,6 +13,8 @@ under torchrun.
 from __future__ import annotations
 
 import base64
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,13 +111,21 @@ class FitRun:
         return f"mini-batch {index % self.num_batches} of epoch {index // self.num_batches}"
 
     def resume(self) -> None:
-        """Load the newest checkpoint, if any, and continue from its position."""
+        """Load the newest whole checkpoint, if any, and continue from its position; rank 0 says
+        which (and any newer one passed over), or that there is none."""
         pipe = self.pipe
-        found = load_checkpoint(pipe.world, self.store, pipe.stages, self.run_info,
-                                pipe.state_names)
+        found, passed = load_checkpoint(pipe.world, self.store, pipe.stages, self.run_info, pipe.state_names)
+        for reason in passed:
+            say(pipe, f"passed over a checkpoint that is not whole: {reason}")
         if found is None:
+            say(pipe, f"{restart_words()}no checkpoint in {self.store} yet: training from the beginning")
             return
-        manifest, self.resume_rng = found
+        folder, manifest, self.resume_rng = found
+        now, before = layout_of(pipe), manifest.get("layout")
+        changed = f"; written by {layout_words(before)}, now {layout_words(now)}" if before and before != now \
+            else f" ({layout_words(now)})"
+        say(pipe, f"{restart_words()}resumed from {folder} (epoch {manifest['epoch']}, mini-batch "
+                  f"{manifest['batch']}){changed}")
         pipe.losses = list(manifest["losses"])
         per_epoch = self.run_info["batches_per_epoch"]
         pipe.batches_done = manifest["batch"] + manifest["epoch"] * per_epoch if per_epoch else len(pipe.losses)
@@ -267,7 +279,7 @@ class FitRun:
         pipe, began = self.pipe, time.perf_counter()
         fields = {**self.run_info, "losses": pipe.losses, "epoch_metrics": self.epoch_metrics,
                   "samples_done": pipe.samples_done, "epoch_rng": _encode_rng(rng),
-                  "evaluations": self.evaluations, "train_seconds": self.train_seconds()}
+                  "evaluations": self.evaluations, "train_seconds": self.train_seconds(), "layout": layout_of(pipe)}
         self.finish_pending()  # (one in the background at a time: this one after the last is named)
         self.pending = save_checkpoint(pipe.world, self.store, pipe.stages, (epoch, batch), fields,
                                        background=self.settings.async_checkpoint, names=pipe.state_names)
@@ -320,6 +332,36 @@ def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]
             "diagnostics": stage.probes.summary() if stage.probes.every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report(),
             "compilations": stage.compilations}
+
+
+def layout_of(pipe: Any) -> Dict[str, Any]:
+    """The layout a checkpoint records of the run that wrote it (a resumed run's log names both)."""
+    return {"stages": pipe.spec.ranks, "chunks": pipe.spec.chunks, "replicas": pipe.data_parallel_size,
+            "sharded": bool(pipe.config.shard_replicas), "processes": pipe.world.processes}
+
+
+def layout_words(layout: Dict[str, Any]) -> str:
+    """``2 stages x 2 replicas (sharded) on 4 processes``."""
+    plural = lambda n, word: f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")  # noqa: E731
+    text = plural(layout["stages"], "stage")
+    if layout.get("chunks", 1) > 1:
+        text += f" of {layout['chunks']} chunks"
+    if layout.get("replicas", 1) > 1:
+        text += f" x {layout['replicas']} replicas" + (" (sharded)" if layout.get("sharded") else "")
+    return text + f" on {plural(layout.get('processes', 1), 'process')}"
+
+
+def restart_words() -> str:
+    """``torchrun restart K of at most M: `` in a process torchrun's agent restarted, else nothing."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return f"torchrun restart {count} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: " if count else ""
+
+
+def say(pipe: Any, text: str) -> None:
+    """One line of the run's log on stderr, from rank 0 alone (one write: the ranks share torchrun's stderr)."""
+    if pipe.rank == 0:
+        sys.stderr.write(f"pipeoptim: {text}\n")
+        sys.stderr.flush()
 
 
 def _encode_rng(state: Optional[torch.Tensor]) -> Optional[str]:

@@ -350,13 +350,19 @@ OPTIONS: Tuple[Option, ...] = (
            "drain and checkpoint every K mini-batches of an epoch (and always at "
            "each epoch's end)", "fit",
            Flag("int", metavar="K", group="output", only="train")),
-    Option("resume", "bool", False, "continue from the newest checkpoint in checkpoint_dir, to the losses of an "
-           "uninterrupted run (the same checkpoint_every and eval_every; the loader gives the same "
-           "mini-batches: a list, or a DataLoader that shuffles with torch's global generator)", "fit",
+    Option("resume", "bool", False, "continue from the newest whole checkpoint in checkpoint_dir (one torn or "
+           "damaged is passed over for the one before), or train from the beginning where there is none yet, "
+           "so that one call serves the first start and every restart (torchrun --max-restarts; a job "
+           "re-formed on fewer processes continues with fewer replicas); rank 0 says which on stderr. "
+           "Resumed, it reaches the losses of an uninterrupted run (the same checkpoint_every and eval_every; "
+           "the loader gives the same mini-batches: a list, or a DataLoader that shuffles with torch's "
+           "global generator)", "fit",
            Flag("path", name="--resume", metavar="RUN_DIR", group="output", only="train", default=NOT_GIVEN,
-                in_config=False,
-                help="continue the run in RUN_DIR, with its settings, from its newest checkpoint, to the losses "
-                "of an uninterrupted run")),
+                in_config=False, const=True,
+                help="continue the run in RUN_DIR, with its settings, from its newest whole checkpoint, to the "
+                "losses of an uninterrupted run; without RUN_DIR, continue the run in --out if it has a "
+                "checkpoint, else start it there (one command line for the first start and every restart, "
+                "e.g. under torchrun --max-restarts)")),
     Option("continuous", "bool", False, "every epoch in one schedule, no drain between epochs (asynchronous "
            "methods; evaluation only at the end)", "fit", Flag("switch")),
 )

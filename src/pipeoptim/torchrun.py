@@ -49,6 +49,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def after_stop() -> str:
+    """What follows a stopped stage's line: torchrun's agent restarts the job while it has restarts
+    left (``--max-restarts``), and fit(..., resume=True) continues it; else how to continue."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if count < limit:
+        return (f"torchrun restarts the job (restart {count + 1} of at most {limit}), and fit(..., resume=True) "
+                f"continues it from the last checkpoint")
+    return "resume from the last checkpoint with fit(..., resume=True)"
+
+
 def process_device(devices: Any) -> str:
     """``devices`` of a Pipeline under torchrun, as the kind of device of this process."""
     if isinstance(devices, (list, tuple)):
@@ -113,8 +124,7 @@ class Torchrun:
             # one write() of the whole line: the stages share torchrun's stderr, and a short
             # write to a pipe is never interleaved with another process's
             guard(lambda stop: os.write(2, (f"pipeoptim: rank {rank} stopped by {stop.signal_name} "
-                                            f"({stop.cause}); resume from the last checkpoint with "
-                                            f"fit(..., resume=True)\n").encode()))
+                                            f"({stop.cause}); {after_stop()}\n").encode()))
         ours = not dist.is_initialized()
         if ours:
             # This module's functions take the default group as a default argument, evaluated at

@@ -15,14 +15,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 
 from .runtime.replicas import copy_to_replicas
-from .checkpoint import (checkpoint_name, checkpoint_state, checksums, latest_checkpoint, load_state, plan_load,
-                         prune, read_manifest, save_manifest, verify, write_state)
+from .checkpoint import (checkpoint_name, checkpoint_state, checksums, load_state, newest_whole, plan_load, prune,
+                         read_manifest, save_manifest, write_state)
 from .errors import CheckpointError
 from .state_names import StateNames
 from .methods import Method
@@ -244,6 +244,15 @@ class LocalWorld:
 
 # -- the checkpoint of a run: one writer, one reader ------------------------------------------
 
+class Loaded(NamedTuple):
+    """A checkpoint loaded into the stages: its folder, its manifest, this process's saved RNG
+    state (not applied yet)."""
+
+    folder: Path
+    manifest: Dict[str, Any]
+    rng: Dict[str, Any]
+
+
 class PendingCheckpoint:
     """A checkpoint whose files are being written (in the background, or just now): :meth:`finish`
     waits for this process's part, then, once every process's part is complete, rank 0 moves the
@@ -305,26 +314,25 @@ def save_checkpoint(world: World, store: Path, stages: List[Stage], position: Tu
 
 
 def load_checkpoint(world: World, store: Path, stages: List[Stage], run_info: Dict[str, Any],
-                    names: Optional[StateNames] = None) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-    """Load this process's stages from the newest checkpoint in ``store`` (rank 0 picks it and
-    checks its files), whatever layout wrote it: its manifest and this process's saved RNG
-    state (not applied), or None if the run has none yet. A checkpoint refused on any rank is
-    refused on all, with that rank's reason."""
-    choice: Tuple[Optional[str], Optional[str]] = (None, None)  # (folder name, or why none)
+                    names: Optional[StateNames] = None) -> Tuple[Optional[Loaded], List[str]]:
+    """Load this process's stages from the newest whole checkpoint in ``store`` (rank 0 picks it
+    and checks its files, passing over a torn or damaged one: :func:`~pipeoptim.checkpoint.newest_whole`),
+    whatever layout wrote it: the :class:`Loaded` checkpoint (None if the run has none yet) and
+    why each newer one was passed over. A checkpoint refused on any rank is refused on all,
+    with that rank's reason."""
+    choice: Tuple[Optional[str], Optional[str], List[str]] = (None, None, [])  # (folder name, or why none; passed over)
     if world.rank == 0:
         try:
-            folder = latest_checkpoint(store)
-            if folder is not None:
-                expect = {k: v for k, v in run_info.items() if k in RESUME_MATCHES}
-                verify(folder, read_manifest(folder, expect=json.loads(json.dumps(expect))))
-            choice = (folder.name if folder is not None else None, None)
+            expect = {k: v for k, v in run_info.items() if k in RESUME_MATCHES}
+            folder, passed = newest_whole(store, expect=json.loads(json.dumps(expect)))
+            choice = (folder.name if folder is not None else None, None, passed)
         except CheckpointError as error:
-            choice = (None, str(error))
-    name, problem = world.everyone(choice, "agreeing on the checkpoint to resume from")[0]
+            choice = (None, str(error), [])
+    name, problem, passed = world.everyone(choice, "agreeing on the checkpoint to resume from")[0]
     if problem:
         raise CheckpointError(problem)
     if name is None:
-        return None
+        return None, passed
     folder = store / name
     manifest, planned = _on_every_rank(world, "loading the checkpoint",
                                        lambda: (read_manifest(folder), plan_load(folder, stages, world.rank, names)))
@@ -332,7 +340,7 @@ def load_checkpoint(world: World, store: Path, stages: List[Stage], run_info: Di
     rng = _on_every_rank(world, "loading the checkpoint",
                          lambda: load_state(folder, stages, planned, world.checkpoint_group()))
     copy_to_replicas(stages)  # a bidirectional run read each piece once, into its first pipeline's stage
-    return manifest, rng
+    return Loaded(folder, manifest, rng), passed
 
 
 def _on_every_rank(world: World, what: str, work: Callable[[], T]) -> T:

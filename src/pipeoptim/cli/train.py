@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ..errors import Interrupted, interrupt_on_signals
 from .flags import add_distributed_options, add_run_options
@@ -46,6 +48,22 @@ def resume_config(run_dir: Path) -> RunConfig:
         raise ValueError(f"{config}: unreadable ({error})") from None
 
 
+def resume_here(out: Optional[Path]) -> Optional[Path]:
+    """``--resume`` without RUN_DIR: ``out`` (--out) to resume where it holds a run with a
+    checkpoint, else None (the run starts there, and rank 0 says so as ``fit`` would). Every
+    rank of a job decides alike: no rank writes a checkpoint before every rank has started."""
+    if out is None:
+        raise ValueError("--resume without RUN_DIR continues the run in --out: give --out RUN_DIR (the same "
+                         "on the first start and every restart)")
+    store = out / "checkpoints"
+    held = store.is_dir() and any(p.is_dir() and not p.name.startswith(".") for p in store.iterdir())
+    if held and (out / "config.json").exists():
+        return out
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipeoptim: no checkpoint in {store} yet: training from the beginning", file=sys.stderr, flush=True)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.recipe:
         from ..lab.tasks.recipes import describe, recipe, tuned_lrs
@@ -75,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_drains(args.checkpoint_every, None, False, COMMAND_LINE)
     check_diagnose_every(args.diagnose_every, COMMAND_LINE)
+    if args.resume is True:  # --resume without RUN_DIR: --out's run if it has a checkpoint, else a new one there
+        args.resume = resume_here(args.out)
     if args.resume is not None:
         cfg = resume_config(args.resume)
         if args.runtime == "distributed":

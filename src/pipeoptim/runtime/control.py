@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
+from .lifecycle import fresh_join, shares_agent_store
 from .transport import PipeComm
 from .wire import PipelineCommError, reason
 
@@ -43,7 +44,10 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     ``threads``: intra-op threads of this process (default 1: N stages on N cores do not
     oversubscribe them); None leaves torch's setting. ``generation``: how many times this
     process has joined and torn down the job before; a job joined again rendezvouses under a
-    prefix of its own, or the new groups would read the addresses the torn-down ones left."""
+    prefix of its own, or the new groups would read the addresses the torn-down ones left. In a
+    worker of torchrun's agent, whose store outlives the worker (a restart finds every earlier
+    start's keys there), every join takes a number fresh to that store instead
+    (:func:`pipeoptim.runtime.lifecycle.fresh_join`)."""
     import os
 
     if threads is not None:
@@ -66,8 +70,10 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     if not dist.is_initialized():
-        if generation and init_method is None:
+        if init_method is None and (generation or shares_agent_store()):
             store, rank, world_size = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
+            if shares_agent_store():  # torchrun's store, which holds every earlier start's keys
+                generation = fresh_join(store, rank, world_size, timeout)
             kwargs.update(store=dist.PrefixStore(f"pipeoptim-job-{generation}", store), rank=rank,
                           world_size=world_size)
         dist.init_process_group(**kwargs)

@@ -18,6 +18,12 @@ process, before any other thread starts:
   send SIGTERM when the parent dies, taken as above; without prctl a daemon thread checks every
   0.25 s whether the parent is still the process that started this one.
 
+And how it starts again: torchrun's agent restarts every worker of a failed job with the same
+command line (``--max-restarts``), and by default the workers of every start share the agent's
+store, which still holds the keys the process groups of the earlier starts left (their peers'
+addresses, gone). :func:`fresh_join` gives each join of the job's process group a number no other
+join over that store has used, the same on every rank, to rendezvous under.
+
 Imports nothing of pipeoptim: the launcher and any script under torchrun can use it.
 """
 from __future__ import annotations
@@ -28,7 +34,9 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Optional
 
 #: the signals that stop a stage: Ctrl-C (forwarded by the launcher), kill's default, a lost terminal
@@ -166,3 +174,38 @@ def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Option
         threading.Thread(target=watch_parent, name="pipeoptim-parent", daemon=True).start()
     _installed = f"{how_signals}+{how}"
     return how
+
+
+def shares_agent_store() -> bool:
+    """True in a worker whose process groups rendezvous in the store of torchrun's agent, which
+    outlives the worker (and so every earlier start's keys)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def fresh_join(store, rank: int, world: int, timeout: float) -> int:
+    """A number, the same on every rank of this join of the job and used by no join before it over
+    ``store`` (a ``torch.distributed.Store``), to rendezvous under. Rank 0 draws it from a counter
+    of the store; every other rank announces itself under a key of its own making (its pid and a
+    random part, which no earlier start can have left) and waits for rank 0's answer there; rank 0
+    answers whatever each rank's announcement holds until every rank has taken the number (an
+    earlier start's announcement, read before the new one replaced it, is answered in vain).
+    Raises TimeoutError after ``timeout`` seconds without every rank."""
+    if rank != 0:
+        mine = f"{os.getpid()}-{uuid.uuid4().hex}"
+        store.set(f"pipeoptim/join/hello/{rank}", mine)
+        answer = f"pipeoptim/join/answer/{rank}/{mine}"
+        store.wait([answer], timedelta(seconds=timeout))
+        number = int(store.get(answer))
+        store.add(f"pipeoptim/join/{number}/taken", 1)
+        return number
+    number = store.add("pipeoptim/join/count", 1)
+    deadline = time.monotonic() + timeout
+    while store.add(f"pipeoptim/join/{number}/taken", 0) < world - 1:
+        for other in range(1, world):
+            hello = f"pipeoptim/join/hello/{other}"
+            if store.check([hello]):
+                store.set(f"pipeoptim/join/answer/{other}/{store.get(hello).decode()}", str(number))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0: not every one of the {world} ranks joined within {timeout:g} s")
+        time.sleep(0.01)
+    return number
