@@ -23,9 +23,10 @@ arm has the most telling rows first:
    translation and image with AdamW. No lr of its own: the lr plain ``+ef`` won with in the cell,
    and plain ``+ef``'s seeds there (with 1.'s seed 2 on image), so that each row has its paired
    unaware row; seed 0 of every cell first, then the further seeds under the decisive-gap cut.
-   A caution from the diagnostic (docs/results.md): the aware prediction differs from the plain
-   one by ``beta (u_prev - lr*Delta)``, which is small, since Delta is the direction of the step
-   just applied; these rows test whether that small difference shows at equal time.
+   A caution: the aware prediction differs from the plain one by ``beta (u_prev - lr*Delta)``,
+   which is small, since Delta is the direction of the step just applied (a schedule's lr change
+   and decoupled decay make the difference; weights/predicted_2bw.py); these rows test whether
+   that small difference shows at equal time, which is why they come after 1. and 2.
 
 U_m is the base variant's (pipeoptim-2bw's: error feedback adds two passes over the weights an
 update, the aware prediction one multi-tensor add a window). Minutes per run: the median CPU
