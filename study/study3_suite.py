@@ -38,6 +38,8 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, Any], Any]] = {
     # issue 38: error feedback on the methods with a one-update delay (study/study4_plan.py)
     "pipedream-2bw+ef": ("pipedream-2bw", {"error_feedback": True}, None),
     "pipeoptim-2bw+ef": ("pipeoptim-2bw", {"error_feedback": True}, None),
+    # issue 51: the prediction aware of the feedback (study/study6_plan.py)
+    "pipeoptim-2bw+ef+aware": ("pipeoptim-2bw", {"error_feedback": True, "predict_feedback": True}, None),
 }
 
 #: variants that compute another variant's updates bit for bit, and which: a cell that runs both
@@ -211,6 +213,35 @@ SUITES: Dict[str, Dict[str, Any]] = {
         "cost_like": {"pipeoptim+M2": "xpipe", "pipeoptim+MN": "pipedream-2bw", "pipeoptim-2bw": "pipedream-2bw"},
         "study2": None,
     },
+}
+
+
+# issue 51's arms (study/study6_plan.py plans them, over the earlier arms' rows): the image
+# advice's third seed, translation with Muon and error feedback, and the feedback-aware
+# prediction at equal time, at N = 8, within 300 core-minutes
+SUITES["feedback"] = {
+    "planner": "feedback",
+    "tasks": {**copy.deepcopy(STUDY2_SUITES["default"]["tasks"]),
+              "translation": copy.deepcopy(SUITES["translation"]["tasks"]["translation"])},
+    # the rows it reads: issue 23's (the references), issue 38's with its image arm (read from
+    # the pending file too until it merges: the same rows), issue 41's translation cell
+    "prior": [str(RESULTS / "study3" / "runs.jsonl"), str(RESULTS / "study3-delay_fixes" / "runs.jsonl"),
+              str(RESULTS / "study3-delay_fixes" / "image_arm_pending.jsonl"),
+              str(RESULTS / "study3-translation" / "runs.jsonl")],
+    # the translation cell's budgets (the other cells': study/results/study3/times.json)
+    "translation_times": str(RESULTS / "study3-translation" / "times.json"),
+    "stages": 8,
+    "third_seed": {"task": "image", "optimizer": "adamw", "variant": "pipeoptim-2bw+ef", "seed": 2},
+    "muon_cell": "muon",
+    "aware_cells": [("lm", "adamw"), ("lm", "muon"), ("translation", "adamw"), ("image", "adamw")],
+    "seeds": [0, 1],
+    "extend_edges": True,
+    "decisive_gap": 0.4,
+    "budget_minutes": 300,
+    "optimizer_arms": {"cells": [], "stages": [8], "methods": [], "beta1": {}},
+    "halving": {"share": 1 / 3, "keep": 2},
+    "diagnose_every": 25,
+    "study2": None,
 }
 
 

@@ -172,7 +172,8 @@ def test_every_flag_reaches_the_run_configuration(option):
                          ids=[o.name for o in of_scope("method") if o.flag is not None])
 def test_every_method_flag_reaches_the_method_options(option):
     method = next(m for m, meth in pipeoptim.METHODS.items() if option.name in meth.options)
-    needs = {"lr_correction_steps": ["--lr-correction", "delay"], "ema_decay": ["--delta", "ema"]}
+    needs = {"lr_correction_steps": ["--lr-correction", "delay"], "ema_decay": ["--delta", "ema"],
+             "predict_feedback": ["--error-feedback"]}
     args = parsed("--method", method, *flag_arguments(option), *needs.get(option.name, []))
     cfg = run_config(args, method)
     assert cfg.pipeline.method_options[option.name] == getattr(args, option.name) != option.default

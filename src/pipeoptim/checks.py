@@ -210,6 +210,9 @@ def _check_corrections(method: str, merged: Dict[str, Any], given: Dict[str, Any
         if key in merged and (not _is_int(merged[key]) or merged[key] < 0):
             raise ValueError(f"{method}: {key} must be 0 (off) or a number of "
                              f"{'mini-batches' if key == 'sync_warmup' else 'updates'}, got {merged[key]!r}")
+    if merged.get("predict_feedback") and not merged.get("error_feedback"):
+        raise ValueError(f"{method}: predict_feedback extrapolates error feedback's term: it needs "
+                         f"error_feedback on as well (turn both on, or leave predict_feedback off)")
     if "ema_decay" in merged and merged["ema_decay"] is not None:
         decay = merged["ema_decay"]
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:

@@ -281,6 +281,13 @@ OPTIONS: Tuple[Option, ...] = (
            "error against the one before, u_t - u_(t-1) (u = the step the optimizer applied), is added to the "
            "weights with it, for any optimizer; one weight-sized buffer and a scratch copy per stage",
            "method", Flag("switch", group=CORRECTIONS)),
+    Option("predict_feedback", "bool", False, "pipeoptim-2bw with error_feedback: the prediction extrapolates the "
+           "update the weights will receive, the optimizer's step and the feedback's term, W - (s+1)*lr*Delta + "
+           "u_(t-1) (each of the s updates corrected, each step lr*Delta; it differs from the plain prediction "
+           "only as lr*Delta differs from the step just applied, u_(t-1): a schedule's lr change, decoupled "
+           "decay); off by default: the study's error-feedback rows ran without it, and it has not shown at "
+           "equal time that it helps", "method",
+           Flag("switch", group=CORRECTIONS)),
     Option("sync_warmup", "int", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------

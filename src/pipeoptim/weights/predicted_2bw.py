@@ -7,7 +7,11 @@ v the stage holds at the window's first forward, s being the updates this stage 
 that forward and update t (Delta and lr read at that forward): in the steady state the table's v
 and s, where 2BW would use W^(t-1) at the last stage too. Window 0, and every window before the
 stage's first update, runs unpredicted on W^(v), kept (as a stash keeps it) through any update
-that comes while the window is in flight. With one stage s is always 0: sequential training."""
+that comes while the window is in flight. With one stage s is always 0: sequential training.
+
+``predict_feedback=True`` (with ``error_feedback=True``): the prediction extrapolates the update
+the weights will receive, the optimizer's step and error feedback's term
+(:meth:`PipeOptim2BWPolicy.feedback_prediction` derives it)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -18,6 +22,7 @@ import torch
 
 from ..schedules.actions import Kind
 from .base import WeightUse, alias, nbytes
+from .predict import predict_plan
 from .predicting import PredictingPolicy
 from .stash import VersionStore, window_of
 
@@ -30,6 +35,9 @@ class _Window:
     steps: float                                #: the prediction steps
     tensors: Optional[List[torch.Tensor]]       #: the predicted tensors; None: the version itself
     left: int                                   #: its backwards not run yet
+    #: while diagnosing with error feedback on: the window's weights under the other choice of
+    #: ``predict_feedback`` (the diagnostic's variant; not counted as a copy, as the probes' are not)
+    other: Optional[List[torch.Tensor]] = None
 
 
 class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
@@ -38,10 +46,22 @@ class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
 
     description = "2BW windows, forward and backward on W - lr*s*Delta(optimizer), s = updates the window misses"
 
-    def __init__(self, *args, **kwargs) -> None:
+    #: the diagnostic's name for the prediction the run does not use (:meth:`prediction_variants`)
+    VARIANT = {True: "without predict_feedback", False: "with predict_feedback"}
+
+    def __init__(self, *args, predict_feedback: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if predict_feedback not in (False, True):
+            raise ValueError(f"predict_feedback must be True or False, got {predict_feedback!r}")
+        if predict_feedback and self.feedback is None:
+            raise ValueError("predict_feedback extrapolates error feedback's term: it needs "
+                             "error_feedback on as well (turn both on, or leave predict_feedback off)")
+        #: predict_feedback=True: windows run on :meth:`feedback_prediction`
+        self.predict_feedback = predict_feedback
         self._windows: Dict[int, _Window] = {}
         self._window_steps: Dict[int, int] = {}
+        self._diagnosing = False         # a probe asked for the variant: windows keep it from then on
+        self._other: Dict[int, Optional[List[torch.Tensor]]] = {}  # probed before their window opened
 
     def learn_orders(self, stage_actions, full_orders, synchronous_updates: int = 0) -> None:
         super().learn_orders(stage_actions, full_orders, synchronous_updates)
@@ -64,15 +84,82 @@ class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
             raise RuntimeError(f"stage {self.stage}: a schedule starts with windows in flight")
         super().begin_epoch(*args, **kwargs)
 
+    @torch.no_grad()
+    def feedback_prediction(self, steps: float) -> List[torch.Tensor]:
+        """New tensors (in ``named`` order): the weights ``steps`` updates ahead when error
+        feedback corrects each of them, ``W - (lr*s + beta*lr) * Delta + beta * u_prev``.
+
+        Update t applies ``u_t + beta (u_t - u_(t-1))`` (``u`` the optimizer's step, beta the
+        feedback's scale). At a window's first forward the stage holds version v and the feedback
+        holds ``u_prev = u_(v-1)``, the step of the last update applied (kept whether that update
+        was corrected or not); over the next s updates v .. v+s-1 the sum applied telescopes:
+        ``sum u_(v+i) + beta (u_(v+s-1) - u_(v-1))``. With every future step taken equal to the
+        optimizer's predicted step ``p = lr*Delta`` (the plain prediction's own assumption) this is
+        ``s*p + beta (p - u_prev)``. It assumes too that every one of the s updates is corrected:
+        so in 2BW's steady state, where each update's gradient is one update stale at every stage
+        that predicts (a window predicts only once its stage has updated, so ``u_prev`` exists).
+        The lr mass is the plain prediction's (``horizon_lr``) plus beta times one step's; where
+        the feedback holds no previous update (nothing to correct yet) it is the plain prediction.
+
+        What it adds to the plain prediction, ``beta (u_prev - lr*Delta)``, is small: Delta is the
+        direction of the step just applied, so ``lr*Delta`` is ``u_prev`` but for the lr's change
+        since that step (a schedule's) and, for decoupled decay, the weights it is read from
+        (moved by the feedback after the step); with momentum SGD it is nothing (to rounding).
+        The feedback's own term over the s updates, ``beta (u_(v+s-1) - u_(v-1))``, is the
+        change of the steps to come, which an extrapolation of the last step takes as 0."""
+        feedback = self.feedback
+        if feedback is None or any(n not in feedback.previous for n, _ in self.named):
+            return self.predicted(steps)
+        beta, steps = feedback.scale, self.ramp(steps)
+        out = predict_plan(self.source.directions(), lambda index, group: self.horizon_lr(index, group, steps)
+                           + beta * self.horizon_lr(index, group, 1))
+        moved = [n for n, p in self.named if p in out]
+        if moved:  # one multi-tensor add: + beta * u_prev
+            by_name = dict(self.named)
+            torch._foreach_add_([out[by_name[n]] for n in moved], [feedback.previous[n] for n in moved],
+                                alpha=beta)
+        return [out[p] if p in out else p.detach().clone() for _, p in self.named]
+
+    def _window_tensors(self, microbatch: int, aware: bool) -> Optional[List[torch.Tensor]]:
+        """The tensors a window opened now at ``microbatch`` runs on (None: its version itself)."""
+        steps = self.forward_steps(microbatch) if self.source.has_direction else 0
+        if not steps:
+            return None
+        base = self.base_forward_steps(microbatch)
+        return self.feedback_prediction(base) if aware else self.predicted(base)
+
     def _open(self, microbatch: int) -> _Window:
         """The window of ``microbatch``, made at its first forward."""
         window = microbatch // self.window
         entry = self._windows.get(window)
         if entry is None:
             steps = self.forward_steps(microbatch) if self.source.has_direction else 0
-            tensors = self.predicted(self.base_forward_steps(microbatch)) if steps else None
+            tensors = self._window_tensors(microbatch, self.predict_feedback)
             entry = self._windows[window] = _Window(self.version, steps, tensors, self.window)
+            if self._diagnosing:
+                entry.other = self._other.pop(window) if window in self._other else \
+                    self._window_tensors(microbatch, not self.predict_feedback)
         return entry
+
+    def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]:
+        """For the diagnostic, with error feedback on: the weights ``microbatch``'s forward would
+        run on under the other choice of ``predict_feedback``, made when its window opens (so
+        from the same version, Delta and previous update as the window's own)."""
+        if self.feedback is None:
+            return super().prediction_variants(microbatch)
+        self._diagnosing = True
+        window = microbatch // self.window
+        entry = self._windows.get(window)
+        if entry is None:  # it opens at this forward: made now, handed to the window
+            other = self._other[window] = self._window_tensors(microbatch, not self.predict_feedback)
+        elif entry.other is not None or entry.tensors is None:
+            other = entry.other
+        else:  # opened before the first probe: made from the state now
+            other = entry.other = self._window_tensors(microbatch, not self.predict_feedback)
+        if other is None:  # an unpredicted window: both choices run on its version
+            other = list(self.weights_of(entry.version).values()) if entry is not None else [p for _, p in self.named]
+        # copies: the probe takes its differences in them
+        return {self.VARIANT[self.predict_feedback]: [t.detach().clone() for t in other]}
 
     def forward_weights(self, microbatch: int) -> WeightUse:
         entry = self._open(microbatch)
