@@ -223,10 +223,9 @@ SUITES["feedback"] = {
     "planner": "feedback",
     "tasks": {**copy.deepcopy(STUDY2_SUITES["default"]["tasks"]),
               "translation": copy.deepcopy(SUITES["translation"]["tasks"]["translation"])},
-    # the rows it reads: issue 23's (the references), issue 38's with its image arm (read from
-    # the pending file too until it merges: the same rows), issue 41's translation cell
+    # the rows it reads: issue 23's (the references), issue 38's with its image arm, issue 41's
+    # translation cell
     "prior": [str(RESULTS / "study3" / "runs.jsonl"), str(RESULTS / "study3-delay_fixes" / "runs.jsonl"),
-              str(RESULTS / "study3-delay_fixes" / "image_arm_pending.jsonl"),
               str(RESULTS / "study3-translation" / "runs.jsonl")],
     # the translation cell's budgets (the other cells': study/results/study3/times.json)
     "translation_times": str(RESULTS / "study3-translation" / "times.json"),

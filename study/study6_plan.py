@@ -55,15 +55,15 @@ CUT = "cut to fit the budget"
 
 
 def inputs(suite: Dict[str, Any], times: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-    """(the times of every cell, the translation cell's merged in and the variants aliased; the
-    earlier arms' rows, by key)."""
+    """(the times of every cell, the translation cell's merged in and the variants aliased, as
+    the planner and each run's seconds per mini-batch read them; the earlier arms' rows, by key)."""
     translation = read_times(Path(suite["translation_times"]))
     merged = copy.deepcopy(times)
     merged.setdefault("cells", {}).update(copy.deepcopy(translation.get("cells", {})))
     prior: Dict[str, Dict[str, Any]] = {}
     for path in suite["prior"]:
         prior.update(load_rows(Path(path)))
-    return merged, prior
+    return aliased(merged), prior
 
 
 def aliased(times: Dict[str, Any]) -> Dict[str, Any]:

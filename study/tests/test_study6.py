@@ -148,3 +148,17 @@ def test_over_budget_the_last_runs_are_cut_first(suite, prior, capsys):
     study6_plan.print_cuts(runs)
     out = capsys.readouterr().out
     assert out.startswith(f"cut: {len(cut)} runs") and "image adamw pipeoptim-2bw+ef+aware N=8 lr 0.002 seed 2" in out
+
+
+def test_every_planned_run_has_the_seconds_per_batch_its_worker_reads():
+    """The times a worker hands each run (study3.execute -> seconds_per_batch) are the planner's:
+    every variant planned, ``+ef`` and ``+ef+aware`` included, has pipeoptim-2bw's s_m."""
+    from study.study3_times import TIMES, read_times, seconds_per_batch
+
+    suite = study3_suite.SUITES["feedback"]
+    times, prior = study6_plan.inputs(suite, read_times(TIMES))
+    runs = study6_plan.plan_runs(suite, {}, times, prior)
+    assert {r.variant for r in runs} >= {EF, AWARE}
+    for run in runs:
+        base = seconds_per_batch(times, run.task, run.optimizer, run.stages, "pipeoptim-2bw")
+        assert seconds_per_batch(times, run.task, run.optimizer, run.stages, run.variant) == base
