@@ -23,6 +23,8 @@ DIFFERENCES: Dict[Tuple[str, str], str] = {
     ("--stages", "compare"): "the --partition's",
     # bench: one process per stage, each on a core of its own
     ("--stages", "bench"): "a core of its own",
+    # schedule: with --from-csv the file's ranks (a --stages given must agree with them), else 4
+    ("--stages", "schedule"): "the file's",
     # bench times the same number of mini-batches in every run; plan predicts an epoch, schedule
     # shows a number that depends on the schedule
     ("--batches", "bench"): "not an epoch",

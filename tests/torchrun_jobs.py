@@ -9,9 +9,11 @@ Each SCRIPT (a path, or ``-m MODULE``) runs as ``__main__`` with ``sys.argv = [S
 this process, after the ones before it: its Pipelines join the job as a script's second Pipeline
 does, and like a script's they are torn down at the exit (their ``atexit``). What it prints to
 stdout on each rank comes out after it as JSON lines ``{"job": NAME, "rank": RANK, "line": LINE}``,
-each one write (the ranks share torchrun's stdout), then ``{"job": NAME, "rank": RANK, "done":
-true, "cpu": SECONDS}`` (the script's CPU time on that rank; at the exit, job ``(exit)``: the
+then ``{"job": NAME, "rank": RANK, "done": true, "cpu": SECONDS}`` (the script's CPU time on that rank; at the exit, job ``(exit)``: the
 Pipelines' teardowns'). A script that raises ends the job: the scripts after it print nothing.
+Each rank writes its lines to a file of its own in the folder ``TORCHRUN_JOBS_OUT`` names (stdout
+without it): on the stdout the ranks share, a line longer than the pipe's atomic write (4 KiB; a
+row of losses is longer) could be cut by another rank's, and a line lost so fails a test.
 
 ``--preload``: modules imported before any script, and then, with everything else alive at that
 point, left out of the cyclic garbage collector (``gc.freeze``). Each Pipeline's teardown runs a
@@ -34,6 +36,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -47,7 +50,15 @@ def cpu() -> float:
 
 
 def emit(row: dict) -> None:
-    os.write(1, (json.dumps(row) + "\n").encode())
+    """One line of this rank's: to its own file under ``TORCHRUN_JOBS_OUT`` (else to stdout)."""
+    folder = os.environ.get("TORCHRUN_JOBS_OUT")
+    line = json.dumps(row) + "\n"
+    if folder is None:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        return
+    with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as out:
+        out.write(line)
 
 
 def run_script(script: str, args: Sequence[str], job: Optional[str] = None) -> str:
@@ -120,12 +131,13 @@ def env() -> Dict[str, str]:
 class Printed:
     """What one job of :func:`launch` printed, by script: ``lines(name)``, ``rows(name)``."""
 
-    def __init__(self, done: subprocess.CompletedProcess, nproc: int) -> None:
+    def __init__(self, done: subprocess.CompletedProcess, nproc: int, lines: str = "") -> None:
+        """``lines``: the ranks' files of JSON lines, one after the other (with the job's stdout)."""
         self.nproc, self.returncode, self.stdout, self.stderr = nproc, done.returncode, done.stdout, done.stderr
         self.printed: Dict[str, List[dict]] = {}
         self.finished: Dict[str, set] = {}
         self.cpu: Dict[str, float] = {}  #: CPU seconds of each script, every rank's together
-        for line in done.stdout.splitlines():
+        for line in (lines + done.stdout).splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
@@ -165,16 +177,19 @@ def launch(jobs: Dict[str, Sequence], nproc: int, preload: Sequence[str] = (), t
     argv: List[str] = ["--preload", ",".join(preload)] if preload else []
     for i, (name, (script, *args)) in enumerate(jobs.items()):
         argv += [*(["---"] if i else []), name, str(script), *map(str, args)]
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), str(HERE / "torchrun_jobs.py"), *argv], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env(), cwd=HERE.parent, start_new_session=True)
-    try:
-        out, err = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the launcher and its workers: their own process group
-        os.killpg(job.pid, signal.SIGKILL)
-        out, err = job.communicate()
-        err += f"\n(the job was killed after {timeout} s)"
-    return Printed(subprocess.CompletedProcess(job.args, job.returncode, out, err), nproc)
+    with tempfile.TemporaryDirectory(prefix="torchrun-jobs-") as folder:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                str(nproc), str(HERE / "torchrun_jobs.py"), *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**env(), "TORCHRUN_JOBS_OUT": folder},
+                               cwd=HERE.parent, start_new_session=True)
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # the launcher and its workers: their own process group
+            os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate()
+            err += f"\n(the job was killed after {timeout} s)"
+        lines = "".join(path.read_text() for path in sorted(Path(folder).glob("rank*.jsonl")))
+    return Printed(subprocess.CompletedProcess(job.args, job.returncode, out, err), nproc, lines)
 
 
 def run_here(script, *args) -> str:

@@ -287,7 +287,9 @@ OPTIONS: Tuple[Option, ...] = (
            "only as lr*Delta differs from the step just applied, u_(t-1): a schedule's lr change, decoupled "
            "decay); off by default: the study's error-feedback rows ran without it, and it has not shown at "
            "equal time that it helps", "method",
-           Flag("switch", group=CORRECTIONS)),
+           Flag("switch", group=CORRECTIONS, help="with --error-feedback (pipeoptim-2bw): the prediction "
+                "extrapolates the update the weights will receive, the optimizer's step and the feedback's "
+                "term; off by default: it has not shown at equal time that it helps")),
     Option("sync_warmup", "int", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------

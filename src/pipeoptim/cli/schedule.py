@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "Pipeline(schedule=FILE) checks it; its ranks and micro-batches are the file's")
     parser.add_argument("--stages", "-N", metavar="N", default=None,
                         help="pipeline stages, one per rank (ranks for interleaved-1f1b, zb-v, "
-                             "bidirectional and bitpipe, which put several stages on a rank); default 4")
+                             "bidirectional and bitpipe, which put several stages on a rank); default 4 (with "
+                             "--from-csv, the file's)")
     parser.add_argument("--micro-batches", "-M", metavar="M", default=None,
                         help="micro-batches per mini-batch, i.e. per update. Default: the "
                              "method's own (gpipe, 1f1b-flush, zb-h1, pipedream-2bw, pipeoptim-2bw: N; xpipe: 2; "
