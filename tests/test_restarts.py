@@ -141,36 +141,52 @@ def test_each_join_gets_a_number_of_its_own_though_the_store_holds_an_earlier_st
     assert numbers[1] > numbers[0] >= 1
 
 
-def test_pipeoptim_train_under_torchrun_restarts_continues_by_itself(made_up_images, tmp_path):
-    """The command line's one command for the first start and every restart (``--resume --out RUN``)
-    under ``torchrun --max-restarts 1``: a stage killed after the first checkpoint, the job continues
-    from the newest one by itself, to the losses of the same run in one process (to 1e-5: the stage
-    processes sum in other orders)."""
+def test_pipeoptim_train_under_torchrun_restarts_continues_by_itself_and_on_fewer_processes(made_up_images, tmp_path):
+    """The command line's one command for the first start and every restart (``--resume --out RUN``,
+    ``--stages 2`` and no ``--data-parallel``) under ``torchrun --max-restarts 1`` on 4 processes (2
+    stages x 2 replicas): a stage killed after the first checkpoint, the job continues from the newest
+    one by itself; killed again after a later one, with no restart left, the job ends, and the same
+    command on 2 processes continues it with one replica. Losses: those of the same run in one
+    process (to 1e-5: the stage processes sum in other orders)."""
     from pipeoptim.cli import main
 
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as err:
-        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
-                                "--nproc-per-node", "2", "-m", "pipeoptim", *CLI, "--runtime", "distributed", "--out",
-                                str(tmp_path / "run"), "--resume"], stdout=subprocess.PIPE, stderr=err, text=True,
-                               env=_env(), cwd=REPO, start_new_session=True)
-        try:
-            while not (tmp_path / "run" / "checkpoints" / "latest.json").exists():
-                assert job.poll() is None, log.read_text()[-4000:]
-                time.sleep(0.01)
-            os.kill(max(children(job.pid)), signal.SIGKILL)
-            out, _ = job.communicate(timeout=300)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
+    run, log = tmp_path / "run", tmp_path / "torchrun.log"
+    latest = run / "checkpoints" / "latest.json"
+
+    def torchrun(nproc: int, kills: int) -> tuple:
+        """The command on NPROC processes; a stage SIGKILLed after each of the first KILLS new checkpoints."""
+        with open(log, "a") as err:
+            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
+                                    "1", "--nproc-per-node", str(nproc), "-m", "pipeoptim", *CLI, "--runtime",
+                                    "distributed", "--out", str(run), "--resume"], stdout=subprocess.PIPE, stderr=err,
+                                   text=True, env=_env(), cwd=REPO, start_new_session=True)
+            try:
+                seen = None
+                for _ in range(kills):
+                    while not latest.exists() or latest.read_text() == seen:
+                        assert job.poll() is None, log.read_text()[-4000:]
+                        time.sleep(0.01)
+                    seen = latest.read_text()
+                    os.kill(max(children(job.pid)), signal.SIGKILL)
+                out, _ = job.communicate(timeout=300)
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+        return job.returncode, out
+
+    code, _ = torchrun(4, kills=2)
+    assert code != 0, log.read_text()[-4000:]  # the second kill ends it: no restart left
+    code, out = torchrun(2, kills=0)
     stderr = log.read_text()
-    assert job.returncode == 0, stderr[-4000:]
+    assert code == 0, stderr[-4000:]
     lines = said(stderr)
-    assert lines[0] == f"pipeoptim: no checkpoint in {tmp_path / 'run' / 'checkpoints'} yet: training from the beginning"
-    assert any(line.startswith(f"pipeoptim: torchrun restart 1 of at most 1: resumed from {tmp_path / 'run'}")
-               and line.endswith("(2 stages on 2 processes)") for line in lines), lines
+    assert lines[0] == f"pipeoptim: no checkpoint in {run / 'checkpoints'} yet: training from the beginning"
+    assert any(line.startswith(f"pipeoptim: torchrun restart 1 of at most 1: resumed from {run}")
+               and line.endswith("(2 stages x 2 replicas on 4 processes)") for line in lines), lines
+    assert lines[-1].startswith(f"pipeoptim: resumed from {run}") and lines[-1].endswith(
+        "; written by 2 stages x 2 replicas on 4 processes, now 2 stages on 2 processes"), lines
     assert main([*CLI, "--out", str(tmp_path / "alone")]) == 0
     alone = json.loads((tmp_path / "alone" / "summary.json").read_text())["losses"]
-    restarted = json.loads(out)["losses"]
-    assert len(restarted) == len(alone) == 60
-    assert np.allclose(restarted, alone, rtol=1e-5, atol=1e-6)  # (the made-up images are learned: losses reach 0)
+    shrunk = json.loads(out)["losses"]
+    assert len(shrunk) == len(alone) == 60
+    assert np.allclose(shrunk, alone, rtol=1e-5, atol=1e-6)  # (the made-up images are learned: losses reach 0)
