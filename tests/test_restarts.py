@@ -131,10 +131,15 @@ def test_an_asynchronous_run_continued_with_fewer_replicas_stays_as_close_as_its
     one, two, shrunk = result(tmp_path, "async-one"), result(folder, "async-two"), result(folder, "async-shrink")
     assert (one["replicas"], two["replicas"], shrunk["replicas"]) == (1, 2, 1)
     assert shrunk["losses"][:8] == two["losses"][:8] and len(shrunk["losses"]) == 16
-    apart = lambda run, start=0: max(abs(x - y) for x, y in zip(run["losses"][start:], one["losses"][start:]))  # noqa: E731
+
+    def apart(run, start=0):
+        return max(abs(x - y) for x, y in zip(run["losses"][start:], one["losses"][start:]))
+
     assert 0 < apart(shrunk, 8) <= apart(two, 8) and apart(shrunk) <= apart(two)
-    weights = lambda run: max(float(np.abs(np.subtract(run["weights"][k], one["weights"][k])).max())  # noqa: E731
-                              for k in one["weights"])
+
+    def weights(run):
+        return max(float(np.abs(np.subtract(run["weights"][k], one["weights"][k])).max()) for k in one["weights"])
+
     assert weights(shrunk) <= 1.1 * weights(two)
 
 

@@ -349,7 +349,8 @@ def schedule_digest(schedule: Any) -> str:
     SHA-256 of its actions rank by rank, its placement, pipelines, micro-batches per update and
     paired forwards and backwards; not its name (a file's path, say), which changes nothing run."""
     text = json.dumps({"orders": [[str(a) for a in order] for order in schedule.orders],
-                       "stage_to_rank": list(schedule.stage_to_rank), "pipelines": [list(p) for p in schedule.pipelines],
+                       "stage_to_rank": list(schedule.stage_to_rank),
+                       "pipelines": [list(p) for p in schedule.pipelines],
                        "microbatches_per_update": schedule.microbatches_per_update,
                        "pairs": sorted(f"{f};{b}" for f, b in schedule.pairs.items())}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
