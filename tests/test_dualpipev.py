@@ -158,6 +158,42 @@ def test_a_hand_written_csv_and_a_schedule_object_run_through_the_pipeline(tmp_p
     assert report["makespan"] == 17
 
 
+
+def test_a_schedule_runs_checkpoint_resumes_with_that_schedule_only(tmp_path):
+    """A checkpoint of a ``schedule=`` run records its actions' digest (not its name): a resume with
+    another schedule, or with the method's own, is refused naming the fix; with the same actions (a
+    Schedule object read from the file) it reaches the uninterrupted run's losses."""
+    from pipeoptim.checkpoint import schedule_digest
+    from pipeoptim.errors import CheckpointError
+
+    mine = tmp_path / "mine.csv"
+    mine.write_text("0F0,0F1,,0I0,0F2,0W0,0B1,,0B2\n,1F0,1B0,1F1,(1F2;1B1)OVERLAP_F_B,,1B2\n")
+    other = _write(tmp_path / "other.csv", [["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"],
+                                              ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]])
+
+    def run(folder, **kw):
+        torch.manual_seed(123)
+        return _train(data=8, epochs=2, checkpoint_dir=folder, checkpoint_every=3, **kw)
+
+    expected = run(tmp_path / "full", schedule=mine).losses
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", schedule=mine, on_batch=crash_at(11))
+    digest = schedule_digest(csv_io.read_csv(mine, add_updates=True))
+    store = tmp_path / "cut"
+    newest = store / json.loads((store / "latest.json").read_text())["checkpoint"]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["schedule"] == digest and manifest["method"] == "zb-h1"
+    fix = "resume with the schedule that wrote it, or give another checkpoint_dir to train from the beginning"
+    theirs = schedule_digest(csv_io.read_csv(other, add_updates=True))
+    with pytest.raises(CheckpointError, match=re.escape(f"the schedule= whose actions' digest is {digest[:12]} wrote "
+                                                        f"it, but this run has the schedule= whose actions' digest "
+                                                        f"is {theirs[:12]}: {fix}")):
+        run(tmp_path / "cut", schedule=other, resume=True)
+    with pytest.raises(CheckpointError, match=re.escape(f"this run has zb-h1's own schedule (no schedule=): {fix}")):
+        run(tmp_path / "cut", method="zb-h1", stages=2, micro_batches=3, resume=True)
+    again = csv_io.read_csv(mine, name="renamed", add_updates=True)
+    assert run(tmp_path / "cut", schedule=again, resume=True).losses == expected and len(expected) == 16
+
 REFUSED = [
     ("0B0,0F0\n,1F0,1B0\n", "rank 0 runs 0B0 before 0F0"),
     ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlocks: 0B0 waits for 1B0; 1F1 waits for 0F1"),

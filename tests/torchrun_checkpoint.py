@@ -4,7 +4,7 @@ in RUN (starting fresh when there is none); rank 0 writes RUN/result.json at the
 
     script RUN [BATCHES] [EPOCHS] [DELAY_S] [METHOD] [STOP_AFTER] [LAYOUT] [BACKGROUND]
 
-METHOD (default pipeoptim; ``interleaved``: 2 chunks per process; ``bitpipe``: 4 pieces); STOP_AFTER: every process
+METHOD (default pipeoptim; ``interleaved``, ``zb-v``, ``dualpipev``: 2 chunks per process; ``bitpipe``: 4 pieces); STOP_AFTER: every process
 ends at once (``os._exit(3)``) after that many mini-batches, as a crash would, for a resume that
 starts mid-epoch from the last checkpoint ("-": never). LAYOUT ``NxD``, ``s`` appended for
 sharded (default ``2x1``): N stages x D replicas (N x D processes), each replica training on its
@@ -46,7 +46,7 @@ g = torch.Generator().manual_seed(1)
 data = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(batches)]
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
-if method in ("interleaved", "bitpipe"):  # 4 pieces need 4 layers with parameters
+if method in ("interleaved", "zb-v", "dualpipev", "bitpipe"):  # 4 pieces need 4 layers with parameters
     model = nn.Sequential(*model[:5], nn.Linear(32, 32), nn.Tanh(), model[5])
 pipe = pipeoptim.Pipeline(model, method=method, stages=stages, loss_fn=nn.functional.cross_entropy, timeout=60,
                           optimizer=lambda p: torch.optim.Adam(p, lr=3e-3),

@@ -10,7 +10,8 @@ makes, each training on its share of every whole mini-batch), in RUN/NAME, one a
 (a run already finished resumes at its end and does nothing). FLAGS, any of ``s`` (each stage
 sharded over its replicas, ``shard_replicas``), ``b`` (checkpoints written in the background,
 ``async_checkpoint``), ``d`` (dropout), ``w`` (each rank sleeps 0.25 s per loss: a run slow enough
-for benchmarks/chaos.py to kill at a random moment); ``-`` for none. KILL ``R/RANK/AFTER``: in the job's start
+for benchmarks/chaos.py to kill at a random moment), ``h`` (the first epoch only: a job that ends
+there, its run continued by a later job without ``h``); ``-`` for none. KILL ``R/RANK/AFTER``: in the job's start
 R (``TORCHELASTIC_RESTART_COUNT``), rank RANK kills itself with SIGKILL once it has seen AFTER
 losses; ``-``: never. Rank 0 writes RUN/NAME/result.json (losses, weights) at each run's end.
 """
@@ -56,7 +57,7 @@ def train(folder: Path, method: str, flags: str, kill: str) -> dict:
     try:
         d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
         own = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in data]
-        result = pipe.fit(own, epochs=EPOCHS, checkpoint_dir=folder / "checkpoints", checkpoint_every=EVERY,
+        result = pipe.fit(own, epochs=1 if "h" in flags else EPOCHS, checkpoint_dir=folder / "checkpoints", checkpoint_every=EVERY,
                           resume=True, on_batch=on_batch, async_checkpoint="b" in flags)
         return {"losses": result.losses, "weights": {k: v.tolist() for k, v in pipe.model().state_dict().items()},
                 "replicas": replicas, "rank": pipe.rank}

@@ -8,7 +8,8 @@ version, the predictor's directions, ``delta="ema"``'s averages; the format of
 :mod:`pipeoptim.runtime.named_state`), a sharded stage's tensors as shards. So it loads into any
 layout of the same model, torch resharding what it reads (:func:`load_state`): other stages,
 other replicas, sharded or not, one process. A ``manifest.json`` written last records the
-method, options, the data position and the SHA-256 of every file; ``latest.json`` in the
+method (and a user's own schedule's digest, :func:`schedule_digest`), options, the data position
+and the SHA-256 of every file; ``latest.json`` in the
 checkpoint folder names the newest complete checkpoint (a crash mid-write leaves the previous
 one named). Its ``model`` entries are the model's ``state_dict``: torch's own
 ``dcp_to_torch_save`` turns a checkpoint into one ``torch.save`` file whose ``["model"]`` loads
@@ -333,9 +334,32 @@ def read_manifest(folder: Path, expect: Optional[Dict[str, Any]] = None) -> Dict
                               f"(torch's distributed checkpoint): resume it with the pipeoptim that wrote it, "
                               f"or start the run again")
     for key, value in (expect or {}).items():
+        if key == "schedule" and manifest.get(key) != value:
+            raise CheckpointError(f"{path}: {_schedule_words(manifest.get(key), manifest.get('method'))} wrote it, "
+                                  f"but this run has {_schedule_words(value, expect.get('method'))}: resume with "
+                                  f"the schedule that wrote it, or give another checkpoint_dir to train from the "
+                                  f"beginning")
         if manifest.get(key) != value:
             raise CheckpointError(f"{path}: {key} is {manifest.get(key)!r} but this run has {value!r}")
     return manifest
+
+
+def schedule_digest(schedule: Any) -> str:
+    """The identity a checkpoint records of a user's schedule (``Pipeline(schedule=...)``): the
+    SHA-256 of its actions rank by rank, its placement, pipelines, micro-batches per update and
+    paired forwards and backwards; not its name (a file's path, say), which changes nothing run."""
+    text = json.dumps({"orders": [[str(a) for a in order] for order in schedule.orders],
+                       "stage_to_rank": list(schedule.stage_to_rank),
+                       "pipelines": [list(p) for p in schedule.pipelines],
+                       "microbatches_per_update": schedule.microbatches_per_update,
+                       "pairs": sorted(f"{f};{b}" for f, b in schedule.pairs.items())}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _schedule_words(digest: Optional[str], method: Optional[str]) -> str:
+    if digest is None:
+        return f"{method}'s own schedule (no schedule=)"
+    return f"the schedule= whose actions' digest is {digest[:12]}"
 
 
 def prune(root: Path, keep: int = 2) -> None:

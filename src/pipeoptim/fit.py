@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .batches import loader_item
-from .checkpoint import set_rng_state
+from .checkpoint import schedule_digest, set_rng_state
 from .checks import check_loader
 from .config import FitConfig
 from .runtime.microbatch import batch_size
@@ -65,6 +65,8 @@ class FitRun:
         check_loader(self.num_batches)
         self.segment, self.run_info = checkpoint_settings(pipe.spec, self.num_batches, settings.checkpoint_every,
                                                           settings.eval_every)
+        # a user's own schedule (None: the method's): a resume must run the same one
+        self.run_info["schedule"] = schedule_digest(pipe.method.order) if pipe.method.order is not None else None
         self.epoch_metrics: List[Dict[str, Any]] = []
         self.evaluations: List[Dict[str, Any]] = []
         self.seconds_before = 0.0       #: training time of the run before its checkpoint (after a resume)

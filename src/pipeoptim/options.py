@@ -371,7 +371,8 @@ OPTIONS: Tuple[Option, ...] = (
                 help="continue the run in RUN_DIR, with its settings, from its newest whole checkpoint, to the "
                 "losses of an uninterrupted run; without RUN_DIR, continue the run in --out if it has a "
                 "checkpoint, else start it there (one command line for the first start and every restart, "
-                "e.g. under torchrun --max-restarts)")),
+                "e.g. under torchrun --max-restarts; a job re-formed on fewer processes keeps the stages and "
+                "continues with fewer replicas, unless the run was given --data-parallel)")),
     Option("continuous", "bool", False, "every epoch in one schedule, no drain between epochs (asynchronous "
            "methods; evaluation only at the end)", "fit", Flag("switch")),
 )

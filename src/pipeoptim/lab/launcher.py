@@ -23,9 +23,14 @@ file into ``RUN/checkpoints/...`` and rank 0 the manifest, so the run folder mus
 from every rank (one machine, or a shared file system).
 
 Under torchrun yourself, as with any PyTorch job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT come from torchrun; the world size is the number of stages)::
+MASTER_PORT come from torchrun; the world size is the stages times the replicas: without
+``--data-parallel``, the replicas the world over ``--stages``)::
 
     torchrun --nproc-per-node 4 -m pipeoptim train --runtime distributed --stages 4 ...
+
+With ``--resume --out RUN`` the one command line serves the first start and every restart
+(``torchrun --max-restarts K``); a job re-formed on fewer processes (``--nnodes MIN:MAX``)
+continues the run's stages with fewer replicas, unless the run was given ``--data-parallel``.
 
 Several machines: the same command on every node, with torchrun's rendezvous flags, e.g. two
 nodes of two stages each (stage k runs on global rank k; ranks fill node 0 first)::
@@ -106,7 +111,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
     opts["resume"] = resume is not None
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world))
+        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume))
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(f"{cfg.method}-N{world}")
@@ -129,23 +134,36 @@ def stage_count(cfg) -> int:
     return run_layout(cfg).processes
 
 
-def job_stages(cfg, world: int) -> int:
-    """The stages of ``cfg`` in the user's own torchrun job of ``world`` processes: one stage per
-    process. Without ``--stages`` (and no ``--partition``) the job's size sets them; refused,
-    with the fix, where the job holds another number of stages."""
-    if not _stages_given() and cfg.partition is None and cfg.method != "sequential":
+def job_stages(cfg, world: int, resumed: Optional[Path] = None) -> int:
+    """The stages of ``cfg`` in the user's own torchrun job of ``world`` processes, placed as the
+    engine places a Pipeline there (:func:`~pipeoptim.runtime.layout.plan_layout`): the stages
+    fixed (``--stages``; a run ``resumed`` from its folder keeps its own), the replicas the world
+    over the stages, unless ``--data-parallel`` is given (or recorded by the run), which the job
+    must then hold exactly. So a job re-formed on fewer processes continues with fewer replicas.
+    A new run without ``--stages`` (and no ``--partition``) takes the world over the replicas.
+    Refused, with the fix, where the job cannot hold the stages or the replicas given."""
+    if resumed is None and not _stages_given() and cfg.partition is None and cfg.method != "sequential":
         cfg = dataclasses.replace(cfg, stages=world // (cfg.data_parallel or 1))
-    layout = run_layout(cfg)
-    if layout.processes != world:
-        given = "sequential" if cfg.method == "sequential" else \
-            f"--partition {','.join(map(str, cfg.partition))}" if cfg.partition is not None else f"--stages {cfg.stages}"
-        replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
-        raise ValueError(f"{given}{replicas} runs {layout.processes} stage process{'es' if layout.processes != 1 else ''} "
-                         f"but the world size is {world}: start one process per stage of each replica "
-                         f"(torchrun --nproc-per-node {layout.processes})"
-                         + (f", or add --data-parallel {world // layout.processes}"
-                            if layout.replicas == 1 and world % layout.processes == 0 else ""))
-    return layout.stages
+    n = run_layout(dataclasses.replace(cfg, data_parallel=None)).processes  # one replica's processes
+    replicas = cfg.data_parallel
+    if world % n == 0 and (replicas is None or replicas * n == world):
+        return n
+    given = "sequential" if cfg.method == "sequential" else \
+        f"--partition {','.join(map(str, cfg.partition))}" if cfg.partition is not None else f"--stages {cfg.stages}"
+    if resumed is not None:
+        given = f"the run in {resumed} ({given}"
+        given += f" --data-parallel {replicas})" if replicas is not None else ")"
+    each = f"{n} stage process{'es' if n != 1 else ''}"
+    if world % n:
+        raise ValueError(f"{given} runs {each} per replica but the world size is {world}: start a multiple of "
+                         f"{n} processes, one per stage of each replica (torchrun --nproc-per-node {n}"
+                         + (f" or {n * (world // n)}" if world >= 2 * n else "") + ")")
+    drop = f"set \"data_parallel\": null in {resumed / 'config.json'}" if resumed is not None else \
+        "leave out --data-parallel"
+    raise ValueError(f"{given}{'' if resumed is not None else f' --data-parallel {replicas}'} runs {each} x "
+                     f"{replicas} replicas but the world size is {world}: start {n * replicas} processes "
+                     f"(torchrun --nproc-per-node {n * replicas}), or {drop}, so that the replicas follow the "
+                     f"world size ({world // n} here)")
 
 
 def torchrun_env(threads: Optional[int]) -> Dict[str, str]:

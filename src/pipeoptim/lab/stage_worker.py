@@ -88,6 +88,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 
     init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
+    replicas = dist.get_world_size() // (cfg.stages or 1)  # a user's torchrun: the world over the stages
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
 
     def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
@@ -95,7 +96,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         write_status(out, rank, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
         if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
-            print(f"pipeoptim train: {rank_name(rank, cfg.stages, cfg.data_parallel or 1)}): error: {error} ({where})",
+            print(f"pipeoptim train: {rank_name(rank, cfg.stages, replicas)}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
 

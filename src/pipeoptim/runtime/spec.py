@@ -65,7 +65,8 @@ def resolve(model: nn.Sequential, *, method: Union[str, Method], stages: Optiona
 
 
 #: what a resumed run must share with the run that wrote the checkpoint
-RESUME_MATCHES = ("method", "options", "batches_per_epoch", "segment", "eval_every")
+RESUME_MATCHES = ("method", "options", "batches_per_epoch", "segment", "eval_every",
+                  "schedule")  # (a user's own schedule's digest, checkpoint.schedule_digest: added by fit)
 
 
 def checkpoint_settings(spec: RunSpec, num_batches: int, checkpoint_every: Optional[int],
