@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state_names import with_aliases
+from .state_names import StateNames
 from .methods import Method
 from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
@@ -34,7 +34,7 @@ from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.pipelined_forward import scored_forward
 from .runtime.replicas import replica_pair_groups
-from .runtime.segment import ScheduleFor, add_halves
+from .runtime.segment import ScheduleFor, float_sum
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
 from .runtime.tied import connect_exchanges
@@ -306,7 +306,7 @@ class Torchrun:
         own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
-        model.load_state_dict(with_aliases(model, merged))
+        model.load_state_dict(StateNames(model).complete(merged))
 
     def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
                        evaluate: Callable[[nn.Module], float]) -> float:
@@ -377,7 +377,7 @@ class Torchrun:
         if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
             parts = gather_all(losses, self.comm, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
-            return [add_halves([a, b]) for a, b in zip(first, second)]
+            return [float_sum([a, b]) for a, b in zip(first, second)]
         if self.is_last:
             losses = self._replica_mean(losses, "averaging the losses over the replicas")
         return broadcast(losses if self.is_last else None, self.comm, self.last_rank,

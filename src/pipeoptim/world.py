@@ -28,7 +28,7 @@ from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
 from .runtime.forward_only import ForwardOnly, Scores
-from .runtime.local import LocalExecutor
+from .runtime.executor import Executor, Mailbox
 from .runtime.microbatch import batch_size
 from .runtime.segment import ScheduleFor
 from .runtime.spec import RESUME_MATCHES
@@ -188,9 +188,9 @@ class LocalWorld:
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float],
-                 forward_only: Optional[ForwardOnly] = None) -> LocalExecutor:
-        return LocalExecutor(stages, schedule_for, expected=expected, trace_offset=trace_offset,
-                             clip_global=clip_global, forward_only=forward_only)
+                 forward_only: Optional[ForwardOnly] = None) -> Executor:
+        return Executor(stages, Mailbox(), schedule_for, expected=expected, trace_offset=trace_offset,
+                        clip_global=clip_global, forward_only=forward_only)
 
     def agree(self, value: T, what: str) -> T:
         return value

@@ -139,7 +139,7 @@ class WindowLosses(dict):
         if self.halves is not None and len(ordered) == self.microbatches:  # both pipelines here
             first = [loss for i, loss in ordered if i % self.microbatches < self.halves]
             second = [loss for i, loss in ordered if i % self.microbatches >= self.halves]
-            parts = [add_halves([_float_sum(first), _float_sum(second)])]
+            parts = [float_sum([float_sum(first), float_sum(second)])]
         else:
             parts = [loss for _, loss in ordered]
         on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
@@ -153,7 +153,7 @@ class WindowLosses(dict):
                 event.record()
             self._ready.append((window, host, event))
             return
-        total = _float_sum(parts)
+        total = float_sum(parts)
         self[window] = total
         self._ready.append((window, None, None))
         if self.on_loss is not None:
@@ -169,19 +169,15 @@ class WindowLosses(dict):
                 if not wait and not event.query():
                     break
                 event.synchronize()
-                self[window] = _float_sum(host.tolist())
+                self[window] = float_sum(host.tolist())
             self._ready.pop(0)
             done.append((window, self[window]))
         return done
 
 
-def add_halves(halves: Sequence[float]) -> float:
-    """A bidirectional window's loss from its two pipelines' sums (first pipeline first)."""
-    return _float_sum(halves)
-
-
-def _float_sum(values: Sequence[Any]) -> float:
-    """The float sum of ``values``, in order."""
+def float_sum(values: Sequence[Any]) -> float:
+    """The float sum of ``values``, in order (a bidirectional window's loss: its two pipelines'
+    sums, the first pipeline's first)."""
     total = 0.0
     for value in values:
         total += float(value)
