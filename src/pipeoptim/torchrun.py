@@ -29,10 +29,9 @@ from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
-from .runtime.forward_only import ForwardOnly
+from .runtime.forward_only import ForwardOnly, scored_forward
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
-from .runtime.pipelined_forward import scored_forward
 from .runtime.replicas import replica_pair_groups
 from .runtime.segment import ScheduleFor, float_sum
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
@@ -415,8 +414,6 @@ class Torchrun:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
         summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored)
-        if count == 0:
-            raise ValueError("the evaluation loader yielded no mini-batches")
         total = 0.0
         if self.is_last:
             summed, count = self._replica_mean([summed, float(count)], "averaging the evaluation over the replicas")

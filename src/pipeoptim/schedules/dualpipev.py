@@ -36,7 +36,7 @@ from collections import deque
 from typing import Dict, List, Tuple
 
 from .actions import Action, Kind, Schedule, check_positive
-from .zbv import v_placement
+from .zbv import v_schedule
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 
@@ -119,15 +119,5 @@ def dualpipev(num_ranks: int, microbatches: int, batches: int = 1) -> Schedule:
     check_positive(stages=num_ranks, microbatches=microbatches, batches=batches)
     n, m = num_ranks, microbatches
     one = [_kept(*_rank_order(n, max(m, 2 * n), r), m) for r in range(n)]
-    orders: List[List[Action]] = [[] for _ in range(n)]
-    pairs: Dict[Action, Action] = {}
-    for t in range(batches):
-        base = t * m
-        for r, (order, rank_pairs) in enumerate(one):
-            orders[r] += [Action(s, kind, base + i) for s, kind, i in order]
-            orders[r] += [Action(s, Kind.U, t) for s in sorted((r, 2 * n - 1 - r))]
-            pairs.update({Action(f.stage, f.kind, base + f.index): Action(b.stage, b.kind, base + b.index)
-                          for f, b in rank_pairs.items()})
-    stages = 2 * n
-    return Schedule("dualpipev", stages, n, batches * m, m, orders, stage_to_rank=v_placement(n),
-                    pipelines=[list(range(stages))], synchronous=True, options={"chunks": 2}, pairs=pairs)
+    pairs = {f: b for _, rank_pairs in one for f, b in rank_pairs.items()}
+    return v_schedule("dualpipev", n, m, batches, [order for order, _ in one], pairs)

@@ -12,9 +12,10 @@ equals non-pipelined training. (torch's ``ScheduleZBVZeroBubble`` uses a hand-wr
 this one is derived, same placement.)"""
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .actions import Action, Kind, Schedule, check_positive
+from .concat import repeat
 
 
 def v_placement(num_ranks: int) -> List[int]:
@@ -73,14 +74,16 @@ def _one_batch(n: int, m: int) -> List[List[Tuple[int, Kind, int]]]:
 def zb_v(num_ranks: int, microbatches: int, batches: int = 1) -> Schedule:
     """ZB-V over ``num_ranks`` ranks (2N stages), ``microbatches`` per mini-batch."""
     check_positive(stages=num_ranks, microbatches=microbatches, batches=batches)
-    n, m = num_ranks, microbatches
-    one = _one_batch(n, m)
-    orders: List[List[Action]] = [[] for _ in range(n)]
-    for t in range(batches):
-        base = t * m
-        for r in range(n):
-            orders[r] += [Action(s, kind, base + i) for s, kind, i in one[r]]
-            orders[r] += [Action(s, Kind.U, t) for s in sorted((r, 2 * n - 1 - r))]
-    stages = 2 * n
-    return Schedule("zb-v", stages, n, batches * m, m, orders, stage_to_rank=v_placement(n),
-                    pipelines=[list(range(stages))], synchronous=True, options={"chunks": 2})
+    return v_schedule("zb-v", num_ranks, microbatches, batches, _one_batch(num_ranks, microbatches))
+
+
+def v_schedule(name: str, num_ranks: int, microbatches: int, batches: int, one: Sequence[Sequence[Tuple]],
+               pairs: Optional[Dict[Action, Action]] = None) -> Schedule:
+    """On the V placement, per rank its (stage, kind, micro-batch) of one mini-batch (``one``;
+    ``pairs`` among them) then its two stages' updates, for each of ``batches`` mini-batches."""
+    n = num_ranks
+    orders = [list(map(Action._make, order)) + [Action(s, Kind.U, 0) for s in sorted((r, 2 * n - 1 - r))]
+              for r, order in enumerate(one)]
+    return repeat(Schedule(name, 2 * n, n, microbatches, microbatches, orders, stage_to_rank=v_placement(n),
+                           pipelines=[list(range(2 * n))], synchronous=True, options={"chunks": 2},
+                           pairs=dict(pairs or {})), batches)
