@@ -219,9 +219,10 @@ class Torchrun:
             own, pipelines = self._replica_groups(count, replicas)
             self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
                                  placement=placement)
-        averager = self.gradient_averager() if stages[0].shards is None else None
+        if replicas > 1 and stages[0].shards is None:  # this stage's gradients, averaged over its replicas
+            self._averager = GradientAverager(self.stage_group, replicas, self.timeout)
         for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
-            stage.grad_sync = averager if stage.shards is None else stage.shards
+            stage.grad_sync = self._averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
         if self.mirrored:
@@ -351,12 +352,6 @@ class Torchrun:
     def partial_losses(self) -> bool:
         """A bidirectional run whose two pipelines end on two ranks: each of those holds halves."""
         return self.mirrored and self.placement[-1] != self.last_rank
-
-    def gradient_averager(self) -> Optional[GradientAverager]:
-        """What averages this stage's gradients over its replicas (None with one replica)."""
-        if self.replicas > 1:
-            self._averager = GradientAverager(self.stage_group, self.replicas, self.timeout)
-        return self._averager
 
     def _replica_mean(self, values: List[float], what: str) -> List[float]:
         """The mean over this stage's replicas of each value (floats, in float64)."""

@@ -1,5 +1,6 @@
-"""The segment an executor runs: the streamed horizon, the checks on a schedule, the global
-clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
+"""The segment an executor runs: the streamed horizon (:func:`next_horizon`), the checks on a
+schedule, the global clipping coefficient and the last stage's losses per mini-batch
+(:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains, run on orders built for a horizon past the
 mini-batches fed and drained on those for exactly the mini-batches fed (why that is exact:
@@ -65,48 +66,6 @@ def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -
     if expected is not None:
         return expected, False
     return max(fed + 1, 2 * horizon, 4), True
-
-
-class StreamedSegment:
-    """A segment's orders, built past the mini-batches fed (:func:`next_horizon`), then for
-    exactly those fed when the data ends; the subclass runs them (``_use`` takes a new schedule)."""
-
-    def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
-        self.schedule_for = schedule_for
-        self.expected = expected
-        self.schedule: Optional[Schedule] = None
-        self.horizon = 0          #: mini-batches the current orders are built for
-        self.fed_batches = 0
-        self.finished = False
-
-    def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        raise NotImplementedError
-
-    def _add_batch(self, microbatches: int) -> None:
-        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they must."""
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
-        if microbatches != self.schedule.microbatches_per_update:
-            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
-                             f"micro-batches, got {microbatches}")
-
-    def _final_orders(self) -> Optional[Schedule]:
-        """End the feeding; the orders for exactly the mini-batches fed (None: the current ones)."""
-        self.finished = True
-        if self.fed_batches and self.horizon != self.fed_batches:
-            return self.schedule_for(self.fed_batches)
-        return None
-
-    @staticmethod
-    def _check_prefix(name: str, who: str, order: Sequence[Any], done: Sequence[Any]) -> None:
-        """The streaming property every schedule must have: what ran starts the final orders."""
-        if list(order[:len(done)]) != list(done):
-            raise RuntimeError(f"schedule {name}: {who} ran {len(done)} actions that its final "
-                               f"orders do not start with")
 
 
 class WindowLosses(dict):

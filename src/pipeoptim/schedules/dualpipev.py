@@ -24,12 +24,9 @@ phases (the shape of torch's ``ScheduleDualPipeV``, which DeepSeek's open DualPi
 
 Each chunk takes its micro-batches in order, forwards and backwards alike, and a ``W`` runs the
 oldest pending one. A pair (``Schedule.pairs``, torch's ``OVERLAP_F_B``) names two independent
-passes on two chunks. On the CPU the executor runs the forward, then the backward: this order
-then trains exactly as zb-v's does, equal to sequential training. A GPU build would launch the
-two on two CUDA streams, the forward's compute hiding the backward's transfers (DeepSeek's
-all-to-all), at the one place the executor meets a pair: ``runtime/executor.Executor._walk``
-reaching a paired forward, both inputs received (lowering puts both receives before the pair).
-Each mini-batch ends with a flush and one update per stage."""
+passes on two chunks; the executor runs the forward, then the backward (where a GPU build would
+overlap them: ``runtime/executor.py``), so this order trains exactly as zb-v's does, equal to
+sequential training. Each mini-batch ends with a flush and one update per stage."""
 from __future__ import annotations
 
 from collections import deque
