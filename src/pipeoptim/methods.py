@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .schedules import Schedule, build_schedule
 from .schedules.concat import concatenate, repeat
 from .schedules.bidirectional import bidirectional_placement, bitpipe_placement
-from .schedules.zbv import v_placement
+from .schedules.v_shape import v_placement
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Method:
     #: rank (docs/architecture.md, "Chunks: several stages per process") and ``chunks=V`` applies
     chunks: int = 1
     #: where stage s of ranks x chunks lives (:meth:`stage_ranks`): "interleaved" (rank s mod N),
-    #: "v" (``schedules/zbv.v_placement``), "bidirectional" or "bitpipe" (``schedules/bidirectional.py``)
+    #: "v" (``schedules/v_shape.v_placement``), "bidirectional" or "bitpipe" (``schedules/bidirectional.py``)
     placement: str = "interleaved"
     #: the second half of the stages replicates the first half's model pieces: two pipelines of
     #: the same N pieces (stage N+j a replica of stage j) run in opposite directions, each

@@ -95,7 +95,7 @@ class Schedule:
     a stage accumulates before one update ``U``. ``synchronous`` is true when every forward of
     an update window runs on the same weights (a flush before each update). ``pairs`` maps a
     forward to the backward of another micro-batch that its rank runs together with it, right
-    after it in its order (torch's ``OVERLAP_F_B``; ``schedules/dualpipev.py``): both start once
+    after it in its order (torch's ``OVERLAP_F_B``; ``schedules/v_shape.py``): both start once
     the inputs of both are there.
     """
 
