@@ -15,12 +15,12 @@ interleaving that runs each action once its inputs exist gives the same numbers
 (docs/architecture.md, "Schedules as data").
 
 A forward paired with another micro-batch's backward (``Schedule.pairs``, torch's
-``OVERLAP_F_B``; ``schedules/v_shape.py``) is lowered as both receives, the forward, the
-backward, both sends; a receive of the pair waits, as the forward's own would, until the forward's
-micro-batch is fed. Here the forward runs, then the backward. A GPU build would overlap them at
-that point of :meth:`Executor._walk` (the ``F`` branch meeting a paired forward: both inputs are
-in the stores), launching the two passes on two CUDA streams so that one's compute hides the
-other's transfers (DualPipe's all-to-all); the numbers stay the same, the two being independent."""
+``OVERLAP_F_B``; ``schedules/v_shape.py``; lowered with both receives before it): a receive of
+the pair waits, as the forward's own would, until the forward's micro-batch is fed. Here the
+forward runs, then the backward. A GPU build would overlap them at that point of
+:meth:`Executor._walk` (the ``F`` branch meeting a paired forward: both inputs are in the
+stores), the two passes on two CUDA streams so that one's compute hides the other's transfers
+(DualPipe's all-to-all); the numbers stay the same, the two being independent."""
 from __future__ import annotations
 
 from dataclasses import replace
