@@ -7,7 +7,7 @@ import random
 import pytest
 from torch import nn
 
-from pipeoptim.partition import balanced, plan_partition, split, uniform, validate_partition, weighted_units
+from pipeoptim.partition import plan_partition, split, time_partition, uniform, validate_partition, weighted_units
 
 
 def brute_force(weights, stages):
@@ -26,7 +26,7 @@ def test_balanced_is_optimal_against_brute_force(seed):
     n = rng.randint(1, 12)
     stages = rng.randint(1, min(5, n))
     weights = [rng.randint(1, 100) for _ in range(n)]
-    sizes = balanced(weights, stages)
+    sizes = time_partition(weights, stages)
     assert len(sizes) == stages and sum(sizes) == n and min(sizes) >= 1
     bounds = [0] + list(itertools.accumulate(sizes))
     assert max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])) == brute_force(weights, stages)

@@ -457,11 +457,11 @@ def test_after_each_mini_batch_every_stage_has_run_all_it_can(method):
     """After a feed, each stage stands at its first forward of a micro-batch not fed yet: what it
     ran needs nothing beyond the data fed, so one process per stage can stream without waiting
     on a peer that has not been fed."""
-    from pipeoptim.runtime.local import LocalExecutor
+    from pipeoptim.runtime.executor import Executor, Mailbox
 
     pipe = Pipeline(mlp(), method=method, stages=4, loss_fn=LOSS, optimizer=sgdm)
     m = pipe.microbatches
-    executor = LocalExecutor(pipe.stages, pipe._schedule_for)
+    executor = Executor(pipe.stages, Mailbox(), pipe._schedule_for)
     for t, (x, y) in enumerate(data(7)):
         executor.feed(split_batch(x, y, m))
         for k, order in enumerate(executor.schedule.orders):

@@ -110,6 +110,15 @@ def check_model(model: Any) -> None:
                          f"forward torch.export can trace), got {type(model).__name__}")
 
 
+def check_loss_fn(loss_fn: Any, model: Optional[nn.Module] = None) -> None:
+    """``loss_fn``: a function, or None where ``model`` computes its own loss (no nn.Sequential does)."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model "
+                         "that computes its own loss from batch['labels']")
+    if loss_fn is None and isinstance(model, nn.Sequential):
+        raise ValueError("an nn.Sequential returns no loss of its own: give loss_fn=fn(output, target)")
+
+
 def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) -> Checked:
     """Everything the model and the world decide beside the options (:func:`check_options`, run
     before the world is joined), once, when a Pipeline is built, before the loader and the
@@ -118,16 +127,13 @@ def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) ->
     layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel)
     if config.shard_replicas:
         check_sharding(world, layout, config)
-    if config.loss_fn is None and isinstance(model, nn.Sequential):
-        raise ValueError("an nn.Sequential returns no loss of its own: give the Pipeline loss_fn=fn(output, target)")
+    check_loss_fn(config.loss_fn, model)
     return check_run(config, model, method, layout, backend)
 
 
 def check_options(method: Method, config: Any, words: Words = API) -> None:
     """The options alone: what each must be, and the ones that contradict each other."""
-    if config.loss_fn is not None and not callable(config.loss_fn):
-        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model "
-                         "that computes its own loss from batch['labels']")
+    check_loss_fn(config.loss_fn)
     optimizer = config.optimizer
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("optimizer must be a factory called with each stage's parameters, "

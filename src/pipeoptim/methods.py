@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .schedules import Schedule, build_schedule
 from .schedules.concat import concatenate, repeat
 from .schedules.bidirectional import bidirectional_placement, bitpipe_placement
+from .schedules.v_shape import v_placement
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,8 @@ class Method:
     #: model chunks per process by default; above 1 the schedule places several stages on each
     #: rank (docs/architecture.md, "Chunks: several stages per process") and ``chunks=V`` applies
     chunks: int = 1
-    #: where stage s of ranks x chunks lives: "interleaved" (rank s mod N), "v" (two chunks,
-    #: 0 .. N-1 then back: rank 0 holds the first and the last stage) or "bidirectional" (stage s
-    #: of the first pipeline on rank s, stage N+j of the second on rank N-1-j) or "bitpipe" (two
-    #: V-shaped pipelines of 2N stages each: the first a V from rank 0, the second from rank N-1)
+    #: where stage s of ranks x chunks lives (:meth:`stage_ranks`): "interleaved" (rank s mod N),
+    #: "v" (``schedules/v_shape.v_placement``), "bidirectional" or "bitpipe" (``schedules/bidirectional.py``)
     placement: str = "interleaved"
     #: the second half of the stages replicates the first half's model pieces: two pipelines of
     #: the same N pieces (stage N+j a replica of stage j) run in opposite directions, each
@@ -49,7 +48,7 @@ class Method:
         if self.order is not None:
             return list(self.order.stage_to_rank)
         if self.placement == "v":
-            return [s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)]
+            return v_placement(ranks)
         if self.placement == "bidirectional":
             return bidirectional_placement(ranks)
         if self.placement == "bitpipe":

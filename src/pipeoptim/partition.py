@@ -26,12 +26,6 @@ def uniform(num_layers: int, stages: int) -> List[int]:
     return [base + (1 if k < extra else 0) for k in range(stages)]
 
 
-def balanced(weights: Sequence[float], stages: int) -> List[int]:
-    """The contiguous split minimising the largest stage total (exact): :func:`time_partition`
-    with equal devices and free links."""
-    return time_partition(weights, stages)
-
-
 def parameter_counts(model: nn.Sequential) -> List[int]:
     """Parameters per layer, each counted once, at the first layer that holds it: a weight tied
     to an earlier layer's (an LM head to its embedding) is that layer's to train, so a layer that
@@ -90,7 +84,7 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
     if how == "uniform":
         per_stage = uniform(len(units), stages)
     elif how == "params":
-        per_stage = balanced(_group_sums(parameter_counts(model), units), stages)
+        per_stage = time_partition(_group_sums(parameter_counts(model), units), stages)  # equal devices, free links
     else:
         raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
     return _group_sums(units, per_stage)

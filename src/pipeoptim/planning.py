@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .batches import LABELS, BatchForm, loader_item, model_loss
+from .checks import check_loss_fn, check_model
 from .graph_split import TracedModel, trace
 from .methods import get_method, split_variant
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
@@ -64,14 +65,8 @@ def model_units(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None
     ``batch``: ``(inputs, target)`` with a ``loss_fn``, or a dict of the forward's keyword tensors
     with ``"labels"`` (the target with a ``loss_fn``; without one the model computes its loss).
     Bad combinations raise ValueError naming the fix."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module (an nn.Sequential, or any module torch.export can trace), "
-                         f"got {type(model).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError("loss_fn must be a function (output, target) -> scalar loss, or None for a model that "
-                         f"computes its own loss from batch['{LABELS}']")
-    if isinstance(model, nn.Sequential) and loss_fn is None:
-        raise ValueError("an nn.Sequential returns no loss of its own: give loss_fn=fn(output, target)")
+    check_model(model)
+    check_loss_fn(loss_fn, model)
     form = BatchForm(model_loss=loss_fn is None)
     inputs, target = form.pair(*loader_item(batch))
     sample = form.example(inputs, target)

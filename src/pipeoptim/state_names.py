@@ -1,12 +1,11 @@
 """The names of a model's ``state_dict`` for a state gathered from its stages: a tied weight under
-every name, no buffer the model does not save (:class:`StateNames`, :func:`with_aliases`), so
+every name, no buffer the model does not save (:class:`StateNames`), so
 that a checkpoint and ``Pipeline.model()`` under torchrun load into the model's class with
 ``strict=True``."""
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import torch
 from torch import nn
 
 
@@ -40,8 +39,3 @@ class StateNames:
             full.update({alias: value for alias in self.aliases.get(name, ()) if alias not in full})
         return full
 
-
-def with_aliases(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``state`` (gathered from stage modules) as ``model.state_dict()`` names it
-    (:meth:`StateNames.complete`), so that it loads into ``model`` strictly."""
-    return StateNames(model).complete(state)

@@ -345,7 +345,6 @@ def candidate_problem(method: str, stages: int, microbatches: int, batch_size: i
     return None
 
 
-
 def predicted_activations(profile: ModelProfile, sizes: Sequence[int], method: str, ranks: int, microbatches: int,
                           batches: int = 2, recompute: bool = False) -> List[Dict[str, int]]:
     """Per model stage of the split ``sizes``: the simulator's peak count of micro-batches in

@@ -23,18 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state_names import with_aliases
+from .state_names import StateNames
 from .methods import Method
 from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
-from .runtime.forward_only import ForwardOnly
+from .runtime.forward_only import ForwardOnly, scored_forward
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
-from .runtime.pipelined_forward import scored_forward
 from .runtime.replicas import replica_pair_groups
-from .runtime.segment import ScheduleFor, add_halves
+from .runtime.segment import ScheduleFor, float_sum
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
 from .runtime.tied import connect_exchanges
@@ -220,9 +219,10 @@ class Torchrun:
             own, pipelines = self._replica_groups(count, replicas)
             self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
                                  placement=placement)
-        averager = self.gradient_averager() if stages[0].shards is None else None
+        if replicas > 1 and stages[0].shards is None:  # this stage's gradients, averaged over its replicas
+            self._averager = GradientAverager(self.stage_group, replicas, self.timeout)
         for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
-            stage.grad_sync = averager if stage.shards is None else stage.shards
+            stage.grad_sync = self._averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages[0].tied, count, replicas)
         if self.mirrored:
@@ -306,7 +306,7 @@ class Torchrun:
         own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
-        model.load_state_dict(with_aliases(model, merged))
+        model.load_state_dict(StateNames(model).complete(merged))
 
     def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
                        evaluate: Callable[[nn.Module], float]) -> float:
@@ -353,12 +353,6 @@ class Torchrun:
         """A bidirectional run whose two pipelines end on two ranks: each of those holds halves."""
         return self.mirrored and self.placement[-1] != self.last_rank
 
-    def gradient_averager(self) -> Optional[GradientAverager]:
-        """What averages this stage's gradients over its replicas (None with one replica)."""
-        if self.replicas > 1:
-            self._averager = GradientAverager(self.stage_group, self.replicas, self.timeout)
-        return self._averager
-
     def _replica_mean(self, values: List[float], what: str) -> List[float]:
         """The mean over this stage's replicas of each value (floats, in float64)."""
         if self.replicas == 1 or not values:
@@ -377,7 +371,7 @@ class Torchrun:
         if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
             parts = gather_all(losses, self.comm, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
-            return [add_halves([a, b]) for a, b in zip(first, second)]
+            return [float_sum([a, b]) for a, b in zip(first, second)]
         if self.is_last:
             losses = self._replica_mean(losses, "averaging the losses over the replicas")
         return broadcast(losses if self.is_last else None, self.comm, self.last_rank,
@@ -415,8 +409,6 @@ class Torchrun:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
         samples, on every rank."""
         summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored)
-        if count == 0:
-            raise ValueError("the evaluation loader yielded no mini-batches")
         total = 0.0
         if self.is_last:
             summed, count = self._replica_mean([summed, float(count)], "averaging the evaluation over the replicas")

@@ -27,9 +27,8 @@ from .errors import CheckpointError
 from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
-from .runtime.forward_only import ForwardOnly, Scores
-from .runtime.local import LocalExecutor
-from .runtime.microbatch import batch_size
+from .runtime.forward_only import ForwardOnly, run_stage, scored_forward
+from .runtime.executor import Executor, Mailbox
 from .runtime.segment import ScheduleFor
 from .runtime.spec import RESUME_MATCHES
 from .runtime.stage import Stage
@@ -188,9 +187,9 @@ class LocalWorld:
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float],
-                 forward_only: Optional[ForwardOnly] = None) -> LocalExecutor:
-        return LocalExecutor(stages, schedule_for, expected=expected, trace_offset=trace_offset,
-                             clip_global=clip_global, forward_only=forward_only)
+                 forward_only: Optional[ForwardOnly] = None) -> Executor:
+        return Executor(stages, Mailbox(), schedule_for, expected=expected, trace_offset=trace_offset,
+                        clip_global=clip_global, forward_only=forward_only)
 
     def agree(self, value: T, what: str) -> T:
         return value
@@ -211,18 +210,13 @@ class LocalWorld:
         return None
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
-        scores = Scores()  # summed as an evaluation in the bubbles sums: the same bits
-        for index, (inputs, target) in enumerate(loader):
-            out = self.forward(stages, inputs)
-            with stages[-1].autocast():
-                scores.add(index, score(out, to_device(target, stages[-1].device)), batch_size(inputs))
-        return scores.mean()  # read back once the device has all the work queued
+        summed, count = scored_forward(None, stages, loader, score, stages[-1].index)
+        return summed / count
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         value = inputs
         for stage in stages:
-            with stage.autocast():
-                value = stage.module(to_device(value, stage.device))
+            value = run_stage(stage, value)
         return value
 
     def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:

@@ -15,12 +15,12 @@ interleaving that runs each action once its inputs exist gives the same numbers
 (docs/architecture.md, "Schedules as data").
 
 A forward paired with another micro-batch's backward (``Schedule.pairs``, torch's
-``OVERLAP_F_B``; ``schedules/dualpipev.py``) is lowered as both receives, the forward, the
-backward, both sends; a receive of the pair waits, as the forward's own would, until the forward's
-micro-batch is fed. Here the forward runs, then the backward. A GPU build would overlap them at
-that point of :meth:`Executor._walk` (the ``F`` branch meeting a paired forward: both inputs are
-in the stores), launching the two passes on two CUDA streams so that one's compute hides the
-other's transfers (DualPipe's all-to-all); the numbers stay the same, the two being independent."""
+``OVERLAP_F_B``; ``schedules/v_shape.py``; lowered with both receives before it): a receive of
+the pair waits, as the forward's own would, until the forward's micro-batch is fed. Here the
+forward runs, then the backward. A GPU build would overlap them at that point of
+:meth:`Executor._walk` (the ``F`` branch meeting a paired forward: both inputs are in the
+stores), the two passes on two CUDA streams so that one's compute hides the other's transfers
+(DualPipe's all-to-all); the numbers stay the same, the two being independent."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -33,7 +33,7 @@ from ..schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
 from ..schedules.lower import lower
 from .forward_only import ForwardOnly
 from .replicas import ReplicaUpdates
-from .segment import (MicroBatch, ScheduleFor, StreamedSegment, WindowLosses, check_runnable, clip_coefficient,
+from .segment import (MicroBatch, ScheduleFor, WindowLosses, check_runnable, clip_coefficient, next_horizon,
                       stage_orders)
 from .stage import Stage
 
@@ -108,9 +108,10 @@ class Walker:
         self.clip_scale: Optional[torch.Tensor] = None
 
 
-class Executor(StreamedSegment):
+class Executor:
     """One segment (the mini-batches between two drains) of this process's ``stages``, walked
-    rank by rank over ``transport``.
+    rank by rank over ``transport``, on orders built past the mini-batches fed
+    (:func:`~.segment.next_horizon`), then for exactly those fed when the data ends.
 
     ``ranks``: the ranks this process plays (None: every rank of the schedule, one process).
     ``schedule_for(T)`` builds the segment's schedule for T mini-batches; ``expected``: the
@@ -128,7 +129,12 @@ class Executor(StreamedSegment):
                  on_loss: Optional[Callable[[int, float], None]] = None,
                  forward_only: Optional[ForwardOnly] = None,
                  replica_sums: Optional[Dict[int, Any]] = None) -> None:
-        super().__init__(schedule_for, expected)
+        self.schedule_for = schedule_for
+        self.expected = expected
+        self.schedule: Optional[Schedule] = None
+        self.horizon = 0  #: mini-batches the current orders are built for
+        self.fed_batches = 0
+        self.finished = False
         own = sorted(stages, key=lambda s: s.index)
         self.num_stages = own[0].num_stages
         self.own = own  #: this process's stages, in stage order
@@ -161,7 +167,15 @@ class Executor(StreamedSegment):
     # -- the segment ------------------------------------------------------------------------
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         """Add one mini-batch (its micro-batches, in order) and run everything now runnable."""
-        self._add_batch(len(microbatches))
+        if self.finished:
+            raise RuntimeError("this segment has finished; start a new one")
+        self.fed_batches += 1
+        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
+        if rebuild is not None:
+            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
+        if len(microbatches) != self.schedule.microbatches_per_update:
+            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
+                             f"micro-batches, got {len(microbatches)}")
         first = self.fed_micro
         for inputs, target, share in microbatches:
             self._data[self.fed_micro] = (inputs if self._holds_first else None,
@@ -174,12 +188,15 @@ class Executor(StreamedSegment):
         """The data has ended: run the rest of the orders for exactly the mini-batches fed."""
         if self.finished:
             return
-        final = self._final_orders()
+        self.finished = True
         if self.fed_batches:
-            if final is not None:
-                for w in self.walkers:
-                    self._check_prefix(final.name, f"rank {w.rank}", final.orders[w.rank],
-                                       [a for a in w.order[:w.pos] if a.kind in _COMPUTE])
+            if self.horizon != self.fed_batches:
+                final = self.schedule_for(self.fed_batches)
+                for w in self.walkers:  # the streaming property every schedule must have
+                    done = [a for a in w.order[:w.pos] if a.kind in _COMPUTE]
+                    if final.orders[w.rank][:len(done)] != done:
+                        raise RuntimeError(f"schedule {final.name}: rank {w.rank} ran {len(done)} actions "
+                                           f"that its final orders do not start with")
                 self._use(final, open_ended=False)
             self._run()
             left = [str(w.order[w.pos]) for w in self.walkers if w.pos < len(w.order)]

@@ -1,12 +1,16 @@
-"""Forward-only micro-batches that a schedule's ``E`` actions run: an evaluation in the bubbles
-(docs/architecture.md, "Evaluation in the bubbles") or a user's forward-only work
-(``Pipeline.forward_in_bubbles``), run as the drained evaluation runs it, to the bit. A stage is
-in eval mode only for the span of each pass (dropout then draws no random numbers from the
-training forwards' streams), on the buffers it held when the evaluation was asked for."""
+"""Forward-only work: the drained evaluation and the micro-batches of a schedule's E actions.
+
+:func:`scored_forward` evaluates in one process or pipelined over the processes of a torchrun
+job (docs/architecture.md, "The Pipeline under torchrun"). A schedule's ``E`` actions run an
+evaluation in the bubbles (docs/architecture.md, "Evaluation in the bubbles") or a user's
+forward-only work (``Pipeline.forward_in_bubbles``), as the drained evaluation runs it, to the
+bit. A stage is in eval mode only for the span of each pass (dropout then draws no random
+numbers from the training forwards' streams), on the buffers it held when the evaluation was
+asked for."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,7 +19,52 @@ from ..schedules.fill import FillPlan, check_fillable, plan_fill
 from ..schedules.simulate import Costs
 from .microbatch import batch_size
 from .stage import Stage
+from .transport import PipeComm
 from .values import to_device
+from .wire import signature
+
+
+def run_stage(stage: Stage, value: Any) -> Any:
+    """``stage``'s module on ``value`` (moved to its device), in its autocast."""
+    with stage.autocast():
+        return stage.module(to_device(value, stage.device))
+
+
+@torch.no_grad()
+def scored_forward(comm: Optional[PipeComm], stages: List[Stage], loader: Iterable, score: Callable, last: int,
+                   first_chain: bool = False) -> Tuple[float, int]:
+    """(the sum over samples of ``score(output, target)``, on the process of stage ``last``, 0.0
+    elsewhere; the samples) of ``loader``'s mini-batches through this process's ``stages``, in
+    chain order, the activations going to the other processes' stages over ``comm`` (None: every
+    stage is here). ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once.
+    Summed in mini-batch order, as :class:`Scores` sums an evaluation in the bubbles: the same bits."""
+    held = {stage.index for stage in stages}
+    travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
+    count, values = 0, []
+    for j, (inputs, target) in enumerate(loader):
+        ident, key = -1 - j, None  # evaluation messages: their own numbers on the links
+        if comm is not None:
+            key = signature((inputs, target, 1.0))
+            comm.expect_more([(ident, key)], [], travels)  # on each link into this process's stages
+        value = inputs
+        for stage in stages:  # this process's chunks in chain order; the others between them
+            k = stage.index
+            if k > 0 and (k - 1) not in held:
+                value = comm.recv("activation", ident, key, stage=k)
+            value = run_stage(stage, value)
+            if k == last:
+                with stage.autocast():
+                    values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
+            if k < last and (k + 1) not in held:
+                comm.send("activation", ident, key, value, stage=k)
+        if comm is not None:
+            comm.poll()
+        count += batch_size(inputs)
+    if comm is not None:
+        comm.flush()
+    if count == 0:
+        raise ValueError("the evaluation loader yielded no mini-batches")
+    return sum(float(v) * n for v, n in values), count
 
 
 class Scores:
@@ -87,8 +136,7 @@ class ForwardOnly:
         """``stage``'s forward of micro-batch ``index``: the output to hand to the next stage,
         or, at the last stage, None once the micro-batch is scored."""
         with torch.no_grad(), self.eval_mode(stage), self._eval_point_buffers(stage):
-            with stage.autocast():
-                output = stage.module(to_device(inputs, stage.device))
+            output = run_stage(stage, inputs)
             if not stage.is_last:
                 return output
             inputs_of, target = self.items[index]

@@ -32,7 +32,7 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
                          f"or use method='interleaved' for {chunks}")
     else:
         v = chunks
-    pieces = method.pieces_per_rank(v) if hasattr(method, "pieces_per_rank") else v
+    pieces = method.pieces_per_rank(v)
     if partition is not None and len(partition) % pieces:
         raise ValueError(f"a partition for {pieces} chunks per stage lists stages x {pieces} entries; "
                          f"{list(partition)} has {len(partition)}")
@@ -79,7 +79,7 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
                              + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")
     elif stages is not None:
         n = stages
-    elif getattr(method, "order", None) is not None:  # a user's schedule: its ranks
+    elif method.order is not None:  # a user's schedule: its ranks
         n = method.order.num_ranks
     elif processes is not None:
         n = processes // data_parallel if data_parallel else processes

@@ -1,5 +1,6 @@
-"""The segment an executor runs: the streamed horizon, the checks on a schedule, the global
-clipping coefficient and the last stage's losses per mini-batch (:class:`WindowLosses`).
+"""The segment an executor runs: the streamed horizon (:func:`next_horizon`), the checks on a
+schedule, the global clipping coefficient and the last stage's losses per mini-batch
+(:class:`WindowLosses`).
 
 A *segment* is the mini-batches between two drains, run on orders built for a horizon past the
 mini-batches fed and drained on those for exactly the mini-batches fed (why that is exact:
@@ -67,48 +68,6 @@ def next_horizon(fed: int, horizon: int, expected: Optional[int], built: bool) -
     return max(fed + 1, 2 * horizon, 4), True
 
 
-class StreamedSegment:
-    """A segment's orders, built past the mini-batches fed (:func:`next_horizon`), then for
-    exactly those fed when the data ends; the subclass runs them (``_use`` takes a new schedule)."""
-
-    def __init__(self, schedule_for: ScheduleFor, expected: Optional[int]) -> None:
-        self.schedule_for = schedule_for
-        self.expected = expected
-        self.schedule: Optional[Schedule] = None
-        self.horizon = 0          #: mini-batches the current orders are built for
-        self.fed_batches = 0
-        self.finished = False
-
-    def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        raise NotImplementedError
-
-    def _add_batch(self, microbatches: int) -> None:
-        """Count one more mini-batch (of ``microbatches``); rebuild the orders if they must."""
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
-        if microbatches != self.schedule.microbatches_per_update:
-            raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
-                             f"micro-batches, got {microbatches}")
-
-    def _final_orders(self) -> Optional[Schedule]:
-        """End the feeding; the orders for exactly the mini-batches fed (None: the current ones)."""
-        self.finished = True
-        if self.fed_batches and self.horizon != self.fed_batches:
-            return self.schedule_for(self.fed_batches)
-        return None
-
-    @staticmethod
-    def _check_prefix(name: str, who: str, order: Sequence[Any], done: Sequence[Any]) -> None:
-        """The streaming property every schedule must have: what ran starts the final orders."""
-        if list(order[:len(done)]) != list(done):
-            raise RuntimeError(f"schedule {name}: {who} ran {len(done)} actions that its final "
-                               f"orders do not start with")
-
-
 class WindowLosses(dict):
     """The last stage's micro-batch losses summed per update window (mini-batch), in micro-batch
     order, each window reported to ``on_loss(window, loss)`` as soon as its losses are in.
@@ -139,7 +98,7 @@ class WindowLosses(dict):
         if self.halves is not None and len(ordered) == self.microbatches:  # both pipelines here
             first = [loss for i, loss in ordered if i % self.microbatches < self.halves]
             second = [loss for i, loss in ordered if i % self.microbatches >= self.halves]
-            parts = [add_halves([_float_sum(first), _float_sum(second)])]
+            parts = [float_sum([float_sum(first), float_sum(second)])]
         else:
             parts = [loss for _, loss in ordered]
         on_device = [p for p in parts if torch.is_tensor(p) and p.device.type == "cuda"]
@@ -153,7 +112,7 @@ class WindowLosses(dict):
                 event.record()
             self._ready.append((window, host, event))
             return
-        total = _float_sum(parts)
+        total = float_sum(parts)
         self[window] = total
         self._ready.append((window, None, None))
         if self.on_loss is not None:
@@ -169,19 +128,15 @@ class WindowLosses(dict):
                 if not wait and not event.query():
                     break
                 event.synchronize()
-                self[window] = _float_sum(host.tolist())
+                self[window] = float_sum(host.tolist())
             self._ready.pop(0)
             done.append((window, self[window]))
         return done
 
 
-def add_halves(halves: Sequence[float]) -> float:
-    """A bidirectional window's loss from its two pipelines' sums (first pipeline first)."""
-    return _float_sum(halves)
-
-
-def _float_sum(values: Sequence[Any]) -> float:
-    """The float sum of ``values``, in order."""
+def float_sum(values: Sequence[Any]) -> float:
+    """The float sum of ``values``, in order (a bidirectional window's loss: its two pipelines'
+    sums, the first pipeline's first)."""
     total = 0.0
     for value in values:
         total += float(value)

@@ -95,7 +95,7 @@ class Schedule:
     a stage accumulates before one update ``U``. ``synchronous`` is true when every forward of
     an update window runs on the same weights (a flush before each update). ``pairs`` maps a
     forward to the backward of another micro-batch that its rank runs together with it, right
-    after it in its order (torch's ``OVERLAP_F_B``; ``schedules/dualpipev.py``): both start once
+    after it in its order (torch's ``OVERLAP_F_B``; ``schedules/v_shape.py``): both start once
     the inputs of both are there.
     """
 
@@ -144,8 +144,9 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """Whether backwards are split into I and W (some at least: a schedule may mix them, as
-        torch's DualPipeV does; a ``B`` there stands for both halves of its micro-batch). (Sets of kinds are built in C: a Python loop
-        over the actions of a large schedule costs more than simulating it.)"""
+        torch's DualPipeV does; a ``B`` there stands for both halves of its micro-batch). (Sets of
+        kinds are built in C: a Python loop over the actions of a large schedule costs more than
+        simulating it.)"""
         return any(Kind.I in set(map(attrgetter("kind"), order)) for order in self.orders)
 
     def pair_of(self, action: Action) -> Optional[Action]:

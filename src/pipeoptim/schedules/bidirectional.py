@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 from .actions import Action, Kind, Schedule, check_positive
 from .deps import schedule_dependencies
 from .simulate import Costs
-from .zbv import v_placement
+from .v_shape import v_placement
 
 
 def bidirectional_placement(num_ranks: int) -> List[int]:

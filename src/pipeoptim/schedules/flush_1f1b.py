@@ -2,30 +2,21 @@
 (Megatron-LM) and ZB-H1 (zero bubble), each mini-batch ending in every stage's update."""
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import List
 
 from .actions import Action, Kind, Schedule, actions_of, check_positive, one_f_one_b, straight
+from .concat import repeat
 
 _F, _B, _I, _W, _U = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U
-
-
-def _per_batch(num_ranks: int, batches: int, one_batch: Callable[[int, int], List[Action]]) -> List[List[Action]]:
-    """Per rank, ``one_batch(rank, t)`` for each mini-batch t in turn."""
-    return [[a for t in range(batches) for a in one_batch(rank, t)] for rank in range(num_ranks)]
 
 
 def gpipe(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
     """All forwards of a mini-batch, then all backwards in micro-batch order (as
     ``torch.distributed.pipelining.ScheduleGPipe``), then the update."""
     check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
-    m = microbatches
-
-    def one_batch(stage: int, t: int) -> List[Action]:
-        window = range(t * m, (t + 1) * m)
-        return actions_of(stage, _F, window) + actions_of(stage, _B, window) + [Action(stage, _U, t)]
-
-    return Schedule("gpipe", num_stages, num_stages, batches * m, m, _per_batch(num_stages, batches, one_batch),
-                    synchronous=True, **straight(num_stages))
+    n, m = num_stages, microbatches
+    orders = [actions_of(k, _F, range(m)) + actions_of(k, _B, range(m)) + [Action(k, _U, 0)] for k in range(n)]
+    return repeat(Schedule("gpipe", n, n, m, m, orders, synchronous=True, **straight(n)), batches)
 
 
 def one_f_one_b_flush(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
@@ -34,14 +25,9 @@ def one_f_one_b_flush(num_stages: int, microbatches: int, batches: int = 1) -> S
     activations (GPipe holds ``M``)."""
     check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
     n, m = num_stages, microbatches
-
-    def one_batch(stage: int, t: int) -> List[Action]:
-        window = range(t * m, (t + 1) * m)
-        steps = [[b] for b in actions_of(stage, _B, window)]
-        return one_f_one_b(actions_of(stage, _F, window), steps, min(n - 1 - stage, m)) + [Action(stage, _U, t)]
-
-    return Schedule("1f1b-flush", n, n, batches * m, m, _per_batch(n, batches, one_batch), synchronous=True,
-                    **straight(n))
+    orders = [one_f_one_b(actions_of(k, _F, range(m)), [[b] for b in actions_of(k, _B, range(m))], min(n - 1 - k, m))
+              + [Action(k, _U, 0)] for k in range(n)]
+    return repeat(Schedule("1f1b-flush", n, n, m, m, orders, synchronous=True, **straight(n)), batches)
 
 
 def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2, batches: int = 1) -> Schedule:
@@ -58,23 +44,21 @@ def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2, batches
     n, v, m = num_ranks, chunks, microbatches
     total = m * v  # virtual steps per rank and mini-batch
 
-    def virtual(step: int, backward: bool, rank: int, base: int) -> Action:
+    def virtual(step: int, backward: bool, rank: int) -> Action:
         chunk = (step // n) % v
         if backward:
             chunk = v - 1 - chunk
-        micro = (step // (n * v)) * n + step % n
-        return Action(chunk * n + rank, _B if backward else _F, base + micro)
+        return Action(chunk * n + rank, _B if backward else _F, (step // (n * v)) * n + step % n)
 
-    def one_batch(rank: int, t: int) -> List[Action]:
-        forwards = [virtual(i, False, rank, t * m) for i in range(total)]
-        steps = [[virtual(j, True, rank, t * m)] for j in range(total)]
+    orders: List[List[Action]] = []
+    for rank in range(n):
+        forwards = [virtual(i, False, rank) for i in range(total)]
+        steps = [[virtual(j, True, rank)] for j in range(total)]
         warmup = min((n - rank - 1) * 2 + (v - 1) * n, total)
-        return one_f_one_b(forwards, steps, warmup) + [Action(c * n + rank, _U, t) for c in range(v)]
-
+        orders.append(one_f_one_b(forwards, steps, warmup) + [Action(c * n + rank, _U, 0) for c in range(v)])
     stages = n * v
-    return Schedule("interleaved-1f1b", stages, n, batches * m, m, _per_batch(n, batches, one_batch),
-                    stage_to_rank=[s % n for s in range(stages)], pipelines=[list(range(stages))],
-                    synchronous=True, options={"chunks": v})
+    return repeat(Schedule("interleaved-1f1b", stages, n, m, m, orders, stage_to_rank=[s % n for s in range(stages)],
+                           pipelines=[list(range(stages))], synchronous=True, options={"chunks": v}), batches)
 
 
 def zb_h1(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
@@ -87,13 +71,10 @@ def zb_h1(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
     same peak as stage 0 of 1F1B: the same memory, a smaller bubble."""
     check_positive(stages=num_stages, microbatches=microbatches, batches=batches)
     n, m = num_stages, microbatches
-
-    def one_batch(stage: int, t: int) -> List[Action]:
-        base, delay = t * m, min(stage, m)
-        steps = [[Action(stage, _I, base + j)] + ([Action(stage, _W, base + j - delay)] if j >= delay else [])
-                 for j in range(m)]
-        order = one_f_one_b(actions_of(stage, _F, range(base, base + m)), steps, min(n - 1 - stage, m))
-        return order + actions_of(stage, _W, range(base + m - delay, base + m)) + [Action(stage, _U, t)]
-
-    return Schedule("zb-h1", n, n, batches * m, m, _per_batch(n, batches, one_batch), synchronous=True,
-                    **straight(n))
+    orders: List[List[Action]] = []
+    for k in range(n):
+        delay = min(k, m)
+        steps = [[Action(k, _I, j)] + ([Action(k, _W, j - delay)] if j >= delay else []) for j in range(m)]
+        order = one_f_one_b(actions_of(k, _F, range(m)), steps, min(n - 1 - k, m))
+        orders.append(order + actions_of(k, _W, range(m - delay, m)) + [Action(k, _U, 0)])
+    return repeat(Schedule("zb-h1", n, n, m, m, orders, synchronous=True, **straight(n)), batches)

@@ -4,13 +4,11 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from .actions import Schedule
-from .async_1f1b import async_1f1b
+from .async_1f1b import async_1f1b, two_bw
 from .bidirectional import bidirectional, bitpipe
-from .dualpipev import dualpipev
 from .flush_1f1b import gpipe, interleaved_1f1b, one_f_one_b_flush, zb_h1
 from .simulate import Costs, gc_paused
-from .twobw import two_bw
-from .zbv import zb_v
+from .v_shape import dualpipev, zb_v
 
 _BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": lambda n, m, t, v, c: gpipe(n, m, t),
