@@ -202,21 +202,26 @@ def demoted(markdown: str) -> List[str]:
 
 def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md",
              equal_updates: Optional[Path] = None, delay_fixes: Optional[Path] = None,
-             translation: Optional[Path] = None) -> str:
+             translation: Optional[Path] = None, feedback: Optional[Path] = None) -> str:
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``). With ``delay_fixes`` (issue 38's arm's
     folder, study/make_results4.py) its rows join the study's and its section opens the report;
     with ``translation`` (issue 41's cell's folder, study/make_results5.py) its rows and
-    budgets join too, and its section follows."""
+    budgets join too, and its section follows; with ``feedback`` (issue 51's arms' folder,
+    study/make_results6.py) its rows join too (the image advice's third seed among them), and
+    its section follows issue 41's."""
     from study.make_results3_advice import cut_lines, same_as_lines, status_line
     from study.make_results3_plot import curves_plot
     from study.make_results4 import arm_lines, merged
     from study.make_results5 import section_lines, with_translation
+    from study import make_results6
 
     study_rows = read_rows(study)
     written = sum(1 for line in (study / "runs.jsonl").read_text().splitlines() if line.strip())
     rows, times = with_translation(*merged(study, delay_fixes), translation)
+    feedback_runs = make_results6.planned(feedback, study, [study, delay_fixes, translation], translation)
+    rows, times = make_results6.with_feedback(rows, times, feedback)
     settings = settings_of(rows, times)
     figures = out / "results3"
     if plots:
@@ -240,6 +245,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              ]
     lines += arm_lines(settings, delay_fixes) if delay_fixes is not None else []
     lines += section_lines(settings, translation)
+    lines += make_results6.section_lines(rows, feedback_runs, feedback) if feedback is not None else []
     lines += ["**The budget** (the fastest synchronous schedule and its M, against the second study's M = N):", ""]
     lines += budget_table(settings) + [""]
     lines += cut_lines(study, times)
@@ -280,6 +286,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--translation", type=Path, default=RESULTS / "study3-translation",
                         help="issue 41's cell's folder, whose rows and budgets join the study's and whose section "
                              "follows issue 38's")
+    parser.add_argument("--feedback", type=Path, default=RESULTS / "study3-feedback",
+                        help="issue 51's arms' folder, whose rows join the study's (the image advice's third seed "
+                             "among them) and whose section follows issue 41's")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
@@ -302,11 +311,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.package:
         from study.package_table import write
 
-        print(f"written: {write(args.study, args.delay_fixes, args.translation)}")
+        print(f"written: {write(args.study, args.delay_fixes, args.translation, args.feedback)}")
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes,
-                    translation=args.translation)
+                    translation=args.translation, feedback=args.feedback)
     print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")
     return 0
 

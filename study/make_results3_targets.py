@@ -91,14 +91,14 @@ def target_entries(settings: Sequence[Setting],
     return out
 
 
-def package_targets(study: Path, arm: Optional[Path],
-                    translation: Optional[Path] = None) -> Dict[Tuple[str, str, int], Dict[str, Any]]:
+def package_targets(study: Path, arm: Optional[Path], translation: Optional[Path] = None,
+                    feedback: Optional[Path] = None) -> Dict[Tuple[str, str, int], Dict[str, Any]]:
     """The package's UPDATES_TO_TARGET entries, from the rows the package's ADVICE comes from
     (make_results4.package_sources): each source replaces the entries of the (task, N) it decides."""
     from study.make_results4 import package_sources
 
     entries: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
-    for settings, cells in package_sources(study, arm, translation):
+    for settings, cells in package_sources(study, arm, translation, feedback):
         entries = {k: v for k, v in entries.items() if (k[0], k[2]) not in cells}
         entries.update(target_entries(settings, cells))
     return dict(sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])))

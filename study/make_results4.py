@@ -181,13 +181,16 @@ def diagnostic_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List
     return out or ["  - none in yet"]
 
 
-def package_sources(study: Path, arm: Optional[Path], translation: Optional[Path] = None
-                    ) -> List[Tuple[List[Setting], List[Tuple[str, int]]]]:
+def package_sources(study: Path, arm: Optional[Path], translation: Optional[Path] = None,
+                    feedback: Optional[Path] = None) -> List[Tuple[List[Setting], List[Tuple[str, int]]]]:
     """What the package's tables (ADVICE, UPDATES_TO_TARGET) are read from, in the order each takes
     over: (settings, the (task, N) they decide). Issue 23's rows for every (task, N) whose study
     runs are all in; the study's and the arm's together where the arm's runs of that task are all
     in too; then translation at N = 8 once issue 41's cell (``translation``,
-    study/make_results5.py) has every planned run in."""
+    study/make_results5.py) has every planned run in; last, every (task, N) decided so far again
+    with issue 51's arms' rows (``feedback``, study/make_results6.py) joined, an arm's (task,
+    optimizer, variant) once every planned run of it is in or cut (the image advice's third seed
+    joins its first two, the aware prediction once all its seeds of a cell are in)."""
     from study.make_results3_advice import complete_cells
     from study.make_results3_arith import settings_of
     from study.make_results5 import TASK, complete as translation_complete, with_translation
@@ -199,17 +202,29 @@ def package_sources(study: Path, arm: Optional[Path], translation: Optional[Path
                (settings_of(rows, filled), [c for c in complete if arm_complete(arm, *c)])]
     if translation_complete(translation):
         sources.append((settings_of(*with_translation(rows, filled, translation)), [(TASK, 8)]))
+    if feedback is not None:
+        from study import make_results6
+
+        arms = make_results6.complete_arms(make_results6.planned(feedback, study, [study, arm, translation],
+                                                                 translation))
+        # the cells decided with the arm's rows (a cell the study alone decides keeps its advice)
+        decided = list(dict.fromkeys(c for _, cells in sources[1:] for c in cells))
+        touched = [c for c in decided if any((t, make_results6.STAGES) == c for t, _, _ in arms)]
+        if touched:
+            both = with_translation(rows, filled, translation) if translation_complete(translation) \
+                else (rows, filled)
+            sources.append((settings_of(*make_results6.with_feedback(*both, feedback, arms)), touched))
     return sources
 
 
-def package_advice(study: Path, arm: Optional[Path],
-                   translation: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def package_advice(study: Path, arm: Optional[Path], translation: Optional[Path] = None,
+                   feedback: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
     """The package's ADVICE entries, per (task, N), from :func:`package_sources` (where the arm's
     runs of a task are not all in, the study's alone: the advice it gave before the arm), in the
     study's order, translation last."""
     from study.make_results3_advice import advice_entries
 
-    sources = package_sources(study, arm, translation)
+    sources = package_sources(study, arm, translation, feedback)
     entries: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for settings, cells in sources:
         entries.update(advice_entries(settings, cells))

@@ -42,15 +42,18 @@ def text(contents: Dict[str, Any]) -> str:
     return json.dumps(contents, indent=1) + "\n"
 
 
-def package_text(study: Path, arm: Optional[Path], translation: Optional[Path] = None) -> str:
+def package_text(study: Path, arm: Optional[Path], translation: Optional[Path] = None,
+                 feedback: Optional[Path] = None) -> str:
     """The file's text from the study's folders (issue 23's rows, issue 38's arm's, issue 41's
-    translation cell's)."""
+    translation cell's, issue 51's arms')."""
     from study.make_results3_targets import package_targets
     from study.make_results4 import package_advice
 
-    return text(table(package_advice(study, arm, translation), package_targets(study, arm, translation)))
+    return text(table(package_advice(study, arm, translation, feedback),
+                      package_targets(study, arm, translation, feedback)))
 
 
-def write(study: Path, arm: Optional[Path], translation: Optional[Path] = None, out: Path = PACKAGE_TABLE) -> Path:
-    out.write_text(package_text(study, arm, translation))
+def write(study: Path, arm: Optional[Path], translation: Optional[Path] = None, feedback: Optional[Path] = None,
+          out: Path = PACKAGE_TABLE) -> Path:
+    out.write_text(package_text(study, arm, translation, feedback))
     return out

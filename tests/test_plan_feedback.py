@@ -75,8 +75,9 @@ def test_a_plan_with_error_feedback_sets_it_for_train_and_the_pipeline(tmp_path)
 
 def test_image_with_adamw_recommends_what_the_advice_does_pipeoptim_2bw_with_error_feedback():
     """The study's advice for image at N = 8 is pipeoptim-2bw with error feedback and AdamW; it
-    reached the target in the synchronous pipeline's 2100 updates (ratio 1.0), the plain one in
-    2400 (1.14286), which the advice does not name: it may not be recommended."""
+    reached the target in 2000 updates over its 3 seeds (2100, 2100 and 1800: ratio 0.952381 of
+    the synchronous pipeline's 2100), the plain one in 2400 (1.14286), which the advice does not
+    name: it may not be recommended."""
     from pipeoptim.lab.plan_targets import notes
     from test_plan_targets import cand, plan
 
@@ -89,21 +90,21 @@ def test_image_with_adamw_recommends_what_the_advice_does_pipeoptim_2bw_with_err
     zb, plain, ef = cands
     assert (study["setting"], study["target_updates"], study["advised_variant"]) == (
         "image, adamw, N = 8", 2100.0, "pipeoptim-2bw+ef")
-    assert (ef["updates_ratio"], ef["ratio_source"]) == (1.0, "pipeoptim-2bw+ef: 2100 updates, 2 seed(s)")
-    assert ef["time_to_target_seconds"] == pytest.approx(0.008 * 2100)
+    assert (ef["updates_ratio"], ef["ratio_source"]) == (0.952381, "pipeoptim-2bw+ef: 2000 updates, 3 seed(s)")
+    assert ef["time_to_target_seconds"] == pytest.approx(0.008 * 2100 * 0.952381)
     assert plain["updates_ratio"] == 1.14286 and plain["ratio_source"] == "pipeoptim-2bw: 2400 updates, 3 seed(s)"
     assert [c["eligible"] for c in cands] == [True, False, True]
     assert best is ef and said[2:] == []
     # within the 2 % tie (21.3 s against 21.0 s): the study's method, the better model at equal time
-    cands = [cand("zb-h1", 8, 6400), fed(6300)]
+    cands = [cand("zb-h1", 8, 6400), fed(6000)]
     assert plan(cands, optimizer="adamw")[1] is cands[1]
-    # where this profile predicts it later: 64 / 6000 s x 2100 = 22.4 s against zb-h1's 21 s
+    # where this profile predicts it later: 64 / 5600 s x 2000 = 22.9 s against zb-h1's 21 s
     # (and pipeoptim at M = 2, XPipe's computation, sooner still, is not the advice: 4 ms x 1.28571 x 2100)
-    cands = [cand("zb-h1", 8, 6400), fed(6000), cand("pipeoptim", 2, 16000)]
+    cands = [cand("zb-h1", 8, 6400), fed(5600), cand("pipeoptim", 2, 16000)]
     study, best, said = plan(cands, optimizer="adamw")
     assert best["method"] == "zb-h1"
     assert said[2:] == [
-        "the study's pipeoptim-2bw+ef is predicted to reach the target later on this profile (22.4 s against 21.0 s), "
+        "the study's pipeoptim-2bw+ef is predicted to reach the target later on this profile (22.9 s against 21.0 s), "
         "so the synchronous pipeline is recommended",
         "pipeoptim (M = 2) is predicted to reach the target sooner (10.8 s against 21.0 s), but at equal time the "
         "study's advice here is pipeoptim-2bw+ef with adamw, not it, so it is not recommended; to see it on your "

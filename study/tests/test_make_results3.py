@@ -181,11 +181,16 @@ def test_the_second_study_follows_one_level_down(report):
 def test_docs_results_is_what_the_committed_rows_give(report, tmp_path):
     results = RESULTS
     text = report.generate(results / "study3", tmp_path, plots=False, equal_updates=results / "study2",
-                           delay_fixes=results / "study3-delay_fixes", translation=results / "study3-translation")
+                           delay_fixes=results / "study3-delay_fixes", translation=results / "study3-translation",
+                           feedback=results / "study3-feedback")
     assert text == (ROOT / "docs" / "results.md").read_text(), \
         "docs/results.md is out of date: run .venv/bin/python study/make_results3.py"
     # issue 38's arm opens it, before issue 23's budget
     assert text.index("## Issue 38: the published fixes for delay") < text.index("**The budget**")
+    # issue 51's arms follow issue 41's cell; the image advice's third seed is in, none pending
+    assert text.index("## Issue 41") < text.index("## Issue 51: error feedback's open ends") < text.index(
+        "**The budget**")
+    assert "another seed of it is pending" not in text
     # the equal-time answer first, the second study's equal-update report below it
     assert text.startswith("# Equal time, not equal updates")
     assert text.index("## The answer") < text.index("## Does an asynchronous pipeline reach the target sooner?")
@@ -234,8 +239,10 @@ def test_the_advice_per_finished_task_and_depth(report, settings):
 @pytest.fixture(scope="module")
 def committed():
     """The package's tables from the committed rows: issue 23's, issue 38's arm's for the tasks
-    whose arm runs are all in, and issue 41's translation cell once its runs are all in."""
-    folders = (RESULTS / "study3", RESULTS / "study3-delay_fixes", RESULTS / "study3-translation")
+    whose arm runs are all in, issue 41's translation cell once its runs are all in, and issue
+    51's arms' rows of each arm whose runs are all in."""
+    folders = (RESULTS / "study3", RESULTS / "study3-delay_fixes", RESULTS / "study3-translation",
+               RESULTS / "study3-feedback")
     return make_results4.package_advice(*folders), make_results3_targets.package_targets(*folders)
 
 
@@ -244,6 +251,8 @@ def test_the_package_table_is_what_the_committed_rows_give(committed):
     assert package_table.text(package_table.table(advice, targets)) == package_table.PACKAGE_TABLE.read_text(), \
         "src/pipeoptim/lab/tasks/equal_time_study.json is out of date: run .venv/bin/python -m study.make_results3 --package"
     assert ADVICE == {key: Advice(**entry) for key, entry in advice.items()} and list(ADVICE) == list(advice)
+    # the image advice rests on its three seeds (two of issue 38's arm, the third of issue 51's)
+    assert (ADVICE[("image", 8)].method, ADVICE[("image", 8)].seeds) == ("pipeoptim-2bw", 3)
 
 
 def test_the_report_lists_the_lrs_carried_over_unchecked(report, settings):
