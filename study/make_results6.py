@@ -92,12 +92,16 @@ def muon_table(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def aware_table(rows: Sequence[Dict[str, Any]], cells: Sequence[Tuple[str, str]]) -> List[str]:
-    """The aware prediction's rows, each beside plain error feedback's at the same lr and seed."""
+    """The aware prediction's rows, each beside plain error feedback's at the same lr and seed; a
+    cell without any, a line saying so."""
     lines = ["| task, optimizer | lr | seed | final test, +ef+aware | final test, +ef | difference |",
              "|---|---|---|---|---|---|"]
     for task, optimizer in cells:
         plain = {(r["lr"], r["seed"]): r for r in _rows_of(rows, task, optimizer, EF)}
-        for r in _rows_of(rows, task, optimizer, AWARE):
+        aware = _rows_of(rows, task, optimizer, AWARE)
+        if not aware:
+            lines.append(f"| {task}, {optimizer} | - | - | (none in yet) | - | - |")
+        for r in aware:
             other = plain.get((r["lr"], r["seed"]))
             diff = "-"
             if other is not None and None not in (r.get("final_metric"), other.get("final_metric")) \
@@ -107,7 +111,7 @@ def aware_table(rows: Sequence[Dict[str, Any]], cells: Sequence[Tuple[str, str]]
                 diff = f"{(r['final_metric'] - other['final_metric']) * scale:+.{digits}f}"
             lines.append(f"| {task}, {optimizer} | {r['lr']:g} | {r['seed']} | {_value(r)} | {_value(other)} "
                          f"| {diff} |")
-    return lines if len(lines) > 2 else ["  - no row in yet"]
+    return lines
 
 
 def probe_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:

@@ -37,7 +37,7 @@ def test_the_aware_rows_are_paired_with_plain_error_feedbacks_at_the_same_lr_and
                          "| lm, adamw | 0.002 | 1 | diverged | 69.6 | - |",
                          "| translation, adamw | 0.004 | 0 | 14.5 | (not in yet) | - |",
                          "| image, adamw | 0.002 | 2 | 91.25 | 91.05 | +0.20 |"]
-    assert make_results6.aware_table(rows[:2], [("lm", "adamw")]) == ["  - no row in yet"]
+    assert make_results6.aware_table(rows[:2], [("lm", "adamw")])[2:] == ["| lm, adamw | - | - | (none in yet) | - | - |"]
     muon = make_results6.muon_table([_row("translation", "muon", EF, 0.04, 0, 14.2, phase="tune"),
                                      _row("translation", "muon", EF, 0.02, 0, 14.6, phase="tune"),
                                      _row("translation", "adamw", EF, 0.004, 0, 14.4)])
@@ -110,3 +110,27 @@ def test_the_third_seed_joins_the_report_and_the_package_the_aware_arm_waits(tmp
     assert "another seed of it is pending" not in text
     # the report's own table of the setting has the aware variant, at its base's budget
     assert "| pipeoptim-2bw+ef+aware | 0.002 (" in text
+
+
+def test_rows_of_the_arms_still_to_come_take_their_place_in_the_report(tmp_path):
+    """Translation with Muon and +ef (its two tuning runs), the aware prediction on the LM: the
+    report takes them as its settings' variants (the aware one at pipeoptim-2bw's budget), the
+    section lists them, and the package waits for their arms."""
+    translation = [json.loads(line) for line in (FOLDERS[2] / "runs.jsonl").read_text().splitlines()]
+    base = next(r for r in translation if (r["optimizer"], r["variant"], r["lr"], r["seed"])
+                == ("muon", "pipeoptim-2bw", 0.04, 0))
+    delay = [json.loads(line) for line in (FOLDERS[1] / "runs.jsonl").read_text().splitlines()]
+    lm = next(r for r in delay if (r["task"], r["optimizer"], r["variant"], r["lr"], r["seed"])
+              == ("lm", "adamw", EF, 0.002, 0))
+    rows = [*_image_rows(), dict(base, variant=EF, final_metric=14.8, validation_metric=14.6),
+            dict(base, variant=EF, lr=0.02, final_metric=14.1, validation_metric=14.0),
+            dict(lm, variant=AWARE, phase="seeds", final_metric=66.0)]
+    folder = _feedback(tmp_path, *rows)
+    text = make_results3.generate(FOLDERS[0], tmp_path / "out", plots=False, delay_fixes=FOLDERS[1],
+                                  translation=FOLDERS[2], feedback=folder)
+    assert "| tune | 0.02 | 0 | 14.0 | 14.1 |\n| tune | 0.04 | 0 | 14.6 | 14.8 |" in text
+    assert "| lm, adamw | 0.002 | 0 | 66.0 | 67.1 | -1.1 |" in text
+    # the better lr, 0.04, is the grid's edge: a third lr beyond it before the seeds
+    assert "  - translation, muon, pipeoptim-2bw+ef: seed 0 at lr 0.08 (tuning); seed 1 at lr to be chosen" in text
+    assert make_results4.package_advice(*FOLDERS, folder)[("translation", 8)] == \
+        make_results4.package_advice(*FOLDERS, None)[("translation", 8)]
