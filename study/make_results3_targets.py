@@ -9,7 +9,8 @@ computes).
 file (study/package_table.py); study/tests/test_make_results3.py holds the file to the committed
 rows. The settings are the ones the package's ADVICE comes from
 (study.make_results4.package_advice): the (task, N) whose study runs are all in, with issue 38's
-arm's rows where its runs of that task are all in.
+arm's rows where its runs of that task are all in, and issue 51's rows of each of its arms (task,
+optimizer, variant) whose planned runs are all in (study/make_results6.py).
 
 Per variant: the seeds, how many reached the target, the mean updates to it (None unless every
 seed reached it, as the report's time to target), and the ratio of that mean to the synchronous
