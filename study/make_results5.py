@@ -130,17 +130,23 @@ def claim_summary(settings: Sequence[Setting]) -> List[str]:
             f"on translation ({counted(found)}).", ""]
 
 
+def plan_status(runs: Sequence[Any], what: str) -> str:
+    """The status line of an arm's section: how many of its planned runs are in (dropped ones not
+    counted) and the core-minutes left; ``what``: "The cell is", "The arms are"."""
+    counted = [r for r in runs if r.status != "dropped"]
+    done = sum(r.status == "done" for r in counted)
+    left = sum(r.minutes for r in counted if r.status != "done")
+    return (f"All {len(counted)} planned runs are in." if done == len(counted) else
+            f"**{what} still running: {done} of {len(counted)} planned runs are in** (about {left:.0f} "
+            f"core-minutes to go of {total_minutes(runs):.0f} planned); every number below may still move.")
+
+
 def section_lines(settings: Sequence[Setting], folder: Optional[Path]) -> List[str]:
     """The cell's section (nothing where it has no rows)."""
     runs = planned(folder) if folder is not None else []
     if not runs:
         return []
-    counted = [r for r in runs if r.status != "dropped"]
-    done = sum(r.status == "done" for r in counted)
-    left = sum(r.minutes for r in counted if r.status != "done")
-    status = (f"All {len(counted)} planned runs are in." if done == len(counted) else
-              f"**The cell is still running: {done} of {len(counted)} planned runs are in** (about {left:.0f} "
-              f"core-minutes to go of {total_minutes(runs):.0f} planned); every number below may still move.")
+    status = plan_status(runs, "The cell is")
     lines = ["## Issue 41: translation at equal time", "",
              "English to Spanish Bible verses, test BLEU of greedy translations (the first 500 test sentences), "
              "the model `transformer-deep` (9 blocks) at N = 8, the task's recipe over sequential's 1,224 updates "

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from study.make_results3_arith import read_rows
+from study.make_results5 import plan_status
 from study.study3_plan import load_rows
 from study.study3_suite import SUITES
-from study.study6_plan import AWARE, EF, aliased, plan_runs, total_minutes
+from study.study6_plan import AWARE, EF, aliased, plan_runs
 
 SUITE = "feedback"
 STAGES = 8
@@ -151,12 +152,7 @@ def section_lines(rows: Sequence[Dict[str, Any]], runs: Sequence[Any], folder: P
     if not runs:
         return []
     suite = SUITES[SUITE]
-    counted = [r for r in runs if r.status != "dropped"]
-    done = sum(r.status == "done" for r in counted)
-    left = sum(r.minutes for r in counted if r.status != "done")
-    status = (f"All {len(counted)} planned runs are in." if done == len(counted) else
-              f"**The arms are still running: {done} of {len(counted)} planned runs are in** (about {left:.0f} "
-              f"core-minutes to go of {total_minutes(runs):.0f} planned); every number below may still move.")
+    status = plan_status(runs, "The arms are")
     where = folder.relative_to(folder.parents[2]) if len(folder.parents) > 2 else folder
     lines = ["## Issue 51: error feedback's open ends", "",
              "Three arms at N = 8 on the same harness: the third seed of the image advice's "
