@@ -22,7 +22,10 @@ arm has the most telling rows first:
    equal time where plain error feedback ran with pipeoptim-2bw: the LM with AdamW and with Muon,
    translation and image with AdamW. No lr of its own: the lr plain ``+ef`` won with in the cell,
    and plain ``+ef``'s seeds there (with 1.'s seed 2 on image), so that each row has its paired
-   unaware row; seed 0 of every cell first, then the further seeds under the decisive-gap cut.
+   unaware row; seed 0 of every cell first, then the further seeds under the decisive-gap cut,
+   and only where seed 0 ended farther from plain ``+ef``'s seed 0 than plain ``+ef``'s seed
+   spread in the cell (else the two predictions train the same model there, and more seeds of
+   the pair would measure the seeds, not the prediction).
    A caution: the aware prediction differs from the plain one by ``beta (u_prev - lr*Delta)``,
    which is small, since Delta is the direction of the step just applied (a schedule's lr change
    and decoupled decay make the difference; weights/predicted_2bw.py); these rows test whether
@@ -147,6 +150,20 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
         return decided_by_seed0(both, task, optimizer, variant, n, lr, reference_lr(task, optimizer),
                                 higher(task), gap)
 
+    def same_as_plain(task: str, optimizer: str, lr: Optional[float]) -> Optional[Tuple[str, str]]:
+        """("dropped", why) where the aware prediction's seed 0 ended within plain +ef's seed
+        spread (over its seeds in the cell, 2 or more) of plain +ef's seed 0 at the same lr."""
+        aware = finals(both, task, optimizer, AWARE, n, lr).get(0)
+        plain = finals(both, task, optimizer, EF, n, lr)
+        seeds = [v for v in plain.values() if v is not None]
+        if aware is None or plain.get(0) is None or len(seeds) < 2:
+            return None
+        apart, spread = abs(aware - plain[0]), statistics.stdev(seeds)
+        if apart > spread:
+            return None
+        return "dropped", (f"its seed 0 ended {apart:.3g} from {EF}'s seed 0, within {EF}'s seed spread "
+                           f"{spread:.3g}: the two predictions train the same model here")
+
     # 1. the image advice's third seed
     third = suite["third_seed"]
     ef_lr = {(t, o): study_choice(both, t, o, EF, n)[0] for t, o in suite["aware_cells"]}
@@ -220,6 +237,8 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
     for t, o in suite["aware_cells"]:
         at = ef_lr[(t, o)]
         status, why = next_seed(t, o, AWARE, at)
+        if status == "ready":
+            status, why = same_as_plain(t, o, at) or (status, why)
         for seed in seeds_of[(t, o)][1:]:
             late_seeds.append((Run("seeds", t, o, AWARE, n, seed, at, lr_source=f"{EF}'s choice in the cell"),
                                status, why))

@@ -129,11 +129,25 @@ def test_muon_translation_follows_the_cells_rules(suite, prior):
 def test_a_seed_0_far_behind_cuts_the_aware_variants_next_seeds(suite, prior):
     rows = {}
     _put(rows, "seeds", "lm", "adamw", AWARE, 0.002, 0, 70.0, 90.0)   # 64 % behind 55: cut
-    _put(rows, "seeds", "image", "adamw", AWARE, 0.002, 0, 0.91, 0.911)
+    _put(rows, "seeds", "image", "adamw", AWARE, 0.002, 0, 0.91, 0.921)  # 0.011 from +ef's 0.910: beyond 0.005
     runs = _plan(suite, rows, prior)
     status = {(r.task, r.optimizer, r.variant, r.seed): r.status for r in runs}
     assert status[("lm", "adamw", AWARE, 0)] == "done" and status[("lm", "adamw", AWARE, 1)] == "dropped"
     assert status[("image", "adamw", AWARE, 1)] == status[("image", "adamw", AWARE, 2)] == "ready"
+
+
+def test_a_seed_0_within_plain_feedbacks_spread_of_its_pair_cuts_the_aware_variants_next_seeds(suite, prior):
+    """image: plain +ef ended 0.910 and 0.917 (seed spread 0.0049); the aware seed 0 at 0.913, 0.003
+    from its pair, drops seeds 1 and 2; translation: 14.80 against plain's 14.39 (spread 0.30) does not."""
+    rows = {}
+    _put(rows, "seeds", "image", "adamw", AWARE, 0.002, 0, 0.91, 0.913)
+    _put(rows, "seeds", "translation", "adamw", AWARE, 0.004, 0, 14.5, 14.80)
+    runs = {(r.task, r.optimizer, r.variant, r.seed): r for r in _plan(suite, rows, prior)}
+    for seed in (1, 2):
+        cut = runs[("image", "adamw", AWARE, seed)]
+        assert cut.status == "dropped" and "0.003 from pipeoptim-2bw+ef's seed 0" in cut.why
+        assert "seed spread 0.00495" in cut.why
+        assert runs[("translation", "adamw", AWARE, seed)].status == "ready"
 
 
 def test_over_budget_the_last_runs_are_cut_first(suite, prior, capsys):
