@@ -90,3 +90,27 @@ def test_the_readme_shows_the_recipes_as_they_are():
         clip = "none" if r.clip_grad is None else f"{r.clip_grad:.1f}"
         row = f"| {task} | {r.model} | {r.optimizer} {r.lr:g} | {r.lr_schedule} | {clip} | {r.batch_size} | {r.epochs} |"
         assert row in readme, row
+
+
+def test_the_advised_setting_trains_at_the_advices_lr_and_nothing_else_does():
+    """image at N = 8: the advice is pipeoptim-2bw with error feedback and AdamW at its own lr, which
+    no second-study tuning holds (the recipe's lr before); pipeoptim-2bw without the feedback, at
+    another depth, or with another optimizer is not the advised setting and keeps the old source."""
+    from pipeoptim.cli import build_parser
+    from pipeoptim.cli.common import run_config
+    from pipeoptim.lab.tasks.advice import ADVICE
+
+    advised = ADVICE[("image", 8)]
+    assert (advised.method, advised.optimizer, advised.options) == ("pipeoptim-2bw", "adamw",
+                                                                    (("error_feedback", "True"),))
+
+    def lr_of(*argv):
+        args = build_parser().parse_args(["compare", "--task", "image", "--optimizer", "adamw", *argv])
+        cfg = run_config(args, "pipeoptim-2bw", strict=False)
+        return cfg.lr, cfg.lr_source
+
+    lr, source = lr_of("--stages", "8", "--error-feedback")
+    assert lr == advised.lr == 0.002 and source.startswith("the equal-time study's advice for pipeoptim-2bw+ef")
+    assert lr_of("--stages", "8") == default_lr("image", "adamw", "pipeoptim-2bw") != (0.002, source)
+    assert lr_of("--stages", "4", "--error-feedback") == default_lr("image", "adamw", "pipeoptim-2bw")
+    assert lr_of("--stages", "8", "--error-feedback", "--lr", "0.01") == (0.01, "--lr")

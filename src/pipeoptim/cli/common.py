@@ -68,10 +68,12 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
 def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> RunConfig:
     """The RunConfig of ``method`` from the parsed options (see :func:`method_options`): every
     option the record holds, read by its name; a setting the command line leaves out taken from
-    the task's recipe (pipeoptim.lab.tasks.recipes), the peak lr from the study's tuning for
-    ``method`` where there is one (``lr_source`` says). Then the command line's own rules: the
+    the task's recipe (pipeoptim.lab.tasks.recipes), the peak lr the equal-time study's advice
+    trains with where the run is the advised setting, else the study's tuning for ``method`` where
+    there is one (``lr_source`` says). Then the command line's own rules: the
     stages (--partition's, else 4), clipping and its scope, --continuous for a synchronous method."""
     from ..lab.config import LAB_OPTIONS, RECORDED, RunConfig, record_name
+    from ..lab.tasks.advice import advised_lr
     from ..lab.tasks.recipes import default_lr, recipe
 
     base = recipe(args.task)
@@ -80,14 +82,18 @@ def run_config(args: argparse.Namespace, method: str, strict: bool = True) -> Ru
     for key, value in base.as_dict().items():  # the recipe's, where no flag says
         if given.get(key, 0) is None and key not in ("lr", "clip_grad"):
             given[key] = value
-    lr, lr_source = (args.lr, "--lr") if args.lr is not None else default_lr(args.task, given["optimizer"], method)
-    clip = base.clip_grad if args.clip_grad is None else None if args.clip_grad == NO_CLIPPING else args.clip_grad
     chunks = getattr(args, "chunks", None)
+    stages = stages_of(args, chunks or get_method(method).chunks)
+    options = method_options(args, method, strict)
+    lr, lr_source = (args.lr, "--lr") if args.lr is not None else (
+        advised_lr(args.task, stages, given["optimizer"], method, options)
+        or default_lr(args.task, given["optimizer"], method))
+    clip = base.clip_grad if args.clip_grad is None else None if args.clip_grad == NO_CLIPPING else args.clip_grad
     return RunConfig(**{**given, "method": method, "lr": lr, "lr_source": lr_source, "clip_grad": clip,
                         "clip_scope": clip_scope_of(args, method, strict, clip),
-                        "stages": stages_of(args, chunks or get_method(method).chunks),
+                        "stages": stages,
                         "continuous": bool(given.get("continuous")) and not get_method(method).synchronous,
-                        "method_options": method_options(args, method, strict)})
+                        "method_options": options})
 
 
 def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Optional[float]) -> str:

@@ -56,8 +56,9 @@ LAB_OPTIONS: Tuple[Option, ...] = (
            Flag(group=OPTIMIZER, name="--optimizer", config="optimizer", choices=tuple(optimizer_names()),
                 default=NOT_GIVEN,
                 note=f"default: the task's recipe's, which sets the lr and schedule with it ({RECIPE_OPTIMIZERS})")),
-    Option("lr", "Optional[float]", None, "peak learning rate (default: the one the study tuned for this method, task and "
-           "optimizer, else the recipe's; the run prints which)", "lab", Flag("float", group=OPTIMIZER)),
+    Option("lr", "Optional[float]", None, "peak learning rate (default: the advice's where the run is the equal-time study's "
+           "advised setting, else the one the study tuned for this method, task and optimizer, else the recipe's; "
+           "the run prints which)", "lab", Flag("float", group=OPTIMIZER)),
     Option("weight_decay", "float", 0.0, "weight decay (0, i.e. none, except that adamw and muon keep torch's own: "
            "AdamW 0.01, Muon 0.1)", "lab", Flag("float", group=OPTIMIZER)),
     Option("momentum", "Optional[float]", None, "momentum coefficient (momentum, nesterov, rmsprop; muon: Muon's, default "

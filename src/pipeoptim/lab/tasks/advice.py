@@ -154,6 +154,21 @@ def nearest_depth(studied: Iterable[int], stages: int) -> int:
     return min(depths, key=lambda n: (abs(n - stages), -n))
 
 
+def advised_lr(task: str, stages: int, optimizer: str, method: str,
+               options: Dict[str, Any]) -> Optional[Tuple[float, str]]:
+    """(lr, where it comes from) where the study's advice for ``task`` at ``stages`` is this very
+    setting (the method, the optimizer and every option the advice names, as ``options`` sets
+    them): the lr the advice trains it with, so that a run of the advised setting is the advice's
+    run; None otherwise."""
+    found = ADVICE.get((task, stages))
+    if found is None or (found.method, found.optimizer) != (method, optimizer):
+        return None
+    if any(str(options.get(name)) != value for name, value in found.options):
+        return None
+    return found.lr, (f"the equal-time study's advice for {found.variant()}, {task}, N = {stages}, "
+                      f"{optimizer} (docs/results.md); --lr overrides")
+
+
 def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
     """(the recommendation for ``task`` at ``stages`` stages, or None; a sentence saying where it
     comes from or why there is none). Another depth gets the nearest studied one, said so."""
