@@ -160,6 +160,8 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
                      f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{digits}f}, {spread})")
             if margin and not ahead:  # a better mean, not beyond the spread
                 text += f": {rv} is better on the mean, not beyond the seed spread"
+            elif ahead and not single and abs(margin) <= sd:  # ahead on the mean only
+                text += ": within the seed spread (a tie on these seeds)"
             elif close:
                 text += ": only just beyond the seed spread (another seed could make it a tie)"
                 fewer = len(st.arms[variant].rows) < len(rst.arms[rv].rows)

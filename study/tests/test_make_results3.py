@@ -317,3 +317,16 @@ def test_the_package_holds_the_ratios_the_committed_rows_give(committed):
     # every advised (task, N) has its settings, and LM with AdamW never reached the target asynchronously
     assert {(t, n) for t, _, n in UPDATES_TO_TARGET} == set(ADVICE)
     assert all(v.ratio is None for v in UPDATES_TO_TARGET[("lm", "adamw", 8)].variants)
+
+
+def test_only_just_beyond_the_spread_is_said_of_a_margin_beyond_it():
+    """The answer's lines say "only just beyond the seed spread" of a margin larger than the spread,
+    and a margin within it is a tie on those seeds (a synchronous winner ahead on the mean only)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "results.md").read_text()
+    said = re.findall(r"\(margin ([-+][\d.]+), seed spread ([\d.]+)\): (only just beyond|within the seed spread)", text)
+    assert said
+    for margin, spread, words in said:
+        assert (abs(float(margin)) > float(spread)) == (words == "only just beyond"), (margin, spread, words)
