@@ -32,7 +32,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from study.common import RESULTS, ROOT, fmt
 from study.make_results2_findings import diagnosis
@@ -132,6 +132,10 @@ def verdict_lines(settings: Sequence[Setting]) -> List[str]:
     return out or ["  - no setting has the synchronous pipeline's runs and a method's yet"]
 
 
+def _seeds(arm: Any) -> str:
+    return f"{len(arm.rows)} seed{'s' if len(arm.rows) != 1 else ''}"
+
+
 def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
     out = []
     for task, stages in dict.fromkeys((st.task, st.stages) for st in settings):
@@ -143,7 +147,7 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
         name = (f"the synchronous pipeline ({st.budget['fastest']['schedule']}, M = "
                 f"{st.budget['fastest']['microbatches']})" if variant == SYNC else f"`{variant}`")
         text = f"  - {task}, N = {stages}: {name} with {st.optimizer}, final test {metric_name(st.metric)} " \
-               f"{fmt(final, st.scale, st.digits)}"
+               f"{fmt(final, st.scale, st.digits)} ({_seeds(st.arms[variant])})"
         # an asynchronous winner is weighed against the best synchronous pipeline (the choice the
         # advice is about, as the package's advice weighs it); a synchronous one against the next best
         against = rec["synchronous"] if variant != SYNC and rec["synchronous"] is not None else rec["runner_up"]
@@ -157,7 +161,8 @@ def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
             close, digits = close_call(margin, sd, st.digits) if ahead and not single else (False, st.digits)
             spread = "one seed, no spread yet" if single else f"seed spread {sd:.{digits}f}"
             text += (f"; next: {'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer} "
-                     f"{fmt(rst.final(rv), st.scale, st.digits)} (margin {margin:+.{digits}f}, {spread})")
+                     f"{fmt(rst.final(rv), st.scale, st.digits)} ({_seeds(rst.arms[rv])}; margin {margin:+.{digits}f}, "
+                     f"{spread})")
             if margin and not ahead:  # a better mean, not beyond the spread
                 text += f": {rv} is better on the mean, not beyond the seed spread"
             elif ahead and not single and abs(margin) <= sd:  # ahead on the mean only
@@ -247,7 +252,7 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              ]
     lines += arm_lines(settings, delay_fixes) if delay_fixes is not None else []
     lines += section_lines(settings, translation)
-    lines += make_results6.section_lines(rows, feedback_runs, feedback) if feedback is not None else []
+    lines += make_results6.section_lines(rows, feedback_runs, feedback, times) if feedback is not None else []
     lines += ["**The budget** (the fastest synchronous schedule and its M, against the second study's M = N):", ""]
     lines += budget_table(settings) + [""]
     lines += cut_lines(study, times)

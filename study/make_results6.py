@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from study.make_results3_arith import read_rows
+from study.common import verdict
+from study.make_results3_arith import SYNC, read_rows, recommendation, settings_of
 from study.make_results5 import plan_status
 from study.study3_plan import load_rows
 from study.study3_suite import SUITES
@@ -116,19 +117,23 @@ def aware_table(rows: Sequence[Dict[str, Any]], cells: Sequence[Tuple[str, str]]
 
 
 def probe_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """Where a plain ``+ef`` run also probed the aware prediction (without using it): its error
-    over the staleness error per stage, beside the prediction's own."""
+    """Per run that also probed the other prediction (without using it), plain error feedback's
+    (``+ef``) and the aware one's (``+ef+aware``), each's error over the staleness error per
+    stage: the run's own prediction and the one it probed, on the same weights."""
     out = []
-    for r in [r for r in rows if r["variant"] == EF]:
+    probe = {EF: "with predict_feedback", AWARE: "without predict_feedback"}
+    for r in sorted([r for r in rows if r["variant"] in probe], key=lambda r: (r["variant"] != EF, r["task"],
+                                                                               r["optimizer"], r["lr"], r["seed"])):
         stages = [s for group in r.get("prediction_error") or [] for s in group
                   if s.get("probes") and s.get("staleness_error")]
-        probed = [s for s in stages if "with predict_feedback" in (s.get("variants") or {})]
-        if not probed or len(probed) != len(stages):
+        other = probe[r["variant"]]
+        if not stages or any(other not in (s.get("variants") or {}) for s in stages):
             continue
-        plain = ", ".join(f"{s['prediction_error'] / s['staleness_error']:.2f}" for s in stages)
-        aware = ", ".join(f"{s['variants']['with predict_feedback'] / s['staleness_error']:.2f}" for s in stages)
-        out.append(f"  - {r['task']}, {r['optimizer']}, lr {r['lr']:g}, seed {r['seed']}: {EF} {plain}; "
-                   f"the aware prediction, probed on the same run, {aware}")
+        own = ", ".join(f"{s['prediction_error'] / s['staleness_error']:.2f}" for s in stages)
+        probed = ", ".join(f"{s['variants'][other] / s['staleness_error']:.2f}" for s in stages)
+        plain, aware = (own, probed) if r["variant"] == EF else (probed, own)
+        out.append(f"  - {r['task']}, {r['optimizer']}, lr {r['lr']:g}, seed {r['seed']}, a run of {r['variant']}: "
+                   f"plain {plain}; aware {aware}")
     return out
 
 
@@ -147,8 +152,66 @@ def finding_lines() -> List[str]:
             "foresee.", ""]
 
 
-def section_lines(rows: Sequence[Dict[str, Any]], runs: Sequence[Any], folder: Path) -> List[str]:
-    """The suite's section (nothing where it has no plan). ``rows``: every study's rows, merged."""
+#: the issue's changes in the order they were made: (what the step says, which rows it adds, the
+#: variant it changed, the variant it made). The image arm's rows are issue 38's (held back until
+#: the planner could plan error feedback) and the suite's third seed.
+STEPS = [("error feedback on image (issue 38's arm merged, a third seed)",
+          lambda r: r["task"] == "image" and r["variant"] == EF, "pipeoptim-2bw", EF),
+         ("error feedback on translation with Muon", lambda r: (r["task"], r["optimizer"], r["variant"])
+          == ("translation", "muon", EF), "pipeoptim-2bw", EF),
+         ("the aware prediction", lambda r: r["variant"] == AWARE, EF, AWARE)]
+
+
+def _named(rec: Optional[Dict[str, Any]]) -> str:
+    if rec is None:
+        return "-"
+    if rec["variant"] == SYNC:
+        return f"the synchronous pipeline with {rec['setting'].optimizer}"
+    return f"`{rec['variant']}` with {rec['setting'].optimizer}"
+
+
+def gap_tables(rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> List[str]:
+    """What each change did to the gap, a table per task it touched: per optimizer, the variant the
+    change was made to and the variant it made, each with its final test metric at equal time and
+    its gap to the synchronous pipeline with the same optimizer (positive: the asynchronous one is
+    better; the study's verdict beside it), and the task's recommendation before the change's rows
+    joined (every row but the ones of this and the later :data:`STEPS`) and after."""
+    stages = [[r for r in rows if not any(rule(r) for _, rule, _, _ in STEPS)]]
+    for _, rule, _, _ in STEPS:
+        stages.append(stages[-1] + [r for r in rows if rule(r)])
+    settings = [[st for st in settings_of(these, times) if st.stages == STAGES] for these in stages]
+    lines: List[str] = []
+    for task in dict.fromkeys(r["task"] for r in rows if any(rule(r) for _, rule, _, _ in STEPS)):
+        lines += [f"**{task}, N = {STAGES}** (final test metric at equal time, mean ± sd over the seeds (their "
+                  "number); gap: against the synchronous pipeline with the same optimizer):", "",
+                  "| change | optimizer | synchronous | before: variant | its final test, gap | after: variant "
+                  "| its final test, gap | the task's recommendation before | after |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for i, (said, rule, base, made) in enumerate(STEPS):
+            before, after = recommendation(settings[i], task, STAGES), recommendation(settings[i + 1], task, STAGES)
+            for st in [st for st in settings[-1] if st.task == task]:
+                if not any(rule(r) for arm in st.arms.values() for r in arm.rows) or base not in st.arms:
+                    continue
+
+                def cell(variant: str) -> str:
+                    word, diff, spread = verdict(st.final(variant), st.final(SYNC), st.higher)
+                    pair = st.final(variant)
+                    word = {"wins": "better", "ties": "a tie", "loses": "worse"}[word]
+                    return (f"{pair[0] * st.scale:.{st.digits}f} ± {pair[1] * st.scale:.{st.digits}f} "
+                            f"({len(st.arms[variant].rows)}), {(1 if st.higher else -1) * diff * st.scale:+.{st.digits}f}"
+                            f" ({word}; spread {spread * st.scale:.{st.digits}f})")
+                sync = st.final(SYNC)
+                lines.append(f"| {said} | {st.optimizer} | {sync[0] * st.scale:.{st.digits}f} ± "
+                             f"{sync[1] * st.scale:.{st.digits}f} | {base} | {cell(base)} | {made} | {cell(made)} | "
+                             f"{_named(before)} | {_named(after)} |")
+        lines.append("")
+    return lines
+
+
+def section_lines(rows: Sequence[Dict[str, Any]], runs: Sequence[Any], folder: Path,
+                  times: Optional[Dict[str, Any]] = None) -> List[str]:
+    """The suite's section (nothing where it has no plan). ``rows``: every study's rows, merged;
+    with ``times`` (their budgets) the section adds what each change did to the gap."""
     if not runs:
         return []
     suite = SUITES[SUITE]
@@ -169,9 +232,16 @@ def section_lines(rows: Sequence[Dict[str, Any]], runs: Sequence[Any], folder: P
     lines += aware_table(rows, suite["aware_cells"]) + [""]
     probes = probe_lines(rows)
     if probes:
-        lines += ["**The diagnostic with and without the aware prediction** (error over the staleness error by "
-                  "stage):", ""] + probes + [""]
+        lines += ["**The diagnostic with and without the aware prediction** (error over the staleness error, "
+                  "stages 0-6; each run computes both predictions on the same weights, and trains on its own):",
+                  ""] + probes + [""]
     lines += finding_lines()
+    if times is not None:
+        lines += ["**What each change did to the gap**, per task it touched: the variant each change was made "
+                  "to and the variant it made, each against the synchronous pipeline with the same optimizer "
+                  "(gap positive where the asynchronous variant is better; within the larger of the two seed "
+                  "spreads, a tie), and the task's recommendation before the change's rows joined and after. "
+                  "The aware prediction's arms that stop at seed 0 are compared seed for seed above.", ""] + gap_tables(rows, times)
     pending = [r for r in runs if r.status in ("ready", "waiting")]
     dropped = [r for r in runs if r.status == "dropped"]
     if pending:

@@ -72,6 +72,9 @@ def test_bleu_is_higher_is_better_and_written_as_bleu():
     assert ("the synchronous pipeline (zb-h1, M = 8) with adamw gives the best model: test BLEU 15.4 ± 0.3 over "
             "3 seeds; next pipeoptim-2bw with adamw 14.8 (margin +0.6, seed spread 0.3: only just beyond it") \
         in bleu.describe()
+    # ahead by no more than the spread: a tie on these seeds, not "beyond it"
+    tied = Advice(**{**bleu.__dict__, "runner_up_value": 14.93, "runner_up_spread": 0.55, "margin": 0.47})
+    assert "(margin +0.5, seed spread 0.6: within it, a tie on these seeds; the equal-time" in tied.describe()
     behind = Advice(**{**bleu.__dict__, "value": 14.6, "margin": -0.2})
     assert "pipeoptim-2bw with adamw 14.8 is 0.2 better on the mean, within the seed spread (0.3)" in behind.describe()
 

@@ -120,7 +120,7 @@ def test_verdicts_and_the_recommendation(report, settings):
                                  "pipeline; the closest, pipeoptim (+0.00): the prediction removes 25%-75%")
     assert report.closing_lines(both) == ["  - none"]
     # one seed has no spread: the recommendation says so instead of a spread of 0
-    assert "(margin +3.00, seed spread 1.00)" in report.recommendation_lines([settings[8]])[0]
+    assert "(3 seeds; margin +3.00, seed spread 1.00)" in report.recommendation_lines([settings[8]])[0]
     one_seed = {k: dataclasses.replace(v, rows=v.rows[:1]) for k, v in settings[8].arms.items()}
     lines = report.recommendation_lines([dataclasses.replace(settings[8], arms=one_seed)])
     assert "one seed, no spread yet)" in lines[0] and "seed spread" not in lines[0]
@@ -326,7 +326,14 @@ def test_only_just_beyond_the_spread_is_said_of_a_margin_beyond_it():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "results.md").read_text()
-    said = re.findall(r"\(margin ([-+][\d.]+), seed spread ([\d.]+)\): (only just beyond|within the seed spread)", text)
+    said = re.findall(r"\(\d+ seeds?; margin ([-+][\d.]+), seed spread ([\d.]+)\): (only just beyond|within the seed spread)", text)
+    assert said
+    for margin, spread, words in said:
+        assert (abs(float(margin)) > float(spread)) == (words == "only just beyond"), (margin, spread, words)
+    # the README's advice block (the package's advice) says the same of its margins
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    said = re.findall(r"\(margin ([-+][\d.]+)(?:, lower is better)?, seed spread ([\d.]+): (only just beyond|within it)",
+                      readme)
     assert said
     for margin, spread, words in said:
         assert (abs(float(margin)) > float(spread)) == (words == "only just beyond"), (margin, spread, words)

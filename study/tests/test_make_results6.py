@@ -70,9 +70,12 @@ def test_a_plain_run_that_probed_the_aware_prediction_gives_both_diagnostics():
     stage = {"probes": 10, "prediction_error": 0.5, "staleness_error": 1.0, "variants": {"with predict_feedback": 0.6}}
     row = _row("image", "adamw", EF, 0.002, 2, 0.91, prediction_error=[[stage, dict(stage, prediction_error=2.0),
                                                                         {"probes": 0}]])
-    assert make_results6.probe_lines([row, _row("image", "adamw", EF, 0.002, 1, 0.9)]) == [
-        "  - image, adamw, lr 0.002, seed 2: pipeoptim-2bw+ef 0.50, 2.00; the aware prediction, probed on the "
-        "same run, 0.60, 0.60"]
+    flipped = {"probes": 10, "prediction_error": 0.7, "staleness_error": 2.0,
+               "variants": {"without predict_feedback": 1.0}}
+    aware = _row("lm", "adamw", AWARE, 0.002, 0, 68.4, prediction_error=[[flipped]])
+    assert make_results6.probe_lines([aware, row, _row("image", "adamw", EF, 0.002, 1, 0.9)]) == [
+        "  - image, adamw, lr 0.002, seed 2, a run of pipeoptim-2bw+ef: plain 0.50, 2.00; aware 0.60, 0.60",
+        "  - lm, adamw, lr 0.002, seed 0, a run of pipeoptim-2bw+ef+aware: plain 0.50; aware 0.35"]
 
 
 def _feedback(tmp_path: Path, *rows) -> Path:
@@ -134,3 +137,23 @@ def test_rows_of_the_arms_still_to_come_take_their_place_in_the_report(tmp_path)
     assert "  - translation, muon, pipeoptim-2bw+ef: seed 0 at lr 0.08 (tuning); seed 1 at lr to be chosen" in text
     assert make_results4.package_advice(*FOLDERS, folder)[("translation", 8)] == \
         make_results4.package_advice(*FOLDERS, None)[("translation", 8)]
+
+
+def test_each_change_is_a_row_of_its_tasks_gap_table_before_and_after():
+    def times(variants):
+        at = {"budget": {"seconds_per_batch": 0.01}, "variants": {v: {"seconds_per_batch": 0.01} for v in variants}}
+        return {"stages": {"8": at}}
+
+    sync = [dict(_row("image", "adamw", "sequential", 0.004, s, f), stages=1) for s, f in ((0, 0.90), (1, 0.91))]
+    rows = sync + [_row("image", "adamw", "pipeoptim-2bw", 0.002, s, f) for s, f in ((0, 0.905), (1, 0.905))]
+    rows += [_row("image", "adamw", EF, 0.002, s, f) for s, f in ((0, 0.93), (1, 0.93))]
+    rows += [_row("image", "adamw", AWARE, 0.002, 0, 0.92)]
+    table = make_results6.gap_tables(rows, {"cells": {"image": {"adamw": times(["pipeoptim-2bw", EF, AWARE])}}})
+    assert table[0].startswith("**image, N = 8**")
+    assert table[4:] == [
+        "| error feedback on image (issue 38's arm merged, a third seed) | adamw | 90.50 ± 0.71 | pipeoptim-2bw | "
+        "90.50 ± 0.00 (2), +0.00 (a tie; spread 0.71) | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (better; spread "
+        "0.71) | the synchronous pipeline with adamw | `pipeoptim-2bw+ef` with adamw |",
+        "| the aware prediction | adamw | 90.50 ± 0.71 | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (better; spread "
+        "0.71) | pipeoptim-2bw+ef+aware | 92.00 ± 0.00 (1), +1.50 (better; spread 0.71) | `pipeoptim-2bw+ef` with "
+        "adamw | `pipeoptim-2bw+ef` with adamw |", ""]

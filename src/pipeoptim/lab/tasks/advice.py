@@ -98,10 +98,13 @@ class Advice:
         spread = max(self.spread, self.runner_up_spread) * scale
         if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
             close, fine = close_call(self.margin * scale, spread, digits)
+            # ahead by no more than the spread: a tie on these seeds (said of a synchronous winner
+            # only, an asynchronous one must win beyond the spread); up to twice it: a close call
+            said = (": within it, a tie on these seeds" if abs(self.margin) * scale <= spread
+                    else ": only just beyond it, so another seed could make it a tie" if close else "")
             text = (f"in the same time, {what} with {self.optimizer} gives the best model: {mine}; next {rival} "
                     f"(margin {self.margin * scale:+.{fine}f}{'' if higher else ', lower is better'}, seed spread "
-                    f"{spread:.{fine}f}" + (": only just beyond it, so another seed could make it a tie" if close
-                                             else "") + f"; {SOURCE})")
+                    f"{spread:.{fine}f}" + said + f"; {SOURCE})")
         else:  # the runner-up's mean is better, not beyond the seed spread (only a synchronous winner)
             text = (f"in the same time, use {what} with {self.optimizer}: {mine}. {rival} is "
                     f"{abs(self.margin) * scale:.{digits}f} {'better' if higher else 'lower'} on the mean, within "
