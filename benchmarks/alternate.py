@@ -8,7 +8,7 @@ tree as it is, uncommitted edits included), through the interpreter running this
 repository's ``.venv``) with ``PYTHONPATH=<tree>/src:<tree>``, checked to import ``pipeoptim``
 from that tree. One measurement of a commit is the same two commands for every commit:
 
-* ``peer``: this file's worker (the same code for every commit, run as a file so that no
+* ``peer``: benchmarks/alternate_worker.py (the same code for every commit, run as a file so that no
   ``benchmarks`` package of the commit's enters; only its ``pipeoptim`` does), 2 processes under
   ``torch.distributed.run`` (gloo, one compute thread each): the ``blocks`` model of
   ``pipeoptim bench`` split [4, 5], Fashion-MNIST-shaped synthetic batches of 512, momentum SGD
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -69,168 +68,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks.alternate_report import aggregate, differences, format_profile, format_summary, function_table, \
+    parse_bench, parse_peer
+from benchmarks.alternate_worker import LR
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
+WORKER = HERE.with_name("alternate_worker.py")  #: run as a file by torch.distributed.run, per commit
 WORKTREES = Path("/tmp/pipeoptim-alt")
 RESULTS = ROOT / "benchmarks" / "results" / "alternate.jsonl"
-BATCH = 512
-PARTITION = [4, 5]
-LR = 0.01
-PLAIN = "plain (1 process)"
-#: the peer job's runs: (label, side, schedule, micro-batches, drive); side "ours": the commit's
-#: pipeoptim.Pipeline, "torch": torch.distributed.pipelining on the same split; drive "fit" or "step"
-PEER_RUNS = [
-    ("ours gpipe M=2", "ours", "gpipe", 2, "fit"),
-    ("torch ScheduleGPipe M=2", "torch", "ScheduleGPipe", 2, ""),
-    ("ours 1f1b-flush M=2", "ours", "1f1b-flush", 2, "fit"),
-    ("ours 1f1b-flush M=2 (step)", "ours", "1f1b-flush", 2, "step"),
-    ("torch Schedule1F1B M=2", "torch", "Schedule1F1B", 2, ""),
-]
 BENCH_METHODS = ["pipeoptim", "async-naive"]
-#: (ratio, numerator run, denominator run); the bench's runs are named "bench <method>"
-PAIRS = [
-    ("1f1b-flush / Schedule1F1B, M=2 (fit)", "ours 1f1b-flush M=2", "torch Schedule1F1B M=2"),
-    ("1f1b-flush / Schedule1F1B, M=2 (step)", "ours 1f1b-flush M=2 (step)", "torch Schedule1F1B M=2"),
-    ("gpipe / ScheduleGPipe, M=2 (fit)", "ours gpipe M=2", "torch ScheduleGPipe M=2"),
-    ("pipeoptim / async-naive (bench)", "bench pipeoptim", "bench async-naive"),
-]
-#: where each commit keeps what the worker uses: (what, [module candidates, newest first])
-COMPAT = {
-    "blocks_model": ["pipeoptim.lab.bench_worker", "pipeoptim.bench_worker"],
-    "make_optimizer": ["pipeoptim.lab.optimizers", "pipeoptim.optimizers"],
-    "init_process_group": ["pipeoptim.runtime.control", "pipeoptim.runtime.distributed"],
-    "split": ["pipeoptim.partition"],
-    "Pipeline": ["pipeoptim.pipeline"],
-}
-
-
-# ---- arithmetic (tested in tests/test_alternate.py) -----------------------------------------
-
-def quartiles(values: Sequence[float]) -> List[float]:
-    """First quartile, median and third quartile (linear interpolation between order
-    statistics, as numpy's ``percentile`` and ``pipeoptim bench``); one value gives it three times."""
-    if not values:
-        raise ValueError("quartiles of no values")
-    xs = sorted(values)
-    if len(xs) == 1:
-        return [xs[0]] * 3
-
-    def at(q: float) -> float:
-        pos = q * (len(xs) - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return [at(0.25), at(0.5), at(0.75)]
-
-
-def spread(values: Sequence[float]) -> Dict[str, Any]:
-    """The median of ``values`` with min, max, quartiles and the interquartile range."""
-    q1, med, q3 = quartiles(values)
-    return {"median": med, "min": min(values), "max": max(values), "q1": q1, "q3": q3,
-            "iqr": q3 - q1, "n": len(values), "values": list(values)}
-
-
-def parse_peer(result: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
-    """The peer worker's result -> per run: samples/s, CPU ms per mini-batch of all processes
-    (``cpu_ms``) and of their main threads (``thread_ms``)."""
-    batches = result["batches"]
-    out = {}
-    for name, r in result["runs"].items():
-        out[name] = {"samples_per_second": result["batch_size"] * batches / r["wall"],
-                     "cpu_ms": 1e3 * sum(r["cpu"]) / batches,
-                     "thread_ms": 1e3 * sum(r["thread"]) / batches}
-        if "switches" in r:  # voluntary context switches per mini-batch, all processes (their main threads)
-            out[name]["switches"] = sum(r["switches"]) / batches
-            out[name]["main_switches"] = sum(r["main_switches"]) / batches
-    return out
-
-
-def parse_bench(result: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
-    """``pipeoptim bench``'s results file -> per method "bench <method>": samples/s and CPU ms
-    per mini-batch of all processes (the median round's CPU share of each process x its wall
-    ms per mini-batch; with one round, that round's)."""
-    out = {}
-    for name, d in result["detail"].items():
-        sps = d["samples_per_second"]
-        rounds = d["rounds_samples_per_second"]
-        median_round = sorted(range(len(rounds)), key=lambda i: rounds[i])[(len(rounds) - 1) // 2]
-        shares = d["cpu_share"][median_round]
-        out[f"bench {name}"] = {"samples_per_second": sps, "cpu_ms": sum(shares) * d["ms_per_batch"]}
-    return out
-
-
-def aggregate(rows: List[Dict[str, Any]], pairs=PAIRS) -> Dict[str, Any]:
-    """Rows (one per commit and round: ``{"commit", "round", "runs": {run: {samples_per_second,
-    cpu_ms, [thread_ms]}}}``) -> per commit, in the order first seen: per pair the ratio
-    within each round and its spread over the rounds, its CPU ratio (numerator's CPU ms over
-    the denominator's, per round), and per run the spread of samples/s and CPU ms per mini-batch."""
-    by_commit: Dict[str, List[Dict[str, Dict[str, float]]]] = {}
-    for row in rows:
-        by_commit.setdefault(row["commit"], []).append(row["runs"])
-    out: Dict[str, Any] = {}
-    for commit, rounds in by_commit.items():
-        ratios, cpu_ratios = {}, {}
-        for name, num, den in pairs:
-            have = [r for r in rounds if num in r and den in r]
-            if have:
-                ratios[name] = spread([r[num]["samples_per_second"] / r[den]["samples_per_second"] for r in have])
-                cpu_ratios[name] = spread([r[num]["cpu_ms"] / r[den]["cpu_ms"] for r in have])
-        runs: Dict[str, Dict[str, Any]] = {}
-        for r in rounds:
-            for name, v in r.items():
-                entry = runs.setdefault(name, {})
-                for key, x in v.items():
-                    entry.setdefault(key, []).append(x)
-        out[commit] = {"rounds": len(rounds), "ratios": ratios, "cpu_ratios": cpu_ratios,
-                       "runs": {name: {k: spread(xs) for k, xs in v.items()} for name, v in runs.items()}}
-    return out
-
-
-def format_summary(summary: Dict[str, Any]) -> str:
-    """The ratios (median [min-max, IQR]) per commit, then CPU ms per mini-batch per run."""
-    commits = list(summary)
-    lines = []
-
-    def table(head: List[str], rows: List[List[str]]) -> None:
-        widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-        fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-        lines.extend([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-    def cell(s: Optional[Dict[str, Any]], digits: int = 3) -> str:
-        if s is None:
-            return "-"
-        return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}, IQR {s['iqr']:.{digits}f}]"
-
-    names = list(dict.fromkeys(n for c in commits for n in summary[c]["ratios"]))
-    table(["ratio (within a round), median [min-max, IQR]"] + commits,
-          [[n] + [cell(summary[c]["ratios"].get(n)) for c in commits] for n in names])
-    lines.append("")
-    table(["CPU ratio (numerator's CPU ms / denominator's)"] + commits,
-          [[n] + [cell(summary[c]["cpu_ratios"].get(n)) for c in commits] for n in names])
-    lines.append("")
-    runs = list(dict.fromkeys(n for c in commits for n in summary[c]["runs"]))
-    rows = []
-    for n in runs:
-        row = [n]
-        for c in commits:
-            e = summary[c]["runs"].get(n)
-            if e is None:
-                row.append("-")
-                continue
-            text = f"{e['cpu_ms']['median']:.1f}"
-            if "thread_ms" in e:
-                text += f" ({e['thread_ms']['median']:.1f} main)"
-            text += f", {e['samples_per_second']['median']:.0f}/s"
-            if "switches" in e:
-                text += f", {e['switches']['median']:.1f} ({e['main_switches']['median']:.1f}) sw"
-            row.append(text)
-        rows.append(row)
-    table(["run: CPU ms per mini-batch, all processes (main threads); samples/s; voluntary context switches "
-           "per mini-batch, all processes (main threads); medians"] + commits, rows)
-    lines.append("")
-    lines.append("rounds: " + ", ".join(f"{c} {summary[c]['rounds']}" for c in commits))
-    return "\n".join(lines)
 
 
 # ---- commits and worktrees -----------------------------------------------------------------
@@ -299,7 +146,7 @@ def check_import(tree: Path) -> str:
 
 def torchrun(tree: Path, worker_args: Sequence[str], timeout: float) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE), "--worker", *worker_args]
+           str(WORKER), *worker_args]
     subprocess.run(cmd, env=env_of(tree), cwd=tree, check=True, timeout=timeout)
 
 
@@ -330,209 +177,6 @@ def measure(tree: Path, r: int, args: argparse.Namespace) -> Dict[str, Dict[str,
     return runs
 
 
-# ---- the worker (one per rank, under torch.distributed.run, importing the commit's pipeoptim) -
-
-def _compat() -> Dict[str, Any]:
-    """What the worker uses from the commit's pipeoptim, wherever that commit keeps it."""
-    import importlib
-
-    found = {}
-    for name, modules in COMPAT.items():
-        for module in modules:
-            try:
-                found[name] = getattr(importlib.import_module(module), name)
-                break
-            except (ImportError, AttributeError):
-                continue
-        else:
-            raise ImportError(f"no {name} in {', '.join(modules)}")
-    return found
-
-
-def _data(count: int):
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(count)]
-
-
-def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str, rank: int, timeout: float):
-    """(train(batches), close()) of one run on this process."""
-    import torch
-    from torch import nn
-
-    loss_fn = nn.functional.cross_entropy
-    optimizer = api["make_optimizer"]("momentum", LR)
-    if side == "plain":
-        model = api["blocks_model"](2)
-        opt = optimizer(model.parameters())
-
-        def plain(batches):
-            if rank != 0:
-                return
-            for x, y in batches:
-                opt.zero_grad(set_to_none=True)
-                loss_fn(model(x), y).backward()
-                opt.step()
-        return plain, (lambda: None)
-    if side == "ours":
-        pipeline = api["Pipeline"](api["blocks_model"](2), method=schedule, loss_fn=loss_fn, optimizer=optimizer,
-                                   stages=2, partition=PARTITION, micro_batches=micro, devices="cpu",
-                                   timeout=timeout, threads=1)
-
-        def by_step(batches):
-            for x, y in batches:
-                pipeline.step(x, y, segment_length=len(batches))
-            pipeline.flush()
-        return (by_step if drive == "step" else (lambda batches: pipeline.fit(list(batches)))), pipeline.close
-    from torch.distributed import pipelining
-
-    part = api["split"](api["blocks_model"](2), PARTITION)[rank]
-    stage = pipelining.PipelineStage(part, rank, 2, torch.device("cpu"))
-    sched = getattr(pipelining, schedule)(
-        stage, n_microbatches=micro, scale_grads=False,
-        loss_fn=lambda output, target: loss_fn(output, target) * (target.shape[0] / BATCH))
-    opt = optimizer(part.parameters())
-
-    def peer(batches):
-        for x, y in batches:
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                sched.step(x)
-            else:
-                sched.step(target=y, losses=[])
-            opt.step()
-    return peer, (lambda: None)
-
-
-def _timed(train, close, warm, timed) -> Dict[str, Any]:
-    """Warm up, time from a barrier to a barrier, close: wall seconds, every rank's process and
-    main-thread CPU seconds."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    def switches() -> List[float]:  # voluntary context switches: the process's, its main thread's
-        return [float(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw),
-                float(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw)]
-
-    try:
-        train(warm)
-        dist.barrier()
-        before = switches()
-        start, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
-        train(timed)
-        spent = [time.process_time() - cpu, time.thread_time() - thread] + [b - a for a, b in zip(before, switches())]
-        dist.barrier()
-        wall = time.perf_counter() - start
-    finally:
-        close()
-    every = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, torch.tensor(spent, dtype=torch.float64))
-    return {"wall": wall, "cpu": [float(t[0]) for t in every], "thread": [float(t[1]) for t in every],
-            "switches": [float(t[2]) for t in every], "main_switches": [float(t[3]) for t in every]}
-
-
-def _worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    api = _compat()
-    api["init_process_group"](device="cpu", timeout=args.timeout, threads=1)
-    rank = dist.get_rank()
-    data = _data(args.warmup + args.batches)
-    warm, timed = data[:args.warmup], data[args.warmup:]
-    try:
-        if args.profile_dir:
-            return _profile_worker(api, rank, warm, timed, args)
-        runs = [(PLAIN, "plain", "", 0, "")] + PEER_RUNS
-        shift = args.round % len(runs)
-        result = {"batches": args.batches, "batch_size": BATCH, "runs": {}}
-        for label, side, schedule, micro, drive in runs[shift:] + runs[:shift]:
-            result["runs"][label] = _timed(*_build(api, side, schedule, micro, drive, rank, args.timeout), warm, timed)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(result))
-        return 0
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _profile_worker(api, rank: int, warm, timed, args: argparse.Namespace) -> int:
-    """``--profile-method`` at ``--profile-micro`` micro-batches by fit: CPU per mini-batch
-    unprofiled, then a cProfile on the main thread's CPU clock, each on a Pipeline of its own
-    (``--fresh``: its first fit, setup included, as ``pipeoptim bench`` times it; else after
-    ``warm``); ``<profile-dir>/r<rank>.prof`` and ``r<rank>.json``."""
-    import cProfile
-
-    import torch.distributed as dist
-
-    micro = args.profile_micro or None
-    info: Dict[str, Any] = {"batches": len(timed)}
-    for profiled in (False, True):
-        train, close = _build(api, "ours", args.profile_method, micro, "fit", rank, args.timeout)
-        try:
-            if not args.fresh:
-                train(warm)
-            dist.barrier()
-            profile = cProfile.Profile(time.thread_time) if profiled else None
-            cpu, thread = time.process_time(), time.thread_time()
-            if profile is not None:
-                profile.enable()
-            train(timed)
-            if profile is not None:
-                profile.disable()
-            key = "profiled_" if profiled else ""
-            info[key + "cpu_ms"] = 1e3 * (time.process_time() - cpu) / len(timed)
-            info[key + "thread_ms"] = 1e3 * (time.thread_time() - thread) / len(timed)
-        finally:
-            close()
-    folder = Path(args.profile_dir)
-    profile.dump_stats(str(folder / f"r{rank}.prof"))
-    (folder / f"r{rank}.json").write_text(json.dumps(info))
-    return 0
-
-
-# ---- profile comparison ---------------------------------------------------------------------
-
-def function_table(prof: Path, batches: int) -> Dict[str, Dict[str, float]]:
-    """A .prof -> per function ("pipeoptim/<path>:<name>", "torch/<path>:<name>" or a builtin's
-    name; the line left out, so that moved code still matches): calls, tottime and cumtime (ms)
-    per mini-batch, summed over functions of one name in one file."""
-    import pstats
-
-    stats = pstats.Stats(str(prof))
-    out: Dict[str, Dict[str, float]] = {}
-    for (path, _, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        key = name if path == "~" else f"{short_path(path)}:{name}"
-        e = out.setdefault(key, {"calls": 0.0, "tottime_ms": 0.0, "cumtime_ms": 0.0})
-        e["calls"] += ncalls / batches
-        e["tottime_ms"] += 1e3 * tottime / batches
-        e["cumtime_ms"] = max(e["cumtime_ms"], 1e3 * cumtime / batches)  # recursion: not summed
-    return out
-
-
-def short_path(path: str) -> str:
-    """A source path from the package folder on (``pipeoptim/runtime/link.py``), whichever tree."""
-    parts = Path(path).parts
-    for anchor in ("pipeoptim", "torch"):
-        if anchor in parts:
-            i = len(parts) - 1 - parts[::-1].index(anchor)
-            return "/".join(parts[i:])
-    return Path(path).name
-
-
-def differences(base: Dict[str, Dict[str, float]], other: Dict[str, Dict[str, float]], key: str,
-                top: int) -> List[Tuple[str, float, float]]:
-    """The ``top`` functions whose ``key`` per mini-batch differs most (other - base), largest
-    absolute difference first: (function, base's, other's)."""
-    names = set(base) | set(other)
-    rows = [(n, base.get(n, {}).get(key, 0.0), other.get(n, {}).get(key, 0.0)) for n in names]
-    rows.sort(key=lambda r: -abs(r[2] - r[1]))
-    return rows[:top]
-
-
 def profile_commits(commits: List[Tuple[str, str, Path]], args: argparse.Namespace) -> Dict[str, Any]:
     folder = Path(args.profile_dir or tempfile.mkdtemp(prefix="pipeoptim-alt-profile-"))
     tables, plain = {}, {}
@@ -561,20 +205,6 @@ def profile_commits(commits: List[Tuple[str, str, Path]], args: argparse.Namespa
     return report
 
 
-def format_profile(report: Dict[str, Any]) -> str:
-    lines = ["CPU ms per mini-batch unprofiled (process, main thread), and the process's under cProfile:"]
-    for name, c in report["cpu"].items():
-        lines.append(f"  {name}: {c['cpu_ms']:.1f}, {c['thread_ms']:.1f}; profiled {c['profiled_cpu_ms']:.1f}, "
-                     f"{c['profiled_thread_ms']:.1f}")
-    for name, rows in report["differences"].items():
-        lines.append("")
-        lines.append(f"{name} per mini-batch (base -> other, difference):")
-        for fn, a, b in rows:
-            lines.append(f"  {b - a:+9.3f}  {a:9.3f} -> {b:9.3f}  {fn}")
-    lines.append(f"\nprofiles in {report['folder']}")
-    return "\n".join(lines)
-
-
 # ---- the command ----------------------------------------------------------------------------
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -601,11 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--fresh", action="store_true",
                         help="profile a new Pipeline's first fit, its setup included (as pipeoptim bench times a run)")
     parser.add_argument("--top", type=int, default=20, help="functions listed per comparison (default: 20)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return _worker(args)
     if args.from_rows is not None:
         rows = [json.loads(line) for line in args.from_rows.read_text().splitlines() if line.strip()]
         print(format_summary(aggregate(rows)))
