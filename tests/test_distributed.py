@@ -537,19 +537,18 @@ def test_world_size_must_match_the_stages(monkeypatch, capsys):
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setattr(sys, "argv", ["pipeoptim", "train", "--stages", "2"])
+    # --stages given to main() counts, whatever the program's own argv (here pytest's)
     assert main(["train", "--runtime", "distributed", "--stages", "2", "--model", "mlp"]) == 2
     assert "world size is 3" in capsys.readouterr().err
 
 
-def test_a_users_torchrun_job_keeps_the_stages_and_takes_the_replicas_from_its_size(monkeypatch, tmp_path):
+def test_a_users_torchrun_job_keeps_the_stages_and_takes_the_replicas_from_its_size(tmp_path):
     """The engine's rule in `pipeoptim train` under a user's torchrun: --stages fixed, the replicas the
     world over them (a job re-formed on fewer processes continues with fewer), unless --data-parallel
     is given, which the job must then hold; a resumed run keeps its own stages."""
     from pipeoptim.lab.config import RunConfig
     from pipeoptim.lab.launcher import job_stages
 
-    monkeypatch.setattr(sys, "argv", ["pipeoptim", "train", "--stages", "2"])
     cfg = RunConfig(task="image", model="mlp", method="pipeoptim", stages=2)
     assert [job_stages(cfg, world) for world in (2, 4, 6)] == [2, 2, 2]
     with pytest.raises(ValueError, match=r"--stages 2 runs 2 stage processes per replica but the world size is 5: "
@@ -563,12 +562,14 @@ def test_a_users_torchrun_job_keeps_the_stages_and_takes_the_replicas_from_its_s
         job_stages(given, 2)
     with pytest.raises(ValueError, match=r"set \"data_parallel\": null in .*config.json"):
         job_stages(given, 2, resumed=tmp_path)
-    monkeypatch.setattr(sys, "argv", ["pipeoptim", "train"])  # no --stages: a new run's come from the world
-    assert job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4), 2) == 2
-    assert job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4, data_parallel=2), 8) == 4
+    # no --stages: a new run's come from the world
+    assert job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4), 2, stages_given=False) == 2
+    assert job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4, data_parallel=2), 8,
+                      stages_given=False) == 4
     # resumed, the run's own 4 stages stay: 2 processes cannot hold them
     with pytest.raises(ValueError, match=r"the run in .* \(--stages 4\) runs 4 stage processes per replica"):
-        job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4), 2, resumed=tmp_path)
+        job_stages(RunConfig(task="image", model="mlp", method="pipeoptim", stages=4), 2, resumed=tmp_path,
+                   stages_given=False)
 
 
 @pytest.mark.timeout(120)

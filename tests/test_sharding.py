@@ -38,9 +38,13 @@ CASES = ["drop:pipeoptim", "gpt:1f1b-flush+clip=0.5", "gpt:pipeoptim", "gpt:pipe
          "pipeoptim+lr_correction=delay+lr_correction_steps=4", "spectrain+sync_warmup=1"]
 REFUSED = ["pipeoptim+muon"]
 #: what else the job's 4 processes run (tests/torchrun_sharded.py): the resharded checkpoint
-#: (below) and the GPT-2 example sharded 2 x 2 (tests/test_examples.py)
-SHARED = ["reshard", "gpt2-example"]
+#: (below), the GPT-2 example sharded 2 x 2 (tests/test_examples.py) and the command line's
+#: sharded run without --data-parallel (below)
+SHARED = ["reshard", "gpt2-example", "cli"]  # cli last: it tears the job's process group down
 TIED = ["gpt:1f1b-flush+clip=0.5", "gpt:pipeoptim", "gpt:pipedream"]
+#: the command line's run, here and in the job (tests/torchrun_sharded.py's CLI_TRAIN: held equal)
+CLI_TRAIN = ["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "2",
+             "--limit", "256", "--epochs", "1", "--no-progress"]
 
 _JOB: dict = {}
 
@@ -160,22 +164,29 @@ def test_a_sharded_checkpoint_resumes_in_other_layouts(job, tmp_path):
 
 
 @pytest.mark.skipif(not has_image_data(), reason="needs Fashion-MNIST (make setup installs it)")
-def test_the_command_line_runs_sharded_replicas_to_the_losses_of_one_process(tmp_path, capfd):
+def test_the_command_line_runs_sharded_replicas_to_the_losses_of_one_process(job, tmp_path, capfd):
     """`pipeoptim train --runtime distributed --data-parallel 2 --shard-replicas` starts 2 x 2
     processes, each replica on its half of every mini-batch: the losses of the one-process run
-    (both commands run here, as `pipeoptim` would run them: the launcher in this process)."""
+    (both commands run here, as `pipeoptim` would run them: the launcher in this process); and
+    under the user's own torchrun without --data-parallel, the replicas follow the world size."""
     from pipeoptim.cli import main
 
-    common = ["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim",
-              "--stages", "2", "--limit", "256", "--epochs", "1", "--no-progress"]
     losses = []
     for extra, out in ((["--runtime", "local"], "one"),
                        (["--runtime", "distributed", "--data-parallel", "2", "--shard-replicas"], "sharded")):
-        assert main([*common, *extra, "--out", str(tmp_path / out)]) == 0, capfd.readouterr().err[-3000:]
+        assert main([*CLI_TRAIN, *extra, "--out", str(tmp_path / out)]) == 0, capfd.readouterr().err[-3000:]
         rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         losses.append([r["loss"] for r in rows if r["type"] == "batch"])
     assert "starting 4 processes (one per stage of each of 2 replicas)" in capfd.readouterr().out
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-6)
+    # in the user's own torchrun (the sharded job's 4 processes), without --data-parallel: the
+    # replicas follow the world size (2 here), the same losses, and the run records no D of its
+    # own, so that a job re-formed on other processes goes on with the replicas those hold
+    row = job["cli"]
+    assert "error" not in row, row.get("error")
+    assert row["code"] == 0 and row["argv"][:len(CLI_TRAIN)] == CLI_TRAIN
+    assert row["losses"] == pytest.approx(losses[0], rel=1e-6)
+    assert row["config"]["data_parallel"] is None and row["config"]["shard_replicas"] is True
 
 
 @pytest.mark.parametrize("kwargs, says", [

@@ -10,13 +10,14 @@ instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (glob
 method option (``backward=predicted``, ``vertical_sync=1``). An entry the Pipeline refuses
 prints its error instead.
 
-Two entries share the job's 4 processes instead of starting their own (a 4-process start costs
+Three entries share the job's 4 processes instead of starting their own (a 4-process start costs
 more than what they run), their files under SCRATCH: ``reshard``, tests/torchrun_reshard.py's run
 at 2 stages x 2 replicas sharded, stopped on every rank after 5 mini-batches (its newest
 checkpoint at 4), then resumed at 4 stages x 1 replica writing its checkpoints in the background
 (a copy of the stopped run is left in SCRATCH/reshard/alone for a one-process resume); and
 ``gpt2-example``, examples/transformers_causal_lm.py run as torchrun would run it (``__main__``,
-its own flags: EXAMPLE_ARGS), its printed lines returned.
+its own flags: EXAMPLE_ARGS), its printed lines returned; and last ``cli``, the command line's
+sharded run whose replicas follow the job's world size (:func:`command_line`).
 
     script ENTRIES STAGES MICRO_BATCHES [SCRATCH [EXAMPLE_ARGS...]]
 """
@@ -143,7 +144,32 @@ def gpt2_example(out: Path) -> dict:
     return {"stdout": printed.getvalue()}
 
 
-SPECIAL = {"reshard": reshard, "gpt2-example": gpt2_example}
+#: the ``cli`` entry's command (tests/test_sharding.py's CLI_TRAIN, which the test holds it to)
+CLI_TRAIN = ["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "2",
+             "--limit", "256", "--epochs", "1", "--no-progress"]
+
+
+def command_line(out: Path) -> dict:
+    """The ``cli`` entry: ``pipeoptim train --runtime distributed --shard-replicas`` in the job's
+    processes without ``--data-parallel`` (the replicas follow the world size); its batch losses
+    and what its run folder records. It tears down the job's process group: the job's last entry."""
+    import contextlib
+    import io
+
+    from pipeoptim.cli import main
+
+    argv = [*CLI_TRAIN, "--runtime", "distributed", "--shard-replicas", "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):  # its report: the job's stdout is JSON lines
+        code = main(argv)
+    line = {"argv": argv, "code": code}
+    if RANK == 0:
+        rows = [json.loads(text) for text in (out / "metrics.jsonl").read_text().splitlines()]
+        line["losses"] = [r["loss"] for r in rows if r["type"] == "batch"]
+        line["config"] = json.loads((out / "config.json").read_text())
+    return line
+
+
+SPECIAL = {"reshard": reshard, "gpt2-example": gpt2_example, "cli": command_line}
 
 for entry in entries:
     if entry in SPECIAL:

@@ -245,7 +245,8 @@ OPTIONS: Tuple[Option, ...] = (
            "parameters, gradients, optimizer state and every weight version the method keeps are held 1/D "
            "per process, each pass gathering the version it needs (torch >= 2.6)", "pipeline",
            Flag("switch", group="distributed runtime", only="distributed",
-                help="with --data-parallel D >= 2, shard each stage over its replicas with torch's FSDP2 instead "
+                help="with D >= 2 replicas (--data-parallel D; under your own torchrun: the world size over "
+                "the stages), shard each stage over its replicas with torch's FSDP2 instead "
                 "of replicating it: parameters, gradients, optimizer state and every weight version the method "
                 "keeps are held 1/D per process, each pass gathering the version it needs (torch >= 2.6)")),
     Option("world", "Any", None, "where the stages run: default one stage per process under torchrun, else every "

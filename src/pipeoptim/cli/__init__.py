@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was given (a default is not)
     try:
         return int(args.func(args) or 0)
     except (UserError, ValueError, MissingDataError, CheckpointError) as error:

@@ -86,9 +86,14 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime != "distributed" and (args.data_parallel is not None or args.shard_replicas):
         raise ValueError("--data-parallel and --shard-replicas run the replicas as processes: add "
                          "--runtime distributed")
-    if args.shard_replicas and (args.data_parallel or 1) < 2:
+    # under the user's own torchrun the replicas follow the world size (so a run re-formed on
+    # other processes keeps following it); a launch of our own needs D to start N x D processes
+    from ..runtime.lifecycle import under_torchrun
+
+    follows_world = args.data_parallel is None and under_torchrun()
+    if args.shard_replicas and not follows_world and (args.data_parallel or 1) < 2:
         raise ValueError("--shard-replicas shards each stage over its replicas: give --data-parallel D "
-                         "with D >= 2")
+                         "with D >= 2 (under your own torchrun, leave it out: the replicas follow the world size)")
     from ..checks import COMMAND_LINE, check_diagnose_every, check_drains
 
     check_drains(args.checkpoint_every, None, False, COMMAND_LINE)

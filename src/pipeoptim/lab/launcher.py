@@ -99,8 +99,11 @@ def distributed_device(device: str) -> str:
                      f"stage process takes cuda:LOCAL_RANK)")
 
 
-def _stages_given() -> bool:
-    return any(a == "--stages" or a.startswith("--stages=") for a in sys.argv[1:])
+def _stages_given(args: argparse.Namespace) -> bool:
+    """Whether the command line gave ``--stages`` (the words it was called with: ``main(argv)``'s
+    from Python, else the program's)."""
+    argv = getattr(args, "argv", None)
+    return any(a == "--stages" or a.startswith("--stages=") for a in (sys.argv[1:] if argv is None else argv))
 
 
 def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[str], Path]) -> int:
@@ -111,7 +114,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
     opts["resume"] = resume is not None
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume))
+        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume, _stages_given(args)))
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(f"{cfg.method}-N{world}")
@@ -134,7 +137,7 @@ def stage_count(cfg) -> int:
     return run_layout(cfg).processes
 
 
-def job_stages(cfg, world: int, resumed: Optional[Path] = None) -> int:
+def job_stages(cfg, world: int, resumed: Optional[Path] = None, stages_given: bool = True) -> int:
     """The stages of ``cfg`` in the user's own torchrun job of ``world`` processes, placed as the
     engine places a Pipeline there (:func:`~pipeoptim.runtime.layout.plan_layout`): the stages
     fixed (``--stages``; a run ``resumed`` from its folder keeps its own), the replicas the world
@@ -142,7 +145,7 @@ def job_stages(cfg, world: int, resumed: Optional[Path] = None) -> int:
     must then hold exactly. So a job re-formed on fewer processes continues with fewer replicas.
     A new run without ``--stages`` (and no ``--partition``) takes the world over the replicas.
     Refused, with the fix, where the job cannot hold the stages or the replicas given."""
-    if resumed is None and not _stages_given() and cfg.partition is None and cfg.method != "sequential":
+    if resumed is None and not stages_given and cfg.partition is None and cfg.method != "sequential":
         cfg = dataclasses.replace(cfg, stages=world // (cfg.data_parallel or 1))
     n = run_layout(dataclasses.replace(cfg, data_parallel=None)).processes  # one replica's processes
     replicas = cfg.data_parallel
