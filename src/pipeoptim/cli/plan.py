@@ -27,7 +27,7 @@ are timed as whole stages the way a training run runs them; transfers cost bytes
 --bandwidth) and the memory of every stage (weights x the method's weight versions, gradients,
 optimizer state, in-flight activations: the simulator's peak micro-batches in flight x the
 profiled bytes of one micro-batch, also with activation recomputation). The chunked and
-mirrored methods (interleaved, zb-v, bidirectional, bitpipe) are predicted on a split into
+mirrored methods (interleaved, zb-v, dualpipev, bidirectional, bitpipe) are predicted on a split into
 stages x their pieces, where the model is a chain of layers with that many layers with
 parameters (a model the Pipeline traces, not a chain of layers, runs one piece per process).
 
