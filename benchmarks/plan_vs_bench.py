@@ -11,6 +11,7 @@ stage with one thread), ``--rounds`` times in turns (plan, bench, plan, ...); ea
 over the rounds is compared.
 
     .venv/bin/python -m benchmarks.plan_vs_bench [--model resnet] [--stages 2] [--micro-batches 4]
+        [--bandwidth 1e9]   # plan's links priced (transfers, a mirrored method's replica sums)
 
 Writes benchmarks/results/plan_vs_bench.json (the rounds' raw numbers and the table)."""
 from __future__ import annotations
@@ -80,6 +81,9 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--batches", type=int, default=16, help="mini-batches per bench run and per prediction")
     parser.add_argument("--rounds", type=int, default=1, help="plan and bench, in turns (default: 1)")
     parser.add_argument("--methods", default=",".join(m for ms in FAMILIES.values() for m in ms))
+    parser.add_argument("--bandwidth", default=None,
+                        help="plan's --bandwidth, bytes/s of a link (transfers and a mirrored method's replica sums "
+                             "priced; default: plan's, unpriced)")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_vs_bench.json")
     args = parser.parse_args(argv)
     same = ["--task", args.task, "--model", args.model, "--stages", str(args.stages), "--partitioner",
@@ -89,7 +93,8 @@ def main(argv: List[str] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             print(f"round {r + 1}: plan", file=sys.stderr, flush=True)
-            plans.append(run_json(["plan", *same, "--threads", "1", "--limit", "256"], Path(tmp) / "plan.json"))
+            priced = ["--bandwidth", args.bandwidth] if args.bandwidth else []
+            plans.append(run_json(["plan", *same, "--threads", "1", "--limit", "256", *priced], Path(tmp) / "plan.json"))
             print(f"round {r + 1}: bench", file=sys.stderr, flush=True)
             benches.append(run_json(["bench", *same, "--repeats", "3", "--synthetic"], Path(tmp) / "bench.json"))
     rows = compare(plans, benches)
