@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 BATCH = 512
 PARTITION = [4, 5]
@@ -63,8 +63,10 @@ def _data(count: int):
             for _ in range(count)]
 
 
-def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str, rank: int, timeout: float):
-    """(train(batches), close()) of one run on this process."""
+def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str, rank: int, timeout: float,
+           partition: Optional[List[int]] = PARTITION):
+    """(train(batches), close()) of one run on this process (``partition=None``: ours split
+    uniformly, as a method with several pieces per process needs)."""
     import torch
     from torch import nn
 
@@ -84,7 +86,7 @@ def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str
         return plain, (lambda: None)
     if side == "ours":
         pipeline = api["Pipeline"](api["blocks_model"](2), method=schedule, loss_fn=loss_fn, optimizer=optimizer,
-                                   stages=2, partition=PARTITION, micro_batches=micro, devices="cpu",
+                                   stages=2, partition=partition, micro_batches=micro, devices="cpu",
                                    timeout=timeout, threads=1)
 
         def by_step(batches):
@@ -110,6 +112,14 @@ def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str
                 sched.step(target=y, losses=[])
             opt.step()
     return peer, (lambda: None)
+
+
+def _pieces(method: str) -> int:
+    """Model pieces per process of ``method`` in the commit's pipeoptim (1 where it does not say):
+    a method of several is profiled on a uniform split, the peer runs' [4, 5] being one per process."""
+    import importlib
+
+    return getattr(importlib.import_module("pipeoptim.methods").get_method(method), "chunks", 1)
 
 
 def _timed(train, close, warm, timed) -> Dict[str, Any]:
@@ -177,7 +187,8 @@ def _profile_worker(api, rank: int, warm, timed, args: argparse.Namespace) -> in
     micro = args.profile_micro or None
     info: Dict[str, Any] = {"batches": len(timed)}
     for profiled in (False, True):
-        train, close = _build(api, "ours", args.profile_method, micro, "fit", rank, args.timeout)
+        train, close = _build(api, "ours", args.profile_method, micro, "fit", rank, args.timeout,
+                              partition=None if _pieces(args.profile_method) > 1 else PARTITION)
         try:
             if not args.fresh:
                 train(warm)
