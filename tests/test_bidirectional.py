@@ -85,6 +85,21 @@ def test_the_updates_of_a_replica_pair_meet_in_the_same_order_on_every_rank():
                     assert partner == pieces
 
 
+def test_each_mini_batch_repeats_the_first_ones_order_shifted():
+    """Every mini-batch is flushed and priced alike, so its order is mini-batch 0's with the
+    micro-batches and the update shifted (the list scheduling runs once, not once per mini-batch:
+    a schedule of 100 mini-batches costs what one does)."""
+    from pipeoptim.schedules.actions import Kind
+
+    for name in ("bidirectional", "bitpipe"):
+        for n, m in ((2, 4), (3, 6), (4, 2)):
+            one, three = build_schedule(name, n, m, 1), build_schedule(name, n, m, 3)
+            for rank in range(n):
+                assert three.orders[rank] == [
+                    a._replace(index=t if a.kind is Kind.U else a.index + t * m)
+                    for t in range(3) for a in one.orders[rank]]
+
+
 def test_bitpipe_places_two_vs_whose_turns_are_hand_offs_in_memory():
     """The down V goes 0 .. N-1 .. 0, the up V N-1 .. 0 .. N-1; each turn is two stages of one
     rank, and a lowered schedule sends nothing across it (nor between the two pipelines)."""

@@ -70,48 +70,59 @@ def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
     down, up = list(range(length)), list(range(length, stages))
     costs = costs or Costs.uniform(stages)
     position = {s: s % length for s in range(stages)}
+    # every mini-batch is flushed and priced alike, so each gets mini-batch 0's order, its
+    # micro-batches and update shifted (found once: the search is the costly part)
+    first = _one_batch(name, n, m, stages, stage_to_rank, down, up, costs, position)
     orders: List[List[Action]] = [[] for _ in range(n)]
     for t in range(batches):
-        base = t * m
-        micro = {s: list(range(base, base + m // 2)) for s in down}
-        micro |= {s: list(range(base + m // 2, base + m)) for s in up}
-        skeleton = Schedule(name, stages, n, batches * m, m,
-                            [[Action(s, Kind.F, i) for s in range(stages) if stage_to_rank[s] == r for i in micro[s]]
-                             for r in range(n)],
-                            stage_to_rank=stage_to_rank, pipelines=[down, up], synchronous=True)
-        deps_of = schedule_dependencies(skeleton)
-        forwarded = {s: 0 for s in range(stages)}
-        backwarded = {s: 0 for s in range(stages)}
-        end: Dict[tuple, float] = {}
-        free_at = [0.0] * n
-        for _ in range(stages * (m // 2) * 2):
-            best = None
-            for s in range(stages):
-                rank, mics = stage_to_rank[s], micro[s]
-                candidates = []
-                if backwarded[s] < len(mics):
-                    candidates.append(Action(s, Kind.B, mics[backwarded[s]]))
-                if forwarded[s] < len(mics) and forwarded[s] - backwarded[s] < length - position[s]:
-                    candidates.append(Action(s, Kind.F, mics[forwarded[s]]))
-                for action in candidates:
-                    deps = deps_of(action)
-                    if any(d not in end for d in deps):
-                        continue
-                    start = free_at[rank]
-                    for d in deps:
-                        start = max(start, end[d] + (costs.comm if stage_to_rank[d[0]] != rank else 0.0))
-                    is_forward = action.kind is Kind.F
-                    key = (start, is_forward, -position[s] if is_forward else position[s], rank)
-                    if best is None or key < best[0]:
-                        best = (key, rank, action, start)
-            _, rank, action, start = best
-            end[action] = start + costs.of(action)
-            free_at[rank] = end[action]
-            orders[rank].append(action)
-            (forwarded if action.kind is Kind.F else backwarded)[action.stage] += 1
-        for rank in range(n):  # in the order of their pieces, on every rank
-            pieces = sorted((s for s in range(stages) if stage_to_rank[s] == rank),
-                            key=lambda s: (s % length, s))
-            orders[rank] += [Action(s, Kind.U, t) for s in pieces]
+        for rank in range(n):
+            orders[rank] += [Action(a.stage, a.kind, t if a.kind is Kind.U else a.index + t * m) for a in first[rank]]
     return Schedule(name, stages, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
                     pipelines=[down, up], synchronous=True)
+
+
+def _one_batch(name: str, n: int, m: int, stages: int, stage_to_rank: List[int], down: List[int], up: List[int],
+               costs: Costs, position: Dict[int, int]) -> List[List[Action]]:
+    """Each rank's order of mini-batch 0 (micro-batches 0..m-1, update 0), by list scheduling."""
+    length = stages // 2
+    micro = {s: list(range(m // 2)) for s in down}
+    micro |= {s: list(range(m // 2, m)) for s in up}
+    skeleton = Schedule(name, stages, n, m, m,
+                        [[Action(s, Kind.F, i) for s in range(stages) if stage_to_rank[s] == r for i in micro[s]]
+                         for r in range(n)],
+                        stage_to_rank=stage_to_rank, pipelines=[down, up], synchronous=True)
+    deps_of = schedule_dependencies(skeleton)
+    forwarded = {s: 0 for s in range(stages)}
+    backwarded = {s: 0 for s in range(stages)}
+    end: Dict[tuple, float] = {}
+    free_at = [0.0] * n
+    orders: List[List[Action]] = [[] for _ in range(n)]
+    for _ in range(stages * (m // 2) * 2):
+        best = None
+        for s in range(stages):
+            rank, mics = stage_to_rank[s], micro[s]
+            candidates = []
+            if backwarded[s] < len(mics):
+                candidates.append(Action(s, Kind.B, mics[backwarded[s]]))
+            if forwarded[s] < len(mics) and forwarded[s] - backwarded[s] < length - position[s]:
+                candidates.append(Action(s, Kind.F, mics[forwarded[s]]))
+            for action in candidates:
+                deps = deps_of(action)
+                if any(d not in end for d in deps):
+                    continue
+                start = free_at[rank]
+                for d in deps:
+                    start = max(start, end[d] + (costs.comm if stage_to_rank[d[0]] != rank else 0.0))
+                is_forward = action.kind is Kind.F
+                key = (start, is_forward, -position[s] if is_forward else position[s], rank)
+                if best is None or key < best[0]:
+                    best = (key, rank, action, start)
+        _, rank, action, start = best
+        end[action] = start + costs.of(action)
+        free_at[rank] = end[action]
+        orders[rank].append(action)
+        (forwarded if action.kind is Kind.F else backwarded)[action.stage] += 1
+    for rank in range(n):  # in the order of their pieces, on every rank
+        pieces = sorted((s for s in range(stages) if stage_to_rank[s] == rank), key=lambda s: (s % length, s))
+        orders[rank] += [Action(s, Kind.U, 0) for s in pieces]
+    return orders
