@@ -66,25 +66,28 @@ def _two_pipelines(name: str, num_ranks: int, microbatches: int, batches: int,
     n, m = num_ranks, microbatches
     stage_to_rank = placement(n)
     stages = len(stage_to_rank)
-    length = stages // 2  # stages per pipeline
-    down, up = list(range(length)), list(range(length, stages))
-    costs = costs or Costs.uniform(stages)
-    position = {s: s % length for s in range(stages)}
     # every mini-batch is flushed and priced alike, so each gets mini-batch 0's order, its
     # micro-batches and update shifted (found once: the search is the costly part)
-    first = _one_batch(name, n, m, stages, stage_to_rank, down, up, costs, position)
+    first = _one_batch(name, m, stage_to_rank, costs or Costs.uniform(stages))
     orders: List[List[Action]] = [[] for _ in range(n)]
     for t in range(batches):
         for rank in range(n):
             orders[rank] += [Action(a.stage, a.kind, t if a.kind is Kind.U else a.index + t * m) for a in first[rank]]
     return Schedule(name, stages, n, batches * m, m, orders, stage_to_rank=stage_to_rank,
-                    pipelines=[down, up], synchronous=True)
+                    pipelines=_pipelines(stages), synchronous=True)
 
 
-def _one_batch(name: str, n: int, m: int, stages: int, stage_to_rank: List[int], down: List[int], up: List[int],
-               costs: Costs, position: Dict[int, int]) -> List[List[Action]]:
+def _pipelines(stages: int) -> List[List[int]]:
+    """The down pipeline's stages, then the up pipeline's (half of them each)."""
+    return [list(range(stages // 2)), list(range(stages // 2, stages))]
+
+
+def _one_batch(name: str, m: int, stage_to_rank: List[int], costs: Costs) -> List[List[Action]]:
     """Each rank's order of mini-batch 0 (micro-batches 0..m-1, update 0), by list scheduling."""
-    length = stages // 2
+    n, stages = max(stage_to_rank) + 1, len(stage_to_rank)
+    length = stages // 2  # stages per pipeline
+    down, up = _pipelines(stages)
+    position = {s: s % length for s in range(stages)}
     micro = {s: list(range(m // 2)) for s in down}
     micro |= {s: list(range(m // 2, m)) for s in up}
     skeleton = Schedule(name, stages, n, m, m,
