@@ -19,10 +19,23 @@ def test_a_variant_name_is_a_method_and_its_options():
     assert split_variant("zb-h1") == ("zb-h1", {})
     assert variant_name("pipedream-2bw", {"error_feedback": True}) == "pipedream-2bw+ef"
     assert variant_name("pipedream-2bw", {"error_feedback": False}) == "pipedream-2bw"
-    assert feedback_variants() == ["pipedream-2bw+ef", "pipeoptim-2bw+ef"]
+    assert feedback_variants() == ["pipedream-2bw+ef", "pipeoptim-2bw+ef", "pipeoptim-2bw+ef+aware"]
     with pytest.raises(ValueError, match=r"'zb-h1\+ef': \+ef \(error feedback\) applies to pipedream-2bw\+ef, "
-                                         r"pipeoptim-2bw\+ef"):
+                                         r"pipeoptim-2bw\+ef$"):
         split_variant("zb-h1+ef")
+    # the prediction aware of the feedback (the study's pipeoptim-2bw+ef+aware): pipeoptim-2bw's only
+    aware = {"error_feedback": True, "predict_feedback": True}
+    assert split_variant("pipeoptim-2bw+ef+aware") == ("pipeoptim-2bw", aware)
+    assert variant_name("pipeoptim-2bw", aware) == "pipeoptim-2bw+ef+aware"
+    assert variant_name("pipeoptim-2bw", {"error_feedback": False, "predict_feedback": True}) == "pipeoptim-2bw"
+    with pytest.raises(ValueError, match=r"'pipedream-2bw\+ef\+aware': \+ef\+aware \(error feedback, the prediction "
+                                         r"aware of it\) applies to pipeoptim-2bw\+ef\+aware"):
+        split_variant("pipedream-2bw+ef+aware")
+    from pipeoptim.lab.plan_targets import methods_flags
+
+    assert methods_flags(["zb-h1", "pipeoptim-2bw+ef+aware"]) == ("--methods zb-h1,pipeoptim-2bw --error-feedback "
+                                                                  "--predict-feedback")
+    assert methods_flags(["zb-h1", "pipeoptim-2bw+ef"]) == "--methods zb-h1,pipeoptim-2bw --error-feedback"
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         split_variant("magic")
 
@@ -137,3 +150,13 @@ def test_every_variant_the_advice_names_is_a_default_candidate_of_plan():
 
     assert {entry.variant() for entry in ADVICE.values()} == {"zb-h1", "xpipe", "pipeoptim-2bw+ef"}
     assert all(entry.variant() in DEFAULT_METHODS for entry in ADVICE.values())
+
+
+def test_the_plan_tables_widen_their_method_column_to_the_longest_name():
+    from pipeoptim.lab.planner import name_width
+
+    short = {"candidates": [{"method": "zb-h1", "variant": "zb-h1"}], "skipped": [{"method": "gpipe"}]}
+    assert name_width(short) == 16
+    aware = {**short, "candidates": short["candidates"] + [{"method": "pipeoptim-2bw",
+                                                            "variant": "pipeoptim-2bw+ef+aware"}]}
+    assert name_width(aware) == len("pipeoptim-2bw+ef+aware") == 22

@@ -244,30 +244,44 @@ def get_method(name: str) -> Method:
 
 
 #: A candidate the planner may name beside the plain methods: a method with error feedback on,
-#: written as the study writes it (``pipeoptim-2bw+ef`` is pipeoptim-2bw with error_feedback=True).
+#: written as the study writes it (``pipeoptim-2bw+ef`` is pipeoptim-2bw with error_feedback=True),
+#: and, for a method whose prediction can know the feedback, ``+ef+aware`` (predict_feedback=True too).
 FEEDBACK_SUFFIX = "+ef"
+AWARE_SUFFIX = "+aware"
 
 
 def split_variant(name: str) -> Tuple[str, Dict[str, Any]]:
     """``(method, options)`` of a variant name: a method's name (no options), or a method that
-    offers error feedback (:data:`FEEDBACK_OPTIONS`) with :data:`FEEDBACK_SUFFIX`
-    (``{"error_feedback": True}``). Anything else is a ValueError naming the choices."""
-    if name.endswith(FEEDBACK_SUFFIX):
-        base = name[:-len(FEEDBACK_SUFFIX)]
-        if base in METHODS and "error_feedback" in METHODS[base].options:
-            return base, {"error_feedback": True}
-        raise ValueError(f"unknown variant {name!r}: {FEEDBACK_SUFFIX} (error feedback) applies to "
-                         f"{', '.join(feedback_variants())}")
+    offers error feedback with :data:`FEEDBACK_SUFFIX` (``{"error_feedback": True}``), then
+    :data:`AWARE_SUFFIX` where its prediction offers ``predict_feedback`` (that option True too).
+    Anything else is a ValueError naming the choices."""
+    aware = name.endswith(FEEDBACK_SUFFIX + AWARE_SUFFIX)
+    if aware or name.endswith(FEEDBACK_SUFFIX):
+        base = name[:-len(FEEDBACK_SUFFIX + (AWARE_SUFFIX if aware else ""))]
+        offers = "predict_feedback" if aware else "error_feedback"
+        if base in METHODS and offers in METHODS[base].options:
+            return base, {"error_feedback": True, **({"predict_feedback": True} if aware else {})}
+        said = f"{FEEDBACK_SUFFIX}{AWARE_SUFFIX} (error feedback, the prediction aware of it)" if aware \
+            else f"{FEEDBACK_SUFFIX} (error feedback)"
+        raise ValueError(f"unknown variant {name!r}: {said} applies to "
+                         f"{', '.join(v for v in feedback_variants() if v.endswith(AWARE_SUFFIX) == aware)}")
     get_method(name)
     return name, {}
 
 
 def variant_name(method: str, options: Dict[str, Any]) -> str:
     """The name :func:`split_variant` reads back: ``method``, with :data:`FEEDBACK_SUFFIX` where
-    ``options`` turn error feedback on."""
-    return method + (FEEDBACK_SUFFIX if options.get("error_feedback") else "")
+    ``options`` turn error feedback on, and :data:`AWARE_SUFFIX` after it where they turn
+    ``predict_feedback`` on too."""
+    if not options.get("error_feedback"):
+        return method
+    return method + FEEDBACK_SUFFIX + (AWARE_SUFFIX if options.get("predict_feedback") else "")
 
 
 def feedback_variants() -> List[str]:
-    """The variant names with error feedback: one per method that offers it."""
-    return [name + FEEDBACK_SUFFIX for name, m in METHODS.items() if "error_feedback" in m.options]
+    """The variant names with error feedback: one per method that offers it, and its ``+aware``
+    one where the method's prediction offers ``predict_feedback``."""
+    return [name + suffix for name, m in METHODS.items()
+            for suffix, option in ((FEEDBACK_SUFFIX, "error_feedback"), (FEEDBACK_SUFFIX + AWARE_SUFFIX,
+                                                                        "predict_feedback"))
+            if option in m.options]

@@ -106,8 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="methods to consider; METHOD+ef is METHOD with error feedback, priced with its measured "
-                        "cost, for the methods that offer it (" + ", ".join(feedback_variants())
-                        + ") (default: %(default)s)")
+                        "cost, and METHOD+ef+aware with the prediction aware of it too, for the methods that "
+                        "offer them (" + ", ".join(feedback_variants()) + ") (default: %(default)s)")
     g.add_argument("--micro-batches", default=",".join(map(str, DEFAULT_MICROBATCHES)),
                    help="micro-batch counts to consider, comma-separated (default: %(default)s)")
     g.add_argument("--partitioner", default="uniform", choices=PARTITIONERS,
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods is empty")
-    for name in methods:  # a method, or one with error feedback (pipeoptim-2bw+ef)
+    for name in methods:  # a method, or one with error feedback (pipeoptim-2bw+ef, pipeoptim-2bw+ef+aware)
         try:
             split_variant(name)
         except ValueError:

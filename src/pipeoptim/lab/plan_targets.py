@@ -100,10 +100,11 @@ def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model
 def methods_flags(names: Sequence[str]) -> str:
     """``--methods`` of a command for candidates named ``names`` (variants too: a ``+ef`` one is
     its method there, and ``--error-feedback`` follows, which the methods without it ignore in a
-    comparison)."""
+    comparison; a ``+ef+aware`` one adds ``--predict-feedback``)."""
     split = [split_variant(n) for n in names]
     flags = f"--methods {','.join(dict.fromkeys(m for m, _ in split))}"
-    return flags + (" --error-feedback" if any(o.get("error_feedback") for _, o in split) else "")
+    return flags + "".join(f" --{option.replace('_', '-')}" for option in ("error_feedback", "predict_feedback")
+                           if any(o.get(option) for _, o in split))
 
 
 def compare_command(task: Optional[str], model: Optional[str], stages: int, optimizer: str,

@@ -276,6 +276,12 @@ def pipeline_call(plan: Dict[str, Any]) -> str:
             f"micro_batches={run['micro_batches']}{options}, optimizer=...{loss})")
 
 
+def name_width(plan: Dict[str, Any]) -> int:
+    """The plan tables' method column: 16 characters, or the longest candidate's name."""
+    names = [candidate_name(c) for c in plan["candidates"]] + [s["method"] for s in plan["skipped"]]
+    return max([16] + [len(n) for n in names])
+
+
 def format_plan(plan: Dict[str, Any]) -> str:
     """The plan as text: partitions, candidates, recommendation."""
     shown = plan["model"] or ("nn.Sequential" if plan.get("model_class", "Sequential") == "Sequential"
@@ -300,12 +306,13 @@ def format_plan(plan: Dict[str, Any]) -> str:
     ref = plan["reference"]["samples_per_second"]
     lines += measurement_lines(plan.get("measurement"))
     lines.append(f"predicted ({plan['partitioner']} partition; sequential reference {ref:.0f} samples/s):")
-    lines.append("method            M  partition             samples/s  speedup  bubble  max stage MB  fits  "
+    w = name_width(plan)
+    lines.append(f"{'method':<{w}} {'M':>2}  partition             samples/s  speedup  bubble  max stage MB  fits  "
                  "activations MB (recompute)")
     for c in plan["candidates"]:
         act = max(r["activations"] for r in c["memory"]) / 2 ** 20
         light = max(r.get("activations_recompute", 0) for r in c["memory"]) / 2 ** 20
-        lines.append(f"{candidate_name(c):<16} {c['microbatches']:>2}  {str(c['partition']):<20} "
+        lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {str(c['partition']):<20} "
                      f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
                      f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
                      f"{act:.3f} ({light:.3f})" + ("" if c.get("reachable", True) else "  flagged: unreachable"))
@@ -313,7 +320,7 @@ def format_plan(plan: Dict[str, Any]) -> str:
     for s in plan["skipped"]:
         reasons.setdefault((s["method"], s["reason"]), []).append(s["microbatches"])
     for (method, reason), counts in reasons.items():
-        lines.append(f"{method:<16} {','.join(map(str, counts)):>2}  skipped: {reason}")
+        lines.append(f"{method:<{w}} {','.join(map(str, counts)):>2}  skipped: {reason}")
     lines.append("")
     lines += target_table(plan)
     lines.append("")
@@ -358,13 +365,14 @@ def target_table(plan: Dict[str, Any]) -> List[str]:
     head = (f"by predicted time to target ({study['setting']} of the equal-time study: "
             f"{study['target_updates']:.0f} updates of the synchronous pipeline to the target):" if study["covered"]
             else "by predicted time to target (no study covers this case: ratios unknown but the synchronous 1):")
-    lines = [head, "method            M   samples/s  updates x  to target s  may recommend  ratio from"]
+    w = name_width(plan)
+    lines = [head, f"{'method':<{w}} {'M':>2}   samples/s  updates x  to target s  may recommend  ratio from"]
     ranked = sorted(plan["candidates"], key=lambda c: (c.get("time_to_target_seconds") is None,
                                                        c.get("time_to_target_seconds") or 0.0,
                                                        -c["samples_per_second"]))
     for c in ranked:
         ratio, to_target = c.get("updates_ratio"), c.get("time_to_target_seconds")
-        lines.append(f"{candidate_name(c):<16} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
+        lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
                      f"{(f'{ratio:.2f}' if ratio is not None else '-'):>9}  "
                      f"{(f'{to_target:.1f}' if to_target is not None else '-'):>11}  "
                      f"{'yes' if c.get('eligible', True) else 'no':<13}  {c.get('ratio_source', '')}")

@@ -73,8 +73,9 @@ class Advice:
 
     def variant(self) -> str:
         """The recommendation's name as the study and ``pipeoptim plan`` write it: the method, with
-        ``+ef`` where it runs with error feedback (``pipeoptim-2bw+ef``)."""
-        return variant_name(self.method, {o: v == "True" for o, v in self.options if o == "error_feedback"})
+        ``+ef`` where it runs with error feedback (``pipeoptim-2bw+ef``), ``+ef+aware`` where its
+        prediction knows the feedback too."""
+        return variant_name(self.method, {o: v == "True" for o, v in self.options})
 
     def command(self) -> str:
         """The flags that train the recommended setting with ``pipeoptim train``."""
