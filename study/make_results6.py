@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from study.common import verdict
-from study.make_results3_arith import SYNC, read_rows, recommendation, settings_of
+from study.common import fmt
+from study.make_results3_arith import SYNC, read_rows, recommendation, settings_of, word_at_equal_time
 from study.make_results5 import plan_status
 from study.study3_plan import load_rows
 from study.study3_suite import SUITES
@@ -194,16 +194,12 @@ def gap_tables(rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> List[st
                     continue
 
                 def cell(variant: str) -> str:
-                    word, diff, spread = verdict(st.final(variant), st.final(SYNC), st.higher)
-                    pair = st.final(variant)
-                    word = {"wins": "better", "ties": "a tie", "loses": "worse"}[word]
-                    return (f"{pair[0] * st.scale:.{st.digits}f} ± {pair[1] * st.scale:.{st.digits}f} "
-                            f"({len(st.arms[variant].rows)}), {(1 if st.higher else -1) * diff * st.scale:+.{st.digits}f}"
-                            f" ({word}; spread {spread * st.scale:.{st.digits}f})")
-                sync = st.final(SYNC)
-                lines.append(f"| {said} | {st.optimizer} | {sync[0] * st.scale:.{st.digits}f} ± "
-                             f"{sync[1] * st.scale:.{st.digits}f} | {base} | {cell(base)} | {made} | {cell(made)} | "
-                             f"{_named(before)} | {_named(after)} |")
+                    word, diff, spread = word_at_equal_time(st, variant)
+                    return (f"{fmt(st.final(variant), st.scale, st.digits)} ({len(st.arms[variant].rows)}), "
+                            f"{(1 if st.higher else -1) * diff * st.scale:+.{st.digits}f} "
+                            f"({'a tie' if word == 'ties' else word}; spread {spread * st.scale:.{st.digits}f})")
+                lines.append(f"| {said} | {st.optimizer} | {fmt(st.final(SYNC), st.scale, st.digits)} | {base} | "
+                             f"{cell(base)} | {made} | {cell(made)} | {_named(before)} | {_named(after)} |")
         lines.append("")
     return lines
 
