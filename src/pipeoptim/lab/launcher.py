@@ -100,10 +100,9 @@ def distributed_device(device: str) -> str:
 
 
 def _stages_given(args: argparse.Namespace) -> bool:
-    """Whether the command line gave ``--stages`` (the words it was called with: ``main(argv)``'s
-    from Python, else the program's)."""
-    argv = getattr(args, "argv", None)
-    return any(a == "--stages" or a.startswith("--stages=") for a in (sys.argv[1:] if argv is None else argv))
+    """Whether the command line gave ``--stages`` (``args.argv``: the words it was called with,
+    ``main(argv)``'s from Python, else the program's)."""
+    return any(a == "--stages" or a.startswith("--stages=") for a in args.argv)
 
 
 def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[str], Path]) -> int:
