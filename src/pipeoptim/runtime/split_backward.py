@@ -11,11 +11,26 @@ The input half keeps only the outputs that seed a weight group, and each group's
 it ran (keeping the whole graph made every weight gradient a fresh allocation while the
 activations were still held). This is ``torch.distributed.pipelining``'s split backward on
 torch's public autograd API, keeping the gradients of weights that hang only from outputs that
-do not depend on the input (torch's version drops them)."""
+do not depend on the input (torch's version drops them).
+
+Weights read at several depths. A group may hang from two boundaries one of which lies below the
+other on the input path: T5's relative position bias, made once from a table and added to the
+scores of every block; a learned table added in every block; a matrix applied, then another
+layer, then the same matrix again. Started at both boundaries, the weight half's autograd call
+would run every input-path node between them (they lead to the weights through the lower
+boundary): the input gradient computed again, and, as the call frees what it runs, nodes other
+groups still start from ("Trying to backward through the graph a second time"). Autograd runs
+whatever leads to a requested gradient, so no call started at the upper boundary can skip them.
+For such a *nested* group the input half also takes the gradients flowing into the group's nodes
+just below its boundaries (off the input path), and the weight half starts there: the boundaries'
+own weight-side products (an addition's pass-through for a bias or a table, but a read matrix's
+products too) run with the input's, the rest of the group's chain (an embedding's backward, the
+sum over the reads) in the weight half. Nothing runs twice, and every other group is untouched."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -27,9 +42,13 @@ class WeightGroup:
     """Weights whose gradients come from the same seeds (one autograd call)."""
 
     weights: List[int]                             #: indices into the stage's weight list
-    boundaries: Dict[Node, None]                   #: nodes on the input path (an ordered set)
+    #: where the weight half starts: nodes on the input path (an ordered set); a nested group's
+    #: are the nodes just below its boundaries instead (module docstring)
+    boundaries: Dict[Node, None]
     outputs: Dict[int, None]                       #: outputs off the input path (indices)
-    grads: Dict[Node, tuple] = field(default_factory=dict)  #: gradients arriving at each boundary
+    grads: Dict[Node, tuple] = field(default_factory=dict)  #: gradients arriving at each start
+    #: the nodes off the input path between the seeds and the weights (only while grouping)
+    crossed: Dict[Node, None] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,14 +121,47 @@ def _group_weights(weights: Sequence[torch.Tensor], roots: List[Node], parents: 
             continue  # not used by this pass
         crossed, met = _upward([node], parents, on_input_path)
         outputs = {i: None for i, root in enumerate(roots) if root in crossed}
-        group = WeightGroup([index], met, outputs)
+        group = WeightGroup([index], met, outputs, crossed=crossed)
         for other in [g for g in groups if g.boundaries.keys() & met or g.outputs.keys() & outputs]:
             group.weights = sorted(other.weights + group.weights)
             group.boundaries = {**other.boundaries, **group.boundaries}
             group.outputs = {**other.outputs, **group.outputs}
+            group.crossed = {**other.crossed, **group.crossed}
             groups.remove(other)
         groups.append(group)
     return groups
+
+
+def _nested(group: WeightGroup, on_input_path: Set[Node]) -> bool:
+    """Whether a boundary of ``group`` reaches another of its boundaries (necessarily through
+    input-path nodes: nothing off the path leads back onto it)."""
+    if len(group.boundaries) < 2:
+        return False
+    seen: Set[Node] = set()
+    queue = deque(c for b in group.boundaries for c, _ in b.next_functions if c in on_input_path)
+    while queue:
+        node = queue.popleft()
+        if node in group.boundaries:
+            return True
+        if node not in seen:
+            seen.add(node)
+            queue.extend(c for c, _ in node.next_functions if c in on_input_path)
+    return False
+
+
+def _below_boundaries(group: WeightGroup, parents: Dict[Node, List[Node]]) -> Dict[Node, List[int]]:
+    """The nodes a nested group's weight half starts from instead of its boundaries (module
+    docstring): each boundary's children off the input path on the way to the group's weights,
+    with the inputs of each that anything feeds. The input half's call runs every node that
+    leads to one of them, so what it takes there is the whole gradient (an output's share too,
+    where an output off the input path also leads there)."""
+    below: Dict[Node, List[int]] = {}
+    for boundary in group.boundaries:
+        for child, _ in boundary.next_functions:
+            if child in group.crossed and child not in below:
+                below[child] = sorted({nr for p in parents[child]
+                                       for c, nr in p.next_functions if c is child})
+    return below
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
@@ -126,17 +178,29 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     input_nodes = [n for n in map(_node, inputs) if n in parents]
     on_input_path, _ = _upward(input_nodes, parents, set())  # what the input half runs
     groups = _group_weights(weights, roots, parents, on_input_path)
-    handles = [b.register_prehook(_recorder(group, b)) for group in groups for b in group.boundaries]
+    # a nested group starts below its boundaries: what flows in there is taken with the input's
+    below = {id(g): _below_boundaries(g, parents) for g in groups if _nested(g, on_input_path)}
+    taken = [GradientEdge(node, nr) for starts in below.values() for node, slots in starts.items()
+             for nr in slots]
+    handles = [b.register_prehook(_recorder(group, b)) for group in groups if id(group) not in below
+               for b in group.boundaries]
     try:
         wanted = [i for i, t in enumerate(inputs) if _node(t) in on_input_path]
-        found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, retain_graph=True,
-                                    allow_unused=True) if wanted else ()
+        found = torch.autograd.grad(outputs, [*(inputs[i] for i in wanted), *taken], grads,
+                                    retain_graph=True, allow_unused=True) if wanted or taken else ()
     finally:
         for handle in handles:
             handle.remove()
     input_grads: List[Optional[torch.Tensor]] = [None] * len(inputs)
     for i, grad in zip(wanted, found):
         input_grads[i] = grad
+    by_edge = dict(zip(((e.node, e.output_nr) for e in taken), found[len(wanted):]))
+    for group in groups:
+        group.crossed = {}
+        if id(group) in below:  # the taken nodes stand for the boundaries (whose work is done)
+            group.boundaries = dict.fromkeys(below[id(group)])
+            group.grads = {node: tuple(by_edge.get((node, nr)) for nr in range(max(slots) + 1))
+                           for node, slots in below[id(group)].items() if slots}
     # only the outputs that seed a group stay: the graph above the boundaries goes with the rest
     seeds = {i for group in groups for i in group.outputs}
     kept = [o if i in seeds else None for i, o in enumerate(outputs)]
@@ -167,6 +231,12 @@ def _recorder(group: WeightGroup, node: Node):
     return record
 
 
+def _pinned(recorded: tuple, grad_outputs: tuple) -> tuple:
+    """A start's gradients replaced by those recorded in the input half (an input no gradient
+    reached in it: None), as many as the node takes."""
+    return tuple(recorded[i] if i < len(recorded) else None for i in range(len(grad_outputs)))
+
+
 def _accumulate(weights: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """Each gradient into its weight's ``.grad``, as autograd accumulates; the weights that got one."""
     got = []
@@ -187,7 +257,9 @@ def backward_weight(pending: PendingWeightGrads,
     Each group's call frees what it ran (no ``retain_graph``): no node runs in two groups. A call
     runs its seeds and the nodes between them and its weights, off the input path; a node off the
     path that leads to the weights of two groups would be crossed by the upward search from both
-    weights, which would then meet the same seeds, and share a group."""
+    weights, which would then meet the same seeds, and share a group. An input-path node would
+    run only if it led from one of the group's boundaries to another: a nested group, which
+    starts below its boundaries instead (module docstring)."""
     if pending.computed is not None:  # computed with the input half (backward_together)
         got = _accumulate(pending.weights, pending.computed)
         if on_group is not None:
@@ -213,8 +285,10 @@ def backward_weight(pending: PendingWeightGrads,
         if not edges:
             continue  # no gradient reached this group's weights
         handles = []
-        if len(edges) > 1:  # pin each boundary's gradient to the recorded one: nothing counted twice
-            handles = [b.register_prehook(lambda _, g=group.grads[b]: g)
+        # pin each start's gradient to the one recorded or taken in the input half: nothing is
+        # counted twice where a start is also reached from another (an output's chain, say)
+        if len(edges) > 1:
+            handles = [b.register_prehook(partial(_pinned, group.grads[b]))
                        for b in group.boundaries if b in group.grads]
         weights = [pending.weights[i] for i in group.weights]
         try:
