@@ -59,18 +59,100 @@ def vit() -> nn.Module:
         num_attention_heads=2, intermediate_size=64, num_labels=CLASSES))
 
 
+def t5() -> nn.Module:
+    """T5, an encoder-decoder: it shifts ``labels`` right into its decoder's input itself, and its
+    blocks read the encoder's output and a position bias made once per stack."""
+    return T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def bart() -> nn.Module:
+    """BART, an encoder-decoder whose encoder, decoder and head share one embedding (tied across
+    the stages)."""
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2))
+
+
 #: family -> the model as the library builds it
 MODELS: Dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "bert": bert, "vit": vit}
 CAUSAL = ("gpt2", "llama", "qwen2")
+#: encoder-decoders, fed ``{input_ids, attention_mask, labels}`` as they come (no decoder_input_ids)
+SEQ2SEQ: Dict[str, Callable[[], nn.Module]] = {"t5": t5, "bart": bart}
+#: where each encoder-decoder may be cut into 2 stages: between encoder and decoder, inside the
+#: encoder, inside the decoder
+SEQ2SEQ_SPLITS = {"t5": (["decoder.block.0"], ["encoder.block.1"], ["decoder.block.1"]),
+                  "bart": (["model.decoder.layers.0"], ["model.encoder.layers.1"], ["model.decoder.layers.1"])}
 
 
 def model(family: str) -> nn.Module:
     torch.manual_seed(0)
-    return MODELS[family]()
+    return {**MODELS, **SEQ2SEQ}[family]()
+
+
+def padded_batches(family: str, count: int = 3, size: int = 4, seed: int = 3) -> List[Dict[str, torch.Tensor]]:
+    """Dict mini-batches of rows of unequal length, as a collator pads them: the padding's
+    ``labels`` are -100 and its ``attention_mask`` 0, so that the two halves of a mini-batch
+    (M = 2) hold different numbers of real tokens; one row of the second half has a single
+    label, which a causal LM never predicts (its loss drops each row's first), so that with
+    M = 4 one micro-batch of a causal LM holds no real token at all."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [LENGTH, LENGTH - 2, 1, LENGTH - 5][:size]
+    out = []
+    for _ in range(count):
+        ids = torch.randint(3, VOCAB, (size, LENGTH), generator=g)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        if family in SEQ2SEQ:
+            labels = torch.randint(3, VOCAB, (size, LENGTH - 2), generator=g)
+            labels[mask[:, :LENGTH - 2] == 0] = -100
+            pad = 1 if family == "bart" else 0  # the config's pad_token_id
+            out.append({"input_ids": ids.masked_fill(mask == 0, pad), "attention_mask": mask, "labels": labels})
+        else:
+            out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def whole_batch_loop(net: nn.Module, data: List[Dict[str, torch.Tensor]], optimizer=None, precision: str = "fp32"):
+    """(losses, trained copy) of the step on each whole mini-batch, ``model(**batch).loss``: what a
+    synchronous pipeline equals whatever its micro-batches (every real token weighed once). bf16
+    and fp16 under ``torch.autocast``, fp16 with torch's ``GradScaler``."""
+    net = copy.deepcopy(net)
+    net.train()
+    opt = (optimizer or sgd)(net.parameters())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    losses = []
+    for batch in data:
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            loss = net(**batch).loss
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, net
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    """Plain SGD: its weights follow the gradients linearly, so that two runs whose gradients are
+    a rounding apart stay a rounding apart (AdamW's step magnifies a gradient that is all rounding)."""
+    return torch.optim.SGD(params, lr=0.5)
 
 
 def batches(family: str, count: int = 3, size: int = 4, seed: int = 1) -> List[Dict[str, torch.Tensor]]:
-    """Dict mini-batches as a training script writes them for ``family``."""
+    """Dict mini-batches as a training script writes them for ``family`` (an encoder-decoder's
+    padded as a seq2seq collator pads them: :func:`padded_batches`)."""
+    if family in SEQ2SEQ:
+        return padded_batches(family, count, size, seed)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):

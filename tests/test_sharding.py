@@ -40,7 +40,7 @@ REFUSED = ["pipeoptim+muon"]
 #: what else the job's 4 processes run (tests/torchrun_sharded.py): the resharded checkpoint
 #: (below), the GPT-2 example sharded 2 x 2 (tests/test_examples.py) and the command line's
 #: sharded run without --data-parallel (below)
-SHARED = ["reshard", "gpt2-example", "cli"]  # cli last: it tears the job's process group down
+SHARED = ["reshard", "gpt2-example", "padded", "cli"]  # cli last: it tears the job's process group down
 TIED = ["gpt:1f1b-flush+clip=0.5", "gpt:pipeoptim", "gpt:pipedream"]
 #: the command line's run, here and in the job (tests/torchrun_sharded.py's CLI_TRAIN: held equal)
 CLI_TRAIN = ["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "2",
@@ -74,6 +74,29 @@ def relative(a: dict, b: dict) -> float:
     weights = max(float(np.abs(np.subtract(a["weights"][k], b["weights"][k])).max()
                         / np.abs(a["weights"][k]).max()) for k in a["weights"])
     return max(losses, weights)
+
+
+def test_padded_tokens_are_weighed_once_across_replicas(job):
+    """GPT-2 as it comes on padded mini-batches, 2 stages x 2 replicas whose halves hold 13 and 2
+    real tokens (tests/torchrun_sharded.py's ``padded``): replicated and sharded, the losses and
+    weights of the step on each whole mini-batch in one process, and the evaluation the
+    token-weighted mean of the trained model's loss."""
+    from first_day import model, padded_batches, whole_batch_loop
+
+    row = job["padded"]
+    assert "error" not in row, row.get("error")
+    data = padded_batches("gpt2")
+    expected, trained = whole_batch_loop(model("gpt2"), data)
+    want = {k: v.numpy() for k, v in trained.state_dict().items()}
+    trained.eval()
+    with torch.no_grad():
+        items = [int(b["labels"][:, 1:].ne(-100).sum()) for b in data[:2]]
+        evaluation = sum(float(trained(**b).loss) * n for b, n in zip(data[:2], items)) / sum(items)
+    for kind in ("replicated", "sharded"):
+        got = row[kind]
+        assert got["losses"] == pytest.approx(expected, rel=1e-5), kind
+        assert all(np.allclose(got["weights"][k], want[k], rtol=1e-5, atol=1e-4) for k in want), kind
+        assert got["evaluation"] == pytest.approx(evaluation, rel=1e-5), kind
 
 
 @pytest.mark.parametrize("entry", PLAIN + CASES)

@@ -58,9 +58,11 @@ CLIPPED = [f"{m}+clip=0.05" for m in ("gpipe", "1f1b-flush", "interleaved")]
 EVALUATED = "pipeoptim+eval=2"
 #: the delay fixes: error feedback, the delay-aware optimizer (each stage told its delay per step)
 FIXES = ["pipedream-2bw+ef=1", "pipeoptim-2bw+ef=1", "pipeoptim+opt=delay-nadamw"]
+#: fp16 (tests/test_fp16.py): its found-inf flag agreed over the processes on global clipping's path
+FP16 = "zb-h1+fp16=20+clip=0.05"
 #: every entry the tests below read, in one run (each starts from the same seed, so a run's line
 #: for it is the entry's alone)
-ENTRIES = [*PIPELINED, *CLIPPED, EVALUATED, *FIXES]
+ENTRIES = [*PIPELINED, *CLIPPED, EVALUATED, *FIXES, FP16]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,16 @@ def test_global_clipping_under_torchrun_equals_one_process(both):
         assert spread[m]["losses"] == local[m]["losses"]
         assert spread[m]["weights"] == local[m]["weights"]
     assert local["gpipe+clip=0.05"]["losses"][4:] != local["gpipe"]["losses"][4:]  # the clipping bites
+
+
+def test_fp16_under_torchrun_equals_one_process(both):
+    """fp16's loss scale under torchrun, from 2**20, which the first updates overflow: every
+    update's found-inf flag agreed by both processes (with the global clipping norm), the same
+    losses, weights, skipped updates and scale as one process."""
+    local, spread = both[0][FP16], both[1][FP16]
+    for key in ("stepped", "losses", "weights", "skips", "scale"):
+        assert spread[key] == local[key], key
+    assert local["skips"][:2] == [0, 0] and len(local["skips"]) < 9  # of 9 updates: skipped, then applied
 
 
 def test_the_example_under_torchrun_prints_what_it_prints_under_python(torchrun_2):
@@ -238,6 +250,7 @@ REFUSED = {
     "replicas": "data_parallel=3, but WORLD_SIZE 2 with 1 stages makes 2 replicas; start 3 processes or drop "
                 "data_parallel",
     "layers": "2 stages need at least 2 layers with parameters; the model has 1",
+    "fp16": "precision='fp16' with pipeoptim under torchrun is not supported",
 }
 
 

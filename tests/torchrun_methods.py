@@ -4,7 +4,8 @@ Arguments: entries (comma-separated), stages, then optionally the global clippin
 and eval_every for fit. An entry is a method, optionally with settings of its own that replace
 those two: ``gpipe+clip=0.05``, ``pipeoptim+eval=2`` (its line's "method" is the whole entry), so
 that one job runs every case its tests read; ``+ef=1`` turns error feedback on, ``+opt=delay-nadamw``
-trains with the delay-aware optimizer instead of SGD with momentum."""
+trains with the delay-aware optimizer instead of SGD with momentum, ``+fp16=E`` runs in fp16 from the loss
+scale 2**E (its line also holds stage 0's skipped updates and the scale)."""
 import json
 import sys
 
@@ -40,7 +41,10 @@ for entry in entries:
         optimizer = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" else stages,
                               loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
-                              clip_grad_norm=clip, clip_scope="global" if clip else "stage", **options)
+                              clip_grad_norm=clip, clip_scope="global" if clip else "stage",
+                              precision="fp16" if "fp16" in settings else "fp32", **options)
+    for stage in pipe.stages if "fp16" in settings else ():  # the process's one scale, set by hand
+        stage.loss_scaling.scale = 2.0 ** int(settings["fp16"])
     stepped = [loss for x, y in batches[:3] for loss in pipe.step(x, y)] + pipe.flush()
     result = pipe.fit(batches[3:], epochs=2, eval_every=eval_every,
                       eval_loader=batches[:2], metric=lambda out, y: (out.argmax(-1) == y).float().mean())
@@ -56,5 +60,7 @@ for entry in entries:
                           "weight_versions": result.metrics["weight_versions"],
                           "processes": result.metrics["processes"], "weights": weights,
                           "fit_model_whole": bool(fit_model_whole), "fit_weights": fit_weights,
+                          "skips": pipe.stages[0].record.skips,
+                          "scale": getattr(pipe.stages[0].loss_scaling, "scale", None),
                           "evaluations": [{k: v for k, v in e.items() if k != "seconds"}
                                           for e in result.metrics["evaluations"]]}), flush=True)

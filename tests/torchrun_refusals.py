@@ -7,7 +7,7 @@ on it: the job ends only if every rank refused every one, the same way.
 The cases, by name: ``stages``: 3 stages on 2 processes; ``replicas``: data_parallel=3 where 2
 processes with 1 stage make 2 replicas; ``layers``: 2 stages of a model with 1 layer with
 parameters; ``bidirectional``: one bidirectional pipeline with replicas of it on top (it holds two
-already)."""
+already); ``fp16``: an asynchronous method in fp16 (one loss scale would stall it at every update)."""
 import json
 import os
 
@@ -24,6 +24,7 @@ CASES = {
     "layers": (lambda: nn.Sequential(nn.Linear(4, 2)), dict(stages=2)),
     "bidirectional": (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)),
                       dict(method="bidirectional", stages=1)),
+    "fp16": (three_layers, dict(stages=2, precision="fp16")),
 }
 for name, (model, settings) in CASES.items():
     settings = {"method": "pipeoptim", **settings}

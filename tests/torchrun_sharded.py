@@ -10,13 +10,14 @@ instead of an MLP, ``drop:`` the MLP with dropout; settings are ``clip=X`` (glob
 method option (``backward=predicted``, ``vertical_sync=1``). An entry the Pipeline refuses
 prints its error instead.
 
-Three entries share the job's 4 processes instead of starting their own (a 4-process start costs
+Four entries share the job's 4 processes instead of starting their own (a 4-process start costs
 more than what they run), their files under SCRATCH: ``reshard``, tests/torchrun_reshard.py's run
 at 2 stages x 2 replicas sharded, stopped on every rank after 5 mini-batches (its newest
 checkpoint at 4), then resumed at 4 stages x 1 replica writing its checkpoints in the background
 (a copy of the stopped run is left in SCRATCH/reshard/alone for a one-process resume); and
 ``gpt2-example``, examples/transformers_causal_lm.py run as torchrun would run it (``__main__``,
-its own flags: EXAMPLE_ARGS), its printed lines returned; and last ``cli``, the command line's
+its own flags: EXAMPLE_ARGS), its printed lines returned; ``padded`` (:func:`padded`: every token
+weighed once across replicas); and last ``cli``, the command line's
 sharded run whose replicas follow the job's world size (:func:`command_line`).
 
     script ENTRIES STAGES MICRO_BATCHES [SCRATCH [EXAMPLE_ARGS...]]
@@ -169,7 +170,28 @@ def command_line(out: Path) -> dict:
     return line
 
 
-SPECIAL = {"reshard": reshard, "gpt2-example": gpt2_example, "cli": command_line}
+def padded(out: Path) -> dict:
+    """The ``padded`` entry: tests/first_day.py's GPT-2 as it comes (its own loss) on padded
+    mini-batches (labels -100), 2 stages x 2 replicas, replicated and sharded, the default method:
+    replica 0 reads rows 0-1 of each mini-batch (13 real tokens), replica 1 rows 2-3 (2), so only
+    a count over both replicas weighs every token once. Its losses, weights and the evaluation of
+    the first two mini-batches after training."""
+    from first_day import model, padded_batches, sgd
+
+    line = {}
+    for shard in (False, True):
+        pipe = pipeoptim.Pipeline(model("gpt2"), optimizer=sgd, stages=2, micro_batches=2, shard_replicas=shard)
+        d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
+        own = [{k: v.chunk(replicas)[d] for k, v in batch.items()} for batch in padded_batches("gpt2")]
+        losses = pipe.fit(own).losses
+        evaluation = pipe.evaluate(own[:2])
+        weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
+        pipe.close()
+        line["sharded" if shard else "replicated"] = {"losses": losses, "weights": weights, "evaluation": evaluation}
+    return line
+
+
+SPECIAL = {"reshard": reshard, "gpt2-example": gpt2_example, "cli": command_line, "padded": padded}
 
 for entry in entries:
     if entry in SPECIAL:

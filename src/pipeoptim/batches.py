@@ -5,12 +5,23 @@ them". :class:`BatchForm` turns each into the ``(inputs, target)`` pair the runt
 names the fix of a combination that cannot work."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
+from torch import nn
+
+from .runtime.forward_only import samples
+from .runtime.microbatch import item_counts, shares, split_batch
 
 #: the key of a dict batch that holds the target (the name ``transformers`` models take it by)
 LABELS = "labels"
+
+#: the label of an item no loss counts (torch's cross-entropy ``ignore_index`` default, and
+#: ``transformers``' padding label)
+IGNORED = -100
+
+#: how a mini-batch's loss weighs its micro-batches (the ``loss_normalization`` option)
+NORMALIZATIONS = ("items", "rows")
 
 
 def loader_item(item: Any) -> Tuple[Any, Optional[torch.Tensor]]:
@@ -34,9 +45,91 @@ def model_loss(output: Any, labels: Any = None) -> torch.Tensor:
     return loss
 
 
+def items_in(target: Any, shifted: bool = False) -> int:
+    """The real items of a target, as a mean-reduced loss counts them: an integer target's
+    entries other than :data:`IGNORED` (tokens, or one class per sample), after dropping each
+    row's first where the loss predicts the next token (``shifted``); any other target's rows."""
+    if not torch.is_tensor(target):
+        raise ValueError(f"cannot count the items of a {type(target).__name__} target; give "
+                         f"loss_normalization=fn(target) -> count, or 'rows'")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        return int(target.shape[0]) if target.dim() else 1
+    if shifted and target.dim() >= 2:
+        target = target[..., 1:]
+    return int(target.ne(IGNORED).sum())
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether ``model`` computes its own loss by predicting each label from the positions before
+    it (a ``transformers`` causal LM: its loss function drops every row's first label), so that a
+    row's first label is no item. An encoder-decoder's labels are its decoder's targets as they
+    are (its decoder reads them shifted right), every one an item."""
+    loss_function = getattr(type(model), "loss_function", None)
+    if loss_function is None:
+        return False
+    try:
+        function = model.loss_function
+    except Exception:  # a library property that needs more than the model has: not a causal LM
+        return False
+    config = getattr(model, "config", None)
+    return getattr(function, "__name__", "") == "ForCausalLMLoss" and \
+        not getattr(config, "is_encoder_decoder", False)
+
+
+#: what ``loss_normalization`` may be: a name of :data:`NORMALIZATIONS`, or ``fn(target) -> count``
+Normalization = Union[str, Callable[[Any], int]]
+
+
+def item_counter(normalization: Normalization, model: Optional[nn.Module] = None,
+                 own_loss: bool = False) -> Optional[Callable[[Any], int]]:
+    """What a mini-batch's micro-batches are weighed by (see ``loss_normalization`` in
+    :mod:`pipeoptim.options`): ``fn(target) -> count`` of the real items of a target, or None
+    for ``rows`` (each micro-batch by its samples: the mean of the micro-batch means)."""
+    if callable(normalization):
+        return lambda target: int(normalization(target))
+    if normalization == "rows":
+        return None
+    if normalization != "items":
+        raise ValueError(f"loss_normalization must be one of {', '.join(map(repr, NORMALIZATIONS))} or "
+                         f"fn(target) -> count, got {normalization!r}")
+    shifted = own_loss and model is not None and shifts_labels(model)
+    return lambda target: items_in(target, shifted)
+
+
+class Weighing:
+    """A Pipeline's ``loss_normalization`` at work: each micro-batch's share of its mini-batch's
+    loss, over the items of every replica's mini-batch, and what an evaluation's batch weighs
+    (docs/architecture.md, "Every real item weighed once")."""
+
+    def __init__(self, normalization: Normalization, model: Optional[nn.Module] = None,
+                 own_loss: bool = False) -> None:
+        #: a target's real items (None: its rows)
+        self.count = item_counter(normalization, model, own_loss)
+
+    def split(self, inputs: Any, target: Any, parts: int, world: Any) -> List[Tuple[Any, Any, float]]:
+        """The mini-batch as ``parts`` micro-batches ``(inputs, target, share)``; with replicas
+        (whose gradients are averaged and whose mini-batches may hold different numbers of items)
+        the shares are over the items of all of them (``world.replica_total``)."""
+        micro = split_batch(inputs, target, parts, self.count)
+        if world.replicas == 1:
+            return micro
+        counts = item_counts([t for _, t, _ in micro], self.count)
+        total = world.replica_total(sum(counts), "counting the items of the replicas' mini-batches")
+        return [(x, t, share) for (x, t, _), share in zip(micro, shares(counts, total, world.replicas))]
+
+    def evaluation(self, metric: Optional[Callable]) -> Callable[[Any, Any], int]:
+        """What an evaluation's mini-batch weighs in its mean: the loss's real items as training
+        counts them (without a metric), else its samples."""
+        count = self.count
+        if metric is not None or count is None:
+            return samples
+        return lambda inputs, target: count(target)
+
+
 class BatchForm:
     """How a Pipeline reads its mini-batches: ``model_loss`` (no ``loss_fn``) means the model
-    computes its own loss from ``labels``, handed to its forward at the last stage."""
+    computes its own loss from ``labels``, handed to its forward at the last stage (and, among
+    the first stage's inputs, to any earlier stage that reads them)."""
 
     def __init__(self, model_loss: bool) -> None:
         self.model_loss = model_loss
@@ -66,12 +159,14 @@ class BatchForm:
                    "loss_fn=fn(output, target) and step(batch, target)") if self.model_loss else \
                   "add batch['labels'], the target loss_fn is given, or call step(batch, target)"
             raise ValueError(f"a dict mini-batch with keys {sorted(batch)} has no '{LABELS}': {fix}")
+        if self.model_loss:  # the labels stay among the inputs too: a stage before the last may read them
+            return dict(self._remember(batch)), batch[LABELS]
         inputs = {k: v for k, v in self._remember(batch).items() if k != LABELS}
         return inputs, batch[LABELS]
 
     def example(self, inputs: Any, target: Any) -> Any:
         """What the model is called with (and traced on) for the pair ``(inputs, target)``: the
-        inputs, with the labels back among the keyword arguments when the model computes the loss."""
+        inputs, with the labels among the keyword arguments when the model computes the loss."""
         return {**inputs, LABELS: target} if self.model_loss else inputs
 
     def example_input(self, example: Any) -> Any:
@@ -85,12 +180,13 @@ class BatchForm:
         return example
 
     def refuse_model_loss(self, what: str) -> None:
-        """A model that computes its own loss needs its labels at the last stage, which only
-        training hands it: ``what`` (an evaluation, a forward) is refused."""
+        """A model that computes its own loss needs its labels at the last stage, which a forward
+        of inputs alone does not give it: ``what`` is refused."""
         if self.model_loss:
-            raise ValueError(f"{what} runs the stages without the labels this model computes its loss "
-                             f"from (no loss_fn): use evaluate_model(fn) on the whole model, or give the "
-                             f"Pipeline loss_fn=fn(output, target)")
+            raise ValueError(f"{what} runs the stages on inputs alone, and this model computes its loss "
+                             f"from labels (no loss_fn): evaluate(loader) runs it on dict batches with "
+                             f"'{LABELS}' and returns its mean loss; model() is the whole model; or give "
+                             f"the Pipeline loss_fn=fn(output, target)")
 
     def pairs(self, loader: Iterable) -> "Pairs":
         """``loader`` with every item as an ``(inputs, target)`` pair (for the evaluation loops)."""

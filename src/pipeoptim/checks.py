@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .batches import item_counter
 from .methods import METHODS, Method, clip_scope_for, get_method, with_order
 from .options import BY_NAME, OPTIONS
 from .partition import weighted_units
@@ -127,6 +128,7 @@ def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) ->
     layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel)
     if config.shard_replicas:
         check_sharding(world, layout, config)
+    check_precision(method, config.precision, world.processes)
     check_loss_fn(config.loss_fn, model)
     return check_run(config, model, method, layout, backend)
 
@@ -134,6 +136,7 @@ def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) ->
 def check_options(method: Method, config: Any, words: Words = API) -> None:
     """The options alone: what each must be, and the ones that contradict each other."""
     check_loss_fn(config.loss_fn)
+    item_counter(config.loss_normalization)  # a name it knows, or a function
     optimizer = config.optimizer
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("optimizer must be a factory called with each stage's parameters, "
@@ -148,6 +151,20 @@ def check_options(method: Method, config: Any, words: Words = API) -> None:
     check_diagnose_every(config.diagnose_every, words)
     if config.partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {config.partitioner!r}; choose {', '.join(PARTITIONERS)}")
+
+
+def check_precision(method: Method, precision: str, processes: int, words: Words = API) -> None:
+    """fp16 over ``processes`` processes: its loss scale agrees on one found-inf flag per update
+    number over every stage (runtime/loss_scaling.py), which an asynchronous method, whose stages
+    update at their own times, could only do under torchrun by stalling at every update."""
+    if precision == "fp16" and not method.synchronous and processes > 1:
+        raise ValueError(
+            f"{words.set('precision', 'fp16')} with {method.name} under torchrun is not supported: fp16's loss "
+            f"scale skips an update on every stage at once where any stage's gradients overflow, and "
+            f"{method.name} updates each stage at its own time, so each stage would wait at every update for the "
+            f"first stage's backward of the same mini-batch (the pipeline stalled as by a flush). Use "
+            f"{words.set('precision', 'bf16')} (no loss scale needed), a synchronous method (zb-h1), or run "
+            f"{method.name} in one process")
 
 
 def check_diagnose_every(every: int, words: Words = API) -> None:

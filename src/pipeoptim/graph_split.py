@@ -255,8 +255,9 @@ class TracedModel:
         """One module per stage over ``sizes`` (units per stage), each taking one argument and
         returning one value: the first stage the model's input, the others what the stage before
         returned; a stage that needs a size reads it off a tensor it holds, and a late input is
-        the last stage's second argument, refused if an earlier stage reads it.
-        ``late=False``: a late input is one of the first stage's like any other, and crosses the
+        the last stage's second argument, and reaches an earlier stage that reads it too (an
+        encoder-decoder shifts its labels into the decoder's input) from the first stage's
+        inputs, across the cuts between, as any input does. ``late=False``: a late input is one of the first stage's like any other, and crosses the
         cuts to the stages that read it (the unit chain of the partitioners and the profile)."""
         if sum(sizes) != self.units or any(s < 1 for s in sizes):
             raise ValueError(f"a partition of this model needs stages of at least one unit covering "
@@ -270,11 +271,11 @@ class TracedModel:
             # input's) is read again, where it is needed, off a tensor the stage holds
             stage_of = {n: k for n, k in stage_of.items()
                         if not (n.target is torch.ops.aten.sym_size.int and n.args[0] is last_input)}
-            self._check_late(last_input, stage_of, len(sizes))
-        boundaries = self._boundaries(stage_of, len(sizes), last_input)
+        early = self._early_readers(last_input, stage_of, len(sizes))
+        boundaries = self._boundaries(stage_of, len(sizes), last_input, early)
         parts = []
         for k in range(len(sizes)):
-            incoming = [n for n in self.inputs if n is not last_input] if k == 0 else boundaries[k - 1]
+            incoming = [n for n in self.inputs if n is not last_input or early] if k == 0 else boundaries[k - 1]
             outgoing = None if k == len(sizes) - 1 else boundaries[k]
             own = [n for n in self.compute if stage_of.get(n) == k]
             graph = self._stage_graph(own, incoming, outgoing, self.names if k == 0 else None,
@@ -287,18 +288,18 @@ class TracedModel:
         units, for the partitioners and the profile (each unit takes what the one before returns)."""
         return nn.Sequential(*self.stage_modules([1] * self.units, late=False))
 
-    def _check_late(self, node: fx.Node, stage_of: Dict[fx.Node, int], stages: int) -> None:
-        """The late input is read by the last stage only: it reaches no other."""
-        early = sorted({stage_of[n] for n in node.users if stage_of.get(n, stages - 1) < stages - 1})
-        if early:
-            raise ValueError(f"the model reads {self.late!r} in stage {early[0]}, before the last stage "
-                             f"(where it arrives, as a target does); choose split points after its first "
-                             f"use, or give the Pipeline a loss_fn (then {self.late!r} is its target)")
+    def _early_readers(self, node: Optional[fx.Node], stage_of: Dict[fx.Node, int], stages: int) -> List[int]:
+        """The stages before the last that read the late input ``node`` (none: it goes to the
+        last stage alone, as a target does)."""
+        if node is None:
+            return []
+        return sorted({stage_of[n] for n in node.users if stage_of.get(n, stages - 1) < stages - 1})
 
-    def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int,
-                    last_input: Optional[fx.Node] = None) -> List[List[fx.Node]]:
+    def _boundaries(self, stage_of: Dict[fx.Node, int], stages: int, last_input: Optional[fx.Node] = None,
+                    early: Sequence[int] = ()) -> List[List[fx.Node]]:
         """For each cut k -> k+1, the tensors defined at or before stage k and read after it, in
-        the order they travel (``last_input`` is the last stage's own: it crosses none)."""
+        the order they travel (``last_input`` is the last stage's own: it crosses the cuts up to
+        the last of its ``early`` readers, none to the last stage, which has it already)."""
         last_use: Dict[fx.Node, int] = {}
         for node in self.compute + [self.output]:
             reader = stage_of.get(node, stages - 1)
@@ -307,7 +308,8 @@ class TracedModel:
         defined = {n: -1 for n in self.inputs}
         defined.update(stage_of)
         if last_input is not None:
-            defined[last_input] = stages - 1
+            defined[last_input] = -1 if early else stages - 1
+            last_use[last_input] = max(early, default=-1)
         crossing = []
         for k in range(stages - 1):
             values = [n for n in self.inputs + self.compute

@@ -86,7 +86,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option("method", "str", DEFAULT_METHOD,
            "the training method: a (schedule, weight policy) pair from the registry, "
            "by name (pipeoptim.method_names()). The default, zb-h1, is a synchronous zero-bubble pipeline: it "
-           "trains exactly as the plain loop with gradient accumulation over its micro-batches, and the study "
+           "trains exactly as the plain loop's step on each whole mini-batch, and the study "
            "found a synchronous pipeline gives the better model in the same time on three of its four tasks; "
            "the asynchronous methods (pipeoptim, pipeoptim-2bw, ...) trade that equality for fewer bubbles",
            "pipeline", Flag(group="method", only="train", choices=tuple(method_names()),
@@ -97,9 +97,22 @@ OPTIONS: Tuple[Option, ...] = (
            "(inputs: a tensor, a tuple of positional or a dict of keyword arguments), or a dict of keyword "
            "tensors (each split along dim 0) whose labels is the target (model(**rest)). None: the model "
            "computes its own loss, model(**batch).loss (or ['loss']), from dict batches with labels, which "
-           "travel as a target does, to the last stage only; other forms are refused with the fix "
-           "(pipeoptim.batches)", "pipeline",
-           api_only="a function; the command line takes the task's"),
+           "reach the last stage as a target does and every earlier stage that reads them (an encoder-decoder "
+           "shifting them into its decoder's input); other forms are refused with the fix (pipeoptim.batches)",
+           "pipeline", api_only="a function; the command line takes the task's"),
+    Option("loss_normalization", "Union[str, Callable[..., Any]]", "items",
+           "how a mini-batch's loss weighs its micro-batches (and replicas): items (every real item weighed "
+           "once: each micro-batch's mean loss by its share of the step's items, so that a synchronous method "
+           "equals the step on the whole mini-batch even when micro-batches hold different numbers of real "
+           "tokens; an item is an entry of an integer target or labels other than -100, not counting each "
+           "row's first label where a transformers causal LM predicts the next token, or a row of any other "
+           "target); rows (each micro-batch's mean by its share of the samples: gradient accumulation of "
+           "the micro-batch means, as pipeoptim weighed them before, and the right weights for a loss_fn that "
+           "averages per sample first); or "
+           "fn(target) -> int, the items of a target as the loss_fn's mean counts them (a loss_fn that "
+           "ignores another index). The loss reported is the same weighted mean", "pipeline",
+           api_only="the command line's tasks' losses are means over rows of one width, which items and rows "
+                    "weigh alike"),
     Option("optimizer", "Callable[..., Any]", REQUIRED,
            "optimizer(params) -> torch.optim.Optimizer, called once per stage with that "
            "stage's parameters", "pipeline", api_only="a factory; the command line builds one from --optimizer "
@@ -172,8 +185,15 @@ OPTIONS: Tuple[Option, ...] = (
            "others (the asynchronous methods, and bidirectional and bitpipe, whose two replicas of each piece a "
            "global norm would count twice)",
            "pipeline", Flag(choices=CLIP_SCOPES, group="optimizer")),
-    Option("precision", "str", "fp32", "fp32 or bf16: forwards and backwards under torch.autocast on each stage's "
-           "device; parameters, gradients, optimizer state and prediction stay fp32", "pipeline",
+    Option("precision", "str", "fp32", "fp32, bf16 or fp16: forwards and backwards under torch.autocast on each "
+           "stage's device; parameters, gradients, optimizer state, prediction and every weight version stay fp32. "
+           "fp16 scales the loss as torch.amp.GradScaler does (its defaults: the scale starts at 2**16, halves at "
+           "an update whose gradients hold an inf or nan, doubles after 2000 updates without one), one scale for "
+           "every stage and replica: an inf or nan in any stage's gradients skips the update on every stage "
+           "(no optimizer or scheduler step, the weight version stays); gradients are unscaled before clipping; "
+           "the scale is checkpointed. Refused for the asynchronous methods under torchrun (each stage would "
+           "wait at every update for the first stage's backward of that mini-batch): in one process they run",
+           "pipeline",
            Flag(choices=PRECISIONS, group="precision and devices")),
     Option("recompute", "Union[bool, Sequence[bool]]", False,
            "activation recomputation (True for every stage, or one bool per stage): a "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import nn
 
-from .batches import BatchForm
+from .batches import BatchForm, Weighing
 from .checks import Checked, check_fit, check_model, check_options, check_pipeline, method_of
 from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
 from .errors import NonFiniteLoss
@@ -31,7 +31,7 @@ from .prepare import build_model_stages, first_inputs, needs_example
 from .runtime import named_state
 from .runtime.defaults import CLIP_SCOPES
 from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
-from .runtime.microbatch import batch_size, split_batch
+from .runtime.microbatch import batch_size
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage
@@ -85,6 +85,8 @@ class Pipeline:
         self.world: World = config.world if config.world is not None else (
             Torchrun.join(config.devices, config.timeout, config.threads) or LocalWorld())
         self._form = BatchForm(model_loss=config.loss_fn is None)  #: how mini-batches are read (pipeoptim.batches)
+        #: each micro-batch's share of its mini-batch's loss (loss_normalization)
+        self._weighing = Weighing(config.loss_normalization, model, own_loss=config.loss_fn is None)
         self._model = copy.deepcopy(model)
         self._model.train()
         #: what the checks settled, once: the layout, the method's options, clip scope, compile backend
@@ -157,7 +159,7 @@ class Pipeline:
         if not self.prepared:  # a traced model without example_input: its first mini-batch is the example
             self.prepare(self._form.example(inputs, target))
         size = batch_size(inputs)
-        micro = split_batch(inputs, target, self.spec.microbatches)
+        micro = self._weighing.split(inputs, target, self.spec.microbatches, self.world)
         if self._executor is None:
             extra = self._bubbles.open(lambda: self._schedule_for(2, first_batch=self.batches_done),
                                        size / self.spec.microbatches)
@@ -294,13 +296,14 @@ class Pipeline:
 
         ``metric(output, target)`` gives a mini-batch's value (a number or a 0-dim tensor,
         a mean over the mini-batch); the result is the mean over all samples. Without a metric,
-        the mean loss. The pipeline must be drained (:meth:`flush`)."""
-        self._require_drained("evaluate")
-        self._form.refuse_model_loss("evaluate(loader)")
+        the mean loss over every real item (``loss_normalization``), a model that computes its
+        own loss run with its labels. The pipeline must be drained (:meth:`flush`); split on the
+        loader's first mini-batch if none came yet."""
+        self._require_drained("evaluate", loader)
         loader = self._form.pairs(loader)  # a dict batch as (inputs, labels)
         score = metric or self.model_stages[-1].loss_fn
         with self._eval_mode.evaluating():  # a traced model: its eval-mode graph meanwhile
-            return self.world.evaluate(self.model_stages, loader, score)
+            return self.world.evaluate(self.model_stages, loader, score, self._weighing.evaluation(metric))
 
     def evaluate_in_bubbles(self, loader: Iterable[Batch], metric: Optional[Metric] = None,
                             on_done: Optional[Callable[[float], None]] = None) -> None:
@@ -309,9 +312,10 @@ class Pipeline:
         the bubbles"): ``on_done(value)`` receives what :meth:`evaluate` returns now, to the bit,
         during the next :meth:`step` (or at the next :meth:`flush` if none comes). The loader is
         read now, whole, and held until then. Synchronous methods, one stage per process."""
-        self._form.refuse_model_loss("evaluate_in_bubbles(loader)")
+        self._require_drained("evaluate_in_bubbles", loader)
         self._in_bubbles("evaluate_in_bubbles", lambda: list(self._form.pairs(loader)),
-                         score=metric or self.model_stages[-1].loss_fn, on_done=on_done)
+                         score=metric or self.model_stages[-1].loss_fn, on_done=on_done,
+                         weight=self._weighing.evaluation(metric))
 
     def forward_in_bubbles(self, inputs: Iterable[Any], on_output: Callable[[int, Any], None]) -> None:
         """A user's forward-only work, run as :meth:`evaluate_in_bubbles` runs an evaluation:
@@ -361,7 +365,10 @@ class Pipeline:
         return self._model
 
     # -- state --------------------------------------------------------------------------------
-    def _require_drained(self, what: str) -> None:
+    def _require_drained(self, what: str, loader: Optional[Iterable[Batch]] = None) -> None:
+        """Drained and split (on ``loader``'s first mini-batch, if given and none came yet)."""
+        if not self.prepared and loader is not None:
+            self.prepare(first_inputs(loader, self._form))
         if not self.prepared:
             raise RuntimeError(f"{what} needs the model split into stages: feed a mini-batch first, "
                                f"or give the Pipeline example_input=")

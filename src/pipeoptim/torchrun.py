@@ -29,7 +29,7 @@ from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
-from .runtime.forward_only import ForwardOnly, scored_forward
+from .runtime.forward_only import ForwardOnly, Weight, samples, scored_forward
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.replicas import replica_pair_groups
@@ -353,17 +353,28 @@ class Torchrun:
         """A bidirectional run whose two pipelines end on two ranks: each of those holds halves."""
         return self.mirrored and self.placement[-1] != self.last_rank
 
-    def _replica_mean(self, values: List[float], what: str) -> List[float]:
-        """The mean over this stage's replicas of each value (floats, in float64)."""
-        if self.replicas == 1 or not values:
-            return values
+    def _replica_sum(self, values: List[float], what: str) -> torch.Tensor:
+        """The sum over this stage's replicas of each value (in float64, exact for counts)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         try:
             dist.all_reduce(t, group=self.stage_group)
         except RuntimeError as error:
             raise PipelineCommError(f"pipeline rank {self.pipeline_rank}: {what} failed: {reason(error)}. A replica "
                                     f"hung, died or is slower than the timeout ({self.timeout:g} s)") from error
-        return (t / self.replicas).tolist()
+        return t
+
+    def _replica_mean(self, values: List[float], what: str) -> List[float]:
+        """The mean over this stage's replicas of each value (floats, in float64)."""
+        if self.replicas == 1 or not values:
+            return values
+        return (self._replica_sum(values, what) / self.replicas).tolist()
+
+    def replica_total(self, value: int, what: str) -> int:
+        """``value`` summed over this stage's replicas (every rank of a replica reads the same
+        mini-batch, so each stage's group of replicas sums the same counts)."""
+        if self.replicas == 1:
+            return value
+        return int(self._replica_sum([float(value)], what)[0].item())
 
     # -- what every rank must see -------------------------------------------------------------
     def share_losses(self, losses: List[float]) -> List[float]:
@@ -405,10 +416,11 @@ class Torchrun:
         return values
 
     # -- a pipelined forward ------------------------------------------------------------------
-    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
         """Forward only, stage by stage across the processes; the mean of ``score`` over the
-        samples, on every rank."""
-        summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored)
+        samples (each mini-batch weighing ``weight(inputs, target)``), on every rank."""
+        summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored,
+                                       weight=weight)
         total = 0.0
         if self.is_last:
             summed, count = self._replica_mean([summed, float(count)], "averaging the evaluation over the replicas")

@@ -27,7 +27,7 @@ from .errors import CheckpointError
 from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
-from .runtime.forward_only import ForwardOnly, run_stage, scored_forward
+from .runtime.forward_only import ForwardOnly, Weight, run_stage, samples, scored_forward
 from .runtime.executor import Executor, Mailbox
 from .runtime.segment import ScheduleFor
 from .runtime.spec import RESUME_MATCHES
@@ -78,6 +78,9 @@ class World(Protocol):
     def share_losses(self, losses: List[float]) -> List[float]:
         """A drained segment's losses as every rank must record them."""
 
+    def replica_total(self, value: int, what: str) -> int:
+        """The sum of ``value`` over this process's stage's replicas (each replica's own count)."""
+
     def share(self, value: T, src: int, what: str) -> T:
         """Stage ``src``'s ``value`` on every rank (``what``: the step, for errors)."""
 
@@ -91,8 +94,9 @@ class World(Protocol):
         """The process group a checkpoint is written and read over (None: this process alone);
         ``background``: another one, for the writes that go on beside training."""
 
-    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
-        """The mean of ``score(output, target)`` over the samples of ``loader``, on every rank."""
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
+        """The mean of ``score(output, target)`` over the samples of ``loader`` (each mini-batch
+        weighing ``weight(inputs, target)``), on every rank."""
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         """The output of the whole model for ``inputs`` (one process only)."""
@@ -197,6 +201,9 @@ class LocalWorld:
     def share_losses(self, losses: List[float]) -> List[float]:
         return losses
 
+    def replica_total(self, value: int, what: str) -> int:
+        return value
+
     def share(self, value: T, src: int, what: str) -> T:
         return value
 
@@ -209,8 +216,8 @@ class LocalWorld:
     def checkpoint_group(self, background: bool = False) -> Any:
         return None
 
-    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable) -> float:
-        summed, count = scored_forward(None, stages, loader, score, stages[-1].index)
+    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
+        summed, count = scored_forward(None, stages, loader, score, stages[-1].index, weight=weight)
         return summed / count
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:

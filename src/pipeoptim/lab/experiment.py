@@ -66,6 +66,7 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
     layout = plan_layout(method, stages=config.stages, partition=config.partition, chunks=config.chunks,
                          data_parallel=config.data_parallel)
     checked = checks.check_run(config, model, method, layout, backend_of(config.compile))
+    checks.check_precision(method, config.precision, layout.replicas * (layout.stages or 2), checks.COMMAND_LINE)
     if isinstance(model, torch.nn.Sequential):
         spec = resolve(model, method=config.method, stages=config.stages, partition=config.partition,
                        partitioner=config.partitioner, micro_batches=config.micro_batches,

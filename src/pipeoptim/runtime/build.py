@@ -11,6 +11,7 @@ from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
 from .interfaces import orthogonalizes
+from .loss_scaling import LossScaler
 from .probes import PredictionProbes
 from .stage import Stage
 from .tied import LocalExchange, Tie, TiedWeights
@@ -103,6 +104,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     # where each pipeline starts and ends: one chain 0..n-1, or a mirrored method's two of n/2
     chains = [range(n // 2), range(n // 2, n)] if method.mirrored else [range(n)]
     firsts, lasts = {c[0] for c in chains}, {c[-1] for c in chains}
+    scaler = LossScaler() if precision == "fp16" else None  # one loss scale for this process's stages
     stages = []
     for k, part in enumerate(parts):
         if only is not None and k not in ((only,) if isinstance(only, int) else only):
@@ -148,6 +150,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                       replica_of=k - n // 2 if method.mirrored and k >= n // 2 else None,
                       # a model without loss_fn computes its own loss: the labels go into its last module
                       takes_target=k in lasts and config is not None and config.loss_fn is None,
-                      probes=PredictionProbes(config.diagnose_every if config is not None else 0))
+                      probes=PredictionProbes(config.diagnose_every if config is not None else 0),
+                      loss_scaling=scaler)
         stages.append(stage)
     return stages

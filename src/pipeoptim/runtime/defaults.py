@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 DEFAULT_TIMEOUT = 300.0  #: seconds a rank waits for a peer before the run fails
-PRECISIONS = ("fp32", "bf16")       #: the precisions a stage runs its passes in
+PRECISIONS = ("fp32", "bf16", "fp16")  #: the precisions a stage runs its passes in
 #: clipping by the norm over all stages where the method allows it (auto), by it (global), or by each
 #: stage's own norm (stage)
 CLIP_SCOPES = ("auto", "global", "stage")

@@ -9,10 +9,10 @@ turns until none moves), one under torchrun. Only how a transfer travels differs
 (``runtime/distributed.PipeTransport``); between two stages of one rank the walker hands the
 value over itself. A walker stops (and is resumed later) at a forward, or a receive of an
 activation, of a micro-batch not fed yet, at a receive whose message has not come, at an update
-whose other replica has not finished its window (mirrored methods), and, with global clipping,
-at its first update of a number until every walker of the process has reached its own. Any
-interleaving that runs each action once its inputs exist gives the same numbers
-(docs/architecture.md, "Schedules as data").
+whose other replica has not finished its window (mirrored methods), and, with global clipping
+or fp16's loss scale (``runtime/loss_scaling.py``), at its first update of a number until every
+walker of the process has reached its own. Any interleaving that runs each action once its inputs
+exist gives the same numbers (docs/architecture.md, "Schedules as data").
 
 A forward paired with another micro-batch's backward (``Schedule.pairs``, torch's
 ``OVERLAP_F_B``; ``schedules/v_shape.py``; lowered with both receives before it): a receive of
@@ -32,9 +32,9 @@ import torch
 from ..schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
 from ..schedules.lower import lower
 from .forward_only import ForwardOnly
+from .loss_scaling import UpdateAgreement
 from .replicas import ReplicaUpdates
-from .segment import (MicroBatch, ScheduleFor, WindowLosses, check_runnable, clip_coefficient, next_horizon,
-                      stage_orders)
+from .segment import MicroBatch, ScheduleFor, WindowLosses, check_runnable, next_horizon, stage_orders
 from .stage import Stage
 
 Key = Tuple[int, int]  # (stage, micro-batch): whose value a store holds
@@ -63,7 +63,9 @@ class Transport:
         """Micro-batches ``first``, ``first + 1``, ... came (mini-batch number ``batch``, from 1)."""
 
     def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Every stage's gradient norm, in stage order, from this process's (in stage order)."""
+        """Every stage's value of an update's agreement (its gradient norm, fp16's found-inf
+        flag: ``loss_scaling.UpdateAgreement``), in stage order, from this process's (in stage
+        order)."""
         return own
 
     def drained(self) -> None:
@@ -89,10 +91,11 @@ class Mailbox(Transport):
 
 
 class Walker:
-    """One rank's place in its lowered order, and the clipping coefficient of its update in
-    progress (global clipping: taken at its first update of that number, reused by the others)."""
+    """One rank's place in its lowered order, and the agreement of its update in progress (the
+    global clipping coefficient, fp16's skip: taken at its first update of that number, reused by
+    the others)."""
 
-    __slots__ = ("rank", "order", "pos", "overlap_at", "clip_update", "clip_scale", "gates")
+    __slots__ = ("rank", "order", "pos", "overlap_at", "clip_update", "clip_scale", "skip", "gates")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -106,6 +109,7 @@ class Walker:
         self.gates: Dict[int, int] = {}
         self.clip_update = -1
         self.clip_scale: Optional[torch.Tensor] = None
+        self.skip = False
 
 
 class Executor:
@@ -117,9 +121,10 @@ class Executor:
     ``schedule_for(T)`` builds the segment's schedule for T mini-batches; ``expected``: the
     segment's length when known (built once), else the horizon doubles as data comes.
     ``clip_global``: clip each update's gradients by the norm over every stage (synchronous
-    methods). ``on_loss(window, loss)`` is called as each mini-batch's loss completes (windows
-    from 0 in this segment), on the process holding the last stage; :meth:`take_completed`
-    returns them too. ``forward_only``: the work of the schedule's ``E`` actions.
+    methods); it and fp16's loss scale, which the stages carry (``runtime/loss_scaling.py``), are
+    agreed on at each update over every stage. ``on_loss(window, loss)`` is called as each
+    mini-batch's loss completes (windows from 0 in this segment), on the process holding the last
+    stage; :meth:`take_completed` returns them too. ``forward_only``: the work of the schedule's ``E`` actions.
     ``replica_sums``: piece -> the summer of its two replicas' gradients where they are on two
     processes (``averaging.GradientAverager`` over their 2-process group)."""
 
@@ -159,7 +164,8 @@ class Executor:
         self._outgoing: Dict[Key, Any] = {}  # a value whose SEND comes next in its rank's order
         transport.attach(self._inputs, self._grads, self._evals)
         self._window_loss: Optional[WindowLosses] = None
-        self._arrived: set = set()  # global clipping: the ranks at their first update of its number
+        self._arrived: set = set()  # global clipping, fp16: the ranks at their first update of its number
+        self._agreement = UpdateAgreement(clip_global, own) if UpdateAgreement.needed(clip_global, own) else None
         #: two pipelines of the same pieces (a mirrored method): the second's stages are replicas
         self.mirrored = any(s.replica_of is not None for s in own)
         self._replicas = ReplicaUpdates(self.stage_list, replica_sums) if self.mirrored else None
@@ -338,15 +344,15 @@ class Executor:
                     if replicas is not None:
                         replicas.backward_done(k, i)
                 elif kind is U:
+                    agreeing = self._agreement is not None  # (one stage too: its norm is the model's)
+                    if agreeing and w.clip_update != i and not self._agree(w, i):
+                        break  # every stage's gradients of this update first
                     if replicas is not None and not replicas.ready(k, i):
                         break  # the other replica's backwards of this window are still to come
-                    if self.clip_global is None:
+                    if agreeing:
+                        stages[k].update(grad_scale=w.clip_scale, skip=w.skip)
+                    else:
                         stages[k].update()
-                    else:  # one stage too: its norm is the model's
-                        scale = w.clip_scale if w.clip_update == i else self._global_scale(w, i)
-                        if scale is None:
-                            break
-                        stages[k].update(grad_scale=scale)
                 elif kind is E:
                     self._forward_only(k, i)
                 else:
@@ -369,23 +375,24 @@ class Executor:
             else:
                 self._outgoing[(k, j)] = out
 
-    def _global_scale(self, w: Walker, update: int) -> Optional[torch.Tensor]:
-        """The clipping coefficient of update ``update`` over every stage, once every walker of
-        this process stands at its first update of that number (every backward before it done;
-        None: wait). The norms are taken after the replicas' averaging, put in stage order
-        (across processes by the transport) and summed as ``clip_grad_norm_`` does; each walker
-        keeps the coefficient for its other updates of that number."""
+    def _agree(self, w: Walker, update: int) -> bool:
+        """The agreement of update ``update`` over every stage, once every walker of this process
+        stands at its first update of that number (every backward before it done; False: wait):
+        the clipping coefficient, from the norms summed as ``clip_grad_norm_`` does, and fp16's
+        skip. What each stage gives is taken after the replicas' averaging and put in stage
+        order (across processes by the transport, the same collectives in the same order on
+        every rank); each walker keeps the outcome for its other updates of that number. A
+        mirrored method's replicas sum their gradients after it (their flags are both here)."""
         self._arrived.add(w.rank)
         if len(self._arrived) < len(self.walkers):
-            return None
+            return False
         self._arrived.clear()
         for stage in self.own:
             stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
-        norms = self.transport.all_norms([stage.grad_norm() for stage in self.own])
-        scale = clip_coefficient(norms, self.clip_global)
+        scale, skip = self._agreement.decide(self.transport.all_norms(self._agreement.values(self.own)))
         for v in self.walkers:
-            v.clip_update, v.clip_scale = update, scale
-        return scale
+            v.clip_update, v.clip_scale, v.skip = update, scale, skip
+        return True
 
     @property
     def _pointer(self) -> List[int]:

@@ -24,17 +24,30 @@ from .values import to_device
 from .wire import signature
 
 
-def run_stage(stage: Stage, value: Any) -> Any:
-    """``stage``'s module on ``value`` (moved to its device), in its autocast."""
+def run_stage(stage: Stage, value: Any, target: Any = None) -> Any:
+    """``stage``'s module on ``value`` (moved to its device), in its autocast; a last stage that
+    takes the target (a model computing its own loss from its labels) takes ``target`` too."""
     with stage.autocast():
+        if stage.takes_target:
+            return stage.module(to_device(value, stage.device), to_device(target, stage.device))
         return stage.module(to_device(value, stage.device))
+
+
+#: ``fn(inputs, target) -> int``: how much a mini-batch's value weighs in an evaluation's mean
+Weight = Callable[[Any, Any], int]
+
+
+def samples(inputs: Any, target: Any) -> int:
+    """A mini-batch's weight in a mean over the samples: its samples."""
+    return batch_size(inputs)
 
 
 @torch.no_grad()
 def scored_forward(comm: Optional[PipeComm], stages: List[Stage], loader: Iterable, score: Callable, last: int,
-                   first_chain: bool = False) -> Tuple[float, int]:
+                   first_chain: bool = False, weight: Weight = samples) -> Tuple[float, int]:
     """(the sum over samples of ``score(output, target)``, on the process of stage ``last``, 0.0
-    elsewhere; the samples) of ``loader``'s mini-batches through this process's ``stages``, in
+    elsewhere; the samples: ``weight(inputs, target)`` of each mini-batch, the real items of a
+    loss that is a mean over them) of ``loader``'s mini-batches through this process's ``stages``, in
     chain order, the activations going to the other processes' stages over ``comm`` (None: every
     stage is here). ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once.
     Summed in mini-batch order, as :class:`Scores` sums an evaluation in the bubbles: the same bits."""
@@ -51,15 +64,15 @@ def scored_forward(comm: Optional[PipeComm], stages: List[Stage], loader: Iterab
             k = stage.index
             if k > 0 and (k - 1) not in held:
                 value = comm.recv("activation", ident, key, stage=k)
-            value = run_stage(stage, value)
+            value = run_stage(stage, value, target if k == last else None)
             if k == last:
                 with stage.autocast():
-                    values.append((score(value, to_device(target, stage.device)), batch_size(inputs)))
+                    values.append((score(value, to_device(target, stage.device)), weight(inputs, target)))
             if k < last and (k + 1) not in held:
                 comm.send("activation", ident, key, value, stage=k)
         if comm is not None:
             comm.poll()
-        count += batch_size(inputs)
+        count += weight(inputs, target)
     if comm is not None:
         comm.flush()
     if count == 0:
@@ -105,12 +118,14 @@ class ForwardOnly:
     def __init__(self, items: Sequence[Tuple[Any, Any]], eval_mode: Callable[[Stage], ContextManager[Any]],
                  stages: Sequence[Stage], *, score: Optional[Callable[[Any, Any], Any]] = None,
                  on_output: Optional[Callable[[int, Any], None]] = None,
-                 on_done: Optional[Callable[[Optional[float]], None]] = None, at_drain: bool = False) -> None:
+                 on_done: Optional[Callable[[Optional[float]], None]] = None, at_drain: bool = False,
+                 weight: Weight = samples) -> None:
         if not items:
             raise ValueError("the evaluation loader yielded no mini-batches" if on_output is None
                              else "no inputs to run forward in the bubbles")
         self.items = list(items)
         self.score = score
+        self.weight = weight  #: a mini-batch's weight in the mean (scored_forward's)
         self.on_output = on_output
         self.eval_mode = eval_mode
         self.on_done = on_done
@@ -123,7 +138,7 @@ class ForwardOnly:
         self._buffers = {}
         for stage in stages:
             with torch.no_grad(), eval_mode(stage):
-                self._buffers[stage.index] = [b.detach().clone() for b in stage.module.buffers()]
+                self._buffers[stage.index] = [b.detach().clone() for b in _frozen(stage)]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -136,17 +151,17 @@ class ForwardOnly:
         """``stage``'s forward of micro-batch ``index``: the output to hand to the next stage,
         or, at the last stage, None once the micro-batch is scored."""
         with torch.no_grad(), self.eval_mode(stage), self._eval_point_buffers(stage):
-            output = run_stage(stage, inputs)
+            inputs_of, target = self.items[index]
+            output = run_stage(stage, inputs, target if stage.is_last else None)
             if not stage.is_last:
                 return output
-            inputs_of, target = self.items[index]
             if self.on_output is not None:
                 self.on_output(index, output)
                 self._outputs += 1
             else:
                 with stage.autocast():
                     value = self.score(output, to_device(target, stage.device))
-                self.scores.add(index, value, batch_size(inputs_of))
+                self.scores.add(index, value, self.weight(inputs_of, target))
         if max(self._outputs, len(self.scores)) == len(self.items):
             self.done = True
             self.value = self.scores.mean() if self.on_output is None else None
@@ -161,7 +176,7 @@ class ForwardOnly:
         a user's work through ``stages``, every stage in this process."""
         if self.on_output is None:
             with torch.no_grad(), evaluating():
-                self.deliver(world.evaluate(stages, self.items, self.score))
+                self.deliver(world.evaluate(stages, self.items, self.score, self.weight))
             return
         if world.processes > 1:
             raise RuntimeError("under torchrun forward_in_bubbles runs in the next mini-batch's bubbles: "
@@ -193,14 +208,14 @@ class ForwardOnly:
 
     @contextlib.contextmanager
     def _eval_point_buffers(self, stage: Stage) -> Iterator[None]:
-        """The stage's buffers as they were when the evaluation was asked for, for one pass.
-        ``.data`` is swapped, not copied into: a copy would bump the version counters that a
-        pending training backward checks."""
+        """The stage's buffers (and the tied weights it reads and another stage owns) as they
+        were when the evaluation was asked for, for one pass. ``.data`` is swapped, not copied
+        into: a copy would bump the version counters that a pending training backward checks."""
         saved = self._buffers.get(stage.index)
         if not saved:
             yield
             return
-        live = list(stage.module.buffers())
+        live = _frozen(stage)
         if len(live) != len(saved):
             raise RuntimeError(f"stage {stage.index}'s module has {len(live)} buffers, "
                                f"{len(saved)} when the evaluation began")
@@ -212,6 +227,14 @@ class ForwardOnly:
         finally:
             for buffer, data in zip(live, held):
                 buffer.data = data
+
+
+def _frozen(stage: Stage) -> List[torch.Tensor]:
+    """What an evaluation in the bubbles keeps as it was when asked for, beside the weights the
+    stage's own update waits for: its buffers, and a tied weight another stage owns (in one
+    process the owner's very tensor, which the owner's update changes before this stage's)."""
+    tied = stage.tied.read_not_owned() if stage.tied is not None else []
+    return list(stage.module.buffers()) + list(tied)
 
 
 class BubbleWork:

@@ -2,7 +2,7 @@
 forward's keyword tensors."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,11 +25,13 @@ def _pieces(inputs: Any, parts: int) -> List[Any]:
     return list(torch.tensor_split(inputs, parts))
 
 
-def split_batch(inputs: Any, target: torch.Tensor, parts: int) -> List[Tuple[Any, torch.Tensor, float]]:
+def split_batch(inputs: Any, target: torch.Tensor, parts: int,
+                count: Optional[Callable[[Any], int]] = None) -> List[Tuple[Any, torch.Tensor, float]]:
     """``parts`` micro-batches along dimension 0, each with its share of the mini-batch loss.
 
-    The share (micro size / mini-batch size) makes the accumulated gradient of a mean-reduced
-    loss equal to the mini-batch's, whatever the split.
+    The share (the micro-batch's items / the mini-batch's, ``count`` counting a target's items;
+    None: its samples) makes the accumulated gradient of a loss that is a mean over its items
+    equal to the mini-batch's, whatever the split (:func:`shares`).
     """
     size = batch_size(inputs)
     if parts > size:
@@ -39,4 +41,20 @@ def split_batch(inputs: Any, target: torch.Tensor, parts: int) -> List[Tuple[Any
         return [(inputs, target, 1.0)]
     pieces = _pieces(inputs, parts)
     targets = torch.tensor_split(target, parts)
-    return [(piece, tgt, tgt.shape[0] / size) for piece, tgt in zip(pieces, targets)]
+    return [(piece, tgt, share) for piece, tgt, share in zip(pieces, targets, shares(item_counts(targets, count)))]
+
+
+def item_counts(targets: Sequence[Any], count: Optional[Callable[[Any], int]] = None) -> List[int]:
+    """The items of each target (``count``'s; None: its samples)."""
+    return [count(t) if count is not None else int(t.shape[0]) for t in targets]
+
+
+def shares(counts: Sequence[int], total: Optional[int] = None, replicas: int = 1) -> List[float]:
+    """Each micro-batch's weight in its mini-batch's loss: its items ``counts[m]`` over the items
+    of the mini-batches of every replica (``total``; default: this one's), times the replicas
+    (whose gradients are averaged): a mean-reduced loss then sums to the mean over every real item
+    of the step, as the whole mini-batch's loss is. No items at all: every share 0."""
+    total = sum(counts) if total is None else total
+    if total == 0:
+        return [0.0] * len(counts)
+    return [c * replicas / total if replicas != 1 else c / total for c in counts]

@@ -52,7 +52,9 @@ def stage_state(stage: Stage) -> Dict[str, Any]:
             "step_lr": {names[0]: lr for names, lr in zip(groups, pred["step_lr"])}}}
     return {"stage": stage.index, "groups": groups, "optimizer": optimizer, "policy": policy,
             "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
-            "counters": dict(stage.count)}
+            "counters": dict(stage.count),
+            # fp16: the loss scale (the same on every stage)
+            "loss_scaler": stage.loss_scaling.state_dict() if stage.loss_scaling is not None else None}
 
 
 def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> None:
@@ -108,6 +110,8 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
             if section in policy:  # keyed by parameter name already: gather every stage's
                 policy[section] = {**policy[section], field: _gathered(saved, section, field)}
         stage.policy.load_state_dict(policy)
+        if stage.loss_scaling is not None and first.get("loss_scaler") is not None:  # (none: fp32's, bf16's)
+            stage.loss_scaling.load_state_dict(first["loss_scaler"])
         if first["stage"] == stage.index and len(saved) == len(stages):
             stage.count.update(first["counters"])
 

@@ -36,6 +36,8 @@ class StageRecord:
         self.stage = stage
         self.trace: List[TraceEntry] = []
         self.updates: List[UpdateEntry] = []
+        #: fp16: the version at each update skipped (an inf or nan in some stage's gradients)
+        self.skips: List[int] = []
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
         self.grad_bytes_peak = 0
@@ -49,6 +51,11 @@ class StageRecord:
         """Update ``update`` applies ``lrs`` to gradients of ``grad_bytes``."""
         self.updates.append(UpdateEntry(self.stage, update, lrs))
         self.grad_bytes_peak = max(self.grad_bytes_peak, grad_bytes)
+
+    def skipped(self, version: int, seconds: float) -> None:
+        """An update of ``version`` skipped: the version stays, no entry in ``updates``."""
+        self.skips.append(version)
+        self.took("U", seconds)
 
     def took(self, kind: str, seconds: float, counted: bool = True) -> None:
         self.time[kind] += seconds

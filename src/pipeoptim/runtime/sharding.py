@@ -141,6 +141,14 @@ class StageShards:
         dist.all_reduce(total, group=self.mesh["dp"].get_group())
         return total.sqrt()
 
+    def any_replica(self, flag: torch.Tensor) -> torch.Tensor:
+        """``flag`` (0-dim, 1.0: this shard found an inf or nan) over every replica's shard of the
+        stage (fp16's found-inf flag: ``runtime/loss_scaling.py``)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return flag
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The stage module's state, gathered (a collective: every replica of the stage calls it)."""
         self.release()

@@ -24,6 +24,7 @@ from .compiled import CompiledForward
 from .defaults import PRECISIONS
 from .held import HeldActivations, signature
 from .interfaces import DelayAware, GradientSync, OverlappedSync
+from .loss_scaling import LossScaler
 from .probes import PredictionProbes
 from .record import StageRecord, TraceEntry, UpdateEntry  # noqa: F401 (the entries: read here by fit.py)
 from .sharding import StageShards
@@ -44,7 +45,8 @@ class Stage:
     Collaborators (None: none): ``shards`` (the module sharded over the stage's replicas: passes
     call it directly, with the version they need written into its shards), ``tied`` (weights
     shared with other stages), ``grad_sync`` (the gradients reduced over the stage's replicas
-    before each update; the world sets it once its groups exist). Observers: ``record``,
+    before each update; the world sets it once its groups exist), ``loss_scaling`` (fp16: the
+    process's loss scale, runtime/loss_scaling.py; made here if not given). Observers: ``record``,
     ``probes``, ``held``."""
 
     def __init__(self, index: int, num_stages: int, module: nn.Module,
@@ -57,7 +59,8 @@ class Stage:
                  shards: Optional[StageShards] = None, tied: Optional[TiedWeights] = None,
                  replica_of: Optional[int] = None, takes_target: bool = False,
                  grad_sync: Optional[GradientSync] = None, record: Optional[StageRecord] = None,
-                 probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None) -> None:
+                 probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None,
+                 loss_scaling: Optional[LossScaler] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.config = config  #: the run's options whole (pipeoptim.config.PipelineConfig; None: built by hand)
@@ -66,6 +69,9 @@ class Stage:
         self.scheduler = scheduler  #: stepped right after every update (update j: the same lr on every stage)
         self.clip_grad_norm = clip_grad_norm  #: per-stage clipping (max norm) before each update; None: none
         self.precision = precision
+        #: fp16: the loss scale (runtime/loss_scaling.py), one per process, shared by its stages
+        self.loss_scaling = loss_scaling if loss_scaling is not None or precision != "fp16" else LossScaler()
+        self.unscaled = False  #: fp16: this update's gradients are unscaled (the executor's agreement)
         #: where this stage's parameters live and its passes run; inputs are moved here
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         #: keep only the input of each micro-batch in flight; rerun the forward in its backward
@@ -138,7 +144,10 @@ class Stage:
                 else:
                     output = self.module(*args) if direct else functional_call(self.module, weights, args)
                 if self.is_last:
-                    output = self.loss_fn(output, target) * loss_scale
+                    output = self.loss_fn(output, target)
+                    # a micro-batch with no real item (its labels all -100): a mean over nothing is
+                    # nan, and weighs nothing; its gradient is zero, as in the whole mini-batch's loss
+                    output = torch.nan_to_num(output) * 0.0 if loss_scale == 0 else output * loss_scale
                     _check_scalar(output)
                 return output
 
@@ -159,12 +168,15 @@ class Stage:
                     self._count_kept(microbatch, kept)
                 else:
                     output = run(leaves)
+                # fp16: the backward starts from the loss times the scale; the loss reported stays
+                scaled = self.loss_scaling.scaled(output) if self.is_last and self.loss_scaling is not None \
+                    else output
         finally:
             if held_back is not None:
                 held_back()
             use.done()
         self.policy.note_memory()
-        self._saved[microbatch] = (leaves, as_tuple(output), use)
+        self._saved[microbatch] = (leaves, as_tuple(scaled), use)
         self.held.keep(microbatch, (() if self.is_first else as_tuple(leaves))
                        + (() if self.is_last else as_tuple(output)))
         self._passed("F", microbatch, use, start)
@@ -189,10 +201,11 @@ class Stage:
             self.policy.recompute_copy_bytes += size
 
     def autocast(self):
-        """The autocast context of this stage's passes (bf16: ``torch.autocast``; parameters,
+        """The autocast context of this stage's passes (bf16, fp16: ``torch.autocast``; parameters,
         gradients, optimizer state and the prediction stay fp32)."""
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        if self.precision != "fp32":
+            return torch.autocast(device_type=self.device.type,
+                                  dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
         return contextlib.nullcontext()
 
     def backward(self, microbatch: int, grad_output: Optional[Activation] = None) -> Optional[Activation]:
@@ -327,13 +340,25 @@ class Stage:
         """The next update's delay (:class:`~pipeoptim.weights.error_feedback.GradientDelay`)."""
         return self.delays.of(self.policy.version)
 
-    def update(self, grad_scale: Optional[torch.Tensor] = None) -> None:
+    def update(self, grad_scale: Optional[torch.Tensor] = None, skip: bool = False) -> None:
         """One optimizer step from the gradients accumulated since the last one, then the
         scheduler's step. ``grad_scale`` multiplies the gradients first (a clipping coefficient
-        computed over several stages); without it, ``clip_grad_norm`` clips this stage's own."""
+        computed over several stages); without it, ``clip_grad_norm`` clips this stage's own.
+        ``skip`` (fp16: some stage's gradients held an inf or nan): no update at all, the
+        gradients dropped (runtime/loss_scaling.py)."""
         start = time.perf_counter()
         self.sync_gradients()
         self._synced = False
+        if self.loss_scaling is not None and not self.unscaled:
+            raise RuntimeError(f"stage {self.index}: fp16's gradients are unscaled by the executor's agreement "
+                               f"on the update (runtime/loss_scaling.UpdateAgreement) before Stage.update")
+        self.unscaled = False
+        if skip:
+            self.delays.take(self.policy.version)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.policy.skipped_update()
+            self.record.skipped(self.policy.version, time.perf_counter() - start)
+            return
         if grad_scale is None and self.clip_grad_norm is not None and self.shards is not None:
             # torch's clip_grad_norm_ coefficient, from the norm over the shards
             grad_scale = (self.clip_grad_norm / (self.grad_norm() + 1e-6)).clamp(max=1.0)

@@ -83,6 +83,7 @@ class WeightPolicy:
         self.feedback = UpdateFeedback(self.named) if error_feedback else None
         self.version = 0                   #: live version: updates applied so far
         self.epoch_start_version = 0
+        self._skipped: list = []
         self.copy_bytes_peak = 0
         #: bytes of forward weights a recomputing stage holds for its recomputations (see
         #: :meth:`forward_weights_kept`), counted with the copies
@@ -101,6 +102,7 @@ class WeightPolicy:
         ``synchronous_updates``: the schedule's first so many updates are a synchronous warm-up
         (``sync_warmup``): no prediction and no lr correction for them."""
         self.epoch_start_version = self.version
+        self._skipped = []  # fp16: the positions among this schedule's updates of those skipped
         self._consumed: Counter = Counter()  # forwards run so far in this schedule, per window
         self.open_ended = open_ended
         self.learn_orders(stage_actions, full_orders, synchronous_updates)
@@ -126,8 +128,12 @@ class WeightPolicy:
                 self._updates_before[(a.kind, a.index)] = count
                 if a.kind is Kind.F and count < synchronous_updates:
                     sync_micro.append(a.index)
-        self._sync_updates_end = self.epoch_start_version + synchronous_updates
+        self._sync_updates_end = self.applied(synchronous_updates)
         self._sync_micro = frozenset(sync_micro)
+
+    def applied(self, updates: int) -> int:
+        """The version after this schedule's first ``updates`` updates, less those skipped."""
+        return self.epoch_start_version + updates - sum(1 for u in self._skipped if u < updates)
 
     def in_sync_warmup(self, microbatch: int) -> bool:
         """Whether ``microbatch`` belongs to a synchronous warm-up (``sync_warmup``)."""
@@ -185,6 +191,14 @@ class WeightPolicy:
 
     def after_update(self) -> None:
         self.version += 1
+
+    def skipped_update(self) -> None:
+        """An update not applied (fp16: an inf or nan in some stage's gradients): the version
+        stays, and so does every count read from it; the versions read from the schedule after
+        this update come one sooner."""
+        self._skipped.append(self.version - self.epoch_start_version + len(self._skipped))
+        if self._sync_updates_end > self.version:
+            self._sync_updates_end -= 1
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:

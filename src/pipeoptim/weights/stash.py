@@ -52,7 +52,7 @@ class VersionStore(WeightPolicy):
             if a.kind is Kind.U:
                 count += 1
             elif a.kind is Kind.F and a.index % self.window == 0:
-                self._scheduled[a.index // self.window] = self.epoch_start_version + count
+                self._scheduled[a.index // self.window] = self.applied(count)
         self._left = Counter({w: self.window - self._consumed[w] for w in self._scheduled})
 
     def target_version(self, microbatch: int) -> int:
@@ -123,6 +123,11 @@ class VersionStore(WeightPolicy):
 
     def after_update(self) -> None:
         super().after_update()
+        self._drop_unneeded()
+
+    def skipped_update(self) -> None:
+        super().skipped_update()  # the windows scheduled after this update: one version sooner
+        self._scheduled = {w: v - 1 if v > self.version else v for w, v in self._scheduled.items()}
         self._drop_unneeded()
 
     def _drop_unneeded(self) -> None:
