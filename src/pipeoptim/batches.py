@@ -5,13 +5,10 @@ them". :class:`BatchForm` turns each into the ``(inputs, target)`` pair the runt
 names the fix of a combination that cannot work."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
-
-from .runtime.forward_only import samples
-from .runtime.microbatch import item_counts, shares, split_batch
 
 #: the key of a dict batch that holds the target (the name ``transformers`` models take it by)
 LABELS = "labels"
@@ -94,36 +91,6 @@ def item_counter(normalization: Normalization, model: Optional[nn.Module] = None
                          f"fn(target) -> count, got {normalization!r}")
     shifted = own_loss and model is not None and shifts_labels(model)
     return lambda target: items_in(target, shifted)
-
-
-class Weighing:
-    """A Pipeline's ``loss_normalization`` at work: each micro-batch's share of its mini-batch's
-    loss, over the items of every replica's mini-batch, and what an evaluation's batch weighs
-    (docs/architecture.md, "Every real item weighed once")."""
-
-    def __init__(self, normalization: Normalization, model: Optional[nn.Module] = None,
-                 own_loss: bool = False) -> None:
-        #: a target's real items (None: its rows)
-        self.count = item_counter(normalization, model, own_loss)
-
-    def split(self, inputs: Any, target: Any, parts: int, world: Any) -> List[Tuple[Any, Any, float]]:
-        """The mini-batch as ``parts`` micro-batches ``(inputs, target, share)``; with replicas
-        (whose gradients are averaged and whose mini-batches may hold different numbers of items)
-        the shares are over the items of all of them (``world.replica_total``)."""
-        micro = split_batch(inputs, target, parts, self.count)
-        if world.replicas == 1:
-            return micro
-        counts = item_counts([t for _, t, _ in micro], self.count)
-        total = world.replica_total(sum(counts), "counting the items of the replicas' mini-batches")
-        return [(x, t, share) for (x, t, _), share in zip(micro, shares(counts, total, world.replicas))]
-
-    def evaluation(self, metric: Optional[Callable]) -> Callable[[Any, Any], int]:
-        """What an evaluation's mini-batch weighs in its mean: the loss's real items as training
-        counts them (without a metric), else its samples."""
-        count = self.count
-        if metric is not None or count is None:
-            return samples
-        return lambda inputs, target: count(target)
 
 
 class BatchForm:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import nn
 
-from .batches import BatchForm, Weighing
+from .batches import BatchForm
 from .checks import Checked, check_fit, check_model, check_options, check_pipeline, method_of
 from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
 from .errors import NonFiniteLoss
@@ -31,7 +31,7 @@ from .prepare import build_model_stages, first_inputs, needs_example
 from .runtime import named_state
 from .runtime.defaults import CLIP_SCOPES
 from .runtime.forward_only import BubbleWork, ForwardOnly, StageEvalMode, check_fills
-from .runtime.microbatch import batch_size
+from .runtime.microbatch import Weighing, batch_size
 from .runtime.replicas import copy_to_replicas
 from .runtime.spec import RunSpec
 from .runtime.stage import Stage

@@ -17,7 +17,7 @@ import torch
 from ..schedules.actions import Schedule
 from ..schedules.fill import FillPlan, check_fillable, plan_fill
 from ..schedules.simulate import Costs
-from .microbatch import batch_size
+from .microbatch import batch_size, samples
 from .stage import Stage
 from .transport import PipeComm
 from .values import to_device
@@ -35,11 +35,6 @@ def run_stage(stage: Stage, value: Any, target: Any = None) -> Any:
 
 #: ``fn(inputs, target) -> int``: how much a mini-batch's value weighs in an evaluation's mean
 Weight = Callable[[Any, Any], int]
-
-
-def samples(inputs: Any, target: Any) -> int:
-    """A mini-batch's weight in a mean over the samples: its samples."""
-    return batch_size(inputs)
 
 
 @torch.no_grad()

@@ -1,10 +1,13 @@
 """Splitting mini-batches into micro-batches: inputs may be tuples of tensors, or a dict of the
-forward's keyword tensors."""
+forward's keyword tensors; each micro-batch's share of its mini-batch's loss (:class:`Weighing`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
+
+from ..batches import Normalization, item_counter
 
 
 def batch_size(inputs: Any) -> int:
@@ -13,6 +16,11 @@ def batch_size(inputs: Any) -> int:
     else:
         first = inputs[0] if isinstance(inputs, tuple) else inputs
     return int(first.shape[0])
+
+
+def samples(inputs: Any, target: Any) -> int:
+    """A mini-batch's weight in a mean over the samples: its samples."""
+    return batch_size(inputs)
 
 
 def _pieces(inputs: Any, parts: int) -> List[Any]:
@@ -58,3 +66,33 @@ def shares(counts: Sequence[int], total: Optional[int] = None, replicas: int = 1
     if total == 0:
         return [0.0] * len(counts)
     return [c * replicas / total if replicas != 1 else c / total for c in counts]
+
+
+class Weighing:
+    """A Pipeline's ``loss_normalization`` at work: each micro-batch's share of its mini-batch's
+    loss, over the items of every replica's mini-batch, and what an evaluation's batch weighs
+    (docs/architecture.md, "Every real item weighed once")."""
+
+    def __init__(self, normalization: Normalization, model: Optional[nn.Module] = None,
+                 own_loss: bool = False) -> None:
+        #: a target's real items (None: its rows)
+        self.count = item_counter(normalization, model, own_loss)
+
+    def split(self, inputs: Any, target: Any, parts: int, world: Any) -> List[Tuple[Any, Any, float]]:
+        """The mini-batch as ``parts`` micro-batches ``(inputs, target, share)``; with replicas
+        (whose gradients are averaged and whose mini-batches may hold different numbers of items)
+        the shares are over the items of all of them (``world.replica_total``)."""
+        micro = split_batch(inputs, target, parts, self.count)
+        if world.replicas == 1:
+            return micro
+        counts = item_counts([t for _, t, _ in micro], self.count)
+        total = world.replica_total(sum(counts), "counting the items of the replicas' mini-batches")
+        return [(x, t, share) for (x, t, _), share in zip(micro, shares(counts, total, world.replicas))]
+
+    def evaluation(self, metric: Optional[Callable]) -> Callable[[Any, Any], int]:
+        """What an evaluation's mini-batch weighs in its mean: the loss's real items as training
+        counts them (without a metric), else its samples."""
+        count = self.count
+        if metric is not None or count is None:
+            return samples
+        return lambda inputs, target: count(target)
