@@ -60,9 +60,11 @@ EVALUATED = "pipeoptim+eval=2"
 FIXES = ["pipedream-2bw+ef=1", "pipeoptim-2bw+ef=1", "pipeoptim+opt=delay-nadamw"]
 #: fp16 (tests/test_fp16.py): its found-inf flag agreed over the processes on global clipping's path
 FP16 = "zb-h1+fp16=20+clip=0.05"
+#: a complex64 and an int16 tensor crossing the cut (tests/traced_models.py's odd_dtypes_model)
+ODD_WIRE = "1f1b-flush+wire=odd"
 #: every entry the tests below read, in one run (each starts from the same seed, so a run's line
 #: for it is the entry's alone)
-ENTRIES = [*PIPELINED, *CLIPPED, EVALUATED, *FIXES, FP16]
+ENTRIES = [*PIPELINED, *CLIPPED, EVALUATED, *FIXES, FP16, ODD_WIRE]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +147,40 @@ def test_fp16_under_torchrun_equals_one_process(both):
     for key in ("stepped", "losses", "weights", "skips", "scale"):
         assert spread[key] == local[key], key
     assert local["skips"][:2] == [0, 0] and len(local["skips"]) < 9  # of 9 updates: skipped, then applied
+
+
+def test_only_nccls_dtypes_go_on_the_wire_and_complex_activations_train(both):
+    """Issue 62: NCCL has no complex or int16. A complex64 activation and an int16 mask crossing
+    the cut (and the complex64 gradient crossing back) travel as their bytes: every send of the
+    links is of a dtype NCCL carries, the losses are one process's, and both equal the model
+    trained whole (a received complex activation collects its gradient, as a float one does)."""
+    import copy
+
+    import torch
+    from torch import nn as tnn
+    from traced_models import odd_dtypes_model
+
+    local, spread = both[0][ODD_WIRE], both[1][ODD_WIRE]
+    assert set(spread["wire"]) <= {"torch.float32", "torch.float64", "torch.float16", "torch.bfloat16",
+                                   "torch.int64", "torch.int32", "torch.int8", "torch.uint8", "torch.bool"}
+    assert "torch.uint8" in spread["wire"]  # the complex and int16 tensors' bytes
+    assert spread["stepped"] == pytest.approx(local["stepped"], rel=1e-6)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
+    net = copy.deepcopy(odd_dtypes_model())
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    plain = []
+    for x, y in data[:3]:  # the entry's first three mini-batches, each in 2 micro-batches
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            loss = tnn.functional.cross_entropy(net(xs), ys) / 2
+            loss.backward()
+            total += float(loss)
+        opt.step()
+        opt.zero_grad()
+        plain.append(total)
+    assert local["stepped"] == pytest.approx(plain, rel=1e-5)
 
 
 def test_the_example_under_torchrun_prints_what_it_prints_under_python(torchrun_2):

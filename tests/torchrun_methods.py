@@ -5,7 +5,9 @@ and eval_every for fit. An entry is a method, optionally with settings of its ow
 those two: ``gpipe+clip=0.05``, ``pipeoptim+eval=2`` (its line's "method" is the whole entry), so
 that one job runs every case its tests read; ``+ef=1`` turns error feedback on, ``+opt=delay-nadamw``
 trains with the delay-aware optimizer instead of SGD with momentum, ``+fp16=E`` runs in fp16 from the loss
-scale 2**E (its line also holds stage 0's skipped updates and the scale)."""
+scale 2**E (its line also holds stage 0's skipped updates and the scale), ``+wire=odd`` trains
+tests/traced_models.py's ``odd_dtypes_model`` (complex64 and int16 crossing the cut; its line also
+holds the dtypes every send of a link put on the wire)."""
 import json
 import sys
 
@@ -34,12 +36,21 @@ for entry in entries:
     elif pipeoptim.get_method(method).chunks > 1:  # 2 stages x 2 chunks: a fourth layer with weights
         layers[2:2] = [nn.Linear(16, 16), nn.Tanh()]
     model = nn.Sequential(*layers)
+    partition, sent = None, []
+    if settings.get("wire") == "odd":  # what the links send: the dtypes on the wire, on every rank
+        from traced_models import odd_dtypes_model
+
+        model, partition = odd_dtypes_model(), [2, 1]
+        link_module = __import__("pipeoptim.runtime.link", fromlist=["dist"])
+        real_isend = link_module.dist.isend
+        link_module.dist.isend = lambda tensor, *a, **k: (sent.append(str(tensor.dtype)), real_isend(tensor, *a, **k))[1]
     options = {"error_feedback": True} if settings.get("ef") == "1" else {}
     if settings.get("opt") == "delay-nadamw":
         optimizer = lambda p: pipeoptim.delay_nadamw.DelayNAdamW(p, lr=0.01)  # noqa: E731
     else:
         optimizer = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
-    pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" else stages,
+    pipe = pipeoptim.Pipeline(model, method=method, stages=None if method == "sequential" or partition else stages,
+                              partition=partition,
                               loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
                               clip_grad_norm=clip, clip_scope="global" if clip else "stage",
                               precision="fp16" if "fp16" in settings else "fp32", **options)
@@ -49,13 +60,20 @@ for entry in entries:
     result = pipe.fit(batches[3:], epochs=2, eval_every=eval_every,
                       eval_loader=batches[:2], metric=lambda out, y: (out.argmax(-1) == y).float().mean())
     # fit's model, read before pipe.model() gathers into the same copy: whole on every rank
-    fit_weights = {k: v.tolist() for k, v in result.model.state_dict().items()}
-    weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
+    listed = lambda v: (torch.view_as_real(v) if v.is_complex() else v).tolist()  # noqa: E731 (JSON)
+    fit_weights = {k: listed(v) for k, v in result.model.state_dict().items()}
+    weights = {k: listed(v) for k, v in pipe.model().state_dict().items()}
     fit_model_whole = torch.tensor(float(fit_weights == weights))
     if torch.distributed.is_initialized():  # every rank's answer, not only rank 0's
         torch.distributed.all_reduce(fit_model_whole, op=torch.distributed.ReduceOp.MIN)
+    if partition:
+        link_module.dist.isend = real_isend
+        gathered = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_gather_object(gathered, sorted(set(sent)))
+        sent = sorted({d for part in gathered if part for d in part})
     if pipe.rank == 0:
-        print(json.dumps({"method": entry, "stepped": stepped, "losses": result.losses,
+        print(json.dumps({"method": entry, "wire": sent, "stepped": stepped, "losses": result.losses,
                           "metric": result.metrics["epochs"][-1]["metric"],
                           "weight_versions": result.metrics["weight_versions"],
                           "processes": result.metrics["processes"], "weights": weights,

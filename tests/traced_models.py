@@ -123,3 +123,37 @@ def skip_batches(count: int = 4, size: int = 6, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     return [((torch.randn(size, 8, generator=g), (torch.rand(size, 8, generator=g) > 0.2).float()),
              torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
+
+
+class ToComplex(nn.Module):
+    """A layer whose output holds dtypes NCCL lacks: a complex activation (as a complex rotary
+    table makes) and an int16 mask."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.real, self.imag = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor):
+        return torch.complex(self.real(x), self.imag(x)), (x > 0).to(torch.int16)
+
+
+class FromComplex(nn.Module):
+    """Reads what :class:`ToComplex` made: a phase-mixed complex product back to real values."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.turn = nn.Parameter(torch.randn(width, dtype=torch.complex64) / width ** 0.5)
+        self.out = nn.Linear(2 * width, 3)
+
+    def forward(self, pair) -> torch.Tensor:
+        z, mask = pair
+        z = z * self.turn
+        return self.out(torch.cat([z.real + mask, z.imag], -1))
+
+
+def odd_dtypes_model() -> nn.Sequential:
+    """An nn.Sequential cut by partition=[2, 1]: a complex64 and an int16 tensor cross the cut
+    (and a complex64 gradient crosses back)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), ToComplex(), FromComplex())
+

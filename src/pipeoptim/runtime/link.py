@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..compat import HAS_STORAGE_USE_COUNT, storage_use_count
 from .values import as_tuple
-from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, reason
+from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, on_the_wire, reason
 
 #: a kept receive buffer: the tensor, its storage, and the storage's references when only the pool holds it
 Kept = Tuple[torch.Tensor, Any, int]
@@ -134,7 +134,7 @@ class Link:
                         f"{dtype} {shape} was agreed for micro-batches of input shapes {key}: the "
                         f"stage's output shape must depend only on its input shapes")
                 t = v.detach().contiguous()
-                pending.append((self._isend(t), t, self, microbatch))
+                pending.append((self._isend(on_the_wire(t)), t, self, microbatch))
                 self.stats["bytes"] += t.numel() * t.element_size()
             self.stats["messages"] += 1
         except PipelineCommError:
@@ -166,7 +166,7 @@ class Link:
                     return
                 self.expected.popleft()
                 buffers = [None if e is None else self.buffers.take(e[0], e[1]) for e in layout[1]]
-                self.posted.append((i, key, buffers, [self._irecv(b) for b in buffers if b is not None]))
+                self.posted.append((i, key, buffers, [self._irecv(on_the_wire(b)) for b in buffers if b is not None]))
         except RuntimeError as error:
             raise self.fail("receiving", i, error) from error
 

@@ -34,9 +34,9 @@ def detach_for_send(value: Activation) -> Activation:
 
 
 def leaf_inputs(value: Activation) -> Activation:
-    """Received activations as leaves, floating ones collecting their gradient."""
+    """Received activations as leaves, floating and complex ones collecting their gradient."""
     def leaf(v):
-        if torch.is_tensor(v) and v.is_floating_point():
+        if torch.is_tensor(v) and (v.is_floating_point() or v.is_complex()):
             return v.detach().requires_grad_(True)
         return v
     return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)

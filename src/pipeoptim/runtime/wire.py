@@ -23,6 +23,19 @@ _DTYPES: List[torch.dtype] = [
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+#: the dtypes NCCL carries (torch sends a bool as NCCL's uint8); a tensor of any other crosses as
+#: its bytes (:func:`on_the_wire`), so that a link sends only what NCCL can, in either backend
+NCCL_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                         torch.int8, torch.uint8, torch.bool})
+
+
+def on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What a link sends or receives into for ``tensor`` (contiguous): itself, or, for a dtype
+    NCCL lacks (complex64 and complex128: a traced model's complex rotary table; int16), a
+    uint8 view of its bytes, which the receiver reads into a buffer of the agreed dtype."""
+    if tensor.dtype in NCCL_DTYPES:
+        return tensor
+    return tensor.reshape(-1).view(torch.uint8)
 
 Signature = Tuple[Tuple[int, ...], ...]
 #: Agreed layout of one kind of message: is it a tuple, and per entry (dtype, shape) or None.
