@@ -340,6 +340,22 @@ def test_steps_on_cuda_never_wait_for_the_device():
     assert len(losses) == 10 and losses == pipe.losses
 
 
+def test_a_copy_to_the_host_is_made_at_once_and_one_to_a_device_is_queued(monkeypatch):
+    """Issue 62: evaluation's outputs come to the CPU through to_device and are read right after;
+    a non-blocking copy to the host could be read before its values arrive. A copy to a device
+    may be queued (the device's next work waits for it). Checked on the copies to_device asks
+    for, since this machine has no GPU (a meta tensor stands for one on another device)."""
+    from pipeoptim.runtime.values import to_device
+
+    asked = {}
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False:
+                        asked.setdefault(torch.device(device).type, non_blocking) and None)
+    value = torch.empty(2, device="meta")
+    to_device((value, {"x": value}), torch.device("cpu"))
+    to_device(value, torch.device("cuda", 0))
+    assert asked == {"cpu": False, "cuda": True}
+
+
 # -- state by name -------------------------------------------------------------------------------
 
 def test_a_state_taken_with_one_partition_resumes_with_another():

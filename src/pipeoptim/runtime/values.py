@@ -12,9 +12,11 @@ Activation = Any  # a tensor, a tuple of tensors, or a dict of keyword tensors
 
 def to_device(value: Activation, device: torch.device) -> Activation:
     """``value`` (a tensor, a tuple of them, or anything else) with its tensors on ``device``;
-    tensors already there are returned as they are (no copy)."""
+    tensors already there are returned as they are (no copy). A copy to an accelerator is queued
+    (the device's work after it waits for it); a copy to the host is made at once, since the host
+    reads it next (a queued one could be read before the values arrive)."""
     if torch.is_tensor(value):
-        return value if value.device == device else value.to(device, non_blocking=True)
+        return value if value.device == device else value.to(device, non_blocking=device.type != "cpu")
     if isinstance(value, tuple):
         return tuple(to_device(v, device) for v in value)
     if isinstance(value, dict):  # a first stage's keyword inputs
