@@ -257,8 +257,9 @@ class TracedModel:
         returned; a stage that needs a size reads it off a tensor it holds, and a late input is
         the last stage's second argument, and reaches an earlier stage that reads it too (an
         encoder-decoder shifts its labels into the decoder's input) from the first stage's
-        inputs, across the cuts between, as any input does. ``late=False``: a late input is one of the first stage's like any other, and crosses the
-        cuts to the stages that read it (the unit chain of the partitioners and the profile)."""
+        inputs, across the cuts between, as any input does. ``late=False``: a late input is one
+        of the first stage's like any other, and crosses the cuts to the stages that read it (the
+        unit chain of the partitioners and the profile)."""
         if sum(sizes) != self.units or any(s < 1 for s in sizes):
             raise ValueError(f"a partition of this model needs stages of at least one unit covering "
                              f"{self.units} units, got {list(sizes)}")

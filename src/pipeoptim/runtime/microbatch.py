@@ -41,15 +41,23 @@ def split_batch(inputs: Any, target: torch.Tensor, parts: int,
     None: its samples) makes the accumulated gradient of a loss that is a mean over its items
     equal to the mini-batch's, whatever the split (:func:`shares`).
     """
+    _check_parts(inputs, parts)
+    if parts == 1:
+        return [(inputs, target, 1.0)]
+    pieces, targets = _cut(inputs, target, parts)
+    return list(zip(pieces, targets, shares(item_counts(targets, count))))
+
+
+def _check_parts(inputs: Any, parts: int) -> None:
     size = batch_size(inputs)
     if parts > size:
         raise ValueError(f"cannot split a mini-batch of {size} samples into {parts} micro-batches "
                          f"(use --micro-batches {size} or fewer, or a larger --batch-size)")
-    if parts == 1:
-        return [(inputs, target, 1.0)]
-    pieces = _pieces(inputs, parts)
-    targets = torch.tensor_split(target, parts)
-    return [(piece, tgt, share) for piece, tgt, share in zip(pieces, targets, shares(item_counts(targets, count)))]
+
+
+def _cut(inputs: Any, target: Any, parts: int) -> Tuple[List[Any], List[Any]]:
+    """The micro-batches' inputs and targets, ``parts`` of each along dimension 0."""
+    return _pieces(inputs, parts), list(torch.tensor_split(target, parts))
 
 
 def item_counts(targets: Sequence[Any], count: Optional[Callable[[Any], int]] = None) -> List[int]:
@@ -65,7 +73,7 @@ def shares(counts: Sequence[int], total: Optional[int] = None, replicas: int = 1
     total = sum(counts) if total is None else total
     if total == 0:
         return [0.0] * len(counts)
-    return [c * replicas / total if replicas != 1 else c / total for c in counts]
+    return [c * replicas / total for c in counts]  # (c * 1 is c: one replica's shares are c / total)
 
 
 class Weighing:
@@ -82,12 +90,13 @@ class Weighing:
         """The mini-batch as ``parts`` micro-batches ``(inputs, target, share)``; with replicas
         (whose gradients are averaged and whose mini-batches may hold different numbers of items)
         the shares are over the items of all of them (``world.replica_total``)."""
-        micro = split_batch(inputs, target, parts, self.count)
         if world.replicas == 1:
-            return micro
-        counts = item_counts([t for _, t, _ in micro], self.count)
+            return split_batch(inputs, target, parts, self.count)
+        _check_parts(inputs, parts)
+        pieces, targets = _cut(inputs, target, parts)
+        counts = item_counts(targets, self.count)  # counted once: the share needs every replica's total
         total = world.replica_total(sum(counts), "counting the items of the replicas' mini-batches")
-        return [(x, t, share) for (x, t, _), share in zip(micro, shares(counts, total, world.replicas))]
+        return list(zip(pieces, targets, shares(counts, total, world.replicas)))
 
     def evaluation(self, metric: Optional[Callable]) -> Callable[[Any, Any], int]:
         """What an evaluation's mini-batch weighs in its mean: the loss's real items as training
