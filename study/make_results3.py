@@ -40,7 +40,7 @@ from study.make_results2_findings import diagnosis
 from study.make_results3_arith import (SCALE, SYNC, Arm, Setting, _Rows, arm_of, chosen_lr,  # noqa: F401
                                             mean_curve, read_rows, recommendation, settings_of,
                                             word_at_equal_time, word_to_target)
-from pipeoptim.lab.tasks.advice import close_call, metric_name
+from pipeoptim.lab.tasks.advice import metric_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,55 +125,16 @@ def verdict_lines(settings: Sequence[Setting]) -> List[str]:
     out = []
     for variant, t in method_tally(settings).items():
         e, g = t["equal_time"], t["target"]
+        untested = f", {e['untested']} untested (one seed)" if e.get("untested") else ""
         out.append(f"  - {variant}: {method_verdict(e)} at equal time ({e.get('better', 0)} better, "
-                   f"{e.get('ties', 0)} ties, {e.get('worse', 0)} worse of {sum(e.values())} settings); to the "
-                   f"target: {g.get('sooner', 0)} sooner, {g.get('ties', 0)} ties, {g.get('later', 0)} later, "
-                   f"{g.get('never', 0)} never")
+                   f"{e.get('ties', 0)} ties, {e.get('worse', 0)} worse{untested} of {sum(e.values())} settings); "
+                   f"to the target: {g.get('sooner', 0)} sooner, {g.get('ties', 0)} ties, {g.get('later', 0)} later, "
+                   f"{g.get('never', 0)} never" + (f", {g['untested']} untested" if g.get("untested") else ""))
     return out or ["  - no setting has the synchronous pipeline's runs and a method's yet"]
 
 
 def _seeds(arm: Any) -> str:
     return f"{len(arm.rows)} seed{'s' if len(arm.rows) != 1 else ''}"
-
-
-def recommendation_lines(settings: Sequence[Setting]) -> List[str]:
-    out = []
-    for task, stages in dict.fromkeys((st.task, st.stages) for st in settings):
-        rec = recommendation(settings, task, stages)
-        if rec is None:
-            continue
-        st, variant = rec["setting"], rec["variant"]
-        final = st.final(variant)
-        name = (f"the synchronous pipeline ({st.budget['fastest']['schedule']}, M = "
-                f"{st.budget['fastest']['microbatches']})" if variant == SYNC else f"`{variant}`")
-        text = f"  - {task}, N = {stages}: {name} with {st.optimizer}, final test {metric_name(st.metric)} " \
-               f"{fmt(final, st.scale, st.digits)} ({_seeds(st.arms[variant])})"
-        # an asynchronous winner is weighed against the best synchronous pipeline (the choice the
-        # advice is about, as the package's advice weighs it); a synchronous one against the next best
-        against = rec["synchronous"] if variant != SYNC and rec["synchronous"] is not None else rec["runner_up"]
-        if against is not None:
-            rst, rv = against
-            margin = (final[0] - rst.final(rv)[0]) * st.scale
-            single = min(len(st.arms[variant].rows), len(rst.arms[rv].rows)) < 2
-            sd = max(final[1], rst.final(rv)[1]) * st.scale
-            ahead = bool(margin) and (margin > 0) == st.higher
-            # a winner only just beyond the spread, said as the package's advice says it
-            close, digits = close_call(margin, sd, st.digits) if ahead and not single else (False, st.digits)
-            spread = "one seed, no spread yet" if single else f"seed spread {sd:.{digits}f}"
-            text += (f"; next: {'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer} "
-                     f"{fmt(rst.final(rv), st.scale, st.digits)} ({_seeds(rst.arms[rv])}; margin {margin:+.{digits}f}, "
-                     f"{spread})")
-            if margin and not ahead:  # a better mean, not beyond the spread
-                text += f": {rv} is better on the mean, not beyond the seed spread"
-            elif ahead and not single and abs(margin) <= sd:  # ahead on the mean only
-                text += ": within the seed spread (a tie on these seeds)"
-            elif close:
-                text += ": only just beyond the seed spread (another seed could make it a tie)"
-                fewer = len(st.arms[variant].rows) < len(rst.arms[rv].rows)
-                text += (f"; it rests on {len(st.arms[variant].rows)} seeds against "
-                         f"{len(rst.arms[rv].rows)}: another seed of it is pending" if fewer else "")
-        out.append(text)
-    return out or ["  - none yet"]
 
 
 def carried_lines(settings: Sequence[Setting]) -> List[str]:
@@ -209,7 +170,8 @@ def demoted(markdown: str) -> List[str]:
 
 def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md",
              equal_updates: Optional[Path] = None, delay_fixes: Optional[Path] = None,
-             translation: Optional[Path] = None, feedback: Optional[Path] = None) -> str:
+             translation: Optional[Path] = None, feedback: Optional[Path] = None,
+             confirm: Optional[Path] = None) -> str:
     """Write ``out/name`` (and ``out/results3/*.png`` with ``plots``); return the markdown. With
     ``equal_updates`` (the second study's folder) the second study's report follows, its headings
     one level down (and its figures in ``out/results2/``). With ``delay_fixes`` (issue 38's arm's
@@ -250,6 +212,10 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
              "seconds per mini-batch. Mean ± standard deviation over the seeds; the target is 99 % (101 % for "
              "perplexity) of sequential's mean final validation metric.", "",
              ]
+    if confirm is not None:  # the answer first (issue 61), then the arms it was chosen from
+        from study.make_results7 import confirmations, section_lines as confirmed_lines
+
+        lines += confirmed_lines(confirmations(confirm))
     lines += arm_lines(settings, delay_fixes) if delay_fixes is not None else []
     lines += section_lines(settings, translation)
     lines += make_results6.section_lines(rows, feedback_runs, feedback, times) if feedback is not None else []
@@ -257,9 +223,11 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     lines += budget_table(settings) + [""]
     lines += cut_lines(study, times)
     lines += same_as_lines(rows)
-    lines += ["## The answer", "", "**Recommendation** (best final test metric at equal time, per task and N):", ""]
-    lines += recommendation_lines(settings) + [""]
-    lines += ["**Verdict per method** (against the synchronous pipeline, over the settings):", ""]
+    lines += ["## Every arm, on the seeds that chose it", "", "What follows is the exploration the answer's arms were "
+              "chosen from: every arm on the seeds its choice read (each variant's lr chosen on their validation "
+              "metric), so their test numbers are not the answer. Each word against the synchronous pipeline is "
+              "Welch's two-sided t-test at 0.05 on these seeds, uncorrected for the many arms (an arm on one seed "
+              "is untested).", "", "**Verdict per method** (against the synchronous pipeline, over the settings):", ""]
     lines += verdict_lines(settings) + [""]
     lines += ["**Learning rates carried over from the second study unchecked** (the longer schedule could "
               "move them; the others were re-tuned on the validation split, as each table's lr column says):", ""]
@@ -296,6 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--feedback", type=Path, default=RESULTS / "study3-feedback",
                         help="issue 51's arms' folder, whose rows join the study's (the image advice's third seed "
                              "among them) and whose section follows issue 41's")
+    parser.add_argument("--confirm", type=Path, default=RESULTS / "study3-confirm",
+                        help="issue 61's confirmation folder, whose section (the answer) opens the report")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the markdown goes")
     parser.add_argument("--name", default="results.md", help="the markdown's file name")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
@@ -306,14 +276,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--readme", action="store_true",
                         help="rewrite README.md's advice block and demo line from the package's ADVICE "
                              "(write --package first) and its options table from pipeoptim.options, and "
+                             "docs/measurements.md's findings and demo line from the confirmation, and "
                              "write nothing else")
     args = parser.parse_args(argv)
     if args.readme:
         from study.make_results3_advice import readme_with_advice, readme_with_options
+        from study.make_results7 import MEASUREMENTS, measurements_with_findings
 
         readme = ROOT / "README.md"
         readme.write_text(readme_with_options(readme_with_advice(readme.read_text())))
-        print(f"written: {readme} (advice block, demo line and options table)")
+        measurements = ROOT / MEASUREMENTS
+        measurements.write_text(measurements_with_findings(measurements.read_text()))
+        print(f"written: {readme} (advice block, demo line and options table), {measurements} (findings, demo line)")
         return 0
     if args.package:
         from study.package_table import write
@@ -322,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     text = generate(args.study, args.out, plots=not args.no_plots, name=args.name,
                     equal_updates=None if args.alone else args.equal_updates, delay_fixes=args.delay_fixes,
-                    translation=args.translation, feedback=args.feedback)
+                    translation=args.translation, feedback=args.feedback, confirm=args.confirm)
     print(f"written: {args.out / args.name} ({len(text.splitlines())} lines)")
     return 0
 

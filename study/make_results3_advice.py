@@ -1,11 +1,9 @@
-"""What the equal-time study says so far, and the recommendation it hands the package: the plan
-against the rows (how many runs are in, which (task, N) have all of theirs, which variants are
-another's line), and the recommendation per finished (task, N) as
-``pipeoptim.lab.tasks.advice.ADVICE`` holds it (the package's table, study/package_table.py, is
-written with ``python -m study.make_results3 --package``; study/tests/test_make_results3.py holds
-it to the committed rows); and the README's advice block and demo line written from that table
-(``--readme``; tests/test_advice.py holds the README to it), with the README's options table
-written from ``pipeoptim.options.OPTIONS`` (tests/test_docs.py holds the README to it)."""
+"""What the equal-time study says so far: the plan against the rows (how many runs are in, which
+(task, N) have all of theirs, which variants are another's line); the README's advice block and
+demo line written from the package's table (``--readme``; tests/test_advice.py holds the README to
+it; the table's advice is the confirmation's, study/make_results7.py, which writes
+docs/measurements.md's findings too), with the README's options table written from
+``pipeoptim.options.OPTIONS`` (tests/test_docs.py holds the README to it)."""
 from __future__ import annotations
 
 import json
@@ -74,42 +72,6 @@ def status_line(study: Path, rows: Sequence[Dict[str, Any]], times: Dict[str, An
             "their runs are missing below, and every number may still move.")
 
 
-def advice_entries(settings: Sequence[Setting], complete: Sequence[Tuple[str, int]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
-    """(task, N) -> the recommendation as ``pipeoptim.lab.tasks.advice.Advice``'s fields, for the
-    (task, N) in ``complete`` (every planned run in) that have one."""
-    out: Dict[Tuple[str, int], Dict[str, Any]] = {}
-    for task, stages in complete:
-        rec = recommendation(settings, task, stages)
-        if rec is None or rec["runner_up"] is None:
-            continue
-        st, variant = rec["setting"], rec["variant"]
-        mean, sd = st.final(variant)
-        if variant == SYNC:
-            schedule, micro = st.budget["fastest"]["schedule"], st.budget["fastest"]["microbatches"]
-            method, options = ("interleaved", {"chunks": 2}) if schedule == "interleaved-1f1b" else (schedule, {})
-        else:
-            method, options, _ = variant_spec(variant, stages)
-            micro = variant_microbatches(variant, stages)
-        beta1 = st.arms[variant].rows[0].get("beta1")
-        options = {**options, **({"beta1": beta1} if beta1 is not None else {})}
-        # weighed against the other side of the choice the advice is about: a synchronous winner
-        # against the best asynchronous setting, an asynchronous one against the best synchronous
-        # pipeline, even where a setting of its own side comes closer
-        other = rec["asynchronous"] if variant == SYNC else rec["synchronous"]
-        rst, rv = other or rec["runner_up"]
-        runner, runner_sd = rst.final(rv)
-        out[(task, stages)] = {
-            "task": task, "stages": stages, "method": method, "synchronous": variant == SYNC,
-            "microbatches": int(micro), "options": tuple((k, f"{v:g}" if isinstance(v, float) else str(v))
-                                                         for k, v in sorted(options.items())),
-            "optimizer": st.optimizer, "lr": st.arms[variant].lr, "metric": st.metric, "value": round(mean, 6),
-            "spread": round(sd, 6), "seeds": len(st.arms[variant].rows),
-            "runner_up": f"{'the synchronous pipeline' if rv == SYNC else rv} with {rst.optimizer}",
-            "runner_up_value": round(runner, 6), "runner_up_spread": round(runner_sd, 6),
-            "margin": round(mean - runner, 6)}
-    return out
-
-
 def same_as_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
     """One paragraph per variant that computes another's updates (study3_suite.SAME_AS): why it
     has no line of its own, and how the runs made of both compare (same settings, same seed)."""
@@ -151,10 +113,10 @@ def complete_cells(study: Path, times: Dict[str, Any]) -> List[Tuple[str, int]]:
 #: the README's advice block: its markers, what it says of the tasks still running, and its width
 README_START = "<!-- advice: pipeoptim.lab.tasks.advice.ADVICE, one line per entry (tests/test_advice.py) -->\n"
 README_END = "<!-- /advice -->"
-NOT_FINISHED = ("The study is still running for these (`study/study3.py --plan` says how far); until it "
-                "has finished, use a synchronous pipeline: at equal updates every asynchronous method ended "
-                "behind it (the second study, below in the same file).")
-STUDIED_TASKS = ("image", "sentiment", "lm")
+NOT_FINISHED = ("Their confirmation on fresh seeds is still running (`python -m study.study3 --suite confirm "
+                "--plan` says how far); until it has finished, use a synchronous pipeline: at equal updates "
+                "every asynchronous method ended behind it (the second study, docs/results.md).")
+STUDIED_TASKS = ("image", "sentiment", "lm", "translation")
 WIDTH = 100
 
 

@@ -157,28 +157,57 @@ def settings_of(rows: Sequence[Dict[str, Any]], times: Dict[str, Any]) -> List[S
     return out
 
 
+def welch_word(mine: Sequence[float], theirs: Sequence[float], higher: bool) -> Tuple[str, float]:
+    """("wins", "ties", "loses" or "untested"; the two-sided p or nan) of ``mine`` against
+    ``theirs``: Welch's t-test at 0.05, two-sided, uncorrected (an exploratory word; the answer is
+    the confirmation's, study/make_results7.py). Fewer than 2 values a side: untested. A side with a
+    diverged seed (an infinite value): a loss against one without, else a tie."""
+    from study.stats import ALPHA, welch
+
+    bad = [any(math.isinf(v) or math.isnan(v) for v in side) for side in (mine, theirs)]
+    if any(bad):
+        return ("loses" if bad[0] and not bad[1] else "wins" if bad[1] and not bad[0] else "ties"), math.nan
+    if len(mine) < 2 or len(theirs) < 2:
+        return "untested", math.nan
+    c = welch(mine, theirs, higher)
+    p = min(1.0, 2 * min(c.p, 1 - c.p))
+    return ("ties" if p >= ALPHA else "wins" if c.effect > 0 else "loses"), p
+
+
+def arm_word(st: Setting, variant: str, ref: Setting, ref_variant: str = SYNC) -> Tuple[str, float, float]:
+    """("wins", "ties", "loses" or "untested"; mean difference; two-sided p) of ``st``'s
+    ``variant`` against ``ref``'s ``ref_variant`` on the final test metric (:func:`welch_word`)."""
+    mine = [final_score(r, st.higher) for r in st.arms[variant].rows]
+    theirs = [final_score(r, ref.higher) for r in ref.arms[ref_variant].rows]
+    word, p = welch_word(mine, theirs, st.higher)
+    return word, st.final(variant)[0] - ref.final(ref_variant)[0], p
+
+
 def word_at_equal_time(st: Setting, variant: str) -> Tuple[str, float, float]:
-    """better, ties or worse than the synchronous pipeline at equal time (final test metric)."""
-    word, diff, spread = verdict(st.final(variant), st.final(SYNC), st.higher)
-    return {"wins": "better", "ties": "ties", "loses": "worse"}[word], diff, spread
+    """better, ties or worse than the synchronous pipeline at equal time (final test metric, on the
+    seeds that chose the arm: :func:`welch_word`), the difference of the means and the p."""
+    word, diff, p = arm_word(st, variant, st)
+    return {"wins": "better", "ties": "ties", "loses": "worse", "untested": "untested"}[word], diff, p
 
 
 def word_to_target(st: Setting, variant: str) -> Tuple[str, Optional[float]]:
-    """sooner, ties, later or never against the synchronous pipeline's time to target, and the
-    ratio synchronous time / the method's."""
+    """sooner, ties, later or never against the synchronous pipeline's time to target (per seed,
+    :func:`welch_word`), and the ratio synchronous time / the method's."""
     mine, sync = st.time_to_target(variant), st.time_to_target(SYNC)
     if mine is None:
         return ("never" if st.times_to_target(variant) else "-"), None
     if sync is None:
         return "-", None
-    word = {"wins": "sooner", "ties": "ties", "loses": "later"}[verdict(mine, sync, higher=False)[0]]
-    return word, sync[0] / mine[0]
+    word, _ = welch_word([t for t in st.times_to_target(variant) if t is not None],
+                         [t for t in st.times_to_target(SYNC) if t is not None], higher=False)
+    return {"wins": "sooner", "ties": "ties", "loses": "later", "untested": "untested"}[word], sync[0] / mine[0]
 
 
 def recommendation(settings: Sequence[Setting], task: str, stages: int) -> Optional[Dict[str, Any]]:
-    """The method to use on ``task`` at N = ``stages``: the best mean final metric at equal time
-    over the task's optimizers; an asynchronous one only where it beats the best synchronous
-    pipeline beyond the seed spread. Beside it: the runner-up (the next best of all), the best
+    """The OLD rule, kept to report what it said (study/make_results7.py's "before" column): the
+    best mean final *test* metric at equal time over the task's arms; an asynchronous one where it
+    beats the best synchronous pipeline beyond the larger seed spread. It reads test to choose, so
+    no advice comes from it (the confirmation's does). Beside it: the runner-up, the best
     synchronous candidate and the best asynchronous one (None where there is none)."""
     here = [st for st in settings if (st.task, st.stages) == (task, stages)]
     candidates = [(st, v) for st in here for v, arm in st.arms.items() if arm.rows]

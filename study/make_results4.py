@@ -6,8 +6,8 @@ arm's folder, ``study/results/study3-delay_fixes``, merged in: its third seeds j
 arms they belong to, its new variants and its new optimizer become arms and settings of their
 own) and opens it with :func:`arm_lines`. Per new arm: the final test metric at equal time
 (mean ± standard deviation over the seeds) against the synchronous pipeline with the same
-optimizer and against the best synchronous setting of the task and N, by the study's verdict
-rule (beyond the larger standard deviation, else a tie), and, for error feedback, what it did to
+optimizer and against the best synchronous setting of the task and N, by Welch's two-sided test
+at 0.05 on the seeds (make_results3_arith.arm_word; one seed: untested), and, for error feedback, what it did to
 the variant it was added to: the share of that variant's gap to the synchronous pipeline that
 it closed.
 """
@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from study.common import fmt, verdict
-from study.make_results3_arith import SYNC, Setting, read_rows
+from study.common import fmt
+from study.make_results3_arith import SYNC, Setting, arm_word, read_rows
 from study.study3_suite import SUITES
 from study.study4_plan import BASE_VARIANT, alias_times, plan_runs, total_minutes
 
@@ -57,8 +57,9 @@ def best_sync(settings: Sequence[Setting], task: str, stages: int) -> Optional[S
 
 
 def _against(st: Setting, variant: str, ref: Setting) -> str:
-    word, diff, _ = verdict(st.final(variant), ref.final(SYNC), st.higher)
-    word = {"wins": "better", "ties": "ties", "loses": "worse"}[word]
+    """The word (Welch's two-sided test at 0.05 on the seeds: make_results3_arith.arm_word)."""
+    word, diff, _ = arm_word(st, variant, ref)
+    word = {"wins": "better", "ties": "ties", "loses": "worse", "untested": "untested"}[word]
     return f"{word} ({diff * st.scale:+.{st.digits}f})"
 
 
@@ -106,15 +107,15 @@ def close_call_lines(settings: Sequence[Setting], suite: Dict[str, Any]) -> List
         for variant in rivals:
             if variant not in st.arms or not st.arms[variant].rows:
                 continue
-            word, diff, spread = verdict(st.final(variant), st.final(SYNC), st.higher)
+            word, diff, p = arm_word(st, variant, st)
             ref = best_sync(settings, st.task, 8)
             best = (f"; the task's best synchronous setting is {ref.optimizer}'s, "
                     f"{fmt(ref.final(SYNC), ref.scale, ref.digits)}") if ref is not None and ref is not st else ""
-            said = {"wins": "better", "ties": "a tie", "loses": "worse"}[word]
+            said = {"wins": "better", "ties": "a tie", "loses": "worse", "untested": "untested"}[word]
             out.append(f"  - {st.name()}: {variant} {fmt(st.final(variant), st.scale, st.digits)} "
                        f"({len(st.arms[variant].rows)} seeds) against the synchronous pipeline "
                        f"{fmt(st.final(SYNC), st.scale, st.digits)} ({len(st.arms[SYNC].rows)} seeds): "
-                       f"{said} ({diff * st.scale:+.{st.digits}f}, spread {spread * st.scale:.{st.digits}f}){best}")
+                       f"{said} ({diff * st.scale:+.{st.digits}f}, Welch p {p:.2f}){best}")
     return out or ["  - none in yet"]
 
 
@@ -215,21 +216,6 @@ def package_sources(study: Path, arm: Optional[Path], translation: Optional[Path
                 else (rows, filled)
             sources.append((settings_of(*make_results6.with_feedback(*both, feedback, arms)), touched))
     return sources
-
-
-def package_advice(study: Path, arm: Optional[Path], translation: Optional[Path] = None,
-                   feedback: Optional[Path] = None) -> Dict[Tuple[str, int], Dict[str, Any]]:
-    """The package's ADVICE entries, per (task, N), from :func:`package_sources` (where the arm's
-    runs of a task are not all in, the study's alone: the advice it gave before the arm), in the
-    study's order, translation last."""
-    from study.make_results3_advice import advice_entries
-
-    sources = package_sources(study, arm, translation, feedback)
-    entries: Dict[Tuple[str, int], Dict[str, Any]] = {}
-    for settings, cells in sources:
-        entries.update(advice_entries(settings, cells))
-    order = dict.fromkeys(c for _, cells in sources for c in cells)
-    return {c: entries[c] for c in order if c in entries}
 
 
 def nadam_lines() -> List[str]:

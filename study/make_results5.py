@@ -20,8 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from study.common import verdict
-from study.make_results3_arith import SYNC, Setting, read_rows
+from study.make_results3_arith import SYNC, Setting, arm_word, read_rows
 from study.study3_suite import SUITES
 from study.study4_plan import alias_times
 from study.study5_plan import TASK, plan_runs, total_minutes
@@ -73,16 +72,15 @@ class Verdict(NamedTuple):
     optimizer: str
     line: str       #: PipeOptim's line, as PIPEOPTIM names it
     rival: str      #: the rival's report name, as RIVALS names it
-    word: str       #: "wins", "ties" or "loses"
+    word: str       #: "wins", "ties", "loses" or "untested"
     diff: float     #: the difference in BLEU
-    spread: float   #: the larger standard deviation over the seeds
-    single: bool    #: whether both rest on one seed
+    p: float        #: Welch's two-sided p (nan: untested)
+    single: bool    #: whether either rests on one seed (no test)
 
 
 def verdicts(settings: Sequence[Setting]) -> List[Verdict]:
-    """Per translation setting, PipeOptim's lines against each rival, by the study's rule (a
-    difference beyond the larger standard deviation over the seeds, else a tie) on the final
-    test BLEU at equal time."""
+    """Per translation setting, PipeOptim's lines against each rival, by Welch's two-sided test at
+    0.05 on the seeds (make_results3_arith.arm_word) on the final test BLEU at equal time."""
     out = []
     for st in [s for s in settings if s.task == TASK]:
         for variant, name in PIPEOPTIM:
@@ -91,9 +89,9 @@ def verdicts(settings: Sequence[Setting]) -> List[Verdict]:
             for rival_name, rival in RIVALS:
                 if not (st.arms.get(rival) and st.arms[rival].rows):
                     continue
-                word, diff, spread = verdict(st.final(variant), st.final(rival), st.higher)
-                single = max(len(st.arms[variant].rows), len(st.arms[rival].rows)) < 2
-                out.append(Verdict(st.optimizer, name, rival_name, word, diff, spread, single))
+                word, diff, p = arm_word(st, variant, st, rival)
+                single = min(len(st.arms[variant].rows), len(st.arms[rival].rows)) < 2
+                out.append(Verdict(st.optimizer, name, rival_name, word, diff, p, single))
     return out
 
 
@@ -101,8 +99,8 @@ def claim_lines(settings: Sequence[Setting]) -> List[str]:
     """Per translation setting and PipeOptim's line, its verdict against each rival."""
     out: Dict[Tuple[str, str], List[str]] = {}
     for v in verdicts(settings):
-        said = {"wins": "beats", "ties": "ties", "loses": "loses to"}[v.word]
-        judged = "one seed each: no spread to judge by" if v.single else f"spread {v.spread:.1f}"
+        said = {"wins": "beats", "ties": "ties", "loses": "loses to", "untested": "untested against"}[v.word]
+        judged = "one seed: no test" if v.single else f"Welch p {v.p:.2f}"
         out.setdefault((v.optimizer, v.line), []).append(f"{said} {v.rival} ({v.diff:+.1f} BLEU, {judged})")
     return [f"  - {optimizer}, {name}: " + "; ".join(cells) for (optimizer, name), cells in out.items()] \
         or ["  - not in yet"]
@@ -118,15 +116,23 @@ def claim_summary(settings: Sequence[Setting]) -> List[str]:
     def counted(rows: Sequence[Verdict]) -> str:
         words = [r.word for r in rows]
         counts = [(words.count(w), one, many) for w, one, many in
-                  (("wins", "win", "wins"), ("ties", "tie", "ties"), ("loses", "loss", "losses"))]
+                  (("wins", "win", "wins"), ("ties", "tie", "ties"), ("loses", "loss", "losses"),
+                   ("untested", "untested", "untested")) if w != "untested" or w in words]
         return ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts) + f" of {len(words)}"
 
+    def said(rows: Sequence[Verdict], holds) -> str:
+        """holds, does not hold, or cannot be told yet (only untested where it has not failed)."""
+        tested = [r for r in rows if r.word != "untested"]
+        if not all(holds(r) for r in tested):
+            return "does not hold"
+        return "holds" if len(tested) == len(rows) and rows else "cannot be told yet (one seed: untested)"
+
     sync = [r for r in found if r.rival == RIVALS[0][0]]
-    held = sync and all(r.word != "loses" for r in sync)
-    beats = all(r.word == "wins" for r in found)
-    return [f"  - \"PipeOptim trains as well as synchronous training\": {'holds' if held else 'does not hold'} "
+    held = said(sync, lambda r: r.word != "loses")
+    beats = said(found, lambda r: r.word == "wins")
+    return [f"  - \"PipeOptim trains as well as synchronous training\": {held} "
             f"on translation ({counted(sync)} against the synchronous pipeline).",
-            f"  - \"PipeOptim beats GPipe, PipeDream-2BW and SpecTrain\": {'holds' if beats else 'does not hold'} "
+            f"  - \"PipeOptim beats GPipe, PipeDream-2BW and SpecTrain\": {beats} "
             f"on translation ({counted(found)}).", ""]
 
 

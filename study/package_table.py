@@ -4,7 +4,7 @@ the ratios of updates to the target of those settings (``UPDATES_TO_TARGET`` of
 ``pipeoptim.lab.tasks.updates_to_target``).
 
 ``python -m study.make_results3 --package`` writes the file from the committed rows (the advice:
-make_results4.package_advice; the ratios: make_results3_targets.package_targets);
+make_results7.package_advice, the confirmation on fresh seeds; the ratios: make_results3_targets.package_targets);
 study/tests/test_make_results3.py holds the file to what those rows give, byte for byte. The
 entries are the dataclasses' fields in their order, a pair of (option, value) as a 2-item list."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def table(advice: Dict[Tuple[str, int], Dict[str, Any]],
     """The file's contents: ``advice`` (make_results3_advice.advice_entries's) and ``targets``
     (make_results3_targets.target_entries's) in their order."""
     return {
-        "format": FORMAT, "version": 1,
+        "format": FORMAT, "version": 2,
         "written_by": f"{COMMAND} (from the committed rows in study/results/; do not edit by hand)",
         "advice": [{**entry, "options": _listed(entry["options"])} for entry in advice.values()],
         "updates_to_target": [{**entry, "variants": [{**v, "options": _listed(v["options"])} for v in entry["variants"]]}
@@ -47,9 +47,9 @@ def package_text(study: Path, arm: Optional[Path], translation: Optional[Path] =
     """The file's text from the study's folders (issue 23's rows, issue 38's arm's, issue 41's
     translation cell's, issue 51's arms')."""
     from study.make_results3_targets import package_targets
-    from study.make_results4 import package_advice
+    from study.make_results7 import package_advice
 
-    return text(table(package_advice(study, arm, translation, feedback),
+    return text(table(package_advice(),
                       package_targets(study, arm, translation, feedback)))
 
 

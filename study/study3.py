@@ -46,7 +46,7 @@ from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from study.common import RESULTS, ROOT, append_line, parse_shard
-from study import study4_plan, study5_plan, study6_plan
+from study import study4_plan, study5_plan, study6_plan, study7_plan
 from study.study2_plan import LR_SCHEDULE, stop_point
 from study.study2_train import cached_data, curve, drop_checkpoints, has_checkpoint, quiet_options, train_until
 from study.study3_plan import Run, load_rows, plan_runs, print_plan, row_key, shard_runs
@@ -222,6 +222,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif suite.get("planner") == "feedback":  # issue 51's arms: over the earlier arms' rows
         times, rows2 = study6_plan.inputs(suite, times)
         planner = study6_plan.plan_runs
+    elif suite.get("planner") == "confirm":  # issue 61's confirmation: over every earlier arm's rows
+        times, rows2 = study7_plan.inputs(suite, times)
+        planner = study7_plan.plan_runs
     if args.plan:
         budget = suite.get("budget_minutes", args.budget_minutes)
         runs = planner(suite, load_rows(runs_file), times, rows2)

@@ -288,3 +288,29 @@ def study2_rows(suite: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The second study's rows (its lrs and measured step times) for ``suite``, keyed as
     study2_plan keys them; none for a suite without a second study."""
     return study2_load_rows(Path(suite["study2"]) / "runs.jsonl") if suite.get("study2") else {}
+
+
+# issue 61's confirmation (study/study7_plan.py plans it, over every earlier arm's rows): per
+# task at N = 8, the synchronous and the asynchronous arm chosen on validation, each on fresh
+# seeds; the synchronous lrs at a grid's edge bracketed first; within 400 core-minutes
+SUITES["confirm"] = {
+    "planner": "confirm",
+    "tasks": copy.deepcopy(SUITES["feedback"]["tasks"]),
+    # the earlier arms' folders (issue 23's, 38's, 41's, 51's), whose rows the choice reads
+    "prior": {"study": str(RESULTS / "study3"), "delay_fixes": str(RESULTS / "study3-delay_fixes"),
+              "translation": str(RESULTS / "study3-translation"), "feedback": str(RESULTS / "study3-feedback")},
+    "order": ["image", "sentiment", "lm", "translation"],
+    "stages": 8,
+    # seeds no choice ever read (the earlier arms ran 0-2); the last two only where the first
+    # three leave the question open (stats.is_open, on validation, fixed before any run)
+    "seeds": [100, 101, 102],
+    "open_seeds": [103, 104],
+    # CPU time an option adds to its base variant's update, taken out of its arm's budget: U_m =
+    # floor(B / (s_m x cost)); error feedback's measured (study/results/error_feedback_cost.json)
+    "costs": {"error_feedback": str(RESULTS / "error_feedback_cost.json")},
+    "budget_minutes": 400,
+    "optimizer_arms": {"cells": [], "stages": [8], "methods": [], "beta1": {"nadam": 0.99, "delay-nadamw": 0.99}},
+    "halving": {"share": 1 / 3, "keep": 2},
+    "diagnose_every": 25,
+    "study2": None,
+}

@@ -1,16 +1,51 @@
 """pipeoptim.lab.plan_targets: the planner's time to target (predicted seconds per mini-batch x
-the study's updates to the target) on made-up candidates against the package's real tables
-(UPDATES_TO_TARGET and ADVICE, themselves held to the committed rows in test_make_results3.py),
-the recommendation rule, and what the plan says where no study covers the case."""
+the study's updates to the target) on made-up candidates against the package's real table of
+updates to the target (UPDATES_TO_TARGET, itself held to the committed rows in test_make_results3.py)
+and made-up advice (the tests install the entries they need: the committed ADVICE fills only as
+the confirmation on fresh seeds finishes), the recommendation rule, and what the plan says where
+no study covers the case."""
 from __future__ import annotations
 
 import pytest
 
 from pipeoptim.lab.plan_targets import annotate, compare_command, notes
+from pipeoptim.lab.tasks import advice as advice_module
+from pipeoptim.lab.tasks.advice import Advice
 from pipeoptim.recommendation import recommend
 from pipeoptim.methods import get_method
 
 BATCHES = 10
+
+# Advice entries as the confirmation on fresh seeds writes them (made up; Welch's interval and the
+# one-sided p, Holm-corrected over the four tasks, from the means, spreads and seeds given)
+#: image at N = 8: asynchronous, pipeoptim-2bw with error feedback and AdamW, better by the test
+IMAGE_EF = Advice(task="image", stages=8, method="pipeoptim-2bw", synchronous=False, microbatches=8,
+                  options=(("error_feedback", "True"),), optimizer="adamw", lr=0.002, metric="accuracy",
+                  value=0.9166, spread=0.0021, seeds=3, runner_up="the synchronous pipeline with adamw",
+                  runner_up_value=0.9082, runner_up_spread=0.0018, runner_up_seeds=3, margin=0.0084, low=0.0039,
+                  high=0.0129, p_value=0.013, verdict="better")
+#: lm at N = 8: asynchronous, xpipe (M = 2) with Muon, a lower perplexity by the test
+LM_XPIPE = Advice(task="lm", stages=8, method="xpipe", synchronous=False, microbatches=2, options=(),
+                  optimizer="muon", lr=0.02, metric="perplexity", value=46.41, spread=0.13, seeds=3,
+                  runner_up="the synchronous pipeline with muon", runner_up_value=46.98, runner_up_spread=0.14,
+                  runner_up_seeds=3, margin=-0.57, low=-0.88, high=-0.26, p_value=0.010, verdict="better")
+#: sentiment at N = 8: synchronous (zb-h1, its fastest schedule) with AdamW; the asynchronous arm
+#: (xpipe) not better by the test
+SENTIMENT_SYNC = Advice(task="sentiment", stages=8, method="zb-h1", synchronous=True, microbatches=8, options=(),
+                        optimizer="adamw", lr=0.008, metric="accuracy", value=0.7524, spread=0.0124, seeds=5,
+                        runner_up="xpipe with adamw", runner_up_value=0.7596, runner_up_spread=0.0083,
+                        runner_up_seeds=5, margin=-0.0072, low=-0.0230, high=0.0086, p_value=0.32,
+                        verdict="no detectable difference")
+#: every made-up entry (tests/test_plan_feedback.py holds their variants to plan's default candidates too)
+ADVICE_ENTRIES = (IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)
+
+
+def use_advice(monkeypatch, *entries):
+    """Make ``entries`` the study's advice: :data:`~pipeoptim.lab.tasks.advice.ADVICE`, the module
+    global that ``advice`` (plan's and compare's) and ``advised_lr`` (the lr of a run) read."""
+    table = {(e.task, e.stages): e for e in entries}
+    monkeypatch.setattr(advice_module, "ADVICE", table)
+    return table
 
 
 def cand(method, m, samples_per_second, batch=64, memory=100):
@@ -27,7 +62,8 @@ def plan(cands, *, task="image", model="vgg", batch_size=64, optimizer="momentum
     return study, best, said
 
 
-def test_image_ranks_by_time_to_target_and_recommends_what_the_advice_does():
+def test_image_ranks_by_time_to_target_and_recommends_what_the_advice_does(monkeypatch):
+    use_advice(monkeypatch, IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)
     # zb-h1: 10 ms per mini-batch x 1900 updates (the synchronous pipeline's to the target, image
     # with momentum at N = 8) = 19 s; pipeoptim at M = 2 (XPipe's computation, 1.34211x the updates):
     # 4 ms x 1.34211 x 1900 = 10.2 s, sooner, yet the study's advice for image is another setting
@@ -50,8 +86,9 @@ def test_image_ranks_by_time_to_target_and_recommends_what_the_advice_does():
     assert (study["advised_method"], study["advised_variant"]) == ("pipeoptim-2bw", "pipeoptim-2bw+ef")
     assert said[0] == ("ratios of updates to the target: image, momentum, N = 8 of the equal-time study "
                        "(docs/results.md).")
+    assert said[1] == "the study's advice: " + IMAGE_EF.describe()
     assert said[1].startswith("the study's advice: image, N = 8: in the same time, pipeoptim-2bw, error_feedback "
-                              "True (M = 8) with adamw gives the best model")
+                              "True (M = 8) with adamw gives a better model than the synchronous pipeline with adamw")
     assert said[2] == "(that advice is for adamw; this plan is for momentum: --optimizer adamw plans it)"
     assert said[3] == ("pipeoptim (M = 2) is predicted to reach the target sooner (10.2 s against 19.0 s), but at "
                        "equal time the study's advice here is pipeoptim-2bw+ef with adamw, not it, so it is not "
@@ -59,18 +96,36 @@ def test_image_ranks_by_time_to_target_and_recommends_what_the_advice_does():
                        "compare --task image --model vgg --stages 8 --optimizer momentum --methods zb-h1,pipeoptim")
 
 
-def test_another_depth_takes_the_nearest_studied_one_and_m_equals_n_with_it():
+def test_a_task_without_confirmed_advice_says_so_and_recommends_the_synchronous_pipeline(monkeypatch):
+    """While the study's confirmation runs, a studied setting has ratios but no advice entry: the
+    plan says so (no "advice for None"), recommends the synchronous pipeline, and calls no
+    asynchronous candidate eligible however soon it reaches the target."""
+    use_advice(monkeypatch)
+    cands = [cand("zb-h1", 8, 6400), cand("pipeoptim", 2, 16000)]
+    study, best, said = plan(cands)
+    assert (study["advised_variant"], best["method"]) == (None, "zb-h1")
+    assert [c["eligible"] for c in cands] == [True, False]
+    assert "None" not in " ".join(said)
+    assert said[1].startswith("the study's advice: The equal-time study (docs/results.md) has no finished "
+                              "recommendation for image yet")
+    assert said[2].startswith("pipeoptim (M = 2) is predicted to reach the target sooner (10.2 s against 19.0 s), "
+                              "but at equal time the study has no confirmed advice here yet, so it is not recommended")
+
+
+def test_another_depth_takes_the_nearest_studied_one_and_m_equals_n_with_it(monkeypatch):
+    use_advice(monkeypatch, IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)
     cands = [cand("zb-h1", 4, 6400), cand("pipedream-2bw", 4, 8000), cand("pipedream-2bw", 8, 8000)]
     study, best, said = plan(cands, stages=4)
     assert study["line"].endswith("(no study at N = 4; the nearest studied depth)")
-    assert study["advice"].startswith("(no study at N = 4; the nearest studied depth) image, N = 8")
+    assert study["advice"] == "(no study at N = 4; the nearest studied depth) " + IMAGE_EF.describe()
     # the study ran 2BW at M = N: at N = 4 that is M = 4, not M = 8
     assert [c["updates_ratio"] for c in cands] == [1.0, 1.26316, None]
     assert best["method"] == "zb-h1"
 
 
-def test_where_the_advice_is_asynchronous_the_time_to_target_decides():
-    # LM with Muon at N = 8: xpipe gives the better model (ADVICE); it needs 1.5x the
+def test_where_the_advice_is_asynchronous_the_time_to_target_decides(monkeypatch):
+    use_advice(monkeypatch, IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)
+    # LM with Muon at N = 8: xpipe gives the better model (the advice); it needs 1.5x the
     # synchronous pipeline's 2000 updates. At 5 ms per mini-batch against 10 ms: 15 s against 20 s
     fast = [cand("zb-h1", 8, 1600, batch=16), cand("xpipe", 2, 3200, batch=16), cand("pipeoptim", 2, 3200, batch=16),
             cand("pipedream-2bw", 8, 2000, batch=16)]
@@ -154,10 +209,12 @@ def test_recommend_by_time_to_target_its_ties_and_its_fallback():
         recommend(rows, memory_limit=50)
 
 
-def test_the_synchronous_schedule_fastest_here_is_said_to_compute_the_studys_updates():
+def test_the_synchronous_schedule_fastest_here_is_said_to_compute_the_studys_updates(monkeypatch):
+    use_advice(monkeypatch, IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)  # sentiment: the synchronous pipeline, zb-h1
     cands = [cand("zb-h1", 8, 6400), cand("zb-v", 8, 8000)]
     study, best, said = plan(cands, task="sentiment", model="lstm-deep", optimizer="adamw", stages=4)
     assert best["method"] == "zb-v"
+    assert said[1] == "the study's advice: (no study at N = 4; the nearest studied depth) " + SENTIMENT_SYNC.describe()
     assert said[2] == ("zb-v (M = 8) computes the updates of the study's zb-h1 (every synchronous schedule computes "
                        "sequential's): it is the fastest synchronous one on this profile")
 

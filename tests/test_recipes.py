@@ -92,15 +92,17 @@ def test_the_readme_shows_the_recipes_as_they_are():
         assert row in readme, row
 
 
-def test_the_advised_setting_trains_at_the_advices_lr_and_nothing_else_does():
-    """image at N = 8: the advice is pipeoptim-2bw with error feedback and AdamW at its own lr, which
-    no second-study tuning holds (the recipe's lr before); pipeoptim-2bw without the feedback, at
-    another depth, or with another optimizer is not the advised setting and keeps the old source."""
+def test_the_advised_setting_trains_at_the_advices_lr_and_nothing_else_does(monkeypatch):
+    """Where the advice for image at N = 8 is pipeoptim-2bw with error feedback and AdamW at its own
+    lr (installed here: the committed advice fills as the confirmation finishes), which no
+    second-study tuning holds (the recipe's lr before): that setting trains at it; pipeoptim-2bw
+    without the feedback, at another depth, or with another optimizer is not the advised setting
+    and keeps the old source, and so does the advised setting where no advice is in yet."""
     from pipeoptim.cli import build_parser
     from pipeoptim.cli.common import run_config
-    from pipeoptim.lab.tasks.advice import ADVICE
+    from test_plan_targets import IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC, use_advice
 
-    advised = ADVICE[("image", 8)]
+    advised = use_advice(monkeypatch, IMAGE_EF, LM_XPIPE, SENTIMENT_SYNC)[("image", 8)]
     assert (advised.method, advised.optimizer, advised.options) == ("pipeoptim-2bw", "adamw",
                                                                     (("error_feedback", "True"),))
 
@@ -114,3 +116,7 @@ def test_the_advised_setting_trains_at_the_advices_lr_and_nothing_else_does():
     assert lr_of("--stages", "8") == default_lr("image", "adamw", "pipeoptim-2bw") != (0.002, source)
     assert lr_of("--stages", "4", "--error-feedback") == default_lr("image", "adamw", "pipeoptim-2bw")
     assert lr_of("--stages", "8", "--error-feedback", "--lr", "0.01") == (0.01, "--lr")
+    assert lr_of("--stages", "8", "--error-feedback", "--optimizer", "momentum") == default_lr(
+        "image", "momentum", "pipeoptim-2bw")
+    use_advice(monkeypatch)  # no advice in yet: the tuned lr or the recipe's, as before
+    assert lr_of("--stages", "8", "--error-feedback") == default_lr("image", "adamw", "pipeoptim-2bw")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from study import make_results3, make_results3_targets, make_results4, make_results6
+from study import make_results3, make_results3_targets, make_results6
 from study.common import RESULTS
 from study.study3_plan import Run
 
@@ -96,13 +96,9 @@ def _image_rows():
     return third, aware
 
 
-def test_the_third_seed_joins_the_report_and_the_package_the_aware_arm_waits(tmp_path):
+def test_the_third_seed_joins_the_report_the_aware_arm_waits(tmp_path):
     third, aware = _image_rows()
     folder = _feedback(tmp_path, third, aware)
-    advice = make_results4.package_advice(*FOLDERS, folder)[("image", 8)]
-    without = make_results4.package_advice(*FOLDERS, None)[("image", 8)]
-    assert (advice["method"], advice["options"], advice["seeds"]) == (
-        "pipeoptim-2bw", (("error_feedback", "True"),), without["seeds"] + 1)
     # the aware arm has seeds to come: none of its rows is in the package's ratios yet
     targets = make_results3_targets.package_targets(*FOLDERS, folder)[("image", "adamw", 8)]
     assert AWARE not in {v["variant"] for v in targets["variants"]}
@@ -135,8 +131,6 @@ def test_rows_of_the_arms_still_to_come_take_their_place_in_the_report(tmp_path)
     assert "| lm, adamw | 0.002 | 0 | 66.0 | 67.1 | -1.1 |" in text
     # the better lr, 0.04, is the grid's edge: a third lr beyond it before the seeds
     assert "  - translation, muon, pipeoptim-2bw+ef: seed 0 at lr 0.08 (tuning); seed 1 at lr to be chosen" in text
-    assert make_results4.package_advice(*FOLDERS, folder)[("translation", 8)] == \
-        make_results4.package_advice(*FOLDERS, None)[("translation", 8)]
 
 
 def test_each_change_is_a_row_of_its_tasks_gap_table_before_and_after():
@@ -152,8 +146,10 @@ def test_each_change_is_a_row_of_its_tasks_gap_table_before_and_after():
     assert table[0].startswith("**image, N = 8**")
     assert table[4:] == [
         "| error feedback on image (issue 38's arm merged, a third seed) | adamw | 90.50 ± 0.71 | pipeoptim-2bw | "
-        "90.50 ± 0.00 (2), +0.00 (a tie; spread 0.71) | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (better; spread "
-        "0.71) | the synchronous pipeline with adamw | `pipeoptim-2bw+ef` with adamw |",
-        "| the aware prediction | adamw | 90.50 ± 0.71 | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (better; spread "
-        "0.71) | pipeoptim-2bw+ef+aware | 92.00 ± 0.00 (1), +1.50 (better; spread 0.71) | `pipeoptim-2bw+ef` with "
+        "90.50 ± 0.00 (2), +0.00 (a tie; p 1.00) | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (a tie; p 0.13) | "
+        "the synchronous pipeline with adamw | `pipeoptim-2bw+ef` with adamw |",
+        # (2.50 ahead of a 0.71 spread on 2 seeds a side: Welch's p 0.13, a tie the old rule called better;
+        # one seed is untested)
+        "| the aware prediction | adamw | 90.50 ± 0.71 | pipeoptim-2bw+ef | 93.00 ± 0.00 (2), +2.50 (a tie; p 0.13) | "
+        "pipeoptim-2bw+ef+aware | 92.00 ± 0.00 (1), +1.50 (untested) | `pipeoptim-2bw+ef` with "
         "adamw | `pipeoptim-2bw+ef` with adamw |", ""]

@@ -148,7 +148,7 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
                    + ("time to target" if best.get("time_to_target_seconds") is not None else "throughput alone"))
     rivals = [c for c in fits if not c["synchronous"] and c is not best]
     out.append(f"the study's advice: {study['advice']}")
-    if study["advised_optimizer"] != optimizer:
+    if study["advised_optimizer"] is not None and study["advised_optimizer"] != optimizer:
         out.append(f"(that advice is for {study['advised_optimizer']}; this plan is for {optimizer}: "
                    f"--optimizer {study['advised_optimizer']} plans it)")
     if best["synchronous"] and study["advised_synchronous"] and candidate_name(best) != study["advised_variant"]:
@@ -166,8 +166,9 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
               and c["time_to_target_seconds"] < best.get("time_to_target_seconds", math.inf) and not c["eligible"]]
     if sooner and best["synchronous"]:
         first = min(sooner, key=lambda c: c["time_to_target_seconds"])
-        why = ("the study found no asynchronous model better than the synchronous pipeline's beyond the seed "
-               "spread here" if study["advised_synchronous"] else
+        why = ("the study's confirmation found no asynchronous model better than the synchronous pipeline's "
+               "here" if study["advised_synchronous"] else
+               "the study has no confirmed advice here yet" if study["advised_synchronous"] is None else
                f"the study's advice here is {study['advised_variant']} with {study['advised_optimizer']}, not it")
         out.append(f"{_m(first)} is predicted to reach the target sooner ({first['time_to_target_seconds']:.1f} s "
                    f"against {best['time_to_target_seconds']:.1f} s), but at equal time {why}, so it is "

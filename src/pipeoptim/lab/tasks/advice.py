@@ -1,15 +1,16 @@
-"""Which method to use, per task and pipeline depth: the equal-time study's recommendation
-(docs/results.md, "The answer").
+"""Which method to use, per task and pipeline depth: the equal-time study's recommendation,
+confirmed on fresh seeds (docs/results.md, "The answer, confirmed on fresh seeds").
 
 The study gives every method the wall-clock time the synchronous pipeline takes for
 ``sequential``'s updates, on N devices as the schedule simulator predicts it, and asks which gives
-the better model in that time (final test metric, the mean over its seeds: 3 for the
-synchronous pipeline in the second study's settings, 2 for an asynchronous method, 1 where its
-first seed ended so far behind that a second could not change the verdict). A method is recommended
-only where it beats the best synchronous pipeline beyond the seed spread; otherwise the
-synchronous pipeline is (the same model as non-pipelined training, for the same time).
+the better model in that time. Per task, the synchronous arm and the asynchronous arm (method,
+optimizer, lr) are chosen on the validation split, then run again on fresh seeds no choice read (3,
+or 5 where the first three left the question open); Welch's one-sided t-test of "the asynchronous
+arm gives the better test metric", corrected for the four tasks (Holm), decides. An asynchronous
+method is recommended only where that test says better; otherwise the synchronous pipeline is (the
+same model as non-pipelined training, for the same time).
 
-:data:`ADVICE` holds a (task, N) only once every run the study planned for it is in. It is read
+:data:`ADVICE` holds a (task, N) only once its confirmation runs are all in. It is read
 from the data file beside this module, ``equal_time_study.json`` (:data:`TABLE`), which
 ``python -m study.make_results3 --package`` writes from the committed rows; a test holds the file
 to them. ``pipeoptim compare`` (and so ``make demo``) ends with the entry for its
@@ -47,7 +48,7 @@ def metric_name(metric: str) -> str:
 
 @dataclass(frozen=True)
 class Advice:
-    """The study's recommendation for one task at one pipeline depth."""
+    """The study's recommendation for one task at one pipeline depth, with its confirmation."""
 
     task: str
     stages: int
@@ -58,18 +59,27 @@ class Advice:
     microbatches: int           #: micro-batches per mini-batch the recommended run used
     options: Tuple[Tuple[str, str], ...]  #: method options beyond the defaults, as (option, value)
     optimizer: str
-    lr: float                   #: the peak lr it ran at (tuned on validation for its length)
+    lr: float                   #: the peak lr it ran at (chosen on validation for its length)
     metric: str
-    value: float                #: mean final test metric at equal time (accuracy as a fraction)
-    spread: float               #: its standard deviation over the seeds
-    seeds: int
-    #: what the recommendation is weighed against, "<method or synchronous> with <optimizer>": for a
-    #: synchronous one the best asynchronous setting, for an asynchronous one the best synchronous
-    #: pipeline (the choice the advice is about)
+    value: float                #: mean final test metric at equal time over the fresh seeds (accuracy as a fraction)
+    spread: float               #: its standard deviation over the fresh seeds
+    seeds: int                  #: fresh seeds (none of them read by any choice)
+    #: the other arm, "<method or the synchronous pipeline> with <optimizer>": for a synchronous
+    #: recommendation the asynchronous arm chosen on validation, for an asynchronous one the
+    #: synchronous arm (the choice the advice is about)
     runner_up: str
     runner_up_value: float
-    runner_up_spread: float     #: the runner-up's standard deviation over its seeds
+    runner_up_spread: float     #: the other arm's standard deviation over its fresh seeds
+    runner_up_seeds: int
     margin: float               #: value - runner_up_value (in the metric's own unit)
+    low: float                  #: the 95 % interval of ``margin`` (Welch)
+    high: float
+    #: Welch's one-sided p of "the asynchronous arm gives the better test metric", corrected for
+    #: the study's tasks (Holm)
+    p_value: float
+    #: the asynchronous arm against the synchronous one: "better" (corrected p below 0.05),
+    #: "worse" (the whole interval on the worse side) or "no detectable difference"
+    verdict: str
 
     def variant(self) -> str:
         """The recommendation's name as the study and ``pipeoptim plan`` write it: the method, with
@@ -87,43 +97,35 @@ class Advice:
         return "pipeoptim train " + " ".join(flags)
 
     def describe(self) -> str:
-        """One paragraph: what to use, by how much it wins (or why, where the runner-up's mean is
-        better but within the seed spread), and the command."""
+        """One paragraph: what to use, its test metric over the fresh seeds, the other arm's, the
+        difference asynchronous - synchronous with its 95 % interval and the corrected p, and the
+        command."""
         scale, digits = (100.0, 2) if self.metric == "accuracy" else (1.0, 1)
-        higher = self.metric not in LOWER_IS_BETTER
+        lower = "" if self.metric not in LOWER_IS_BETTER else ", lower is better"
         what = (f"the synchronous pipeline ({self.method}, M = {self.microbatches})" if self.synchronous
                 else f"{self.method}" + "".join(f", {o} {v}" for o, v in self.options)
                 + f" (M = {self.microbatches})")
-        mine = f"test {metric_name(self.metric)} {self.value * scale:.{digits}f} ± {self.spread * scale:.{digits}f} over {self.seeds} seeds"
-        rival = f"{self.runner_up} {self.runner_up_value * scale:.{digits}f}"
-        spread = max(self.spread, self.runner_up_spread) * scale
-        if self.margin == 0 or (self.margin > 0) == higher:  # ahead on the mean
-            close, fine = close_call(self.margin * scale, spread, digits)
-            # ahead by no more than the spread: a tie on these seeds (said of a synchronous winner
-            # only, an asynchronous one must win beyond the spread); up to twice it: a close call
-            said = (": within it, a tie on these seeds" if abs(self.margin) * scale <= spread
-                    else ": only just beyond it, so another seed could make it a tie" if close else "")
-            text = (f"in the same time, {what} with {self.optimizer} gives the best model: {mine}; next {rival} "
-                    f"(margin {self.margin * scale:+.{fine}f}{'' if higher else ', lower is better'}, seed spread "
-                    f"{spread:.{fine}f}" + said + f"; {SOURCE})")
-        else:  # the runner-up's mean is better, not beyond the seed spread (only a synchronous winner)
-            text = (f"in the same time, use {what} with {self.optimizer}: {mine}. {rival} is "
-                    f"{abs(self.margin) * scale:.{digits}f} {'better' if higher else 'lower'} on the mean, within "
-                    f"the seed spread ({spread:.{digits}f}): no asynchronous method is better beyond it, and the "
-                    f"synchronous pipeline trains the model non-pipelined training does ({SOURCE})")
+        name = metric_name(self.metric)
+
+        def number(x: float) -> str:
+            return f"{x * scale:.{digits}f}"
+
+        mine = f"test {name} {number(self.value)} ± {number(self.spread)} over {self.seeds} fresh seeds"
+        rival = f"{number(self.runner_up_value)} ± {number(self.runner_up_spread)} over {self.runner_up_seeds}"
+        sign = 1.0 if not self.synchronous else -1.0  # the difference as asynchronous - synchronous
+        low, high = sorted((sign * self.low, sign * self.high))
+        test = (f"difference asynchronous - synchronous {sign * self.margin * scale:+.{digits}f}{lower}, 95 % "
+                f"interval [{low * scale:+.{digits}f}, {high * scale:+.{digits}f}]; one-sided Welch p = "
+                f"{self.p_value:.3f}, corrected for the study's tasks; {SOURCE}")
+        if not self.synchronous:
+            text = (f"in the same time, {what} with {self.optimizer} gives a better model than {self.runner_up}: "
+                    f"{mine}, against {rival} ({test})")
+        else:
+            said = {"worse": "worse", "better": "better"}.get(self.verdict, "not better by the test")
+            text = (f"in the same time, use {what} with {self.optimizer}: {mine}. The asynchronous arm chosen on "
+                    f"validation, {self.runner_up}, gave {rival}: {said} ({test}); the synchronous pipeline "
+                    f"trains the model non-pipelined training does")
         return f"{self.task}, N = {self.stages}: {text}. To train it: {self.command()}"
-
-
-def close_call(margin: float, spread: float, digits: int) -> Tuple[bool, int]:
-    """Whether a winner's lead ``margin`` over the runner-up is a close call against the seed
-    ``spread`` (within twice it), and the digits to write both with: ``digits``, or up to 3 more
-    where they would read alike (0.4 against 0.4 is 0.405 against 0.399). The report
-    (study/make_results3.py) and :meth:`Advice.describe` say a close call alike."""
-    close = abs(margin) < 2 * spread
-    fine = digits
-    while close and fine < digits + 3 and f"{abs(margin):.{fine}f}" == f"{spread:.{fine}f}":
-        fine += 1
-    return close, fine
 
 
 @lru_cache(maxsize=1)
