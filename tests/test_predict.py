@@ -390,3 +390,44 @@ def test_float32_adamw_direction_close():
     applied = (w0 - p.detach().double()) / 1e-3
     err = float((pred.direction(p).double() - applied).abs().max())
     assert math.isclose(err, 0.0, abs_tol=2e-3)  # omitting the 0.01*W decay term gives ~1e-2
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "adamax", "nadam", "radam", "adagrad-decay-wd", "delay-nadamw"])
+def test_the_step_counts_are_read_in_one_copy_not_one_per_parameter(name, monkeypatch):
+    """Issue 62: a capturable or fused optimizer keeps each parameter's ``step`` (and NAdam's
+    ``mu_product``) on the device, where a ``float()`` per parameter waits for the device once per
+    parameter. The prediction reads them all in one copy (``formulas._host``): with
+    ``Tensor.__float__`` and ``Tensor.item`` refused, it still gives the applied step."""
+    factory, n_steps = next(c[1:] for c in CASES if c[0] == name)
+    params = _params()
+    opt = factory([{"params": params, "lr": LRS[0]}])  # one group: one read for its two parameters
+    pred = Predictor(opt)
+
+    def refused(self, *args):
+        raise AssertionError("a per-parameter host read of a state scalar")
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(n_steps):
+        _set_grads(params, gen)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "__float__", refused)
+            patch.setattr(torch.Tensor, "item", refused)
+            deltas = [pred.direction(p) for p in params]
+        for p, w0, delta in zip(params, before, deltas):
+            torch.testing.assert_close(delta, (w0 - p.detach()) / LRS[0], rtol=1e-5, atol=1e-10)
+
+
+def test_step_counts_on_a_device_are_copied_to_the_host_once(monkeypatch):
+    """formulas._host's device branch (no GPU here: CPU tensors taken for device ones): one stack,
+    one copy, the same floats as float() per tensor, python numbers as they are."""
+    from pipeoptim.weights import formulas
+
+    states = [{"step": torch.tensor(3.0)}, {"step": torch.tensor(7.0)}, {"step": 5}, {"step": torch.tensor(2.0 ** 24)}]
+    stacks = []
+    real = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda tensors, *a, **k: stacks.append(len(tensors)) or real(tensors, *a, **k))
+    assert formulas._host(states, range(4), on_host=lambda t: False) == {0: 3.0, 1: 7.0, 2: 5.0, 3: 2.0 ** 24}
+    assert stacks == [3]
+    assert formulas._host(states, [0, 2]) == {0: 3.0, 2: 5.0} and stacks == [3]  # on the CPU: no copy

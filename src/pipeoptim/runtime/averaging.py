@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .wire import PipelineCommError, reason
+from .wire import PipelineCommError, reason, wait_for
 
 
 class GradientAverager:
@@ -98,7 +98,7 @@ class GradientAverager:
             self._launch(rest)
         try:
             for work, flat, group in self._in_flight:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                wait_for(work, datetime.timedelta(seconds=self.timeout), flat.device)
                 if self.mean:
                     flat.div_(self.replicas)
                 for p, g in zip(group, flat.split([q.numel() for q in group])):

@@ -20,6 +20,21 @@ from .transport import PipeComm
 from .wire import PipelineCommError, reason
 
 
+def local_gpu(local_rank: int, visible: int) -> torch.device:
+    """The GPU of the process with ``local_rank`` on its node that sees ``visible`` GPUs: its
+    own where it sees one (however the launcher numbered it), ``cuda:LOCAL_RANK`` where it sees
+    the node's; more processes on a node than GPUs is refused, naming the fix."""
+    if visible < 1:
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= visible:
+        raise ValueError(f"local rank {local_rank} has no GPU of its own ({visible} visible to every process of "
+                         f"this node): start at most one process per GPU on each node (torchrun "
+                         f"--nproc-per-node {visible}), or give each process one GPU (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", local_rank)
+
+
 class JobsOfThisProcess:
     """How many times a Pipeline of this process tore the job's process group down
     (``Torchrun.leave`` counts): a Pipeline made after that joins the job again under a
@@ -38,8 +53,13 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
                        world_size: Optional[int] = None, threads: Optional[int] = 1,
                        generation: int = 0) -> torch.device:
     """Join the job's default process group (gloo on CPU, NCCL on GPU) with a timeout; return
-    this process's device (``cuda:LOCAL_RANK`` on GPU). Without ``init_method`` the torchrun
-    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
+    this process's device. Without ``init_method`` the torchrun environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK) is read.
+
+    On GPU the device is :func:`local_gpu`'s: ``cuda:LOCAL_RANK`` where the process sees its
+    node's GPUs, ``cuda:0`` where it sees one (a scheduler that gives each process its own GPU,
+    ``CUDA_VISIBLE_DEVICES`` per task, whatever its LOCAL_RANK); NCCL is told the device
+    (``device_id``), so its communicators bind to it rather than to whichever device is current.
 
     ``threads``: intra-op threads of this process (default 1: N stages on N cores do not
     oversubscribe them); None leaves torch's setting. ``generation``: how many times this
@@ -55,11 +75,7 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
-        local_rank = int(os.environ.get("LOCAL_RANK", rank or 0))
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
-                             f"start at most one process per GPU on each node")
-        dev = torch.device("cuda", local_rank)
+        dev = local_gpu(int(os.environ.get("LOCAL_RANK", rank or 0)), torch.cuda.device_count())
         torch.cuda.set_device(dev)
         backend = "nccl"
     elif device == "cpu":
@@ -67,6 +83,8 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
     else:
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     kwargs: Dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout)}
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     if not dist.is_initialized():

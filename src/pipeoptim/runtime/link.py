@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from ..compat import HAS_STORAGE_USE_COUNT, storage_use_count
 from .values import as_tuple
-from .wire import Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, on_the_wire, reason
+from .wire import (Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, on_the_wire, reason,
+                   wait_for)
 
 #: a kept receive buffer: the tensor, its storage, and the storage's references when only the pool holds it
 Kept = Tuple[torch.Tensor, Any, int]
@@ -151,7 +152,7 @@ class Link:
     def wait(self, work) -> None:
         start = time.perf_counter()
         try:
-            work.wait(timeout=self.wait_timeout)
+            wait_for(work, self.wait_timeout, self.device)
         finally:
             self.stats["wait_seconds"] += time.perf_counter() - start
 

@@ -47,6 +47,17 @@ class PipelineCommError(RuntimeError):
     disagreed on what to send)."""
 
 
+def wait_for(work: Any, timeout: Any, device: torch.device) -> None:
+    """Wait for a point-to-point or collective ``work``. On a GPU (NCCL) without a timeout: the
+    wait is then a dependency of the current stream, where one with a timeout makes the CPU
+    busy-poll the operation; a hung operation still ends at the group's own timeout (NCCL's
+    watchdog). On the CPU (gloo) with ``timeout`` (a ``timedelta``), which gloo's wait honours."""
+    if device.type == "cuda":
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
+
+
 def signature(microbatch: MicroBatch) -> Signature:
     """The key under which a micro-batch's message layouts are agreed: its input shapes (of a
     dict of keyword inputs, its values', in its order: every rank builds it alike)."""

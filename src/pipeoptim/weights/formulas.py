@@ -80,6 +80,26 @@ def _states(states: Sequence[dict[str, Any]], name: str) -> list[Tensor]:
     return local_all([state[name] for state in states])
 
 
+def _on_host(tensor: Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def _host(states: Sequence[dict[str, Any]], indices: Sequence[int], key: str = "step",
+          on_host: Any = _on_host) -> dict[int, float]:
+    """Each state's scalar ``key`` (index -> float), those on a device read in one copy: a
+    capturable or fused optimizer keeps ``step`` on the device, where a ``float()`` per parameter
+    would wait for the device once per parameter (float64 holds every float32 count exactly). One
+    on the CPU is read where it is (no copy, nothing allocated)."""
+    values = {i: states[i][key] for i in indices}
+    tensors = [i for i, v in values.items() if isinstance(v, Tensor) and not on_host(v)]
+    elsewhere = set(tensors)
+    out = {i: (v.tolist() if isinstance(v, Tensor) else float(v)) for i, v in values.items() if i not in elsewhere}
+    if tensors:
+        read = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in tensors]).tolist()
+        out.update(zip(tensors, read))
+    return out
+
+
 def muon_direction(group: dict[str, Any], param: Tensor, buf: Tensor, g: Tensor) -> None:
     """In place: ``g`` (the step's gradient) becomes ``r * NS(u)`` for ``param`` of ``group``,
     ``buf`` being the momentum buffer after the step. torch's Muon step on a 2-D W::
@@ -204,12 +224,13 @@ class DirectionFormulas:
                 torch._foreach_mul_(g, 1 - group["dampening"])
             torch._foreach_add_(g, _states(states, "momentum_buffer"), alpha=mu)
         elif kind == "nadam":
-            key = lambda i: (float(states[i]["step"]), float(states[i]["mu_product"]))  # noqa: E731
-            for (step, prod), run in runs_by(range(len(params)), key).items():
+            steps, prods = _host(states, range(len(params))), _host(states, range(len(params)), "mu_product")
+            for (step, prod), run in runs_by(range(len(params)), lambda i: (steps[i], prods[i])).items():
                 self._nadam(group, step, prod, [g[i] for i in run], [states[i] for i in run])
             self._decoupled(group, params, g)
         elif kind == "delay-nadamw":
-            for step, run in runs_by(range(len(params)), lambda i: float(states[i]["step"])).items():
+            steps = _host(states, range(len(params)))
+            for step, run in runs_by(range(len(params)), steps.__getitem__).items():
                 lookahead_direction(group, step, [g[i] for i in run], _states([states[i] for i in run], "exp_avg"),
                                     _states([states[i] for i in run], "exp_avg_sq"), in_place=True)
             self._decoupled(group, params, g)
@@ -226,7 +247,8 @@ class DirectionFormulas:
             roots = torch._foreach_sqrt(_states(states, "sum"))
             torch._foreach_add_(roots, group["eps"])
             torch._foreach_div_(g, roots)
-            for step, run in runs_by(range(len(params)), lambda i: float(states[i]["step"])).items():
+            steps = _host(states, range(len(params)))
+            for step, run in runs_by(range(len(params)), steps.__getitem__).items():
                 torch._foreach_div_([g[i] for i in run], 1 + (step - 1) * group["lr_decay"])
         elif kind == "adadelta":
             roots = torch._foreach_add(_states(states, "square_avg"), group["eps"])
@@ -286,7 +308,8 @@ class DirectionFormulas:
         held = [i for i, state in enumerate(states) if state]
         for i in held:
             deltas[i] = torch.empty_like(params[i]) if outs[i] is None else outs[i]
-        for step, run in runs_by(held, lambda i: float(states[i]["step"])).items():
+        steps = _host(states, held)
+        for step, run in runs_by(held, steps.__getitem__).items():
             for batch in batches(deltas, run):
                 self._adaptive(group, step, [params[i] for i in batch], [states[i] for i in batch],
                                local_all([deltas[i] for i in batch]))
