@@ -75,3 +75,49 @@ def test_a_gpu_wait_is_a_stream_dependency_not_a_timed_busy_poll():
         link, work = Link("activation", 1, None, 0, device, 7.0, 1), Work()
         link.wait(work)
         assert work.waits == [expected]
+
+
+def test_a_tie_s_pair_groups_are_warmed_on_a_gpu_before_the_first_step(monkeypatch):
+    """Issue 62: under NCCL the first point-to-point use of a group creates its communicator and
+    waits for both ends; the asynchronous methods' per-tie pairs (owner <-> each other holder, a
+    group for the values out and one for the gradients back) were first used inside the owner's
+    forward of micro-batch 0, while a holder waited for that micro-batch's activation: a hang.
+    They are now warmed when made, each in its messages' direction, every rank in the groups'
+    order; on the CPU (gloo connects at creation) nothing is sent. Three ranks are simulated: the
+    tie's holders are stages 0 (owner), 2 and 3."""
+    from pipeoptim.runtime import tied as tied_module
+    from pipeoptim.runtime.tied import Tie, connect_exchanges
+
+    made = []
+    sent = []
+
+    def new_group(ranks):
+        made.append(tuple(ranks))
+        return f"group{len(made) - 1}"
+
+    class Done:
+        def wait(self):
+            return True
+
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group: sent.append(("send", dst, group)) or Done())
+    monkeypatch.setattr(dist, "irecv", lambda t, src, group: sent.append(("recv", src, group)) or Done())
+    real_zeros = torch.zeros
+    monkeypatch.setattr(tied_module.torch, "zeros", lambda *shape, device=None, **kw: real_zeros(*shape, **kw))
+    gpu = torch.device("cuda", 0)
+    by_rank = {}
+    for rank in (0, 2, 3, 1):
+        made.clear(), sent.clear()
+        ties = [Tie(holders=[0, 2, 3], param=torch.nn.Parameter(torch.zeros(4)) if rank != 1 else None, name="wte")]
+        connect_exchanges(ties, rank, lambda k: k, new_group, gpu)
+        assert made == [(0, 2), (0, 2), (0, 3), (0, 3)]  # every rank makes every group, in order
+        by_rank[rank] = list(sent)
+    # values out on the first group of a pair, gradients back on the second; the owner in order
+    assert by_rank[0] == [("send", 2, "group0"), ("recv", 2, "group1"), ("send", 3, "group2"), ("recv", 3, "group3")]
+    assert by_rank[2] == [("recv", 0, "group0"), ("send", 0, "group1")]
+    assert by_rank[3] == [("recv", 0, "group2"), ("send", 0, "group3")]
+    assert by_rank[1] == []  # not a holder
+    # the CPU: nothing sent
+    sent.clear()
+    connect_exchanges([Tie(holders=[0, 2], param=torch.nn.Parameter(torch.zeros(4)), name="wte")], 0, lambda k: k,
+                      new_group)
+    assert sent == []

@@ -260,7 +260,8 @@ class Torchrun:
                     tie.group, tie.owner_rank = made, ranks[0]
         if not tied.synchronous:
             for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
-                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], self._new_group)
+                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], self._new_group,
+                                  self.device)
 
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
         """This rank's pipeline group (its replica's stages) and every replica's ranks; with them

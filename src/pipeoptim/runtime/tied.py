@@ -198,11 +198,29 @@ def _from_owner(tie: Tie) -> None:
     dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
 
 
+def warm_pair(group: Any, sender: int, receiver: int, rank: int, device: torch.device) -> None:
+    """One message from ``sender`` to ``receiver`` on ``group``, now, where this rank is one of them
+    and the device a GPU. NCCL creates a pair's communicator at its first point-to-point use and
+    blocks until both ends join it: left to the first publish inside a forward, the owner would
+    wait there for a holder that waits for that forward's activation (a hang until the timeout).
+    Every rank warms its pairs in the order the groups were made, so each waits only for a peer
+    on its way to the same pair. Gloo connects a group's members when it is made: nothing to do."""
+    if device.type != "cuda" or rank not in (sender, receiver):
+        return
+    probe = torch.zeros(1, device=device)
+    if rank == sender:
+        dist.isend(probe, dst=receiver, group=group).wait()
+    else:
+        dist.irecv(probe, src=sender, group=group).wait()
+
+
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
-                      new_group: Callable[[List[int]], Any]) -> None:
+                      new_group: Callable[[List[int]], Any], device: torch.device = torch.device("cpu")) -> None:
     """The processes' exchanges of the asynchronous methods: for every tie, every other holder
     and each direction, a 2-rank group with the owner (every rank makes every group, in order);
-    the ties this rank holds get a :class:`MessageExchange`. ``rank_of(stage)``: its job rank."""
+    the ties this rank holds get a :class:`MessageExchange`. ``rank_of(stage)``: its job rank.
+    On a GPU (``device``: this process's) each group is warmed once now, in the direction its
+    messages go (:func:`warm_pair`)."""
     for tie in ties:
         owner = rank_of(tie.holders[0])
         peers = {}
@@ -211,5 +229,7 @@ def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],
             values, grads = new_group(ranks), new_group(ranks)
             if rank == owner or rank == ranks[1]:
                 peers[holder] = (ranks[1], values, grads)
+                warm_pair(values, owner, ranks[1], rank, device)   # the owner's values go out
+                warm_pair(grads, ranks[1], owner, rank, device)    # the holder's gradients come back
         if tie.param is not None and peers:  # the owner knows every other holder, a holder itself
             tie.exchange = MessageExchange(owner, local(tie.param.detach()), peers)  # (sharded: shards travel)
