@@ -29,7 +29,6 @@ method is recommended only where it beats the best synchronous pipeline beyond t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence

@@ -10,10 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from study.make_results3_arith import SYNC, Setting, recommendation
 from study.study3_plan import load_rows, plan_runs
-from study.study3_suite import (SAME_AS, SUITES as STUDY3_SUITES, study2_rows, variant_microbatches,
-                                     variant_spec)
+from study.study3_suite import SAME_AS, SUITES as STUDY3_SUITES, study2_rows
 
 
 def suite_of(study: Path) -> Optional[Dict[str, Any]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -118,7 +118,3 @@ def is_open(p: float, tasks: int = 4) -> bool:
     [alpha / tasks, 1/2): not yet a win even at Holm's strictest step, and the asynchronous arm
     not behind on the mean."""
     return ALPHA / tasks <= p < 0.5
-
-
-def interval_text(c: Comparison, scale: float, digits: int) -> List[str]:
-    return [f"{c.effect * scale:+.{digits}f}", f"[{c.low * scale:+.{digits}f}, {c.high * scale:+.{digits}f}]"]

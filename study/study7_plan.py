@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from study import make_results6
-from study.make_results3_arith import SYNC, read_rows
 from study.make_results4 import merged
 from study.make_results5 import with_translation
 from study.selection import Choice, blind, brackets, choose, prior_settings
 from study.stats import is_open, welch
 from study.study3_plan import Run, row_key
 from study.study3_suite import VARIANTS, sequential_updates
-import statistics
-
 from study.study6_plan import cpu_minutes
 from pipeoptim.lab.tasks import get_task
 
