@@ -120,11 +120,15 @@ def main(argv: List[str]) -> None:
 
 def env() -> Dict[str, str]:
     """The environment of a torchrun job of the tests: one compute thread, src/ and tests/ on the
-    path, no torchrun variables of an outer job, gloo on the loopback device."""
+    path, no torchrun variables of an outer job, gloo on the loopback device, and NCCL's rules
+    kept on it (runtime/strict.py: a send met only by its started receive, a pair's operations in
+    order, a pair's first operation waiting for both ends), so that what would hang on a GPU fails
+    here."""
     from test_torchrun import _env
 
     out = _env()
     out["PYTHONPATH"] += os.pathsep + str(HERE)
+    out["PIPEOPTIM_STRICT_TRANSPORT"] = "1"
     return out
 
 

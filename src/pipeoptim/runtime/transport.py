@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
 from .link import Link
+from .strict import installed as strict_installed
 from .wire import PipelineCommError, Signature, reason
 
 
@@ -123,19 +124,23 @@ class PipeComm:
         the opposite link (a deadlock); gloo connects its members when the group is made."""
         a, b = self.placement[j], self.placement[j + 1]
         try:
-            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta, backend="gloo" if gloo else None)
+            # (gloo where the job's default is not: a gloo pipeline on a sub-group of an NCCL job;
+            # else the job's own backend, so that runtime/strict.py takes it for what NCCL would carry)
+            explicit = "gloo" if gloo and dist.get_backend() != "gloo" else None
+            group = dist.new_group([pipeline[a], pipeline[b]], timeout=delta, backend=explicit)
         except RuntimeError as error:
             raise PipelineCommError(
                 f"creating the {what} link between ranks {pipeline[a]} and {pipeline[b]} failed: "
                 f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
                 f"({self.timeout:g} s); see its own error") from error
-        if not gloo and pipeline == self.global_ranks and self.rank in (a, b):
+        if (not gloo or strict_installed()) and pipeline == self.global_ranks and self.rank in (a, b):
             probe = torch.zeros(1, device=self.device)
             if self.rank == a:
                 dist.isend(probe, dst=pipeline[b], group=group).wait()
             else:
                 dist.irecv(probe, src=pipeline[a], group=group).wait()
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         return group
 
     def stats(self) -> Dict[str, Dict[str, float]]:

@@ -1,0 +1,261 @@
+"""A strict transport for the tests: point-to-point messages on gloo under NCCL's rules.
+
+Gloo is kinder than NCCL: a small send completes before its receive is posted, and a group
+connects its members when it is made. Code that passes on gloo can therefore hang on its first
+GPU run. With ``PIPEOPTIM_STRICT_TRANSPORT=1`` in a process's environment (or :func:`install`),
+``torch.distributed.isend`` and ``irecv`` keep NCCL's rules where gloo would not:
+
+* **a pair's operations run in the order they were issued**, as on the one stream of NCCL's
+  communicator for the pair: a receive starts only once this rank's earlier operations with that
+  peer on the group have completed, and a send completes only once the peer's matching receive
+  (the n-th from this rank on the group: NCCL matches in order, tags ignored) has started. Gloo
+  lets a receive complete behind an unmatched send of its own; NCCL hangs there, and so does this,
+  until the strict timeout;
+* **the first operation on a group waits for its peer**: NCCL makes a pair's communicator at its
+  first point-to-point use and blocks until both ends join (gloo connects a group's members when it
+  is made); here the first send or receive of a pair on a group waits until the other end has
+  issued one too;
+* **only NCCL's dtypes** (:data:`~pipeoptim.runtime.wire.NCCL_DTYPES`) and **one thread per
+  group**: a complex or int16 tensor, or a group used from a second thread, is refused at once.
+
+A wait past the strict timeout raises :class:`StrictTransportError` naming the send, the ranks and
+the group: where NCCL would hang, the test fails. Groups made with ``backend="gloo"`` (the control
+groups, gloo on a GPU too) keep gloo's rules. The marks travel through the job's store (the
+default group's), so every process of the job must install it; the groups are numbered in the
+order they are made, which every rank shares (``new_group`` is called by every rank).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .wire import NCCL_DTYPES, PipelineCommError
+
+ENV = "PIPEOPTIM_STRICT_TRANSPORT"
+#: seconds a strict wait lasts before it fails (a test's deadlocks end within it)
+TIMEOUT = float(os.environ.get("PIPEOPTIM_STRICT_TIMEOUT", "30"))
+
+
+class StrictTransportError(PipelineCommError):
+    """Under NCCL's rules this operation would hang or be refused."""
+
+
+class _Strict:
+    """The process's strict transport: the real functions, the groups' numbers, the counts."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.real: Dict[str, Callable[..., Any]] = {}
+        self.numbers: Dict[int, Tuple[int, bool]] = {}   # id(group) -> (its number, gloo's rules)
+        self.made = 0
+        self.counts: Dict[Tuple[int, int, int], int] = {}  # (group, src, dst) -> messages so far
+        self.joined: set = set()
+        self.threads: Dict[int, int] = {}
+        self.queues: Dict[Tuple[int, int], list] = {}     # (group, peer) -> this rank's unfinished operations
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.progress: Optional[threading.Thread] = None
+
+    # -- the job's store and the groups' numbers ----------------------------------------------
+    @property
+    def store(self) -> Any:
+        return dist.distributed_c10d._get_default_store()
+
+    def new_group(self, *args: Any, **kwargs: Any) -> Any:
+        group = self.real["new_group"](*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        self.numbers[id(group)] = (self.made, str(backend).lower() == "gloo")
+        self.made += 1
+        return group
+
+    def number(self, group: Any) -> Optional[int]:
+        """The group's number (the default group: -1); None where gloo's rules stay."""
+        if group is None or group is dist.group.WORLD:
+            return -1
+        found = self.numbers.get(id(group))
+        if found is None:  # made before install, or by torch itself: not numbered, not checked
+            return None
+        return None if found[1] else found[0]
+
+    # -- the rules -----------------------------------------------------------------------------
+    def check(self, tensor: torch.Tensor, number: int, what: str) -> None:
+        if tensor.dtype not in NCCL_DTYPES:
+            raise StrictTransportError(f"{what} of a {tensor.dtype} tensor on group {number}: NCCL has no such "
+                                       f"type (send its bytes: runtime/wire.on_the_wire)")
+        me = threading.get_ident()
+        if self.threads.setdefault(number, me) != me:
+            raise StrictTransportError(f"{what} on group {number} from a second thread: an NCCL communicator "
+                                       f"must not be used by two threads")
+
+    def wait_keys(self, keys: list, what: str) -> None:
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang "
+                                       f"({error})") from error
+
+    def join(self, number: int, me: int, peer: int) -> None:
+        """The pair's first operation on the group waits until the other end has issued one."""
+        key = (number, min(me, peer), max(me, peer))
+        if key in self.joined:
+            return
+        self.store.set(f"strict/join/{number}/{me}-{peer}", "1")
+        self.wait_keys([f"strict/join/{number}/{peer}-{me}"],
+                       f"the first operation between ranks {me} and {peer} on group {number} waits for both ends "
+                       f"(rank {peer} issued none)")
+        self.joined.add(key)
+
+    def start(self) -> None:
+        """The pairs' progress, apart from this process's thread, as a GPU's streams progress
+        apart from its CPU: every few milliseconds :meth:`advance` (under :attr:`lock`)."""
+        def run() -> None:
+            while not self.stopped.wait(0.002):
+                with self.lock:
+                    if not any(self.queues.values()):
+                        continue
+                    try:
+                        self.advance()
+                    except Exception:  # noqa: BLE001 (no job's store between two jobs: try again)
+                        continue
+
+        self.progress = threading.Thread(target=run, name="pipeoptim-strict-progress", daemon=True)
+        self.progress.start()
+
+    # -- the pairs' queues ---------------------------------------------------------------------
+    def queue(self, number: int, peer: int) -> "list[StrictWork]":
+        return self.queues.setdefault((number, peer), [])
+
+    def advance(self) -> None:
+        """Start and complete what can, pair by pair, in each pair's order: the operation at the
+        head of its queue has started (its mark goes up for the peer); it completes once the
+        peer's matching operation has started too."""
+        for queue in self.queues.values():
+            while queue:
+                head = queue[0]
+                if not head.started:
+                    self.store.set(head.key, "1")
+                    head.started = True
+                if not head.done():
+                    break
+                queue.pop(0)
+
+    def issue(self, kind: str, tensor: torch.Tensor, peer: int, group: Any, tag: int, kwargs: Dict[str, Any]) -> Any:
+        number = self.number(group)
+        if number is None:
+            return self.real["i" + kind](tensor, peer, group=group, tag=tag, **kwargs)
+        me = dist.get_rank()
+        what = f"a send from rank {me} to rank {peer}" if kind == "send" else f"a receive on rank {me} from rank {peer}"
+        self.check(tensor, number, what)
+        self.join(number, me, peer)
+        with self.lock:
+            return self._issue(kind, tensor, peer, group, tag, kwargs, number, me)
+
+    def _issue(self, kind: str, tensor: torch.Tensor, peer: int, group: Any, tag: int, kwargs: Dict[str, Any],
+               number: int, me: int) -> Any:
+        work = self.real["i" + kind](tensor, peer, group=group, tag=tag, **kwargs)
+        src, dst = (me, peer) if kind == "send" else (peer, me)
+        n = self.counts.get((number, src, dst), 0)
+        self.counts[(number, src, dst)] = n + 1
+        other = "recv" if kind == "send" else "send"
+        key, match = (f"strict/started/{number}/{kind}/{src}-{dst}/{n}",
+                      f"strict/started/{number}/{other}/{src}-{dst}/{n}")
+        described = (f"send {n} from rank {me} to rank {peer} on group {number}" if kind == "send" else
+                     f"receive {n} on rank {me} from rank {peer} on group {number}")
+        described += ": it or its match never started"
+        queue = self.queue(number, peer)
+        strict_work = StrictWork(self, kind, work, key, match, described, queue)
+        queue.append(strict_work)
+        self.advance()
+        return strict_work
+
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **kwargs: Any) -> Any:
+        return self.issue("send", tensor, dst, group, tag, kwargs)
+
+    def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0, **kwargs: Any) -> Any:
+        return self.issue("recv", tensor, src, group, tag, kwargs)
+
+
+class StrictWork:
+    """A send's or a receive's work under NCCL's rules (see the module's docstring)."""
+
+    def __init__(self, strict: _Strict, kind: str, work: Any, key: str, match: str, what: str,
+                 queue: list) -> None:
+        self.strict, self.kind, self.work, self.key, self.match, self.what = strict, kind, work, key, match, what
+        self.queue = queue
+        self.started = False  #: at the head of its pair's queue once (its mark is up)
+        self.met = False      #: started, and so has the peer's matching operation
+
+    def done(self) -> bool:
+        """Met (no wait): started at the head of its pair's queue, and so has its match."""
+        if not self.met and self.started and self.queue and self.queue[0] is self:
+            self.met = bool(self.strict.store.check([self.match]))
+        return self.met
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        end = time.monotonic() + self.strict.timeout
+        while True:
+            with self.strict.lock:
+                self.strict.advance()
+                met = self.done()
+            if met:
+                return self.work.wait(*args, **kwargs)
+            if time.monotonic() > end:
+                raise StrictTransportError(f"{self.what} within {self.strict.timeout:g} s: under NCCL this would "
+                                           f"hang")
+            time.sleep(0.001)
+
+    def is_completed(self) -> bool:
+        with self.strict.lock:
+            self.strict.advance()
+            return self.done() and self.work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+_INSTALLED: Optional[_Strict] = None
+
+
+def install(timeout: float = TIMEOUT) -> None:
+    """Put the strict transport in this process (before its groups are made; again: nothing)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        return
+    strict = _Strict(timeout)
+    for name in ("isend", "irecv", "new_group"):
+        strict.real[name] = getattr(dist, name)
+        setattr(dist, name, getattr(strict, name))
+    strict.start()
+    _INSTALLED = strict
+
+
+def uninstall() -> None:
+    """Give ``torch.distributed`` its own functions back."""
+    global _INSTALLED
+    if _INSTALLED is None:
+        return
+    _INSTALLED.stopped.set()
+    if _INSTALLED.progress is not None:
+        _INSTALLED.progress.join()
+    for name, fn in _INSTALLED.real.items():
+        setattr(dist, name, fn)
+    _INSTALLED = None
+
+
+def installed() -> bool:
+    """Whether the strict transport is in this process (its code paths then run as on a GPU)."""
+    return _INSTALLED is not None
+
+
+def install_if_asked() -> bool:
+    """:func:`install` where the environment asks for it (``PIPEOPTIM_STRICT_TRANSPORT=1``)."""
+    if os.environ.get(ENV, "") not in ("", "0"):
+        install()
+        return True
+    return False
