@@ -174,11 +174,16 @@ def confirmation_table(results: Dict[str, Confirmed]) -> List[str]:
         c = r.comparison
         diff = (f"{c.effect * r.scale:+.{r.digits}f} [{c.low * r.scale:+.{r.digits}f}, {c.high * r.scale:+.{r.digits}f}]"
                 if c else "-")
-        p = f"{c.p:.3f}" if c else "-"
-        pc = f"{r.p_corrected:.3f}" if r.p_corrected is not None else "-"
+        p = p_text(c.p) if c else "-"
+        pc = p_text(r.p_corrected) if r.p_corrected is not None else "-"
         lines.append(f"| {r.task} | {value(r, r.sync_rows)} | {value(r, r.async_rows)} | {diff} | {p} | {pc} | "
                      f"{r.before} | **{r.verdict()}** |")
     return lines
+
+
+def p_text(p: float) -> str:
+    """A p-value as the report writes it (three decimals; below 0.001 as "< 0.001")."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def spreads(result: Confirmed) -> Tuple[float, float]:
@@ -367,8 +372,10 @@ def finding(r: Confirmed) -> str:
     low, high = sorted((sign * c.low, sign * c.high))
     return (f"{r.task}: {arms}; test {name} {value(r, r.sync_rows)} against {value(r, r.async_rows)} (fresh seeds); "
             f"difference {sign * c.effect * r.scale:+.{r.digits}f}{'' if r.higher else ' (lower is better)'}, 95 % "
-            f"interval [{low * r.scale:+.{r.digits}f}, {high * r.scale:+.{r.digits}f}], corrected p = "
-            f"{r.p_corrected:.3f}: the asynchronous arm is **{r.verdict()}**")
+            f"interval [{low * r.scale:+.{r.digits}f}, {high * r.scale:+.{r.digits}f}], corrected p "
+            f"{'< 0.001' if r.p_corrected < 0.001 else f'= {r.p_corrected:.3f}'}: "
+            + {"better": "the asynchronous arm is **better**", "worse": "the asynchronous arm is **worse**"}.get(
+                r.verdict(), f"**{r.verdict()}**"))
 
 
 def findings_lines(results: Optional[Dict[str, Confirmed]] = None) -> List[str]:
@@ -377,8 +384,9 @@ def findings_lines(results: Optional[Dict[str, Confirmed]] = None) -> List[str]:
     _, times = study7_plan.prior_rows(SUITES["confirm"])
     better = [t for t, r in results.items() if r.complete and r.verdict() == "better"]
     done = [t for t, r in results.items() if r.complete]
-    summary = (f"Confirmed so far: {len(done)} of {len(results)} tasks; an asynchronous pipeline gives the better "
-               f"model in the same time on {', '.join(better) if better else 'none of them'}.")
+    summary = (("Confirmed on all " if len(done) == len(results) else f"Confirmed so far: {len(done)} of ")
+               + f"{len(results)} tasks; an asynchronous pipeline gives the better model in the same time on "
+               f"{', '.join(better) if better else 'none of them'}.")
     return [budget_sentence(times), "", summary, ""] + [f"* {finding(r)}." for r in results.values()]
 
 

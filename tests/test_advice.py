@@ -46,8 +46,9 @@ def test_the_description_gives_the_confirmation_in_the_metrics_unit():
         "55.2 ± 0.5 over 5 fresh seeds. The asynchronous arm chosen on validation, pipedream-2bw with muon, gave "
         "55.0 ± 1.0 over 5: not better by the test (difference asynchronous - synchronous -0.2, lower is "
         "better, 95 % interval [-1.6, +1.1]; one-sided Welch p = 0.620, corrected for the study's tasks; the "
-        "equal-time study (docs/results.md)); the synchronous pipeline trains the model non-pipelined training "
-        "does. To train it: " + SYNC.command())
+        "equal-time study (docs/results.md)). To train it: " + SYNC.command())
+    tiny = Advice(**{**ASYNC.__dict__, "p_value": 0.0002})
+    assert "; one-sided Welch p < 0.001, corrected for the study's tasks;" in tiny.describe()
     worse = Advice(**{**SYNC.__dict__, "verdict": "worse", "runner_up_value": 58.0, "margin": -2.75, "low": -3.5,
                       "high": -2.0})
     assert ": worse (difference asynchronous - synchronous +2.8, lower is better, 95 % interval [+2.0, +3.5];" \

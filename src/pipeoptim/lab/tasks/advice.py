@@ -115,16 +115,16 @@ class Advice:
         sign = 1.0 if not self.synchronous else -1.0  # the difference as asynchronous - synchronous
         low, high = sorted((sign * self.low, sign * self.high))
         test = (f"difference asynchronous - synchronous {sign * self.margin * scale:+.{digits}f}{lower}, 95 % "
-                f"interval [{low * scale:+.{digits}f}, {high * scale:+.{digits}f}]; one-sided Welch p = "
-                f"{self.p_value:.3f}, corrected for the study's tasks; {SOURCE}")
+                f"interval [{low * scale:+.{digits}f}, {high * scale:+.{digits}f}]; one-sided Welch p "
+                f"{'< 0.001' if self.p_value < 0.001 else f'= {self.p_value:.3f}'}, corrected for the study's "
+                f"tasks; {SOURCE}")
         if not self.synchronous:
             text = (f"in the same time, {what} with {self.optimizer} gives a better model than {self.runner_up}: "
                     f"{mine}, against {rival} ({test})")
         else:
             said = {"worse": "worse", "better": "better"}.get(self.verdict, "not better by the test")
             text = (f"in the same time, use {what} with {self.optimizer}: {mine}. The asynchronous arm chosen on "
-                    f"validation, {self.runner_up}, gave {rival}: {said} ({test}); the synchronous pipeline "
-                    f"trains the model non-pipelined training does")
+                    f"validation, {self.runner_up}, gave {rival}: {said} ({test})")
         return f"{self.task}, N = {self.stages}: {text}. To train it: {self.command()}"
 
 
