@@ -181,15 +181,15 @@ def generate(study: Path, out: Path, plots: bool = True, name: str = "results.md
     its section follows issue 41's."""
     from study.make_results3_advice import cut_lines, same_as_lines, status_line
     from study.make_results3_plot import curves_plot
-    from study.make_results4 import arm_lines, merged
-    from study.make_results5 import section_lines, with_translation
+    from study.make_results4 import arm_lines
+    from study.make_results5 import section_lines
     from study import make_results6
+    from study.study7_plan import merged_arms
 
     study_rows = read_rows(study)
     written = sum(1 for line in (study / "runs.jsonl").read_text().splitlines() if line.strip())
-    rows, times = with_translation(*merged(study, delay_fixes), translation)
+    rows, times = merged_arms(study, delay_fixes, translation, feedback)
     feedback_runs = make_results6.planned(feedback, study, [study, delay_fixes, translation], translation)
-    rows, times = make_results6.with_feedback(rows, times, feedback)
     settings = settings_of(rows, times)
     figures = out / "results3"
     if plots:

@@ -70,15 +70,11 @@ class Arm:
         return self.rows[0]["updates"] if self.rows else None
 
 
-@dataclass
-class Setting:
-    task: str
-    optimizer: str
-    stages: int
+class MetricUnits:
+    """How a metric is written (a class with a ``metric``): ``scale`` (accuracy in points) and
+    ``digits`` after the point."""
+
     metric: str
-    higher: bool
-    budget: Dict[str, Any]
-    arms: Dict[str, Arm]              #: SYNC first, then the variants
 
     @property
     def scale(self) -> float:
@@ -87,6 +83,17 @@ class Setting:
     @property
     def digits(self) -> int:
         return 2 if self.metric == "accuracy" else 1
+
+
+@dataclass
+class Setting(MetricUnits):
+    task: str
+    optimizer: str
+    stages: int
+    metric: str
+    higher: bool
+    budget: Dict[str, Any]
+    arms: Dict[str, Arm]              #: SYNC first, then the variants
 
     def name(self) -> str:
         return f"{self.task}, {self.optimizer}, N={self.stages}"

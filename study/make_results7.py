@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from study.common import RESULTS, ROOT, mean_sd
+from study.common import RESULTS, ROOT, fmt, mean_sd
 from study.make_results2_data import final_score
-from study.make_results3_arith import SCALE, SYNC, settings_of
+from study.make_results3_arith import SYNC, MetricUnits, settings_of
 from study.make_results3_arith import recommendation as old_recommendation
 from study.selection import Choice
 from study.stats import ALPHA, Comparison, false_win_rates, family_false_win, holm, welch
@@ -39,7 +39,7 @@ PLAN_VS_BENCH = ROOT / "benchmarks" / "results" / "plan_vs_bench.json"
 
 
 @dataclass
-class Confirmed:
+class Confirmed(MetricUnits):
     """One task's confirmation: its arms, their fresh-seed runs, the test and the verdicts."""
 
     task: str
@@ -59,14 +59,6 @@ class Confirmed:
     @property
     def complete(self) -> bool:
         return self.planned > 0 and self.done == self.planned
-
-    @property
-    def scale(self) -> float:
-        return SCALE.get(self.metric, 1.0)
-
-    @property
-    def digits(self) -> int:
-        return 2 if self.metric == "accuracy" else 1
 
     def verdict(self) -> str:
         if not self.complete:
@@ -145,10 +137,8 @@ def before(settings: Sequence[Any], task: str, result: Confirmed) -> str:
 
 
 def value(result: Confirmed, rows: Sequence[Dict[str, Any]]) -> str:
-    if not rows:
-        return "-"
-    m, s = mean_sd(result.finals(rows))
-    return f"{m * result.scale:.{result.digits}f} ± {s * result.scale:.{result.digits}f} ({len(rows)})"
+    """Mean ± sd of ``rows``' final test metric, and how many."""
+    return f"{fmt(mean_sd(result.finals(rows)), result.scale, result.digits)} ({len(rows)})" if rows else "-"
 
 
 def choice_text(result: Confirmed, choice: Optional[Choice]) -> str:

@@ -46,11 +46,19 @@ def inputs(suite: Dict[str, Any], times: Dict[str, Any]) -> Tuple[Dict[str, Any]
     return times, {row_key(r): r for r in rows}
 
 
+def merged_arms(study: Path, delay_fixes: Optional[Path], translation: Optional[Path],
+                feedback: Optional[Path]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Every earlier arm's rows and budgets in one list and one times table: issue 23's study with
+    issue 38's, 41's and 51's arms merged in (each left out where its folder is None or empty); what
+    the report (make_results3.generate) and the confirmation's choice read."""
+    rows, times = with_translation(*merged(study, delay_fixes), translation)
+    return make_results6.with_feedback(rows, times, feedback)
+
+
 def prior_rows(suite: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """The earlier arms' rows and budgets, merged as the report merges them."""
     prior = {k: Path(v) for k, v in suite["prior"].items()}
-    rows, times = with_translation(*merged(prior["study"], prior["delay_fixes"]), prior["translation"])
-    return make_results6.with_feedback(rows, times, prior["feedback"])
+    return merged_arms(prior["study"], prior["delay_fixes"], prior["translation"], prior["feedback"])
 
 
 def minutes_of(rows: Dict[str, Dict[str, Any]], task: str, optimizer: str, variant: str, stages: int) -> float:
@@ -88,10 +96,12 @@ def confirm_updates(times: Dict[str, Any], choice: Choice, suite: Dict[str, Any]
 
 
 def choices(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dict[str, Any],
-            prior: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """task -> selection.choose's answer (the arms chosen on validation, or what they wait for)."""
+            prior: Dict[str, Dict[str, Any]],
+            bracketed: Optional[Dict[Tuple[str, str], Tuple[float, float]]] = None) -> Dict[str, Dict[str, Any]]:
+    """task -> selection.choose's answer (the arms chosen on validation, or what they wait for);
+    ``bracketed``: selection.brackets(), where the caller has it."""
     settings = prior_settings(prior.values(), times)
-    bracketed = brackets()
+    bracketed = brackets() if bracketed is None else bracketed
     own = list(rows.values())
     return {task: choose(settings, own, task, suite["stages"], bracketed) for task in suite["order"]}
 
@@ -136,10 +146,11 @@ def plan_runs(suite: Dict[str, Any], rows: Dict[str, Dict[str, Any]], times: Dic
             run.status = "done"
         runs.append(run)
 
-    for (task, optimizer), (carried, beyond) in brackets().items():  # 1. equal effort
+    bracketed = brackets()
+    for (task, optimizer), (carried, beyond) in bracketed.items():  # 1. equal effort
         add(Run("tune", task, optimizer, "sequential", 1, 0, beyond, updates=sequential_updates(suite, task),
                 lr_source=f"one factor 2 beyond the second study's {carried:g}, at its grid's edge (seed 0)"))
-    picked = choices(suite, rows, times, prior)
+    picked = choices(suite, rows, times, prior, bracketed)
 
     def arm_runs(task: str, seeds: Sequence[int], status: str = "ready", why: str = "") -> List[Tuple[Run, str, str]]:
         out = []

@@ -103,6 +103,7 @@ def test_a_tie_s_pair_groups_are_warmed_on_a_gpu_before_the_first_step(monkeypat
     monkeypatch.setattr(dist, "irecv", lambda t, src, group: sent.append(("recv", src, group)) or Done())
     real_zeros = torch.zeros
     monkeypatch.setattr(tied_module.torch, "zeros", lambda *shape, device=None, **kw: real_zeros(*shape, **kw))
+    monkeypatch.setattr(tied_module.torch.cuda, "synchronize", lambda device=None: None)
     gpu = torch.device("cuda", 0)
     by_rank = {}
     for rank in (0, 2, 3, 1):

@@ -95,7 +95,7 @@ def test_the_strict_transport_fails_where_nccl_would_hang_and_passes_where_it_wo
 
 def _tied_worker(rank: int, world: int, init: str, out: str, warm: bool) -> None:
     """pipeoptim on a tied GPT cut in two, under the strict transport; ``warm``: with the tie's
-    pair groups warmed when made (runtime/tied.warm_pair), else as before the fix."""
+    pair groups warmed when made (runtime/transport.warm_pair, as tied imports it), else as before the fix."""
     import os
 
     import pipeoptim

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..weights.base import local
-from .strict import installed as strict_installed
+from .transport import warm_pair
 
 
 class LocalExchange:
@@ -197,23 +197,6 @@ class TiedWeights:
 def _from_owner(tie: Tie) -> None:
     """Every holder's copy of ``tie`` takes the owner's value."""
     dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
-
-
-def warm_pair(group: Any, sender: int, receiver: int, rank: int, device: torch.device) -> None:
-    """One message from ``sender`` to ``receiver`` on ``group``, now, where this rank is one of them
-    and the device a GPU. NCCL creates a pair's communicator at its first point-to-point use and
-    blocks until both ends join it: left to the first publish inside a forward, the owner would
-    wait there for a holder that waits for that forward's activation (a hang until the timeout).
-    Every rank warms its pairs in the order the groups were made, so each waits only for a peer
-    on its way to the same pair. Gloo connects a group's members when it is made: nothing to do,
-    unless the tests' strict transport (runtime/strict.py) holds this process to NCCL's rules."""
-    if (device.type != "cuda" and not strict_installed()) or rank not in (sender, receiver):
-        return
-    probe = torch.zeros(1, device=device)
-    if rank == sender:
-        dist.isend(probe, dst=receiver, group=group).wait()
-    else:
-        dist.irecv(probe, src=sender, group=group).wait()
 
 
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],

@@ -24,6 +24,27 @@ from .strict import installed as strict_installed
 from .wire import PipelineCommError, Signature, reason
 
 
+
+def warm_pair(group: Any, sender: int, receiver: int, rank: int, device: torch.device) -> None:
+    """One message from ``sender`` to ``receiver`` on ``group``, now, where this rank is one of
+    them and the device a GPU (or the tests' strict transport, runtime/strict.py, holds this process
+    to NCCL's rules). NCCL creates a pair's communicator at its first point-to-point use and blocks
+    until both ends join it: left to a first message sent inside a schedule, one end could wait there
+    for a peer that waits for something else of it (a link's first receive posted while the peer is
+    in its first use of the opposite link; a tie's owner publishing inside its forward while the
+    holder waits for that forward's activation). Every rank warms its pairs in the order the groups
+    were made, so each waits only for a peer on its way to the same pair. Gloo connects a group's
+    members when it is made: nothing to do there."""
+    if (device.type != "cuda" and not strict_installed()) or rank not in (sender, receiver):
+        return
+    probe = torch.zeros(1, device=device)
+    if rank == sender:
+        dist.isend(probe, dst=receiver, group=group).wait()
+    else:
+        dist.irecv(probe, src=sender, group=group).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 class PipeComm:
     """The communication of one rank of a pipeline over a process group.
 
@@ -134,13 +155,7 @@ class PipeComm:
                 f"{reason(error)}. A peer stage hung, died or is slower than the timeout "
                 f"({self.timeout:g} s); see its own error") from error
         if (not gloo or strict_installed()) and pipeline == self.global_ranks and self.rank in (a, b):
-            probe = torch.zeros(1, device=self.device)
-            if self.rank == a:
-                dist.isend(probe, dst=pipeline[b], group=group).wait()
-            else:
-                dist.irecv(probe, src=pipeline[a], group=group).wait()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            warm_pair(group, pipeline[a], pipeline[b], pipeline[self.rank], self.device)
         return group
 
     def stats(self) -> Dict[str, Dict[str, float]]:
