@@ -108,8 +108,7 @@ def torchrun_2(tmp_path_factory):
 
     - ``refusals``: Pipelines the processes cannot hold, refused on every rank (test_torchrun.py,
       test_bidirectional.py), first: the first Pipeline of the job starts its process group
-    - ``methods``: every method, clipped, evaluated every k, with the delay fixes (test_torchrun.py;
-      and its two-node job's reference)
+    - ``methods``: every method, clipped, evaluated every k, with the delay fixes (test_torchrun.py)
     - ``compiled``: every method compiled with aot_eager and eager (test_compile.py)
     - ``traced``: the groups of :data:`TRACED_GROUPS` (test_traced.py, test_tied_async.py)
     - ``dict``: library LMs from dict batches (test_dict_batches.py; their weights in ``folder/dict``)
@@ -118,6 +117,8 @@ def torchrun_2(tmp_path_factory):
     - ``dualpipev-2``: dualpipev and torch's DualPipeV order on 2 processes (test_dualpipev.py)
     - ``bitpipe-whole``: tests/torchrun_checkpoint.py's uninterrupted bitpipe run, which a cut one
       resumes to (test_chunks.py; in ``folder/bitpipe-whole``)
+    - ``gpu-check``: scripts/gpu_check_worker.py's CPU rows, the GPU check's table small
+      (test_gpu_check.py; its checkpoints in ``folder/gpu-check``)
     - ``cli-zb-v``: ``-m pipeoptim train`` of a chunked partition (test_chunks.py; with Fashion-MNIST
       only), last: the command line's worker starts the job's process group and destroys it, and
       runs once a process (a second run joins the group without a new store prefix, and hangs)
@@ -126,6 +127,7 @@ def torchrun_2(tmp_path_factory):
     import test_chunks
     import test_compile
     import test_dict_batches
+    import test_gpu_check
     import test_torchrun
     from test_tied_async import ASYNC
     from torchrun_jobs import HERE, launch
@@ -143,6 +145,7 @@ def torchrun_2(tmp_path_factory):
         "example": [test_torchrun.EXAMPLE, *test_torchrun.EXAMPLE_ARGS],
         "dualpipev-2": [HERE / "torchrun_dualpipev.py", 2],
         "bitpipe-whole": [test_torchrun.CHECKPOINT_SCRIPT, folder / "bitpipe-whole", *test_chunks.BITPIPE_RUN],
+        "gpu-check": [test_gpu_check.WORKER, *test_gpu_check.worker_args(folder / "gpu-check")],
     }
     if has_image_data():  # last: the command line's worker starts the process group itself and ends it
         jobs["cli-zb-v"] = ["-m", "pipeoptim", *test_chunks.under_users_torchrun("zb-v", folder / "cli-zb-v")]
@@ -158,16 +161,21 @@ def torchrun_4():
     - ``schedules``: the schedules people run, one pipeline over 4 processes (test_torchrun.py)
     - ``eval-4``: evaluation in the bubbles on 4 stages (test_eval_in_bubbles_torchrun.py)
     - ``dualpipev-4``: dualpipev and torch's DualPipeV order on 4 processes (test_dualpipev.py)
+    - ``chunked-replicas``: GPT-2 under chunked methods on 2 stages x 2 replicas (test_library_models.py)
     - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
       it sets the buckets' size for the process"""
+    import test_library_models
     import test_torchrun
     from torchrun_jobs import HERE, launch
 
     return launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
                    "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
                    "dualpipev-4": [HERE / "torchrun_dualpipev.py", 4],
+                   "chunked-replicas": [HERE / "torchrun_chunked_replicas.py",
+                                        ",".join(test_library_models.CHUNKED_REPLICAS)],
                    "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
-                  nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+                  nproc=4, preload=["torch", "pipeoptim.pipeline", "transformers",
+                                    "transformers.models.gpt2.modeling_gpt2", "library_models"], timeout=JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

@@ -153,6 +153,22 @@ def test_fsdp_reduces_late_accumulated_gradients_through_its_param_groups(one_pr
             f"the late reduction gave {name} another gradient", "fsdp_reduce_gradients"))
 
 
+def test_fsdp_names_the_streams_its_all_gathers_read_the_shards_on(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Linear(4, 3)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert compat.fsdp_gather_streams(model) == [], moved("FSDP2 has streams before its first forward",
+                                                           "fsdp_gather_streams")
+    model(torch.randn(2, 4)).sum().backward()
+    streams = compat.fsdp_gather_streams(model)
+    assert streams is not None and len(streams) == 2, moved("FSDP2's all-gather streams are gone",
+                                                            "fsdp_gather_streams")
+    assert all(hasattr(s, "wait_event") for s in streams), moved("FSDP2's streams cannot wait on an event",
+                                                                 "fsdp_gather_streams")
+
+
 def test_the_sharding_cache_can_be_cleared():
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: F401

@@ -174,21 +174,30 @@ def test_a_model_that_returns_no_loss_is_refused_before_training():
     assert not pipe.prepared and pipe.losses == []
 
 
-#: the entries of the torchrun test: FAMILY:DRIVE (step/flush by hand, or fit)
-UNDER_TORCHRUN = ["gpt2:step", "llama:step", "llama:fit"]
+#: the entries of the torchrun test: FAMILY:DRIVE[:METHOD] (step/flush by hand, or fit; 1f1b-flush,
+#: or a method with several pieces per process: the tie between processes, or inside one for a V)
+UNDER_TORCHRUN = ["gpt2:step", "llama:step", "llama:fit", "gpt2:step:interleaved", "gpt2:step:zb-v",
+                  "gpt2:step:dualpipev", "gpt2:step:bidirectional", "gpt2:step:bitpipe", "llama:step:bitpipe"]
+
+#: which stages take the labels (the last of each pipeline), by method
+LAST_STAGES = {"1f1b-flush": [False, True], "bidirectional": [False, True, False, True],
+               "bitpipe": [False, False, False, True] * 2}
 
 
 def test_dict_batches_under_torchrun_equal_the_plain_loop(torchrun_2):
-    """Two processes, one stage each: the labels only on the last one. Losses and the gathered
-    trained weights equal the plain loop's. (tests/torchrun_dict_batches.py, the "dict" script of
-    tests/conftest.py's 2-process job.)"""
+    """Two processes, one stage each under 1f1b-flush, several under the chunked and mirrored
+    methods (issue 62: GPT-2's tie between processes, or inside one in a V; each mirrored
+    pipeline's tie summed before the replicas): the labels only on each pipeline's last stage.
+    Losses and the gathered trained weights equal the plain loop's. (tests/torchrun_dict_batches.py,
+    the "dict" script of tests/conftest.py's 2-process job.)"""
     rows = {row["entry"]: row for row in torchrun_2.rows("dict")}
     assert list(rows) == UNDER_TORCHRUN
     for entry, row in rows.items():
-        family, _ = entry.split(":")
+        family, _, *method = entry.split(":")
         expected, trained = plain_dict_loop(case(family)[0], dict_batches(), micro=2)
         assert row["losses"] == pytest.approx(expected, rel=1e-6), entry
-        assert row["takes_target"] == [False, True], entry
+        method = method[0] if method else "1f1b-flush"
+        assert row["takes_target"] == LAST_STAGES.get(method, [False, False, False, True]), entry
         result = case(family)[0]
-        result.load_state_dict(torch.load(torchrun_2.folder / "dict" / f"{family}-{row['drive']}.pt"))
+        result.load_state_dict(torch.load(torchrun_2.folder / "dict" / f"{entry.replace(':', '-')}.pt"))
         assert_same_weights(result, trained)

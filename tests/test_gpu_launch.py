@@ -1,12 +1,20 @@
-"""Issue 62, the launch rule: a process that sees one GPU takes it whatever its LOCAL_RANK (how
-one-GPU-per-process schedulers launch: CUDA_VISIBLE_DEVICES per task), one that sees the node's
-takes cuda:LOCAL_RANK, more processes than GPUs is refused naming the fix, and NCCL is told the
-device (``device_id``). No GPU here: torch.cuda and the process group are stood in for."""
+"""Issue 62, the CUDA path checked on the CPU. The launch rule: a process that sees one GPU takes it
+whatever its LOCAL_RANK (how one-GPU-per-process schedulers launch: CUDA_VISIBLE_DEVICES per task),
+one that sees the node's takes cuda:LOCAL_RANK, more processes than GPUs is refused naming the fix,
+and NCCL is told the device (``device_id``); waits without a busy-poll; a tie's pairs warmed; the
+trained model whole on one device; a backward's FSDP gather ordered after the shards' writes; global
+clipping on the device. No GPU here: torch.cuda, the process group, FSDP's streams and the GPU
+(the meta device) are stood in for."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
+import pipeoptim
 
 from pipeoptim.runtime.control import init_process_group, local_gpu
 
@@ -122,3 +130,137 @@ def test_a_tie_s_pair_groups_are_warmed_on_a_gpu_before_the_first_step(monkeypat
     connect_exchanges([Tie(holders=[0, 2], param=torch.nn.Parameter(torch.zeros(4)), name="wte")], 0, lambda k: k,
                       new_group)
     assert sent == []
+
+
+class TiedNet(nn.Module):
+    """An embedding, a layer, and a head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(5, 3), nn.Linear(3, 3), nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.embed(x)))
+
+
+def test_the_trained_model_comes_whole_on_one_device_whatever_the_stages_placement(monkeypatch):
+    """Issue 62: under torchrun on GPUs a process's copy of the model holds its own stage's layers on
+    cuda:LOCAL_RANK (moved there to train, without a copy) and the others where the model was given:
+    model() loaded the gathered weights into that copy and returned it split over two devices. It is
+    now whole on the device asked for (default: where the model was given), a copy where the stages
+    lie elsewhere, names and tie kept, the stage's layers left where they train. Here the meta
+    device stands for the GPU, the gathered weights for the other rank's."""
+    from pipeoptim import torchrun as torchrun_module
+    from pipeoptim.torchrun import Torchrun
+
+    torch.manual_seed(0)
+    model, trained = TiedNet(), TiedNet()
+    gathered = {k: v.clone() for k, v in trained.state_dict().items()}
+    monkeypatch.setattr(torchrun_module, "gather_tensors", lambda own, comm, what: dict(gathered))
+    model.mid.to("meta")  # this process's stage, on "its GPU"
+    stage = SimpleNamespace(module=model.mid, shards=None)
+    world = Torchrun(rank=1, world=2, device=torch.device("meta"), timeout=1.0)
+    whole = world.gather_model(model, [stage], torch.device("cpu"))
+    assert type(whole) is TiedNet and whole is not model
+    assert [p.device.type for p in whole.parameters()] == ["cpu"] * 3
+    assert whole.head.weight is whole.embed.weight  # one tensor under both names
+    assert all(torch.equal(value, gathered[name]) for name, value in whole.state_dict().items())
+    assert model.mid.weight.is_meta  # the stage trains on where it was
+    # one process: the Pipeline's own copy where its stages train on the device asked for, else a copy
+    pipe = pipeoptim.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), method="1f1b-flush",
+                              stages=2, loss_fn=nn.functional.cross_entropy,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert pipe.model() is pipe.model() and pipe.model().state_dict().keys() == pipe.model("meta").state_dict().keys()
+    assert all(p.is_meta for p in pipe.model(device="meta").parameters())
+    with pytest.raises(ValueError, match="device: .*give a device such as 'cpu' or 'cuda:0'"):
+        pipe.model(device="nowhere")
+
+
+def test_a_backward_s_gather_waits_for_the_version_written_into_the_shards(monkeypatch):
+    """Issue 62: with shard_replicas an asynchronous method writes each pass's weight version into
+    the live shards on the current stream (StageShards.hold), and FSDP2 gathers a backward's weights
+    on its own copy-in and all-gather streams without waiting for the current stream (only a forward
+    waits): the gather could read the shards before the write, or before the live values an earlier
+    pass put back or the optimizer's step. Now, at every pass, an event recorded on the current
+    stream after the writes is waited on by both of FSDP's streams (a torch that hides them: the
+    host waits). No GPU here: the streams are stand-ins, which record the order; that the numbers
+    then hold on CUDA only a GPU run confirms."""
+    from pipeoptim.runtime import sharding
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append((self.name, "waits for", event))
+
+    class Current:
+        def record_event(self):
+            log.append(("current", "records", live.tolist()))
+            return "written"
+
+        def synchronize(self):
+            log.append(("current", "synchronized"))
+
+    shards = sharding.StageShards(None, synchronous=False)
+    live = torch.zeros(2)
+    shards.module, shards._named, shards.device_type = nn.Linear(2, 1), {"w": nn.Parameter(live)}, "cuda"
+    monkeypatch.setattr(sharding, "fsdp_gather_streams", lambda module: [Stream("copy-in"), Stream("all-gather")],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current())
+    restore = shards.hold({"w": torch.ones(2)})  # the pass's version, then the event, then the waits
+    assert log == [("current", "records", [1.0, 1.0]), ("copy-in", "waits for", "written"),
+                   ("all-gather", "waits for", "written")]
+    restore()
+    log.clear()
+    shards.hold({})  # a backward on the live weights: ordered after the restore all the same
+    assert log == [("current", "records", [0.0, 0.0]), ("copy-in", "waits for", "written"),
+                   ("all-gather", "waits for", "written")]
+    monkeypatch.setattr(sharding, "fsdp_gather_streams", lambda module: None)  # streams hidden by torch
+    log.clear()
+    shards.hold({})
+    assert log == [("current", "synchronized")]
+    shards.device_type = "cpu"  # the host runs every operation in order: nothing to wait for
+    log.clear()
+    shards.hold({"w": torch.ones(2)})()
+    assert log == []
+
+
+def test_global_clipping_is_one_all_reduce_on_the_device_and_reads_nothing_back(monkeypatch):
+    """Issue 62: global clipping moved each stage's norm to the CPU and gathered Python objects over
+    gloo at every update. Now each process fills its stages' rows of a float64 table of squared norms
+    on its device, one all-reduce on the pipeline's own group sums the tables (each row has one
+    writer: the sum is exact, so the ranks and one process read the same bits) and the coefficient
+    stays on the device. The meta device stands for the GPU: a read to the host raises there."""
+    from pipeoptim.runtime.distributed import PipeTransport
+    from pipeoptim.runtime.executor import Mailbox
+    from pipeoptim.runtime.loss_scaling import UpdateAgreement
+
+    def stage(index, norm, device):
+        return SimpleNamespace(index=index, num_stages=2, device=torch.device(device), loss_scaling=None,
+                               replica_of=None, grad_norm=lambda: torch.tensor(norm).to(device))
+
+    reduced = []
+
+    def all_reduce(tensor, group):  # the other rank's row: stage 1's norm 4.0
+        reduced.append((tensor.dtype, tensor.device.type, group))
+        tensor[1, 1] += 16.0
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    comm = SimpleNamespace(group="the pipeline's group", rank=0, timeout=1.0, check_open=lambda: None)
+    own = [stage(0, 3.0, "meta")]
+    agreement = UpdateAgreement(0.5, own)
+    scale, skip = agreement.decide(PipeTransport(comm, own, None).agree(agreement.table(own)))
+    assert reduced == [(torch.float64, "meta", "the pipeline's group")]
+    assert scale.device.type == "meta" and not skip
+    # the numbers, on the CPU: the processes' sum is one process's table, bit for bit
+    own = [stage(0, 3.0, "cpu")]
+    agreement = UpdateAgreement(0.5, own)
+    spread, _ = agreement.decide(PipeTransport(comm, own, None).agree(agreement.table(own)))
+    every = [stage(0, 3.0, "cpu"), stage(1, 4.0, "cpu")]
+    alone = UpdateAgreement(0.5, every)
+    local, _ = alone.decide(Mailbox().agree(alone.table(every)))
+    assert spread.item() == local.item() == torch.tensor(0.5 / (5.0 + 1e-6), dtype=torch.float32).item()

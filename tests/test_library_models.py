@@ -12,7 +12,9 @@ embedding, under the default synchronous method equals its plain loop and under 
 equals the same feeds in one process."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -22,6 +24,7 @@ import pipeoptim
 from library_models import IMAGE_MODELS, LANGUAGE_MODELS, case
 from test_traced import plain_loop
 
+HERE = Path(__file__).resolve().parent
 SGDM = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
 
 
@@ -78,6 +81,64 @@ def test_pipeoptim_trains_a_library_model(family):
     if family == "gpt2":
         result = pipe.model()
         assert result.get_output_embeddings().weight is result.get_input_embeddings().weight
+
+
+#: the methods that hold several model pieces per process (chunks, or two mirrored pipelines)
+CHUNKED = ["interleaved", "zb-v", "dualpipev", "bidirectional", "bitpipe"]
+
+
+@pytest.mark.parametrize("family, method", [("gpt2", m) for m in CHUNKED] + [("llama", "zb-v"), ("llama", "bitpipe")])
+def test_chunked_methods_on_a_library_model_equal_its_sequential_training(family, method):
+    """Issue 62: a traced model (the head tied to the embedding, as both configs set it) cut into
+    2 stages x the method's pieces per stage, each piece at a candidate point; a mirrored
+    method's second pipeline copies the pieces, its own tie between the copies. The losses are
+    the plain loop's to the bit, the trained weights its own, the tie one tensor. (Llama: a V's
+    tie inside one process, zb-v; and a mirrored one, bitpipe.)"""
+    model, loss_fn, data = case(family)
+    pipe = pipeoptim.Pipeline(model, method=method, stages=2, partitioner="uniform", loss_fn=loss_fn,
+                              optimizer=SGDM, micro_batches=2)
+    losses = [loss for x, y in data for loss in pipe.step(x, y)] + pipe.flush()
+    pieces = 8 if method == "bitpipe" else 4
+    assert len(pipe.stages) == pieces and len(pipe.split_points) == (3 if method != "bidirectional" else 1)
+    expected, trained = sequential(family, micro=2)
+    assert losses == expected
+    result = pipe.model()
+    assert result.get_output_embeddings().weight is result.get_input_embeddings().weight
+    assert_same_weights(result, trained)
+
+
+#: tests/torchrun_chunked_replicas.py's entries in the 4-process job: zb-v's tie inside each process,
+#: each stage sharded (its own copy of the tie, summed with the other's there); interleaved's between
+#: processes, the replicas averaged first
+CHUNKED_REPLICAS = ["zb-v:sharded", "interleaved"]
+
+
+def test_chunked_methods_with_replicas_equal_one_replica_on_the_concatenated_shards(torchrun_4):
+    """GPT-2 on 2 stages x 2 replicas (4 processes): each tie summed over its holders once every
+    stage's gradients are averaged over its replicas, the same losses and weights as one
+    process on the replicas' micro-batches side by side (float sums in another order)."""
+    from torchrun_jobs import run_here
+
+    rows = torchrun_4.rows("chunked-replicas")
+    assert [row["entry"] for row in rows] == CHUNKED_REPLICAS
+    for row in rows:
+        expected = json.loads(run_here(HERE / "torchrun_chunked_replicas.py", row["entry"].split(":")[0]))
+        assert row["replicas"] == 2 and expected["replicas"] == 1 and row["tied"]
+        assert row["losses"] == pytest.approx(expected["losses"], rel=1e-6), row["entry"]
+        for name, value in row["weights"].items():
+            torch.testing.assert_close(torch.tensor(value), torch.tensor(expected["weights"][name]), rtol=1e-5,
+                                       atol=1e-6, msg=f"{row['entry']}: {name}")
+
+
+def test_a_chunked_method_refuses_a_model_with_too_few_candidate_points():
+    """Two stages x 2 chunks are four pieces, each beginning at a candidate point: a traced model
+    with fewer is refused before any work, naming how many stages it can hold."""
+    model, loss_fn, data = case("gpt2")
+    units = len(pipeoptim.graph_split.trace(model, data[0][0]).candidates)
+    pipe = pipeoptim.Pipeline(model, method="interleaved", stages=units, loss_fn=loss_fn, optimizer=SGDM)
+    with pytest.raises(ValueError, match=rf"interleaved cuts {units} stages x 2 chunks = {2 * units} pieces.*"
+                                         rf"use stages={units // 2} or fewer"):
+        pipe.step(*data[0])
 
 
 OTHER_FAMILIES = sorted(set(LANGUAGE_MODELS) - {"gpt2", "llama"}) + sorted(set(IMAGE_MODELS) - {"resnet"})

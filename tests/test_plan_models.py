@@ -4,6 +4,8 @@ loss_fn: the model's own loss), cut it at its blocks, predict every method and m
 and recommend one by the rule for an unstudied model; the Pipeline runs the recommendation."""
 from __future__ import annotations
 
+import itertools
+
 import json
 import textwrap
 
@@ -53,14 +55,15 @@ def test_pipeoptim_plan_plans_a_transformers_gpt2_and_the_pipeline_runs_it():
     assert plan["units"] == {"traced": True, "count": 9, "own_loss": True, "cut_points": UNITS}
     assert sum(plan["partition"]) == 9 and len(plan["partition"]) == 2
     assert plan["split_points"] == [UNITS[plan["partition"][0]]]
-    # 9 candidates: 4 per M (gpipe, 1f1b-flush, zb-h1, pipedream), interleaved skipped with the fix
-    assert len(plan["candidates"]) == 8
+    # 9 candidates: 4 per M (gpipe, 1f1b-flush, zb-h1, pipedream), interleaved at M = 2 only
+    assert len(plan["candidates"]) == 9
     reasons = {(s["method"], s["microbatches"]): s["reason"] for s in plan["skipped"]}
-    assert reasons[("interleaved", 2)] == ("interleaved places 2 model pieces per process, which needs an "
-                                           "nn.Sequential; give the model as an nn.Sequential of its blocks to "
-                                           "plan it")
+    assert list(reasons) == [("interleaved", 1)]
     assert reasons[("interleaved", 1)] == ("interleaved needs micro-batches that are a multiple of the stages "
                                            "(1, 2 stages)")
+    interleaved = next(c for c in plan["candidates"] if c["method"] == "interleaved")
+    assert len(interleaved["partition"]) == 4 and interleaved["split_points"] == [  # 2 stages x 2 pieces
+        UNITS[k] for k in itertools.accumulate(interleaved["partition"][:-1])]
     for c in plan["candidates"]:
         assert c["samples_per_second"] > 0 and c["processes"] == 2 and c["stage_costs"] == "measured"
         assert c["speedup"] == pytest.approx(c["samples_per_second"] / plan["reference"]["samples_per_second"])
@@ -142,7 +145,8 @@ def test_a_model_with_no_loss_and_no_loss_fn_is_refused():
 
 
 def test_a_tasks_traced_model_is_planned_and_its_plan_file_read_by_train(tmp_path):
-    """lm's gpt-tied-small is a module the Pipeline traces (tied head): plan used to refuse it."""
+    """lm's gpt-tied-small is a module the Pipeline traces (tied head): plan used to refuse it, and
+    interleaved on it."""
     from pipeoptim.errors import MissingDataError
     from pipeoptim.lab.planner import load_plan
 
@@ -156,7 +160,8 @@ def test_a_tasks_traced_model_is_planned_and_its_plan_file_read_by_train(tmp_pat
         pytest.skip("the lm task's data is not installed")
     plan = json.loads(out.read_text())
     assert plan["units"]["traced"] and plan["units"]["count"] == len(plan["units"]["cut_points"])
-    assert sum(plan["partition"]) == plan["units"]["count"] and plan["method"] in ("gpipe", "zb-h1")
-    assert [s["method"] for s in plan["skipped"]] == ["interleaved"]
+    assert sum(plan["partition"]) == plan["units"]["count"] and plan["method"] in ("gpipe", "zb-h1", "interleaved")
+    assert plan["skipped"] == []  # interleaved cuts the traced model into 2 stages x 2 pieces (issue 62)
+    assert [len(c["partition"]) for c in plan["candidates"]] == [2, 2, 4]
     assert load_plan(out) == {"task": "lm", "model": "gpt-tied-small", "batch_size": 32, "stages": 2,
                               "partition": plan["partition"], "method": plan["method"], "micro_batches": 2}

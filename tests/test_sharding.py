@@ -2,8 +2,8 @@
 4 processes: the same losses and weights as the replicated pipeline x data parallel run to 1e-6
 relative for each weight policy and each setting that changes what a pass runs on, the synchronous
 ones also as ``sequential`` training on the whole mini-batches; the combinations it refuses,
-refused; each rank's state bytes halved, against the closed form; a sharded checkpoint resumed in
-other layouts."""
+refused; each rank's state bytes halved, against the closed form, the layers it sharded a copy of
+freed; a sharded checkpoint resumed in other layouts."""
 from __future__ import annotations
 
 import json
@@ -105,8 +105,9 @@ def test_sharded_equals_replicated(job, entry):
     assert "error" not in row, row.get("error")
     assert len(row["sharded"]["losses"]) == len(row["replicated"]["losses"]) == 8
     assert relative(row["replicated"], row["sharded"]) < 1e-6
-    # each epoch's evaluation, run through the sharded stages
+    # each epoch's evaluation, run through the sharded stages; a function of the model (evaluate_model) too
     assert row["sharded"]["metrics"] == pytest.approx(row["replicated"]["metrics"], rel=1e-6)
+    assert row["sharded"]["evaluated"] == pytest.approx(row["replicated"]["evaluated"], rel=1e-6)
 
 
 @pytest.mark.parametrize("entry", [e for e in PLAIN + CASES  # (dropout draws per process: apart)
@@ -163,6 +164,11 @@ def test_each_rank_holds_its_shard_of_every_version(job, method):
         versions = replicated[k]["weights"] / replicated[k]["parameters"]
         assert sharded[k]["weights"] == versions * sharded[k]["parameters"]
         assert sharded[k]["optimizer"] < replicated[k]["optimizer"]  # AdamW's two moments, sharded
+    # issue 62: the stage's own layers, which it shards a copy of, are released (storage freed),
+    # so rank 0's copy of the model holds stage 1's weights only, where the replicated run's holds both
+    # (its stage 0 trains on them); model() and the evaluations read the shards (the tests above)
+    beside = {kind: job[method][kind]["model_bytes"] for kind in ("replicated", "sharded")}
+    assert beside["sharded"] == beside["replicated"] - replicated[0]["parameters"]
 
 
 def test_a_sharded_checkpoint_resumes_in_other_layouts(job, tmp_path):

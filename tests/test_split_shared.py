@@ -8,10 +8,10 @@ at every read, and autograd then walked (and freed) the input path between the r
 time: "Trying to backward through the graph a second time". Each test here failed so.
 
 Every method with a split backward must train as 1f1b-flush (whole backward) does: the same
-losses and the same weights, fp32, seeded. zb-v and dualpipev take only an nn.Sequential for now
-(they place two chunks per process, and refuse a traced model), so they run on the Sequential
-model here; T5 and the traced plain model run zb-h1. A skip connection crossing a cut (the stage
-input read by every later block) already trained right; it rides along in the plain models.
+losses and the same weights, fp32, seeded. zb-v and dualpipev place two chunks per process: they
+run on the Sequential model and on the traced one (cut into 4 pieces); T5 runs zb-h1. A skip
+connection crossing a cut (the stage input read by every later block) already trained right; it
+rides along in the plain models.
 """
 from __future__ import annotations
 
@@ -227,10 +227,13 @@ def plain_batches(count: int = 3, size: int = 8):
 
 
 def test_a_traced_model_with_a_skip_across_the_cut_and_a_shared_table_trains_as_1f1b_flush():
-    """zb-h1 (zb-v and dualpipev refuse a traced model), two cuts: the middle stage reads the
-    table in both its blocks and ``h0`` from the first stage."""
+    """zb-h1, two cuts: the middle stage reads the table in both its blocks and ``h0`` from the
+    first stage. zb-v and dualpipev on 2 stages x 2 pieces (issue 62): the table is read by every
+    piece, two of them in each process, against 1f1b-flush on the same 4 pieces."""
     assert_trains_as_1f1b_flush(SkipAndTable, ["zb-h1"], plain_batches(), loss_fn=F.cross_entropy,
                                 stages=3, split_points=["blocks.1", "blocks.3"])
+    assert_trains_as_1f1b_flush(SkipAndTable, ["zb-v", "dualpipev"], plain_batches(), loss_fn=F.cross_entropy,
+                                split_points=["blocks.0", "blocks.2", "head"], micro_batches=4)
 
 
 @pytest.mark.parametrize("method", ["zb-h1", "zb-v", "dualpipev"])

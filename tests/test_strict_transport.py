@@ -9,7 +9,10 @@ what both allow, each on a group of its own:
 * strict, rank 0 sending first and rank 1 receiving first: passes, the values arrive;
 * strict, a complex64 tensor: refused at once, naming the dtype;
 * strict, a pair's first operation while the peer issues none for longer than the timeout:
-  refused, as NCCL's communicator creation would block."""
+  refused, as NCCL's communicator creation would block;
+* two groups' asynchronous all-reduces issued in opposite orders on the two ranks: gloo passes,
+  strict refuses (NCCL queues a GPU's collectives in issue order: both would wait forever); in
+  one order both pass; a complex64 all-reduce is refused."""
 from __future__ import annotations
 
 import json
@@ -57,6 +60,11 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         assert theirs.tolist() == [float(peer)] * 3
 
     said["gloo, both send first"] = _outcome(lambda: exchange(dist.new_group([0, 1]), send_first=True))
+    one, two = dist.new_group([0, 1]), dist.new_group([0, 1])
+    pair = [torch.ones(2), torch.ones(2)]
+    works = [dist.all_reduce(t, group=g, async_op=True) for g, t in ([(one, pair[0]), (two, pair[1])] if rank == 0
+                                                                   else [(two, pair[1]), (one, pair[0])])]
+    said["gloo, collectives in two orders"] = _outcome(lambda: [w.wait() for w in works])
     strict.install(timeout=TIMEOUT)
     try:
         said["strict, both send first"] = _outcome(lambda: exchange(dist.new_group([0, 1]), send_first=True))
@@ -64,6 +72,19 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         odd = dist.new_group([0, 1])
         said["strict, complex64"] = _outcome(
             lambda: dist.isend(torch.zeros(2, dtype=torch.complex64), dst=peer, group=odd).wait())
+        first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+
+        def two_collectives(same_order: bool):
+            a, b = torch.ones(2), torch.ones(2)
+            order = [(first, a), (second, b)] if same_order or rank == 0 else [(second, b), (first, a)]
+            works = [dist.all_reduce(t, group=g, async_op=True) for g, t in order]
+            for work in works:
+                work.wait()
+            assert a.tolist() == b.tolist() == [2.0, 2.0]
+        said["strict, collectives in one order"] = _outcome(lambda: two_collectives(True))
+        said["strict, collectives in two orders"] = _outcome(lambda: two_collectives(False))
+        said["strict, complex64 all_reduce"] = _outcome(
+            lambda: dist.all_reduce(torch.zeros(2, dtype=torch.complex64), group=first))
         alone = dist.new_group([0, 1])
         if rank == 0:
             said["strict, first operation alone"] = _outcome(lambda: dist.isend(torch.ones(1), dst=peer, group=alone))
@@ -88,8 +109,19 @@ def test_the_strict_transport_fails_where_nccl_would_hang_and_passes_where_it_wo
         assert mine["strict, one sends first"] == "passed"
         assert mine["strict, complex64"].startswith(
             f"StrictTransportError: a send from rank {rank} to rank {1 - rank} of a torch.complex64 tensor on group 2")
+        # two groups' collectives: gloo runs each group apart; NCCL queues them in issue order
+        assert mine["gloo, collectives in two orders"] == "passed"
+        assert mine["strict, collectives in one order"] == "passed"
+        groups = (3, 4) if rank == 0 else (4, 3)
+        assert mine["strict, collectives in two orders"] == (
+            f"StrictTransportError: all_reduce on rank {rank}: ranks {rank} and {1 - rank} issue their collectives in "
+            f"another order (here on group {groups[0]}, there on group {groups[1]} at the same count): NCCL queues "
+            f"them in that order on each GPU and both would wait forever; issue them in one order")
+        assert mine["strict, complex64 all_reduce"].startswith(
+            f"StrictTransportError: all_reduce on rank {rank} of a torch.complex64 tensor on group 3: NCCL has no "
+            f"such type")
     assert said[0]["strict, first operation alone"].startswith(
-        "StrictTransportError: the first operation between ranks 0 and 1 on group 3 waits for both ends (rank 1 "
+        "StrictTransportError: the first operation between ranks 0 and 1 on group 5 waits for both ends (rank 1 "
         "issued none)")
 
 

@@ -36,6 +36,7 @@ def _env() -> dict:
         env.pop(key, None)
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["PIPEOPTIM_STRICT_TRANSPORT"] = "1"  # NCCL's rules on gloo (runtime/strict.py): what would hang on a GPU fails
     return env
 
 
@@ -86,6 +87,10 @@ def test_every_method_under_torchrun_equals_one_process(both, method):
     assert spread["fit_model_whole"] and local["fit_model_whole"]  # ... on every rank
     assert spread["weight_versions"] == local["weight_versions"]
     assert len(local["losses"]) == 9
+    # issue 62: model(device=...) whole there; evaluate_model's function run through the stages on
+    # their processes (no model copied to rank 0) gives one process's value, bit for bit
+    assert spread["whole_on_meta"] and local["whole_on_meta"]
+    assert spread["evaluated_model"] == local["evaluated_model"]
 
 
 #: the schedules of the 4-process job (tests/conftest.py's torchrun_4)
@@ -197,9 +202,13 @@ EXIT_SCRIPT = HERE / "torchrun_exit.py"
 
 @functools.lru_cache(maxsize=None)
 def teardown(modes: str) -> tuple:
-    """(exit status, stderr, {rank: report}) of ``torchrun --nproc-per-node 2 torchrun_exit.py MODES``."""
+    """(exit status, stderr, {rank: report}) of ``torchrun --nproc-per-node 2 torchrun_exit.py MODES``,
+    on gloo's own rules: gloo's threads are what it checks, and a rank whose peer raised learns it from
+    gloo's closed connection (under NCCL's rules, as the strict transport keeps them, it would wait
+    out the timeout)."""
+    env = {k: v for k, v in _env().items() if k != "PIPEOPTIM_STRICT_TRANSPORT"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           "2", str(EXIT_SCRIPT), modes], capture_output=True, text=True, env=_env(), cwd=REPO,
+                           "2", str(EXIT_SCRIPT), modes], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=240)
     reports = {r["rank"]: r for r in map(json.loads, (l for l in done.stdout.splitlines() if l.startswith("{")))}
     return done.returncode, done.stderr, reports
@@ -389,35 +398,6 @@ def test_a_killed_stage_resumes_from_its_checkpoint_to_the_uninterrupted_run(tmp
     resumed = json.loads((tmp_path / "cut" / "result.json").read_text())
     assert resumed["losses"] == whole["losses"]
     assert resumed["weights"] == whole["weights"]
-
-
-def test_two_nodes_give_what_one_node_gives(both):
-    """Two torchrun agents on this machine (--nnodes 2, one process each, a c10d rendezvous)
-    give the one-node job's numbers (the 2-process "methods" script of ``both``)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                                str(SCRIPT), "pipeoptim,1f1b-flush", "2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
-              for _ in range(2)]
-    try:
-        outs = [a.communicate(timeout=240) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-    assert all(a.returncode == 0 for a in agents), [err[-2000:] for _, err in outs]
-    printed = [out for out, _ in outs if out.strip()]
-    assert len(printed) == 1                       # rank 0 lives on one of the nodes
-    two_nodes = rows(printed[0])
-    one_node = both[1]
-    for method in ("pipeoptim", "1f1b-flush"):
-        assert two_nodes[method]["losses"] == one_node[method]["losses"]
-        assert two_nodes[method]["weights"] == one_node[method]["weights"]
 
 
 #: (the 2-stage, 1-replica layout: tests/test_distributed.py's bench test, with gpipe beside pipeoptim)

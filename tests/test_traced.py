@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -180,12 +181,31 @@ def test_a_cut_that_needs_no_trace_to_be_wrong_is_refused_when_the_pipeline_is_b
 
 
 @pytest.mark.parametrize("method", sorted(set(pipeoptim.method_names()) - set(ONE_CHUNK)))
-def test_a_chunked_method_is_refused_naming_the_fix(method):
-    chunks = pipeoptim.get_method(method).chunks
-    with pytest.raises(ValueError, match=f"{method} places {chunks} model chunks per process, which needs an "
-                                         f"nn.Sequential for now"):
-        pipeoptim.Pipeline(SkipNet(), method=method, stages=2, loss_fn=nn.functional.cross_entropy,
-                           optimizer=SGDM, example_input=skip_batches()[0][0])
+def test_a_chunked_method_cuts_stages_x_pieces_and_refuses_a_cut_that_does_not_fit(method):
+    """A chunked or mirrored method cuts a traced model into stages x its pieces per stage, each
+    at a candidate point (SkipNet has 5: inp, blocks.0..2, out). Split points name every piece's
+    start; too few of them, or too few candidate points, are refused naming the fix."""
+    pieces = pipeoptim.get_method(method).pieces_per_rank(pipeoptim.get_method(method).chunks)
+
+    def skipnet(**kw):
+        return pipeoptim.Pipeline(SkipNet(), method=method, loss_fn=nn.functional.cross_entropy, optimizer=SGDM,
+                                  example_input=skip_batches()[0][0], **kw)
+    if pieces > 1:
+        with pytest.raises(ValueError, match=rf"stages=3 x 2 chunks are 6 pieces, but 1 split points make 2; give 5 "
+                                             rf"split points or stages=1"):
+            skipnet(stages=3, split_points=["blocks.1"])
+        with pytest.raises(ValueError, match=rf"{method} cuts stages x 2 chunks pieces; 2 split points make 3 pieces, "
+                                             rf"not a multiple of 2: give 1 or 3 split points"):
+            skipnet(split_points=["blocks.0", "blocks.1"])
+    too_many = 5 // pieces + 1
+    says = (f"{method} cuts 3 stages x 2 chunks = 6 pieces, each at a candidate point; SkipNet has 5" if pieces > 1
+            else "6 stages need 6 candidate points; SkipNet has 5")
+    with pytest.raises(ValueError, match=re.escape(f"{says} (inp, blocks.0, blocks.1, blocks.2, out): use "
+                                                   f"stages={5 // pieces} or fewer")):
+        skipnet(stages=too_many)
+    points = ["blocks.0", "blocks.1", "blocks.2", "out"][4 - (2 * pieces - 1):]
+    pipe = skipnet(split_points=points)
+    assert (pipe.spec.ranks, pipe.split_points) == (2, points)
 
 
 def test_a_tied_gpt_under_torchrun_equals_the_model_trained_sequentially(traced_under_torchrun):

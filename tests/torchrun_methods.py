@@ -7,7 +7,8 @@ that one job runs every case its tests read; ``+ef=1`` turns error feedback on, 
 trains with the delay-aware optimizer instead of SGD with momentum, ``+fp16=E`` runs in fp16 from the loss
 scale 2**E (its line also holds stage 0's skipped updates and the scale), ``+wire=odd`` trains
 tests/traced_models.py's ``odd_dtypes_model`` (complex64 and int16 crossing the cut; its line also
-holds the dtypes every send of a link put on the wire)."""
+holds the dtypes every send of a link put on the wire). Each line also says whether ``model(device="meta")``
+was whole there and what ``evaluate_model`` gave (a loss summed over two mini-batches)."""
 import json
 import sys
 
@@ -64,6 +65,13 @@ for entry in entries:
     fit_weights = {k: listed(v) for k, v in result.model.state_dict().items()}
     weights = {k: listed(v) for k, v in pipe.model().state_dict().items()}
     fit_model_whole = torch.tensor(float(fit_weights == weights))
+    # issue 62: the whole model on a device of the caller's choice (meta: no values, every rank's copy),
+    # and a function of the model evaluated through the stages (under torchrun: on their processes)
+    whole = pipe.model(device="meta")
+    on_meta = all(p.is_meta for p in whole.parameters()) and [n for n, _ in whole.named_parameters()] == \
+        [n for n, _ in pipe.model().named_parameters()]
+    evaluated = pipe.evaluate_model(lambda net: sum(nn.functional.cross_entropy(net.eval()(x), y).item()
+                                                    for x, y in batches[:2]))
     if torch.distributed.is_initialized():  # every rank's answer, not only rank 0's
         torch.distributed.all_reduce(fit_model_whole, op=torch.distributed.ReduceOp.MIN)
     if partition:
@@ -78,6 +86,7 @@ for entry in entries:
                           "weight_versions": result.metrics["weight_versions"],
                           "processes": result.metrics["processes"], "weights": weights,
                           "fit_model_whole": bool(fit_model_whole), "fit_weights": fit_weights,
+                          "whole_on_meta": on_meta, "evaluated_model": evaluated,
                           "skips": pipe.stages[0].record.skips,
                           "scale": getattr(pipe.stages[0].loss_scaling, "scale", None),
                           "evaluations": [{k: v for k, v in e.items() if k != "seconds"}

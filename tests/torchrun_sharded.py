@@ -106,10 +106,15 @@ def run(kind: str, method: str, settings: dict, shard: bool, alone: bool = False
     # an evaluation at each epoch's end (a pipelined forward through the stages, sharded ones too)
     metric = (lambda out, y: lm_loss(out, y)) if kind == "gpt" else (lambda out, y: nn.functional.cross_entropy(out, y))
     result = pipe.fit(own, epochs=2, eval_loader=own[:2], metric=metric)
+    # a function of the whole model, its calls run through the (sharded) stages
+    evaluated = pipe.evaluate_model(lambda net: sum(metric(net.eval()(x), y).item() for x, y in own[:2]))
     weights = {k: v.tolist() for k, v in pipe.model().state_dict().items()}
+    # the weights this process holds in its copy of the model beside what its stage trains on
+    model_bytes = sum(p.untyped_storage().nbytes() for p in pipe._model.parameters())
     pipe.close()  # its groups destroyed now, not all at the job's end (see the loop's end)
     return {"losses": result.losses, "weights": weights, "state_memory": result.metrics.get("state_memory"),
-            "metrics": [e["metric"] for e in result.metrics["epochs"]]}
+            "metrics": [e["metric"] for e in result.metrics["epochs"]], "model_bytes": model_bytes,
+            "evaluated": evaluated}
 
 
 def reshard(folder: Path) -> dict:

@@ -36,7 +36,9 @@ for group, which, entry, points in rows:
         sys.stdout.write(json.dumps({"group": group, "rank": pipe.rank, "points": pipe.split_points}) + "\n")
         sys.stdout.flush()
     trained = pipe.model()
+    elsewhere = pipe.model(device="meta")  # a copy, made on another device than the stages': the tie kept
     if pipe.rank == 0:
         print(json.dumps({"group": group, "method": entry, "losses": losses,
-                          "tied": which == "gpt" and trained.head.weight is trained.embed.weight,
+                          "tied": which == "gpt" and trained.head.weight is trained.embed.weight
+                          and elsewhere.head.weight is elsewhere.embed.weight,
                           "weights": {k: v.tolist() for k, v in trained.state_dict().items()}}), flush=True)

@@ -297,22 +297,18 @@ def stages_of(method: Method, layout: Layout, split_points: Optional[Sequence[st
         return 1
     if layout.stages is not None:
         return layout.stages
-    return len(split_points) + 1 if split_points is not None else None
+    return (len(split_points) + 1) // method.pieces_per_rank(layout.chunks) if split_points is not None else None
 
 
 def check_split(model: nn.Module, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
                 points: Optional[Sequence[str]], chunks: int) -> None:
     """A cut that is wrong before any trace: split points for an ``nn.Sequential``, beside a
-    partition, naming no submodule, or against ``stages``; chunks on a traced model."""
+    partition, naming no submodule, or against ``stages`` (x a chunked method's pieces per stage)."""
     if isinstance(model, nn.Sequential):
         if points is not None:
             raise ValueError("split_points names submodules of a traced model; for an nn.Sequential "
                              "give partition=[layers per stage]")
         return
-    if chunks > 1:
-        raise ValueError(f"{method.name} places {chunks} model chunks per process, which needs an nn.Sequential "
-                         f"for now; give the model as an nn.Sequential of its blocks, or a one-chunk "
-                         f"method (1f1b-flush, zb-h1)")
     if points is None:
         return
     if partition is not None:
@@ -324,9 +320,19 @@ def check_split(model: nn.Module, method: Method, stages: Optional[int], partiti
             raise ValueError(f"split point {point!r} names no submodule of the model"
                              + (f"; did you mean {', '.join(map(repr, near))}?" if near else
                                 "; give qualified names from model.named_modules(), e.g. 'layers.2'"))
-    if stages is not None and stages != len(points) + 1:
-        raise ValueError(f"stages={stages} but {len(points)} split points make {len(points) + 1} "
-                         f"stages; give {stages - 1} split points or stages={len(points) + 1}")
+    per_rank = method.pieces_per_rank(chunks)
+    if per_rank > 1 and (len(points) + 1) % per_rank:
+        fewer = per_rank * max(1, (len(points) + 1) // per_rank) - 1
+        raise ValueError(f"{method.name} cuts stages x {per_rank} chunks pieces; {len(points)} split points "
+                         f"make {len(points) + 1} pieces, not a multiple of {per_rank}: give {fewer} or "
+                         f"{fewer + per_rank} split points")
+    if stages is not None and stages * per_rank != len(points) + 1:
+        if per_rank == 1:
+            raise ValueError(f"stages={stages} but {len(points)} split points make {len(points) + 1} "
+                             f"stages; give {stages - 1} split points or stages={len(points) + 1}")
+        raise ValueError(f"stages={stages} x {per_rank} chunks are {stages * per_rank} pieces, but {len(points)} "
+                         f"split points make {len(points) + 1}; give {stages * per_rank - 1} split points "
+                         f"or stages={(len(points) + 1) // per_rank}")
 
 
 def check_chunk_layers(model: nn.Sequential, method: Method, ranks: int, chunks: int,
@@ -352,12 +358,20 @@ def check_microbatches(method: Method, ranks: int, chunks: int, micro: int) -> N
 
 
 # -- where the model is cut and placed ----------------------------------------------------------
-def check_units(model: nn.Module, units: int, candidates: Sequence[str], stages: Optional[int], method: Method) -> None:
-    """A traced model has as many stages as candidate points at most."""
-    if stages is not None and stages > units and method.name != "sequential":
-        raise ValueError(f"{stages} stages need {stages} candidate points; "
-                         f"{type(model).__name__} has {units} ({', '.join(candidates)}): "
-                         f"use stages={units} or fewer")
+def check_units(model: nn.Module, units: int, candidates: Sequence[str], stages: Optional[int], method: Method,
+                per_rank: int = 1) -> None:
+    """A traced model has as many pieces as candidate points at most (``per_rank``: a chunked
+    method's pieces per stage)."""
+    if stages is None or method.name == "sequential" or stages * per_rank <= units:
+        return
+    if per_rank > 1:
+        raise ValueError(f"{method.name} cuts {stages} stages x {per_rank} chunks = {stages * per_rank} pieces, "
+                         f"each at a candidate point; {type(model).__name__} has {units} "
+                         f"({', '.join(candidates)}): use stages={max(1, units // per_rank)} or fewer"
+                         + (", or a one-chunk method (1f1b-flush, zb-h1)" if units < 2 * per_rank else ""))
+    raise ValueError(f"{stages} stages need {stages} candidate points; "
+                     f"{type(model).__name__} has {units} ({', '.join(candidates)}): "
+                     f"use stages={units} or fewer")
 
 
 def check_toolchain(backend: Optional[str], devices: Sequence[torch.device]) -> None:

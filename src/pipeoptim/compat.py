@@ -15,7 +15,7 @@ from torch.utils import _pytree
 
 __all__ = ["HAS_STORAGE_USE_COUNT", "storage_use_count", "CAN_SWAP_STORAGE", "swap_storage_memory",
            "FOREACH_NORM_TAKES_DTYPE", "FOREACH_OPS", "muon_orthogonalize", "newton_schulz", "muon_lr_ratio",
-           "fsdp_reduce_gradients", "forget_sharding_cache", "tensor_version", "compile_backend",
+           "fsdp_reduce_gradients", "fsdp_gather_streams", "forget_sharding_cache", "tensor_version", "compile_backend",
            "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves", "tree_unflatten"]
 
 
@@ -175,6 +175,30 @@ def fsdp_reduce_gradients(module: torch.nn.Module) -> None:
     for group in groups:
         group.post_backward()
     final()
+
+
+def fsdp_gather_streams(module: torch.nn.Module) -> Optional[List[Any]]:
+    """The streams FSDP2's all-gathers of the ``fully_shard``-ed ``module`` read its shards on:
+    the copy-in stream and the all-gather stream (``[]`` before FSDP makes them, at the module's
+    first forward). A backward's gather runs on them without waiting for the current stream
+    (torch 2.13: ``FSDPParamGroup.unshard`` in ``PRE_BACKWARD``; only the root's forward makes
+    them wait), so ``runtime/sharding.StageShards.hold`` makes them wait for the weights it wrote.
+
+    Private API: ``fully_shard.state(module)._comm_ctx.all_gather_copy_in_stream`` and
+    ``.all_gather_stream``.
+    Fallback: where missing, None: the caller waits for its writes on the host instead (the
+    current stream synchronized: the same order, the overlap lost).
+    Public alternative awaited: an ``FSDPModule`` method that orders its next all-gathers after
+    an event (``set_post_optim_event`` does so for the next forward only)."""
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        context = fully_shard.state(module)._comm_ctx
+    except AttributeError:
+        return None
+    if not hasattr(context, "all_gather_stream"):
+        return [] if hasattr(context, "lazy_init") else None
+    return [context.all_gather_copy_in_stream, context.all_gather_stream]
 
 
 def forget_sharding_cache() -> None:

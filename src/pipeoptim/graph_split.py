@@ -411,6 +411,12 @@ class OutputBuilder(nn.Module):
     def forward(self, *leaves: Any) -> Any:
         return tree_unflatten(list(leaves), self.spec)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OutputBuilder":
+        """A copy (a mirrored method's second pipeline copies the pieces) shares the spec, which
+        holds no state (and torch's pytree warns when one is copied)."""
+        made = memo[id(self)] = OutputBuilder(self.spec)
+        return made
+
 
 def _item(values: Any, index: Any) -> Any:
     """``values[index]``: one of the values a stage receives (an fx call, so that it is named),

@@ -140,7 +140,8 @@ OPTIONS: Tuple[Option, ...] = (
                      "chose into its plan file")),
     Option("split_points", "Optional[Sequence[str]]", None,
            "a traced model's cut: the qualified names of the submodules where stages "
-           "2..N begin (['layers.4', 'layers.8']), in call order", "pipeline",
+           "2..N begin (['layers.4', 'layers.8']), in call order; for a method with several pieces per stage, "
+           "where pieces 2..N x pieces begin", "pipeline",
            api_only="the command line's models are cut by --stages/--partition"),
     Option("example_input", "Any", None, "the inputs to trace a model that is not an nn.Sequential on (a tensor, a "
            "tuple of the forward's positional arguments, or a dict batch); default: the first mini-batch, "

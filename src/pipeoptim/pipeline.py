@@ -37,7 +37,7 @@ from .runtime.spec import RunSpec
 from .runtime.stage import Stage
 from .state_names import StateNames
 from .torchrun import Torchrun
-from .world import LocalWorld, OnStageDevices, World, resolve_devices
+from .world import LocalWorld, OnStageDevices, World, model_device, one_device, resolve_devices, whole_model
 
 __all__ = ["Pipeline", "TrainResult", "OnStageDevices", "resolve_devices", "Batch", "Metric", "CLIP_SCOPES"]
 
@@ -89,6 +89,7 @@ class Pipeline:
         self._weighing = Weighing(config.loss_normalization, model, own_loss=config.loss_fn is None)
         self._model = copy.deepcopy(model)
         self._model.train()
+        self._given_on = model_device(model)  #: where the model was given: model()'s default device
         #: what the checks settled, once: the layout, the method's options, clip scope, compile backend
         self.checked: Checked = check_pipeline(config, model, self.world, self.method)
         self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
@@ -337,12 +338,12 @@ class Pipeline:
                     self._schedule_for(2, first_batch=self.batches_done))
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:
-        """``evaluate(model)`` of the trained model (a function written for a model on one
-        device: it may read the stages spread over devices, or under torchrun the model gathered
-        on each replica's first stage, on the CPU), measured once and returned on every rank.
+        """``evaluate(model)`` of the trained model (a function written for a model on one device;
+        under torchrun its calls ``model(inputs)`` run through the stages on their devices:
+        ``runtime/forward_only.PipelinedModel``), measured once and returned on every rank.
         The pipeline must be drained; the model is back in training mode afterwards."""
         self._require_drained("evaluate_model")
-        return self.world.evaluate_model(self._model, self.model_stages, evaluate)
+        return self.world.evaluate_model(self._model, self.model_stages, evaluate, self._eval_mode.evaluating)
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
@@ -354,15 +355,15 @@ class Pipeline:
         with contextlib.nullcontext() if self._model.training else self._eval_mode.evaluating():
             return self.world.forward(self.model_stages, inputs)  # a traced model: the graph of its mode
 
-    def model(self) -> nn.Module:
-        """The trained model (the Pipeline's own copy, stage k's layers on ``devices[k]``), with
-        the original parameter names. Call :meth:`flush` first for weights every mini-batch fed
-        has updated. Under torchrun every rank must call it: each stage's weights are gathered
-        into every rank's copy. A tied weight is one tensor, as in the model given."""
-        if not self.prepared:
-            return self._model  # nothing trained yet
-        self.world.gather_model(self._model, self.model_stages)
-        return self._model
+    def model(self, device: Optional[Any] = None) -> nn.Module:
+        """The trained model whole on ``device`` (default: where the model given was), its names
+        and tied weights as given: the Pipeline's own copy where every stage trains there, else a
+        copy made now (:func:`pipeoptim.world.whole_model`). Call :meth:`flush` first for weights
+        every mini-batch fed has updated; under torchrun every rank must call it (it gathers)."""
+        target = self._given_on if device is None else one_device(device)
+        if not self.prepared:  # nothing trained yet
+            return whole_model(self._model, target)
+        return self.world.gather_model(self._model, self.model_stages, target)
 
     # -- state --------------------------------------------------------------------------------
     def _require_drained(self, what: str, loader: Optional[Iterable[Batch]] = None) -> None:

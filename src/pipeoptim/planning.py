@@ -213,9 +213,6 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
             if method == "sequential" and m != 1:
                 continue
             problem = candidate_problem(method, n, m, batch_size, weighted)
-            if problem is None and units.traced is not None and n > 1 and meth.chunks > 1:
-                problem = (f"{method} places {meth.chunks} model pieces per process, which needs an nn.Sequential; "
-                           f"give the model as an nn.Sequential of its blocks to plan it")
             if problem:
                 skipped.append({"method": name, "microbatches": m, "reason": problem})
                 continue
@@ -291,7 +288,7 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
                       measured=measured(split, m, method))
         row["memory_fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
         reach(row, reference["samples_per_second"], n, speeds)
-        if units.traced is not None and get_method(method).chunks == 1:
+        if units.traced is not None:  # (a chunked method's: where each of its pieces begins)
             row["split_points"] = units.split_points(split)
         candidates.append(row)
     return {"profiles": profiles, "partitions": partitions, "candidates": candidates, "skipped": skipped,
@@ -317,7 +314,7 @@ def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stage
     profiles = found["profiles"]
     return {
         "batch_size": units.batch_size, "stages": n_best, "partition": best["partition"],
-        "split_points": units.split_points(best["partition"]) if get_method(best["method"]).chunks == 1 else None,
+        "split_points": units.split_points(best["partition"]),  # (a chunked method's: where its pieces begin)
         "partitioner": partitioner if n_best == stages else "uniform", "method": best["method"],
         "options": options, "variant": best.get("variant", best["method"]),
         "microbatches": best["microbatches"], "pipeline": run,

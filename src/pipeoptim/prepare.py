@@ -8,6 +8,7 @@ tied weight stays one parameter, owned by the first stage that reads it (docs/ar
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -71,18 +72,22 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, checked: Che
     if late is not None:
         model_loss(traced.output_example())  # refused now, on every process, if it holds no loss
     units = traced.unit_modules()
+    per_rank = method.pieces_per_rank(layout.chunks)  # model pieces per rank (a chunked method's several)
     stages = layout.stages
     if config.split_points is not None:
         sizes: Optional[List[int]] = traced.sizes_for_points(list(config.split_points))
     else:
         sizes = list(config.partition) if config.partition is not None else None
-        check_units(model, traced.units, traced.candidates, stages, method)
+        check_units(model, traced.units, traced.candidates, stages, method, per_rank)
         if sizes is None and timed:
-            sizes = agree(_time_sizes(units, example, stages), "agreeing on the partition")
-    stages = stages if sizes is None else len(sizes)
+            sizes = agree(_time_sizes(units, example, stages * per_rank), "agreeing on the partition")
+    stages = stages if sizes is None else len(sizes) // per_rank
     spec = resolve(units, stages=stages, partition=sizes, layout=dataclasses.replace(layout, stages=stages), **given)
-    parts = traced.stage_modules(spec.partition)
-    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(spec.partition), traced=traced)
+    pieces = spec.partition[:len(spec.partition) // 2] if method.mirrored else spec.partition
+    parts = traced.stage_modules(pieces)
+    if method.mirrored:  # the second pipeline's stages: copies of the pieces (one copy: tied as the originals)
+        parts = parts + copy.deepcopy(parts)
+    prepared = PreparedModel(spec, parts, split_points=traced.points_for_sizes(pieces), traced=traced)
     for param, holders in traced.shared_parameters(parts).items():
         prepared.ties[id(param)] = holders
         prepared.tied_names[id(param)] = [name for name, p in model.named_parameters(remove_duplicate=False)
@@ -178,14 +183,16 @@ class EvalMode:
             stage.module.eval()
         swapped = []
         try:
-            if self.traced is not None:
-                parts = self._parts()
-                for stage in self.stages:
-                    if stage.shards is not None:  # the eval trace runs over the model's own parameters
-                        parts[stage.index].load_state_dict(stage.shards.full_state_dict())
-                    swapped.append((stage, stage.module))
-                    stage.module = parts[stage.index]
-            yield
+            with contextlib.ExitStack() as filled:
+                if self.traced is not None:
+                    for stage in self.stages:  # the eval trace runs over the model's own parameters,
+                        if stage.shards is not None:  # which a sharded stage released: filled meanwhile
+                            filled.enter_context(stage.shards.filled())
+                    parts = self._parts()
+                    for stage in self.stages:
+                        swapped.append((stage, stage.module))
+                        stage.module = parts[stage.index]
+                yield
         finally:
             for stage, module in swapped:
                 stage.module = module

@@ -11,7 +11,6 @@ process at once with one line, also while it waits on a peer, and so does the ag
 from __future__ import annotations
 
 import atexit
-import copy
 import datetime
 import gc
 import os
@@ -29,16 +28,17 @@ from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
 from .runtime.distributed import DistributedExecutor
-from .runtime.forward_only import ForwardOnly, Weight, samples, scored_forward
+from .runtime.forward_only import ForwardOnly, PipelinedModel, Weight, samples, scored_forward
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.replicas import replica_pair_groups
 from .runtime.segment import ScheduleFor, float_sum
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
-from .runtime.tied import connect_exchanges
+from .runtime.tied import TieRound, connect_exchanges
 from .runtime.transport import PipeComm
 from .runtime.wire import PipelineCommError, reason
+from .world import whole_model
 
 
 def world_size() -> int:
@@ -224,7 +224,7 @@ class Torchrun:
         for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
             stage.grad_sync = self._averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
-            self._connect_ties(stages[0].tied, count, replicas)
+            self._connect_ties(stages, count, replicas)
         if self.mirrored:
             made, self.replica_groups = replica_pair_groups(placement, self.pipeline_rank, self.timeout)
             self._made += made
@@ -247,21 +247,31 @@ class Torchrun:
             raise PipelineCommError(f"{what}: rank 0 did not answer within {self.timeout:g} s ({error})") from error
         return box[0]
 
-    def _connect_ties(self, tied: Any, stages: int, replicas: int) -> None:
+    def _connect_ties(self, own: List[Stage], stages: int, replicas: int) -> None:
         """A group of the holders' ranks for each tied weight, in each replica (every rank makes
-        every group, in the same order); with an asynchronous method, the 2-rank groups its
-        values and gradients travel on per micro-batch, in each replica
+        every group, in the same order); ``own``: this process's stages. Holders in one process read one tensor: the group joins each holder's process
+        once, and there the first holder sums and receives for all (with several stages here,
+        all ties together: runtime/tied.py's ``TieRound``); a tie whose holders are all in one
+        process needs none. With an asynchronous method (one stage per process), the 2-rank
+        groups its values and gradients travel on per micro-batch, in each replica
         (``runtime/tied.connect_exchanges``)."""
-        for tie in tied.ties:
-            for d in range(replicas):
-                ranks = [d * stages + k for k in tie.holders]
+        views = [stage.tied for stage in own]
+        ranks_of = [[list(dict.fromkeys(d * stages + self.placement[k] for k in tie.holders)) for d in range(replicas)]
+                    for tie in views[0].ties]
+        for i, per_replica in enumerate(ranks_of):
+            for ranks in per_replica:
+                if len(ranks) == 1:
+                    continue
                 made = self._new_group(ranks)
-                if self.rank in ranks:
-                    tie.group, tie.owner_rank = made, ranks[0]
-        if not tied.synchronous:
+                if self.rank in ranks:  # the first holder here (the owner, in the owner's process)
+                    view = next(v for v in views if v.stage in v.ties[i].holders)  # (stages in index order)
+                    view.ties[i].group, view.ties[i].owner_rank = made, ranks[0]
+        if len(own) > 1:
+            TieRound(own)
+        if not views[0].synchronous:
             for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
-                connect_exchanges(tied.ties, self.rank, lambda k, d=d: d * stages + self.placement[k], self._new_group,
-                                  self.device)
+                connect_exchanges(views[0].ties, self.rank, lambda k, d=d: d * stages + self.placement[k],
+                                  self._new_group, self.device)
 
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
         """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
@@ -303,22 +313,25 @@ class Torchrun:
         raise RuntimeError("forward() runs the stages of one process; under torchrun use "
                            "evaluate(loader, metric) or model()")
 
-    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
+    def gather_model(self, model: nn.Module, stages: List[Stage], device: torch.device) -> nn.Module:
+        """Every stage's weights (a sharded one's gathered over its replicas), on every rank, in
+        the model whole on ``device`` (:func:`~pipeoptim.world.whole_model`: this process's copy
+        where it lies there whole, else a copy: its own stage's layers are on this process's
+        device, or released where sharded, the others where the model was given)."""
         own = {k: v for stage in stages for k, v in
                (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
-        model.load_state_dict(StateNames(model).complete(merged))
+        return whole_model(model, device, StateNames(model).complete(merged))
 
-    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
-                       evaluate: Callable[[nn.Module], float]) -> float:
-        """Every rank gathers the model; each replica's first stage evaluates it on the CPU and
-        shares the value."""
-        self.gather_model(model, stages)
-        value = None
-        if self.pipeline_rank == 0:
-            value = float(evaluate(model if self.device.type == "cpu" else copy.deepcopy(model).cpu()))
-            model.train()
-        return float(self.share(value, 0, "sharing the evaluation"))
+    def evaluate_model(self, model: nn.Module, stages: List[Stage], evaluate: Callable[[nn.Module], float],
+                       evaluating: Callable[[], Any]) -> float:
+        """``evaluate`` runs on the process of each replica's last stage, on a module whose calls
+        run through the pipeline's stages on their devices, as training does (the other processes
+        serve them: ``runtime/forward_only.PipelinedModel``); its value reaches every rank of the
+        replica. Nothing of the model is gathered or copied."""
+        with torch.no_grad(), evaluating():
+            pipelined = PipelinedModel(self.comm, stages, self.last_model_stage, self.last_rank, self.mirrored)
+            return pipelined.run(evaluate) if self.is_last else pipelined.serve()
 
     def comm_stats(self) -> Dict[str, Dict[str, float]]:
         return self.comm.stats() if self.comm is not None else {}

@@ -11,6 +11,7 @@ group. :func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the wo
 manifest is written once every process's part of the checkpoint is complete."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from .runtime.layout import Layout, plan_layout
 from .runtime.forward_only import ForwardOnly, Weight, run_stage, samples, scored_forward
 from .runtime.executor import Executor, Mailbox
 from .runtime.segment import ScheduleFor
+from .runtime.sharding import released
 from .runtime.spec import RESUME_MATCHES
 from .runtime.stage import Stage
 from .runtime.values import to_device
@@ -101,12 +103,14 @@ class World(Protocol):
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         """The output of the whole model for ``inputs`` (one process only)."""
 
-    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
-        """Load every stage's live weights into ``model`` (this process's copy of the whole)."""
+    def gather_model(self, model: nn.Module, stages: List[Stage], device: torch.device) -> nn.Module:
+        """The trained model whole on ``device``, every stage's live weights in it
+        (:func:`whole_model`; ``model``: this process's copy of the whole, built over)."""
 
-    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
-                       evaluate: Callable[[nn.Module], float]) -> float:
-        """``evaluate(the trained model)``, measured once and shared with every rank."""
+    def evaluate_model(self, model: nn.Module, stages: List[Stage], evaluate: Callable[[nn.Module], float],
+                       evaluating: Callable[[], Any]) -> float:
+        """``evaluate(the trained model)``, measured once and shared with every rank
+        (``evaluating()``: the context in which the stages run as the model in eval mode)."""
 
     def comm_stats(self) -> Dict[str, Dict[str, float]]:
         """This process's messages to its neighbours so far: per link, bytes and seconds waited."""
@@ -131,6 +135,52 @@ class OnStageDevices(nn.Module):
         for module, device in self._parts:
             value = module(to_device(value, device))
         return to_device(value, torch.device("cpu"))
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` is: its first parameter's device (or buffer's; the CPU for neither)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def one_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as a device that tensors report (``cuda`` is the current CUDA device)."""
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {error}; give a device such as 'cpu' or 'cuda:0'") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {chosen}: no CUDA device is available here; give 'cpu'")
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    return chosen
+
+
+def whole_model(model: nn.Module, device: torch.device,
+                values: Optional[Dict[str, torch.Tensor]] = None) -> nn.Module:
+    """``model`` with ``values`` (its state-dict names -> tensors; None: its own values) loaded,
+    every parameter and buffer on ``device``: ``model`` itself where each already lies there
+    (loaded in place), else a copy made now on ``device``, its tensors copied there one by one
+    (never a second copy on another device), a tied parameter one tensor under all its names.
+    A parameter whose memory is released (a sharded stage's original: ``sharding.released``)
+    takes its value from ``values``."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    if device.type != "meta" and all(t.device == device and not released(t) for _, t in named):
+        if values is not None:
+            model.load_state_dict(values)
+        return model
+    memo: Dict[int, Any] = {}
+    for name, tensor in named:
+        if id(tensor) in memo:
+            continue
+        source = (values or {}).get(name, tensor)
+        if released(source) and device.type != "meta":
+            raise RuntimeError(f"{name} holds no values in this process (a sharded stage's, released) "
+                               f"and none were gathered for it")
+        moved = source.detach().to(device, copy=True)
+        memo[id(tensor)] = nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+    return copy.deepcopy(model, memo)
 
 
 def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
@@ -226,11 +276,11 @@ class LocalWorld:
             value = run_stage(stage, value)
         return value
 
-    def gather_model(self, model: nn.Sequential, stages: List[Stage]) -> None:
-        pass  # the stages' modules are the model's own layers
+    def gather_model(self, model: nn.Module, stages: List[Stage], device: torch.device) -> nn.Module:
+        return whole_model(model, device)  # the stages' modules are the model's own layers
 
-    def evaluate_model(self, model: nn.Sequential, stages: List[Stage],
-                       evaluate: Callable[[nn.Module], float]) -> float:
+    def evaluate_model(self, model: nn.Module, stages: List[Stage], evaluate: Callable[[nn.Module], float],
+                       evaluating: Callable[[], Any]) -> float:
         on_cpu = all(stage.device.type == "cpu" for stage in stages)
         value = float(evaluate(model if on_cpu else OnStageDevices(model, stages)))
         model.train()

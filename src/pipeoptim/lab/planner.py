@@ -330,7 +330,8 @@ def format_plan(plan: Dict[str, Any]) -> str:
     points = plan.get("split_points")
     lines.append(f"recommended: {plan.get('variant') or plan['method']} with {plan['microbatches']} micro-batch(es), "
                  f"partition "
-                 f"{plan['partition']}" + (f" (stages begin at {', '.join(points)})" if points else "")
+                 f"{plan['partition']}" + (f" ({'pieces' if len(points) + 1 > plan['stages'] else 'stages'} begin at "
+                                           f"{', '.join(points)})" if points else "")
                  + f": {plan['predicted']['samples_per_second']:.0f} samples/s"
                  + (f", {to_target:.1f} s to target" if to_target is not None else "") + " predicted")
     lines.append(textwrap.fill(f"rule: {plan['recommendation']['rule']}", 100, subsequent_indent="  ",

@@ -93,7 +93,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     modules). ``only`` builds just that stage, or those stages (one process of a distributed run).
     Stage k's layers are moved to ``devices[k]`` before its optimizer is made. ``ties``:
     parameters read by several stages, ``id(p)`` -> those stages; the first owns it. ``shards``:
-    makes the :class:`~pipeoptim.runtime.sharding.StageShards` of each stage. ``config``: the
+    makes the :class:`~pipeoptim.runtime.sharding.StageShards` of each stage, which trains a
+    sharded copy of its layers (theirs are released once every stage is built). ``config``: the
     run's options whole, handed to every stage (its ``diagnose_every`` and whether ``loss_fn`` is
     None read here); the keywords are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
@@ -153,4 +154,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                       probes=PredictionProbes(config.diagnose_every if config is not None else 0),
                       loss_scaling=scaler)
         stages.append(stage)
+    for stage in stages:  # every stage built: a sharded one's original layers freed (it holds its shards)
+        if stage.shards is not None:
+            stage.shards.release_original()
     return stages

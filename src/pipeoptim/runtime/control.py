@@ -133,6 +133,14 @@ def in_stage_order(parts: List[List[Any]], placement: List[int]) -> List[Any]:
     return [next(held[r]) for r in placement]
 
 
+def sum_over_pipeline(tensor: torch.Tensor, comm: PipeComm, what: str) -> torch.Tensor:
+    """``tensor`` summed over the pipeline's ranks, in place, on its device: one all-reduce on the
+    pipeline's own group (NCCL on a GPU: queued on its stream, no wait on the host; every rank
+    calls it at the same point)."""
+    _control(comm, what, lambda: dist.all_reduce(tensor, group=comm.group))
+    return tensor
+
+
 def gather_tensors(own: Dict[str, torch.Tensor], comm: PipeComm, what: str) -> Dict[str, torch.Tensor]:
     """Every pipeline rank's named tensors (``own``: this rank's; a name several ranks hold: the
     last rank's) on every rank, on the CPU, bit for bit. Only names, dtypes and shapes are

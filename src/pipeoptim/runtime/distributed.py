@@ -10,7 +10,7 @@ import torch
 
 from ..schedules.actions import Action, Kind, Schedule
 from .averaging import GradientAverager
-from .control import gather_all, in_stage_order
+from .control import sum_over_pipeline
 from .executor import Executor, Transport
 from .forward_only import ForwardOnly
 from .segment import MicroBatch
@@ -99,11 +99,12 @@ class PipeTransport(Transport):
                 del self.keys[i]
         self.comm.poll()
 
-    def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Every rank's norms, gathered over the control group and put in stage order (the
-        local executor's order, so that the sum is the same to the bit)."""
-        return in_stage_order(gather_all([n.cpu() for n in own], self.comm, "agreeing on the gradient norm"),
-                              self.comm.placement)
+    def agree(self, table: torch.Tensor) -> torch.Tensor:
+        """Every stage's row: the processes' tables summed by one all-reduce on the pipeline's own
+        group, on the stages' device (NCCL on a GPU; float64 rows, each with one writer: the sum
+        is exact, so every rank and the local executor read the same bits), queued without a wait
+        on the host."""
+        return sum_over_pipeline(table, self.comm, "agreeing on the update (gradient norm, fp16's found-inf)")
 
     def drained(self) -> None:
         """Wait for every send; the holders of a tie take the owner's value (asynchronous methods)."""

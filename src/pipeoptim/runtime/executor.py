@@ -62,11 +62,11 @@ class Transport:
     def fed(self, first: int, microbatches: Sequence[MicroBatch], batch: int) -> None:
         """Micro-batches ``first``, ``first + 1``, ... came (mini-batch number ``batch``, from 1)."""
 
-    def all_norms(self, own: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Every stage's value of an update's agreement (its gradient norm, fp16's found-inf
-        flag: ``loss_scaling.UpdateAgreement``), in stage order, from this process's (in stage
-        order)."""
-        return own
+    def agree(self, table: torch.Tensor) -> torch.Tensor:
+        """Every stage's row of an update's agreement (fp16's found-inf flag, the squared gradient
+        norm: ``loss_scaling.UpdateAgreement.table``) from this process's table, which holds its
+        stages' rows (the others zero): here every stage's."""
+        return table
 
     def drained(self) -> None:
         """The segment has run to its end."""
@@ -389,7 +389,7 @@ class Executor:
         self._arrived.clear()
         for stage in self.own:
             stage.sync_gradients()  # replicas first: the norm is of the averaged gradient
-        scale, skip = self._agreement.decide(self.transport.all_norms(self._agreement.values(self.own)))
+        scale, skip = self._agreement.decide(self.transport.agree(self._agreement.table(self.own)))
         for v in self.walkers:
             v.clip_update, v.clip_scale, v.skip = update, scale, skip
         return True

@@ -1,15 +1,17 @@
 """Forward-only work: the drained evaluation and the micro-batches of a schedule's E actions.
 
 :func:`scored_forward` evaluates in one process or pipelined over the processes of a torchrun
-job (docs/architecture.md, "The Pipeline under torchrun"). A schedule's ``E`` actions run an
-evaluation in the bubbles (docs/architecture.md, "Evaluation in the bubbles") or a user's
-forward-only work (``Pipeline.forward_in_bubbles``), as the drained evaluation runs it, to the
-bit. A stage is in eval mode only for the span of each pass (dropout then draws no random
+job (docs/architecture.md, "The Pipeline under torchrun"), and :class:`PipelinedModel` runs a
+user's evaluation function there, each call of the model through the stages. A schedule's ``E``
+actions run an evaluation in the bubbles (docs/architecture.md, "Evaluation in the bubbles") or a
+user's forward-only work (``Pipeline.forward_in_bubbles``), as the drained evaluation runs it, to
+the bit. A stage is in eval mode only for the span of each pass (dropout then draws no random
 numbers from the training forwards' streams), on the buffers it held when the evaluation was
 asked for."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,6 +19,8 @@ import torch
 from ..schedules.actions import Schedule
 from ..schedules.fill import FillPlan, check_fillable, plan_fill
 from ..schedules.simulate import Costs
+from ..batches import LABELS
+from .control import broadcast
 from .microbatch import batch_size, samples
 from .stage import Stage
 from .transport import PipeComm
@@ -24,10 +28,11 @@ from .values import to_device
 from .wire import signature
 
 
-def run_stage(stage: Stage, value: Any, target: Any = None) -> Any:
-    """``stage``'s module on ``value`` (moved to its device), in its autocast; a last stage that
-    takes the target (a model computing its own loss from its labels) takes ``target`` too."""
-    with stage.autocast():
+def run_stage(stage: Stage, value: Any, target: Any = None, autocast: bool = True) -> Any:
+    """``stage``'s module on ``value`` (moved to its device), in its autocast (unless not
+    ``autocast``: as the model runs whole); a last stage that takes the target (a model computing
+    its own loss from its labels) takes ``target`` too."""
+    with stage.autocast() if autocast else contextlib.nullcontext():
         if stage.takes_target:
             return stage.module(to_device(value, stage.device), to_device(target, stage.device))
         return stage.module(to_device(value, stage.device))
@@ -46,33 +51,123 @@ def scored_forward(comm: Optional[PipeComm], stages: List[Stage], loader: Iterab
     chain order, the activations going to the other processes' stages over ``comm`` (None: every
     stage is here). ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once.
     Summed in mini-batch order, as :class:`Scores` sums an evaluation in the bubbles: the same bits."""
-    held = {stage.index for stage in stages}
-    travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
     count, values = 0, []
+    final = next((stage for stage in stages if stage.index == last), None)  # None: on another process
     for j, (inputs, target) in enumerate(loader):
-        ident, key = -1 - j, None  # evaluation messages: their own numbers on the links
-        if comm is not None:
-            key = signature((inputs, target, 1.0))
-            comm.expect_more([(ident, key)], [], travels)  # on each link into this process's stages
-        value = inputs
-        for stage in stages:  # this process's chunks in chain order; the others between them
-            k = stage.index
-            if k > 0 and (k - 1) not in held:
-                value = comm.recv("activation", ident, key, stage=k)
-            value = run_stage(stage, value, target if k == last else None)
-            if k == last:
-                with stage.autocast():
-                    values.append((score(value, to_device(target, stage.device)), weight(inputs, target)))
-            if k < last and (k + 1) not in held:
-                comm.send("activation", ident, key, value, stage=k)
-        if comm is not None:
-            comm.poll()
+        output = forward_through(comm, stages, -1 - j, inputs, target, last, first_chain)
+        if final is not None:
+            with final.autocast():
+                values.append((score(output, to_device(target, final.device)), weight(inputs, target)))
         count += weight(inputs, target)
     if comm is not None:
         comm.flush()
     if count == 0:
         raise ValueError("the evaluation loader yielded no mini-batches")
     return sum(float(v) * n for v, n in values), count
+
+
+def forward_through(comm: Optional[PipeComm], stages: List[Stage], ident: int, inputs: Any, target: Any,
+                    last: int, first_chain: bool = False, autocast: bool = True) -> Optional[Any]:
+    """One forward of ``inputs`` through this process's ``stages`` (in chain order, the other
+    processes' stages between them over ``comm``, as message ``ident``: an evaluation's own
+    numbers on the links, below 0): stage ``last``'s output on its process, None elsewhere
+    (``target``: the last stage's labels, for a model that computes its own loss; ``autocast``:
+    :func:`run_stage`'s; without it the messages' layouts are agreed apart: their dtypes are not
+    those of the training's messages of the same input shapes)."""
+    held = {stage.index for stage in stages}
+    key = None
+    if comm is not None:
+        travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
+        key = signature((inputs, target, 1.0))
+        key = key if autocast else ("without autocast", *key)
+        comm.expect_more([(ident, key)], [], travels)  # on each link into this process's stages
+    value, output = inputs, None
+    for stage in stages:  # this process's chunks in chain order; the others between them
+        k = stage.index
+        if k > 0 and (k - 1) not in held:
+            value = comm.recv("activation", ident, key, stage=k)
+        value = run_stage(stage, value, target if k == last else None, autocast)
+        if k == last:
+            output = value
+        if k < last and (k + 1) not in held:
+            comm.send("activation", ident, key, value, stage=k)
+    if comm is not None:
+        comm.poll()
+    return output
+
+
+class PipelinedModel(torch.nn.Module):
+    """The trained model as one module under torchrun, for ``Pipeline.evaluate_model``: a call
+    on the process of the model's last stage (``source``, a pipeline rank) hands its inputs to
+    every process of the pipeline, which runs them through its stages on their devices as
+    training does (:func:`forward_through`, the activations over the links), and returns the
+    output on the CPU (as ``world.OnStageDevices`` returns it). The other processes
+    :meth:`serve` those calls meanwhile: nothing of the model is copied anywhere. The stages run
+    as the caller has put them (the Pipeline: in eval mode, a traced model's eval-mode graph),
+    whatever this module's ``training`` flag. A model that computes its own loss is called with
+    its labels among its keyword inputs (``model(**batch)``): they go to its last stage."""
+
+    def __init__(self, comm: PipeComm, stages: List[Stage], last: int, source: int,
+                 first_chain: bool = False) -> None:
+        super().__init__()
+        self._comm, self._stages, self._last, self._source = comm, stages, last, source
+        self._first_chain = first_chain
+        self._takes_target = any(s.takes_target for s in stages if s.index == last)
+        self._calls = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._comm.rank != self._source:
+            raise RuntimeError(f"the evaluation runs on pipeline rank {self._source}; the others serve it")
+        inputs = kwargs if kwargs else args[0] if len(args) == 1 else args
+        inputs = on_host(inputs)  # (every process reads them: host tensors pickle alike everywhere)
+        if self._takes_target and (not isinstance(inputs, dict) or LABELS not in inputs):
+            raise ValueError(f"this model computes its loss from labels (no loss_fn): call it as "
+                             f"model(**batch) with batch['{LABELS}'] in evaluate_model's function, "
+                             f"or give the Pipeline loss_fn=fn(output, target)")
+        broadcast(("forward", inputs), self._comm, self._source, "handing the evaluation's inputs on")
+        return on_host(self._through(inputs))
+
+    def run(self, evaluate: Callable[[torch.nn.Module], float]) -> float:
+        """``evaluate(self)`` on the source process; its value (or its failure) reaches the others."""
+        try:
+            value = float(evaluate(self))
+        except BaseException as error:
+            broadcast(("failed", f"{type(error).__name__}: {error}"), self._comm, self._source,
+                      "reporting the evaluation's failure")
+            raise
+        broadcast(("done", value), self._comm, self._source, "sharing the evaluation")
+        self._comm.flush()
+        return value
+
+    def serve(self) -> float:
+        """Run every call the source makes until its evaluation ends; its value."""
+        while True:
+            kind, payload = broadcast(None, self._comm, self._source, "waiting for the evaluation's next call")
+            if kind == "done":
+                self._comm.flush()
+                return float(payload)
+            if kind == "failed":
+                raise RuntimeError(f"evaluate_model's function failed on pipeline rank {self._source}: {payload}")
+            self._through(payload)
+
+    def _through(self, inputs: Any) -> Any:
+        target = inputs[LABELS] if self._takes_target else None  # (only the last stage reads it)
+        self._calls += 1
+        return forward_through(self._comm, self._stages, -self._calls, inputs, target, self._last,
+                               self._first_chain, autocast=False)  # (the model whole runs without it)
+
+
+def on_host(value: Any) -> Any:
+    """``value`` with its tensors on the CPU: a tensor, a tuple, or a dict (its own class kept,
+    such as a ``transformers`` model output)."""
+    if isinstance(value, dict):
+        moved = copy.copy(value)
+        for key, item in value.items():
+            moved[key] = on_host(item)
+        return moved
+    if isinstance(value, tuple):
+        return tuple(on_host(item) for item in value)
+    return to_device(value, torch.device("cpu"))
 
 
 class Scores:

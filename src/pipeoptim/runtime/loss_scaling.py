@@ -4,7 +4,7 @@ scale for every stage and every replica (docs/architecture.md, "fp16 and the los
 The last stage multiplies each micro-batch's loss by the scale before its backward (the loss it
 reports stays unscaled); the scale travels with nothing. At each update number the executor
 agrees, over every stage (:class:`UpdateAgreement`, on the path global clipping takes: the
-transport's ``all_norms``, in stage order, across processes under torchrun), on one *found-inf*
+transport's ``agree``: one all-reduce of a row per stage under torchrun), on one *found-inf*
 flag: each stage first averages its gradients over its replicas (an inf or nan in one replica's
 makes the average non-finite; a sharded stage's flag is taken over its shards with one
 all-reduce over "dp"), then unscales them (``grad * (1/scale)``, as ``GradScaler.unscale_``)
@@ -95,44 +95,57 @@ def _f32(value: float) -> float:
 class UpdateAgreement:
     """What every stage agrees on before update number u: the global clipping coefficient
     (``clip_global``: the max norm; None: none) and, where the stages scale their loss, whether
-    the update is skipped. :meth:`values` gives this process's part (per stage, in stage order),
-    the transport gathers every stage's, :meth:`decide` reads them (and moves the scale)."""
+    the update is skipped. :meth:`table` gives this process's part: a float64 tensor of one row
+    per stage of the pipeline, this process's stages' rows filled (its found-inf flag, then its
+    squared gradient norm), the others zero; the transport sums the processes' tables (one
+    all-reduce on the pipeline's group, on the device: each row has one writer, so the sum is
+    exact and every rank reads the same rows); :meth:`decide` reads the rows (and moves the
+    scale). The clipping coefficient stays on the device (no host wait); a skip is read on the
+    host, as ``GradScaler`` reads its found-inf before the optimizer's step."""
 
     def __init__(self, clip_global: Optional[float], stages: Sequence[Any]) -> None:
         self.clip = clip_global
         #: the distinct scalers of this process's stages (one, unless stages were built by hand)
         self.scalers = list({id(s.loss_scaling): s.loss_scaling for s in stages if s.loss_scaling is not None}.values())
+        self._dtype = torch.float32  #: the norms' dtype, which the coefficient is computed in
 
     @staticmethod
     def needed(clip_global: Optional[float], stages: Sequence[Any]) -> bool:
         return clip_global is not None or any(s.loss_scaling is not None for s in stages)
 
-    def values(self, stages: Sequence[Any]) -> List[torch.Tensor]:
-        """Per stage (its gradients averaged over its replicas already): a 1-D tensor of its
-        found-inf flag (after unscaling its gradients) where it scales its loss, then its
-        gradient norm where clipping is global."""
-        out = []
+    def table(self, stages: Sequence[Any]) -> torch.Tensor:
+        """This process's rows (its stages' gradients averaged over their replicas already): per
+        stage, its found-inf flag (after unscaling its gradients) where it scales its loss, then
+        its squared gradient norm where clipping is global; in float64 (a float32 norm squares
+        exactly there), which NCCL reduces (float32 on MPS, which has no float64). On the first
+        stage's device."""
+        device = stages[0].device
+        table = torch.zeros(stages[0].num_stages, 2, dtype=torch.float32 if device.type == "mps" else torch.float64,
+                            device=device)
         for stage in stages:
-            parts = []
             if stage.loss_scaling is not None:
-                parts.append(unscale(stage))
+                table[stage.index, 0] = unscale(stage).to(table.device, table.dtype)
             if self.clip is not None:
-                parts.append(stage.grad_norm())
-            last = parts[-1]  # (a flag is 0 or 1 in the norm's dtype)
-            out.append(torch.stack([p.to(device=last.device, dtype=last.dtype) for p in parts]))
-        return out
+                norm = stage.grad_norm()
+                self._dtype = norm.dtype
+                table[stage.index, 1] = norm.to(table.device, table.dtype).square()
+        return table
 
-    def decide(self, gathered: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], bool]:
-        """(the clipping coefficient, None without global clipping or where skipped; whether the
-        update is skipped on every stage) from every stage's :meth:`values`; the scale moves."""
+    def decide(self, table: torch.Tensor) -> Tuple[Optional[torch.Tensor], bool]:
+        """(the clipping coefficient, a 0-dim tensor on the table's device, None without global
+        clipping or where skipped; whether the update is skipped on every stage) from every
+        stage's rows of :meth:`table`; the scale moves. The norm over the pipeline is the square
+        root of the rows' squared norms summed (one reduction of one table: the same bits on every
+        rank and in one process), in the norms' dtype (one stage: its own norm, bit for bit, as
+        ``clip_grad_norm_`` clips it)."""
         skip = False
         if self.scalers:
-            skip = bool(torch.stack([v[0].cpu() for v in gathered]).any())
+            skip = bool(table[:, 0].any())
             for scaler in self.scalers:
                 scaler.update(skip)
         if self.clip is None or skip:
             return None, skip
-        return clip_coefficient([v[-1] for v in gathered], self.clip), False
+        return clip_coefficient(table[:, 1].sum().sqrt().to(self._dtype), self.clip), False
 
 
 def unscale(stage: Any) -> torch.Tensor:

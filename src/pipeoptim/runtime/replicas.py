@@ -6,7 +6,8 @@ P+j hold copies of piece j, each seeing its pipeline's half of the micro-batches
 u, each replica's gradient becomes the sum of both replicas' over window u, so that both apply
 the same update and stay equal. Each replica's update waits for the other's last backward of the
 window; whichever comes first sums for both. Replicas on two processes sum over the piece's
-2-process group instead, started after the last backward of the window.
+2-process group instead, started after the last backward of the window (at the update, after
+the tied weights' sums over their holders, where a tie crosses processes).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class ReplicaUpdates:
         whose other replica is on another process starts their sum."""
         self.done[(stage, microbatch // self.m)] += 1
         summer = self.summers.get(stage % self.pieces) if self.summers else None
-        if summer is not None and self.window_done(stage, microbatch):
+        if summer is not None and not _ties_first(self.stages[stage]) and self.window_done(stage, microbatch):
             summer.overlap()
             summer.ready_all(list(self.stages[stage].parameters()))
             summer.launch_bucketed()
@@ -70,6 +71,8 @@ class ReplicaUpdates:
         if self.summers:
             summer = self.summers.get(stage % self.pieces)
             if summer is not None:
+                if _ties_first(self.stages[stage]):  # a tied weight's holders' sum comes first
+                    self.stages[stage].tied.before_update()
                 summer(self.stages[stage].parameters())
                 return True
         if (stage, update) in self.summed:
@@ -95,6 +98,13 @@ class ReplicaUpdates:
                 continue
             total = p.grad if q.grad is None else q.grad if p.grad is None else p.grad + q.grad
             p.grad, q.grad = total, total.clone()
+
+
+def _ties_first(stage: Any) -> bool:
+    """Whether ``stage``'s process sums tied weights over processes (runtime/tied.py's
+    ``TieRound``): then each tie's holders are summed first (in each pipeline) and the replicas
+    after, at the update, not as the last backward ends."""
+    return stage.tied is not None and stage.tied.round is not None
 
 
 @torch.no_grad()

@@ -45,11 +45,9 @@ def stage_orders(schedule: Schedule) -> List[List[Any]]:
     return [schedule.stage_actions(k) for k in range(schedule.num_stages)]
 
 
-def clip_coefficient(norms: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s coefficient for the norm over all ``norms`` (each a
-    0-dim tensor, possibly on different devices): min(1, max_norm / (total + 1e-6))."""
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient for the gradient norm ``total`` (a 0-dim
+    tensor, left on its device): min(1, max_norm / (total + 1e-6))."""
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 

@@ -13,13 +13,14 @@ pipelining schedules drive FSDP).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat import forget_sharding_cache, fsdp_reduce_gradients
+from ..compat import forget_sharding_cache, fsdp_gather_streams, fsdp_reduce_gradients
 from ..weights.base import local
 
 
@@ -48,6 +49,12 @@ def forget_meshes() -> None:
     forget_sharding_cache()
 
 
+def released(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no values: its storage freed (:meth:`StageShards.release_original`,
+    as FSDP frees its own) or on the ``meta`` device."""
+    return tensor.is_meta or (tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0)
+
+
 class StageShards:
     """One stage module sharded over its replicas, and how the stage's passes and update use it.
     ``synchronous``: FSDP keeps the weights gathered from the first forward to the update and
@@ -56,22 +63,62 @@ class StageShards:
     def __init__(self, mesh, synchronous: bool) -> None:
         self.mesh = mesh
         self.synchronous = synchronous
+        self.device_type: str = mesh.device_type if mesh is not None else "cpu"
         self.module: Optional[nn.Module] = None
+        #: the module it was made from (the Pipeline's copy of the model's layers), its
+        #: parameters released (:meth:`release_original`)
+        self.original: Optional[nn.Module] = None
+        self._sizes: Dict[int, int] = {}  #: id(parameter of the original) -> its storage's bytes
         self._named: Dict[str, nn.Parameter] = {}
         self._keeping: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     def shard(self, module: nn.Module) -> nn.Module:
-        """A sharded copy of ``module`` (the user's model receives the trained weights when it is gathered)."""
+        """A sharded copy of ``module`` (``module`` keeps its parameters until :meth:`release_original`)."""
         from torch.distributed.fsdp import fully_shard
 
         part = copy.deepcopy(module)
         fully_shard(part, mesh=self.mesh["dp"], reshard_after_forward=not self.synchronous)
         part.register_forward_pre_hook(self._copy_gathered)  # after FSDP's own: the weights are gathered
-        self.module = part
+        self.module, self.original = part, module
         self._named = dict(part.named_parameters())
         if self.synchronous:
             self._last_backward(False)
         return part
+
+    def release_original(self) -> None:
+        """Free the parameters' memory of the module the shards were made from (the Pipeline's
+        copy of the model's layers), as FSDP frees its gathered weights: each keeps its shape,
+        dtype and device over a storage resized to nothing (:func:`released`), so that a stage
+        sharded D ways holds 1/D of its weights, not 1 + 1/D. Its buffers stay (small, the
+        module's own state beside the shards'). What reads the whole weights reads them from the
+        shards: ``Pipeline.model()`` gathers them (:meth:`full_state_dict`), a traced model's
+        evaluation fills them in for its span (:meth:`filled`). Called once every stage of the
+        process is built (a weight tied across two of its stages is read by both builds)."""
+        for param in self.original.parameters():
+            storage = param.untyped_storage()
+            self._sizes[id(param)] = storage.nbytes()
+            storage.resize_(0)
+
+    @contextlib.contextmanager
+    def filled(self) -> Iterator[None]:
+        """The module the shards were made from holding the stage's gathered state for the span
+        (a collective: every replica of the stage enters it), its parameters released again
+        afterwards; its buffers keep the values copied in. A traced model's eval-mode graph runs
+        over those parameters and buffers (``prepare.EvalMode``)."""
+        state = self.full_state_dict()
+        params = dict(self.original.named_parameters())
+        with torch.no_grad():
+            for name, buffer in self.original.named_buffers():
+                if name in state:
+                    buffer.copy_(state[name])
+            for name, param in params.items():
+                param.untyped_storage().resize_(self._sizes[id(param)])
+                param.copy_(state[name])
+        try:
+            yield
+        finally:
+            for param in params.values():
+                param.untyped_storage().resize_(0)
 
     def _last_backward(self, last: bool) -> None:
         """Not ``last``: backwards before the update keep the weights gathered and the gradients
@@ -83,7 +130,9 @@ class StageShards:
     @torch.no_grad()
     def hold(self, values: Optional[Dict[str, torch.Tensor]]) -> Callable[[], None]:
         """Write ``values`` (parameter name -> tensor: the version a pass runs on) into the live
-        shards, except those that are the live shard itself; return what puts the live values back."""
+        shards, except those that are the live shard itself; return what puts the live values back.
+        Called before every pass of the stage (with nothing to write too): FSDP's next gathers
+        wait for what the current stream holds now (:meth:`gathers_after_writes`)."""
         saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for name, value in (values or {}).items():
             param = self._named.get(name)
@@ -94,12 +143,40 @@ class StageShards:
                 continue
             saved.append((shard, shard.clone()))
             shard.copy_(source)
+        self.gathers_after_writes()
 
         def restore() -> None:
             with torch.no_grad():
                 for shard, live in saved:
                     shard.copy_(live)
         return restore
+
+    def gathers_after_writes(self) -> None:
+        """Make FSDP2's next all-gathers of the stage wait for the work queued on the current
+        stream so far: the version :meth:`hold` wrote, the live values an earlier pass's restore
+        put back, the optimizer's step. A forward's gather waits for the current stream by
+        FSDP's own rule (the root's pre-forward), a backward's does not: it reads the shards on
+        FSDP's copy-in stream (torch 2.13's ``FSDPParamGroup.unshard`` in ``PRE_BACKWARD``), which
+        could run before the writes landed and gather the forward's version. So an event recorded
+        on the current stream here, after the writes, is waited on by FSDP's all-gather streams
+        (``compat.fsdp_gather_streams``; where this torch hides them, the host waits for the
+        current stream). The restore after a pass needs no wait: FSDP made the current stream
+        wait for the pass's gather before the pass's compute, and the restore comes after it.
+        On the CPU every operation runs in order on the host: nothing to do. What only a GPU
+        can confirm: that torch's FSDP2 issues no copy-in of this module between here and the
+        pass (no prefetch: one FSDP module per stage), and the numbers of a sharded
+        asynchronous run on CUDA equal the replicated run's (tests/test_sharding.py, on gloo)."""
+        if self.device_type == "cpu":
+            return
+        handle = getattr(torch, self.device_type)  # torch.cuda: FSDP's own device handle
+        streams = fsdp_gather_streams(self.module)
+        if streams is None:
+            handle.current_stream().synchronize()
+            return
+        if streams:
+            written = handle.current_stream().record_event()
+            for stream in streams:
+                stream.wait_event(written)
 
     def shard_of(self, name: str) -> nn.Parameter:
         """The sharded parameter ``name`` (the module registers gathered copies while it holds them)."""

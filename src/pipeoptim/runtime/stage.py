@@ -99,7 +99,7 @@ class Stage:
         self._kept_bytes: Dict[int, int] = {}
         #: per micro-batch in flight: the tied weights' values from their owner (a holder's own leaves)
         self._tied_values: Dict[int, Dict[str, torch.Tensor]] = {}
-        self._synced = False
+        self._synced = self._replicas_synced = False
         self._saved: Dict[int, Tuple[Activation, Tuple[torch.Tensor, ...], WeightUse]] = {}
         #: micro-batches whose input half ran and whose weight half has not (split backward)
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
@@ -348,7 +348,7 @@ class Stage:
         gradients dropped (runtime/loss_scaling.py)."""
         start = time.perf_counter()
         self.sync_gradients()
-        self._synced = False
+        self._synced = self._replicas_synced = False
         if self.loss_scaling is not None and not self.unscaled:
             raise RuntimeError(f"stage {self.index}: fp16's gradients are unscaled by the executor's agreement "
                                f"on the update (runtime/loss_scaling.UpdateAgreement) before Stage.update")
@@ -408,12 +408,22 @@ class Stage:
         holders, once per update (before its norm is taken for global clipping, or by the update
         itself)."""
         if not self._synced:
-            if self.grad_sync is not None:  # a synchronous method's copy of a weight another stage owns
-                held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied is not None else []
-                self.grad_sync(self.parameters() + held)
-            if self.tied is not None:
-                self.tied.before_update()
+            if self.tied is not None and self.tied.round is not None:
+                self.tied.round.reduce()  # every stage of this process: their replicas, then the ties
+            else:
+                self.sync_replicas()
+                if self.tied is not None:
+                    self.tied.before_update()
             self._synced = True
+
+    def sync_replicas(self) -> None:
+        """Average the gradients over the stage's replicas, once per update (part of
+        :meth:`sync_gradients`; runtime/tied.TieRound asks every stage of a process first)."""
+        if not self._replicas_synced and self.grad_sync is not None:
+            # (a synchronous method's copy of a weight another stage owns, with its own)
+            held = [t.param for t in self.tied.held() if t.holders[0] != self.index] if self.tied is not None else []
+            self.grad_sync(self.parameters() + held)
+        self._replicas_synced = True
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of this stage's accumulated gradients (a 0-dim tensor on its device)."""

@@ -16,7 +16,14 @@ GPU run. With ``PIPEOPTIM_STRICT_TRANSPORT=1`` in a process's environment (or :f
   is made); here the first send or receive of a pair on a group waits until the other end has
   issued one too;
 * **only NCCL's dtypes** (:data:`~pipeoptim.runtime.wire.NCCL_DTYPES`) and **one thread per
-  group**: a complex or int16 tensor, or a group used from a second thread, is refused at once.
+  group**: a complex or int16 tensor, or a group used from a second thread, is refused at once;
+* **collectives meet in one order** (``all_reduce``, ``broadcast``, ``all_gather``,
+  ``all_gather_into_tensor``, ``reduce_scatter_tensor``): NCCL queues a process's collectives on
+  its GPU in the order issued, so two processes that issue collectives of two groups they share in
+  opposite orders wait for each other forever, even where each is asynchronous (gloo runs each
+  group apart, and passes). Each collective counts, per other member, the collectives the two
+  share; the n-th must be on the same group on both ranks, or it is refused naming both groups
+  (a blocking one waits for the others' marks, an asynchronous one checks at its ``wait``).
 
 A wait past the strict timeout raises :class:`StrictTransportError` naming the send, the ranks and
 the group: where NCCL would hang, the test fails. Groups made with ``backend="gloo"`` (the control
@@ -26,11 +33,11 @@ order they are made, which every rank shares (``new_group`` is called by every r
 """
 from __future__ import annotations
 
-import datetime
+import inspect
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +65,7 @@ class _Strict:
         self.joined: set = set()
         self.threads: Dict[int, int] = {}
         self.queues: Dict[Tuple[int, int], list] = {}     # (group, peer) -> this rank's unfinished operations
+        self.shared: Dict[int, int] = {}  # other rank -> collectives issued so far on groups with it
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.progress: Optional[threading.Thread] = None
@@ -94,11 +102,16 @@ class _Strict:
                                        f"must not be used by two threads")
 
     def wait_keys(self, keys: list, what: str) -> None:
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang "
-                                       f"({error})") from error
+        """Until every key is in the store, polled: a blocking wait would hold the store's one
+        connection, which the progress thread needs to start the sends queued before this."""
+        end = time.monotonic() + self.timeout
+        while True:
+            with self.lock:
+                if self.store.check(keys):
+                    return
+            if time.monotonic() > end:
+                raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang")
+            time.sleep(0.001)
 
     def join(self, number: int, me: int, peer: int) -> None:
         """The pair's first operation on the group waits until the other end has issued one."""
@@ -174,6 +187,58 @@ class _Strict:
         self.advance()
         return strict_work
 
+    # -- collectives ---------------------------------------------------------------------------
+    def collective(self, name: str) -> Callable[..., Any]:
+        """``torch.distributed``'s collective ``name`` under the rules above."""
+        real = self.real[name]
+        signature = inspect.signature(real)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            group = bound.arguments.get("group")
+            number = self.number(group)
+            if number is None:
+                return real(*args, **kwargs)
+            me = dist.get_rank()
+            what = f"{name} on rank {me}"
+            for value in bound.arguments.values():
+                for tensor in (value if isinstance(value, (list, tuple)) else [value]):
+                    if torch.is_tensor(tensor):
+                        self.check(tensor, number, what)
+            marks = self.mark(number, me, group)
+            if not bound.arguments.get("async_op", False):
+                self.meet(marks, number, what)
+                return real(*args, **kwargs)
+            return CollectiveWork(self, real(*args, **kwargs), marks, number, what)
+        return run
+
+    def mark(self, number: int, me: int, group: Any) -> List[Tuple[str, int]]:
+        """This rank's mark of its next collective shared with each other member of ``group``:
+        (the key the peer writes for the same collective, the peer)."""
+        members = dist.get_process_group_ranks(group) if number != -1 else range(dist.get_world_size())
+        marks = []
+        for peer in members:
+            if peer == me:
+                continue
+            n = self.shared.get(peer, 0)
+            self.shared[peer] = n + 1
+            self.store.set(f"strict/collective/{me}-{peer}/{n}", str(number))
+            marks.append((f"strict/collective/{peer}-{me}/{n}", peer))
+        return marks
+
+    def meet(self, marks: List[Tuple[str, int]], number: int, what: str) -> None:
+        """Each peer's collective of the same count is on this group too (waiting for its mark)."""
+        if not marks:
+            return
+        self.wait_keys([key for key, _ in marks], f"{what} (group {number}) waits for every member")
+        for key, peer in marks:
+            theirs = self.store.get(key).decode()
+            if theirs != str(number):
+                raise StrictTransportError(
+                    f"{what}: ranks {dist.get_rank()} and {peer} issue their collectives in another order "
+                    f"(here on group {number}, there on group {theirs} at the same count): NCCL queues them "
+                    f"in that order on each GPU and both would wait forever; issue them in one order")
+
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **kwargs: Any) -> Any:
         return self.issue("send", tensor, dst, group, tag, kwargs)
 
@@ -219,6 +284,23 @@ class StrictWork:
         return getattr(self.work, name)
 
 
+class CollectiveWork:
+    """An asynchronous collective's work: its order checked at its wait."""
+
+    def __init__(self, strict: _Strict, work: Any, marks: List[Tuple[str, int]], number: int, what: str) -> None:
+        self.strict, self.work, self.marks, self.number, self.what = strict, work, marks, number, what
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.strict.meet(self.marks, self.number, self.what)
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+#: the collectives the strict transport keeps in order (every one pipeoptim and FSDP2 issue)
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+
 _INSTALLED: Optional[_Strict] = None
 
 
@@ -228,9 +310,9 @@ def install(timeout: float = TIMEOUT) -> None:
     if _INSTALLED is not None:
         return
     strict = _Strict(timeout)
-    for name in ("isend", "irecv", "new_group"):
+    for name in ("isend", "irecv", "new_group", *COLLECTIVES):
         strict.real[name] = getattr(dist, name)
-        setattr(dist, name, getattr(strict, name))
+        setattr(dist, name, strict.collective(name) if name in COLLECTIVES else getattr(strict, name))
     strict.start()
     _INSTALLED = strict
 

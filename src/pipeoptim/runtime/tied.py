@@ -125,6 +125,8 @@ class TiedWeights:
         self.stage = stage
         self.ties = ties
         self.synchronous = synchronous
+        #: several stages of one process (chunks) under torchrun: their ties summed and sent together
+        self.round: Optional["TieRound"] = None
 
     def held(self) -> List[Tie]:
         """Synchronous methods: the ties this stage holds a copy of in a run of one process per stage."""
@@ -139,15 +141,18 @@ class TiedWeights:
 
     def before_update(self) -> None:
         """Synchronous methods: the holders' gradients summed into the owner's (a holder's dropped)."""
+        if self.round is not None:
+            self.round.reduce()
+            return
         for tie in self.held():
-            p = tie.param
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(local(grad), group=tie.group)  # sharded: the holders' shards align
-            p.grad = grad if tie.holders[0] == self.stage else None
+            _sum_to_owner(tie, self.stage)
 
     @torch.no_grad()
     def after_update(self) -> None:
         """Synchronous methods: every holder's copy takes the owner's value after its update."""
+        if self.round is not None:
+            self.round.updated()
+            return
         for tie in self.held():
             _from_owner(tie)
 
@@ -194,9 +199,78 @@ class TiedWeights:
                 _from_owner(tie)
 
 
+def _sum_to_owner(tie: Tie, stage: int) -> None:
+    """The holders' gradients of ``tie`` summed into the owner's (``stage``'s, where it owns it)."""
+    p = tie.param
+    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+    dist.all_reduce(local(grad), group=tie.group)  # sharded: the holders' shards align
+    p.grad = grad if tie.holders[0] == stage else None
+
+
 def _from_owner(tie: Tie) -> None:
     """Every holder's copy of ``tie`` takes the owner's value."""
     dist.broadcast(local(tie.param.data), src=tie.owner_rank, group=tie.group)
+
+
+class TieRound:
+    """The ties of a process that holds several stages (chunks) under torchrun, with a
+    synchronous method. Holders in one process read one tensor (or, sharded, each stage its own
+    copy, summed here into the first), so a tie crosses processes once: its group joins the
+    holders' processes, and the first holder here sums for them all (its :class:`Tie` has the
+    group). When the first stage of the process syncs its gradients (every backward of the
+    update is done by then: a rank's updates close its schedule), every stage's gradients are
+    averaged over its replicas, then every tie summed, in tie order; when the last has updated,
+    the owner's values are sent on. The groups so meet in one order on every process, where a
+    stage-by-stage order could differ between two processes and wait forever (as NCCL would)."""
+
+    def __init__(self, stages: List[Any]) -> None:
+        self.stages = stages  #: every stage of this process (``Stage``: its ``tied`` and ``sync_replicas``)
+        self.summed = False
+        self.updates = 0
+        for stage in stages:
+            stage.tied.round = self
+
+    def _ties(self) -> List[Tuple[Tie, int, List[nn.Parameter]]]:
+        """Per tie held here, in tie order: the first holder's :class:`Tie` and stage, and the
+        other holders' copies of it here (none where they read the first one's tensor)."""
+        out = []
+        for ties in zip(*(stage.tied.ties for stage in self.stages)):
+            here = [(tie, stage.index) for tie, stage in zip(ties, self.stages) if tie.param is not None]
+            if here:
+                first = here[0][0]
+                copies = {id(t.param): t.param for t, _ in here[1:] if t.param is not first.param}
+                out.append((first, here[0][1], list(copies.values())))
+        return out
+
+    def reduce(self) -> None:
+        if self.summed:
+            return
+        for stage in self.stages:
+            stage.sync_replicas()
+        for tie, stage, copies in self._ties():
+            p = tie.param
+            for q in copies:  # a sharded stage's own copy: its gradient joins the first holder's here
+                if q.grad is not None:
+                    if p.grad is None:
+                        p.grad = q.grad
+                    else:
+                        local(p.grad).add_(local(q.grad))
+                    q.grad = None
+            if tie.group is not None:
+                _sum_to_owner(tie, stage)
+        self.summed = True
+
+    @torch.no_grad()
+    def updated(self) -> None:
+        self.updates += 1
+        if self.updates < len(self.stages):
+            return
+        for tie, _, copies in self._ties():
+            if tie.group is not None:
+                _from_owner(tie)
+            for q in copies:
+                local(q.data).copy_(local(tie.param.data))
+        self.summed, self.updates = False, 0
 
 
 def connect_exchanges(ties: List[Tie], rank: int, rank_of: Callable[[int], int],

@@ -1,0 +1,38 @@
+"""Run under torchrun by tests/test_library_models.py (the ``chunked-replicas`` script of tests/conftest.py's
+4-process job): GPT-2 (tests/library_models.py, its head tied to its embedding) under a chunked method
+on 2 stages x 2 replicas, each replica on its shard of every mini-batch; or, in one process, on the
+concatenated shards (each micro-batch the replicas' micro-batches of that position side by side).
+zb-v keeps the tie inside a process (its first and last pieces), interleaved between processes.
+Rank 0 prints one JSON line per entry with the losses and the trained weights.
+
+    script ENTRIES    (ENTRIES: METHOD[:sharded],...; sharded: shard_replicas=True)
+"""
+import json
+import sys
+
+import torch
+
+import pipeoptim
+from library_models import case
+
+MICRO = 2
+for entry in sys.argv[1].split(","):
+    method, _, sharded = entry.partition(":")
+    model, loss_fn, batches = case("gpt2")
+    pipe = pipeoptim.Pipeline(model, method=method, stages=2, loss_fn=loss_fn, partitioner="uniform",
+                              micro_batches=MICRO, shard_replicas=bool(sharded),
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    d, replicas = pipe.data_parallel_rank, pipe.data_parallel_size
+    if replicas > 1:
+        shards = [(x.chunk(replicas)[d], y.chunk(replicas)[d]) for x, y in batches]
+    else:  # what two replicas run side by side
+        shards = [tuple(torch.cat([t.chunk(2)[r].chunk(MICRO)[j] for j in range(MICRO) for r in range(2)])
+                        for t in batch) for batch in batches]
+    for x, y in shards:
+        pipe.step(x, y)
+    pipe.flush()
+    trained = pipe.model()
+    if pipe.rank == 0:
+        print(json.dumps({"entry": entry, "replicas": replicas, "losses": pipe.losses,
+                          "tied": trained.get_output_embeddings().weight is trained.get_input_embeddings().weight,
+                          "weights": {k: v.tolist() for k, v in trained.state_dict().items()}}), flush=True)
