@@ -161,7 +161,7 @@ def torchrun_4():
     - ``schedules``: the schedules people run, one pipeline over 4 processes (test_torchrun.py)
     - ``eval-4``: evaluation in the bubbles on 4 stages (test_eval_in_bubbles_torchrun.py)
     - ``dualpipev-4``: dualpipev and torch's DualPipeV order on 4 processes (test_dualpipev.py)
-    - ``chunked-replicas``: GPT-2 under chunked methods on 2 stages x 2 replicas (test_library_models.py)
+    - ``chunked-replicas``: a tied GPT under chunked methods on 2 stages x 2 replicas (test_library_models.py)
     - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
       it sets the buckets' size for the process"""
     import test_library_models
@@ -174,8 +174,7 @@ def torchrun_4():
                    "chunked-replicas": [HERE / "torchrun_chunked_replicas.py",
                                         ",".join(test_library_models.CHUNKED_REPLICAS)],
                    "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
-                  nproc=4, preload=["torch", "pipeoptim.pipeline", "transformers",
-                                    "transformers.models.gpt2.modeling_gpt2", "library_models"], timeout=JOB_TIMEOUT)
+                  nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,8 @@ def test_stepping_by_hand_equals_fit_and_the_trace_has_every_chunk():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(stages=4, chunks=3), "needs 12 layers with parameters, the model has 8: use chunks=2 or fewer stages"),
+    (dict(method="zb-v", stages=8), "zb-v with 8 stages x 2 pieces needs 16 layers with parameters, the model has "
+                                    "8: use fewer stages (at most 4) or a one-chunk method (1f1b-flush, zb-h1)"),
     (dict(stages=2, micro_batches=3), "multiple of the 2 stages (got 3); use micro_batches=2"),
     (dict(stages=2, partition=[2, 2, 4]), "lists stages x 2 entries"),
     (dict(stages=2, chunks=0), "chunks must be a positive number"),

@@ -114,9 +114,11 @@ CHUNKED_REPLICAS = ["zb-v:sharded", "interleaved"]
 
 
 def test_chunked_methods_with_replicas_equal_one_replica_on_the_concatenated_shards(torchrun_4):
-    """GPT-2 on 2 stages x 2 replicas (4 processes): each tie summed over its holders once every
-    stage's gradients are averaged over its replicas, the same losses and weights as one
-    process on the replicas' micro-batches side by side (float sums in another order)."""
+    """A traced GPT tied as GPT-2 is (tests/traced_models.py's: GPT-2's import in 4 more processes
+    would cost more than the training) on 2 stages x 2 replicas (4 processes): each tie summed
+    over its holders once every stage's gradients are averaged over its replicas, the same losses
+    and weights as one process on the replicas' micro-batches side by side (float sums in another
+    order). Before the fix interleaved's losses left one process's after the first update."""
     from torchrun_jobs import run_here
 
     rows = torchrun_4.rows("chunked-replicas")

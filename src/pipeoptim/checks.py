@@ -29,7 +29,7 @@ from .partition import weighted_units
 from .plan_defaults import PARTITIONERS
 from .runtime.compiled import backend_of, missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
-from .runtime.layout import Layout
+from .runtime.layout import FIXED_CHUNKS, Layout
 from .runtime.sharding import fsdp_available
 from .schedules.custom import load_order
 
@@ -341,8 +341,10 @@ def check_chunk_layers(model: nn.Sequential, method: Method, ranks: int, chunks:
     pieces = method.pieces_per_rank(chunks)
     weighted = len(weighted_units(model))
     if pieces > 1 and partition is None and weighted < ranks * pieces:
-        raise ValueError(f"{method.name} with {ranks} stages x {chunks} chunks needs {ranks * chunks} layers with "
-                         f"parameters, the model has {weighted}: use chunks={max(1, weighted // ranks)} or fewer stages")
+        fix = (f"use fewer stages (at most {weighted // pieces}) or a one-chunk method (1f1b-flush, zb-h1)"
+               if method.placement in FIXED_CHUNKS else f"use chunks={max(1, weighted // ranks)} or fewer stages")
+        raise ValueError(f"{method.name} with {ranks} stages x {pieces} pieces needs {ranks * pieces} layers with "
+                         f"parameters, the model has {weighted}: {fix}")
 
 
 def check_microbatches(method: Method, ranks: int, chunks: int, micro: int) -> None:

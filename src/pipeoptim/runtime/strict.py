@@ -47,6 +47,9 @@ from .wire import NCCL_DTYPES, PipelineCommError
 ENV = "PIPEOPTIM_STRICT_TRANSPORT"
 #: seconds a strict wait lasts before it fails (a test's deadlocks end within it)
 TIMEOUT = float(os.environ.get("PIPEOPTIM_STRICT_TIMEOUT", "30"))
+#: the longest pause between two looks at a wait's marks (the pauses double from 0.5 ms: a short wait
+#: is met at once, a long one costs a look every 8 ms, not every 1)
+PAUSE = 0.008
 
 
 class StrictTransportError(PipelineCommError):
@@ -104,14 +107,15 @@ class _Strict:
     def wait_keys(self, keys: list, what: str) -> None:
         """Until every key is in the store, polled: a blocking wait would hold the store's one
         connection, which the progress thread needs to start the sends queued before this."""
-        end = time.monotonic() + self.timeout
+        end, pause = time.monotonic() + self.timeout, 0.0005
         while True:
             with self.lock:
                 if self.store.check(keys):
                     return
             if time.monotonic() > end:
                 raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang")
-            time.sleep(0.001)
+            time.sleep(pause)
+            pause = min(PAUSE, 2 * pause)
 
     def join(self, number: int, me: int, peer: int) -> None:
         """The pair's first operation on the group waits until the other end has issued one."""
@@ -263,7 +267,7 @@ class StrictWork:
         return self.met
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        end = time.monotonic() + self.strict.timeout
+        end, pause = time.monotonic() + self.strict.timeout, 0.0005
         while True:
             with self.strict.lock:
                 self.strict.advance()
@@ -273,7 +277,8 @@ class StrictWork:
             if time.monotonic() > end:
                 raise StrictTransportError(f"{self.what} within {self.strict.timeout:g} s: under NCCL this would "
                                            f"hang")
-            time.sleep(0.001)
+            time.sleep(pause)
+            pause = min(PAUSE, 2 * pause)
 
     def is_completed(self) -> bool:
         with self.strict.lock:
