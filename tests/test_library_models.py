@@ -127,6 +127,7 @@ def test_chunked_methods_with_replicas_equal_one_replica_on_the_concatenated_sha
         expected = json.loads(run_here(HERE / "torchrun_chunked_replicas.py", row["entry"].split(":")[0]))
         assert row["replicas"] == 2 and expected["replicas"] == 1 and row["tied"]
         assert row["losses"] == pytest.approx(expected["losses"], rel=1e-6), row["entry"]
+        assert row["stepped"] == row["losses"], row["entry"]  # step() on the last stage's rank too
         for name, value in row["weights"].items():
             torch.testing.assert_close(torch.tensor(value), torch.tensor(expected["weights"][name]), rtol=1e-5,
                                        atol=1e-6, msg=f"{row['entry']}: {name}")

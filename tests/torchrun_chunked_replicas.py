@@ -5,7 +5,8 @@ under a chunked method
 on 2 stages x 2 replicas, each replica on its shard of every mini-batch; or, in one process, on the
 concatenated shards (each micro-batch the replicas' micro-batches of that position side by side).
 zb-v keeps the tie inside a process (its first and last pieces), interleaved between processes.
-Rank 0 prints one JSON line per entry with the losses and the trained weights.
+Rank 0 prints one JSON line per entry with the losses, what step() and flush() returned (zb-v's rank 0
+holds the last stage: the replicas' mean, not its own replica's) and the trained weights.
 
     script ENTRIES    (ENTRIES: METHOD[:sharded],...; sharded: shard_replicas=True)
 """
@@ -31,11 +32,9 @@ for entry in sys.argv[1].split(","):
     else:  # what two replicas run side by side
         shards = [tuple(torch.cat([t.chunk(2)[r].chunk(MICRO)[j] for j in range(MICRO) for r in range(2)])
                         for t in batch) for batch in batches]
-    for x, y in shards:
-        pipe.step(x, y)
-    pipe.flush()
+    stepped = [loss for x, y in shards for loss in pipe.step(x, y)] + pipe.flush()
     trained = pipe.model()
     if pipe.rank == 0:
-        print(json.dumps({"entry": entry, "replicas": replicas, "losses": pipe.losses,
+        print(json.dumps({"entry": entry, "replicas": replicas, "losses": pipe.losses, "stepped": stepped,
                           "tied": trained.head.weight is trained.embed.weight,
                           "weights": {k: v.tolist() for k, v in trained.state_dict().items()}}), flush=True)

@@ -363,9 +363,15 @@ class Torchrun:
         return self.pipeline_rank == self.last_rank
 
     @property
-    def partial_losses(self) -> bool:
+    def halves(self) -> bool:
         """A bidirectional run whose two pipelines end on two ranks: each of those holds halves."""
         return self.mirrored and self.placement[-1] != self.last_rank
+
+    @property
+    def partial_losses(self) -> bool:
+        """The losses completed here are a part of each window's: a pipeline's halves, or one
+        replica's (the mean over the replicas comes at the drain)."""
+        return self.halves or self.replicas > 1
 
     def _replica_sum(self, values: List[float], what: str) -> torch.Tensor:
         """The sum over this stage's replicas of each value (in float64, exact for counts)."""
@@ -393,7 +399,7 @@ class Torchrun:
     # -- what every rank must see -------------------------------------------------------------
     def share_losses(self, losses: List[float]) -> List[float]:
         """The last stage's ``losses`` of a segment (the mean over the replicas), on every rank."""
-        if self.partial_losses:  # each pipeline's last rank holds its halves of the windows
+        if self.halves:  # each pipeline's last rank holds its halves of the windows
             parts = gather_all(losses, self.comm, "sharing the losses of the segment")
             first, second = parts[self.last_rank], parts[self.placement[-1]]
             return [float_sum([a, b]) for a, b in zip(first, second)]

@@ -50,8 +50,9 @@ class World(Protocol):
     #: True where the losses are checked and reported at each drain, on every rank at once
     #: (:meth:`share_losses`); False where they are reported as each completes
     losses_at_drain: bool
-    #: this process's completed losses are one pipeline's halves of the windows (a bidirectional
-    #: run's last rank of one pipeline): kept for the drain, never returned by step()
+    #: this process's completed losses are a part of each window's (a bidirectional run's last rank
+    #: of one pipeline: its halves; with replicas: its replica's): kept for the drain, whose
+    #: shared losses every rank returns, never returned by step()
     partial_losses: bool
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
