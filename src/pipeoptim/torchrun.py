@@ -249,8 +249,9 @@ class Torchrun:
 
     def _connect_ties(self, own: List[Stage], stages: int, replicas: int) -> None:
         """A group of the holders' ranks for each tied weight, in each replica (every rank makes
-        every group, in the same order); ``own``: this process's stages. Holders in one process read one tensor: the group joins each holder's process
-        once, and there the first holder sums and receives for all (with several stages here,
+        every group, in the same order); ``own``: this process's stages. Holders in one process
+        read one tensor: the group joins each holder's process once, and there the first holder
+        sums and receives for all (with several stages here,
         all ties together: runtime/tied.py's ``TieRound``); a tie whose holders are all in one
         process needs none. With an asynchronous method (one stage per process), the 2-rank
         groups its values and gradients travel on per micro-batch, in each replica

@@ -72,7 +72,7 @@ class ReplicaUpdates:
             summer = self.summers.get(stage % self.pieces)
             if summer is not None:
                 if _ties_first(self.stages[stage]):  # a tied weight's holders' sum comes first
-                    self.stages[stage].tied.before_update()
+                    self.stages[stage].sync_gradients()
                 summer(self.stages[stage].parameters())
                 return True
         if (stage, update) in self.summed:

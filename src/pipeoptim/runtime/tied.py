@@ -140,10 +140,8 @@ class TiedWeights:
         return [t.param for t in self.ties if t.param is not None and t.holders[0] != self.stage]
 
     def before_update(self) -> None:
-        """Synchronous methods: the holders' gradients summed into the owner's (a holder's dropped)."""
-        if self.round is not None:
-            self.round.reduce()
-            return
+        """Synchronous methods: the holders' gradients summed into the owner's (a holder's dropped;
+        with a :class:`TieRound`, ``Stage.sync_gradients`` asks the round instead)."""
         for tie in self.held():
             _sum_to_owner(tie, self.stage)
 
