@@ -1,17 +1,17 @@
 """What to run first on a machine with GPUs: the CUDA tests, then the distributed path, torchrun
 jobs over NCCL (one GPU per process), training a tied GPT (a traced model, its head's weight the
 embedding's) with every method family, a DCP checkpoint written and resumed, compiled stages,
-bf16 and sharded replicas, one table judged against ``sequential`` and one process. Without
-CUDA it says so in one line and exits 0.
+bf16, sharded replicas and stages split over 2 tensor ranks, one table judged against
+``sequential`` and one process. Without CUDA it says so in one line and exits 0.
 
     scripts/gpu_check.sh [--updates 8] [--rows a,b] [--json] [--out rows.json] [--require-all]
     python scripts/gpu_check.py --device cpu --size tiny --updates 3
         (the same jobs on the CPU: gloo, with NCCL's rules kept by PIPEOPTIM_STRICT_TRANSPORT=1)
 
 The jobs: ``python -m torch.distributed.run --standalone --nproc-per-node P`` of
-scripts/gpu_check_worker.py, one of 2 processes (2 stages) for every row but ``sharded``, one of
-4 (2 stages x 2 replicas) for it. Each job's rank 0 then trains ``sequential``, the reference,
-in each precision, and each asynchronous row again, in its process alone (every stage on its
+scripts/gpu_check_worker.py, one of 2 processes (2 stages) for every row but ``sharded`` and
+``tensor``, one of 4 for them (2 stages x 2 replicas; 2 stages x 2 tensor ranks). Each job's
+rank 0 then trains ``sequential``, the reference, in each precision, and each asynchronous row again, in its process alone (every stage on its
 GPU: the table's ``python 1`` rows). With fewer GPUs than a job needs its rows are not run: NCCL
 refuses two ranks on one GPU. With one GPU, every row runs in one process instead (python 1).
 
@@ -28,7 +28,8 @@ A row holds when all of these hold (:data:`TOLERANCES`, :data:`ASYNC_SHARE`):
   untrained model's loss to sequential's (|loss - sequential| <= 0.5 |initial - sequential|),
   the bound printed as a relative difference;
 - to the bit, training losses and loss after K, where the runtime promises it: an asynchronous
-  torchrun row (not sharded) against the same row in one process (the distributed runtime's
+  torchrun row (not sharded, not split over tensor ranks: their sums run in another order)
+  against the same row in one process (the distributed runtime's
   promise, docs/architecture.md; on CUDA the worker asks torch for deterministic kernels), a
   checkpoint row (stopped, resumed from its checkpoint by a new Pipeline) against its
   uninterrupted run (the same checkpoints: an asynchronous method drains at each);
@@ -115,7 +116,7 @@ def judge(rows: List[Dict[str, Any]], backend: str) -> List[Dict[str, Any]]:
                     why.append(f"the process group's backend is {row.get('backend')}, not {backend}")
                 if row.get("latest"):
                     why += against_partner(row, row.get("uninterrupted"), "uninterrupted")
-                elif kind(row) == "asynchronous" and not row.get("sharded"):
+                elif kind(row) == "asynchronous" and not row.get("sharded") and row.get("tensor", 1) == 1:
                     why += against_partner(row, alone.get(key(row)), "1 process")
         row["holds"] = not why
         if why:
@@ -296,7 +297,8 @@ def shell(spec: Dict[str, Any], args: argparse.Namespace, processes: int, **why:
     """A row that produced no line of its own: why (``not_run`` or ``error``; ``row``: another name)."""
     return {"row": spec["row"], "method": spec["method"], "processes": processes,
             "precision": "bf16" if spec["bf16"] else "fp32", "compiled": args.compile if spec["compiled"] else False,
-            "sharded": spec["sharded"] and processes > 1, **why}
+            "sharded": spec["sharded"] and processes > 1, "tensor": 2 if spec["tensor"] and processes > 1 else 1,
+            **why}
 
 
 def cuda_tests(quiet: bool) -> Optional[int]:
@@ -318,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="cuda (default; without one: say so, exit 0): NCCL; cpu: gloo")
     parser.add_argument("--updates", type=int, default=8, help="updates K each row trains (default 8)")
     parser.add_argument("--rows", default=",".join(worker.ROWS),
-                        help="comma-separated METHOD[+bf16][+compiled][+checkpoint][+sharded] (default: "
+                        help="comma-separated METHOD[+bf16][+compiled][+checkpoint][+sharded][+tensor] (default: "
                         + ", ".join(worker.ROWS) + ")")
     parser.add_argument("--size", default="full", choices=sorted(worker.SIZES), help="the GPT's and data's size "
                         "(default full; tiny: the tests')")

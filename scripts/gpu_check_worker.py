@@ -56,8 +56,14 @@ from pipeoptim.world import LocalWorld  # noqa: E402
 #: the rows a check runs by default: every method family on the tied GPT, then what a run adds
 ROWS = ["1f1b-flush", "zb-h1", "interleaved", "zb-v", "pipeoptim", "pipedream-2bw", "bidirectional", "bitpipe",
         "1f1b-flush+checkpoint", "pipeoptim+checkpoint", "1f1b-flush+compiled", "pipeoptim+compiled",
-        "1f1b-flush+bf16", "pipeoptim+bf16", "zb-h1+bf16+compiled", "1f1b-flush+sharded"]
-FEATURES = ("bf16", "compiled", "checkpoint", "sharded")
+        "1f1b-flush+bf16", "pipeoptim+bf16", "zb-h1+bf16+compiled", "1f1b-flush+sharded", "1f1b-flush+tensor",
+        "pipeoptim+tensor", "1f1b-flush+tensor+checkpoint"]
+FEATURES = ("bf16", "compiled", "checkpoint", "sharded", "tensor")
+#: ``tensor``: each stage split over 2 processes by this plan (the MLPs column-wise then row-wise,
+#: the tied embedding and head over the vocabulary; the attention's fused qkv, split into 4 heads
+#: by a fixed view, stays whole)
+TENSOR_PLAN = {"layers.*.mlp.0": "colwise", "layers.*.mlp.2": "rowwise", "embed": "embedding_rowwise",
+               "head": "colwise_gather_output"}
 #: the model and data: ``full`` on a GPU, ``tiny`` for the tests on the CPU
 SIZES = {"full": {"vocab": 64, "width": 64, "length": 32, "batch": 16, "layers": 4},
          "tiny": {"vocab": 24, "width": 16, "length": 8, "batch": 8, "layers": 1}}
@@ -65,8 +71,8 @@ STAGES, REPLICAS = 2, 2
 
 
 def parse_row(row: str) -> Dict[str, Any]:
-    """``METHOD+feature...`` as {method, bf16, compiled, checkpoint, sharded, processes}; the
-    error names the valid form."""
+    """``METHOD+feature...`` as {method, bf16, compiled, checkpoint, sharded, tensor, processes};
+    the error names the valid form."""
     method, *features = row.split("+")
     unknown = [f for f in features if f not in FEATURES]
     if unknown or method not in pipeoptim.method_names() or method == "sequential":
@@ -74,7 +80,7 @@ def parse_row(row: str) -> Dict[str, Any]:
                          f"one of {', '.join(pipeoptim.method_names()[1:])} (sequential, the reference, runs "
                          f"with every row)")
     spec = {"row": row, "method": method, **{f: f in features for f in FEATURES}}
-    spec["processes"] = STAGES * (REPLICAS if spec["sharded"] else 1)
+    spec["processes"] = STAGES * (REPLICAS if spec["sharded"] else 1) * (2 if spec["tensor"] else 1)
     return spec
 
 
@@ -159,7 +165,8 @@ def pipeline(spec: Dict[str, Any], args: argparse.Namespace, alone: bool) -> pip
         partitioner="params",  # a function of the model alone: the same cut in every run
         optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr), timeout=args.timeout,
         world=LocalWorld() if alone else None,
-        **({"data_parallel": REPLICAS, "shard_replicas": True} if sharded else {}))
+        **({"data_parallel": REPLICAS, "shard_replicas": True} if sharded else {}),
+        **({"tensor_parallel": 2, "tensor_plan": TENSOR_PLAN} if spec["tensor"] and not alone else {}))
 
 
 def train(spec: Dict[str, Any], args: argparse.Namespace, alone: bool = False) -> Dict[str, Any]:
@@ -171,7 +178,7 @@ def train(spec: Dict[str, Any], args: argparse.Namespace, alone: bool = False) -
     line: Dict[str, Any] = {"row": spec["row"], "method": spec["method"],
                             "precision": "bf16" if spec["bf16"] else "fp32",
                             "compiled": args.compile if spec["compiled"] else False,
-                            "sharded": spec["sharded"] and not alone}
+                            "sharded": spec["sharded"] and not alone, "tensor": 2 if spec["tensor"] and not alone else 1}
     if spec["method"] == "sequential":  # the loss before any update, the same for every row
         torch.manual_seed(0)
         line["initial"] = held_out_loss(TiedGPT(**size), data[-1], args.device)
@@ -228,7 +235,7 @@ def run(spec: Dict[str, Any], args: argparse.Namespace, alone: bool, data: List[
 
 def plain(spec: Dict[str, Any]) -> Dict[str, Any]:
     """The row without a checkpoint or replicas: its method, precision and compile."""
-    return dict(spec, checkpoint=False, sharded=False, processes=STAGES,
+    return dict(spec, checkpoint=False, sharded=False, tensor=False, processes=STAGES,
                 row="+".join([spec["method"]] + [f for f in ("bf16", "compiled") if spec[f]]))
 
 
@@ -244,17 +251,19 @@ def plan(rows: List[str], updates: int) -> List[Dict[str, Any]]:
 def one_process(specs: List[Dict[str, Any]], args: argparse.Namespace, every: bool) -> List[Dict[str, Any]]:
     """The rows again in this process alone (``every``: each row's method; else the asynchronous
     ones a torchrun row must equal: not a checkpoint row, held to its uninterrupted run, nor a
-    sharded one; a synchronous row is held to sequential), and ``sequential`` in each precision."""
+    sharded or tensor-parallel one; a synchronous row is held to sequential), and ``sequential``
+    in each precision."""
     seen, runs = set(), []
     for spec in specs:
         key = (spec["method"], spec["bf16"], spec["compiled"])
-        needed = not (pipeoptim.get_method(spec["method"]).synchronous or spec["checkpoint"] or spec["sharded"])
+        needed = not (pipeoptim.get_method(spec["method"]).synchronous or spec["checkpoint"] or spec["sharded"]
+                      or spec["tensor"])
         if key not in seen and (every or needed):
             seen.add(key)
             runs.append(plain(spec))
     for bf16 in sorted({s["bf16"] for s in specs}):
         runs.append({"row": "sequential" + "+bf16" * bf16, "method": "sequential", "bf16": bf16, "compiled": False,
-                     "checkpoint": False, "sharded": False, "processes": 1})
+                     "checkpoint": False, "sharded": False, "tensor": False, "processes": 1})
     return [run_row(spec, args, alone=True) for spec in runs]
 
 

@@ -95,7 +95,7 @@ def pytest_collection_modifyitems(items):
     """A test that reads a shared torchrun job may be the one that waits for all of it: its
     pytest-timeout limit is the job's, not the 300 s of one test."""
     for item in items:
-        if {"torchrun_2", "torchrun_4"} & set(getattr(item, "fixturenames", ())):
+        if {"torchrun_2", "torchrun_4", "torchrun_8"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.timeout(JOB_TIMEOUT + 300))
 
 
@@ -155,26 +155,47 @@ def torchrun_2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def torchrun_4():
+def torchrun_4(tmp_path_factory):
     """One ``torchrun --nproc-per-node 4`` job (tests/torchrun_jobs.py) of the 4-process scripts:
 
     - ``schedules``: the schedules people run, one pipeline over 4 processes (test_torchrun.py)
     - ``eval-4``: evaluation in the bubbles on 4 stages (test_eval_in_bubbles_torchrun.py)
     - ``dualpipev-4``: dualpipev and torch's DualPipeV order on 4 processes (test_dualpipev.py)
     - ``chunked-replicas``: a tied GPT under chunked methods on 2 stages x 2 replicas (test_library_models.py)
+    - ``tensor-parallel``: 2 stages x 2 tensor ranks, every family and Llama's own plan (test_tensor_parallel.py)
+    - ``tensor-checkpoints``: checkpoints from one process to 2 x 2 tensor ranks and back (test_tensor_parallel.py;
+      in ``torchrun_4.folder``)
     - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
       it sets the buckets' size for the process"""
     import test_library_models
+    import test_tensor_parallel
     import test_torchrun
     from torchrun_jobs import HERE, launch
 
-    return launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
-                   "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
-                   "dualpipev-4": [HERE / "torchrun_dualpipev.py", 4],
-                   "chunked-replicas": [HERE / "torchrun_chunked_replicas.py",
-                                        ",".join(test_library_models.CHUNKED_REPLICAS)],
-                   "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
-                  nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+    folder = tmp_path_factory.mktemp("torchrun_4")
+    printed = launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
+                      "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
+                      "dualpipev-4": [HERE / "torchrun_dualpipev.py", 4],
+                      "chunked-replicas": [HERE / "torchrun_chunked_replicas.py",
+                                           ",".join(test_library_models.CHUNKED_REPLICAS)],
+                      "tensor-parallel": [HERE / "torchrun_tensor_parallel.py", ",".join(test_tensor_parallel.UNDER_TORCHRUN)],
+                      "tensor-checkpoints": [HERE / "torchrun_tensor_parallel.py", "checkpoints", folder],
+                      "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
+                     nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+    printed.folder = folder
+    return printed
+
+
+@pytest.fixture(scope="session")
+def torchrun_8():
+    """One ``torchrun --nproc-per-node 8`` job: 2 stages x 2 replicas x 2 tensor ranks, each split
+    stage sharded over its replicas (tests/torchrun_tensor_parallel.py's ``SHARDED`` entries of
+    test_tensor_parallel.py, as ``tensor-parallel-8``)."""
+    import test_tensor_parallel
+    from torchrun_jobs import HERE, launch
+
+    return launch({"tensor-parallel-8": [HERE / "torchrun_tensor_parallel.py", ",".join(test_tensor_parallel.SHARDED)]},
+                  nproc=8, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

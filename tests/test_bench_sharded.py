@@ -18,7 +18,7 @@ from pipeoptim.cli.bench import format_memory, ratios
     (["--shard-replicas", "--data-parallel", "2", "--optimizer", "muon"],
      "--shard-replicas with --optimizer muon: Muon orthogonalizes each whole matrix"),
     (["--ablate", "compile,sharded"],
-     "--ablate takes comma-separated settings of compile, recompute, shard-replicas, got 'compile,sharded'"),
+     "--ablate takes comma-separated settings of compile, recompute, shard-replicas, tensor-parallel, got 'compile,sharded'"),
 ])
 def test_what_cannot_shard_is_refused_in_one_line_naming_the_fix(argv, says, capsys):
     assert main(["bench", "--synthetic", *argv]) == 2

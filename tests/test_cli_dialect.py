@@ -38,8 +38,6 @@ DIFFERENCES: Dict[Tuple[str, str], str] = {
     ("--methods", "plan"): "methods to consider",
     # plan searches several micro-batch counts; the others run one (the method's own by default)
     ("--micro-batches", "plan"): "micro-batch counts to consider",
-    # bench's blocks model gives every stage the same work; the others train the task's recipe's
-    ("--model", "bench"): "every stage does the same work",
     # train and compare take the optimizer with the recipe's lr and schedule (adamw for every task)
     ("--optimizer", "train"): "the task's recipe",
     ("--optimizer", "compare"): "the task's recipe",

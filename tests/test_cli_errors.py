@@ -107,7 +107,7 @@ CASES = [
     # bench's --compile takes a backend as train's does; with and without is --ablate compile
     (["bench", "--compile", "both"], "argument --compile: invalid choice: 'both'"),
     (["bench", "--ablate", "compile,recompute,sharded"], "--ablate takes comma-separated settings of compile, "
-                                                        "recompute, shard-replicas, got 'compile,recompute,sharded'"),
+                                                        "recompute, shard-replicas, tensor-parallel, got 'compile,recompute,sharded'"),
     (["compare", "--methods", "pipeoptim,warp"], "unknown method warp"),
     (["compare", "--methods", "gpipe,sequential", "--steps", "code"], "--steps applies to none of gpipe, sequential"),
     (["schedule", "nope"], "unknown schedule or method"),

@@ -125,9 +125,11 @@ def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) ->
     before the world is joined), once, when a Pipeline is built, before the loader and the
     processes start; the layout in ``world``'s terms."""
     backend = backend_of(config.compile)
-    layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel)
+    layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel,
+                          config.tensor_parallel)
     if config.shard_replicas:
         check_sharding(world, layout, config)
+    check_tensor_parallel(layout, config)
     check_precision(method, config.precision, world.processes)
     check_loss_fn(config.loss_fn, model)
     return check_run(config, model, method, layout, backend)
@@ -259,6 +261,17 @@ def check_sharding(world: Any, layout: Layout, config: Any) -> None:
     if not fsdp_available():
         raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
                          f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
+
+
+def check_tensor_parallel(layout: Layout, config: Any) -> None:
+    """``tensor_parallel`` and ``tensor_plan`` beside the other options."""
+    if config.tensor_plan is not None and layout.tensor == 1:
+        raise ValueError("tensor_plan splits layers over tensor_parallel=T processes: give tensor_parallel=T "
+                         "(T >= 2) or drop tensor_plan")
+    if layout.tensor == 1:
+        return
+    if config.compile:
+        raise ValueError("tensor_parallel and compile do not run together yet: drop one of them")
 
 
 def check_compile(config: Any) -> None:

@@ -215,6 +215,22 @@ def forget_sharding_cache() -> None:
     _clear_sharding_prop_cache()
 
 
+def waited_collectives(value: Any) -> Any:
+    """``value`` (nested) with every tensor a functional collective still owes (what a tensor
+    parallel style's all-reduce returns, torch's ``AsyncCollectiveTensor``, which has no storage
+    of its own) replaced by a plain copy, waited for.
+
+    Private API: ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` and
+    ``torch.utils._pytree.tree_map_only``.
+    Fallback: where missing, ``value`` unchanged (a torch without lazy collectives returns plain tensors).
+    Public alternative awaited: a public type for a collective's pending result."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # pragma: no cover - no lazy collectives in this torch
+        return value
+    return _pytree.tree_map_only(AsyncCollectiveTensor, lambda t: t.clone(), value)
+
+
 # -- autograd, compilation, collectives, graphs ------------------------------------------------
 def tensor_version(tensor: torch.Tensor) -> Any:
     """A value that changes whenever ``tensor`` is modified in place (autograd's version counter),

@@ -270,6 +270,24 @@ OPTIONS: Tuple[Option, ...] = (
                 "the stages), shard each stage over its replicas with torch's FSDP2 instead "
                 "of replicating it: parameters, gradients, optimizer state and every weight version the method "
                 "keeps are held 1/D per process, each pass gathering the version it needs (torch >= 2.6)")),
+    Option("tensor_parallel", "int", 1, "under torchrun, T processes per stage: each stage's layers split with "
+           "torch's tensor parallelism (torch.distributed.tensor.parallel styles on a DeviceMesh 'pp' x 'dp' x "
+           "'tp', WORLD_SIZE = N x D x T) by tensor_plan, each process holding about 1/T of the planned "
+           "layers' weights, gradients, optimizer state and every weight version the method keeps; what "
+           "crosses a cut goes from tensor rank t of stage k to tensor rank t of stage k + 1; with "
+           "shard_replicas, each split stage is then sharded over its replicas. Seed every process alike (as "
+           "replicas): the T ranks of a stage hold its unsplit weights and draw its dropout each", "pipeline",
+           Flag("int", metavar="T", group="distributed runtime", only="distributed",
+                help="T processes per stage (N x D x T processes in all): each stage's layers split with torch's "
+                "tensor parallelism by the model's own plan (--task image --model mlp|vgg|vgg-bn, --task lm "
+                "--model gpt...; a transformers model's base_model_tp_plan), each process holding about 1/T of the "
+                "planned layers' weights and optimizer state")),
+    Option("tensor_plan", "Optional[dict]", None, "with tensor_parallel > 1, how each layer is split: module-name "
+           "patterns of the whole model ('model.layers.*.mlp.up_proj', * matches any part) to torch's styles "
+           "(ColwiseParallel(), RowwiseParallel(), ...) or transformers' names ('colwise', 'rowwise', "
+           "'colwise_gather_output', ...); only nn.Linear and nn.Embedding layers; default: the model's own "
+           "(a transformers model's config.base_model_tp_plan and its head's _tp_plan)", "pipeline",
+           api_only="a dict; the command line uses the model's own plan"),
     Option("world", "Any", None, "where the stages run: default one stage per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),

@@ -242,8 +242,8 @@ class Pipeline:
         a traced model is split (the layout says it)."""
         if self.stages:
             return self.world.replica
-        stages = self.checked.layout.stages
-        return self.world.rank // stages if stages else 0
+        layout = self.checked.layout
+        return self.world.rank // (layout.stages * layout.tensor) if layout.stages else 0
 
     @property
     def data_parallel_size(self) -> int:

@@ -15,6 +15,7 @@ the rule for a model no study measured)."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -26,8 +27,8 @@ from .checks import check_loss_fn, check_model
 from .graph_split import TracedModel, trace
 from .methods import get_method, split_variant
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
-from .throughput import (candidate_problem, describe_partition, head_rows, microbatch_size, partition_for, predict,
-                         profile_sizes)
+from .throughput import (TensorLayers, candidate_problem, describe_partition, head_rows, microbatch_size,
+                         partition_for, predict, profile_sizes, style_name)
 from .profile import check_statistic, tensors_of
 from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
@@ -119,6 +120,58 @@ def check_options(stages: int, methods: Sequence[str], microbatches: Sequence[in
     return methods, counts, speeds
 
 
+# -- tensor parallelism -------------------------------------------------------------------------------
+
+def tensor_layers(units: Units, plan: Dict[str, Any], tensor: int, repeats: int = 3) -> TensorLayers:
+    """:class:`~pipeoptim.throughput.TensorLayers` of ``units`` (an ``nn.Sequential``) for
+    ``plan`` ({module name: torch's style}, ``runtime.tensor_parallel.resolve_plan``'s), measured
+    on its sample: forwards with every planned module and every layer timed (the fastest of
+    ``repeats``), each planned module's output bytes noted, and its input's where it has a gradient."""
+    if units.traced is not None:
+        raise ValueError(f"tensor parallelism is priced on an nn.Sequential's layers, and {units.name} is traced "
+                         f"(not yet priced): drop --tensor-parallel, or plan an nn.Sequential model")
+    net, reduce, gather = units.net, 2 * (tensor - 1) / tensor, (tensor - 1) / tensor
+    modules, n = dict(net.named_modules()), len(net)
+    kinds = {name: "embedding_rowwise" if isinstance(modules[name], nn.Embedding) and style_name(style).startswith(
+        "rowwise") else style_name(style) for name, style in plan.items()}
+    layer_of = {name: int(name.split(".")[0]) for name in plan}
+    split, whole, fwd, bwd, seconds, started = [0] * n, [0] * n, [0.0] * n, [0.0] * n, {}, {}
+    for name, kind in kinds.items():
+        part = sum(p.numel() * p.element_size() for a, p in modules[name].named_parameters(recurse=False)
+                   if not (a == "bias" and "rowwise" in kind))
+        split[layer_of[name]] += part
+        whole[layer_of[name]] += part if kind == "embedding_rowwise" else 0  # its gradient: replicated
+    size = lambda t: t.numel() * t.element_size() if torch.is_tensor(t) else 0  # noqa: E731
+
+    def hook(name: str, first: List[bool]) -> Callable:
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            took = time.perf_counter() - started[name]
+            seconds[name] = min(seconds.get(name, took), took)
+            if name in kinds and first[0]:
+                kind, k, x = kinds[name], layer_of[name], args[0] if args else None
+                fwd[k] += (reduce if "rowwise" in kind else gather if kind.endswith("output") else 0) * size(output)
+                if torch.is_tensor(x) and x.requires_grad:
+                    bwd[k] += (reduce if kind.startswith("colwise") else gather if kind.endswith("input") else 0) * size(x)
+        return after
+
+    first, timed = [True], {**{str(k): layer for k, layer in enumerate(net)}, **{name: modules[name] for name in kinds}}
+    handles = [h for name, m in timed.items() for h in (
+        m.register_forward_pre_hook(lambda *_, name=name: started.__setitem__(name, time.perf_counter())),
+        m.register_forward_hook(hook(name, first)))]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            for _ in range(max(1, repeats)):
+                net(units.sample)
+                first[0] = False
+    finally:
+        for handle in handles:
+            handle.remove()
+    inside = [sum(seconds[m] for m in kinds if layer_of[m] == k) for k in range(n)]
+    share = [min(1.0, inside[k] / seconds[str(k)]) if seconds[str(k)] > 0 else 0.0 for k in range(n)]
+    per_sample = [[b / units.batch_size for b in wire] for wire in (fwd, bwd)]
+    return TensorLayers(tensor, split, share, *per_sample, kinds, whole)
+
+
 # -- timing the splits -----------------------------------------------------------------------------
 
 def time_splits(net: nn.Sequential, splits: Sequence[Split], sample: Any, target: Any, loss_fn: Callable, *,
@@ -180,13 +233,14 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
            memory_limit: Optional[float] = None, partitioner: str = "uniform", scaling: str = "measure",
            seed: int = 0, optimizer: Optional[Callable] = None, optimizer_name: Optional[str] = None,
            warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, tolerance: float = 0.05,
-           statistic: str = "median", stage_timing: str = "measured", log: Optional[Callable] = None
-           ) -> Dict[str, Any]:
-    """Profile ``units``, split them three ways and predict every (method, micro-batch count):
+           statistic: str = "median", stage_timing: str = "measured", log: Optional[Callable] = None,
+           tensor: Optional[TensorLayers] = None) -> Dict[str, Any]:
+    """Profile ``units``, split them three ways and predict every (method, micro-batch count)
+    (``tensor``: each stage on T processes, :mod:`pipeoptim.throughput`'s model):
     ``{"profiles": {M: profile of one micro-batch}, "partitions", "reference", "candidates",
     "skipped", "measurement"}`` (the arguments: :func:`plan`'s). Each candidate carries its
     ``speedup`` over the sequential reference, its ``processes`` and whether that speedup is
-    ``reachable`` (at most the process count)."""
+    ``reachable`` (at most the process count, T per stage)."""
     log = log or (lambda *a, **k: None)
     net, layers, batch_size = units.net, len(units.net), units.batch_size
     what = "units" if units.traced is not None else "layers"
@@ -285,9 +339,9 @@ def survey(units: Units, *, stages: int, batches: int = 100, device: str = "cpu"
         n = 1 if method == "sequential" else stages
         row = predict(method, profiles[m], split, microbatches=m, batches=batches, batch_size=batch_size,
                       speeds=speeds if n == stages else None, bandwidth=bandwidth, options=options,
-                      measured=measured(split, m, method))
+                      measured=measured(split, m, method), tensor=tensor)
         row["memory_fits"] = memory_limit is None or row["max_stage_memory"] <= memory_limit
-        reach(row, reference["samples_per_second"], n, speeds)
+        reach(row, reference["samples_per_second"], n, speeds, tensor.tensor if tensor is not None else 1)
         if units.traced is not None:  # (a chunked method's: where each of its pieces begins)
             row["split_points"] = units.split_points(split)
         candidates.append(row)
@@ -309,13 +363,15 @@ def assemble(units: Units, found: Dict[str, Any], best: Dict[str, Any], *, stage
             "stage_forward_seconds", "stage_backward_seconds", "update_seconds", "comm_seconds", "limited_by_link",
             "seconds_per_batch", "updates_ratio", "time_to_target_seconds")
     options = dict(best.get("options") or {})  # error_feedback=True for a +ef candidate
+    tensor = best.get("tensor_parallel", 1)
     run = {"method": best["method"], "stages": n_best, "partition": best["partition"],
-           "micro_batches": best["microbatches"], **options}
+           "micro_batches": best["microbatches"], **options, **({"tensor_parallel": tensor} if tensor > 1 else {})}
     profiles = found["profiles"]
     return {
         "batch_size": units.batch_size, "stages": n_best, "partition": best["partition"],
         "split_points": units.split_points(best["partition"]),  # (a chunked method's: where its pieces begin)
         "partitioner": partitioner if n_best == stages else "uniform", "method": best["method"],
+        "tensor_parallel": tensor,
         "options": options, "variant": best.get("variant", best["method"]),
         "microbatches": best["microbatches"], "pipeline": run,
         "predicted": {k: best.get(k) for k in keys},

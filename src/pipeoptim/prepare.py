@@ -27,6 +27,7 @@ from .profile import profile_model
 from .runtime.build import build_stages, split_for
 from .runtime.spec import RunSpec, resolve
 from .runtime.stage import Stage
+from .runtime.tensor_parallel import resolve_plan
 from .world import World
 
 
@@ -159,10 +160,25 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
                           clip_grad_norm=config.clip_grad_norm if checked.clip_scope == "stage" else None,
                           devices=devices, only=only, parts=prepared.parts, ties=prepared.ties, recompute=recompute,
                           shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
-                          if config.shard_replicas else None, compile=checked.backend)
+                          if config.shard_replicas else None, compile=checked.backend,
+                          tensors=tensor_split(world, model, config, spec.ranks, replicas)
+                          if checked.layout.tensor > 1 else None)
     world.connect(stages, replicas, placement=placement)
     return BuiltStages(spec, stages, devices, placement, recompute, prepared.split_points,
                        EvalMode(model, prepared.traced, spec.partition, stages))
+
+
+def tensor_split(world: World, model: nn.Module, config: PipelineConfig, ranks: int, replicas: int):
+    """What splits each stage over its tensor ranks: the plan resolved on the whole model (the
+    user's ``tensor_plan`` or the model's own), each planned layer's kind and every parameter's
+    names (a tied one's all)."""
+    plan = resolve_plan(model, config.tensor_plan, config.tensor_parallel)
+    modules = dict(model.named_modules())
+    kinds = {name: "embedding" if isinstance(modules[name], nn.Embedding) else "linear" for name in plan}
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return world.stage_tensors(ranks, replicas, plan, kinds, names)
 
 
 class EvalMode:
@@ -186,8 +202,9 @@ class EvalMode:
             with contextlib.ExitStack() as filled:
                 if self.traced is not None:
                     for stage in self.stages:  # the eval trace runs over the model's own parameters,
-                        if stage.shards is not None:  # which a sharded stage released: filled meanwhile
-                            filled.enter_context(stage.shards.filled())
+                        copied = stage.shards if stage.shards is not None else stage.tensor
+                        if copied is not None:  # which a split stage released: filled (whole) meanwhile
+                            filled.enter_context(copied.filled())
                     parts = self._parts()
                     for stage in self.stages:
                         swapped.append((stage, stage.module))

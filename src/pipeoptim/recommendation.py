@@ -16,12 +16,15 @@ RULE = ("the fastest synchronous candidate (predicted samples/s) among those who
         "fastest asynchronous candidate is named as the one to try")
 
 
-def reach(row: Dict[str, Any], reference: float, processes: int, speeds: Optional[Sequence[float]] = None) -> None:
+def reach(row: Dict[str, Any], reference: float, processes: int, speeds: Optional[Sequence[float]] = None,
+          tensor: int = 1) -> None:
     """Set ``row``'s ``speedup`` over the sequential ``reference`` (samples/s), ``processes``,
     ``fits`` and ``reachable``: a pipeline over P processes runs at most P times the sequential
-    speed (the sum of the speeds, with ``speeds``), and a prediction above it says the profile
-    was disturbed; ``unreachable`` says so (where it is)."""
-    bound = processes if speeds is None or processes == 1 else sum(speeds) / max(speeds)
+    speed (the sum of the speeds, with ``speeds``; times T with ``tensor`` = T processes per
+    stage), and a prediction above it says the profile was disturbed; ``unreachable`` says so
+    (where it is)."""
+    bound = tensor * (processes if speeds is None or processes == 1 else sum(speeds) / max(speeds))
+    processes *= tensor
     row["speedup"] = row["samples_per_second"] / reference
     row["processes"] = processes
     row["reachable"] = row["speedup"] <= bound * (1 + 1e-9)

@@ -17,9 +17,19 @@ weights, which is ``weights/predict*.py``.
 * **error feedback** (a ``+ef`` candidate, ``options={"error_feedback": True}``): its two passes
   over the weights per update cost :data:`FEEDBACK_TIME_RATIO` times the method's time, and its
   two weight-sized buffers per stage show in the weight versions (``Method.versions``).
+* **tensor parallelism** (:class:`TensorLayers`, from ``planning.tensor_layers``): each stage on
+  T processes. Per process the planned layers' parameters (every version), gradients and
+  optimizer state are 1/T (a row-wise bias whole), activations as at T = 1 (an upper bound). The
+  planned modules' share of each layer's forward time (and of its backward and W) runs 1/T, of
+  the update the planned parameters' share on the stage that keeps the most (an upper bound);
+  each row-wise layer all-reduces its output per forward, each column-wise layer its input's
+  gradient per backward (a gathered output or a row-wise layer's whole input: an all-gather),
+  each process sending 2(T-1)/T (all-reduce) or (T-1)/T (all-gather) of the bytes at
+  ``bandwidth`` (free without one), on the critical path.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -115,6 +125,63 @@ def describe_partition(profile: ModelProfile, sizes: Sequence[int], speeds: Opti
     mean = sum(times) / len(times)
     return {"sizes": sizes, "stage_seconds": times, "cut_seconds": links, "slowest_stage_seconds": slowest,
             "cycle_seconds": max([slowest] + links), "imbalance": slowest / mean if mean > 0 else 1.0}
+
+
+@dataclass
+class TensorLayers:
+    """What splitting a model's planned layers over ``tensor`` processes does, per layer of an
+    ``nn.Sequential``: ``split_bytes``, its parameter bytes the plan splits; ``share``, the
+    planned modules' share of its forward time; ``forward_wire``, ``backward_wire``: the bytes one
+    process sends in the tensor collectives of a pass, per sample; ``planned``: {module: style};
+    ``whole_grads``: of ``split_bytes``, those whose gradient each process holds whole (torch's
+    row-wise Embedding leaves its weight's gradient replicated)."""
+
+    tensor: int
+    split_bytes: List[int]
+    share: List[float]
+    forward_wire: List[float]
+    backward_wire: List[float]
+    planned: Dict[str, str]
+    whole_grads: Optional[List[int]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def style_name(style: Any) -> str:
+    """A resolved style by transformers' name (its layouts decide)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return "colwise_gather_output" if style.output_layouts[0].is_replicate() else "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise_split_input" if style.input_layouts[0].is_replicate() else "rowwise"
+    raise ValueError(f"the plan prices column-wise and row-wise styles, not {type(style).__name__}: leave its "
+                     f"layer out of the plan")
+
+
+def tensor_costs(costs: Costs, profile: ModelProfile, slices: Sequence[tuple], split: TensorLayers,
+                 bandwidth: Optional[float]) -> Costs:
+    """``costs`` (one micro-batch of ``profile``'s rows per stage, stages ``slices`` of its layers)
+    with every stage on ``split.tensor`` processes (the module docstring's model)."""
+    cut, rows, last = 1 - 1 / split.tensor, profile.batch_size, len(profile.layers)
+    fwd, bwd, wgt, kept = [], [], [], []
+    for k, (a, b) in enumerate(slices):
+        layers = range(a, b)
+        f = [profile.layers[i].forward for i in layers]
+        g = [profile.layers[i].backward for i in layers]
+        f_all = sum(f) + (profile.loss_forward if b == last else 0.0)
+        g_all = sum(g) + (profile.loss_backward if b == last else 0.0)
+        share_f = sum(split.share[i] * t for i, t in zip(layers, f)) / f_all if f_all > 0 else 0.0
+        share_g = sum(split.share[i] * t for i, t in zip(layers, g)) / g_all if g_all > 0 else 0.0
+        wire = [rows * sum(w[i] for i in layers) / bandwidth if bandwidth else 0.0
+                for w in (split.forward_wire, split.backward_wire)]
+        fwd.append(costs.forward[k] * (1 - cut * share_f) + wire[0])
+        bwd.append(costs.backward[k] * (1 - cut * share_g) + wire[1])
+        wgt.append(costs.weight[k] * (1 - cut * share_g))
+        params = sum(profile.layers[i].parameter_bytes for i in layers)
+        kept.append(1 - cut * sum(split.split_bytes[i] for i in layers) / params if params else 1.0)
+    return Costs(fwd, bwd, wgt, update=costs.update * max(kept), comm=costs.comm)
 
 
 def stage_costs(profile: ModelProfile, sizes: Sequence[int], speeds: Optional[Sequence[float]] = None,
@@ -243,29 +310,36 @@ def replica_sum_seconds(profile: ModelProfile, method: str, sizes: Sequence[int]
 
 
 def stage_memory(method: str, profile: ModelProfile, sizes: Sequence[int], peak_activations: Sequence[int],
-                 options: Optional[Dict[str, Any]] = None) -> List[Dict[str, int]]:
+                 options: Optional[Dict[str, Any]] = None, tensor: Optional[TensorLayers] = None) -> List[Dict[str, int]]:
     """Bytes per model stage (``sizes``: one entry per piece; a chunked method's stages carry the
     ``rank`` that holds them, a mirrored method's replicas hold their pieces' weights again):
     weights (versions x parameters), gradients, optimizer state, in-flight activations (the
     simulator's peak micro-batches x bytes held per micro-batch; also with recomputation,
     ``*_recompute``, which keeps each micro-batch's input and output only) and their total
-    (without recomputation)."""
+    (without recomputation). ``tensor``: each stage on T processes, the bytes one of them holds
+    (``split_parameter_bytes``: the stage's planned parameters, all T parts)."""
     meth = get_method(method)
     placement = stage_placement(method, sizes)
     versions = meth.weight_versions(len(placement), **(options or {}))
     out = []
     for k, (a, b) in enumerate(stage_slices(profile, method, sizes)):
         layers = profile.layers[a:b]
-        params = sum(l.parameter_bytes for l in layers)
+        whole = sum(l.parameter_bytes for l in layers)
+        split = sum(tensor.split_bytes[a:b]) if tensor is not None else 0
+        params = whole - split + -(-split // tensor.tensor) if tensor is not None else whole
         held, light = profile.held_bytes(a, b), profile.held_bytes(a, b, recompute=True)
         flight = int(peak_activations[k])
+        grads = params + (sum((tensor.whole_grads or [0] * len(profile.layers))[a:b]) * (tensor.tensor - 1)
+                          // tensor.tensor if tensor is not None else 0)
         row = {"rank": placement[k], "parameter_bytes": params, "weight_versions": versions[k],
-               "weights": versions[k] * params, "gradients": params,
-               "optimizer": sum(l.optimizer_bytes for l in layers),
+               "weights": versions[k] * params, "gradients": grads,
+               "optimizer": round(sum(l.optimizer_bytes for l in layers) * (params / whole if whole else 1)),
                "activation_bytes_per_microbatch": held, "in_flight_microbatches": flight,
                "activations": flight * held, "activation_bytes_per_microbatch_recompute": light,
                "activations_recompute": flight * light}
         row["total"] = row["weights"] + row["gradients"] + row["optimizer"] + row["activations"]
+        if tensor is not None:
+            row.update(tensor_parallel=tensor.tensor, split_parameter_bytes=split)
         out.append(row)
     return out
 
@@ -280,14 +354,14 @@ def process_memory(memory: Sequence[Dict[str, int]]) -> List[int]:
 
 def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microbatches: int, batches: int,
             batch_size: int, speeds: Optional[Sequence[float]] = None, bandwidth: Optional[float] = None,
-            options: Optional[Dict[str, Any]] = None,
-            measured: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
+            options: Optional[Dict[str, Any]] = None, measured: Optional[Dict[str, List[float]]] = None,
+            tensor: Optional[TensorLayers] = None) -> Dict[str, Any]:
     """Predicted throughput and memory of ``method`` on the split ``sizes``, with ``profile``
     the profile of one micro-batch (of ``ceil(batch_size / microbatches)`` samples) and
     ``measured`` that micro-batch's measured stage times, if any (see :func:`stage_costs`).
     ``options``: the method's options (error feedback: the time x :data:`FEEDBACK_TIME_RATIO`
     and its buffers in the memory). For a chunked method ``sizes`` has one entry per piece (processes x chunks) and ``speeds``
-    one per process."""
+    one per process. ``tensor``: every stage on T processes (the module docstring's model)."""
     meth = get_method(method)
     placement = stage_placement(method, sizes)
     ranks = 1 + max(placement)
@@ -298,6 +372,8 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     else:
         costs = stage_costs(profile, sizes, None if speeds is None else [speeds[r] for r in placement], bandwidth,
                             measured)
+    if tensor is not None:
+        costs = tensor_costs(costs, profile, stage_slices(profile, method, sizes), tensor, bandwidth)
     makespan, result, simulated = simulated_makespan(method, ranks, microbatches, batches, costs)
     replica_sum = replica_sum_seconds(profile, method, sizes, bandwidth)
     makespan += batches * max(replica_sum, default=0.0)
@@ -308,12 +384,13 @@ def predict(method: str, profile: ModelProfile, sizes: Sequence[int], *, microba
     feedback = FEEDBACK_TIME_RATIO if (options or {}).get("error_feedback") else 1.0
     makespan *= feedback
     throughput = batches * batch_size / makespan if makespan > 0 else float("inf")
-    memory = stage_memory(method, profile, sizes, result.peak_activations, options)
+    memory = stage_memory(method, profile, sizes, result.peak_activations, options, tensor)
     return {
         "method": method, "options": dict(options or {}), "variant": variant_name(method, options or {}),
         "synchronous": meth.synchronous, "microbatches": microbatches,
         "microbatch_size": microbatch_size(batch_size, microbatches), "partition": list(sizes),
-        "chunks": meth.chunks, "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
+        "chunks": meth.chunks, "tensor_parallel": tensor.tensor if tensor is not None else 1,
+        "samples_per_second": throughput, "makespan_seconds": makespan, "batches": batches,
         "stage_costs": "measured" if measured is not None else "profile",
         "simulated_batches": simulated, "bubble_fraction": result.bubble_fraction,
         "replica_sum_seconds": replica_sum, "feedback_time_ratio": feedback,

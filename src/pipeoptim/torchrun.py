@@ -35,6 +35,7 @@ from .runtime.replicas import replica_pair_groups
 from .runtime.segment import ScheduleFor, float_sum
 from .runtime.sharding import StageShards, forget_meshes, pipeline_mesh
 from .runtime.stage import Stage
+from .runtime.tensor_parallel import StageTensors
 from .runtime.tied import TieRound, connect_exchanges
 from .runtime.transport import PipeComm
 from .runtime.wire import PipelineCommError, reason
@@ -59,6 +60,13 @@ def after_stop() -> str:
     return "resume from the last checkpoint with fit(..., resume=True)"
 
 
+def split_state(stage: Stage) -> Dict[str, torch.Tensor]:
+    """A stage's module state, whole: gathered where it is split over processes (a collective
+    over them), its module's own otherwise."""
+    copied = stage.shards if stage.shards is not None else stage.tensor
+    return stage.module.state_dict() if copied is None else copied.full_state_dict()
+
+
 def process_device(devices: Any) -> str:
     """``devices`` of a Pipeline under torchrun, as the kind of device of this process."""
     if isinstance(devices, (list, tuple)):
@@ -77,10 +85,12 @@ class Torchrun:
     """This process's place in a torchrun job running one Pipeline: its rank in the pipeline
     (the stages placed there), its replica and the links.
 
-    With N stages and D replicas (pipeline x data parallel, WORLD_SIZE = N x D), rank r runs
-    stage ``r % N`` of replica ``r // N``: replica d's stages are ranks ``d*N .. d*N+N-1`` (its
-    pipeline group), stage k's replicas are ranks ``k, N+k, ...`` (the group that averages its
-    gradients).
+    With N stages, D replicas and T tensor ranks (pipeline x data x tensor parallel, WORLD_SIZE =
+    N x D x T), rank ``r = (d*N + k)*T + t`` runs tensor rank t of stage k of replica d
+    (:meth:`global_rank`): the T ranks of a stage are neighbours (one node's fast links carry
+    their collectives), each (d, t) is a pipeline of its own (its group), stage k's replicas
+    with the same t average its gradients. With T = 1, rank r runs stage ``r % N`` of replica
+    ``r // N``.
     """
 
     rank: int
@@ -89,6 +99,9 @@ class Torchrun:
     timeout: float
     ranks: int = 0  #: ranks of one pipeline, N (the model has N x chunks stages)
     replicas: int = 1
+    tensor: int = 1  #: T, the processes each stage is split over (set by layout)
+    tensor_group: Any = None  #: this stage's T processes (made by stage_tensors)
+    _stage_mesh: Any = None  #: a split stage sharded too: its ("dp", "tp") mesh
     #: stages (model chunks) per process, and the rank of each stage (set by connect)
     chunks: int = 1
     placement: List[int] = field(default_factory=list)
@@ -151,6 +164,7 @@ class Torchrun:
         averager, self._averager = self._averager, None
         made, self._made = self._made, []
         self._pipeline_group, self._job_groups, sharded, self._sharded = None, [], self._sharded, False
+        self.tensor_group = self._stage_mesh = None
         if comm is None and not self.owns_job and not made:
             return
         try:
@@ -189,17 +203,28 @@ class Torchrun:
         return self.world
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
-               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
-        """The run's layout in this job: N x D = WORLD_SIZE (refused the same way on every rank)."""
-        return plan_layout(method, stages=stages, partition=partition, chunks=chunks, processes=self.world,
-                           data_parallel=data_parallel)
+               chunks: Optional[int], data_parallel: Optional[int], tensor_parallel: int = 1) -> Layout:
+        """The run's layout in this job: N x D x T = WORLD_SIZE (refused the same way on every rank)."""
+        layout = plan_layout(method, stages=stages, partition=partition, chunks=chunks, processes=self.world,
+                             data_parallel=data_parallel, tensor_parallel=tensor_parallel)
+        self.tensor = layout.tensor
+        return layout
 
     def place(self, devices: Any, stages: int) -> List[torch.device]:
         """This process's stage on this process's device (the others are elsewhere)."""
         return [self.device] * stages
 
     def own_rank(self, ranks: int) -> Optional[int]:
-        return self.rank % ranks
+        return (self.rank // self.tensor) % ranks
+
+    def global_rank(self, k: int, d: int, t: Optional[int] = None) -> int:
+        """The rank of pipeline rank ``k`` of replica ``d``, tensor rank ``t`` (default: this process's)."""
+        return (d * self.ranks + k) * self.tensor + (self.tensor_rank if t is None else t)
+
+    @property
+    def tensor_rank(self) -> int:
+        """This process's place among its stage's T processes."""
+        return self.rank % self.tensor
 
     def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
         """Create the groups and the links between neighbouring stages (every rank, at the same
@@ -212,13 +237,13 @@ class Torchrun:
         self.placement = placement
         # two pipelines of the same pieces (every rank holds stages of both): no link between them
         self.mirrored = any(stage.replica_of is not None for stage in stages)
-        if replicas == 1:
-            self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement,
-                                 chain_starts=(len(placement) // 2,) if self.mirrored else ())
+        starts = (len(placement) // 2,) if self.mirrored else ()
+        if replicas == 1 and self.tensor == 1:
+            self.comm = PipeComm(device=self.device, timeout=self.timeout, placement=placement, chain_starts=starts)
         else:
             own, pipelines = self._replica_groups(count, replicas)
             self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
-                                 placement=placement)
+                                 placement=placement, chain_starts=starts)
         if replicas > 1 and stages[0].shards is None:  # this stage's gradients, averaged over its replicas
             self._averager = GradientAverager(self.stage_group, replicas, self.timeout)
         for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
@@ -226,7 +251,9 @@ class Torchrun:
         if stages[0].tied is not None:
             self._connect_ties(stages, count, replicas)
         if self.mirrored:
-            made, self.replica_groups = replica_pair_groups(placement, self.pipeline_rank, self.timeout)
+            made, self.replica_groups = replica_pair_groups(
+                placement, self.rank, self.timeout,
+                [lambda k, t=t: self.global_rank(k, 0, t) for t in range(self.tensor)])
             self._made += made
 
     def _new_group(self, ranks: Sequence[int], backend: Optional[str] = None) -> Any:
@@ -257,8 +284,8 @@ class Torchrun:
         groups its values and gradients travel on per micro-batch, in each replica
         (``runtime/tied.connect_exchanges``)."""
         views = [stage.tied for stage in own]
-        ranks_of = [[list(dict.fromkeys(d * stages + self.placement[k] for k in tie.holders)) for d in range(replicas)]
-                    for tie in views[0].ties]
+        ranks_of = [[list(dict.fromkeys(self.global_rank(self.placement[k], d, t) for k in tie.holders))
+                     for d in range(replicas) for t in range(self.tensor)] for tie in views[0].ties]
         for i, per_replica in enumerate(ranks_of):
             for ranks in per_replica:
                 if len(ranks) == 1:
@@ -271,31 +298,77 @@ class Torchrun:
             TieRound(own)
         if not views[0].synchronous:
             for d in range(replicas):  # (a rank's own replica's exchanges are the ones it keeps)
-                connect_exchanges(views[0].ties, self.rank, lambda k, d=d: d * stages + self.placement[k],
-                                  self._new_group, self.device)
+                for t in range(self.tensor):
+                    connect_exchanges(views[0].ties, self.rank,
+                                      lambda k, d=d, t=t: self.global_rank(self.placement[k], d, t),
+                                      self._new_group, self.device)
 
     def _replica_groups(self, stages: int, replicas: int) -> Tuple[Any, List[List[int]]]:
-        """This rank's pipeline group (its replica's stages) and every replica's ranks; with them
-        :attr:`stage_group` (its stage's replicas). Made once, every rank at the same point."""
-        pipelines = [[d * stages + k for k in range(stages)] for d in range(replicas)]
+        """This rank's pipeline group (its replica's stages at its tensor rank) and every
+        pipeline's ranks; with them :attr:`stage_group` (its stage's replicas at its tensor rank).
+        Made once, every rank at the same point."""
+        self.ranks = stages
+        pipelines = [[self.global_rank(k, d, t) for k in range(stages)]
+                     for d in range(replicas) for t in range(self.tensor)]
         if self._pipeline_group is None:
             for ranks in pipelines:
                 made = self._new_group(ranks)
                 if self.rank in ranks:
                     self._pipeline_group = made
-            for k in range(stages):
-                made = self._new_group([d * stages + k for d in range(replicas)])
-                if k == self.rank % stages:
-                    self.stage_group = made
+            if replicas > 1:
+                for k in range(stages):
+                    for t in range(self.tensor):
+                        ranks = [self.global_rank(k, d, t) for d in range(replicas)]
+                        made = self._new_group(ranks)
+                        if self.rank in ranks:
+                            self.stage_group = made
         return self._pipeline_group, pipelines
 
     def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], StageShards]:
         """What shards each stage this rank builds over its replicas (``shard_replicas``): the
-        groups and the job's 2-D mesh ("pp", "dp") now, before the stages are built."""
+        groups and the job's 2-D mesh ("pp", "dp") now, before the stages are built; with T
+        tensor ranks, this stage's ("dp", "tp") mesh, whose "tp" dimension the split uses."""
         own, _ = self._replica_groups(stages, replicas)
-        mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
+        if self.tensor > 1:
+            self._tensor_groups(stages, replicas)
+            ranks = torch.tensor([[self.global_rank(self.pipeline_rank, d, t) for t in range(self.tensor)]
+                                  for d in range(replicas)])
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group([self.stage_group, self.tensor_group], self.device.type, mesh=ranks,
+                                         mesh_dim_names=("dp", "tp"))
+            self._stage_mesh = mesh
+        else:
+            mesh = pipeline_mesh(own, self.stage_group, stages, replicas, self.device.type)
         self._sharded = True
         return lambda: StageShards(mesh, synchronous)
+
+    def _tensor_groups(self, stages: int, replicas: int) -> None:
+        """The groups of every stage's T processes (every rank makes them, in the same order, once)."""
+        self.ranks = stages
+        if self.tensor_group is not None:
+            return
+        for d in range(replicas):
+            for k in range(stages):
+                ranks = [self.global_rank(k, d, t) for t in range(self.tensor)]
+                made = self._new_group(ranks)
+                if self.rank in ranks:
+                    self.tensor_group = made
+
+    def stage_tensors(self, stages: int, replicas: int, plan: Dict[str, Any], kinds: Dict[str, str],
+                      names: Dict[int, List[str]]) -> Callable[[], StageTensors]:
+        """What splits each stage this rank builds over its T tensor ranks (``tensor_parallel``):
+        the groups of every stage's T processes, and this one's "tp" ``DeviceMesh`` (of the
+        stage's ("dp", "tp") mesh where it is sharded too), now, before the stages are built."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._tensor_groups(stages, replicas)
+        if self._stage_mesh is not None:
+            mesh = self._stage_mesh["tp"]
+        else:
+            mesh = DeviceMesh.from_group(self.tensor_group, self.device.type, mesh_dim_names=("tp",))
+        self._sharded = True  # torch's cached sharding decisions name these groups: dropped at leave()
+        return lambda: StageTensors(mesh, plan, kinds, names)
 
     @property
     def fills_bubbles(self) -> bool:
@@ -319,8 +392,7 @@ class Torchrun:
         the model whole on ``device`` (:func:`~pipeoptim.world.whole_model`: this process's copy
         where it lies there whole, else a copy: its own stage's layers are on this process's
         device, or released where sharded, the others where the model was given)."""
-        own = {k: v for stage in stages for k, v in
-               (stage.module.state_dict() if stage.shards is None else stage.shards.full_state_dict()).items()}
+        own = {k: v for stage in stages for k, v in split_state(stage).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
         return whole_model(model, device, StateNames(model).complete(merged))
 
@@ -343,11 +415,11 @@ class Torchrun:
     @property
     def pipeline_rank(self) -> int:
         """This process's rank in its pipeline (its replica's group): the stages placed there are its."""
-        return self.rank % self.ranks
+        return (self.rank // self.tensor) % self.ranks
 
     @property
     def replica(self) -> int:
-        return self.rank // self.ranks
+        return self.rank // (self.ranks * self.tensor)
 
     @property
     def last_model_stage(self) -> int:

@@ -56,7 +56,7 @@ class World(Protocol):
     partial_losses: bool
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
-               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
+               chunks: Optional[int], data_parallel: Optional[int], tensor_parallel: int = 1) -> Layout:
         """The run's layout in this world (:func:`~pipeoptim.runtime.layout.plan_layout`), or a refusal."""
 
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
@@ -222,7 +222,11 @@ class LocalWorld:
     partial_losses = False
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
-               chunks: Optional[int], data_parallel: Optional[int]) -> Layout:
+               chunks: Optional[int], data_parallel: Optional[int], tensor_parallel: int = 1) -> Layout:
+        if tensor_parallel != 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel} splits each stage over {tensor_parallel} processes: "
+                             f"launch with torchrun, N x D x {tensor_parallel} processes (e.g. torchrun "
+                             f"--nproc-per-node {2 * tensor_parallel} for 2 stages), or drop tensor_parallel")
         if data_parallel not in (None, 1):
             raise ValueError(f"data_parallel={data_parallel} needs torchrun with N x {data_parallel} "
                              f"processes (one per stage of each replica)")

@@ -43,6 +43,13 @@ gradients, optimizer state, weights against their closed form), a sharded stage'
 ``--compile``'s backend, inductor where it names none; the runs named 'METHOD compiled', each
 compiled on an untimed mini-batch first), and reports each compiled run against its eager twin.
 
+``--tensor-parallel T`` splits every stage over T processes (N x D x T in all; torch's tensor
+parallelism by the model's own plan: the blocks model's pairs of blocks column-wise then
+row-wise, a task's model its ``_tp_plan``; the runs named 'METHOD tpT'): the state table shows
+each process's bytes, the planned layers' about 1/T. ``--ablate tensor-parallel`` runs every
+method at T = 1 too, in a job of N x D processes of its own before the T one (the rounds take
+turns within a job, not across the two), and reports each 'METHOD tpT' against its twin.
+
 Writes ``benchmarks/results/bench-<time>.json`` (``--out`` for another file); ``--json`` prints
 ``{"samples_per_second": {"sequential-1dev": x, "sequential-all": y, "<method>": z, ...},
 "ratios": {...}, "settings": {...}, "detail": {"<method>": {..., "activations": [{"measured_bytes",
@@ -53,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -61,7 +69,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from ..errors import interrupt_on_signals
-from ..lab.bench_worker import COMPILED_SUFFIX, SHARDED_SUFFIX
+from ..lab.bench_worker import COMPILED_SUFFIX, SHARDED_SUFFIX, TENSOR_SUFFIX
 from ..lab.optimizers import optimizer_names
 from .common import check_positive, known_methods, refuse_traced_model
 from .flags import add_table_flags
@@ -70,8 +78,10 @@ DEFAULT_METHODS = "gpipe,1f1b-flush,zb-h1,interleaved,zb-v,async-naive,pipedream
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one micro-batch per update
 
 
-#: what --ablate compares, by its flag's name -> the setting of the workers' spec
-ABLATIONS = {"compile": "compile", "recompute": "recompute", "shard-replicas": "shard_replicas"}
+#: what --ablate compares, by its flag's name -> the setting of the workers' spec (tensor-parallel:
+#: a job of its own at T = 1, the process count being another)
+ABLATIONS = {"compile": "compile", "recompute": "recompute", "shard-replicas": "shard_replicas",
+             "tensor-parallel": "tensor_parallel"}
 
 
 def ablations(text: str) -> List[str]:
@@ -87,9 +97,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure the methods' throughput on the distributed runtime",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     add_table_flags(p, "task")
-    p.add_argument("--model", default="blocks",
-                   help="blocks (default: identical blocks, so that every stage does the same work and the "
-                        "runs compare the methods, not the split) or a model of the task")
+    p.add_argument("--model", default=None,
+                   help="blocks (the default with --task image: identical blocks, so that every stage does the "
+                        "same work and the runs compare the methods, not the split) or a model of the task "
+                        "(the default of the other tasks: the task's)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated methods to time (default: every pipelined method, %(default)s; "
                         "sequential is timed as the baselines)")
@@ -108,25 +119,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "interquartile range (default: 5)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="mini-batch size (default: 512 for blocks, else the task's)")
-    add_table_flags(p, "micro_batches", "partitioner", "recompute", "compile", "shard_replicas", notes={
+    add_table_flags(p, "micro_batches", "partitioner", "recompute", "compile", "shard_replicas", "tensor_parallel",
+                    notes={
         "partitioner": "a model of the task's; the blocks model has its own balanced split",
         "recompute": "in every method's runs; the report's memory table shows per stage the peak of "
                      "activations held, measured and predicted",
         "compile": "a compiled run first trains one untimed mini-batch, in which it compiles",
         "shard_replicas": "the report's state table shows each process's bytes of parameters, gradients, "
-                          "optimizer state and weights"})
+                          "optimizer state and weights",
+        "tensor_parallel": "every method's runs (named 'METHOD tpT'); the blocks model splits each pair of blocks "
+                           "column-wise then row-wise, a task's model by its own plan; the state table shows each "
+                           "process's bytes, the planned layers' about 1/T"})
     p.add_argument("--ablate", default="", metavar="SETTING,...",
                    help="run each method without and with each of these settings (every combination), "
                         "beside one another: compile (the runs named 'METHOD compiled'; with --compile's "
                         "backend, default inductor), recompute ('METHOD+recompute'), shard-replicas "
-                        "('METHOD xD sharded'); default: none")
+                        "('METHOD xD sharded'), tensor-parallel (T = 1 beside --tensor-parallel T's 'METHOD "
+                        "tpT', in a job of its own first); default: none")
     p.add_argument("--optimizer", default="adamw", choices=optimizer_names(), help="default: adamw")
     p.add_argument("--lr", type=float, default=0.01,
                    help="learning rate (default: 0.01; the speed does not depend on it, so bench takes "
                         "neither the recipe's nor a tuned one)")
     p.add_argument("--synthetic", action="store_true",
-                   help="random inputs of the image shape instead of the data set (speed does not "
-                        "depend on the values; for machines without the data)")
+                   help="random inputs of the task's shape instead of the data set (images; lm: token ids; "
+                        "speed does not depend on the values; for machines without the data)")
     p.add_argument("--no-baselines", action="store_true", help="skip the two sequential runs")
     add_table_flags(p, "timeout")
     p.add_argument("--out", type=Path, default=None, help="results file (default: benchmarks/results/bench-<time>.json)")
@@ -142,10 +158,15 @@ def _check(args: argparse.Namespace) -> List[str]:
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     methods = [m for m in known_methods(args.methods) if m != "sequential"]  # it is the baseline
-    if args.synthetic and args.task != "image":
-        raise ValueError("--synthetic makes random images: use it with --task image")
+    if args.synthetic and args.task not in ("image", "lm"):
+        raise ValueError("--synthetic makes random images or token ids: use it with --task image or lm")
+    if args.model is None:
+        from ..lab.tasks import get_task
+
+        args.model = "blocks" if args.task == "image" else get_task(args.task).default_model
     if args.model == "blocks" and args.task != "image":
         raise ValueError("the blocks model reads images: use --task image, or --model NAME of the task")
+    _check_tensor(args)
     if args.shard_replicas or "shard-replicas" in args.ablate:
         flag = "--shard-replicas" if args.shard_replicas else "--ablate shard-replicas"
         if (args.data_parallel or 1) < 2:
@@ -154,6 +175,36 @@ def _check(args: argparse.Namespace) -> List[str]:
             raise ValueError(f"{flag} with --optimizer muon: Muon orthogonalizes each whole matrix, which a "
                              f"sharded stage holds in pieces; drop {flag} or use another optimizer")
     return methods
+
+
+def _check_tensor(args: argparse.Namespace) -> None:
+    """--tensor-parallel T (and --ablate tensor-parallel) beside the other flags."""
+    tensor = args.tensor_parallel
+    if tensor < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {tensor}")
+    if "tensor-parallel" in args.ablate and tensor < 2:
+        raise ValueError("--ablate tensor-parallel runs each method at T = 1 and at --tensor-parallel T: give "
+                         "--tensor-parallel T with T >= 2")
+    if tensor == 1:
+        return
+    for flag, given in (("--shard-replicas", args.shard_replicas or "shard-replicas" in args.ablate),
+                        ("--compile", args.compile or "compile" in args.ablate)):
+        if given:
+            raise ValueError(f"--tensor-parallel and {flag} do not run together yet: drop one of them")
+    if args.optimizer == "muon":
+        raise ValueError("--tensor-parallel with --optimizer muon: Muon orthogonalizes each whole matrix, which a "
+                         "split stage holds in pieces; drop --tensor-parallel or use another optimizer")
+    from ..lab.bench_worker import BLOCKS_PER_STAGE, bench_data, blocks_model
+    from ..lab.experiment import check_tensor_planned, check_tensor_split
+
+    if args.model == "blocks":  # (its pairs of blocks stay on one stage, BLOCKS_PER_STAGE being even)
+        model, name = blocks_model(args.stages, per_stage=BLOCKS_PER_STAGE), "the blocks model"
+    else:
+        check_tensor_planned(args.task, args.model, tensor, "bench")
+        spec = {"task": args.task, "batch_size": args.batch_size, "synthetic": args.synthetic}
+        task, _, _, data = bench_data(spec, 1)
+        model, name = task.build_model(args.model, data, seed=0), f"{args.task}'s model {args.model}"
+    check_tensor_split(model, tensor, name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,32 +224,35 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("benchmarks") / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="pipeoptim-bench-") as tmp:
-        spec = {"kind": "bench", "task": args.task, "model": args.model, "methods": methods,
-                "data_parallel": replicas,
-                "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
-                "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
-                "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
-                "recompute": args.recompute, "shard_replicas": args.shard_replicas,
-                "compile": args.compile or ("inductor" if "compile" in args.ablate else False),
-                "ablate": [ABLATIONS[name] for name in args.ablate],
-                "synthetic": args.synthetic, "baselines": not args.no_baselines,
-                "timeout": args.timeout, "result": str(Path(tmp) / "result.json"),
-                "verbose": not args.json}
-        config = Path(tmp) / "bench.json"
-        config.write_text(json.dumps(spec))
-        processes = args.stages * replicas
-        log(f"bench: {processes} processes ({args.stages} stages x {replicas} replicas), methods "
-            f"{', '.join(methods)}; timing inside the workers")
-        busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
-        with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
-            failures = run_workers(processes, "pipeoptim.lab.stage_worker", [str(config)], torchrun_env(1))
-        busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
-        if failures:
-            how = ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
-            print(f"pipeoptim bench: error: the workers failed ({how}); see above", file=sys.stderr)
+    spec = {"kind": "bench", "task": args.task, "model": args.model, "methods": methods,
+            "data_parallel": replicas, "tensor_parallel": args.tensor_parallel,
+            "stages": args.stages, "batches": args.batches, "warmup": args.warmup,
+            "repeats": args.repeats, "batch_size": batch, "micro_batches": args.micro_batches,
+            "partitioner": args.partitioner, "optimizer": args.optimizer, "lr": args.lr,
+            "recompute": args.recompute, "shard_replicas": args.shard_replicas,
+            "compile": args.compile or ("inductor" if "compile" in args.ablate else False),
+            "ablate": [ABLATIONS[name] for name in args.ablate],
+            "synthetic": args.synthetic, "baselines": not args.no_baselines,
+            "timeout": args.timeout, "verbose": not args.json}
+    # --ablate tensor-parallel: a job at T = 1 (with the baselines) before the T one
+    tensors = [1, args.tensor_parallel] if "tensor-parallel" in args.ablate else [args.tensor_parallel]
+    busy_before, ours_before, wall_before = _machine_busy(), _children_cpu(), time.monotonic()
+    results = []
+    for job, tensor in enumerate(tensors):
+        job_spec = dict(spec, tensor_parallel=tensor, baselines=spec["baselines"] and job == 0)
+        processes = args.stages * replicas * tensor
+        log(f"bench: {processes} processes ({args.stages} stages x {replicas} replicas"
+            + (f" x {tensor} tensor ranks" if tensor > 1 else "") + f"), methods {', '.join(methods)}; timing "
+            f"inside the workers")
+        found = _run_job(job_spec, processes, run_workers, torchrun_env)
+        if found == 2:
+            return 2
+        if isinstance(found, str):
+            print(f"pipeoptim bench: error: the workers failed ({found}); see above", file=sys.stderr)
             return 1
-        result = json.loads(Path(spec["result"]).read_text())
+        results.append(found)
+    busy_after, ours_after, wall = _machine_busy(), _children_cpu(), time.monotonic() - wall_before
+    result = merge_jobs(results)
     result["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     if busy_before is not None and busy_after is not None:
         # CPU time the whole machine spent busy during the bench, less this bench's own processes
@@ -214,6 +268,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(result))
     return 0
+
+
+def _run_job(spec: Dict[str, Any], processes: int, run_workers: Any, env: Any) -> Any:
+    """One job of the bench's workers: its results, a string naming the ranks that failed, or 2
+    where each failed on bad input (which rank 0 said)."""
+    with tempfile.TemporaryDirectory(prefix="pipeoptim-bench-") as tmp:
+        spec = dict(spec, result=str(Path(tmp) / "result.json"))
+        config = Path(tmp) / "bench.json"
+        config.write_text(json.dumps(spec))
+        with interrupt_on_signals():  # Ctrl-C, SIGTERM: the workers are stopped, one line, 128 + signal
+            failures = run_workers(processes, "pipeoptim.lab.stage_worker", [str(config)], env(1))
+        if failures.get(0, (0, ""))[0] == 2:
+            return 2  # bad input the workers found: rank 0 said it in one line
+        if failures:
+            return ", ".join(f"rank {r}: " + (sig or f"exit status {code}") for r, (code, sig) in failures.items())
+        return json.loads(Path(spec["result"]).read_text())
+
+
+def merge_jobs(results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The results of the bench's jobs as one (``--ablate tensor-parallel``: the T = 1 job's runs
+    and then the T one's; the settings the last job's, with every job's tensor ranks and processes)."""
+    merged = dict(results[-1])
+    merged["samples_per_second"] = {k: v for r in results for k, v in r["samples_per_second"].items()}
+    merged["detail"] = {k: v for r in results for k, v in r["detail"].items()}
+    merged["settings"] = dict(results[-1]["settings"], jobs=[
+        {"tensor_parallel": r["settings"].get("tensor_parallel", 1), "processes": r["settings"]["processes"]}
+        for r in results])
+    return merged
 
 
 def _machine_busy():
@@ -234,8 +316,8 @@ def _children_cpu() -> float:
 
 def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
     """The ratios worth reading: each run against the baselines, pipeoptim against async-naive,
-    the asynchronous 1F1B methods against gpipe, each sharded run against its replicated twin and
-    each compiled run against its eager twin."""
+    the asynchronous 1F1B methods against gpipe, each sharded run against its replicated twin,
+    each compiled run against its eager twin and each tensor-parallel run against its T = 1 twin."""
     out: Dict[str, float] = {}
     runs = [name for name in sps if not name.startswith("sequential-")]
     for base in ("sequential-1dev", "sequential-all"):
@@ -248,9 +330,9 @@ def ratios(sps: Dict[str, float], methods: List[str]) -> Dict[str, float]:
         for m in methods:
             if m in ASYNC_1F1B and m in sps:
                 out[f"{m}/gpipe"] = sps[m] / sps["gpipe"]
-    for suffix in (SHARDED_SUFFIX, COMPILED_SUFFIX):  # each variant against its plain twin
+    for suffix in (SHARDED_SUFFIX, COMPILED_SUFFIX, TENSOR_SUFFIX):  # each variant against its plain twin
         for name in runs:
-            twin = name.replace(suffix, "")
+            twin = re.sub(suffix.format(r"\d+") if "{" in suffix else re.escape(suffix), "", name)
             if twin != name and twin in sps:
                 out[f"{name}/{twin}"] = sps[name] / sps[twin]
     return out
@@ -270,9 +352,9 @@ def format_memory(result: Dict[str, Any]) -> List[str]:
             cells.append(f"{a['measured_bytes'] / 1024:.0f} ({a['measured_in_flight']}) / {pred}")
         if cells:
             lines.append(f"  {name}: " + "; ".join(cells))
-    lines.append("training state per stage, KiB of one process (a sharded stage: its shard): [parameters] "
-                 "weights measured / closed form (parameters x the design's versions), + gradients + "
-                 "optimizer state")
+    lines.append("training state per stage, KiB of one process (a sharded stage: its shard; a tensor-parallel "
+                 "stage: its tensor rank's part): [parameters] weights measured / closed form (parameters x the "
+                 "design's versions), + gradients + optimizer state")
     for name, d in result["detail"].items():
         cells = [f"[{m['parameters'] / 1024:.0f}] {m['weights'] / 1024:.0f} / {m['weights_closed_form'] / 1024:.0f}"
                  f" + {m['gradients'] / 1024:.0f} + {m['optimizer'] / 1024:.0f}" for m in d.get("state_memory", [])]
@@ -300,8 +382,10 @@ def format_bubbles(result: Dict[str, Any]) -> List[str]:
 def format_report(result: Dict[str, Any]) -> str:
     s = result["settings"]
     sps = result["samples_per_second"]
+    tensor = [job["tensor_parallel"] for job in s.get("jobs", [])] or [s.get("tensor_parallel", 1)]
     lines = [f"{s['task']} / {s['model']} ({s['parameters'] / 1e6:.2f} M parameters), {s['stages']} stages "
              f"x {s.get('data_parallel', 1)} replica(s) "
+             + (f"x {' and '.join(map(str, tensor))} tensor rank(s) " if tensor != [1] else "") +
              f"{s['partition']}, batch {s['batch_size']}, {s['batches']} timed mini-batches per run, "
              f"{s['repeats']} round(s) (after {s['warmup']} warm-up), {s['optimizer']} lr {s['lr']}, 1 thread per stage",
              ""]
@@ -332,6 +416,9 @@ def format_report(result: Dict[str, Any]) -> str:
                  "(and as a share of the median)")
     lines.append("CPU share: CPU time of each process over the wall time (1 thread: at most 1.00, less "
                  "when it waits on its peer or other work takes the core)")
+    if len(tensor) > 1:
+        lines.append(f"METHOD tp{tensor[-1]}: each stage split over {tensor[-1]} processes, timed in a job of its "
+                     f"own after the T = 1 runs' (the rounds take turns within a job, not across the two)")
     lines.append(f"load average (1/5/15 min) before {', '.join(f'{x:.2f}' for x in la['before'])}; after "
                  f"{', '.join(f'{x:.2f}' for x in la['after'])} on {os.cpu_count()} CPUs")
     other = result.get("other_work")

@@ -135,7 +135,7 @@ def check_positive(args: argparse.Namespace, names: Sequence[str]) -> None:
 def check_numbers(args: argparse.Namespace) -> None:
     """Reject impossible numbers before loading anything."""
     check_positive(args, ("stages", "epochs", "batch_size", "limit", "micro_batches", "eval_every", "holdout", "chunks",
-                          "data_parallel"))
+                          "data_parallel", "tensor_parallel"))
     if getattr(args, "continuous", False) and getattr(args, "eval_every", None):
         raise ValueError("--continuous never drains, so it cannot evaluate every K mini-batches; "
                          "drop --continuous or --eval-every")

@@ -66,6 +66,20 @@ one as the one to try with `pipeoptim compare` (your own model: by training both
 The table by time to target shows, per candidate, its samples/s, its ratio of updates, its time
 to target and where the ratio came from.
 
+Tensor parallelism (--tensor-parallel T): every candidate with each stage on T processes, its
+layers split by the model's own plan (a task's model: its _tp_plan; --model-fn: the model's
+_tp_plan or transformers' base_model_tp_plan; an nn.Sequential only). Memory per process: the
+planned layers' parameters, every weight version, gradients and optimizer state 1/T (a row-wise
+layer's bias whole), the rest whole; activations as at T = 1 (an upper bound). Time: the planned
+modules' share of each layer's forward time (timed module by module) runs 1/T, in the forward and
+the backward alike (the update: the planned parameters' share of the stage that keeps the most,
+an upper bound); per micro-batch each row-wise layer all-reduces its output in
+the forward and each column-wise layer its input's gradient in the backward (a gathered output,
+or a row-wise layer's whole input, is all-gathered instead), each process sending 2(T-1)/T of the
+tensor's bytes for an all-reduce and (T-1)/T for an all-gather at --bandwidth (free without it),
+added to the stage's pass (no overlap). The sequential reference stays one process; a candidate
+may be up to N x T times faster.
+
 Writes the plan (task, model, batch size, stages, partition, method, micro-batches,
 predictions, per-stage memory, the profile) to --out; `pipeoptim train --plan FILE` runs a
 task's plan; for your own model it prints the Pipeline call that runs it."""
@@ -103,6 +117,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "(default: transfers are free)")
     g.add_argument("--threads", type=int, help="torch threads while profiling (default: torch's; use the "
                                                "per-stage thread count of the run you plan)")
+    add_table_flags(g, "tensor_parallel", notes={"tensor_parallel": "plan: every candidate so split, its memory per "
+                                                 "process and its collectives priced at --bandwidth (the model: "
+                                                 "above); pipeoptim train --plan FILE --runtime distributed "
+                                                 "runs it"})
     g = p.add_argument_group("search")
     g.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="methods to consider; METHOD+ef is METHOD with error feedback, priced with its measured "
@@ -186,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     from ..lab.planner import (format_plan, make_plan, parse_bytes, parse_int_list, parse_speeds, pipeline_call,
                                plan_model, write_plan)
 
-    check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats", "max_rounds"))
+    check_positive(args, ("stages", "batch_size", "limit", "batches", "threads", "repeats", "max_rounds",
+                          "tensor_parallel"))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     if args.model_fn is not None:  # (--task image, the default, is ignored)
@@ -215,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
                   microbatches=microbatches, memory_limit=memory_limit, partitioner=args.partitioner,
                   scaling=args.scaling, seed=args.seed, optimizer=args.optimizer, warmup=args.warmup,
                   repeats=args.repeats, max_rounds=args.max_rounds, statistic=args.statistic,
-                  stage_timing=args.stage_timing, tie=args.tie, log=log)
+                  stage_timing=args.stage_timing, tie=args.tie, tensor_parallel=args.tensor_parallel, log=log)
     if args.model_fn is not None:
         model, batch, loss_fn = load_model_fn(args.model_fn)
         plan = plan_model(model, batch, loss_fn, batches=args.batches or 100, **common)
@@ -230,5 +249,6 @@ def run(args: argparse.Namespace) -> int:
         if plan["task"] is None:
             print(f"plan: {path}  (run it: {pipeline_call(plan)})")
         else:
-            print(f"plan: {path}  (run it: pipeoptim train --plan {path})")
+            distributed = " --runtime distributed" if plan.get("tensor_parallel", 1) > 1 else ""
+            print(f"plan: {path}  (run it: pipeoptim train --plan {path}{distributed})")
     return 0

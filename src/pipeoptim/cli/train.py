@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime != "distributed" and (args.data_parallel is not None or args.shard_replicas):
         raise ValueError("--data-parallel and --shard-replicas run the replicas as processes: add "
                          "--runtime distributed")
+    check_tensor_flags(args)
     # under the user's own torchrun the replicas follow the world size (so a run re-formed on
     # other processes keeps following it); a launch of our own needs D to start N x D processes
     from ..runtime.lifecycle import under_torchrun
@@ -120,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
         summary = run_experiment(cfg, out_dir=out, show_progress=not args.no_progress, log=log_for(args),
                                  diagnose_every=args.diagnose_every)
     return report(args, summary, out)
+
+
+def check_tensor_flags(args: argparse.Namespace) -> None:
+    """--tensor-parallel T beside the other flags: T processes per stage need the distributed
+    runtime, and neither --shard-replicas nor --compile runs with it yet."""
+    tensor = getattr(args, "tensor_parallel", 1)
+    if tensor == 1:
+        return
+    if args.runtime != "distributed":
+        raise ValueError(f"--tensor-parallel {tensor} runs {tensor} processes per stage: add --runtime distributed")
+    for flag, given in (("--shard-replicas", args.shard_replicas), ("--compile", args.compile)):
+        if given:
+            raise ValueError(f"--tensor-parallel and {flag} do not run together yet: drop one of them")
 
 
 @contextlib.contextmanager

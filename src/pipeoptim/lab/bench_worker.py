@@ -23,12 +23,17 @@ RECOMPUTE_SUFFIX = "+recompute"  #: appended to a run's name when it recomputes 
 SHARDED_SUFFIX = " sharded"
 #: appended to a run's name (after SHARDED_SUFFIX) when each stage's forward is compiled
 COMPILED_SUFFIX = " compiled"
+#: appended to a run's name (after the replicas') when each stage is split over T processes
+TENSOR_SUFFIX = " tp{}"
 BLOCKS_PER_STAGE = 4
 
 
 def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage: int = BLOCKS_PER_STAGE):
     """Fully connected blocks on the flattened 28x28 image, ``per_stage`` per stage, and a
-    linear head of 10 classes (see :mod:`pipeoptim.cli.bench` for why the stages are balanced)."""
+    linear head of 10 classes (see :mod:`pipeoptim.cli.bench` for why the stages are balanced).
+    Its tensor-parallel plan (``_tp_plan``): each pair of blocks column-wise then row-wise (one
+    all-reduce per pair and pass; an even ``per_stage`` keeps every pair on one stage), the head
+    whole."""
     from torch import nn
 
     from .tasks.common import seeded
@@ -37,7 +42,10 @@ def blocks_model(stages: int, seed: int = 0, width: int = BLOCK_WIDTH, per_stage
         blocks = [nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU())]
         blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(per_stage * stages - 1)]
         blocks.append(nn.Linear(width, 10))
-        return nn.Sequential(*blocks)
+        model = nn.Sequential(*blocks)
+    pairs = per_stage * stages // 2 * 2
+    model._tp_plan = {("0.1" if i == 0 else f"{i}.0"): ("colwise" if i % 2 == 0 else "rowwise") for i in range(pairs)}
+    return model
 
 
 def quartiles(values: Sequence[float]) -> List[float]:
@@ -56,13 +64,22 @@ def iqr(values: Sequence[float]) -> float:
     return q3 - q1
 
 
-def _data(spec: Dict[str, Any], count: int):
+def bench_data(spec: Dict[str, Any], count: int):
+    """(the task, the batch size, ``count`` mini-batches, the task's data or a stand-in) of a bench."""
     import torch
 
     from .tasks import get_task
 
     task = get_task(spec["task"])
     batch = spec["batch_size"] or task.default_batch_size
+    if spec["synthetic"] and task.name == "lm":  # random token ids of the task's vocabulary and block
+        from .tasks.base import TaskData
+
+        g, shape, vocab = torch.Generator().manual_seed(0), (batch, task.seq_len), task.vocab_size
+        batches = [(torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+                   for _ in range(count)]
+        return task, batch, batches, TaskData(train=batches, test=[], info={"vocab_size": vocab,
+                                                                            "seq_len": task.seq_len})
     if spec["synthetic"]:
         g = torch.Generator().manual_seed(0)
         batches = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
@@ -187,12 +204,12 @@ def bench_worker(spec: Dict[str, Any]) -> int:
 
     init_process_group(device="cpu", timeout=spec["timeout"], threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    replicas = spec.get("data_parallel", 1)
-    stages = world // replicas  # the pipeline's stages; world = stages x replicas
+    replicas, tensor = spec.get("data_parallel", 1), spec.get("tensor_parallel", 1)
+    stages = world // (replicas * tensor)  # the pipeline's stages; world = stages x replicas x tensor ranks
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and spec["verbose"] else (lambda *a: None)
     try:
         warm, timed = spec["warmup"], spec["batches"]
-        task, batch, batches, data = _data(spec, warm + timed)
+        task, batch, batches, data = bench_data(spec, warm + timed)
         if spec["model"] == "blocks":
             model = blocks_model(stages)
             partition = [BLOCKS_PER_STAGE] * (stages - 1) + [BLOCKS_PER_STAGE + 1]  # the head: last
@@ -202,6 +219,9 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                  f"of: {', '.join(task.model_names())}")
             model = task.build_model(spec["model"], data, seed=0)
             partition = plan_partition(model, stages, spec["partitioner"])
+        from .experiment import check_tensor_split
+
+        check_tensor_split(model, tensor, f"{task.name}'s model {spec['model']}")
         optimizer = make_optimizer(spec["optimizer"], spec["lr"])
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -238,7 +258,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                                 partition=None if method == "sequential" else sizes,
                                 micro_batches=spec["micro_batches"] if method != "sequential" else None,
                                 data_parallel=replicas, timeout=spec["timeout"], threads=1, recompute=recompute,
-                                shard_replicas=sharded,
+                                shard_replicas=sharded, tensor_parallel=tensor,
                                 compile=spec["compile"] if compiled else False)
             try:
                 d = pipeline.data_parallel_rank
@@ -268,7 +288,8 @@ def bench_worker(spec: Dict[str, Any]) -> int:
         # Warm up every run once, then time the runs round-robin (--repeats rounds), so that a
         # burst of other work on the machine hits all of them alike rather than one.
         baselines = [("sequential-1dev", 1), ("sequential-all", cores)] if spec["baselines"] else []
-        label = (lambda m: m) if replicas == 1 else (lambda m: f"{m} x{replicas}")
+        label = lambda m: (m + (f" x{replicas}" if replicas > 1 else "")  # noqa: E731
+                           + (TENSOR_SUFFIX.format(tensor) if tensor > 1 else ""))
         # each setting on or off as its flag says, or both where --ablate names it
         modes = {key: [False, True] if key in spec["ablate"] else [bool(spec[key])]
                  for key in ("recompute", "shard_replicas", "compile")}
@@ -305,7 +326,7 @@ def bench_worker(spec: Dict[str, Any]) -> int:
                 "benchmark": "distributed_throughput",
                 "samples_per_second": {k: v["samples_per_second"] for k, v in detail.items()},
                 "settings": {"task": spec["task"], "model": spec["model"], "stages": stages,
-                             "data_parallel": replicas, "processes": world,
+                             "data_parallel": replicas, "tensor_parallel": tensor, "processes": world,
                              "partition": partition, "batch_size": batch, "batches": timed,
                              "warmup": warm, "repeats": spec["repeats"], "optimizer": spec["optimizer"],
                              "lr": spec["lr"], "micro_batches": spec["micro_batches"],

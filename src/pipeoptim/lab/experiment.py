@@ -47,6 +47,44 @@ from .tasks import Task, TaskData, get_task
 DEFAULT_LR_CORRECTION_SHARE = 0.3
 
 
+#: the command line's models that carry a tensor-parallel plan (their ``_tp_plan``), by task;
+#: ``tests/test_tensor_parallel_cli.py`` holds it to the models themselves
+TENSOR_PLANNED = {"image": ("mlp", "vgg", "vgg-bn"),
+                  "lm": ("gpt", "gpt-small", "gpt-narrow", "gpt-tied", "gpt-tied-small")}
+
+
+def planned_models() -> str:
+    """The --task/--model pairs that carry a tensor-parallel plan, as a refusal lists them."""
+    return "; ".join(f"--task {task} --model {'|'.join(models)}" for task, models in TENSOR_PLANNED.items())
+
+
+def check_tensor_planned(task: str, model: str, tensor: int, command: str = "train") -> None:
+    """Refuse, with the fix, ``--tensor-parallel T`` (T >= 2) for a model of the command line that
+    carries no plan (the command line cannot take the API's ``tensor_plan`` dict)."""
+    if tensor < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {tensor}")
+    if tensor > 1 and model not in TENSOR_PLANNED.get(task, ()):
+        blocks = "the blocks model (the default), " if command == "bench" else ""
+        raise ValueError(f"--tensor-parallel {tensor} splits the layers a model's plan names, and {task}'s model "
+                         f"{model} carries none: choose a model with a plan ({blocks}{planned_models()}), or "
+                         f"drop --tensor-parallel (in Python, Pipeline(tensor_plan=...) splits any model)")
+
+
+def check_tensor_split(model: Any, tensor: int, name: str) -> None:
+    """Refuse, with the fix, ``--tensor-parallel T`` where the plan of ``model`` (the command
+    line's ``name``) cannot split over T, before any process starts: the Pipeline's own check
+    (``runtime/tensor_parallel.resolve_plan``: e.g. a T that does not divide a planned layer's
+    split dimension)."""
+    if tensor == 1:
+        return
+    from ..runtime.tensor_parallel import resolve_plan
+
+    try:
+        resolve_plan(model, None, tensor)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
 def load_data(task: Task, cfg: RunConfig) -> TaskData:
     """The task's data for ``cfg`` (resolved): its batch size, limit, seed and holdout."""
     held = {"holdout": cfg.holdout} if cfg.holdout is not None else {}
@@ -64,9 +102,11 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
         check_shards(samples_in(inputs), config.data_parallel)
     method = get_method(config.method)
     layout = plan_layout(method, stages=config.stages, partition=config.partition, chunks=config.chunks,
-                         data_parallel=config.data_parallel)
+                         data_parallel=config.data_parallel, tensor_parallel=config.tensor_parallel)
+    checks.check_tensor_parallel(layout, config)
     checked = checks.check_run(config, model, method, layout, backend_of(config.compile))
-    checks.check_precision(method, config.precision, layout.replicas * (layout.stages or 2), checks.COMMAND_LINE)
+    checks.check_precision(method, config.precision, layout.replicas * (layout.stages or 2) * layout.tensor,
+                           checks.COMMAND_LINE)
     if isinstance(model, torch.nn.Sequential):
         spec = resolve(model, method=config.method, stages=config.stages, partition=config.partition,
                        partitioner=config.partitioner, micro_batches=config.micro_batches,

@@ -111,6 +111,11 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
     opts = _options(args)
     resume = getattr(args, "resume", None)
     opts["resume"] = resume is not None
+    if cfg.tensor_parallel != 1:
+        from .experiment import check_tensor_planned
+        from .tasks import get_task
+
+        check_tensor_planned(cfg.task, cfg.model or get_task(cfg.task).default_model, cfg.tensor_parallel)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume, _stages_given(args)))
@@ -128,11 +133,11 @@ def run_layout(cfg) -> Layout:
     from ..methods import get_method
 
     return plan_layout(get_method(cfg.method), stages=cfg.stages, partition=cfg.partition, chunks=cfg.chunks,
-                       data_parallel=cfg.data_parallel)
+                       data_parallel=cfg.data_parallel, tensor_parallel=cfg.tensor_parallel)
 
 
 def stage_count(cfg) -> int:
-    """Processes a local launch starts: one per stage of each replica."""
+    """Processes a local launch starts: T per stage of each replica (N x D x T)."""
     return run_layout(cfg).processes
 
 
@@ -144,21 +149,25 @@ def job_stages(cfg, world: int, resumed: Optional[Path] = None, stages_given: bo
     must then hold exactly. So a job re-formed on fewer processes continues with fewer replicas.
     A new run without ``--stages`` (and no ``--partition``) takes the world over the replicas.
     Refused, with the fix, where the job cannot hold the stages or the replicas given."""
+    tensor = cfg.tensor_parallel
     if resumed is None and not stages_given and cfg.partition is None and cfg.method != "sequential":
-        cfg = dataclasses.replace(cfg, stages=world // (cfg.data_parallel or 1))
-    n = run_layout(dataclasses.replace(cfg, data_parallel=None)).processes  # one replica's processes
+        cfg = dataclasses.replace(cfg, stages=max(1, world // ((cfg.data_parallel or 1) * tensor)))
+    n = run_layout(dataclasses.replace(cfg, data_parallel=None)).processes  # one replica's processes: N x T
     replicas = cfg.data_parallel
     if world % n == 0 and (replicas is None or replicas * n == world):
-        return n
+        return n // tensor
     given = "sequential" if cfg.method == "sequential" else \
         f"--partition {','.join(map(str, cfg.partition))}" if cfg.partition is not None else f"--stages {cfg.stages}"
     if resumed is not None:
         given = f"the run in {resumed} ({given}"
         given += f" --data-parallel {replicas})" if replicas is not None else ")"
+    if tensor > 1:
+        given += f" --tensor-parallel {tensor}"
     each = f"{n} stage process{'es' if n != 1 else ''}"
     if world % n:
         raise ValueError(f"{given} runs {each} per replica but the world size is {world}: start a multiple of "
-                         f"{n} processes, one per stage of each replica (torchrun --nproc-per-node {n}"
+                         f"{n} processes, {f'{tensor} per stage' if tensor > 1 else 'one per stage'} of each "
+                         f"replica (torchrun --nproc-per-node {n}"
                          + (f" or {n * (world // n)}" if world >= 2 * n else "") + ")")
     drop = f"set \"data_parallel\": null in {resumed / 'config.json'}" if resumed is not None else \
         "leave out --data-parallel"
@@ -220,7 +229,8 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
             "resume": resume, "diagnose_every": diagnose_every,
         }))
         if not json:
-            each = "one per stage" + (f" of each of {cfg.data_parallel} replicas" if (cfg.data_parallel or 1) > 1 else "")
+            each = (f"{cfg.tensor_parallel} per stage" if cfg.tensor_parallel > 1 else "one per stage") + \
+                (f" of each of {cfg.data_parallel} replicas" if (cfg.data_parallel or 1) > 1 else "")
             print(f"starting {nproc} process{'es' if nproc != 1 else ''} ({each}), as torchrun "
                   f"--nproc-per-node {nproc} would", flush=True)
         clear_statuses(out)  # a resumed run's folder holds the last run's: they would mislead the report
@@ -228,7 +238,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
     if not failures:
         return 0
     shape = run_layout(cfg)
-    layout = (shape.stages or nproc, shape.replicas)
+    layout = (shape.stages or nproc, shape.replicas, shape.tensor)
     signalled = interrupted_stages(failures, out)
     if signalled:
         stage, status = signalled[0]
@@ -244,14 +254,16 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
 def check_before_launch(cfg) -> None:
     """Refuse settings the workers would refuse (stages against layers, micro-batches against
     the batch size, ...) here, once, before any process starts: one line, exit status 2."""
-    from .experiment import check_run, load_data
+    from .experiment import check_run, check_tensor_split, load_data
     from .tasks import get_task
 
     task = get_task(cfg.task)
     cfg = cfg.resolved(task)
     data = load_data(task, cfg)
     data.split(cfg.eval_split, f"task {task.name}")
-    check_run(cfg, task.build_model(cfg.model, data, seed=cfg.seed), data.train)
+    model = task.build_model(cfg.model, data, seed=cfg.seed)
+    check_tensor_split(model, cfg.tensor_parallel, f"{task.name}'s model {cfg.model}")
+    check_run(cfg, model, data.train)
 
 
 def run_workers(nproc: int, module: str, module_args: List[str], env: Dict[str, str]) -> Dict[int, Tuple[int, str]]:
@@ -321,9 +333,9 @@ def interrupted_stages(failures: Dict[int, Tuple[int, str]], out: Optional[Path]
 
 
 def failure_report(failures: Dict[int, Tuple[int, str]], out: Optional[Path],
-                   layout: Tuple[int, int] = (0, 1)) -> Tuple[str, List[int]]:
+                   layout: Tuple[int, ...] = (0, 1)) -> Tuple[str, List[int]]:
     """One paragraph for a failed run: which stage was lost (or failed first) and how, and the
-    last checkpoint (``layout``: the stages and replicas, for
+    last checkpoint (``layout``: the stages, replicas and tensor ranks, for
     :func:`~pipeoptim.lab.stage_worker.rank_name`); and the ranks
     it names."""
     statuses = read_statuses(out)

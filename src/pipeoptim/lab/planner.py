@@ -108,9 +108,10 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
               partitioner: str = "uniform", scaling: str = "measure", batches: Optional[int] = None,
               limit: Optional[int] = None, seed: int = 0, optimizer: str = "adamw",
               warmup: int = 2, repeats: int = 5, max_rounds: Optional[int] = None, statistic: str = "min",
-              stage_timing: str = "measured", tie: float = 0.02, log=None) -> Dict[str, Any]:
+              stage_timing: str = "measured", tie: float = 0.02, tensor_parallel: int = 1, log=None) -> Dict[str, Any]:
     """Profile ``task``'s ``model``, partition it, predict every (method, micro-batches) and
     recommend one (see the module docstring). Returns the plan as a JSON-ready dict.
+    ``tensor_parallel``: each stage on T processes, split by the model's plan (:func:`plan_model`).
 
     ``batches``: mini-batches per predicted run (default: one epoch of the loaded data).
     ``speeds``: one relative speed per stage (device k runs stage k). ``bandwidth``: bytes per
@@ -127,6 +128,10 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
     if model_name not in the_task.model_names():
         raise ValueError(f"task {task} has no model {model_name!r}; choose one of: "
                          f"{', '.join(the_task.model_names())}")
+    if tensor_parallel != 1:
+        from .experiment import check_tensor_planned
+
+        check_tensor_planned(task, model_name, tensor_parallel, "plan")
     batch_size = batch_size or the_task.default_batch_size
     data = the_task.load(batch_size=batch_size, limit=limit, seed=seed)
     if not data.train:
@@ -138,7 +143,7 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
                       batches=batches or len(data.train), seed=seed, optimizer=optimizer,
                       lr=the_task.default_lr.get(optimizer, 1e-3), warmup=warmup, repeats=repeats,
                       max_rounds=max_rounds, statistic=statistic, stage_timing=stage_timing, tie=tie, log=log,
-                      task=task, model_name=model_name)
+                      task=task, model_name=model_name, tensor_parallel=tensor_parallel)
     plan["settings"]["limit"] = limit
     return plan
 
@@ -151,7 +156,7 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
                seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3, warmup: int = 2, repeats: int = 5,
                max_rounds: Optional[int] = None, statistic: str = "min", stage_timing: str = "measured",
                tie: float = 0.02, log=None, task: Optional[str] = None,
-               model_name: Optional[str] = None) -> Dict[str, Any]:
+               model_name: Optional[str] = None, tensor_parallel: int = 1) -> Dict[str, Any]:
     """The plan (as :func:`make_plan`'s) of any model: ``net`` an ``nn.Sequential`` or a module
     the Pipeline traces, ``batch`` one mini-batch of its data, ``(inputs, target)`` with
     ``loss(output, target)``, or a dict of keyword tensors with ``"labels"`` (``loss`` None: the
@@ -160,7 +165,10 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     update time and state are profiled. ``task`` and ``model_name``: the lab's task and model the
     net is (what says whether the equal-time study covers it); without them the net is a model of
     the user's own, for which the study has no ratio of updates to the target: the fastest
-    synchronous candidate is recommended, and the fastest asynchronous one named as the one to try."""
+    synchronous candidate is recommended, and the fastest asynchronous one named as the one to try.
+    ``tensor_parallel`` = T: every candidate with each stage on T processes, split by the model's
+    own plan (its ``_tp_plan``), priced as :mod:`pipeoptim.throughput` says; ``plan["tensor"]``
+    holds what was measured."""
     from .optimizers import make_optimizer
 
     methods, microbatches, speeds = check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit,
@@ -171,11 +179,12 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     if model_name is not None:
         units.name = model_name
     units.batch_size = batch_size or units.batch_size
+    tensor = tensor_split(net, units, tensor_parallel, repeats) if tensor_parallel != 1 else None
     found = survey(units, stages=stages, batches=batches, device=device, speeds=speeds, bandwidth=bandwidth,
                    methods=methods, microbatches=microbatches, memory_limit=memory_limit, partitioner=partitioner,
                    scaling=scaling, seed=seed, optimizer=make_optimizer(optimizer, lr), optimizer_name=optimizer,
                    warmup=warmup, repeats=repeats, max_rounds=max_rounds, statistic=statistic,
-                   stage_timing=stage_timing, log=log)
+                   stage_timing=stage_timing, log=log, tensor=tensor)
     candidates = found["candidates"]
     study = annotate(candidates, task=task, model=model_name, batch_size=units.batch_size, optimizer=optimizer,
                      stages=stages)
@@ -185,12 +194,36 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     settings = {"device": device, "speeds": speeds, "bandwidth": bandwidth, "methods": methods,
                 "microbatch_counts": microbatches, "scaling": scaling, "batches": batches, "limit": None,
                 "seed": seed, "optimizer": optimizer, "lr": lr, "warmup": warmup, "repeats": repeats,
-                "max_rounds": max_rounds, "statistic": statistic, "stage_timing": stage_timing, "tie": tie}
+                "max_rounds": max_rounds, "statistic": statistic, "stage_timing": stage_timing, "tie": tie,
+                "tensor_parallel": tensor_parallel}
     rule = (RECOMMENDATION_RULE if study["covered"] else UNSTUDIED_RULE).format(tie=tie)
     plan = assemble(units, found, best, stages=stages, partitioner=partitioner, memory_limit=memory_limit,
                     rule=rule, notes=said, settings=settings)
+    if tensor is not None:
+        plan["tensor"] = tensor.to_dict()
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "task": task, "model": model_name,
             "model_class": type(net).__name__, **plan, "study": study}
+
+
+def tensor_split(net: torch.nn.Module, units: Any, tensor: int, repeats: int = 3) -> Any:
+    """What splitting ``net``'s planned layers over ``tensor`` processes does (its own plan,
+    ``_tp_plan``), measured (:func:`pipeoptim.planning.tensor_layers`); refused, with the fix,
+    where there is none."""
+    from ..planning import tensor_layers
+    from ..runtime.tensor_parallel import resolve_plan
+
+    if not isinstance(tensor, int) or tensor < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {tensor}")
+    try:
+        plan = resolve_plan(net, None, tensor)
+    except ValueError as error:
+        if "carries no plan" not in str(error):
+            raise
+        raise ValueError(f"--tensor-parallel {tensor} prices the layers a model's plan names, and "
+                         f"{type(net).__name__} carries none: give it one in your --model-fn function "
+                         f"(model._tp_plan = {{'module name pattern': 'colwise' or 'rowwise', ...}}: the first of "
+                         f"two Linear layers 'colwise', the second 'rowwise'), or drop --tensor-parallel") from None
+    return tensor_layers(units, plan, tensor, repeats)
 
 
 def write_plan(plan: Dict[str, Any], path: Path) -> Path:
@@ -263,7 +296,11 @@ def load_plan(path: Any) -> Dict[str, Any]:
                                             for k, v in options.items()):
         raise bad("options", f"must be options {plan['method']} takes, with their values "
                              f"({', '.join(f'{k}: {v}' for k, v in meth.choices.items()) or 'none'})")
-    return {**{dest: plan[key] for key, dest in TRAIN_FIELDS.items()}, **options}
+    tensor = plan.get("tensor_parallel", 1)
+    if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
+        raise bad("tensor_parallel", "must be a positive integer")
+    return {**{dest: plan[key] for key, dest in TRAIN_FIELDS.items()}, **options,
+            **({"tensor_parallel": tensor} if tensor > 1 else {})}
 
 
 def pipeline_call(plan: Dict[str, Any]) -> str:
@@ -271,7 +308,9 @@ def pipeline_call(plan: Dict[str, Any]) -> str:
     loss function unless the model computes its own from the batch's labels)."""
     run = plan["pipeline"]
     loss = "" if plan.get("units", {}).get("own_loss") else ", loss_fn=..."
-    options = "".join(f", {k}={v!r}" for k, v in (plan.get("options") or {}).items())
+    options = "".join(f", {k}={v!r}" for k, v in {**(plan.get("options") or {}),
+                                                   **({"tensor_parallel": run["tensor_parallel"]}
+                                                      if "tensor_parallel" in run else {})}.items())
     return (f"Pipeline(model, method={run['method']!r}, stages={run['stages']}, partition={run['partition']}, "
             f"micro_batches={run['micro_batches']}{options}, optimizer=...{loss})")
 
@@ -338,7 +377,37 @@ def format_plan(plan: Dict[str, Any]) -> str:
                                break_long_words=False, break_on_hyphens=False))
     lines.append("activations: the largest stage's peak of in-flight activations (simulated micro-batches in "
                  "flight x bytes per micro-batch), without and (in brackets) with pipeoptim train --recompute")
+    lines += [textwrap.fill(line, 100, subsequent_indent="  ") for line in tensor_lines(plan)]
     return "\n".join(lines)
+
+
+def tensor_lines(plan: Dict[str, Any]) -> List[str]:
+    """What --tensor-parallel T does in the plan: memory per process, the compute split, the
+    collectives' bytes and their price (none without it)."""
+    split = plan.get("tensor")
+    if not split:
+        return []
+    t, profile, bandwidth = split["tensor"], plan["profile"], plan["settings"]["bandwidth"]
+    whole = sum(layer["parameter_bytes"] for layer in profile["layers"])
+    forward = [layer["forward"] for layer in profile["layers"]]
+    styles: Dict[str, int] = {}
+    for style in split["planned"].values():
+        styles[style] = styles.get(style, 0) + 1
+    share = sum(s * f for s, f in zip(split["share"], forward)) / sum(forward) if sum(forward) > 0 else 0.0
+    rows = -(-plan["batch_size"] // plan["microbatches"])  # the recommendation's micro-batch
+    wire = [rows * sum(split[key]) for key in ("forward_wire", "backward_wire")]
+    price = (f"{(wire[0] + wire[1]) / bandwidth * 1e3:.2f} ms per micro-batch at --bandwidth {bandwidth:g} B/s"
+             if bandwidth else "free without --bandwidth (optimistic)")
+    return [f"tensor parallel: every stage on {t} processes ({plan['stages']} x {t} in all; the memory above is per "
+            f"process). The plan splits {', '.join(f'{n} {s}' for s, n in styles.items())} layers, "
+            f"{sum(split['split_bytes']) / 2 ** 20:.2f} of the model's {whole / 2 ** 20:.2f} MB of parameters: each "
+            f"process holds 1/{t} of them, of their gradients (a row-wise embedding's whole: torch's), optimizer state "
+            f"and weight versions; activations as "
+            f"at T = 1 (an upper bound). Time: the planned modules take {100 * share:.0f} % of the layers' forward "
+            f"(timed module by module), run 1/{t}; per micro-batch of the recommendation each process sends "
+            f"{wire[0] / 2 ** 10:.1f} KiB in the forward's collectives (a row-wise layer's output all-reduced, a "
+            f"gathered one all-gathered) and {wire[1] / 2 ** 10:.1f} KiB in the backward's (a column-wise layer's "
+            f"input gradient all-reduced): {price}"]
 
 
 def measurement_lines(measurement: Optional[Dict[str, Any]]) -> List[str]:

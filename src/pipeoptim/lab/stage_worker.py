@@ -64,12 +64,15 @@ def _peer_interrupted(out: Optional[Path], stage: int) -> bool:
                for r, st in read_statuses(out).items())
 
 
-def rank_name(rank: int, stages: int = 0, replicas: int = 1) -> str:
+def rank_name(rank: int, stages: int = 0, replicas: int = 1, tensor: int = 1) -> str:
     """How a message names a process: ``stage k (rank r`` (the caller closes the parenthesis),
-    with its replica where there are several (rank r runs stage r mod N of replica r // N)."""
-    if replicas > 1 and stages:
-        return f"stage {rank % stages} of replica {rank // stages} (rank {rank}"
-    return f"stage {rank} (rank {rank}"
+    with its replica where there are several and its tensor rank where each stage has T
+    processes (rank r = (d*N + k)*T + t runs tensor rank t of stage k of replica d)."""
+    if not stages or (replicas == 1 and tensor == 1):
+        return f"stage {rank} (rank {rank}"
+    k, d, t = (rank // tensor) % stages, rank // (stages * tensor), rank % tensor
+    return (f"stage {k}" + (f" of replica {d}" if replicas > 1 else "") + (f", tensor rank {t}" if tensor > 1 else "")
+            + f" (rank {rank}")
 
 
 def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
@@ -88,7 +91,9 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 
     init_process_group(device=device, timeout=timeout, threads=threads)
     rank = dist.get_rank()
-    replicas = dist.get_world_size() // (cfg.stages or 1)  # a user's torchrun: the world over the stages
+    tensor = cfg.tensor_parallel
+    # a user's torchrun: the world over the stages and their tensor ranks
+    replicas = dist.get_world_size() // ((cfg.stages or 1) * tensor)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if json else (lambda *a: print(*a, flush=True))
 
     def fail(kind: str, error: BaseException, code: int, quiet: bool = False) -> int:
@@ -96,7 +101,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
         write_status(out, rank, state="failed", kind=kind, message=str(error))
         where = f"last checkpoint: {last}" if last is not None else "no checkpoint written yet"
         if not quiet and not (kind == "comm" and _peer_interrupted(out, rank)):
-            print(f"pipeoptim train: {rank_name(rank, cfg.stages, replicas)}): error: {error} ({where})",
+            print(f"pipeoptim train: {rank_name(rank, cfg.stages, replicas, tensor)}): error: {error} ({where})",
                   file=sys.stderr, flush=True)
         return code
 
@@ -171,7 +176,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not train:
         from .bench_worker import bench_worker
 
-        return bench_worker(spec)
+        try:
+            return bench_worker(spec)
+        except ValueError as error:  # bad input the workers found (each finds it: rank 0 says it)
+            if os.environ.get("PIPEOPTIM_DEBUG"):
+                raise
+            if os.environ.get("RANK", "0") == "0":
+                print(f"pipeoptim bench: error: {error}", file=sys.stderr, flush=True)
+            return 2
     from ..errors import MissingDataError
     from .config import RunConfig
 

@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..weights.fused import local
+from .tensor_parallel import in_layout
 from .wire import PipelineCommError, reason, wait_for
 
 
@@ -76,7 +78,7 @@ class GradientAverager:
             self._bucket, self._bucket_size = [], 0
 
     def _launch(self, params: List[torch.Tensor]) -> None:
-        flat = torch.cat([g.reshape(-1) for g in _grads(params)])  # one collective per bucket
+        flat = torch.cat([local(g).reshape(-1) for g in _grads(params)])  # one collective per bucket
         try:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -101,8 +103,8 @@ class GradientAverager:
                 wait_for(work, datetime.timedelta(seconds=self.timeout), flat.device)
                 if self.mean:
                     flat.div_(self.replicas)
-                for p, g in zip(group, flat.split([q.numel() for q in group])):
-                    p.grad = g.view_as(p)
+                for p, g in zip(group, flat.split([local(q).numel() for q in group])):
+                    p.grad = like(p, g)
         except RuntimeError as error:
             raise self._fail(error) from error
         finally:
@@ -110,6 +112,18 @@ class GradientAverager:
             self.overlapping = False
 
 
+def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (this process's part of ``param``'s gradient) shaped as ``param``: a DTensor's
+    (a stage split over tensor ranks) over its local shape, in its layout."""
+    if not hasattr(param, "to_local"):
+        return flat.view_as(param)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(flat.view_as(param.to_local()), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
 def _grads(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each parameter's gradient (zeros where it has none: every replica reduces the same tensors)."""
-    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    """Each parameter's gradient (zeros where it has none: every replica reduces the same tensors),
+    in the parameter's layout where it is split over tensor ranks."""
+    return [in_layout(p) if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -87,14 +87,16 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
                  recompute: Optional[Sequence[bool]] = None,
-                 shards: Optional[Callable[[], Any]] = None, compile: Optional[str] = None,
-                 config: Any = None) -> List[Stage]:
+                 shards: Optional[Callable[[], Any]] = None, tensors: Optional[Callable[[], Any]] = None,
+                 compile: Optional[str] = None, config: Any = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy), or over ``parts`` (a traced model's stage
     modules). ``only`` builds just that stage, or those stages (one process of a distributed run).
     Stage k's layers are moved to ``devices[k]`` before its optimizer is made. ``ties``:
     parameters read by several stages, ``id(p)`` -> those stages; the first owns it. ``shards``:
     makes the :class:`~pipeoptim.runtime.sharding.StageShards` of each stage, which trains a
-    sharded copy of its layers (theirs are released once every stage is built). ``config``: the
+    sharded copy of its layers (theirs are released once every stage is built); ``tensors``: the
+    :class:`~pipeoptim.runtime.tensor_parallel.StageTensors` of each stage, which trains a copy
+    split over its tensor ranks (released likewise). ``config``: the
     run's options whole, handed to every stage (its ``diagnose_every`` and whether ``loss_fn`` is
     None read here); the keywords are what this run resolved from it (None: stages built by hand)."""
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
@@ -118,7 +120,12 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         own = {id(p): name for name, p in part.named_parameters()}
         trains = {name for name, p in part.named_parameters() if p.requires_grad and ties.get(id(p), [k])[0] == k}
         sharded = shards() if shards is not None else None
-        if sharded is not None:  # the copy's parameters, owned and tied as the originals were
+        divided = tensors() if tensors is not None else None
+        if divided is not None:  # a copy: each planned layer's part of this tensor rank
+            original, part = part, divided.parallelize(part)
+            if sharded is not None:  # then sharded over the replicas (the shards release the original)
+                part, divided.original = sharded.shard(part, original=original), None
+        elif sharded is not None:  # the copy's parameters, owned and tied as the originals were
             part = sharded.shard(part)
         named = dict(part.named_parameters())
         owned_ids = frozenset(id(named[name]) for name in trains)
@@ -135,8 +142,13 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
             raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage sharded over its "
                              "replicas holds in pieces: drop shard_replicas (replicas hold whole matrices) or "
                              "use an elementwise optimizer (AdamW, SGD)")
+        if divided is not None and orthogonalizes(opt):
+            raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage split over its "
+                             "tensor ranks holds in pieces (gathering each for every step would undo the split): "
+                             "drop tensor_parallel or use an elementwise optimizer (AdamW, SGD)")
         policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
-        policy.sharded = sharded is not None
+        # versions kept by copying: FSDP gathers from the live storage, a DTensor keeps its local tensor
+        policy.sharded = sharded is not None or divided is not None
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         # every tie of the model, held here or not: each rank makes the same groups
@@ -146,7 +158,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
                       clip_grad_norm=clip_grad_norm, precision=precision, device=device,
                       recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
-                      first=k in firsts, last=k in lasts, config=config, shards=sharded, tied=tied,
+                      first=k in firsts, last=k in lasts, config=config, shards=sharded, tensor=divided, tied=tied,
                       # a mirrored method's second pipeline: copies of pieces 0 .. n/2 - 1
                       replica_of=k - n // 2 if method.mirrored and k >= n // 2 else None,
                       # a model without loss_fn computes its own loss: the labels go into its last module
@@ -154,7 +166,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                       probes=PredictionProbes(config.diagnose_every if config is not None else 0),
                       loss_scaling=scaler)
         stages.append(stage)
-    for stage in stages:  # every stage built: a sharded one's original layers freed (it holds its shards)
-        if stage.shards is not None:
-            stage.shards.release_original()
+    for stage in stages:  # every stage built: a split one's original layers freed (it holds its part)
+        for copied in (stage.shards, stage.tensor):
+            if copied is not None:
+                copied.release_original()
     return stages

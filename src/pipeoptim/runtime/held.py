@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opti
 import torch
 
 from ..weights.base import local
+from .tensor_parallel import storage_of
 
 Span = Tuple[int, int]  #: first and one-past-last byte of a view, in its storage
 
@@ -75,6 +76,7 @@ class HeldActivations:
         for t in tensors:
             if not torch.is_tensor(t) or t.device.type == "meta":
                 continue
+            t = storage_of(t)  # a stage split over tensor ranks: this process's part
             key = t.untyped_storage().data_ptr()
             if key in skip or key == 0:
                 continue
@@ -104,7 +106,7 @@ class HeldActivations:
         saved: List[torch.Tensor] = []
 
         def is_weight(t: torch.Tensor) -> bool:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = storage_of(t).untyped_storage().data_ptr()
             if ptr not in skip and (refresh or not skip):  # read inside the forward: a sharded
                 # stage's weights are those FSDP gathers for it, after the forward's first saves
                 skip.update(local(w).untyped_storage().data_ptr() for w in (weights() if callable(weights) else weights))

@@ -42,31 +42,41 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
 @dataclass(frozen=True)
 class Layout:
     """The shape of a run: ``stages`` pipeline ranks (None: not known yet, the partitioner's
-    default decides), each holding ``chunks`` model pieces, in ``replicas`` copies."""
+    default decides), each holding ``chunks`` model pieces, in ``replicas`` copies, each stage
+    split over ``tensor`` processes (tensor parallelism)."""
 
     stages: Optional[int]
     chunks: int = 1
     replicas: int = 1
+    tensor: int = 1
 
     @property
     def processes(self) -> int:
-        """Processes the run needs under torchrun: one per stage of each replica."""
+        """Processes the run needs under torchrun: T per stage of each replica."""
         if self.stages is None:
             raise ValueError("the number of stages is not known yet: give stages=N or a partition")
-        return self.stages * self.replicas
+        return self.stages * self.replicas * self.tensor
 
 
 def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
                 chunks: Optional[int] = None, processes: Optional[int] = None,
-                data_parallel: Optional[int] = None) -> Layout:
+                data_parallel: Optional[int] = None, tensor_parallel: int = 1) -> Layout:
     """The layout of a run of ``method`` (a registry entry).
 
     ``stages`` counts pipeline ranks; a ``partition`` lists the layers (or traced units) of each
     of the stages x chunks pieces, and wins when ``stages`` is None. ``processes``: the size of
     the torchrun job the run must fill (None: not under torchrun; then ``data_parallel`` gives
     the replicas to start, default 1). Without ``stages`` or a partition, a torchrun job runs
-    one stage per process of each replica. Refuses, with the fix, a layout the processes cannot
-    hold."""
+    one stage per process of each replica. ``tensor_parallel``: T processes hold each stage
+    (WORLD_SIZE = N x D x T). Refuses, with the fix, a layout the processes cannot hold."""
+    t = tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"tensor_parallel must be a positive number of processes per stage, got {t!r}")
+    if processes is not None and processes % t:
+        raise ValueError(f"WORLD_SIZE {processes} is not a multiple of tensor_parallel={t}: start N x D x {t} "
+                         f"processes (T per stage of each replica) or give another tensor_parallel")
+    if processes is not None:
+        processes //= t
     if data_parallel is not None and (isinstance(data_parallel, bool) or data_parallel < 1):
         raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
     v = chunks_of(method, chunks, partition)
@@ -88,13 +98,15 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
     if n is not None and n < 1:
         raise ValueError(f"stages must be at least 1, got {n}")
     if processes is None:
-        return Layout(n, v, data_parallel or 1)
+        return Layout(n, v, data_parallel or 1, t)
     if n is None or processes % n:
-        raise ValueError(f"WORLD_SIZE {processes} is not a multiple of the {n} stages: start N x D "
-                         f"processes (e.g. torchrun --nproc-per-node {n * max(1, processes // max(n, 1))}), "
-                         f"one per stage of each replica")
+        per = f" x {t}" if t > 1 else ""
+        raise ValueError(f"WORLD_SIZE {processes * t} is not a multiple of the {n} stages{per}: start N x D{per} "
+                         f"processes (e.g. torchrun --nproc-per-node {n * max(1, processes // max(n, 1)) * t}), "
+                         f"{'T' if t > 1 else 'one'} per stage of each replica")
     replicas = processes // n
     if data_parallel is not None and data_parallel != replicas:
-        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {processes} with {n} stages makes "
-                         f"{replicas} replicas; start {n * data_parallel} processes or drop data_parallel")
-    return Layout(n, v, replicas)
+        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {processes * t} with {n} stages"
+                         f"{f' x {t} tensor ranks' if t > 1 else ''} makes {replicas} replicas; start "
+                         f"{n * data_parallel * t} processes or drop data_parallel")
+    return Layout(n, v, replicas, t)

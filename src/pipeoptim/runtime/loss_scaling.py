@@ -150,9 +150,11 @@ class UpdateAgreement:
 
 def unscale(stage: Any) -> torch.Tensor:
     """Unscale ``stage``'s gradients by its scaler; its found-inf flag (0-dim, on its device),
-    over the shards of every replica where the stage is sharded."""
+    over the shards of every replica where the stage is sharded, of every tensor rank where split."""
     found = stage.loss_scaling.unscale([local(g) for g in stage.grads()], stage.device)
     if stage.shards is not None:
         found = stage.shards.any_replica(found)
+    if stage.tensor is not None:
+        found = stage.tensor.any_replica(found)
     stage.unscaled = True
     return found

@@ -12,7 +12,7 @@ the tied weights' sums over their holders, where a tie crosses processes).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -120,12 +120,14 @@ def copy_to_replicas(stages: Sequence) -> None:
             mine.copy_(theirs)
 
 
-def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float) -> Tuple[List[Any], Dict[int, Any]]:
-    """A run of two pipelines of the same pieces under torchrun (``placement``: the rank of each
-    stage): a 2-process group for each piece whose two replicas are on two ranks. One group per
-    piece, not per pair of ranks: two pieces of one pair may become final in another order on
-    each rank, which one group would pair up wrongly. Every rank makes every group, in piece
-    order. Returns (every group made, this rank's: piece -> group)."""
+def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float,
+                        to_global: Sequence[Callable[[int], int]] = (lambda k: k,)) -> Tuple[List[Any], Dict[int, Any]]:
+    """A run of two pipelines of the same pieces under torchrun (``placement``: the pipeline rank
+    of each stage; ``to_global``: a pipeline rank's global rank, one map per tensor rank, each
+    a pipeline of its own): a 2-process group for each piece whose two replicas are on two ranks.
+    One group per piece, not per pair of ranks: two pieces of one pair may become final in
+    another order on each rank, which one group would pair up wrongly. Every rank makes every
+    group, in piece order (then tensor rank). Returns (every group made, this rank's: piece -> group)."""
     import datetime
 
     import torch.distributed as dist
@@ -133,11 +135,12 @@ def replica_pair_groups(placement: Sequence[int], rank: int, timeout: float) -> 
     half = len(placement) // 2
     made, own = [], {}
     for piece in range(half):
-        ranks = sorted({placement[piece], placement[half + piece]})
-        if len(ranks) == 1:
-            continue
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
-        made.append(group)
-        if rank in ranks:
-            own[piece] = group
+        for global_of in to_global:
+            ranks = sorted({global_of(placement[piece]), global_of(placement[half + piece])})
+            if len(ranks) == 1:
+                continue
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+            made.append(group)
+            if rank in ranks:
+                own[piece] = group
     return made, own

@@ -55,45 +55,36 @@ def released(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or (tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0)
 
 
-class StageShards:
-    """One stage module sharded over its replicas, and how the stage's passes and update use it.
-    ``synchronous``: FSDP keeps the weights gathered from the first forward to the update and
-    reduces the gradients once (:meth:`__call__`, the stage's ``grad_sync``)."""
+class StageCopy:
+    """What a stage trains that is a copy of the Pipeline's layers split over processes (its
+    replicas' FSDP shards, :class:`StageShards`; its tensor ranks' DTensors,
+    ``runtime/tensor_parallel.StageTensors``): the original's memory released, refilled for an
+    evaluation, and a pass's version written into the live parameters."""
 
-    def __init__(self, mesh, synchronous: bool) -> None:
-        self.mesh = mesh
-        self.synchronous = synchronous
-        self.device_type: str = mesh.device_type if mesh is not None else "cpu"
+    def __init__(self) -> None:
         self.module: Optional[nn.Module] = None
         #: the module it was made from (the Pipeline's copy of the model's layers), its
         #: parameters released (:meth:`release_original`)
         self.original: Optional[nn.Module] = None
         self._sizes: Dict[int, int] = {}  #: id(parameter of the original) -> its storage's bytes
         self._named: Dict[str, nn.Parameter] = {}
-        self._keeping: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
-    def shard(self, module: nn.Module) -> nn.Module:
-        """A sharded copy of ``module`` (``module`` keeps its parameters until :meth:`release_original`)."""
-        from torch.distributed.fsdp import fully_shard
-
-        part = copy.deepcopy(module)
-        fully_shard(part, mesh=self.mesh["dp"], reshard_after_forward=not self.synchronous)
-        part.register_forward_pre_hook(self._copy_gathered)  # after FSDP's own: the weights are gathered
-        self.module, self.original = part, module
-        self._named = dict(part.named_parameters())
-        if self.synchronous:
-            self._last_backward(False)
-        return part
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The stage module's state, whole (a collective over the processes it is split on)."""
+        raise NotImplementedError
 
     def release_original(self) -> None:
         """Free the parameters' memory of the module the shards were made from (the Pipeline's
         copy of the model's layers), as FSDP frees its gathered weights: each keeps its shape,
         dtype and device over a storage resized to nothing (:func:`released`), so that a stage
-        sharded D ways holds 1/D of its weights, not 1 + 1/D. Its buffers stay (small, the
+        split D ways holds 1/D of its weights, not 1 + 1/D. Its buffers stay (small, the
         module's own state beside the shards'). What reads the whole weights reads them from the
         shards: ``Pipeline.model()`` gathers them (:meth:`full_state_dict`), a traced model's
         evaluation fills them in for its span (:meth:`filled`). Called once every stage of the
-        process is built (a weight tied across two of its stages is read by both builds)."""
+        process is built (a weight tied across two of its stages is read by both builds). None
+        to release where another copy owns the original (a split stage sharded too)."""
+        if self.original is None:
+            return
         for param in self.original.parameters():
             storage = param.untyped_storage()
             self._sizes[id(param)] = storage.nbytes()
@@ -120,6 +111,56 @@ class StageShards:
             for param in params.values():
                 param.untyped_storage().resize_(0)
 
+    @torch.no_grad()
+    def write(self, values: Optional[Dict[str, torch.Tensor]]) -> Callable[[], None]:
+        """Write ``values`` (parameter name -> tensor: the version a pass runs on) into the live
+        parameters' local tensors, except those that are the live storage itself; return what
+        puts the live values back."""
+        saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for name, value in (values or {}).items():
+            param = self._named.get(name)
+            if param is None:
+                continue
+            shard, source = local(param.data), local(value.detach())
+            if shard.data_ptr() == source.data_ptr():
+                continue
+            saved.append((shard, shard.clone()))
+            shard.copy_(source)
+
+        def restore() -> None:
+            with torch.no_grad():
+                for shard, live in saved:
+                    shard.copy_(live)
+        return restore
+
+class StageShards(StageCopy):
+    """One stage module sharded over its replicas, and how the stage's passes and update use it.
+    ``synchronous``: FSDP keeps the weights gathered from the first forward to the update and
+    reduces the gradients once (:meth:`__call__`, the stage's ``grad_sync``)."""
+
+    def __init__(self, mesh, synchronous: bool) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.synchronous = synchronous
+        self.device_type: str = mesh.device_type if mesh is not None else "cpu"
+        self._keeping: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def shard(self, module: nn.Module, original: Optional[nn.Module] = None) -> nn.Module:
+        """A sharded copy of ``module`` (``module`` keeps its parameters until :meth:`release_original`);
+        ``original``: ``module`` is a private copy of it already (split over tensor ranks,
+        ``runtime/tensor_parallel.py``), sharded itself: torch's order, tensor parallelism then
+        FSDP over the replicas of a mesh whose "tp" dimension its DTensors use."""
+        from torch.distributed.fsdp import fully_shard
+
+        part = copy.deepcopy(module) if original is None else module
+        fully_shard(part, mesh=self.mesh["dp"], reshard_after_forward=not self.synchronous)
+        part.register_forward_pre_hook(self._copy_gathered)  # after FSDP's own: the weights are gathered
+        self.module, self.original = part, module if original is None else original
+        self._named = dict(part.named_parameters())
+        if self.synchronous:
+            self._last_backward(False)
+        return part
+
     def _last_backward(self, last: bool) -> None:
         """Not ``last``: backwards before the update keep the weights gathered and the gradients
         unreduced; ``last``: the next backward (or reduction) reduces and frees them."""
@@ -133,22 +174,8 @@ class StageShards:
         shards, except those that are the live shard itself; return what puts the live values back.
         Called before every pass of the stage (with nothing to write too): FSDP's next gathers
         wait for what the current stream holds now (:meth:`gathers_after_writes`)."""
-        saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for name, value in (values or {}).items():
-            param = self._named.get(name)
-            if param is None:
-                continue
-            shard, source = local(param.data), local(value.detach())
-            if shard.data_ptr() == source.data_ptr():
-                continue
-            saved.append((shard, shard.clone()))
-            shard.copy_(source)
+        restore = self.write(values)
         self.gathers_after_writes()
-
-        def restore() -> None:
-            with torch.no_grad():
-                for shard, live in saved:
-                    shard.copy_(live)
         return restore
 
     def gathers_after_writes(self) -> None:
@@ -209,14 +236,20 @@ class StageShards:
             self._last_backward(False)
 
     def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The 2-norm of the whole stage's gradients from the shards (summed over the replicas)."""
+        """The 2-norm of the whole stage's gradients from the shards (summed over the replicas;
+        split over tensor ranks too, a gradient split there summed over them, one whole there
+        counted once)."""
         import torch.distributed as dist
 
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros(2, dtype=torch.float32, device=device)  # [split over tp, whole there]
         for g in grads:
-            total += local(g).float().pow(2).sum()
+            names = getattr(g, "device_mesh", self.mesh).mesh_dim_names or ()
+            split = "tp" in names and g.placements[names.index("tp")].is_shard()
+            total[0 if split else 1] += local(g).float().pow(2).sum()
         dist.all_reduce(total, group=self.mesh["dp"].get_group())
-        return total.sqrt()
+        if "tp" in (self.mesh.mesh_dim_names or ()):
+            dist.all_reduce(total[:1], group=self.mesh["tp"].get_group())
+        return total.sum().sqrt()
 
     def any_replica(self, flag: torch.Tensor) -> torch.Tensor:
         """``flag`` (0-dim, 1.0: this shard found an inf or nan) over every replica's shard of the

@@ -27,6 +27,7 @@ from .interfaces import DelayAware, GradientSync, OverlappedSync
 from .loss_scaling import LossScaler
 from .probes import PredictionProbes
 from .record import StageRecord, TraceEntry, UpdateEntry  # noqa: F401 (the entries: read here by fit.py)
+from .tensor_parallel import in_layout, plain
 from .sharding import StageShards
 from .tied import TiedWeights
 from .values import Activation, as_tuple, detach_for_send, leaf_inputs, to_device
@@ -43,7 +44,9 @@ class Stage:
     """Stage ``index`` of ``num_stages``: runs forwards, backwards and updates for its module.
 
     Collaborators (None: none): ``shards`` (the module sharded over the stage's replicas: passes
-    call it directly, with the version they need written into its shards), ``tied`` (weights
+    call it directly, with the version they need written into its shards), ``tensor`` (the module
+    split over the stage's tensor ranks: passes run on its DTensors, a backward with its version
+    written into the live storage the forward's aliases share), ``tied`` (weights
     shared with other stages), ``grad_sync`` (the gradients reduced over the stage's replicas
     before each update; the world sets it once its groups exist), ``loss_scaling`` (fp16: the
     process's loss scale, runtime/loss_scaling.py; made here if not given). Observers: ``record``,
@@ -56,8 +59,8 @@ class Stage:
                  precision: str = "fp32", device: Optional[torch.device] = None,
                  recompute: bool = False, compile: Optional[str] = None,
                  first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None,
-                 shards: Optional[StageShards] = None, tied: Optional[TiedWeights] = None,
-                 replica_of: Optional[int] = None, takes_target: bool = False,
+                 shards: Optional[StageShards] = None, tensor: Optional[Any] = None,
+                 tied: Optional[TiedWeights] = None, replica_of: Optional[int] = None, takes_target: bool = False,
                  grad_sync: Optional[GradientSync] = None, record: Optional[StageRecord] = None,
                  probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None,
                  loss_scaling: Optional[LossScaler] = None) -> None:
@@ -78,6 +81,7 @@ class Stage:
         self.recompute = recompute
         self.compiled = CompiledForward(module, compile) if compile else None
         self.shards, self.tied, self.grad_sync = shards, tied, grad_sync
+        self.tensor = tensor  #: runtime/tensor_parallel.StageTensors (None: the stage whole on this process)
         self._delay_aware = isinstance(optimizer, DelayAware)  # (a Protocol test costs tens of us: once)
         #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
         #: method's second pipeline starts and ends too)
@@ -128,7 +132,8 @@ class Stage:
             if probe:
                 self.probes.forward_weights(microbatch, use, self.policy)
             extra = self.tied.forward_values(microbatch, use.weights) if self.tied is not None else {}
-            weights = {**use.weights, **extra} if extra else use.weights
+            weights = {**use.weights, **(self.tensor.wrap(extra) if self.tensor is not None else extra)} \
+                if extra else use.weights
             if extra:
                 self._tied_values[microbatch] = extra
             if self.shards is not None:  # the pass's version (and the owner's tied values) into the shards
@@ -143,6 +148,8 @@ class Stage:
                     output = self.compiled(None if direct else weights, args)
                 else:
                     output = self.module(*args) if direct else functional_call(self.module, weights, args)
+                if self.tensor is not None:  # what a style's collective still owes, waited for
+                    output = plain(output)
                 if self.is_last:
                     output = self.loss_fn(output, target)
                     # a micro-batch with no real item (its labels all -100): a mean over nothing is
@@ -302,8 +309,11 @@ class Stage:
     def _hold_backward_values(self, microbatch: int, use: WeightUse, used: WeightUse) -> Callable[[], None]:
         """A sharded stage: the backward's version (and the owner's tied values of
         ``microbatch``) into the shards FSDP gathers for it, and how to put the live values back;
-        nothing otherwise."""
+        a stage split over tensor ranks: the backward's version into the live storage its forward's
+        aliases share; nothing otherwise."""
         if self.shards is None:
+            if self.tensor is not None:
+                return self.tensor.write(self.policy.backward_values(use, used))
             return lambda: None
         return self.shards.hold({**(self.policy.backward_values(use, used) or {}),
                                  **self._tied_values.get(microbatch, {})})
@@ -359,7 +369,7 @@ class Stage:
             self.policy.skipped_update()
             self.record.skipped(self.policy.version, time.perf_counter() - start)
             return
-        if grad_scale is None and self.clip_grad_norm is not None and self.shards is not None:
+        if grad_scale is None and self.clip_grad_norm is not None and (self.shards or self.tensor) is not None:
             # torch's clip_grad_norm_ coefficient, from the norm over the shards
             grad_scale = (self.clip_grad_norm / (self.grad_norm() + 1e-6)).clamp(max=1.0)
         if grad_scale is not None:
@@ -408,6 +418,9 @@ class Stage:
         holders, once per update (before its norm is taken for global clipping, or by the update
         itself)."""
         if not self._synced:
+            if self.tensor is not None:  # each gradient in its parameter's layout, shard by shard
+                for param in self.module.parameters():
+                    in_layout(param)
             if self.tied is not None and self.tied.round is not None:
                 self.tied.round.reduce()  # every stage of this process: their replicas, then the ties
             else:
@@ -430,6 +443,8 @@ class Stage:
         grads = self.grads()
         if self.shards is not None:
             return self.shards.grad_norm(grads, self.device)
+        if self.tensor is not None:
+            return self.tensor.grad_norm(grads, self.device)
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

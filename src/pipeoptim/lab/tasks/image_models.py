@@ -82,7 +82,11 @@ def build_vgg(batch_norm: bool = False, hidden: int = 128) -> nn.Sequential:
             nn.Linear(hidden, NUM_CLASSES),
         ),
     ]
-    return nn.Sequential(*blocks)
+    model = nn.Sequential(*blocks)
+    # tensor parallelism (Pipeline(tensor_parallel=T)): the head's hidden features split, the
+    # convolutions whole on every tensor rank
+    model._tp_plan = {"7.2": "colwise", "7.4": "rowwise"}
+    return model
 
 
 class ResidualBlock(nn.Module):
@@ -128,12 +132,15 @@ def build_resnet() -> nn.Sequential:
 
 def build_mlp(hidden: int = 256) -> nn.Sequential:
     """A 4-block MLP: flatten+linear+ReLU, two linear+ReLU blocks, a linear output block."""
-    return nn.Sequential(
+    model = nn.Sequential(
         nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, hidden), nn.ReLU()),
         nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()),
         nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()),
         nn.Linear(hidden, NUM_CLASSES),
     )
+    # tensor parallelism: two column-wise / row-wise pairs (one all-reduce per pair and pass)
+    model._tp_plan = {"0.1": "colwise", "1.0": "rowwise", "2.0": "colwise", "3": "rowwise"}
+    return model
 
 
 #: model name -> constructor (parameters are initialised by :func:`build_image_model`)

@@ -222,7 +222,19 @@ def build_gpt(vocab_size: int, seq_len: int, d_model: int = 128, layers: int = 8
     for block in model[1:-1]:  # the projections that add to the residual stream
         for proj in (block.attn.proj, block.mlp[2]):
             nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * layers))
+    model._tp_plan = gpt_plan(layers)
     return model
+
+
+def gpt_plan(layers: int) -> Dict[str, str]:
+    """:func:`build_gpt`'s tensor-parallel plan (``Pipeline(tensor_parallel=T)`` reads a model's
+    ``_tp_plan``): the token embedding split over the vocabulary, each MLP's first Linear
+    column-wise and its second row-wise (the hidden features split, one all-reduce of the block's
+    output), the head column-wise with its logits gathered. The attention stays whole on every
+    tensor rank: its fused ``qkv`` output is split into q, k and v by ``d`` and viewed as
+    ``nhead`` heads, which a column-wise shard of ``qkv`` does not hold."""
+    return {"0.tok": "embedding_rowwise", "*.mlp.0": "colwise", "*.mlp.2": "rowwise",
+            f"{layers + 1}.proj": "colwise_gather_output"}
 
 
 class TiedGPT(nn.Module):
@@ -233,6 +245,10 @@ class TiedGPT(nn.Module):
     ``blocks.0`` ..., ``norm``, ``head``); the tied weight is trained by the embedding's stage
     (docs/architecture.md, "Splitting any module", "Tied weights"). ids (B, T) -> logits
     (B, T, vocab); initialised as :func:`build_gpt`."""
+
+    #: the tensor-parallel plan (:func:`gpt_plan`'s; the head split as the embedding it is tied to)
+    _tp_plan = {"tok": "embedding_rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+                "head": "colwise_gather_output"}
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int = 128, layers: int = 8, nhead: int = 4,
                  d_ff: int = 512, dropout: float = 0.1):
