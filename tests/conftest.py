@@ -84,8 +84,10 @@ TRACED_GROUPS = {
 #: what the scripts of the 2-process job import anyway, imported before its first Pipeline and left
 #: out of the collections of every Pipeline's teardown (tests/torchrun_jobs.py, ``--preload``)
 PRELOAD = ["torch", "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "transformers",
-           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "pipeoptim.pipeline",
-           "pipeoptim.cli", "pipeoptim.lab.tasks.image", "library_models", "traced_models"]
+           *(f"transformers.models.{family}.modeling_{family}" for family in ("gpt2", "llama", "qwen2", "bert", "vit",
+                                                                               "t5", "bart", "resnet")),
+           "pipeoptim.pipeline", "pipeoptim.cli", "pipeoptim.lab.tasks.image", "library_models", "traced_models",
+           "first_day"]
 
 #: the wall-clock limit of a shared job (a loaded 2-core machine runs the 2-process one for minutes)
 JOB_TIMEOUT = 1200
@@ -119,6 +121,9 @@ def torchrun_2(tmp_path_factory):
       resumes to (test_chunks.py; in ``folder/bitpipe-whole``)
     - ``gpu-check``: scripts/gpu_check_worker.py's CPU rows, the GPU check's table small
       (test_gpu_check.py; its checkpoints in ``folder/gpu-check``)
+    - ``first-day``: the library models as they come, one stage per process
+      (tests/torchrun_first_day.py: test_first_day.py, test_seq2seq.py; its checkpoints in
+      ``folder/first-day``)
     - ``cli-zb-v``: ``-m pipeoptim train`` of a chunked partition (test_chunks.py; with Fashion-MNIST
       only), last: the command line's worker starts the job's process group and destroys it, and
       runs once a process (a second run joins the group without a new store prefix, and hangs)
@@ -127,6 +132,7 @@ def torchrun_2(tmp_path_factory):
     import test_chunks
     import test_compile
     import test_dict_batches
+    import test_first_day
     import test_gpu_check
     import test_torchrun
     from test_tied_async import ASYNC
@@ -134,6 +140,7 @@ def torchrun_2(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("torchrun_2")
     (folder / "dict").mkdir()
+    (folder / "first-day").mkdir()
     traced = [arg if arg is not None else ",".join(ASYNC) for group in TRACED_GROUPS.values() for arg in group]
     jobs = {
         "refusals": [HERE / "torchrun_refusals.py"],
@@ -146,6 +153,8 @@ def torchrun_2(tmp_path_factory):
         "dualpipev-2": [HERE / "torchrun_dualpipev.py", 2],
         "bitpipe-whole": [test_torchrun.CHECKPOINT_SCRIPT, folder / "bitpipe-whole", *test_chunks.BITPIPE_RUN],
         "gpu-check": [test_gpu_check.WORKER, *test_gpu_check.worker_args(folder / "gpu-check")],
+        "first-day": [HERE / "torchrun_first_day.py",
+                      ",".join(test_first_day.JOB_ENTRIES) + f"@{folder / 'first-day'}"],
     }
     if has_image_data():  # last: the command line's worker starts the process group itself and ends it
         jobs["cli-zb-v"] = ["-m", "pipeoptim", *test_chunks.under_users_torchrun("zb-v", folder / "cli-zb-v")]

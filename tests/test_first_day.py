@@ -10,8 +10,9 @@ The matrix (model x feature -> test):
 - asynchronous methods train: ``test_asynchronous_methods_train``
 - compiled stages: ``test_compiled_stages_...`` (GPT-2)
 - torchrun 2 processes (every model; bf16 and an asynchronous method on some), with a checkpoint
-  (GPT-2): ``test_under_torchrun_every_model_equals_one_process``, the one torchrun job of the
-  library models (tests/test_library_models.py's ResNet in it too)
+  (GPT-2): ``test_under_torchrun_every_model_equals_one_process``, the one torchrun script of the
+  library models (tests/test_library_models.py's ResNet in it too), run in the session's
+  2-process job (tests/conftest.py's ``torchrun_2``)
 - sharded replicas (2 stages x 2 replicas under torchrun, FSDP2) with a strict checkpoint: GPT-2
   as it comes, in tests/test_examples.py (the transformers example)"""
 from __future__ import annotations
@@ -19,9 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,6 @@ import torch
 import pipeoptim
 from first_day import CAUSAL, MODELS, adamw, batches, fed, model, plain_loop, same_weights
 
-HERE = Path(__file__).resolve().parent
 
 #: the default cut of each model into 2 stages: the uniform partitioner's, a function of the model
 #: (and tests/library_models.py's ResNet's, cut by partitioner="uniform" in the torchrun job)
@@ -182,38 +179,19 @@ def test_a_model_whose_output_holds_no_tensor_is_refused_naming_the_option():
         pipe.step(torch.randn(4, 4), torch.zeros(4))
 
 
-def torchrun(nproc: int, entries: str):
-    """rank 0's JSON lines of ``torchrun --nproc-per-node NPROC tests/torchrun_first_day.py ENTRIES``."""
-    from test_torchrun import _env
-
-    env = _env()
-    env["PYTHONPATH"] += os.pathsep + str(HERE)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(HERE / "torchrun_first_day.py"), entries],
-                          capture_output=True, text=True, env=env, cwd=HERE.parent, timeout=400)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {row["entry"]: row for row in map(json.loads, (l for l in done.stdout.splitlines() if l.startswith("{")))}
-
-
-#: the job's entries: FAMILY:METHOD:PRECISION (tests/test_seq2seq.py reads the encoder-decoders')
+#: the script's entries: FAMILY:METHOD:PRECISION (tests/test_seq2seq.py reads the encoder-decoders')
 JOB_ENTRIES = [f"{family}:zb-h1:fp32" for family in MODELS] + ["gpt2:zb-h1:bf16", "gpt2:pipeoptim:fp32",
                                                               "resnet:1f1b-flush:fp32", "t5:zb-h1:fp32",
                                                               "bart:pipeoptim:fp32"]
-_JOB: dict = {}
-
-
-def first_day_job(tmp_path_factory) -> dict:
-    """{entry: rank 0's row} of the session's one torchrun job of the library models, and
-    ``"folder"``: where its checkpoints are."""
-    if not _JOB:
-        folder = tmp_path_factory.mktemp("first-day-job")
-        _JOB.update(torchrun(2, ",".join(JOB_ENTRIES) + f"@{folder}"), folder=folder)
-    return _JOB
 
 
 @pytest.fixture(scope="module")
-def torchrun_first_day_rows(tmp_path_factory):
-    return first_day_job(tmp_path_factory)
+def torchrun_first_day_rows(torchrun_2):
+    """{entry: rank 0's row} of tests/torchrun_first_day.py in the session's 2-process job
+    (tests/conftest.py's ``torchrun_2``, which preloads transformers: no job of its own to start,
+    nor two more processes importing it), and ``"folder"``: where its checkpoints are."""
+    rows = {row["entry"]: row for row in torchrun_2.rows("first-day")}
+    return {**rows, "folder": torchrun_2.folder / "first-day"}
 
 
 def test_under_torchrun_every_model_equals_one_process(torchrun_first_day_rows):
@@ -223,7 +201,7 @@ def test_under_torchrun_every_model_equals_one_process(torchrun_first_day_rows):
     embedding) equals the same feeds in one process, a tied head is still the embedding's tensor
     after model() gathers the stages, and GPT-2's checkpoint loads strictly.
 
-    The one torchrun job of the library models: tests/test_library_models.py's ResNet (batch norm,
+    The one torchrun script of the library models: tests/test_library_models.py's ResNet (batch norm,
     4-D activations across the processes, the user's loss_fn) under 1f1b-flush equals its plain
     sequential training here. What test_library_models.py's own job held is here too: GPT-2 under
     a synchronous method, its tied head across the processes (the default method's GPT-2 entry;

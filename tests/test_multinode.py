@@ -6,7 +6,8 @@ rank d*N + k runs stage k of replica d: with K = N each node holds one whole pip
 replicas span the nodes; with K < N the pipeline does (README, "Several nodes"). One job of two
 nodes of K = 2 runs both, a 4-stage pipeline and 2 replicas of a 2-stage one, on tiny models with
 the tests' strict transport (tests/torchrun_jobs.py's ``env``); the losses, evaluations and
-weights are those of one process and of one node, to the last bit. One process per node (K = 1,
+weights are those of one process and of one node (the replicas' script in tests/conftest.py's
+4-process job: no job of its own to start), to the last bit. One process per node (K = 1,
 N = 2, through the command line) is tests/test_distributed.py's two-node test: a third start of
 agents costs more than this file's training."""
 from __future__ import annotations
@@ -19,22 +20,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from torchrun_jobs import HERE, Printed, env, launch, run_here
+from test_torchrun import DATA_PARALLEL
+from torchrun_jobs import HERE, Printed, env, run_here
 
 METHODS = HERE / "torchrun_methods.py"
-DATA_PARALLEL = HERE / "torchrun_data_parallel.py"
+DATA_PARALLEL_SCRIPT = HERE / "torchrun_data_parallel.py"
 NODES_SCRIPT = HERE / "torchrun_nodes.py"
 #: the pipeline across the nodes: tests/torchrun_methods.py's methods and stages
 ACROSS = ["pipeoptim,1f1b-flush", 4]
 #: replicas across the nodes: tests/torchrun_data_parallel.py's methods, stages, micro-batches,
-#: replicas of its one-process run, and gradient buckets small enough to overlap the backward
-REPLICATED = ["1f1b-flush,pipeoptim", 2, 2, 2, 256]
+#: replicas of its one-process run, and gradient buckets small enough to overlap the backward: two
+#: of the methods of tests/conftest.py's ``torchrun_4`` job's ``data-parallel`` script, run there on
+#: one node with the same arguments (test_torchrun.py's DATA_PARALLEL and buckets of 256 bytes)
+REPLICATED = ["1f1b-flush,pipeoptim", *DATA_PARALLEL[1:], 256]
 TIMEOUT = 180
 
 
@@ -78,17 +81,15 @@ def launch_nodes(jobs: Dict[str, Sequence], nodes: int, nproc: int, timeout: flo
 
 
 @pytest.fixture(scope="module")
-def jobs() -> Tuple[Printed, Printed]:
+def jobs(torchrun_4) -> Tuple[Printed, Printed]:
     """One job on two nodes of two processes (world 4): where the ranks of a 4-stage and of a 2-stage
     Pipeline sit, a 4-stage pipeline across the nodes, and 2 replicas of a 2-stage one; and the
-    replicas' job on one node, started beside it (a start is mostly processes importing torch, which
-    the two jobs' processes share the cores for, rather than waiting on each other)."""
-    with ThreadPoolExecutor(1) as pool:
-        one_node = pool.submit(launch, {"data-parallel": [DATA_PARALLEL, *REPLICATED]}, nproc=4, timeout=TIMEOUT)
-        two_nodes = launch_nodes({"where-4": [NODES_SCRIPT, 4], "where-2": [NODES_SCRIPT, 2],
-                                  "methods": [METHODS, *ACROSS], "data-parallel": [DATA_PARALLEL, *REPLICATED]},
-                                 nodes=2, nproc=2)
-        return two_nodes, one_node.result()
+    session's 4-process job on one node, which runs the replicas' script with the same arguments
+    (its ``data-parallel``)."""
+    two_nodes = launch_nodes({"where-4": [NODES_SCRIPT, 4], "where-2": [NODES_SCRIPT, 2],
+                              "methods": [METHODS, *ACROSS], "data-parallel": [DATA_PARALLEL_SCRIPT, *REPLICATED]},
+                             nodes=2, nproc=2)
+    return two_nodes, torchrun_4
 
 
 def where(printed: Printed, name: str) -> Dict[int, tuple]:
@@ -126,10 +127,13 @@ def test_a_pipeline_across_two_nodes_gives_the_losses_of_one_process(jobs):
 def test_two_replicas_of_a_pipeline_on_two_nodes_give_the_losses_of_one_node(jobs):
     """N = 2, D = 2 on two nodes of K = 2: each node holds one whole pipeline (ranks 0, 1: replica
     0; ranks 2, 3: replica 1), so only the replicas' gradient averaging crosses the nodes; the
-    losses, evaluations and weights, bit for bit, of the same four processes on one node."""
+    losses, evaluations and weights, bit for bit, of the same script's four processes on one node
+    (tests/conftest.py's ``torchrun_4`` job)."""
     two_nodes, one_node = jobs
     assert where(two_nodes, "where-2") == {0: (0, 0, [0]), 1: (0, 0, [1]), 2: (1, 1, [0]), 3: (1, 1, [1])}
     spread = by_method(two_nodes.lines("data-parallel", rank=0))
-    local = by_method(one_node.lines("data-parallel", rank=0))
+    assert set(REPLICATED[0].split(",")) <= set(DATA_PARALLEL[0].split(","))  # the one-node job runs them
+    local = {method: row for method, row in by_method(one_node.lines("data-parallel", rank=0)).items()
+             if method in REPLICATED[0].split(",")}
     assert {row["replicas"] for row in [*spread.values(), *local.values()]} == {2}
     same_numbers(spread, local, REPLICATED[0])

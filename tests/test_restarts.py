@@ -3,7 +3,10 @@ SIGKILLed mid-epoch is restarted by torchrun's agent, with every other worker, a
 with ``resume=True`` ends with the uninterrupted run's losses and weights exactly (a synchronous
 method replicated, an asynchronous one sharded whose kill lands while a checkpoint is being written
 in the background); a job started again on fewer processes continues with fewer replicas, to the
-uninterrupted run's numbers within floating-point tolerance; the log says where each start began."""
+uninterrupted run's numbers within floating-point tolerance; the log says where each start began.
+
+The jobs started again on 2 processes, the script's and the command line's, are one job
+(tests/torchrun_jobs.py: a start of 2 processes importing torch, not two)."""
 from __future__ import annotations
 
 import json
@@ -13,13 +16,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from made_up_images import use_made_up_images
 from test_torchrun import HERE, REPO, _env, children
-from torchrun_jobs import run_here
+from torchrun_jobs import launch, run_here
 
 SCRIPT = HERE / "torchrun_restarts.py"
 #: one 4-process job (2 stages x 2 replicas): each run uninterrupted, then killed. Start 0: rank 3
@@ -37,6 +41,8 @@ SHRUNK = ["shrink:1f1b-flush:-:-", "async-shrink:pipeoptim:-:-"]
 #: `pipeoptim train` on made-up images: 3 epochs of 20 mini-batches, a checkpoint every 5
 CLI = ["train", "--task", "image", "--model", "mlp", "--stages", "2", "--method", "1f1b-flush", "--epochs", "3",
        "--limit", "1280", "--checkpoint-every", "5", "--no-progress", "--json"]
+#: the seconds the module's jobs may take together (a loaded 2-core machine runs them for minutes)
+JOBS_TIMEOUT = 900
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +63,48 @@ def torchrun(nproc: int, *args, timeout: float = 400) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
+def command_line(run: Path, log: Path, kills: int) -> tuple:
+    """The command line's one command for every start (``--resume --out RUN``, ``--stages 2`` and no
+    ``--data-parallel``) under ``torchrun --max-restarts 1`` on 4 processes, its stderr appended to
+    LOG; a stage SIGKILLed after each of the first KILLS new checkpoints. Its exit status, and how
+    many kills it took (fewer where it ended first)."""
+    latest, killed = run / "checkpoints" / "latest.json", 0
+    with open(log, "a") as err:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
+                                "1", "--nproc-per-node", "4", "-m", "pipeoptim", *CLI, "--runtime",
+                                "distributed", "--out", str(run), "--resume"], stdout=subprocess.DEVNULL, stderr=err,
+                               text=True, env=_env(), cwd=REPO, start_new_session=True)
+        try:
+            seen = None
+            while killed < kills and job.poll() is None:
+                if latest.exists() and latest.read_text() != seen:
+                    seen = latest.read_text()
+                    os.kill(max(children(job.pid)), signal.SIGKILL)
+                    killed += 1
+                time.sleep(0.01)
+            job.wait(timeout=300)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, killed
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("restarts")
+def jobs(tmp_path_factory, made_up_images):
+    """The script's job on 4 processes (``first``); the command line's on 4 processes, killed twice
+    (``cli_code``, ``cli_kills``, its stderr in ``cli_log``, its run in ``cli_run``); then the one
+    job on 2 processes (``second``, tests/torchrun_jobs.py) that goes on with the interrupted runs
+    of both: the script's shrink runs, then the command line's (last: its worker ends the job's
+    process group)."""
+    folder, cli = tmp_path_factory.mktemp("restarts"), tmp_path_factory.mktemp("command-line")
+    run, log = cli / "run", cli / "torchrun.log"
     first = torchrun(4, folder, *ENTRIES)
-    second = torchrun(2, folder, *SHRUNK)  # the same runs, on 2 processes
-    return folder, first, second
+    cli_code, cli_kills = command_line(run, log, kills=2)
+    second = launch({"shrunk": [SCRIPT, folder, *SHRUNK],  # the same runs, on 2 processes
+                     "cli": ["-m", "pipeoptim", *CLI, "--runtime", "distributed", "--out", run, "--resume"]},
+                    nproc=2, timeout=400)
+    return SimpleNamespace(folder=folder, first=first, second=second, cli_run=run, cli_code=cli_code,
+                           cli_kills=cli_kills, cli_log=log)
 
 
 def result(folder: Path, name: str) -> dict:
@@ -73,8 +115,9 @@ def said(err: str) -> list:
     return [line for line in err.splitlines() if line.startswith("pipeoptim: ")]
 
 
+@pytest.mark.timeout(JOBS_TIMEOUT)
 def test_torchrun_restarts_a_killed_job_to_the_uninterrupted_losses_and_weights(jobs):
-    folder, first, _ = jobs
+    folder, first = jobs.folder, jobs.first
     for whole, cut in (("sync-whole", "sync-cut"), ("async-whole", "async-cut")):
         assert (folder / cut / "result.json").exists(), first.stderr[-4000:]
         a, b = result(folder, whole), result(folder, cut)
@@ -100,33 +143,37 @@ def test_torchrun_restarts_a_killed_job_to_the_uninterrupted_losses_and_weights(
     assert "connectFullMesh failed" not in first.stderr and "fresh_join" not in first.stderr
 
 
+@pytest.mark.timeout(JOBS_TIMEOUT)
 def test_a_job_started_again_on_fewer_processes_continues_with_fewer_replicas(jobs, tmp_path):
     """The shrink run's last start (4 processes: 2 stages x 2 replicas) dies with no restart left;
     the job started again on 2 processes continues it with one replica, each mini-batch whole, the
     checkpoint resharded on load: 1f1b-flush's numbers stay those of the uninterrupted run."""
-    folder, first, second = jobs
+    folder, first, second = jobs.folder, jobs.first, jobs.second
     assert first.returncode != 0
     assert second.returncode == 0, second.stderr[-4000:]
+    second.lines("shrunk")  # (fails unless the script ended on every rank)
     run_here(SCRIPT, tmp_path, "shrink:1f1b-flush:-:-")  # uninterrupted, in one process
     whole, shrunk = result(tmp_path, "shrink"), result(folder, "shrink")
     assert shrunk["replicas"] == 1 and len(shrunk["losses"]) == 16
     assert max(abs(x - y) / abs(x) for x, y in zip(whole["losses"], shrunk["losses"])) < 1e-6
     for name, value in whole["weights"].items():
         assert np.abs(np.subtract(value, shrunk["weights"][name])).max() <= 1e-6 * np.abs(value).max(), name
-    assert said(second.stderr) == [
+    assert [line for line in said(second.stderr) if str(jobs.cli_run) not in line] == [  # (the command line's: last)
         f"pipeoptim: resumed from {folder / name / 'checkpoints' / at} (epoch 1, mini-batch {int(at[-6:])}); written "
         f"by 2 stages x 2 replicas on 4 processes, now 2 stages on 2 processes"
         for name, at in (("shrink", "epoch0001-batch000002"), ("async-shrink", "epoch0001-batch000000"))]
 
 
+@pytest.mark.timeout(JOBS_TIMEOUT)
 def test_an_asynchronous_run_continued_with_fewer_replicas_stays_as_close_as_its_replicas_run(jobs, tmp_path):
     """pipeoptim on 2 replicas is not one replica's run (a replica's micro-batch j holds other samples
     than one replica's micro-batch j, and a mini-batch's micro-batches meet different weight versions); a
     run whose first epoch had 2 replicas and its second one stays within that distance of the one-replica
     run: its largest loss difference over the second epoch, and its final weights', at most those of the
     run with 2 replicas throughout (measured: 3.5e-3 against 4.2e-3; weights 1.59e-2 against 1.59e-2)."""
-    folder, _, second = jobs
+    folder, second = jobs.folder, jobs.second
     assert second.returncode == 0, second.stderr[-4000:]
+    second.lines("shrunk")
     run_here(SCRIPT, tmp_path, "async-one:pipeoptim:-:-")
     one, two, shrunk = result(tmp_path, "async-one"), result(folder, "async-two"), result(folder, "async-shrink")
     assert (one["replicas"], two["replicas"], shrunk["replicas"]) == (1, 2, 1)
@@ -170,45 +217,25 @@ def test_each_join_gets_a_number_of_its_own_though_the_store_holds_an_earlier_st
     assert numbers[1] > numbers[0] >= 1
 
 
-def test_pipeoptim_train_under_torchrun_restarts_continues_by_itself_and_on_fewer_processes(made_up_images, tmp_path):
+@pytest.mark.timeout(JOBS_TIMEOUT)
+def test_pipeoptim_train_under_torchrun_restarts_continues_by_itself_and_on_fewer_processes(jobs, made_up_images,
+                                                                                            tmp_path):
     """The command line's one command for the first start and every restart (``--resume --out RUN``,
     ``--stages 2`` and no ``--data-parallel``) under ``torchrun --max-restarts 1`` on 4 processes (2
     stages x 2 replicas): a stage killed after the first checkpoint, the job continues from the newest
     one by itself; killed again after a later one, with no restart left, the job ends, and the same
-    command on 2 processes continues it with one replica. Losses: those of the same run in one
-    process (to 1e-5: the stage processes sum in other orders)."""
+    command on 2 processes (in the module's 2-process job, after the script's runs) continues it with
+    one replica. Losses: those of the same run in one process (to 1e-5: the stage processes sum in
+    other orders)."""
     from pipeoptim.cli import main
 
-    run, log = tmp_path / "run", tmp_path / "torchrun.log"
-    latest = run / "checkpoints" / "latest.json"
-
-    def torchrun(nproc: int, kills: int) -> tuple:
-        """The command on NPROC processes; a stage SIGKILLed after each of the first KILLS new checkpoints."""
-        with open(log, "a") as err:
-            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
-                                    "1", "--nproc-per-node", str(nproc), "-m", "pipeoptim", *CLI, "--runtime",
-                                    "distributed", "--out", str(run), "--resume"], stdout=subprocess.PIPE, stderr=err,
-                                   text=True, env=_env(), cwd=REPO, start_new_session=True)
-            try:
-                seen = None
-                for _ in range(kills):
-                    while not latest.exists() or latest.read_text() == seen:
-                        assert job.poll() is None, log.read_text()[-4000:]
-                        time.sleep(0.01)
-                    seen = latest.read_text()
-                    os.kill(max(children(job.pid)), signal.SIGKILL)
-                out, _ = job.communicate(timeout=300)
-            finally:
-                if job.poll() is None:
-                    os.killpg(job.pid, signal.SIGKILL)
-        return job.returncode, out
-
-    code, _ = torchrun(4, kills=2)
-    assert code != 0, log.read_text()[-4000:]  # the second kill ends it: no restart left
-    code, out = torchrun(2, kills=0)
-    stderr = log.read_text()
-    assert code == 0, stderr[-4000:]
-    lines = said(stderr)
+    run, second = jobs.cli_run, jobs.second
+    assert jobs.cli_kills == 2, jobs.cli_log.read_text()[-4000:]  # the job was still running at each kill
+    assert jobs.cli_code != 0, jobs.cli_log.read_text()[-4000:]  # the second kill ends it: no restart left
+    stderr = jobs.cli_log.read_text() + second.stderr
+    assert second.returncode == 0, stderr[-4000:]
+    out = "\n".join(second.lines("cli"))
+    lines = [line for line in said(stderr) if str(jobs.folder) not in line]  # (the script's: above)
     assert lines[0] == f"pipeoptim: no checkpoint in {run / 'checkpoints'} yet: training from the beginning"
     assert any(line.startswith(f"pipeoptim: torchrun restart 1 of at most 1: resumed from {run}")
                and line.endswith("(2 stages x 2 replicas on 4 processes)") for line in lines), lines

@@ -1,7 +1,8 @@
-"""Run under torchrun by tests/test_first_day.py: the one job of the library models under torchrun,
-one stage per process. Argument: ``FAMILY:METHOD:PRECISION,...@FOLDER``; rank 0 prints one JSON
-line per entry: its losses, its cut, and whether the trained model's head is still its input
-embedding (one tensor, after ``model()`` gathered it).
+"""Run under torchrun for tests/test_first_day.py: the library models under torchrun, one stage per
+process, in the session's 2-process job (tests/conftest.py's ``torchrun_2``). Argument:
+``FAMILY:METHOD:PRECISION,...@FOLDER``; rank 0 prints one JSON line per entry: its losses, its
+cut, and whether the trained model's head is still its input embedding (one tensor, after
+``model()`` gathered it).
 
 * A family of tests/first_day.py (the models as they come, dict batches, the model's own loss):
   a synchronous method fits the family's mini-batches, checkpointed into
@@ -10,9 +11,8 @@ embedding (one tensor, after ``model()`` gathered it).
 * A family of tests/library_models.py (``resnet``): the user's loss_fn, SGD with momentum, the
   uniform partitioner and two micro-batches, fed by hand (as tests/test_library_models.py does).
 
-What the imports leave is collected and frozen before the first entry: each Pipeline's close()
-collects garbage, which then walks only what was made since (as tests/torchrun_sharded.py)."""
-import gc
+The job preloads what it imports (transformers and its models: tests/conftest.py's ``PRELOAD``) and
+leaves it out of the garbage collections of each Pipeline's teardown (tests/torchrun_jobs.py)."""
 import json
 import sys
 from pathlib import Path
@@ -47,8 +47,6 @@ def run(entry: str, folder: Path):
 
 
 entries, folder = sys.argv[1].split("@")
-gc.collect()
-gc.freeze()
 for entry in entries.split(","):
     pipe, losses = run(entry, Path(folder))
     trained = pipe.model()

@@ -6,21 +6,29 @@ test files share one start.
     torchrun ... tests/torchrun_jobs.py [--preload MODULE,...] NAME SCRIPT ARG... [--- NAME SCRIPT ARG... ...]
 
 Each SCRIPT (a path, or ``-m MODULE``) runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``, in
-this process, after the ones before it: its Pipelines join the job as a script's second Pipeline
-does, and like a script's they are torn down at the exit (their ``atexit``). What it prints to
-stdout on each rank comes out after it as JSON lines ``{"job": NAME, "rank": RANK, "line": LINE}``,
-then ``{"job": NAME, "rank": RANK, "done": true, "cpu": SECONDS}`` (the script's CPU time on that rank; at the exit, job ``(exit)``: the
-Pipelines' teardowns'). A script that raises ends the job: the scripts after it print nothing.
-Each rank writes its lines to a file of its own in the folder ``TORCHRUN_JOBS_OUT`` names (stdout
-without it): on the stdout the ranks share, a line longer than the pipe's atomic write (4 KiB; a
-row of losses is longer) could be cut by another rank's, and a line lost so fails a test.
+this process, after the ones before it, and its Pipelines end with it: the teardowns their
+``atexit`` would run at the script's exit run when it returns (pipeoptim/torchrun.py, ``leave``:
+the last Pipeline made first), so the next script's first Pipeline starts the job's process group
+again, as a script's Pipeline made after another's close() does. (Left alive to the exit, every
+script's Pipelines would keep their process groups and those groups' gloo threads, whose idle
+wakeups cost the scripts after them the more, the more there are; and their teardowns at the exit
+would walk everything the scripts left. Measured: some 35 of the 2-process job's 100 CPU-s, 40 of
+the 4-process job's 100.) What it prints to stdout on each rank comes out after it as JSON lines
+``{"job": NAME, "rank": RANK, "line": LINE}``, then ``{"job": NAME, "rank": RANK, "done": true,
+"cpu": SECONDS}`` (the script's CPU time on that rank, its teardowns' included; at the exit, job
+``(exit)``: what is left). A script that raises ends the job: the scripts after it print nothing,
+and its Pipelines end at the exit. Each rank writes its lines to a file of its own in the folder
+``TORCHRUN_JOBS_OUT`` names (stdout without it): on the stdout the ranks share, a line longer than
+the pipe's atomic write (4 KiB; a row of losses is longer) could be cut by another rank's, and a
+line lost so fails a test.
 
 ``--preload``: modules imported before any script, and then, with everything else alive at that
-point, left out of the cyclic garbage collector (``gc.freeze``). Each Pipeline's teardown runs a
-full collection (pipeoptim/torchrun.py, ``leave``), at the exit for every Pipeline of the job:
-over torch's, dynamo's and transformers' modules, about 10 CPU-s a process for the ~70 Pipelines
-of the 2-process job. Nothing of a Pipeline's is frozen (none exists yet), so the collections
-still find every cycle a Pipeline leaves.
+point, left out of the cyclic garbage collector (``gc.freeze``); after each script and its
+Pipelines' teardowns, what it left alive (the modules it imported, its compiled graphs) is
+collected once and frozen too. Each Pipeline's teardown runs a full collection, about 0.1 CPU-s
+a process over torch's, dynamo's and transformers' modules, for each of the ~80 Pipelines of the
+2-process job: it walks only what was made since. Nothing of a Pipeline's is frozen (a script's
+Pipelines end before the freeze), so the collections still find every cycle a Pipeline leaves.
 
 This module is also the tests' side of those jobs: :func:`launch` starts one, :class:`Printed`
 reads it, :func:`run_here` runs a script's one-process reference in the pytest process."""
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import io
 import json
 import os
@@ -38,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 
@@ -87,9 +96,40 @@ def run_script(script: str, args: Sequence[str], job: Optional[str] = None) -> s
     return out.getvalue()
 
 
+def settle() -> None:
+    """Collect what is garbage now, and leave what lives on out of the later collections."""
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def exit_hooks() -> Iterator[List]:
+    """The functions registered with ``atexit`` inside the block, in order (registered as well)."""
+    made: List = []
+    register = atexit.register
+
+    def recording(func, *args, **kwargs):
+        made.append(func)
+        return register(func, *args, **kwargs)
+
+    atexit.register = recording
+    try:
+        yield made
+    finally:
+        atexit.register = register
+
+
+def tear_down(hooks: List) -> None:
+    """Run the Pipelines' exit teardowns among ``hooks`` (pipeoptim/torchrun.py, ``leave``) as the
+    script's exit would: the last one made first. Each runs once: at the exit it does nothing."""
+    for hook in reversed(hooks):
+        owner = getattr(hook, "__self__", None)
+        if getattr(hook, "__name__", "") == "leave" and type(owner).__module__ == "pipeoptim.torchrun":
+            hook()
+
+
 def main(argv: List[str]) -> None:
     if argv[:1] == ["--preload"]:
-        import gc
         import importlib
 
         for module in argv[1].split(","):
@@ -98,8 +138,7 @@ def main(argv: List[str]) -> None:
             except ImportError:  # a test that needs it skips, and its script is not run
                 pass
         argv = argv[2:]
-        gc.collect()
-        gc.freeze()
+        settle()
     jobs: List[List[str]] = [[]]
     for arg in argv:
         if arg == "---":
@@ -111,7 +150,10 @@ def main(argv: List[str]) -> None:
     atexit.register(lambda: ended and emit({"job": "(exit)", "rank": rank, "cpu": round(cpu() - ended[0], 2)}))
     for name, script, *args in jobs:
         start = cpu()
-        run_script(script, args, job=name)
+        with exit_hooks() as hooks:
+            run_script(script, args, job=name)
+        tear_down(hooks)  # (a script that raised ends the job: its Pipelines end at the exit)
+        settle()
         emit({"job": name, "rank": rank, "done": True, "cpu": round(cpu() - start, 2)})
     ended.append(cpu())
 

@@ -14,7 +14,12 @@ for benchmarks/chaos.py to kill at a random moment), ``h`` (the first epoch only
 there, its run continued by a later job without ``h``); ``-`` for none. KILL ``R/RANK/AFTER``: in the job's start
 R (``TORCHELASTIC_RESTART_COUNT``), rank RANK kills itself with SIGKILL once it has seen AFTER
 losses; ``-``: never. Rank 0 writes RUN/NAME/result.json (losses, weights) at each run's end.
+
+What the imports leave (torch's, and dynamo's, checkpoints' and FSDP2's, which the first optimizer,
+checkpoint and sharded stage would import) is collected and frozen before the first run: each run's
+close() collects garbage, which then walks only what was made since (as tests/torchrun_sharded.py).
 """
+import gc
 import json
 import os
 import signal
@@ -23,6 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401 (see the docstring)
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
 from torch import nn
 
 import pipeoptim
@@ -66,6 +74,8 @@ def train(folder: Path, method: str, flags: str, kill: str) -> dict:
 
 
 if __name__ == "__main__":
+    gc.collect()
+    gc.freeze()
     run = Path(sys.argv[1])
     for entry in sys.argv[2:]:
         name, method, flags, kill = entry.split(":")
