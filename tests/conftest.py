@@ -174,7 +174,7 @@ def torchrun_4(tmp_path_factory):
     - ``tensor-parallel``: 2 stages x 2 tensor ranks, every family and Llama's own plan (test_tensor_parallel.py)
     - ``tensor-checkpoints``: checkpoints from one process to 2 x 2 tensor ranks and back (test_tensor_parallel.py;
       in ``torchrun_4.folder``)
-    - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py), last:
+    - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py; test_multinode.py's one-node reference), last:
       it sets the buckets' size for the process"""
     import test_library_models
     import test_tensor_parallel
