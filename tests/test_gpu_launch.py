@@ -159,7 +159,7 @@ def test_the_trained_model_comes_whole_on_one_device_whatever_the_stages_placeme
     gathered = {k: v.clone() for k, v in trained.state_dict().items()}
     monkeypatch.setattr(torchrun_module, "gather_tensors", lambda own, comm, what: dict(gathered))
     model.mid.to("meta")  # this process's stage, on "its GPU"
-    stage = SimpleNamespace(module=model.mid, shards=None, tensor=None)
+    stage = SimpleNamespace(module=model.mid, copied=None)  # its own layers, not a split copy
     world = Torchrun(rank=1, world=2, device=torch.device("meta"), timeout=1.0)
     whole = world.gather_model(model, [stage], torch.device("cpu"))
     assert type(whole) is TiedNet and whole is not model

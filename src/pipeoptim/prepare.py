@@ -202,9 +202,8 @@ class EvalMode:
             with contextlib.ExitStack() as filled:
                 if self.traced is not None:
                     for stage in self.stages:  # the eval trace runs over the model's own parameters,
-                        copied = stage.shards if stage.shards is not None else stage.tensor
-                        if copied is not None:  # which a split stage released: filled (whole) meanwhile
-                            filled.enter_context(copied.filled())
+                        if stage.copied is not None:  # which a split stage released: filled (whole) meanwhile
+                            filled.enter_context(stage.copied.filled())
                     parts = self._parts()
                     for stage in self.stages:
                         swapped.append((stage, stage.module))

@@ -60,13 +60,6 @@ def after_stop() -> str:
     return "resume from the last checkpoint with fit(..., resume=True)"
 
 
-def split_state(stage: Stage) -> Dict[str, torch.Tensor]:
-    """A stage's module state, whole: gathered where it is split over processes (a collective
-    over them), its module's own otherwise."""
-    copied = stage.shards if stage.shards is not None else stage.tensor
-    return stage.module.state_dict() if copied is None else copied.full_state_dict()
-
-
 def process_device(devices: Any) -> str:
     """``devices`` of a Pipeline under torchrun, as the kind of device of this process."""
     if isinstance(devices, (list, tuple)):
@@ -392,7 +385,9 @@ class Torchrun:
         the model whole on ``device`` (:func:`~pipeoptim.world.whole_model`: this process's copy
         where it lies there whole, else a copy: its own stage's layers are on this process's
         device, or released where sharded, the others where the model was given)."""
-        own = {k: v for stage in stages for k, v in split_state(stage).items()}
+        # a stage split over processes: gathered (a collective over them)
+        own = {k: v for stage in stages for k, v in
+               (stage.module.state_dict() if stage.copied is None else stage.copied.full_state_dict()).items()}
         merged = gather_tensors(own, self.comm, "gathering the model's weights")
         return whole_model(model, device, StateNames(model).complete(merged))
 

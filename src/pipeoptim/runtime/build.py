@@ -124,7 +124,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
         if divided is not None:  # a copy: each planned layer's part of this tensor rank
             original, part = part, divided.parallelize(part)
             if sharded is not None:  # then sharded over the replicas (the shards release the original)
-                part, divided.original = sharded.shard(part, original=original), None
+                part = sharded.shard(part, original=original)
         elif sharded is not None:  # the copy's parameters, owned and tied as the originals were
             part = sharded.shard(part)
         named = dict(part.named_parameters())
@@ -167,7 +167,6 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                       loss_scaling=scaler)
         stages.append(stage)
     for stage in stages:  # every stage built: a split one's original layers freed (it holds its part)
-        for copied in (stage.shards, stage.tensor):
-            if copied is not None:
-                copied.release_original()
+        if stage.copied is not None:
+            stage.copied.release_original()
     return stages

@@ -70,8 +70,10 @@ class StageCopy:
         self._named: Dict[str, nn.Parameter] = {}
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The stage module's state, whole (a collective over the processes it is split on)."""
-        raise NotImplementedError
+        """The stage module's state, whole: each DTensor gathered (a collective: every process the
+        stage is split on calls it)."""
+        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+                for name, value in self.module.state_dict().items()}
 
     def release_original(self) -> None:
         """Free the parameters' memory of the module the shards were made from (the Pipeline's
@@ -81,10 +83,7 @@ class StageCopy:
         module's own state beside the shards'). What reads the whole weights reads them from the
         shards: ``Pipeline.model()`` gathers them (:meth:`full_state_dict`), a traced model's
         evaluation fills them in for its span (:meth:`filled`). Called once every stage of the
-        process is built (a weight tied across two of its stages is read by both builds). None
-        to release where another copy owns the original (a split stage sharded too)."""
-        if self.original is None:
-            return
+        process is built (a weight tied across two of its stages is read by both builds)."""
         for param in self.original.parameters():
             storage = param.untyped_storage()
             self._sizes[id(param)] = storage.nbytes()
@@ -260,10 +259,10 @@ class StageShards(StageCopy):
         return flag
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The stage module's state, gathered (a collective: every replica of the stage calls it)."""
+        """The stage module's state, gathered (a collective: every replica of the stage calls it),
+        its gathered weights freed first."""
         self.release()
-        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-                for name, value in self.module.state_dict().items()}
+        return super().full_state_dict()
 
     def release(self) -> None:
         """Free the gathered weights (a synchronous stage keeps them to its update): the next pass

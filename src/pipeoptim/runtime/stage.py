@@ -450,6 +450,12 @@ class Stage:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
     @property
+    def copied(self) -> Optional[Any]:
+        """What trains a copy of this stage's layers split over processes (its FSDP shards, else its
+        tensor ranks' part; sharded and split, the shards own the original), None: its own layers."""
+        return self.shards if self.shards is not None else self.tensor
+
+    @property
     def compilations(self) -> Optional[int]:
         """The graphs torch.compile has made of this stage's forward so far (None: eager)."""
         return self.compiled.compilations if self.compiled is not None else None

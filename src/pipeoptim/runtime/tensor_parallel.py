@@ -399,8 +399,3 @@ class StageTensors(StageCopy):
 
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
         return flag
-
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The stage module's state, gathered (a collective: every tensor rank of the stage calls it)."""
-        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-                for name, value in self.module.state_dict().items()}
