@@ -27,10 +27,10 @@ from that tree. One measurement of a commit is the same two commands for every c
 * ``bench``: the commit's own ``python -m pipeoptim bench --task image --synthetic --methods
   pipeoptim,async-naive --optimizer momentum --lr 0.01 --no-baselines --repeats 1`` (the
   spelling is the same from 6bb0f1e on; the optimizer is given because its default changed
-  from momentum to adamw; the methods' order rotates with the round), for PipeOptim against
-  async-naive through the commit's own bench worker (its command line and worker are the
-  commit's, so a change there shows too); its CPU per mini-batch is the processes' CPU shares x
-  the wall ms per mini-batch. ``--no-bench`` leaves it out.
+  from momentum to adamw, ``--optimizer`` names another; the methods' order rotates with the
+  round), for PipeOptim against async-naive through the commit's own bench worker (its command
+  line and worker are the commit's, so a change there shows too); its CPU per mini-batch is the
+  processes' CPU shares x the wall ms per mini-batch. ``--no-bench`` leaves it out.
 
 Reported per commit: the median over rounds of each ratio taken within a round (ours / torch's
 for 1F1B-flush by fit and by step and for GPipe; PipeOptim / async-naive), with its min, max and
@@ -48,11 +48,17 @@ cProfile timed by the main thread's CPU clock (``time.thread_time``, so other wo
 host does not enter); then per
 rank the functions whose own time (tottime), cumulative time and calls per mini-batch differ
 most between the first commit and each other one (functions matched by their path within the
-package and name; ``--top`` rows). The ``.prof`` files stay in ``--profile-dir``.
+package and name; ``--top`` rows). With ``--profile-against METHOD`` each commit (one is
+enough) profiles that method too, and the differences are ``--profile-method``'s against it on
+the same tree (PipeOptim against async-naive: what the prediction costs). ``--optimizer`` sets
+the profiled fit's optimizer (momentum SGD by default; adamw is ``pipeoptim bench``'s). The
+``.prof`` files stay in ``--profile-dir``.
 
     .venv/bin/python -m benchmarks.alternate --commits 6bb0f1e,main,. [--rounds 5] [--batches 16]
     .venv/bin/python -m benchmarks.alternate --commits 6bb0f1e,main --profile [--top 25] [--fresh]
         [--profile-method pipeoptim --profile-micro 0] [--profile-dir /tmp/alt-prof]
+    .venv/bin/python -m benchmarks.alternate --commits . --profile --profile-method pipeoptim \\
+        --profile-against async-naive --profile-micro 0 --optimizer adamw
     .venv/bin/python -m benchmarks.alternate --from-rows benchmarks/results/alternate.jsonl
     .venv/bin/python -m benchmarks.alternate --commits 6bb0f1e,main --remove-worktrees  # and nothing else
 """
@@ -150,14 +156,15 @@ def torchrun(tree: Path, worker_args: Sequence[str], timeout: float) -> None:
     subprocess.run(cmd, env=env_of(tree), cwd=tree, check=True, timeout=timeout)
 
 
-def bench_command(tree: Path, args: argparse.Namespace, out: Path, r: int = 0) -> List[str]:
+def bench_command(tree: Path, args: argparse.Namespace, out: Path, r: int = 0,
+                  optimizer: str = "momentum") -> List[str]:
     """The commit's ``pipeoptim bench`` for PipeOptim against async-naive (spelled alike from
     6bb0f1e on; the optimizer named, as its default changed), the methods' order rotated by
     the round ``r``."""
     shift = r % len(BENCH_METHODS)
     methods = BENCH_METHODS[shift:] + BENCH_METHODS[:shift]
     return [sys.executable, "-m", "pipeoptim", "bench", "--task", "image", "--synthetic",
-            "--methods", ",".join(methods), "--optimizer", "momentum", "--lr", str(LR),
+            "--methods", ",".join(methods), "--optimizer", optimizer, "--lr", str(LR),
             "--stages", "2", "--no-baselines", "--repeats", "1", "--batches", str(args.batches),
             "--warmup", str(args.warmup), "--timeout", str(args.timeout), "--out", str(out), "--json"]
 
@@ -171,37 +178,44 @@ def measure(tree: Path, r: int, args: argparse.Namespace) -> Dict[str, Dict[str,
         runs = parse_peer(json.loads(out.read_text()))
         if not args.no_bench:
             bench = Path(tmp) / "bench.json"
-            subprocess.run(bench_command(tree, args, bench, r), env=env_of(tree), cwd=tree, check=True,
+            subprocess.run(bench_command(tree, args, bench, r, args.optimizer), env=env_of(tree), cwd=tree, check=True,
                            stdout=subprocess.DEVNULL, timeout=args.job_timeout)
             runs.update(parse_bench(json.loads(bench.read_text())))
     return runs
 
 
 def profile_commits(commits: List[Tuple[str, str, Path]], args: argparse.Namespace) -> Dict[str, Any]:
+    """The ``--profile`` job of each commit (and method, with ``--profile-against``) and the
+    differences per rank: each commit against the first, or per commit ``--profile-method``
+    against ``--profile-against``."""
     folder = Path(args.profile_dir or tempfile.mkdtemp(prefix="pipeoptim-alt-profile-"))
-    tables, plain = {}, {}
+    methods = [args.profile_method] + ([args.profile_against] if args.profile_against else [])
+    tables, plain, names = {}, {}, []
     for label, sha, tree in commits:
-        out = folder / (f"{sha[:12] if sha != '.' else 'worktree'}-{args.profile_method}-M{args.profile_micro}"
-                        + ("-fresh" if args.fresh else ""))
-        out.mkdir(parents=True, exist_ok=True)
-        torchrun(tree, ["--profile-dir", str(out), "--batches", str(args.batches), "--warmup", str(args.warmup),
-                        "--timeout", str(args.timeout), "--profile-method", args.profile_method,
-                        "--profile-micro", str(args.profile_micro)] + (["--fresh"] if args.fresh else []),
-                 timeout=args.job_timeout)
-        for rank in (0, 1):
-            info = json.loads((out / f"r{rank}.json").read_text())
-            plain[(label, rank)] = info
-            tables[(label, rank)] = function_table(out / f"r{rank}.prof", info["batches"])
+        for method in methods:
+            name = f"{label} {method}" if args.profile_against else label
+            names.append(name)
+            out = folder / (f"{sha[:12] if sha != '.' else 'worktree'}-{method}-M{args.profile_micro}"
+                            + ("-fresh" if args.fresh else "") + f"-{args.optimizer}")
+            out.mkdir(parents=True, exist_ok=True)
+            torchrun(tree, ["--profile-dir", str(out), "--batches", str(args.batches), "--warmup", str(args.warmup),
+                            "--timeout", str(args.timeout), "--profile-method", method, "--optimizer", args.optimizer,
+                            "--profile-micro", str(args.profile_micro)] + (["--fresh"] if args.fresh else []),
+                     timeout=args.job_timeout)
+            for rank in (0, 1):
+                info = json.loads((out / f"r{rank}.json").read_text())
+                plain[(name, rank)] = info
+                tables[(name, rank)] = function_table(out / f"r{rank}.prof", info["batches"])
+    pairs = list(zip(names[1::2], names[0::2])) if args.profile_against else [(names[0], n) for n in names[1:]]
     report: Dict[str, Any] = {"folder": str(folder), "cpu": {}, "differences": {}}
-    base = commits[0][0]
-    for label, _, _ in commits:
+    for name in names:
         for rank in (0, 1):
-            report["cpu"][f"{label} r{rank}"] = plain[(label, rank)]
-    for label, _, _ in commits[1:]:
+            report["cpu"][f"{name} r{rank}"] = plain[(name, rank)]
+    for base, other in pairs:
         for rank in (0, 1):
             for key in ("tottime_ms", "cumtime_ms", "calls"):
-                report["differences"][f"{label} - {base}, rank {rank}, {key}"] = differences(
-                    tables[(base, rank)], tables[(label, rank)], key, args.top)
+                report["differences"][f"{other} - {base}, rank {rank}, {key}"] = differences(
+                    tables[(base, rank)], tables[(other, rank)], key, args.top)
     return report
 
 
@@ -228,6 +242,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--profile-method", default="1f1b-flush", help="the method profiled (default: %(default)s)")
     parser.add_argument("--profile-micro", type=int, default=2,
                         help="its micro-batches (default: %(default)s; 0: the method's own)")
+    parser.add_argument("--profile-against", default=None,
+                        help="profile this method too on each commit and compare --profile-method against it "
+                             "(then one commit is enough)")
+    parser.add_argument("--optimizer", default="momentum",
+                        help="the optimizer of the bench and the profile (default: %(default)s; pipeoptim bench's "
+                             "own default is adamw)")
     parser.add_argument("--fresh", action="store_true",
                         help="profile a new Pipeline's first fit, its setup included (as pipeoptim bench times a run)")
     parser.add_argument("--top", type=int, default=20, help="functions listed per comparison (default: 20)")
@@ -243,8 +263,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.remove_worktrees:
         remove_worktrees(commits, args.worktrees)
         return 0
-    if len(commits) < 2:
-        parser.error("--commits needs two commits or more")
+    if len(commits) < (1 if args.profile and args.profile_against else 2):
+        parser.error("--commits needs two commits or more (one with --profile --profile-against)")
     trees = [(label, sha, tree_of(sha, args.worktrees)) for label, sha in commits]
     for label, sha, tree in trees:
         print(f"alternate: {label} ({sha[:12]}): pipeoptim from {check_import(tree)}", file=sys.stderr)

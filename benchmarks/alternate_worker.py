@@ -64,14 +64,14 @@ def _data(count: int):
 
 
 def _build(api: Dict[str, Any], side: str, schedule: str, micro: int, drive: str, rank: int, timeout: float,
-           partition: Optional[List[int]] = PARTITION):
+           partition: Optional[List[int]] = PARTITION, optimizer_name: str = "momentum"):
     """(train(batches), close()) of one run on this process (``partition=None``: ours split
     uniformly, as a method with several pieces per process needs)."""
     import torch
     from torch import nn
 
     loss_fn = nn.functional.cross_entropy
-    optimizer = api["make_optimizer"]("momentum", LR)
+    optimizer = api["make_optimizer"](optimizer_name, LR)
     if side == "plain":
         model = api["blocks_model"](2)
         opt = optimizer(model.parameters())
@@ -188,7 +188,8 @@ def _profile_worker(api, rank: int, warm, timed, args: argparse.Namespace) -> in
     info: Dict[str, Any] = {"batches": len(timed)}
     for profiled in (False, True):
         train, close = _build(api, "ours", args.profile_method, micro, "fit", rank, args.timeout,
-                              partition=None if _pieces(args.profile_method) > 1 else PARTITION)
+                              partition=None if _pieces(args.profile_method) > 1 else PARTITION,
+                              optimizer_name=args.optimizer)
         try:
             if not args.fresh:
                 train(warm)
@@ -222,6 +223,7 @@ def main() -> int:
     parser.add_argument("--profile-method", default="1f1b-flush", help="the method profiled")
     parser.add_argument("--profile-micro", type=int, default=2, help="its micro-batches (0: the method's own)")
     parser.add_argument("--fresh", action="store_true", help="profile a new Pipeline's first fit")
+    parser.add_argument("--optimizer", default="momentum", help="the profiled fit's optimizer")
     return worker(parser.parse_args())
 
 

@@ -21,7 +21,7 @@ PARTITIONER = "uniform"  #: the study's split (RunConfig's default)
 
 def study_microbatches(method: str, stages: int) -> int:
     """Micro-batches per mini-batch the study's runs use: the method's default (the study sets
-    none), as ``runtime.spec.resolve`` gives it."""
+    none), as ``checks.check_run`` resolves it (``RunSpec.microbatches``)."""
     return get_method(method).microbatches(1 if method == "sequential" else stages, None)
 
 

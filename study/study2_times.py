@@ -13,7 +13,7 @@ would take per mini-batch on N devices is predicted instead, with the planner's 
   runs them (``stage_timing.measure_stages``), once per (split, micro-batch size);
 * **predict** (``throughput.predict``: the schedule simulator): each method on the ``uniform``
   split (the study's partitioner, RunConfig's default) with the micro-batches it uses in the
-  study (``Method.microbatches(N, None)``, what ``runtime.spec.resolve`` gives: gpipe,
+  study (``Method.microbatches(N, None)``, what ``checks.check_run`` resolves: gpipe,
   1f1b-flush and pipedream-2bw N, xpipe 2, the others 1), over one epoch of the study's
   mini-batches (the data the study loads); seconds per mini-batch = the predicted makespan /
   the mini-batches, i.e. 1 / (predicted mini-batches per second), the steady state with the

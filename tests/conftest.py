@@ -93,12 +93,26 @@ PRELOAD = ["torch", "torch._dynamo", "torch._functorch.aot_autograd", "torch._in
 JOB_TIMEOUT = 1200
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test file (its module's fixtures gone): collect what is garbage, and leave what
+    lives on (the modules imported so far, the session's fixtures) out of the later collections, so
+    that the collector walks only what was made since, not torch's, dynamo's and transformers'
+    modules over and over (as tests/torchrun_jobs.py does in a job's processes)."""
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        import gc
+
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_collection_modifyitems(items):
     """A test that reads a shared torchrun job may be the one that waits for all of it: its
     pytest-timeout limit is the job's, not the 300 s of one test."""
     for item in items:
         if {"torchrun_2", "torchrun_4", "torchrun_8"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.timeout(JOB_TIMEOUT + 300))
+            item.add_marker(pytest.mark.timeout(JOB_TIMEOUT + 300), append=False)  # before the test's own
 
 
 @pytest.fixture(scope="session")
@@ -174,14 +188,21 @@ def torchrun_4(tmp_path_factory):
     - ``tensor-parallel``: 2 stages x 2 tensor ranks, every family and Llama's own plan (test_tensor_parallel.py)
     - ``tensor-checkpoints``: checkpoints from one process to 2 x 2 tensor ranks and back (test_tensor_parallel.py;
       in ``torchrun_4.folder``)
-    - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py; test_multinode.py's one-node reference), last:
-      it sets the buckets' size for the process"""
+    - ``data-parallel``: 2 replicas of 2 stages, small gradient buckets (test_torchrun.py; test_multinode.py's one-node reference)
+    - ``equivalence``: every method on 4 stages and on 2 x 2, in a process group the script starts
+      (tests/torchrun_distributed.py: test_distributed.py; in ``torchrun_4.folder / "equivalence"``)
+    - ``sharded``: each stage sharded over its 2 replicas, every weight policy, the resharded checkpoint,
+      the GPT-2 example and the command line (tests/torchrun_sharded.py: test_sharding.py, test_examples.py;
+      in ``torchrun_4.folder / "sharded"``), last: its command line's run ends the job's process group"""
     import test_library_models
+    import test_sharding
     import test_tensor_parallel
     import test_torchrun
     from torchrun_jobs import HERE, launch
 
     folder = tmp_path_factory.mktemp("torchrun_4")
+    (folder / "sharded").mkdir()
+    (folder / "equivalence").mkdir()
     printed = launch({"schedules": [test_torchrun.SCRIPT, ",".join(test_torchrun.SCHEDULES), 4],
                       "eval-4": [HERE / "torchrun_eval_in_bubbles.py", 4],
                       "dualpipev-4": [HERE / "torchrun_dualpipev.py", 4],
@@ -189,7 +210,9 @@ def torchrun_4(tmp_path_factory):
                                            ",".join(test_library_models.CHUNKED_REPLICAS)],
                       "tensor-parallel": [HERE / "torchrun_tensor_parallel.py", ",".join(test_tensor_parallel.UNDER_TORCHRUN)],
                       "tensor-checkpoints": [HERE / "torchrun_tensor_parallel.py", "checkpoints", folder],
-                      "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256]},
+                      "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256],
+                      "equivalence": [HERE / "torchrun_distributed.py", folder / "equivalence"],
+                      "sharded": [test_sharding.SCRIPT, *test_sharding.job_args(folder / "sharded")]},
                      nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
     printed.folder = folder
     return printed

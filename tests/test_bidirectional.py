@@ -59,7 +59,7 @@ def test_it_equals_sequential_and_keeps_its_replicas_equal(method, stages):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
     assert replicas_equal(pipe) and all(equal_after)
     # each replica saw half of every mini-batch: the down pipeline micro-batches 0, 1 of 4
-    forwards = {s.index: {e.microbatch % micro for e in s.trace if e.kind == "F"} for s in pipe.stages}
+    forwards = {s.index: {e.microbatch % micro for e in s.record.trace if e.kind == "F"} for s in pipe.stages}
     assert forwards[0] == {0, 1} and forwards[pieces] == {2, 3}
     # and evaluation runs the model once, through the first pipeline
     metric = lambda out, y: (out.argmax(-1) == y).double().mean()  # noqa: E731

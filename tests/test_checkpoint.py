@@ -12,6 +12,7 @@ from torch import nn
 
 from pipeoptim.checkpoint import (CheckpointError, checkpoint_state, checksums, latest_checkpoint, load_state,
                                   plan_load, read_manifest, save_manifest, verify, write_state)
+from pipeoptim.checks import check_method_options
 from pipeoptim.methods import get_method
 from pipeoptim.runtime.build import build_stages
 from pipeoptim.runtime.local import run_schedule
@@ -22,7 +23,7 @@ LOSS = nn.functional.cross_entropy
 
 def make_stages(seed=0, method="pipeoptim", sizes=(4, 4), model=None):
     model = model if model is not None else mlp(seed=seed)
-    stages = build_stages(model, list(sizes), get_method(method), get_method(method).resolve_options({}),
+    stages = build_stages(model, list(sizes), get_method(method), check_method_options(get_method(method), {}),
                           lambda ps: torch.optim.Adam(ps, lr=1e-2), LOSS)
     return model, stages
 

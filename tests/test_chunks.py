@@ -61,7 +61,7 @@ def test_zb_v_places_its_chunks_in_a_v_and_splits_the_backward():
     assert schedule.stages_of_rank(0) == [0, 5]  # the first and the last stage on one process
     pipe.step(*batches(1)[0])
     pipe.flush()
-    kinds = {e.kind for stage in pipe.stages for e in stage.trace}
+    kinds = {e.kind for stage in pipe.stages for e in stage.record.trace}
     assert kinds == {"F", "I", "W"}
 
 
@@ -113,7 +113,7 @@ def test_stepping_by_hand_equals_fit_and_the_trace_has_every_chunk():
     listed = pipeoptim.train(mlp(depth=8), data, method="interleaved", stages=2, loss_fn=LOSS, optimizer=sgdm)
     assert got == listed.losses and len(got) == 5
     for stage in pipe.stages:  # every chunk ran F and B of each of the 10 micro-batches
-        assert sorted(e.microbatch for e in stage.trace if e.kind == "F") == list(range(10))
+        assert sorted(e.microbatch for e in stage.record.trace if e.kind == "F") == list(range(10))
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -219,6 +219,29 @@ def test_pytree_flattens_and_rebuilds_what_export_records():
     assert rebuilt[0]["b"] == (1, 2) and rebuilt[1] == [3], moved("pytree no longer round-trips", "tree_unflatten")
 
 
+def test_the_walk_of_nested_values_keeps_their_order_and_their_types():
+    """What runtime/values.py, microbatch.py, held.py, wire.py and profile.py rely on: a dict's
+    values in its order, None and other leaves passed through, namedtuples and ModelOutputs
+    rebuilt as themselves, equal structures equal (and hashable)."""
+    from collections import namedtuple
+
+    from transformers.modeling_outputs import CausalLMOutput
+
+    pair = namedtuple("pair", "x y")
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    value = ({"b": a, "a": (b, None, 3)}, [pair(c, "s")], CausalLMOutput(logits=a))
+    assert [t.numel() for t in compat.tensor_leaves(value)] == [1, 2, 3, 1], \
+        moved("pytree's leaf order changed", "tensor_leaves")
+    doubled = compat.tree_map_tensors(lambda t: t * 2, value)
+    assert type(doubled[1][0]) is pair and type(doubled[2]) is CausalLMOutput and doubled[0]["a"][1:] == (None, 3), \
+        moved("pytree no longer rebuilds a namedtuple or a ModelOutput", "tree_map_tensors")
+    assert torch.equal(doubled[2].logits, 2 * a) and compat.tree_map_tensors(lambda t: t * 2, b).equal(2 * b)
+    leaves, spec = compat.tree_flatten(value)
+    again = compat.tree_flatten(compat.tree_unflatten(leaves, spec))[1]
+    assert again == spec and hash(again) == hash(spec), \
+        moved("a TreeSpec is no longer hashable", "tree_flatten")
+
+
 def test_no_other_module_touches_a_private_name_of_torch():
     """compat.py is the one module that names a private API of torch (the multi-tensor family
     excepted, see FOREACH_OPS)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections.abc
+import dataclasses
 import inspect
 import types
 import typing
@@ -20,9 +21,10 @@ from torch import nn
 
 import pipeoptim
 import pipeoptim.pipeline as pipeline_module
+from pipeoptim.checks import check_method_options
 from pipeoptim.cli import build_parser
 from pipeoptim.cli.common import run_config
-from pipeoptim.cli.flags import cli_default, method_choices
+from pipeoptim.cli.flags import cli_default
 from pipeoptim.config import FitConfig, PipelineConfig
 from pipeoptim.lab import experiment
 from pipeoptim.lab.config import RECORDED, RunConfig, record_name
@@ -120,12 +122,15 @@ def test_every_fit_option_reaches_fits_loop_from_fit_and_from_train(stop_at_fit_
                 assert getattr(arrived.value.config, key) is expected, (name, key)
 
 
-def test_every_stage_holds_the_pipelines_configuration_whole():
+def test_every_stage_is_built_from_the_run_the_checks_resolved():
     pipe = pipeoptim.Pipeline(mlp(), method="pipeoptim", stages=2, loss_fn=LOSS, optimizer=sgd, steps="paper",
                               diagnose_every=3)
     assert isinstance(pipe.config, PipelineConfig) and pipe.config.method_options == {"steps": "paper"}
-    assert [stage.config for stage in pipe.stages] == [pipe.config, pipe.config]
-    assert all(stage.config is pipe.config for stage in pipe.stages)
+    assert pipe.spec.options == check_method_options(pipe.method, {"steps": "paper"})  # the defaults filled once
+    assert (pipe.spec.options["steps"], pipe.spec.diagnose_every) == ("paper", 3)
+    assert [(stage.policy.steps_policy, stage.probes.every) for stage in pipe.stages] == [("paper", 3)] * 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pipe.spec.microbatches = 2
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -143,8 +148,8 @@ def flag_arguments(option: Option) -> List[str]:
         return [name]
     if option.name in FLAG_VALUES:
         value = FLAG_VALUES[option.name]
-    elif flag.choices or (option.scope == "method" and method_choices(option.name)):
-        choices = flag.choices or method_choices(option.name)
+    elif flag.choices or option.choices:
+        choices = flag.choices or option.choices
         value = str(next(c for c in choices if c != cli_default(option) and c != option.default))
     else:
         value = {"int": "3", "float": "1.5", "norm": "1.5", "ints": "2,2", "path": "somewhere", "str": "a-value"}[flag.type]

@@ -10,9 +10,10 @@ from torch import nn
 
 import pipeoptim
 from conftest import batches, mlp
+from pipeoptim.checks import check_method_options
 from pipeoptim.methods import get_method
 from pipeoptim.schedules import simulate
-from pipeoptim.weights.corrections import LrLookahead, UpdateAverage, delay_divisor, horizon_rate
+from pipeoptim.weights.corrections import LrLookahead, delay_divisor, horizon_rate
 
 LOSS = nn.functional.cross_entropy
 ASYNC = ["async-naive", "pipedream", "spectrain", "xpipe", "pipeoptim"]
@@ -119,7 +120,7 @@ def test_a_scheduled_horizon_sums_the_schedulers_own_future_lrs(scheduler):
     for x, y in batches(16):
         pipe.step(x, y)
     pipe.flush()
-    applied = {(e.stage, e.update): e.lrs[0] for s in pipe.stages for e in s.updates}
+    applied = {(e.stage, e.update): e.lrs[0] for s in pipe.stages for e in s.record.updates}
     checked = 0
     for stage, version, steps, value in seen:
         lrs = [applied[(stage, version + j)] for j in range(int(steps))]
@@ -192,11 +193,10 @@ def test_ema_costs_one_more_weight_copy_where_the_stage_predicts():
     assert get_method("pipeoptim").weight_versions(4, delta="ema") == [3, 3, 3, 1]  # as measured
 
 
-def test_update_average_rejects_a_decay_outside_the_open_interval():
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    for decay in (0.0, 1.0, 1.5):
+def test_a_decay_outside_the_open_interval_is_rejected():
+    for decay in (0.0, 1.0, 1.5):  # checked once, before any UpdateAverage is made
         with pytest.raises(ValueError, match="strictly between 0 and 1"):
-            UpdateAverage(opt, [], decay)
+            check_method_options(get_method("pipeoptim"), {"delta": "ema", "ema_decay": decay})
 
 
 # -- prediction_warmup ------------------------------------------------------------------------

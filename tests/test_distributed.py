@@ -1,10 +1,10 @@
 """The distributed runtime (one process per stage, gloo on CPU) against the local runtime.
 
 docs/architecture.md, "Invariants and where they are tested", invariant 4: for every method
-the per-batch losses of a distributed run equal the local runtime's. One spawn of 4 processes
-(file store in tmp_path, one thread each) runs every method through `pipeoptim.Pipeline` on 4
-stages, and on 2 stages x 2 replicas (each replica on the same data, so that their mean is one
-replica's run), plus tuple activations, uneven micro-batches and the 1-stage `sequential` path;
+the per-batch losses of a distributed run equal the local runtime's. One script of the session's
+4-process torchrun job (tests/conftest.py's ``torchrun_4``, tests/torchrun_distributed.py: no start
+of 4 processes of its own) runs every method through `pipeoptim.Pipeline` on 4 stages, and on
+2 stages x 2 replicas (each replica on the same data, so that their mean is one replica's run), plus tuple activations, uneven micro-batches and the 1-stage `sequential` path;
 the tests below read its results. Separate runs check a hung peer (the run
 fails within the timeout: the last run of tests/test_leaner_messages.py's 2-process spawn), two
 "nodes" under torchrun, and `pipeoptim train --runtime distributed` starting torchrun itself (with
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import pytest
 import torch
@@ -170,7 +170,9 @@ def settle() -> None:
     gc.freeze()
 
 
-def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
+def _equivalence_worker(rank: int, world: int, init: Optional[str], out: str) -> None:
+    """Every run the tests below read, on rank ``rank`` of ``world``, in a process group it starts
+    (``init``: its init method; None: torchrun's environment); its results saved to OUT/rankR.pt."""
     init_process_group(init_method=init, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
     settle()
     results = {}
@@ -206,17 +208,16 @@ def _equivalence_worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """Results of the 4-process spawn: {(model, method, stages): {losses, trace, state}}."""
-    tmp = tmp_path_factory.mktemp("spawn4")
-    start = time.perf_counter()
-    spawn(_equivalence_worker, 4, tmp, deadline=360.0)
+def spawned(torchrun_4):
+    """Results of the 4-process job's ``equivalence`` script: {(model, method, stages): {losses,
+    trace, state}}."""
+    torchrun_4.lines("equivalence")  # (fails, with the job's stderr, unless it ended on every rank)
+    tmp = torchrun_4.folder / "equivalence"
     results = {}
     for rank in (3, 2, 1, 0):  # every rank holds every run's losses, traces and models
         for key, value in torch.load(tmp / f"rank{rank}.pt", weights_only=False).items():
             if value["trace"] is not None or key not in results:
                 results[key] = value
-    results["seconds"] = time.perf_counter() - start
     return results
 
 

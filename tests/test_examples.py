@@ -89,15 +89,16 @@ def test_the_synchronous_default_trains_as_plain_training(one_process, tmp_path)
     assert run["final"] == pytest.approx(plain["final"], rel=1e-5, abs=2e-6)
 
 
-def test_the_gpt2_example_under_torchrun_sharded_2x2_gives_the_one_process_losses(one_process, tmp_path_factory):
+def test_the_gpt2_example_under_torchrun_sharded_2x2_gives_the_one_process_losses(one_process, torchrun_4):
     """`torchrun --nproc-per-node 4 ... --shard-replicas`: 2 stages x 2 replicas, each stage
     sharded over its replicas (FSDP2), each replica reading half of every mini-batch. The script
-    runs as its `__main__` in the 4 processes of tests/test_sharding.py's torchrun job (a job of
-    its own would cost more to start than its training), which returns what rank 0 printed."""
+    runs as its `__main__` in the 4 processes of tests/test_sharding.py's script, itself a script of
+    the session's 4-process job (a job of its own would cost more to start than its training),
+    which returns what rank 0 printed."""
     from test_sharding import sharded_job
 
     _, run = one_process
-    row = sharded_job(tmp_path_factory)["gpt2-example"]
+    row = sharded_job(torchrun_4)["gpt2-example"]
     assert "error" not in row, row.get("error")
     sharded = printed(row["stdout"])
     assert (sharded["method"], sharded["stages"], sharded["replicas"], sharded["updates"]) == \

@@ -138,7 +138,7 @@ def test_fp16_equals_the_grad_scaler_loop_and_an_overflow_skips_every_stage(meth
     for stage in pipe.stages:
         assert stage.loss_scaling.scale == 2.0 ** 15 and stage.loss_scaling.growth_tracker == 3
         assert stage.record.skips == [HUGE]                        # the version at the skipped update
-        assert [u.update for u in stage.updates] == [0, 1, 2, 3, 4]  # five applied, numbered by version
+        assert [u.update for u in stage.record.updates] == [0, 1, 2, 3, 4]  # five applied, numbered by version
         assert stage.policy.version == 5 and stage.scheduler.last_epoch == 5
         assert all(p.dtype == torch.float32 for p in stage.module.parameters())
     assert pipe.stages[0].loss_scaling is pipe.stages[1].loss_scaling  # one scale in the process
@@ -187,13 +187,13 @@ def test_an_asynchronous_skipped_update_is_no_update(method, options):
     assert all(math.isfinite(v) for v in losses)
     skipped = pipe.stages[0].record.skips
     assert len(skipped) == 1
-    updates = len(ref.stages[0].updates)
+    updates = len(ref.stages[0].record.updates)
     for stage, plain in zip(pipe.stages, ref.stages):
         assert stage.record.skips == skipped and stage.policy.version == updates - 1
-        assert [u.update for u in stage.updates] == list(range(updates - 1))
-        assert [u.lrs for u in stage.updates] == [u.lrs for u in plain.updates[:-1]]  # version v's lr
-        assert len(stage.trace) == len(plain.trace)
-        for entry, was in zip(stage.trace, plain.trace):
+        assert [u.update for u in stage.record.updates] == list(range(updates - 1))
+        assert [u.lrs for u in stage.record.updates] == [u.lrs for u in plain.record.updates[:-1]]  # version v's lr
+        assert len(stage.record.trace) == len(plain.record.trace)
+        for entry, was in zip(stage.record.trace, plain.record.trace):
             assert (entry.microbatch, entry.kind) == (was.microbatch, was.kind)
             assert entry.version == was.version - (was.version > skipped[0]), (stage.index, entry, was)
             if method == "pipeoptim":
@@ -212,9 +212,9 @@ def test_every_update_skipped_leaves_the_weights_optimizer_and_scheduler_as_they
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     assert pipe.stages[0].loss_scaling.scale == 2.0 ** 36
     for stage in pipe.stages:
-        assert stage.record.skips == [0, 0, 0, 0] and not stage.updates and stage.policy.version == 0
+        assert stage.record.skips == [0, 0, 0, 0] and not stage.record.updates and stage.policy.version == 0
         assert not stage.optimizer.state and stage.scheduler.last_epoch == 0
-        assert all(e.version == 0 and e.steps == 0 for e in stage.trace)  # nothing to predict from
+        assert all(e.version == 0 and e.steps == 0 for e in stage.record.trace)  # nothing to predict from
     assert close(pipe.model(), net, atol=0)
 
 

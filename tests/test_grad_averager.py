@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeoptim.checks import check_method_options
 from pipeoptim.methods import get_method
 from pipeoptim.runtime.build import build_stages
 from pipeoptim.runtime.averaging import GradientAverager
@@ -28,12 +29,12 @@ def group():
         dist.destroy_process_group()
 
 
-def one_stage(method: str):
+def one_stage(method: str, sync=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     meth = get_method(method)
-    stage = build_stages(model, [5], meth, meth.resolve_options({}), lambda p: torch.optim.SGD(p, lr=0.1),
-                         nn.functional.cross_entropy)[0]
+    stage = build_stages(model, [5], meth, check_method_options(meth, {}), lambda p: torch.optim.SGD(p, lr=0.1),
+                         nn.functional.cross_entropy, replica_sync=sync)[0]
     stage.policy.begin_epoch([], [])
     return stage
 
@@ -46,9 +47,8 @@ def test_buckets_leave_during_the_backward_and_the_gradients_are_the_plain_ones(
     plain.backward(0)
     expected = [p.grad.clone() for p in plain.parameters()]
 
-    stage = one_stage(method)
     averager = GradientAverager(group, replicas=1, timeout=30, bucket_bytes=1)  # a bucket per parameter
-    stage.grad_sync = averager
+    stage = one_stage(method, averager)
     stage.forward(0, x, y)
     averager.overlap()
     stage.backward(0)
@@ -60,9 +60,8 @@ def test_buckets_leave_during_the_backward_and_the_gradients_are_the_plain_ones(
 
 
 def test_without_overlap_everything_is_reduced_at_the_update(group):
-    stage = one_stage("pipeoptim")
     averager = GradientAverager(group, replicas=1, timeout=30, bucket_bytes=1)
-    stage.grad_sync = averager
+    stage = one_stage("pipeoptim", averager)
     stage.forward(0, torch.randn(4, 8), torch.randint(0, 3, (4,)))
     stage.backward(0)                                  # not the last before an update
     assert averager._in_flight == []
@@ -97,9 +96,8 @@ def test_a_split_backward_overlapped_before_its_weight_half_gives_the_plain_grad
     plain.forward(0, x, y)
     plain.backward(0)
     expected = [p.grad.clone() for p in plain.parameters()]
-    stage = one_stage("zb-h1")
     averager = GradientAverager(group, replicas=1, timeout=30, bucket_bytes=1)
-    stage.grad_sync = averager
+    stage = one_stage("zb-h1", averager)
     stage.forward(0, x, y)
     stage.backward_input(0)
     averager.overlap()

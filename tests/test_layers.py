@@ -31,7 +31,8 @@ API                   pipeline (pipeoptim.Pipeline), prepare, world (where the s
                       torchrun), fit (fit's loop), training (pipeoptim.train), profile, throughput
                       (a profiled model's time per method), planning and recommendation (a plan
                       of any model and the rule it recommends by), options (every option, defined once),
-                      checkpoint (a run's checkpoint files, the stages' state by parameter name)
+                      checkpoint (a run's checkpoint files, the stages' state by parameter name),
+                      tensor_plan (the layers a tensor-parallel run splits)
 lab                   lab/: tasks/, experiment (task + method + run folder), planner, plots,
                       optimizers and lr schedules by name, launcher (torchrun's agent, the stage
                       worker), run_folder, bench_worker, time_to_target (the study's arithmetic)
@@ -57,7 +58,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
     ("API", ["pipeline", "config", "checks", "prepare", "world", "fit", "training", "profile", "stage_timing", "torchrun", "throughput", "planning",
-             "recommendation", "options",
+             "recommendation", "options", "tensor_plan",
              "checkpoint"]),
     ("lab", ["lab", "lab.*"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),

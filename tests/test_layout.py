@@ -28,8 +28,8 @@ from pipeoptim.runtime.layout import Layout, plan_layout
 ])
 def test_the_layout_of_each_setting(method, settings, layout):
     assert plan_layout(get_method(method), **settings) == layout
-    if layout.stages is not None:
-        assert layout.processes == layout.stages * layout.replicas
+    if layout.ranks is not None:
+        assert layout.processes == layout.ranks * layout.replicas
 
 
 @pytest.mark.parametrize("method,settings,message", [

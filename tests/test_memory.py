@@ -202,6 +202,7 @@ def test_a_shape_measured_alike_twice_is_counted_without_the_hooks():
 
 
 def test_the_signature_of_a_micro_batch_is_its_shapes_or_none():
+    from pipeoptim.compat import tree_flatten
     from pipeoptim.runtime.held import signature
 
     a, b = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64)
@@ -209,5 +210,7 @@ def test_the_signature_of_a_micro_batch_is_its_shapes_or_none():
     assert signature(a, None) != signature(torch.zeros(3, 3), None)
     assert signature(a, None) != signature(b, None)  # nor do dtypes
     cpu = torch.device("cpu")
-    assert signature({"x": (a, b)}, 3) == ((("x", (((2, 3), torch.float32, cpu), ((2, 3), torch.int64, cpu))),), 3)
+    structure = tree_flatten(({"x": (a, b)}, 3))[1]  # the nesting and the dict's keys
+    assert signature({"x": (a, b)}, 3) == (structure, (((2, 3), torch.float32, cpu), ((2, 3), torch.int64, cpu), 3))
+    assert signature({"x": (a, b)}, 3) != signature({"y": (a, b)}, 3) != signature({"y": [a, b]}, 3)
     assert signature(object()) is None  # anything else: measured every time

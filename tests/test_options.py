@@ -14,6 +14,7 @@ import typing
 import pytest
 
 import pipeoptim
+from pipeoptim.checks import check_method_options
 from pipeoptim.cli import build_parser
 from pipeoptim.cli.flags import GROUPS, cli_default, flag_help
 from pipeoptim.config import FitConfig, PipelineConfig
@@ -99,9 +100,11 @@ def test_train_takes_every_pipeline_and_fit_option():
 def test_every_method_option_is_defined_and_every_defined_one_is_a_methods():
     taken = {key for m in METHODS.values() for key in m.options}
     assert taken == {o.name for o in of_scope("method")}
-    for option in of_scope("method"):  # the default the table states is each taker's
-        assert {METHODS[m].options[option.name] for m in METHODS if option.name in METHODS[m].options} \
+    resolved = {m: check_method_options(METHODS[m], {}) for m in METHODS}
+    for option in of_scope("method"):  # the default the table states is each taker's, one of its choices
+        assert {resolved[m][option.name] for m in METHODS if option.name in METHODS[m].options} \
             == {option.default}, option.name
+        assert option.choices is None or option.default in option.choices, option.name
 
 
 def test_the_run_configuration_has_a_field_for_every_option_the_command_line_takes():

@@ -10,6 +10,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim import Pipeline
+from pipeoptim.checks import check_method_options
 from pipeoptim.methods import get_method, method_names
 from pipeoptim.runtime.build import build_stages
 from pipeoptim.runtime.local import run_schedule
@@ -78,10 +79,10 @@ def whole_schedule_losses(method: str, batches, optimizer=sgdm, **options):
     sizes = [7] if n == 1 else [2, 2, 2, 1] * (2 if meth.mirrored else 1)
     m = meth.microbatches(n, None)
     model = copy.deepcopy(mlp())
-    stages = build_stages(model, sizes, meth, meth.resolve_options(options), optimizer, LOSS)
+    stages = build_stages(model, sizes, meth, check_method_options(meth, options), optimizer, LOSS)
     micro = [mb for x, y in batches for mb in split_batch(x, y, m)]
     losses = run_schedule(stages, meth.build_schedule(n, m, len(batches)), micro)
-    return [losses[w] for w in range(len(batches))], sorted((e for s in stages for e in s.trace), key=str)
+    return [losses[w] for w in range(len(batches))], sorted((e for s in stages for e in s.record.trace), key=str)
 
 
 @pytest.mark.parametrize("method", method_names())
@@ -94,7 +95,7 @@ def test_step_by_step_from_a_generator_equals_the_whole_schedule(method):
         got += pipe.step(x, y)
     got += pipe.flush()
     assert got == expected
-    assert sorted((e for s in pipe.stages for e in s.trace), key=str) == expected_trace
+    assert sorted((e for s in pipe.stages for e in s.record.trace), key=str) == expected_trace
     listed = pipeoptim.train(mlp(), batches, method=method, loss_fn=LOSS, optimizer=sgdm, **stages_for(method))
     assert listed.losses == expected
 

@@ -17,7 +17,7 @@ from torch import nn
 import pipeoptim
 from pipeoptim.methods import get_method
 from conftest import has_image_data
-from test_torchrun import HERE, run
+from test_torchrun import HERE
 
 SCRIPT = HERE / "torchrun_sharded.py"
 #: one entry per weight policy (bidirectional: refused with sharded replicas,
@@ -46,26 +46,26 @@ TIED = ["gpt:1f1b-flush+clip=0.5", "gpt:pipeoptim", "gpt:pipedream"]
 CLI_TRAIN = ["train", "--task", "image", "--model", "mlp", "--method", "pipeoptim", "--stages", "2",
              "--limit", "256", "--epochs", "1", "--no-progress"]
 
-_JOB: dict = {}
+def job_args(scratch) -> list:
+    """tests/torchrun_sharded.py's arguments: every entry, 2 stages, 2 micro-batches, the folder of
+    its files and the GPT-2 example's flags (tests/test_examples.py's TINY, sharded)."""
+    from test_examples import TINY
+
+    return [",".join(PLAIN + CASES + REFUSED + SHARED), 2, 2, scratch, *TINY, "--shard-replicas"]
 
 
-def sharded_job(tmp_path_factory) -> dict:
-    """{entry: rank 0's line} of the one ``torchrun --nproc-per-node 4 tests/torchrun_sharded.py``
-    job of the session (this module's tests and the example's sharded run read it), and
-    ``"scratch"``: the folder of its files."""
-    if not _JOB:
-        from test_examples import TINY
-
-        scratch = tmp_path_factory.mktemp("sharded-job")
-        out = run([SCRIPT, ",".join(PLAIN + CASES + REFUSED + SHARED), 2, 2, scratch, *TINY, "--shard-replicas"],
-                  nproc=4, timeout=420)
-        _JOB.update({r["entry"]: r for r in map(json.loads, out.strip().splitlines())}, scratch=scratch)
-    return _JOB
+def sharded_job(torchrun_4) -> dict:
+    """{entry: rank 0's line} of tests/torchrun_sharded.py, run as ``sharded`` in the session's
+    4-process job (tests/conftest.py's ``torchrun_4``: no start of 4 processes of its own; this
+    module's tests and the example's sharded run read it), and ``"scratch"``: the folder of its files."""
+    job = {row["entry"]: row for row in torchrun_4.rows("sharded")}
+    job["scratch"] = torchrun_4.folder / "sharded"
+    return job
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    return sharded_job(tmp_path_factory)
+def job(torchrun_4):
+    return sharded_job(torchrun_4)
 
 
 def relative(a: dict, b: dict) -> float:

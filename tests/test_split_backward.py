@@ -221,6 +221,9 @@ class _Announcements:
     def __init__(self) -> None:
         self.seen: list = []
 
+    def overlap(self) -> None:
+        pass
+
     def ready(self, param) -> None:
         self.seen.append(id(param))
 
@@ -240,21 +243,27 @@ def test_a_weight_half_hands_each_groups_final_gradients_to_the_replicas_reducti
     import pipeoptim
     from torch import nn
 
-    def run(record: bool):
+    from pipeoptim.world import LocalWorld
+
+    class Recording(LocalWorld):  # the stages' replica sync: the recording one
+        def __init__(self) -> None:
+            super().__init__()
+            self.sync = _Announcements()
+
+        def replica_sync(self, stages: int, replicas: int, sharded: bool) -> _Announcements:
+            return self.sync
+
+    def run(world):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         pipe = pipeoptim.Pipeline(model, method="zb-h1", stages=2, micro_batches=2, loss_fn=nn.functional.mse_loss,
-                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-        seen = [_Announcements() for _ in pipe.stages] if record else []
-        for stage, averager in zip(pipe.stages, seen):
-            stage.grad_sync = averager
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), world=world)
         g = torch.Generator().manual_seed(1)
-        losses = pipe.fit([(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g))]).losses
-        return losses, seen, pipe
+        return pipe.fit([(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g))]).losses, pipe
 
-    plain, _, _ = run(False)
-    losses, seen, pipe = run(True)
+    plain, _ = run(None)
+    world = Recording()
+    losses, pipe = run(world)
     assert losses == plain
-    for stage, averager in zip(pipe.stages, seen):
-        params = [id(p) for p in stage.parameters()]
-        assert sorted(averager.seen) == sorted(params * 2)  # once per weight half, 2 micro-batches
+    params = [id(p) for stage in pipe.stages for p in stage.parameters()]
+    assert sorted(world.sync.seen) == sorted(params * 2)  # once per weight half, 2 micro-batches

@@ -23,7 +23,7 @@ from torch import nn
 import pipeoptim
 from pipeoptim.runtime.layout import plan_layout
 from pipeoptim.methods import get_method
-from pipeoptim.runtime.tensor_parallel import model_plan, resolve_plan
+from pipeoptim.tensor_plan import model_plan, resolve_plan
 
 HERE = Path(__file__).resolve().parent
 
@@ -139,8 +139,8 @@ def test_the_layout_counts_tensor_ranks():
     """WORLD_SIZE = N x D x T; a world that T does not divide, or one process, is refused."""
     method = get_method("1f1b-flush")
     layout = plan_layout(method, stages=2, processes=8, tensor_parallel=2)
-    assert (layout.stages, layout.replicas, layout.tensor, layout.processes) == (2, 2, 2, 8)
-    assert plan_layout(method, processes=4, tensor_parallel=2).stages == 2  # one stage per pair by default
+    assert (layout.ranks, layout.replicas, layout.tensor, layout.processes) == (2, 2, 2, 8)
+    assert plan_layout(method, processes=4, tensor_parallel=2).ranks == 2  # one rank per pair by default
     with pytest.raises(ValueError, match=r"WORLD_SIZE 6 is not a multiple of tensor_parallel=4"):
         plan_layout(method, stages=2, processes=6, tensor_parallel=4)
     with pytest.raises(ValueError, match=r"tensor_parallel=2 splits each stage over 2 processes: launch with torchrun"):

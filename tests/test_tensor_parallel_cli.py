@@ -131,7 +131,7 @@ def _build(task_name: str, model: str) -> nn.Module:
 def test_the_list_of_planned_models_is_the_models_own():
     from pipeoptim.lab.experiment import TENSOR_PLANNED, check_tensor_split
     from pipeoptim.lab.tasks import get_task, task_names
-    from pipeoptim.runtime.tensor_parallel import model_plan
+    from pipeoptim.tensor_plan import model_plan
 
     for task in task_names():
         for name in get_task(task).model_names():
@@ -144,7 +144,7 @@ def test_the_list_of_planned_models_is_the_models_own():
 def test_the_lm_models_plan_resolves_to_the_mlps_the_embedding_and_the_head():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from pipeoptim.runtime.tensor_parallel import resolve_plan
+    from pipeoptim.tensor_plan import resolve_plan
 
     plan = resolve_plan(_build("lm", "gpt-small"), None, 2)  # embedding | 2 blocks | head
     assert {name: type(style) for name, style in plan.items()} == {
@@ -158,7 +158,7 @@ def test_the_lm_models_plan_resolves_to_the_mlps_the_embedding_and_the_head():
 
 def test_the_blocks_model_pairs_its_blocks_and_keeps_the_head_whole():
     from pipeoptim.lab.bench_worker import blocks_model
-    from pipeoptim.runtime.tensor_parallel import resolve_plan
+    from pipeoptim.tensor_plan import resolve_plan
 
     model = blocks_model(2)  # 8 blocks and the head
     assert model._tp_plan == {"0.1": "colwise", "1.0": "rowwise", "2.0": "colwise", "3.0": "rowwise",
@@ -247,7 +247,7 @@ def test_the_measured_split_counts_the_planned_bytes_and_the_collectives():
     all-gathers half the head's 8, the backward all-reduces the head's 16 input-gradient bytes (the
     block's input, the data, has none)."""
     from pipeoptim.planning import model_units, tensor_layers
-    from pipeoptim.runtime.tensor_parallel import resolve_plan
+    from pipeoptim.tensor_plan import resolve_plan
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), nn.Linear(4, 2))

@@ -98,7 +98,7 @@ def test_a_tied_toy_equals_the_rule_computed_by_hand(method):
         assert torch.allclose(trained.get_parameter(name), value, atol=1e-6), name
     # the owner's forwards, as the method's rule says: versions 0, 0, 1, 2, ...; pipeoptim
     # predicts one step from t = 2 on
-    forwards = [(e.version, e.steps) for e in pipe.stages[0].trace if e.kind == "F"]
+    forwards = [(e.version, e.steps) for e in pipe.stages[0].record.trace if e.kind == "F"]
     steps = [0, 0] + [1] * (len(data) - 2) if method == "pipeoptim" else [0] * len(data)
     assert forwards == [(max(t - 1, 0), s) for t, s in enumerate(steps)]
     assert pipe.stages[1].tied.ties[0].exchange.values == {}  # nothing held after the drain

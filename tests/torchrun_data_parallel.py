@@ -5,6 +5,9 @@ micro-batches of the same position (what they run side by side). Rank 0 prints o
 per method.
 
     script METHODS STAGES MICRO_BATCHES REPLICAS [BUCKET_BYTES]
+
+BUCKET_BYTES holds for this script's Pipelines only: the scripts after it in a shared job
+(tests/torchrun_jobs.py) get the default back.
 """
 import json
 import sys
@@ -16,6 +19,7 @@ import pipeoptim
 from pipeoptim.runtime.averaging import GradientAverager
 
 methods, stages, micro, reference = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+default_buckets = GradientAverager.bucket_bytes
 if len(sys.argv) > 5:  # small buckets: the reduction overlaps the backward, a bucket per few parameters
     GradientAverager.bucket_bytes = int(sys.argv[5])
 g = torch.Generator().manual_seed(1)
@@ -37,3 +41,4 @@ for method in methods:
     if pipe.rank == 0:
         print(json.dumps({"method": method, "replicas": replicas, "losses": result.losses,
                           "metric": result.metrics["epochs"][-1]["metric"], "weights": weights}), flush=True)
+GradientAverager.bucket_bytes = default_buckets

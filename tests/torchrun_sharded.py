@@ -1,4 +1,5 @@
-"""Run under torchrun by tests/test_sharding.py: each entry through Pipeline with N stages x D
+"""Run under torchrun, as the ``sharded`` script of tests/conftest.py's 4-process job, for
+tests/test_sharding.py: each entry through Pipeline with N stages x D
 replicas, replicated and sharded over the replicas (``shard_replicas``), every replica on its
 shard of each mini-batch; rank 0 prints one JSON line per entry with both runs' losses, weights
 and per-rank state bytes, and for a synchronous method a third run: ``sequential`` in rank 0's

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .compat import is_dtensor
 from .errors import CheckpointError  # defined there so that the command line can catch it without torch
 from .runtime import named_state
 
@@ -171,10 +172,10 @@ def _template(meta: Any, prefix: str, names: Any, like: Dict[str, torch.Tensor])
             continue
         param = like.get(path[1])
         dtype = stored.properties.dtype
-        if param is not None and hasattr(param, "device_mesh") and tuple(stored.size) == tuple(param.shape):
+        if is_dtensor(param) and tuple(stored.size) == tuple(param.shape):
             value = torch.empty_like(param, dtype=dtype)
         else:
-            device = param.device if param is not None and not hasattr(param, "device_mesh") else "cpu"
+            device = param.device if param is not None and not is_dtensor(param) else "cpu"
             value = torch.empty(tuple(stored.size), dtype=dtype, device=device)
         out.setdefault(path[1], {})[path[2]] = value
     return out
@@ -200,7 +201,7 @@ def plan_load(folder: Path, stages, rank: int, state_names: Optional["StateNames
     for stage in stages:
         if stage.shards is not None:
             stage.shards.release()
-        if getattr(stage, "replica_of", None) not in held:  # a replica beside its piece copies it after the load
+        if stage.replica_of not in held:  # a replica beside its piece copies it after the load
             weights = stage.module.state_dict()
             model.update(weights if state_names is None else state_names.persistent(weights))
         for group_names in named_state.stage_groups(stage):
@@ -255,7 +256,7 @@ def load_state(folder: Path, stages, state: Dict[str, Any], group: Any = None) -
         saved.append(entry)
     try:
         for stage in stages:
-            scheduler = getattr(stage, "scheduler", None)
+            scheduler = stage.scheduler
             if (scheduler is None) != (saved[0].get("scheduler") is None):
                 raise ValueError("the run has " + ("no" if scheduler is None else "a") + " learning-rate scheduler "
                                  "but the checkpoint " + ("has one" if scheduler is None else "has none"))

@@ -3,8 +3,9 @@ decide, each a ValueError that names the fix.
 
 A Pipeline runs them once, when it is built: the options alone (:func:`check_options`, before
 a torchrun job is joined), then what the model and the world decide (:func:`check_pipeline`) in
-the world's layout, computed there once and handed on in :class:`Checked` (:func:`check_run`:
-sharding, compilation, the cut, the method's options, the chunks, the micro-batches). What
+the world's layout, computed there once; :func:`check_run` (sharding, compilation, the cut, the
+method's options, the chunks, the micro-batches) resolves the run into the one record everything
+after reads (``runtime/spec.RunSpec``). What
 needs the trace or the placed devices is checked where they are made, by the functions here
 (:func:`check_units`, :func:`check_toolchain`, :func:`check_tie_devices`,
 :func:`recompute_per_stage`); what needs the data, when fit starts (:func:`check_fit`,
@@ -14,9 +15,9 @@ and the command line asks the same checks in its own words (:data:`COMMAND_LINE`
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from .runtime.compiled import backend_of, missing_toolchain
 from .runtime.defaults import CLIP_SCOPES, PRECISIONS
 from .runtime.layout import FIXED_CHUNKS, Layout
 from .runtime.sharding import fsdp_available
+from .runtime.spec import RunSpec
 from .schedules.custom import load_order
 
 
@@ -66,19 +68,6 @@ class Words:
 _NAMES = "|".join(sorted((re.escape(o.name) for o in OPTIONS if o.scope == "method" or "_" in o.name),
                          key=len, reverse=True))
 API, COMMAND_LINE = Words(False), Words(True)
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the checks of a build settle, handed to the preparation and the stage builders: the
-    method, the layout (computed once per build), the method's options with its defaults, the
-    clip scope (``auto`` resolved) and the compile backend (None: eager)."""
-
-    method: Method
-    layout: Layout
-    options: Dict[str, Any]
-    clip_scope: str
-    backend: Optional[str]
 
 
 # -- a Pipeline, when it is built ---------------------------------------------------------------
@@ -120,11 +109,12 @@ def check_loss_fn(loss_fn: Any, model: Optional[nn.Module] = None) -> None:
         raise ValueError("an nn.Sequential returns no loss of its own: give loss_fn=fn(output, target)")
 
 
-def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) -> Checked:
+def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) -> RunSpec:
     """Everything the model and the world decide beside the options (:func:`check_options`, run
     before the world is joined), once, when a Pipeline is built, before the loader and the
-    processes start; the layout in ``world``'s terms."""
-    backend = backend_of(config.compile)
+    processes start: the resolved run, in ``world``'s layout."""
+    if world.processes == 1:
+        check_one_process(config)
     layout = world.layout(method, config.stages, config.partition, config.chunks, config.data_parallel,
                           config.tensor_parallel)
     if config.shard_replicas:
@@ -132,12 +122,25 @@ def check_pipeline(config: Any, model: nn.Module, world: Any, method: Method) ->
     check_tensor_parallel(layout, config)
     check_precision(method, config.precision, world.processes)
     check_loss_fn(config.loss_fn, model)
-    return check_run(config, model, method, layout, backend)
+    return check_run(config, model, method, layout)
+
+
+def check_one_process(config: Any) -> None:
+    """What only a torchrun job holds, refused in one process."""
+    t, d = config.tensor_parallel, config.data_parallel
+    if t != 1:
+        raise ValueError(f"tensor_parallel={t} splits each stage over {t} processes: launch with torchrun, "
+                         f"N x D x {t} processes (e.g. torchrun --nproc-per-node {2 * t} for 2 stages), or "
+                         f"drop tensor_parallel")
+    if d not in (None, 1):
+        raise ValueError(f"data_parallel={d} needs torchrun with N x {d} processes (one per stage of each replica)")
 
 
 def check_options(method: Method, config: Any, words: Words = API) -> None:
     """The options alone: what each must be, and the ones that contradict each other."""
     check_loss_fn(config.loss_fn)
+    if not config.timeout > 0:
+        raise ValueError(f"timeout must be positive, got {config.timeout}")
     item_counter(config.loss_normalization)  # a name it knows, or a function
     optimizer = config.optimizer
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -195,8 +198,8 @@ def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: 
 
 
 def check_method_options(method: Method, given: Dict[str, Any], words: Words = API) -> Dict[str, Any]:
-    """The method's options given, overlaid on its defaults (:meth:`Method.resolve_options`);
-    an option it does not take and a bad value are refused."""
+    """The method's options: ``given`` over each one's default (its ``Option``'s), each value
+    one its ``Option`` allows; an option the method does not take and a bad value are refused."""
     unknown = sorted(set(given) - set(method.options))
     if unknown:
         allowed = ", ".join(method.options) or "none"
@@ -204,10 +207,11 @@ def check_method_options(method: Method, given: Dict[str, Any], words: Words = A
         hint = f"; {', '.join(unknown)} applies to {', '.join(takers)}" if takers else ""
         raise ValueError(words.say(f"method {method.name!r} takes no option {', '.join(unknown)} "
                                    f"(its options: {allowed}){hint}"))
-    merged = method.resolve_options(given)
+    merged = {**{name: BY_NAME[name].default for name in method.options}, **given}
     try:
-        for key, allowed in method.choices.items():
-            if merged[key] not in allowed:
+        for key in method.options:
+            allowed = BY_NAME[key].choices
+            if allowed is not None and merged[key] not in allowed:
                 raise ValueError(f"{method.name}: {key} must be one of {', '.join(map(str, allowed))}, "
                                  f"got {merged[key]!r}")
         _check_corrections(method.name, merged, given)
@@ -256,8 +260,8 @@ def check_sharding(world: Any, layout: Layout, config: Any) -> None:
                          "torchrun --nproc-per-node 4 for 2 stages x 2 replicas, or drop shard_replicas")
     if layout.replicas < 2:
         raise ValueError(f"shard_replicas=True needs D >= 2 replicas to shard over, but WORLD_SIZE "
-                         f"{world.processes} holds {layout.stages} stage(s) x 1 replica: start "
-                         f"{2 * (layout.stages or 1)} processes or give fewer stages")
+                         f"{world.processes} holds {layout.ranks} rank(s) x 1 replica: start "
+                         f"{2 * (layout.ranks or 1)} processes or give fewer stages")
     if not fsdp_available():
         raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
                          f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
@@ -282,11 +286,12 @@ def check_compile(config: Any) -> None:
 
 
 # -- a run in a layout: the Pipeline's, or the launcher's before it starts the processes ----------
-def check_run(config: Any, model: nn.Module, method: Method, layout: Layout,
-              backend: Optional[str] = None) -> Checked:
+def check_run(config: Any, model: nn.Module, method: Method, layout: Layout) -> RunSpec:
     """What the configuration and the model decide in ``layout``: compilation beside sharding,
     the cut (:func:`check_split`), a mirrored method's replicas, the method's options, the
-    stages the model must have and the micro-batches."""
+    stages the model must have and the micro-batches; the run they resolve, once (the cut
+    itself is added when the model is split: ``RunSpec.cut``)."""
+    backend = backend_of(config.compile)
     if backend is not None:
         check_compile(config)
     check_split(model, method, config.stages, config.partition, config.split_points, layout.chunks)
@@ -294,22 +299,26 @@ def check_run(config: Any, model: nn.Module, method: Method, layout: Layout,
         raise ValueError(f"{method.name} already holds two replicas of each piece; with data_parallel > 1 or "
                          f"shard_replicas it is not supported yet: run one pipeline (WORLD_SIZE = stages)")
     options = check_method_options(method, config.method_options)
-    ranks = stages_of(method, layout, config.split_points)
+    ranks = ranks_of(method, layout, config.split_points)
     if ranks is None:
         raise ValueError("give stages=N or partition=[layers per stage]")
     if isinstance(model, nn.Sequential):
         check_chunk_layers(model, method, ranks, layout.chunks, config.partition)
-    check_microbatches(method, ranks, layout.chunks, method.microbatches(ranks, config.micro_batches))
-    return Checked(method, layout, options, clip_scope_for(method, config.clip_scope), backend)
+    micro = method.microbatches(ranks, config.micro_batches)
+    check_microbatches(method, ranks, layout.chunks, micro)
+    return RunSpec(method.name, options, dataclasses.replace(layout, ranks=ranks), micro,
+                   clip_scope_for(method, config.clip_scope), config.clip_grad_norm, backend, config.precision,
+                   recompute_per_stage(config.recompute, ranks * layout.chunks), config.diagnose_every,
+                   own_loss=config.loss_fn is None)
 
 
-def stages_of(method: Method, layout: Layout, split_points: Optional[Sequence[str]]) -> Optional[int]:
+def ranks_of(method: Method, layout: Layout, split_points: Optional[Sequence[str]]) -> Optional[int]:
     """The pipeline's ranks N: one for sequential, the layout's, or one more than the split points
     (None: not given)."""
     if method.name == "sequential":
         return 1
-    if layout.stages is not None:
-        return layout.stages
+    if layout.ranks is not None:
+        return layout.ranks
     return (len(split_points) + 1) // method.pieces_per_rank(layout.chunks) if split_points is not None else None
 
 

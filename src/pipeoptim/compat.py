@@ -1,5 +1,5 @@
-"""torch's private APIs, each behind one named function or constant: the one module of pipeoptim
-that touches a private name of torch, so that a torch release that moves one breaks here, where
+"""torch's private APIs and the features a torch version may lack, each behind one named function
+or constant: the one module of pipeoptim that touches a private name of torch or asks a torch what it has, so that a torch release that moves one breaks here, where
 ``tests/test_compat.py`` checks each. Each entry says the private API, the fallback where it is
 missing, and the public API that would replace it. The multi-tensor arithmetic ``torch._foreach_*``
 stays at its call sites (:data:`FOREACH_OPS`): it has no public counterpart, and a wrapper per
@@ -8,6 +8,7 @@ operation would only rename it.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,7 +17,9 @@ from torch.utils import _pytree
 __all__ = ["HAS_STORAGE_USE_COUNT", "storage_use_count", "CAN_SWAP_STORAGE", "swap_storage_memory",
            "FOREACH_NORM_TAKES_DTYPE", "FOREACH_OPS", "muon_orthogonalize", "newton_schulz", "muon_lr_ratio",
            "fsdp_reduce_gradients", "fsdp_gather_streams", "forget_sharding_cache", "tensor_version", "compile_backend",
-           "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves", "tree_unflatten"]
+           "ASSERTION_OPS", "EXPORT_GUARD_MODULE", "tree_leaves", "tree_unflatten", "tree_flatten",
+           "tensor_leaves", "tree_map_tensors", "is_dtensor", "MUON",
+           "HAS_POST_ACCUMULATE_HOOK", "device_module", "collective_result"]
 
 
 # -- storages ----------------------------------------------------------------------------------
@@ -231,6 +234,50 @@ def waited_collectives(value: Any) -> Any:
     return _pytree.tree_map_only(AsyncCollectiveTensor, lambda t: t.clone(), value)
 
 
+def collective_result(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds the result of a functional collective ``tensor`` still owes (torch's
+    ``AsyncCollectiveTensor`` wraps it and has no storage of its own); any other tensor itself.
+
+    Private API: ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` and its ``elem``.
+    Fallback: where missing, ``tensor`` (a torch without lazy collectives returns plain tensors).
+    Public alternative awaited: a public type for a collective's pending result."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # pragma: no cover - no lazy collectives in this torch
+        return tensor
+    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+# -- DTensors, optimizers and the platform: what this torch or OS has ---------------------------
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (held in parts over a device mesh, read whole with
+    ``full_tensor``, this process's part with ``to_local``). Exact without importing torch's
+    DTensor module (tensor parallelism's, which costs every process a second at start): no
+    DTensor exists before that module is imported.
+
+    Public API: ``torch.distributed.tensor.DTensor`` (torch >= 2.4; before, ``torch.distributed._tensor``)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(value, module.DTensor):
+            return True
+    return False
+
+
+#: torch's Muon optimizer class (torch >= 2.9; before: an empty tuple, which ``isinstance`` never matches)
+MUON: Any = getattr(torch.optim, "Muon", ())
+#: whether a tensor announces its accumulated gradient (``Tensor.register_post_accumulate_grad_hook``,
+#: torch >= 2.1; without it gradients are reduced over replicas only at the update, not overlapped)
+HAS_POST_ACCUMULATE_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def device_module(device_type: str) -> Any:
+    """torch's module of a device type (``torch.cuda`` for "cuda"): its streams and synchronization.
+
+    Public API: ``torch.get_device_module`` (torch >= 2.3); before, the attribute of ``torch``."""
+    get = getattr(torch, "get_device_module", None)
+    return get(device_type) if get is not None else getattr(torch, device_type)
+
+
 # -- autograd, compilation, collectives, graphs ------------------------------------------------
 def tensor_version(tensor: torch.Tensor) -> Any:
     """A value that changes whenever ``tensor`` is modified in place (autograd's version counter),
@@ -298,3 +345,30 @@ def tree_unflatten(leaves: Sequence[Any], spec: Any) -> Any:
     """The structure ``spec`` (a pytree ``TreeSpec``, as ``torch.export`` records it) rebuilt from
     ``leaves``. Private API, fallback and public alternative: :func:`tree_leaves`'s."""
     return _pytree.tree_unflatten(list(leaves), spec)
+
+
+def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
+    """The leaves of a nested structure, in :func:`tree_leaves`'s order, and its ``TreeSpec``
+    (hashable, equal for equal structures; :func:`tree_unflatten` rebuilds the structure from it).
+    Private API, fallback and public alternative: :func:`tree_leaves`'s."""
+    return _pytree.tree_flatten(tree)
+
+
+def tensor_leaves(tree: Any) -> List[torch.Tensor]:
+    """The tensors among the leaves of a nested value, in :func:`tree_leaves`'s order: pipeoptim's
+    one walk of nested values (inputs, targets, outputs). It reaches what pytree registers: tuples,
+    lists, dicts, namedtuples, ``OrderedDict`` and ``defaultdict``, and ``transformers``' ModelOutput
+    (which that library registers); anything else, a dataclass or a dict subclass no one registered
+    included, is one leaf. Private API, fallback and public alternative: :func:`tree_leaves`'s."""
+    return [leaf for leaf in _pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to each of the tensors :func:`tensor_leaves` finds, every
+    container rebuilt as its own type (a namedtuple or a ModelOutput stays one) and any other leaf
+    passed through. A tensor alone, the usual message between stages, skips pytree's walk (some
+    microseconds, 30 times a tensor's own ``to``). Private API: ``torch.utils._pytree.tree_map_only``; fallback
+    and public alternative: :func:`tree_leaves`'s."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    return _pytree.tree_map_only(torch.Tensor, fn, tree)

@@ -12,6 +12,8 @@ __all__ = ["CheckpointError", "MissingDataError", "NonFiniteLoss", "Interrupted"
 
 #: the signals that stop a run: Ctrl-C, kill's default, a closed terminal
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+#: whether this platform can block signals on every thread and wait for them on one (POSIX; not Windows)
+CAN_WAIT_SIGNALS = hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask")
 
 
 class CheckpointError(ValueError):

@@ -327,10 +327,11 @@ def stage_report(stage: Any, world: Any, design_versions: int) -> Dict[str, Any]
     """What one stage measured (the metrics' per-stage entries): ``busy_seconds`` per kind (F, B
     with both halves of a split one, U), ``comm`` per link (bytes, seconds waited), ``activations``
     (``runtime/held.py``), ``state_memory`` beside ``design_versions``' closed form."""
-    return {"versions": round(stage.policy.versions_peak, 3), "trace": stage.trace, "updates": stage.updates,
+    record = stage.record
+    return {"versions": round(stage.policy.versions_peak, 3), "trace": record.trace, "updates": record.updates,
             "state_memory": state_memory(stage, design_versions),
-            "seconds": {k: stage.time[k] / max(1, stage.count[k]) for k in stage.time},
-            "busy_seconds": dict(stage.time), "passes": dict(stage.count),
+            "seconds": {k: record.time[k] / max(1, record.count[k]) for k in record.time},
+            "busy_seconds": dict(record.time), "passes": dict(record.count),
             "diagnostics": stage.probes.summary() if stage.probes.every else None,
             "device": str(stage.device), "comm": world.comm_stats(), "activations": stage.held.report(),
             "compilations": stage.compilations}

@@ -1,14 +1,14 @@
 """The method registry: a method is a (schedule, weight policy) pair.
 
 Each :class:`Method`, looked up by name (:func:`get_method`), names the schedule that orders its
-work, the weight policy that decides which weights each pass uses, the options a user may set,
-and the number of weight versions stage k holds (docs/architecture.md, "Weight versions per
+work, the weight policy that decides which weights each pass uses, the options a user may set
+(by name: each one's default and allowed values are its ``pipeoptim.options.Option``'s), and the number of weight versions stage k holds (docs/architecture.md, "Weight versions per
 method"; the simulator reports it, the runtime measures it).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .schedules import Schedule, build_schedule
@@ -24,8 +24,7 @@ class Method:
     policy: str                        #: class name in :mod:`pipeoptim.weights.policies`
     summary: str
     synchronous: bool
-    options: Dict[str, Any] = field(default_factory=dict)   #: option -> default
-    choices: Dict[str, tuple] = field(default_factory=dict)  #: option -> allowed values
+    options: Tuple[str, ...] = ()      #: the method's own options it takes, by name
     default_microbatches: Optional[Callable[[int], int]] = None  #: stages -> M
     versions: Callable[..., int] = lambda k, n, **o: 1  #: weight versions held at stage k of n
     #: model chunks per process by default; above 1 the schedule places several stages on each
@@ -86,26 +85,18 @@ class Method:
                            name=f"1f1b-flush+{self.schedule}")
 
     def weight_versions(self, stages: int, **options: Any) -> List[int]:
-        """Per stage, the weight versions (live included) the design table says it holds."""
-        merged = {**self.options, **{k: v for k, v in options.items() if v is not None}}
-        return [self.versions(k, stages, **merged) for k in range(stages)]
-
-    def resolve_options(self, given: Dict[str, Any]) -> Dict[str, Any]:
-        """The method's options: its defaults overlaid with ``given`` (checked first, with the
-        values each allows: ``pipeoptim.checks.check_method_options``)."""
-        return {**self.options, **given}
+        """Per stage, the weight versions (live included) the design table says it holds with
+        ``options`` (one not given, or None: its default, which changes no count)."""
+        given = {k: v for k, v in options.items() if v is not None}
+        return [self.versions(k, stages, **given) for k in range(stages)]
 
 
 #: The delay corrections (weights/corrections.py has their formulas), all off by default.
 #: Every asynchronous method of the async-1F1B schedule takes these: they act on the learning
 #: rate and the schedule, not on how weights are chosen.
-DELAY_OPTIONS: Dict[str, Any] = {"lr_correction": "none", "lr_correction_steps": None, "sync_warmup": 0}
+DELAY_OPTIONS = ("lr_correction", "lr_correction_steps", "sync_warmup")
 #: ... and the methods that predict weights take these too: they shape the prediction.
-PREDICTION_OPTIONS: Dict[str, Any] = {"horizon": "constant", "delta": "optimizer", "ema_decay": None,
-                                      "prediction_warmup": 0}
-CORRECTION_CHOICES: Dict[str, tuple] = {"lr_correction": ("none", "delay"),
-                                        "horizon": ("constant", "scheduled"),
-                                        "delta": ("optimizer", "ema")}
+PREDICTION_OPTIONS = ("horizon", "delta", "ema_decay", "prediction_warmup")
 
 
 def _pipedream_versions(k: int, n: int, vertical_sync: bool = False, **_: Any) -> int:
@@ -141,8 +132,7 @@ def _pipeoptim_2bw_versions(k: int, n: int, error_feedback: bool = False, **_: A
 
 #: Error feedback (weights/error_feedback.py) for the methods whose every update is one update
 #: stale (2BW's schedule); off by default.
-FEEDBACK_OPTIONS: Dict[str, Any] = {"error_feedback": False}
-FEEDBACK_CHOICES: Dict[str, tuple] = {"error_feedback": (False, True)}
+FEEDBACK_OPTIONS = ("error_feedback",)
 
 
 METHODS: Dict[str, Method] = {m.name: m for m in [
@@ -183,35 +173,30 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            mirrored=True),
     Method("async-naive", "async-1f1b", "LatestPolicy",
            "asynchronous 1F1B on whatever weights are live (stale, inconsistent)", False,
-           options=dict(DELAY_OPTIONS), choices={"lr_correction": CORRECTION_CHOICES["lr_correction"]}),
+           options=DELAY_OPTIONS),
     Method("pipedream", "async-1f1b", "StashingPolicy",
            "asynchronous 1F1B with weight stashing (PipeDream)", False,
-           options={"vertical_sync": False, **DELAY_OPTIONS},
-           choices={"vertical_sync": (False, True), "lr_correction": CORRECTION_CHOICES["lr_correction"]},
+           options=("vertical_sync", *DELAY_OPTIONS),
            versions=_pipedream_versions),
     Method("pipedream-2bw", "2bw", "DoubleBufferPolicy",
            "async 1F1B over micro-batches, an update every m >= N, two buffers (PipeDream-2BW)", False,
-           options=dict(FEEDBACK_OPTIONS), choices=dict(FEEDBACK_CHOICES), default_microbatches=lambda n: n,
+           options=FEEDBACK_OPTIONS, default_microbatches=lambda n: n,
            versions=lambda k, n, error_feedback=False, **o: (1 if n == 1 else 2) + _feedback(error_feedback)),
     Method("pipeoptim-2bw", "2bw", "PipeOptim2BWPolicy",
            "2BW's schedule and windows, each window on weights predicted over the updates it misses", False,
-           options={**FEEDBACK_OPTIONS, "predict_feedback": False},
-           choices={**FEEDBACK_CHOICES, "predict_feedback": (False, True)}, default_microbatches=lambda n: n,
+           options=(*FEEDBACK_OPTIONS, "predict_feedback"), default_microbatches=lambda n: n,
            versions=_pipeoptim_2bw_versions),
     Method("spectrain", "async-1f1b", "SpecTrainPolicy",
            "momentum-based prediction in both passes (SpecTrain)", False,
-           options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),
+           options=(*DELAY_OPTIONS, *PREDICTION_OPTIONS),
            versions=lambda k, n, delta="optimizer", **o: (2 + _ema(delta)) if (k // 2 + n - k - 1) or k // 2 else 1),
     Method("xpipe", "async-1f1b", "XPipePolicy",
            "micro-batched async pipeline with Adam-direction prediction (XPipe)", False,
-           options={**DELAY_OPTIONS, **PREDICTION_OPTIONS}, choices=dict(CORRECTION_CHOICES),
+           options=(*DELAY_OPTIONS, *PREDICTION_OPTIONS),
            default_microbatches=lambda n: 2, versions=lambda k, n, delta="optimizer", **o: 2 + _ema(delta)),
     Method("pipeoptim", "async-1f1b", "PipeOptimPolicy",
            "async 1F1B, forwards on optimizer-dependent predicted weights (PipeOptim)", False,
-           options={"steps": "exact", "backward": "latest", "sgd_momentum": "paper",
-                    **DELAY_OPTIONS, **PREDICTION_OPTIONS},
-           choices={"steps": ("exact", "paper", "code"), "backward": ("latest", "predicted"),
-                    "sgd_momentum": ("paper", "code"), **CORRECTION_CHOICES},
+           options=("steps", "backward", "sgd_momentum", *DELAY_OPTIONS, *PREDICTION_OPTIONS),
            versions=_pipeoptim_versions),
 ]}
 

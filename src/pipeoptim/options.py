@@ -68,7 +68,8 @@ class Option:
     :mod:`typing`'s names: the configuration's field has it), ``default`` (the API's), ``help``
     (what it means, as the docstrings and ``--help`` say it), ``scope`` (``pipeline``, ``fit`` or
     ``method``), and ``flag``: how the command line takes it, or None with ``api_only`` saying
-    why it has none (a Python object, or not yet)."""
+    why it has none (a Python object, or not yet). ``choices``: a method's option's allowed values
+    (None: any of its type; ``pipeoptim.checks`` refuses another, the flags offer them)."""
 
     name: str
     annotation: str
@@ -77,6 +78,7 @@ class Option:
     scope: str
     flag: Optional[Flag] = None
     api_only: str = ""
+    choices: Optional[Tuple[Any, ...]] = None
 
 
 CORRECTIONS = "delay corrections (asynchronous methods; all off by default)"
@@ -118,10 +120,11 @@ OPTIONS: Tuple[Option, ...] = (
            "stage's parameters", "pipeline", api_only="a factory; the command line builds one from --optimizer "
            "and --lr (the lab's options)"),
     Option("stages", "Optional[int]", None,
-           "pipeline stages N (processes under torchrun; default there: the processes of a "
-           "replica), cut by the partitioner", "pipeline",
-           Flag("int", default=NOT_GIVEN, help="pipeline stages N (one process each with --runtime distributed), "
-                "cut by --partitioner", note="default: the --partition's, else 4; sequential uses 1")),
+           "the pipeline's depth N: its ranks, each holding one stage, or chunks stages (a process each "
+           "under torchrun; default there: the processes of a replica); the model is cut by the "
+           "partitioner into N x chunks stages", "pipeline",
+           Flag("int", default=NOT_GIVEN, help="the pipeline's depth N: its ranks (one process each with --runtime "
+                "distributed), each holding one stage or --chunks stages, cut by --partitioner", note="default: the --partition's, else 4; sequential uses 1")),
     Option("partition", "Optional[Sequence[int]]", None,
            "layers per stage of an nn.Sequential (units per stage of a traced model), "
            "e.g. [3, 3, 2]; with chunks, the layers of every one of the stages x chunks pieces", "pipeline",
@@ -147,14 +150,14 @@ OPTIONS: Tuple[Option, ...] = (
            "tuple of the forward's positional arguments, or a dict batch); default: the first mini-batch, "
            "and the model is split then", "pipeline", api_only="a tensor; the command line traces on its data"),
     Option("chunks", "Optional[int]", None,
-           "model chunks per stage, for interleaved (default 2): the model is cut into "
-           "stages x chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at "
-           "least that many layers and micro-batches a multiple of the stages); zb-v and dualpipev always "
-           "hold 2, in a V (pieces k and 2N-1-k)", "pipeline",
-           Flag("int", help="model chunks per stage, for interleaved (default 2): the model is cut into stages x "
-                "chunks pieces and stage k holds pieces k, k + N, ... (Megatron's placement; it needs at least "
-                "that many layers, and --micro-batches a multiple of the stages); zb-v and dualpipev always "
-                "hold 2, in a V (pieces k and 2N-1-k)")),
+           "stages (model chunks) per rank, for interleaved (default 2): the model is cut into "
+           "N x chunks stages and rank r holds stages r, r + N, ... (Megatron's placement; it needs at "
+           "least that many layers and micro-batches a multiple of N); zb-v and dualpipev always "
+           "hold 2, in a V (stages r and 2N-1-r)", "pipeline",
+           Flag("int", help="stages (model chunks) per rank, for interleaved (default 2): the model is cut into "
+                "N x chunks stages and rank r holds stages r, r + N, ... (Megatron's placement; it needs at "
+                "least that many layers, and --micro-batches a multiple of N); zb-v and dualpipev always "
+                "hold 2, in a V (stages r and 2N-1-r)")),
     Option("schedule", "Any", None,
            "a schedule of one's own, run instead of the method's: a pipeoptim.schedules.Schedule of one "
            "mini-batch (one update per stage), or the path of torch's compute-only CSV (one row per rank, "
@@ -288,31 +291,33 @@ OPTIONS: Tuple[Option, ...] = (
            "'colwise_gather_output', ...); only nn.Linear and nn.Embedding layers; default: the model's own "
            "(a transformers model's config.base_model_tp_plan and its head's _tp_plan)", "pipeline",
            api_only="a dict; the command line uses the model's own plan"),
-    Option("world", "Any", None, "where the stages run: default one stage per process under torchrun, else every "
+    Option("world", "Any", None, "where the stages run: default one pipeline rank per process under torchrun, else every "
            "stage in this process; LocalWorld() keeps every stage here even inside a torchrun job", "pipeline",
            api_only="an object"),
     # -- the method's own options -----------------------------------------------------------
     Option("steps", "str", "exact", "the prediction's step count s: exact (the updates before this mini-batch's "
            "backward, min(t, N-1-k)), paper (N-1-k), or code (N-k, as the authors' code)", "method",
-           Flag(group="method")),
+           Flag(group="method"), choices=("exact", "paper", "code")),
     Option("backward", "str", "latest", "the weights of the backward pass: latest (the paper) or predicted (the "
-           "forward's, stashed)", "method", Flag(group="method")),
+           "forward's, stashed)", "method", Flag(group="method"),
+           choices=("latest", "predicted")),
     Option("sgd_momentum", "str", "paper", "with SGD momentum, Delta = m (paper) or mu*m + (1-dampening)*g (the "
-           "authors' code)", "method", Flag(group="method")),
+           "authors' code)", "method", Flag(group="method"), choices=("paper", "code")),
     Option("vertical_sync", "bool", False, "every stage uses stage 0's weight version", "method",
-           Flag("switch", group="method")),
+           Flag("switch", group="method"), choices=(False, True)),
     Option("lr_correction", "str", "none", "delay (PipeMare): stage k with delay tau = N-1-k applies "
            "lr(t) / tau ** (1 - min(t/T, 1)); the prediction uses the corrected lr; no weight copy", "method",
-           Flag(group=CORRECTIONS)),
+           Flag(group=CORRECTIONS), choices=("none", "delay")),
     Option("lr_correction_steps", "Optional[int]", None,
            "T, the updates over which the delay correction anneals to the "
            "scheduled lr", "method",
            Flag("int", metavar="T", group=CORRECTIONS, note="default: 30% of the run's updates")),
     Option("horizon", "str", "constant", "scheduled: the prediction spans the scheduler's lrs of the next s updates, "
-           "not s * lr(t) (equal under a constant lr); no weight copy", "method", Flag(group=CORRECTIONS)),
+           "not s * lr(t) (equal under a constant lr); no weight copy", "method", Flag(group=CORRECTIONS),
+           choices=("constant", "scheduled")),
     Option("delta", "str", "optimizer", "ema: Delta is the moving average of the updates applied, per unit lr (sees "
            "weight decay, clipping, schedules; any optimizer); one more weight copy per stage", "method",
-           Flag(group=CORRECTIONS)),
+           Flag(group=CORRECTIONS), choices=("optimizer", "ema")),
     Option("ema_decay", "Optional[float]", None, "the decay of delta=ema (default 0.9)", "method",
            Flag("float", metavar="G", group=CORRECTIONS, help="the decay of --delta ema (default 0.9)")),
     Option("prediction_warmup", "int", 0, "the prediction's step count ramps as s * min(1, t/T) over the first T "
@@ -320,7 +325,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option("error_feedback", "bool", False, "the methods with a one-update delay (2BW's schedule): each update's "
            "error against the one before, u_t - u_(t-1) (u = the step the optimizer applied), is added to the "
            "weights with it, for any optimizer; one weight-sized buffer and a scratch copy per stage",
-           "method", Flag("switch", group=CORRECTIONS)),
+           "method", Flag("switch", group=CORRECTIONS), choices=(False, True)),
     Option("predict_feedback", "bool", False, "pipeoptim-2bw with error_feedback: the prediction extrapolates the "
            "update the weights will receive, the optimizer's step and the feedback's term, W - (s+1)*lr*Delta + "
            "u_(t-1) (each of the s updates corrected, each step lr*Delta; it differs from the plain prediction "
@@ -329,7 +334,7 @@ OPTIONS: Tuple[Option, ...] = (
            "equal time that it helps", "method",
            Flag("switch", group=CORRECTIONS, help="with --error-feedback (pipeoptim-2bw): the prediction "
                 "extrapolates the update the weights will receive, the optimizer's step and the feedback's "
-                "term; off by default: it has not shown at equal time that it helps")),
+                "term; off by default: it has not shown at equal time that it helps"), choices=(False, True)),
     Option("sync_warmup", "int", 0, "the run's first K mini-batches run 1F1B with a flush (no staleness), then the "
            "method's asynchronous schedule", "method", Flag("int", metavar="K", group=CORRECTIONS)),
     # -- fit ----------------------------------------------------------------------------------
@@ -363,14 +368,14 @@ OPTIONS: Tuple[Option, ...] = (
            "evaluation mini-batch is placed by list scheduling before that stage's next update, on the weights "
            "the drained evaluation would use, so the metric is the same to the bit "
            "(docs/architecture.md, \"Evaluation in the bubbles\"); what the bubbles cannot hold runs just before "
-           "the update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, sequential), in "
+           "the update; synchronous methods with one stage per rank (gpipe, 1f1b-flush, zb-h1, sequential), in "
            "one process or under torchrun with one replica; the epoch-end evaluations, and one where a "
            "checkpoint is written, stay drained",
            "fit", Flag("switch", group="evaluation during training",
                        help="run each --eval-every evaluation in the idle time (bubbles) of the next mini-batch "
                        "instead of after the drain, on the weights the drained evaluation would use, so the "
                        "metric is the same to the bit; what the bubbles cannot hold runs just before the "
-                       "update; synchronous methods with one stage per process (gpipe, 1f1b-flush, zb-h1, "
+                       "update; synchronous methods with one stage per rank (gpipe, 1f1b-flush, zb-h1, "
                        "sequential), one replica; the epoch-end evaluations, and one where a checkpoint is "
                        "written, stay drained")),
     Option("on_batch", "Optional[Callable[..., Any]]", None,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .batches import BatchForm
-from .checks import Checked, check_fit, check_model, check_options, check_pipeline, method_of
+from .checks import check_fit, check_model, check_options, check_pipeline, method_of
 from .config import FitConfig, PipelineConfig, keyword_parameters, missing_required
 from .errors import NonFiniteLoss
 from .fit import Batch, FitRun, Metric, TrainResult
@@ -90,19 +90,15 @@ class Pipeline:
         self._model = copy.deepcopy(model)
         self._model.train()
         self._given_on = model_device(model)  #: where the model was given: model()'s default device
-        #: what the checks settled, once: the layout, the method's options, clip scope, compile backend
-        self.checked: Checked = check_pipeline(config, model, self.world, self.method)
-        self.spec: Optional[RunSpec] = None  #: the resolved run, once the model is split
+        #: the run resolved by the checks, once (runtime/spec.RunSpec; its cut once the model is split)
+        self.spec: RunSpec = check_pipeline(config, model, self.world, self.method)
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
         #: where stages 2..N begin, for a traced model (None for an nn.Sequential)
         self.split_points: Optional[List[str]] = None
         self.devices: List[torch.device] = []  #: each stage's device, once the model is split
-        #: per stage, whether it recomputes its forward in the backward, once the model is split
-        self.recompute: List[bool] = []
         #: the pipeline rank of each stage (Method.stage_ranks: s mod N, or a V for zb-v)
         self.placement: List[int] = []
-        self.clip_global = config.clip_grad_norm if self.checked.clip_scope == "global" else None
         self.losses: List[float] = []    #: every completed mini-batch's loss, in order
         self.batches_done = 0            #: mini-batches fed so far (the trace numbering)
         self.samples_done = 0
@@ -120,7 +116,12 @@ class Pipeline:
     def prepared(self) -> bool:
         """Whether the model is split into its stages (at construction, or at the first
         mini-batch when a traced model has no ``example_input``)."""
-        return self.spec is not None
+        return self.spec.partition is not None
+
+    @property
+    def recompute(self) -> List[bool]:
+        """Per stage, whether it recomputes its forward in the backward."""
+        return self.spec.recompute
 
     def prepare(self, example_input: Any = None) -> None:
         """Split the model into stages (tracing it on ``example_input`` unless it is an
@@ -128,9 +129,9 @@ class Pipeline:
         itself, at construction or on its first mini-batch; nothing happens if already done."""
         if self.prepared:
             return
-        built = build_model_stages(self.world, self._model, example_input, self.config, self.checked)
+        built = build_model_stages(self.world, self._model, example_input, self.config, self.method, self.spec)
         self.spec, self.stages, self.devices, self.placement = built.spec, built.stages, built.devices, built.placement
-        self.recompute, self.split_points, self._eval_mode = built.recompute, built.split_points, built.eval_mode
+        self.split_points, self._eval_mode = built.split_points, built.eval_mode
         if self.split_points is not None:  # a traced model: its stages name a tied weight once
             self.state_names = StateNames(self._model)
 
@@ -166,7 +167,7 @@ class Pipeline:
                                        size / self.spec.microbatches)
             self._executor = self.world.executor(self.stages, self._schedule_for, expected=segment_length,
                                                  trace_offset=self.batches_done * self.spec.microbatches,
-                                                 clip_global=self.clip_global, **extra)
+                                                 clip_global=self.spec.global_clip, **extra)
             self._segment_start = self.batches_done
         self.batches_done += 1
         self.samples_done += size
@@ -242,13 +243,13 @@ class Pipeline:
         a traced model is split (the layout says it)."""
         if self.stages:
             return self.world.replica
-        layout = self.checked.layout
-        return self.world.rank // (layout.stages * layout.tensor) if layout.stages else 0
+        layout = self.spec.layout
+        return self.world.rank // (layout.ranks * layout.tensor)
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas of the pipeline (1 without data parallelism)."""
-        return self.world.replicas if self.stages else self.checked.layout.replicas
+        return self.world.replicas if self.stages else self.spec.layout.replicas
 
     @property
     def drained(self) -> bool:
@@ -312,7 +313,7 @@ class Pipeline:
         mini-batch's schedule before each stage's update (docs/architecture.md, "Evaluation in
         the bubbles"): ``on_done(value)`` receives what :meth:`evaluate` returns now, to the bit,
         during the next :meth:`step` (or at the next :meth:`flush` if none comes). The loader is
-        read now, whole, and held until then. Synchronous methods, one stage per process."""
+        read now, whole, and held until then. Synchronous methods, one stage per rank."""
         self._require_drained("evaluate_in_bubbles", loader)
         self._in_bubbles("evaluate_in_bubbles", lambda: list(self._form.pairs(loader)),
                          score=metric or self.model_stages[-1].loss_fn, on_done=on_done,
@@ -334,7 +335,7 @@ class Pipeline:
 
     def check_fills_bubbles(self) -> None:
         """Raise ValueError, naming the fix, where this pipeline cannot evaluate in the bubbles."""
-        check_fills(getattr(self.world, "fills_bubbles", False), self.spec.method, self.method.synchronous,
+        check_fills(self.world.fills_bubbles, self.spec.method, self.method.synchronous,
                     self._schedule_for(2, first_batch=self.batches_done))
 
     def evaluate_model(self, evaluate: Callable[[nn.Module], float]) -> float:

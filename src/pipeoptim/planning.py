@@ -29,7 +29,8 @@ from .methods import get_method, split_variant
 from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .throughput import (TensorLayers, candidate_problem, describe_partition, head_rows, microbatch_size,
                          partition_for, predict, profile_sizes, style_name)
-from .profile import check_statistic, tensors_of
+from .compat import tensor_leaves
+from .profile import check_statistic
 from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
 
@@ -71,7 +72,7 @@ def model_units(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None
     form = BatchForm(model_loss=loss_fn is None)
     inputs, target = form.pair(*loader_item(batch))
     sample = form.example(inputs, target)
-    first = tensors_of(sample)
+    first = tensor_leaves(sample)
     if not first or first[0].dim() == 0:
         raise ValueError("the example batch holds no tensor with a batch dimension (dimension 0)")
     rows = int(first[0].shape[0])
@@ -124,7 +125,7 @@ def check_options(stages: int, methods: Sequence[str], microbatches: Sequence[in
 
 def tensor_layers(units: Units, plan: Dict[str, Any], tensor: int, repeats: int = 3) -> TensorLayers:
     """:class:`~pipeoptim.throughput.TensorLayers` of ``units`` (an ``nn.Sequential``) for
-    ``plan`` ({module name: torch's style}, ``runtime.tensor_parallel.resolve_plan``'s), measured
+    ``plan`` ({module name: torch's style}, ``tensor_plan.resolve_plan``'s), measured
     on its sample: forwards with every planned module and every layer timed (the fastest of
     ``repeats``), each planned module's output bytes noted, and its input's where it has a gradient."""
     if units.traced is not None:

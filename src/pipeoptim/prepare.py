@@ -1,4 +1,4 @@
-"""Model preparation for a Pipeline: resolve the run, split the model, find tied weights.
+"""Model preparation for a Pipeline: cut the model into the checked run's stages, find tied weights.
 
 An ``nn.Sequential`` is split by layers; any other module is traced and cut at candidate points
 (docs/architecture.md, "Splitting any module"). The ``time`` partitioner (opt-in: a profile
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -18,22 +17,23 @@ import torch
 from torch import nn
 
 from .batches import LABELS, BatchForm, loader_item, model_loss
-from .checks import (Checked, check_compile, check_tie_devices, check_toolchain, check_units,  # noqa: F401
-                     recompute_per_stage)  # (check_compile: tests/test_compile.py imports it from here)
+from .checks import (check_compile, check_tie_devices, check_toolchain,  # noqa: F401
+                     check_units)  # (check_compile: tests/test_compile.py imports it from here)
 from .config import PipelineConfig
 from .graph_split import TracedModel, trace
-from .partition import plan_time_partition
+from .methods import Method
+from .partition import plan_partition, plan_time_partition
 from .profile import profile_model
 from .runtime.build import build_stages, split_for
-from .runtime.spec import RunSpec, resolve
+from .runtime.spec import RunSpec
 from .runtime.stage import Stage
-from .runtime.tensor_parallel import resolve_plan
+from .tensor_plan import resolve_plan
 from .world import World
 
 
 @dataclass
 class PreparedModel:
-    """The resolved run and the model cut into stage modules (over the Pipeline's own copy)."""
+    """The model cut into stage modules (over the Pipeline's own copy), and the run with its cut."""
 
     spec: RunSpec
     parts: List[nn.Module]              #: one module per stage, sharing the copy's parameters
@@ -49,41 +49,35 @@ def needs_example(model: nn.Module, partitioner: Optional[str]) -> bool:
     return not isinstance(model, nn.Sequential) or partitioner == "time"
 
 
-def prepare(model: nn.Module, example: Any, config: PipelineConfig, checked: Checked, *,
+def prepare(model: nn.Module, example: Any, config: PipelineConfig, method: Method, spec: RunSpec, *,
             agree: Callable[[Any, str], Any] = lambda value, what: value, late: Optional[str] = None) -> PreparedModel:
-    """Resolve the run and cut ``model`` (the Pipeline's copy, whose parameters the stages will
-    train) into stages, with the options ``config`` and what their checks settled (``checked``:
-    the method, the layout). ``example`` is an input mini-batch (needed for a traced model and for
-    ``partitioner="time"``; None otherwise). ``agree(value, what)`` gives every process rank 0's
-    value (a partition from a profile, which would differ between processes). ``late``: the
-    keyword input of ``example`` the last stage takes (the labels of a model that computes its
-    own loss). What only the trace shows is refused here, naming the fix."""
-    method, layout = checked.method, checked.layout
+    """Cut ``model`` (the Pipeline's copy, whose parameters the stages will train) into the
+    stages of ``spec``, the run the checks resolved from ``config`` (whose ``partition``,
+    ``split_points`` and ``partitioner`` say how). ``example`` is an input mini-batch (needed for
+    a traced model and for ``partitioner="time"``; None otherwise). ``agree(value, what)`` gives
+    every process rank 0's value (a partition from a profile, which would differ between
+    processes). ``late``: the keyword input of ``example`` the last stage takes (the labels of a
+    model that computes its own loss). What only the trace shows is refused here, naming the fix."""
     timed = config.partitioner == "time" and config.partition is None and method.name != "sequential"
-    given = dict(method=method, partitioner="uniform" if config.partitioner == "time" else config.partitioner,
-                 micro_batches=config.micro_batches, method_options=config.method_options)
+    per_rank = method.pieces_per_rank(spec.chunks)  # model pieces per rank (a chunked method's several)
     if isinstance(model, nn.Sequential):
         sizes = config.partition
         if timed:
-            pieces = layout.stages * method.pieces_per_rank(layout.chunks)
-            sizes = agree(_time_sizes(model, example, pieces), "agreeing on the partition")
-        spec = resolve(model, stages=layout.stages, partition=sizes, chunks=config.chunks, layout=layout, **given)
+            sizes = agree(_time_sizes(model, example, spec.ranks * per_rank), "agreeing on the partition")
+        spec = spec.cut(_cut(model, method, spec.ranks * per_rank, config.partitioner, sizes))
         return PreparedModel(spec, split_for(method, model, spec.partition))
     traced = trace(model, example, late)
     if late is not None:
         model_loss(traced.output_example())  # refused now, on every process, if it holds no loss
     units = traced.unit_modules()
-    per_rank = method.pieces_per_rank(layout.chunks)  # model pieces per rank (a chunked method's several)
-    stages = layout.stages
     if config.split_points is not None:
         sizes: Optional[List[int]] = traced.sizes_for_points(list(config.split_points))
     else:
         sizes = list(config.partition) if config.partition is not None else None
-        check_units(model, traced.units, traced.candidates, stages, method, per_rank)
+        check_units(model, traced.units, traced.candidates, spec.ranks, method, per_rank)
         if sizes is None and timed:
-            sizes = agree(_time_sizes(units, example, stages * per_rank), "agreeing on the partition")
-    stages = stages if sizes is None else len(sizes) // per_rank
-    spec = resolve(units, stages=stages, partition=sizes, layout=dataclasses.replace(layout, stages=stages), **given)
+            sizes = agree(_time_sizes(units, example, spec.ranks * per_rank), "agreeing on the partition")
+    spec = spec.cut(_cut(units, method, spec.ranks * per_rank, config.partitioner, sizes))
     pieces = spec.partition[:len(spec.partition) // 2] if method.mirrored else spec.partition
     parts = traced.stage_modules(pieces)
     if method.mirrored:  # the second pipeline's stages: copies of the pieces (one copy: tied as the originals)
@@ -94,6 +88,17 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, checked: Che
         prepared.tied_names[id(param)] = [name for name, p in model.named_parameters(remove_duplicate=False)
                                           if p is param]
     return prepared
+
+
+def _cut(units: nn.Sequential, method: Method, pieces: int, partitioner: str,
+         partition: Optional[Sequence[int]]) -> List[int]:
+    """The layers of each stage: ``partition`` (given, or from a profile), else ``partitioner``'s
+    cut of ``units`` into ``pieces``; one stage of every layer for sequential; a mirrored
+    method's pieces listed twice (its second pipeline's stages are replicas of them)."""
+    if method.name == "sequential":
+        return [len(units)]
+    sizes = plan_partition(units, pieces, "uniform" if partitioner == "time" else partitioner, partition)
+    return list(sizes) * (2 if method.mirrored else 1)
 
 
 def _time_sizes(units: nn.Sequential, example: Any, stages: int) -> List[int]:
@@ -120,24 +125,24 @@ def first_inputs(loader: Iterable, form: BatchForm) -> Any:
 
 @dataclass
 class BuiltStages:
-    """What :func:`build_model_stages` made (``stages``: this process's; the rest per stage)."""
+    """What :func:`build_model_stages` made (``stages``: this process's; the rest per stage), and
+    the run with its cut."""
 
     spec: RunSpec
     stages: List[Stage]
     devices: List[torch.device]
     placement: List[int]
-    recompute: List[bool]
     split_points: Optional[List[str]]
     eval_mode: "EvalMode"
 
 
-def build_model_stages(world: World, model: nn.Module, example: Any, config: PipelineConfig,
-                       checked: Checked) -> BuiltStages:
-    """Split ``model`` (the Pipeline's copy) in the layout the checks settled, build the stages
-    this process holds on their devices, each with the run's options whole, and connect them."""
-    method, replicas = checked.method, checked.layout.replicas
-    prepared = prepare(model, example, config, checked, agree=world.agree,
-                       late=LABELS if config.loss_fn is None else None)
+def build_model_stages(world: World, model: nn.Module, example: Any, config: PipelineConfig, method: Method,
+                       spec: RunSpec) -> BuiltStages:
+    """Split ``model`` (the Pipeline's copy) into the stages of ``spec``, the run the checks
+    resolved, build the stages this process holds on their devices, and connect them."""
+    replicas = spec.layout.replicas
+    prepared = prepare(model, example, config, method, spec, agree=world.agree,
+                       late=LABELS if spec.own_loss else None)
     spec = prepared.spec
     chose = config.partition is None and config.split_points is None and method.name != "sequential"
     if config.partitioner == "time" and chose and world.rank == 0:
@@ -147,24 +152,23 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
         print(f"pipeoptim: partitioner='time' cut {type(model).__name__} into {spec.stages} stages: "
               f"give Pipeline({given}) to use this cut again", file=sys.stderr, flush=True)
     devices = world.place(config.devices, spec.stages)
-    check_toolchain(checked.backend, devices)
+    check_toolchain(spec.backend, devices)
     described = "; ".join(f"parameter {' = '.join(prepared.tied_names[key])} is read by stages "
                           f"{', '.join(map(str, holders))}" for key, holders in prepared.ties.items())
     check_tie_devices(prepared.ties, described, devices, local=world.processes == 1)
     placement = method.stage_ranks(spec.ranks, spec.chunks)  # the rank of each stage
     rank = world.own_rank(spec.ranks)
     only = None if rank is None else [k for k, r in enumerate(placement) if r == rank]
-    recompute = recompute_per_stage(config.recompute, spec.stages)
     stages = build_stages(model, spec.partition, method, spec.options, config.optimizer, config.loss_fn or model_loss,
-                          config=config, lr_scheduler=config.lr_scheduler, precision=config.precision,
-                          clip_grad_norm=config.clip_grad_norm if checked.clip_scope == "stage" else None,
-                          devices=devices, only=only, parts=prepared.parts, ties=prepared.ties, recompute=recompute,
+                          lr_scheduler=config.lr_scheduler, run=spec,
+                          devices=devices, only=only, parts=prepared.parts, ties=prepared.ties,
                           shards=world.stage_shards(spec.ranks, replicas, method.synchronous)
-                          if config.shard_replicas else None, compile=checked.backend,
+                          if config.shard_replicas else None,
+                          replica_sync=world.replica_sync(spec.ranks, replicas, config.shard_replicas),
                           tensors=tensor_split(world, model, config, spec.ranks, replicas)
-                          if checked.layout.tensor > 1 else None)
+                          if spec.layout.tensor > 1 else None)
     world.connect(stages, replicas, placement=placement)
-    return BuiltStages(spec, stages, devices, placement, recompute, prepared.split_points,
+    return BuiltStages(spec, stages, devices, placement, prepared.split_points,
                        EvalMode(model, prepared.traced, spec.partition, stages))
 
 
@@ -197,7 +201,6 @@ class EvalMode:
         self.model.eval()
         for stage in self.stages:  # a sharded stage's module is a copy of the model's layers
             stage.module.eval()
-        swapped = []
         try:
             with contextlib.ExitStack() as filled:
                 if self.traced is not None:
@@ -206,12 +209,9 @@ class EvalMode:
                             filled.enter_context(stage.copied.filled())
                     parts = self._parts()
                     for stage in self.stages:
-                        swapped.append((stage, stage.module))
-                        stage.module = parts[stage.index]
+                        filled.enter_context(stage.running(parts[stage.index]))
                 yield
         finally:
-            for stage, module in swapped:
-                stage.module = module
             for stage in self.stages:
                 stage.module.train(was_training)
             self.model.train(was_training)

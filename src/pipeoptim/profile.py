@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .compat import tensor_leaves, tree_map_tensors
 from .partition import slices
 from .runtime.build import StageParameters
 
@@ -150,48 +151,24 @@ class ModelProfile:
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def tensors_of(value: Activation) -> List[torch.Tensor]:
-    """The tensors of an activation (a tensor, or a tuple/list of tensors and other things; a
-    dict of keyword inputs)."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_of(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_of(v)]
-    return []
-
-
 def nbytes(value: Activation) -> int:
     """Bytes of the tensors of an activation: ``sum(numel * element_size)``."""
-    return sum(t.numel() * t.element_size() for t in tensors_of(value))
-
-
-def _mapped(value: Activation, fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
-    """``value`` with ``fn`` applied to each of its tensors (in tuples, lists and dicts)."""
-    if torch.is_tensor(value):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        items = [_mapped(v, fn) for v in value]
-        return tuple(items) if isinstance(value, tuple) else items
-    if isinstance(value, dict):
-        return {k: _mapped(v, fn) for k, v in value.items()}
-    return value
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(value))
 
 
 def on_device(value: Activation, device: torch.device) -> Activation:
     """A copy on ``device`` with storage of its own (a slice of a bigger tensor would make the
     saved-bytes count see the whole storage)."""
-    return _mapped(value, lambda t: t.detach().to(device).clone())
+    return tree_map_tensors(lambda t: t.detach().to(device).clone(), value)
 
 
 def _leaf(value: Activation) -> Activation:
     """A detached copy of the activation whose floating tensors collect gradients."""
-    return _mapped(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t.detach())
+    return tree_map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), value)
 
 
 def detached(value: Activation) -> Activation:
-    return _mapped(value, lambda t: t.detach())
+    return tree_map_tensors(lambda t: t.detach(), value)
 
 
 def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
@@ -209,6 +186,11 @@ class Clock:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        """The clock's seconds once the device's queued work is done."""
+        self.sync()
+        return time.perf_counter()
 
     def time(self, fn: Callable[[], Any]) -> Tuple[float, Any]:
         self.sync()
@@ -235,8 +217,8 @@ def _saved_tensor_bytes(layer: nn.Module, inputs: Activation) -> Tuple[int, int,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.enable_grad():
             output = layer(inputs)
-    in_keys = {_storage_key(t) for t in tensors_of(inputs)}
-    out_keys = {_storage_key(t) for t in tensors_of(output)}
+    in_keys = {_storage_key(t) for t in tensor_leaves(inputs)}
+    out_keys = {_storage_key(t) for t in tensor_leaves(output)}
     total = sum(saved.values())
     shared_in = sum(b for k, b in saved.items() if k in in_keys)
     shared_out = sum(b for k, b in saved.items() if k in out_keys)
@@ -292,8 +274,8 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
     generator = torch.Generator().manual_seed(seed)
     work = copy.deepcopy(model).to(dev)
     work.train()
-    x = on_device(detached(sample), dev)
-    first = tensors_of(x)
+    x = on_device(sample, dev)
+    first = tensor_leaves(x)
     if not first:
         raise ValueError("the sample batch holds no tensor")
     batch = int(first[0].shape[0]) if first[0].dim() > 0 else 1
@@ -314,11 +296,11 @@ def profile_model(model: nn.Sequential, sample: Activation, *, device: str = "cp
         def backward() -> float:
             with torch.enable_grad():
                 fresh = layer(_leaf_or_data(x))
-            fresh_outs = [t for t in tensors_of(fresh) if t.requires_grad]
+            fresh_outs = [t for t in tensor_leaves(fresh) if t.requires_grad]
             return clock.time(lambda: torch.autograd.backward(fresh_outs, grads))[0]
 
         forward_times = _timed_runs(forward, runs, warmup)
-        outs = [t for t in tensors_of(output) if t.requires_grad]  # a random gradient for each
+        outs = [t for t in tensor_leaves(output) if t.requires_grad]  # a random gradient for each
         grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outs]
         backward_times = _timed_runs(backward, runs, warmup) if outs else []
 

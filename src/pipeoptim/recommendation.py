@@ -142,7 +142,7 @@ def time_in_code(methods: List[str]) -> str:
     """How to measure ``methods``' speed on a model of your own (variant names, as
     :func:`pipeoptim.methods.split_variant` reads them)."""
     return (f"time Pipeline({_call(methods[0])}) and Pipeline({_call(methods[-1])}) on your model under "
-            f"torchrun, one process per stage")
+            f"torchrun, one process per pipeline rank")
 
 
 def try_in_code(methods: List[str]) -> str:

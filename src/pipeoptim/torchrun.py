@@ -1,13 +1,14 @@
-"""The Pipeline under torchrun: one stage per process.
+"""The Pipeline under torchrun: one pipeline rank per process, holding its stage (or its chunks' stages).
 
 Ranks, replicas and what every rank reads: (docs/architecture.md, "The Pipeline under
 torchrun"). This world is chosen also where a process group is already initialised: gloo on the
 CPU (one compute thread per process unless the user says otherwise), NCCL on
 ``cuda:LOCAL_RANK``, a timeout on every group and every wait; the same script runs unchanged
-with ``python script.py``. :class:`Torchrun` implements the same methods as ``LocalWorld``
-(:mod:`pipeoptim.world`), so the Pipeline never asks which world it has. A Pipeline that starts
-the process group also installs :mod:`pipeoptim.runtime.lifecycle`'s guards (a signal ends the
-process at once with one line, also while it waits on a peer, and so does the agent's death)."""
+with ``python script.py``. :class:`Torchrun` derives from :class:`~pipeoptim.world.World`, the
+one-process case, and overrides what differs, so the Pipeline never asks which world it has. A
+Pipeline that starts the process group also installs :mod:`pipeoptim.runtime.lifecycle`'s guards
+(a signal ends the process at once with one line, also while it waits on a peer, and so does the
+agent's death)."""
 from __future__ import annotations
 
 import atexit
@@ -16,7 +17,7 @@ import gc
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,9 @@ from .methods import Method
 from .runtime.averaging import GradientAverager
 from .runtime.control import PROCESS_JOBS, broadcast, gather_all, gather_tensors, in_stage_order, init_process_group
 from .runtime.defaults import DEFAULT_TIMEOUT
-from .runtime.distributed import DistributedExecutor
-from .runtime.forward_only import ForwardOnly, PipelinedModel, Weight, samples, scored_forward
+from .runtime.distributed import DistributedExecutor, ForwardTransport
+from .runtime.executor import Executor
+from .runtime.forward_only import ForwardOnly, PipelinedModel
 from .runtime.layout import Layout, plan_layout
 from .runtime.lifecycle import guard
 from .runtime.replicas import replica_pair_groups
@@ -39,7 +41,8 @@ from .runtime.tensor_parallel import StageTensors
 from .runtime.tied import TieRound, connect_exchanges
 from .runtime.transport import PipeComm
 from .runtime.wire import PipelineCommError, reason
-from .world import whole_model
+from .schedules.fill import forward_alone
+from .world import World, whole_model
 
 
 def world_size() -> int:
@@ -61,9 +64,10 @@ def after_stop() -> str:
 
 
 def process_device(devices: Any) -> str:
-    """``devices`` of a Pipeline under torchrun, as the kind of device of this process."""
+    """``devices`` of a Pipeline under torchrun, as the kind of device of this process (refused
+    here, not in ``checks.py``: the job is joined on that device before the run is checked)."""
     if isinstance(devices, (list, tuple)):
-        raise ValueError("under torchrun each process runs one stage on its own device: give "
+        raise ValueError("under torchrun each process runs its rank's stages on its own device: give "
                          "devices='auto', 'cpu' or 'cuda' (stage k takes cuda:LOCAL_RANK), not a list")
     name = str(devices)
     if name == "auto":
@@ -74,7 +78,7 @@ def process_device(devices: Any) -> str:
 
 
 @dataclass
-class Torchrun:
+class Torchrun(World):
     """This process's place in a torchrun job running one Pipeline: its rank in the pipeline
     (the stages placed there), its replica and the links.
 
@@ -86,7 +90,7 @@ class Torchrun:
     ``r // N``.
     """
 
-    rank: int
+    rank: int = field()  # (no default: the field() keeps World's rank, 0, from being taken for one)
     world: int
     device: torch.device
     timeout: float
@@ -118,8 +122,6 @@ class Torchrun:
         world = world_size()
         if world <= 1:
             return None
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
         kind = process_device(devices)
         if not dist.is_initialized():
             # before the process group starts its threads, so that they inherit the blocked
@@ -188,7 +190,7 @@ class Torchrun:
             del made, comm, averager
             gc.collect()  # groups held in reference cycles die now too, not at finalization
 
-    # -- the World interface (pipeoptim.world) --------------------------------------------------
+    # -- what differs from World's one process ----------------------------------------------------
     losses_at_drain = True  #: the losses are checked and reported at each drain, on every rank at once
 
     @property
@@ -237,10 +239,6 @@ class Torchrun:
             own, pipelines = self._replica_groups(count, replicas)
             self.comm = PipeComm(own, device=self.device, timeout=self.timeout, pipelines=pipelines,
                                  placement=placement, chain_starts=starts)
-        if replicas > 1 and stages[0].shards is None:  # this stage's gradients, averaged over its replicas
-            self._averager = GradientAverager(self.stage_group, replicas, self.timeout)
-        for stage in stages:  # a sharded stage's gradients: FSDP's reductions (runtime/sharding.py)
-            stage.grad_sync = self._averager if stage.shards is None else stage.shards
         if stages[0].tied is not None:
             self._connect_ties(stages, count, replicas)
         if self.mirrored:
@@ -273,7 +271,7 @@ class Torchrun:
         read one tensor: the group joins each holder's process once, and there the first holder
         sums and receives for all (with several stages here,
         all ties together: runtime/tied.py's ``TieRound``); a tie whose holders are all in one
-        process needs none. With an asynchronous method (one stage per process), the 2-rank
+        process needs none. With an asynchronous method (one stage per rank), the 2-rank
         groups its values and gradients travel on per micro-batch, in each replica
         (``runtime/tied.connect_exchanges``)."""
         views = [stage.tied for stage in own]
@@ -316,6 +314,15 @@ class Torchrun:
                         if self.rank in ranks:
                             self.stage_group = made
         return self._pipeline_group, pipelines
+
+    def replica_sync(self, stages: int, replicas: int, sharded: bool) -> Optional[GradientAverager]:
+        """What averages the gradients of this rank's stages over their replicas, made with the
+        groups now, before the stages are built (None: one replica, or sharded: FSDP reduces)."""
+        if replicas == 1 or sharded:
+            return None
+        self._replica_groups(stages, replicas)
+        self._averager = GradientAverager(self.stage_group, replicas, self.timeout)
+        return self._averager
 
     def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], StageShards]:
         """What shards each stage this rank builds over its replicas (``shard_replicas``): the
@@ -376,6 +383,14 @@ class Torchrun:
                                    replica_groups=self.replica_groups if self.mirrored else None,
                                    forward_only=forward_only)
 
+    def forward_executor(self, stages: List[Stage], work: ForwardOnly) -> Executor:
+        """Forward-only work alone over this process's ``stages`` (the model's), the others' over
+        the links (:class:`ForwardTransport`): a bidirectional run's first pipeline."""
+        last = self.last_model_stage
+        transport = ForwardTransport(self.comm, (lambda boundary, j: boundary < last) if self.mirrored else None)
+        return Executor(stages, transport, lambda n: forward_alone(self.placement, last, n),
+                        ranks=[self.comm.rank], forward_only=work)
+
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
         raise RuntimeError("forward() runs the stages of one process; under torchrun use "
                            "evaluate(loader, metric) or model()")
@@ -398,7 +413,8 @@ class Torchrun:
         serve them: ``runtime/forward_only.PipelinedModel``); its value reaches every rank of the
         replica. Nothing of the model is gathered or copied."""
         with torch.no_grad(), evaluating():
-            pipelined = PipelinedModel(self.comm, stages, self.last_model_stage, self.last_rank, self.mirrored)
+            pipelined = PipelinedModel(self.comm, stages, self.last_rank,
+                                       lambda work: self.forward_executor(stages, work))
             return pipelined.run(evaluate) if self.is_last else pipelined.serve()
 
     def comm_stats(self) -> Dict[str, Dict[str, float]]:
@@ -503,12 +519,9 @@ class Torchrun:
                                     f"({self.timeout:g} s): {reason(error)}") from error
         return values
 
-    # -- a pipelined forward ------------------------------------------------------------------
-    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
-        """Forward only, stage by stage across the processes; the mean of ``score`` over the
-        samples (each mini-batch weighing ``weight(inputs, target)``), on every rank."""
-        summed, count = scored_forward(self.comm, stages, loader, score, self.last_model_stage, self.mirrored,
-                                       weight=weight)
+    # -- an evaluation's value -----------------------------------------------------------------
+    def shared_mean(self, summed: float, count: int) -> float:
+        """The last stage's process's evaluation (the mean over the replicas), on every rank."""
         total = 0.0
         if self.is_last:
             summed, count = self._replica_mean([summed, float(count)], "averaging the evaluation over the replicas")

@@ -1,6 +1,6 @@
 """``pipeoptim.train(model, batches, method=..., ...)``: the one-call form of
 :class:`~pipeoptim.pipeline.Pipeline`, ``Pipeline(model, **options).fit(batches, ...)`` and
-nothing else (a script started under torchrun runs one stage per process, as the Pipeline
+nothing else (a script started under torchrun runs one pipeline rank per process, as the Pipeline
 does). The caller's model is never modified; the trained copy comes back in the result.
 """
 from __future__ import annotations

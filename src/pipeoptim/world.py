@@ -1,14 +1,15 @@
 """Where a Pipeline's stages run: the one interface of the local and the torchrun case.
 
 A :class:`~pipeoptim.pipeline.Pipeline` never asks which case it is in. It asks its *world*:
-how many stages and replicas the job makes, which stage this process builds, which executor
-runs a segment, how the losses of a segment reach every rank, how a value of one stage or of
-every stage reaches every rank, how the model is evaluated, and when the world ends.
-:class:`LocalWorld` holds every stage in this process (one or several devices);
-:class:`~pipeoptim.torchrun.Torchrun` one stage per process, sharing over the pipeline's control
-group. :func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the world's
-``everyone`` and ``checkpoint_group`` (docs/architecture.md, "The Pipeline under torchrun"); the
-manifest is written once every process's part of the checkpoint is complete."""
+how many stages and replicas the job makes, which stages this process builds, which executor
+runs a segment or forward-only work alone, how the losses of a segment reach every rank, how a
+value of one stage or of every stage reaches every rank, how the model is evaluated, and when
+the world ends. :class:`World` is the one-process case (:class:`LocalWorld` by name): every
+stage in this process (one or several devices); :class:`~pipeoptim.torchrun.Torchrun` derives
+from it, each process holding its rank's stages and sharing over the pipeline's control group.
+:func:`save_checkpoint` and :func:`load_checkpoint` serve both, on the world's ``everyone`` and
+``checkpoint_group`` (docs/architecture.md, "The Pipeline under torchrun"); the manifest is
+written once every process's part of the checkpoint is complete."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
@@ -28,96 +29,18 @@ from .errors import CheckpointError
 from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
-from .runtime.forward_only import ForwardOnly, Weight, run_stage, samples, scored_forward
+from .runtime.forward_only import NO_BATCHES, ForwardOnly, Weight, samples
 from .runtime.executor import Executor, Mailbox
+from .runtime.interfaces import GradientSync
 from .runtime.segment import ScheduleFor
 from .runtime.sharding import released
 from .runtime.spec import RESUME_MATCHES
 from .runtime.stage import Stage
+from .schedules.fill import forward_alone
 from .runtime.values import to_device
 
 DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
 T = TypeVar("T")
-
-
-class World(Protocol):
-    """What a Pipeline needs from the place its stages run (see the module's docstring)."""
-
-    rank: int              #: this process's rank in the job (0 in one process)
-    replica: int           #: which replica of the pipeline this process belongs to
-    replicas: int          #: replicas of the pipeline (1 without data parallelism)
-    processes: int         #: processes of the job (1 in one process)
-    #: True where the losses are checked and reported at each drain, on every rank at once
-    #: (:meth:`share_losses`); False where they are reported as each completes
-    losses_at_drain: bool
-    #: this process's completed losses are a part of each window's (a bidirectional run's last rank
-    #: of one pipeline: its halves; with replicas: its replica's): kept for the drain, whose
-    #: shared losses every rank returns, never returned by step()
-    partial_losses: bool
-
-    def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
-               chunks: Optional[int], data_parallel: Optional[int], tensor_parallel: int = 1) -> Layout:
-        """The run's layout in this world (:func:`~pipeoptim.runtime.layout.plan_layout`), or a refusal."""
-
-    def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
-        """The device of each stage (the ones this process does not hold: its own device)."""
-
-    def own_rank(self, ranks: int) -> Optional[int]:
-        """This process's rank in its pipeline of ``ranks`` (None: it builds every stage)."""
-
-    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
-        """Make the links between the stages (and the replicas), every rank at the same point;
-        ``placement``: the pipeline rank of each stage (default: stage k on rank k)."""
-
-    def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
-                 trace_offset: int, clip_global: Optional[float]) -> Any:
-        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` /
-        ``take_completed``); also takes ``forward_only=`` (``runtime/forward_only.ForwardOnly``)."""
-
-    def agree(self, value: T, what: str) -> T:
-        """Rank 0's ``value`` on every rank of the job, before the stages are connected (a
-        choice each rank would make differently, such as a partition from a profile)."""
-
-    def share_losses(self, losses: List[float]) -> List[float]:
-        """A drained segment's losses as every rank must record them."""
-
-    def replica_total(self, value: int, what: str) -> int:
-        """The sum of ``value`` over this process's stage's replicas (each replica's own count)."""
-
-    def share(self, value: T, src: int, what: str) -> T:
-        """Stage ``src``'s ``value`` on every rank (``what``: the step, for errors)."""
-
-    def all_stages(self, own: List[T], what: str) -> List[T]:
-        """One value per stage, in stage order, on every rank; ``own`` holds this process's stages'."""
-
-    def everyone(self, value: T, what: str) -> List[T]:
-        """Every process's ``value``, in rank order, on every process of the job (every replica's too)."""
-
-    def checkpoint_group(self, background: bool = False) -> Any:
-        """The process group a checkpoint is written and read over (None: this process alone);
-        ``background``: another one, for the writes that go on beside training."""
-
-    def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
-        """The mean of ``score(output, target)`` over the samples of ``loader`` (each mini-batch
-        weighing ``weight(inputs, target)``), on every rank."""
-
-    def forward(self, stages: List[Stage], inputs: Any) -> Any:
-        """The output of the whole model for ``inputs`` (one process only)."""
-
-    def gather_model(self, model: nn.Module, stages: List[Stage], device: torch.device) -> nn.Module:
-        """The trained model whole on ``device``, every stage's live weights in it
-        (:func:`whole_model`; ``model``: this process's copy of the whole, built over)."""
-
-    def evaluate_model(self, model: nn.Module, stages: List[Stage], evaluate: Callable[[nn.Module], float],
-                       evaluating: Callable[[], Any]) -> float:
-        """``evaluate(the trained model)``, measured once and shared with every rank
-        (``evaluating()``: the context in which the stages run as the model in eval mode)."""
-
-    def comm_stats(self) -> Dict[str, Dict[str, float]]:
-        """This process's messages to its neighbours so far: per link, bytes and seconds waited."""
-
-    def close(self) -> None:
-        """End this process's part of the job (a second call does nothing)."""
 
 
 class OnStageDevices(nn.Module):
@@ -187,7 +110,9 @@ def whole_model(model: nn.Module, device: torch.device,
 def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
     """One device per stage. ``"auto"``: ``cuda:0..N-1`` when N GPUs are visible, the GPUs in
     contiguous blocks when fewer are (stage k on ``cuda:k*G//N``), else the CPU. One device
-    (``"cpu"``, ``"cuda:1"``) puts every stage there; a list gives stage k ``devices[k]``."""
+    (``"cpu"``, ``"cuda:1"``) puts every stage there; a list gives stage k ``devices[k]``.
+    Its refusals live here, not in ``checks.py``: they need the machine's devices and the cut's
+    stage count, known when the stages are placed."""
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if isinstance(devices, str) and devices == "auto":
         if visible == 0:
@@ -214,88 +139,155 @@ def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
     return [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in chosen]
 
 
-class LocalWorld:
-    """Every stage in this process: the executor runs them all, every value is already here."""
+class World:
+    """What a Pipeline needs from the place its stages run (see the module's docstring), with the
+    one-process case as its behaviour: every stage in this process (on one device or several),
+    every value already here. :class:`~pipeoptim.torchrun.Torchrun` overrides what differs."""
 
-    rank, replica, replicas, processes = 0, 0, 1, 1
+    rank = 0               #: this process's rank in the job (0 in one process)
+    replica = 0            #: which replica of the pipeline this process belongs to
+    replicas = 1           #: replicas of the pipeline (1 without data parallelism)
+    processes = 1          #: processes of the job (1 in one process)
+    #: True where the losses are checked and reported at each drain, on every rank at once
+    #: (:meth:`share_losses`); False where they are reported as each completes
     losses_at_drain = False
+    #: this process's completed losses are a part of each window's (a bidirectional run's last rank
+    #: of one pipeline: its halves; with replicas: its replica's): kept for the drain, whose
+    #: shared losses every rank returns, never returned by step()
     partial_losses = False
+    #: forward-only work (an evaluation) can run in a synchronous segment's bubbles (one replica)
+    fills_bubbles = True
 
     def layout(self, method: Method, stages: Optional[int], partition: Optional[Sequence[int]],
                chunks: Optional[int], data_parallel: Optional[int], tensor_parallel: int = 1) -> Layout:
-        if tensor_parallel != 1:
-            raise ValueError(f"tensor_parallel={tensor_parallel} splits each stage over {tensor_parallel} processes: "
-                             f"launch with torchrun, N x D x {tensor_parallel} processes (e.g. torchrun "
-                             f"--nproc-per-node {2 * tensor_parallel} for 2 stages), or drop tensor_parallel")
-        if data_parallel not in (None, 1):
-            raise ValueError(f"data_parallel={data_parallel} needs torchrun with N x {data_parallel} "
-                             f"processes (one per stage of each replica)")
+        """The run's layout in this world (:func:`~pipeoptim.runtime.layout.plan_layout`; one
+        process: no replicas, no tensor ranks, refused before by ``checks.check_one_process``)."""
         return plan_layout(method, stages=stages, partition=partition, chunks=chunks)
 
     def place(self, devices: DeviceSpec, stages: int) -> List[torch.device]:
+        """The device of each stage (the ones this process does not hold: its own device)."""
         return resolve_devices(devices, stages)
 
     def own_rank(self, ranks: int) -> Optional[int]:
+        """This process's rank in its pipeline of ``ranks`` (None: it builds every stage)."""
         return None
 
-    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
-        pass  # the stages hand their values over in memory
+    def replica_sync(self, stages: int, replicas: int, sharded: bool) -> Optional[GradientSync]:
+        """What averages the gradients of this process's stages over their replicas (None: one
+        replica, as in one process, or sharded: FSDP reduces them)."""
+        return None
 
-    #: runs forward-only work (an evaluation) in a synchronous segment's bubbles
-    fills_bubbles = True
+    def stage_shards(self, stages: int, replicas: int, synchronous: bool) -> Callable[[], Any]:
+        """What shards each stage this process builds over its replicas (``shard_replicas``)."""
+        raise ValueError("shard_replicas shards each stage over its replicas' processes: launch with torchrun")
+
+    def stage_tensors(self, stages: int, replicas: int, plan: Dict[str, Any], kinds: Dict[str, str],
+                      names: Dict[int, List[str]]) -> Callable[[], Any]:
+        """What splits each stage this process builds over its tensor ranks (``tensor_parallel``)."""
+        raise ValueError("tensor_parallel splits each stage over processes: launch with torchrun")
+
+    def connect(self, stages: List[Stage], replicas: int, placement: Optional[List[int]] = None) -> None:
+        """Make the links between the stages (and the replicas), every rank at the same point;
+        ``placement``: the pipeline rank of each stage (default: stage k on rank k). Here the
+        stages hand their values over in memory."""
 
     def executor(self, stages: List[Stage], schedule_for: ScheduleFor, *, expected: Optional[int],
                  trace_offset: int, clip_global: Optional[float],
                  forward_only: Optional[ForwardOnly] = None) -> Executor:
+        """A new executor of one segment over ``stages`` (``feed`` / ``finish`` /
+        ``take_completed``), with the forward-only work its schedule's E actions run."""
         return Executor(stages, Mailbox(), schedule_for, expected=expected, trace_offset=trace_offset,
                         clip_global=clip_global, forward_only=forward_only)
 
+    def forward_executor(self, stages: List[Stage], work: ForwardOnly) -> Executor:
+        """A new executor of forward-only ``work`` alone over ``stages`` (the model's, once), on a
+        drained pipeline (``Executor.feed_forward_only``): here every stage on one rank."""
+        one_rank = [0] * stages[0].num_stages
+        return Executor(stages, Mailbox(), lambda n: forward_alone(one_rank, stages[-1].index, n), forward_only=work)
+
+    def run_alone(self, stages: List[Stage], work: ForwardOnly, items: Iterable[Tuple[Any, Any]]) -> None:
+        """``work`` alone on the drained pipeline: each of ``items``, an ``(inputs, target)``
+        pair, through ``stages`` as it is read (a loader is never held whole)."""
+        executor = self.forward_executor(stages, work)
+        for inputs, target in items:
+            executor.feed_forward_only(inputs, target)
+        executor.finish()
+        if not len(work):
+            raise ValueError(NO_BATCHES)
+
     def agree(self, value: T, what: str) -> T:
+        """Rank 0's ``value`` on every rank of the job, before the stages are connected (a
+        choice each rank would make differently, such as a partition from a profile)."""
         return value
 
     def share_losses(self, losses: List[float]) -> List[float]:
+        """A drained segment's losses as every rank must record them."""
         return losses
 
     def replica_total(self, value: int, what: str) -> int:
+        """The sum of ``value`` over this process's stage's replicas (each replica's own count)."""
         return value
 
     def share(self, value: T, src: int, what: str) -> T:
+        """Stage ``src``'s ``value`` on every rank (``what``: the step, for errors)."""
         return value
 
     def all_stages(self, own: List[T], what: str) -> List[T]:
+        """One value per stage, in stage order, on every rank; ``own`` holds this process's stages'."""
         return list(own)
 
     def everyone(self, value: T, what: str) -> List[T]:
+        """Every process's ``value``, in rank order, on every process of the job (every replica's too)."""
         return [value]
 
     def checkpoint_group(self, background: bool = False) -> Any:
+        """The process group a checkpoint is written and read over (None: this process alone);
+        ``background``: another one, for the writes that go on beside training."""
         return None
 
     def evaluate(self, stages: List[Stage], loader: Iterable, score: Callable, weight: Weight = samples) -> float:
-        summed, count = scored_forward(None, stages, loader, score, stages[-1].index, weight=weight)
+        """The mean of ``score(output, target)`` over the samples of ``loader`` (each mini-batch
+        weighing ``weight(inputs, target)``), on every rank: forward-only work alone."""
+        work = ForwardOnly(score=score, weight=weight)
+        self.run_alone(stages, work, loader)
+        return self.shared_mean(*work.scores.sums())
+
+    def shared_mean(self, summed: float, count: int) -> float:
+        """An evaluation's mean from the sum of its scores over ``count`` samples (where the
+        last stage scored it), on every rank."""
         return summed / count
 
     def forward(self, stages: List[Stage], inputs: Any) -> Any:
-        value = inputs
-        for stage in stages:
-            value = run_stage(stage, value)
-        return value
+        """The output of the whole model for ``inputs`` (one process only)."""
+        outputs: Dict[int, Any] = {}
+        self.run_alone(stages, ForwardOnly(on_output=outputs.__setitem__), [(inputs, None)])
+        return outputs[0]
 
     def gather_model(self, model: nn.Module, stages: List[Stage], device: torch.device) -> nn.Module:
+        """The trained model whole on ``device``, every stage's live weights in it
+        (:func:`whole_model`; ``model``: this process's copy of the whole, built over)."""
         return whole_model(model, device)  # the stages' modules are the model's own layers
 
     def evaluate_model(self, model: nn.Module, stages: List[Stage], evaluate: Callable[[nn.Module], float],
                        evaluating: Callable[[], Any]) -> float:
+        """``evaluate(the trained model)``, measured once and shared with every rank
+        (``evaluating()``: the context in which the stages run as the model in eval mode)."""
         on_cpu = all(stage.device.type == "cpu" for stage in stages)
         value = float(evaluate(model if on_cpu else OnStageDevices(model, stages)))
         model.train()
         return value
 
     def comm_stats(self) -> Dict[str, Dict[str, float]]:
+        """This process's messages to its neighbours so far: per link, bytes and seconds waited."""
         return {}
 
     def close(self) -> None:
-        pass
+        """End this process's part of the job (a second call does nothing)."""
+
+
+class LocalWorld(World):
+    """Every stage in this process: the executor runs them all, every value is already here
+    (:class:`World`'s own behaviour, by name)."""
 
 
 # -- the checkpoint of a run: one writer, one reader ------------------------------------------

@@ -15,7 +15,10 @@ from study.tests.helpers import mlp
 from study import study2_times
 from pipeoptim.throughput import profile_sizes, scaled_profile
 from pipeoptim.profile import LayerProfile, ModelProfile
-from pipeoptim.runtime.spec import resolve
+from pipeoptim.checks import check_run
+from pipeoptim.config import PipelineConfig
+from pipeoptim.methods import get_method
+from pipeoptim.runtime.layout import plan_layout
 
 ASYNC_1F1B = ("async-naive", "pipedream", "spectrain", "pipeoptim")  # one schedule, one micro-batch, no flush
 ALL = ["sequential", "gpipe", "1f1b-flush", "async-naive", "pipedream", "pipedream-2bw", "spectrain", "xpipe",
@@ -64,8 +67,8 @@ def test_methods_and_microbatches_are_the_studys(times_mod):
     model = mlp(depth=8)
     for n in (4, 8):
         for method in ALL:
-            spec = resolve(model, method=method, stages=n, partition=None, partitioner="uniform",
-                           micro_batches=None, method_options={})
+            meth = get_method(method)
+            spec = check_run(PipelineConfig.of(method=method, stages=n), model, meth, plan_layout(meth, stages=n))
             assert times_mod.study_microbatches(method, n) == spec.microbatches
     defaults = ("gpipe", "1f1b-flush", "pipedream-2bw", "xpipe", "pipeoptim")
     assert [times_mod.study_microbatches(m, 8) for m in defaults] == [8, 8, 8, 2, 1]

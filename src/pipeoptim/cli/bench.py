@@ -1,6 +1,6 @@
 """`pipeoptim bench`: the methods' throughput, measured under torchrun.
 
-One run starts one process per stage (torchrun on this machine, one compute thread each) and
+One run starts one process per pipeline rank (torchrun on this machine, one compute thread each) and
 times, inside the workers, every method in turn through ``pipeoptim.Pipeline`` (one stage per
 process, as a user's script under torchrun) on the same model, data and partition, beside
 the single-process ``sequential`` run of the same model on one device (on CPU: one thread,

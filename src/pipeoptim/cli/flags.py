@@ -32,7 +32,7 @@ GROUPS: Dict[str, Optional[str]] = {
     "optimizer": None,
     "precision and devices": None,
     "output": None,
-    "distributed runtime": "One process per stage of each replica (--runtime distributed). Without torchrun, "
+    "distributed runtime": "One process per pipeline rank of each replica (--runtime distributed). Without torchrun, "
                            "torchrun is started for you on this machine; under torchrun (torchrun "
                            "--nproc-per-node N -m pipeoptim train --runtime distributed ...) the world size is "
                            "the number of stages, times D with --data-parallel D. Several machines: run torchrun on each with --nnodes, --node-rank, "
@@ -99,15 +99,9 @@ def flag_help(option: Option, note: str = "") -> str:
     return text
 
 
-def method_choices(name: str) -> Optional[tuple]:
-    """The values the methods allow for their option ``name`` (None: any of its type)."""
-    allowed = [v for m in METHODS.values() for v in m.choices.get(name, ())]
-    return tuple(dict.fromkeys(allowed)) or None
-
-
 def add_flag(group: Any, option: Option, note: str = "") -> None:
-    """The option's flag in ``group``: its name, parser, choices (a method's option: the values
-    the methods allow), default and ``--help`` text (with the command's ``note``), stored under
+    """The option's flag in ``group``: its name, parser, choices (the flag's, else the option's),
+    default and ``--help`` text (with the command's ``note``), stored under
     the RunConfig field's name; a flag with a ``const`` takes its value optionally."""
     flag = option.flag
     dest = flag.config if flag.config and option.scope != "method" else option.name  # the RunConfig field
@@ -118,7 +112,7 @@ def add_flag(group: Any, option: Option, note: str = "") -> None:
         kwargs["type"] = TYPES[flag.type]
         if flag.const is not None:
             kwargs.update(nargs="?", const=flag.const)
-        choices = flag.choices or (method_choices(option.name) if option.scope == "method" else None)
+        choices = flag.choices or option.choices
         if choices:
             kwargs["choices"] = list(choices)
         if flag.metavar:

@@ -41,7 +41,7 @@ predicted more than --stages times faster than the sequential reference is one n
 give: it is flagged and not recommended. A chunked or mirrored method's pieces are timed as it
 runs them (several on a process, its backward in two halves); what waiting between several
 stages on a process costs is not simulated, so a plan that recommends one names the
-`pipeoptim bench` that measures it against the best method with one stage per process.
+`pipeoptim bench` that measures it against the best method with one stage per rank.
 
 Recommendation rule: by predicted time to a model as good as synchronous training's, not by
 samples per second alone. A candidate's time to target is its predicted seconds per mini-batch

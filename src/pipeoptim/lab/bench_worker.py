@@ -1,6 +1,6 @@
 """What `pipeoptim bench` runs inside its worker processes (one per stage, started by
 :func:`pipeoptim.lab.launcher.run_workers`): the ``blocks`` model, the data, and every method timed in
-turn through :class:`pipeoptim.Pipeline` (one stage per process, as a user's script under
+turn through :class:`pipeoptim.Pipeline` (one pipeline rank per process, as a user's script under
 torchrun) beside the single-process ``sequential`` baselines (a Pipeline of rank 0's own,
 ``LocalWorld``); rank 0 writes the results file that the command (:mod:`pipeoptim.cli.bench`)
 reads and prints.

@@ -74,7 +74,7 @@ LAB_OPTIONS: Tuple[Option, ...] = (
                 note="default: the task's recipe (warmup-cosine)")),
     Option("warmup_steps", "Optional[int]", None, "updates of linear warm-up (default: 5% of the updates for warmup-cosine, "
            "0 for step)", "lab", Flag("int", metavar="W", group=OPTIMIZER)),
-    Option("runtime", "str", "local", "local: all stages in this process; distributed: one process per stage "
+    Option("runtime", "str", "local", "local: all stages in this process; distributed: one process per pipeline rank "
            "(started with torchrun for you, or run under torchrun)", "lab",
            Flag(choices=("local", "distributed"), group="method", only="train", in_config=False)),
     Option("methods", "str", "sequential,gpipe,async-naive,pipedream,pipeoptim", "comma-separated method names", "cli",

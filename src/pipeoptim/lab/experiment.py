@@ -30,11 +30,10 @@ from .. import checks
 from ..methods import get_method
 from ..pipeline import Pipeline, TrainResult, resolve_devices
 from ..prepare import prepare
-from ..runtime.compiled import backend_of
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..runtime.layout import plan_layout
 from ..runtime.microbatch import batch_size as samples_in, split_batch
-from ..runtime.spec import RunSpec, resolve
+from ..runtime.spec import RunSpec
 from ..schedules import Costs, simulate
 from .config import RunConfig
 from .lr_schedules import make_lr_schedule
@@ -73,11 +72,11 @@ def check_tensor_planned(task: str, model: str, tensor: int, command: str = "tra
 def check_tensor_split(model: Any, tensor: int, name: str) -> None:
     """Refuse, with the fix, ``--tensor-parallel T`` where the plan of ``model`` (the command
     line's ``name``) cannot split over T, before any process starts: the Pipeline's own check
-    (``runtime/tensor_parallel.resolve_plan``: e.g. a T that does not divide a planned layer's
+    (``tensor_plan.resolve_plan``: e.g. a T that does not divide a planned layer's
     split dimension)."""
     if tensor == 1:
         return
-    from ..runtime.tensor_parallel import resolve_plan
+    from ..tensor_plan import resolve_plan
 
     try:
         resolve_plan(model, None, tensor)
@@ -94,8 +93,8 @@ def load_data(task: Task, cfg: RunConfig) -> TaskData:
 def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> None:
     """Refuse settings that cannot run (ValueError saying the fix) where no Pipeline is built
     yet: the launcher, before it starts the stage processes. Fills the defaults that depend on
-    the run's length (:func:`fill_run_defaults`); a model that is not an ``nn.Sequential`` is
-    traced on the first mini-batch and split as the Pipeline will split it (:func:`traced_spec`)."""
+    the run's length (:func:`fill_run_defaults`); the model is cut as the Pipeline will cut it (one
+    that is not an ``nn.Sequential`` traced on the first mini-batch: :func:`cut_spec`)."""
     fill_run_defaults(cfg, batches)
     config = cfg.pipeline
     for inputs, _ in batches if config.data_parallel else ():
@@ -104,16 +103,10 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
     layout = plan_layout(method, stages=config.stages, partition=config.partition, chunks=config.chunks,
                          data_parallel=config.data_parallel, tensor_parallel=config.tensor_parallel)
     checks.check_tensor_parallel(layout, config)
-    checked = checks.check_run(config, model, method, layout, backend_of(config.compile))
-    checks.check_precision(method, config.precision, layout.replicas * (layout.stages or 2) * layout.tensor,
+    spec = checks.check_run(config, model, method, layout)
+    checks.check_precision(method, config.precision, layout.replicas * (layout.ranks or 2) * layout.tensor,
                            checks.COMMAND_LINE)
-    if isinstance(model, torch.nn.Sequential):
-        spec = resolve(model, method=config.method, stages=config.stages, partition=config.partition,
-                       partitioner=config.partitioner, micro_batches=config.micro_batches,
-                       method_options=config.method_options, chunks=config.chunks, layout=layout)
-    else:
-        spec = traced_spec(cfg, model, batches, checked)
-    check_spec(cfg, spec, batches)
+    check_spec(cfg, cut_spec(cfg, model, batches, spec), batches)
 
 
 def fill_run_defaults(cfg: RunConfig, batches: List[Any]) -> None:
@@ -141,14 +134,15 @@ def check_spec(cfg: RunConfig, spec: RunSpec, batches: List[Any]) -> None:
     checks.check_clipping(get_method(config.method), config.clip_grad_norm, config.clip_scope, checks.COMMAND_LINE)
 
 
-def traced_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any], checked: checks.Checked) -> RunSpec:
-    """The resolved run of a model the Pipeline traces (docs/architecture.md, "Splitting any
-    module"): traced on the first mini-batch's inputs and cut by ``cfg``'s partitioner over its
-    units, as the Pipeline will; what the split refuses (more stages than candidate points, a
-    chunked method, a weight tied across stages with a method that cannot keep it tied) is
-    refused here, before anything is written. Torch's random state is left as it was."""
+def cut_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any], spec: RunSpec) -> RunSpec:
+    """The checked run ``spec`` with the model's cut, as the Pipeline will cut it: by ``cfg``'s
+    partitioner over its layers, or, for a model it traces (docs/architecture.md, "Splitting any
+    module"), over its units, traced on the first mini-batch's inputs; what the cut refuses (a
+    partition that does not cover the model, more stages than candidate points, a chunked
+    method, a weight tied across stages with a method that cannot keep it tied) is refused here,
+    before anything is written. Torch's random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        return prepare(model, batches[0][0], cfg.pipeline, checked).spec
+        return prepare(model, batches[0][0], cfg.pipeline, get_method(cfg.pipeline.method), spec).spec
 
 
 def format_prediction_error(per_stage: List[Dict[str, float]]) -> str:
@@ -196,7 +190,7 @@ def build_pipeline(cfg: RunConfig, task: Task, data: TaskData, *, diagnose_every
                    devices: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
                    threads: Optional[int] = 1) -> Pipeline:
     """The Pipeline of a run (``cfg`` resolved): the one function both runtimes build it with,
-    in one process or, started under torchrun, one stage per process (the Pipeline joins the
+    in one process or, started under torchrun, one pipeline rank per process (the Pipeline joins the
     job; ``devices`` then names the kind, ``cpu`` or ``cuda``, instead of ``cfg``'s, and
     ``timeout`` and ``threads`` are the stage processes' own). Seeds the model and the training's
     randomness; refuses settings that cannot run before anything is written: the Pipeline checks

@@ -87,7 +87,7 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def distributed_device(device: str) -> str:
-    """``--device`` for one process per stage: ``cpu`` (gloo) or ``cuda`` (NCCL, each stage on
+    """``--device`` for one process per pipeline rank: ``cpu`` (gloo) or ``cuda`` (NCCL, each stage on
     cuda:LOCAL_RANK); ``auto`` picks cuda when a GPU is visible."""
     if device == "auto":
         import torch
@@ -192,7 +192,7 @@ def torchrun_env(threads: Optional[int]) -> Dict[str, str]:
 
 def launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Optional[int],
            json: bool, progress: bool, resume: bool = False, diagnose_every: int = 0) -> int:
-    """Start one process per stage on this machine (torchrun's agent, in this process) and wait
+    """Start one process per pipeline rank on this machine (torchrun's agent, in this process) and wait
     for them. If a stage fails, the others are stopped at once and the reply names the stage
     that was lost, how, and the last checkpoint to resume from; returns the exit status (0, 1
     for a lost stage or a failed run, 2 for bad input found by the workers). A signal (see the
@@ -238,7 +238,7 @@ def _launch(cfg, *, out: Optional[Path], timeout: float, device: str, threads: O
     if not failures:
         return 0
     shape = run_layout(cfg)
-    layout = (shape.stages or nproc, shape.replicas, shape.tensor)
+    layout = (shape.ranks or nproc, shape.replicas, shape.tensor)
     signalled = interrupted_stages(failures, out)
     if signalled:
         stage, status = signalled[0]

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..methods import get_method, method_names
+from ..options import BY_NAME
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES
 from ..planning import assemble, check_options, model_units, survey
 from ..recommendation import RULE as UNSTUDIED_RULE
@@ -210,7 +211,7 @@ def tensor_split(net: torch.nn.Module, units: Any, tensor: int, repeats: int = 3
     ``_tp_plan``), measured (:func:`pipeoptim.planning.tensor_layers`); refused, with the fix,
     where there is none."""
     from ..planning import tensor_layers
-    from ..runtime.tensor_parallel import resolve_plan
+    from ..tensor_plan import resolve_plan
 
     if not isinstance(tensor, int) or tensor < 1:
         raise ValueError(f"--tensor-parallel must be at least 1, got {tensor}")
@@ -292,10 +293,10 @@ def load_plan(path: Any) -> Dict[str, Any]:
     if problem:
         raise ValueError(f"plan {path}: {problem}")
     options = plan.get("options") or {}
-    if not isinstance(options, dict) or any(k not in meth.choices or v not in meth.choices[k]
-                                            for k, v in options.items()):
+    choices = {k: BY_NAME[k].choices for k in meth.options if BY_NAME[k].choices is not None}
+    if not isinstance(options, dict) or any(k not in choices or v not in choices[k] for k, v in options.items()):
         raise bad("options", f"must be options {plan['method']} takes, with their values "
-                             f"({', '.join(f'{k}: {v}' for k, v in meth.choices.items()) or 'none'})")
+                             f"({', '.join(f'{k}: {v}' for k, v in choices.items()) or 'none'})")
     tensor = plan.get("tensor_parallel", 1)
     if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
         raise bad("tensor_parallel", "must be a positive integer")

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..compat import is_dtensor
 from ..weights.fused import local
 from .tensor_parallel import in_layout
 from .wire import PipelineCommError, reason, wait_for
@@ -115,7 +116,7 @@ class GradientAverager:
 def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (this process's part of ``param``'s gradient) shaped as ``param``: a DTensor's
     (a stage split over tensor ranks) over its local shape, in its layout."""
-    if not hasattr(param, "to_local"):
+    if not is_dtensor(param):
         return flat.view_as(param)
     from torch.distributed.tensor import DTensor
 

@@ -10,9 +10,11 @@ from torch import nn
 from ..methods import Method
 from ..partition import split
 from ..weights.policies import make_policy
-from .interfaces import orthogonalizes
+from .interfaces import GradientSync, orthogonalizes
+from .layout import Layout
 from .loss_scaling import LossScaler
 from .probes import PredictionProbes
+from .spec import RunSpec
 from .stage import Stage
 from .tied import LocalExchange, Tie, TiedWeights
 
@@ -33,7 +35,8 @@ class StageParameters(list):
 
 
 def make_optimizer(factory: OptimizerFactory, params: List[nn.Parameter], stage: int) -> torch.optim.Optimizer:
-    """Call the user's optimizer factory for one stage's parameters and check what it returns."""
+    """Call the user's optimizer factory for one stage's parameters and check what it returns (here,
+    not in ``checks.py``: only the built stage has the parameters to call it with)."""
     optimizer = factory(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
@@ -82,13 +85,12 @@ class OwnedParameters:
 def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: Method, options: Dict[str, Any],
                  optimizer: OptimizerFactory, loss_fn: Callable, *,
                  only: Optional[Union[int, Sequence[int]]] = None, lr_scheduler: Optional[SchedulerFactory] = None,
-                 clip_grad_norm: Optional[float] = None, precision: str = "fp32",
+                 run: Optional[RunSpec] = None,
                  devices: Optional[Sequence[torch.device]] = None,
                  parts: Optional[Sequence[nn.Module]] = None,
                  ties: Optional[Dict[int, List[int]]] = None,
-                 recompute: Optional[Sequence[bool]] = None,
                  shards: Optional[Callable[[], Any]] = None, tensors: Optional[Callable[[], Any]] = None,
-                 compile: Optional[str] = None, config: Any = None) -> List[Stage]:
+                 replica_sync: Optional[GradientSync] = None, clock: Optional[Callable[[], float]] = None) -> List[Stage]:
     """Stages over ``model``'s own layers (no copy), or over ``parts`` (a traced model's stage
     modules). ``only`` builds just that stage, or those stages (one process of a distributed run).
     Stage k's layers are moved to ``devices[k]`` before its optimizer is made. ``ties``:
@@ -96,9 +98,12 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     makes the :class:`~pipeoptim.runtime.sharding.StageShards` of each stage, which trains a
     sharded copy of its layers (theirs are released once every stage is built); ``tensors``: the
     :class:`~pipeoptim.runtime.tensor_parallel.StageTensors` of each stage, which trains a copy
-    split over its tensor ranks (released likewise). ``config``: the
-    run's options whole, handed to every stage (its ``diagnose_every`` and whether ``loss_fn`` is
-    None read here); the keywords are what this run resolved from it (None: stages built by hand)."""
+    split over its tensor ranks (released likewise). ``replica_sync``: what averages the stages'
+    gradients over their replicas (a sharded stage's: its shards). ``run``: the resolved run, whose per-stage
+    settings every stage takes (clipping, precision, recompute, compilation, the diagnostic's
+    interval, a model's own loss); None: stages built by hand, with none of them. ``clock``: the
+    seconds the stages' records read (None: ``time.perf_counter``)."""
+    run = run if run is not None else RunSpec(method.name, options, Layout(None), 1)
     parts = list(parts) if parts is not None else split_for(method, model, sizes)
     ties = ties or {}
     # one in-memory exchange per tie, shared by its holders' stages (torchrun's world replaces them)
@@ -107,7 +112,7 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
     # where each pipeline starts and ends: one chain 0..n-1, or a mirrored method's two of n/2
     chains = [range(n // 2), range(n // 2, n)] if method.mirrored else [range(n)]
     firsts, lasts = {c[0] for c in chains}, {c[-1] for c in chains}
-    scaler = LossScaler() if precision == "fp16" else None  # one loss scale for this process's stages
+    scaler = LossScaler() if run.precision == "fp16" else None  # one loss scale for this process's stages
     stages = []
     for k, part in enumerate(parts):
         if only is not None and k not in ((only,) if isinstance(only, int) else only):
@@ -146,9 +151,8 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
             raise ValueError("torch.optim.Muon orthogonalizes each whole matrix, which a stage split over its "
                              "tensor ranks holds in pieces (gathering each for every step would undo the split): "
                              "drop tensor_parallel or use an elementwise optimizer (AdamW, SGD)")
-        policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n, **options)
-        # versions kept by copying: FSDP gathers from the live storage, a DTensor keeps its local tensor
-        policy.sharded = sharded is not None or divided is not None
+        policy = make_policy(method.policy, OwnedParameters(part, owned), opt, stage=k, num_stages=n,
+                             sharded=sharded is not None or divided is not None, **options)
         policy.use_lr_schedule(lr_scheduler)  # before the scheduler changes the groups' lrs
         scheduler = make_scheduler(lr_scheduler, opt, k) if lr_scheduler is not None else None
         # every tie of the model, held here or not: each rank makes the same groups
@@ -156,15 +160,16 @@ def build_stages(model: Optional[nn.Sequential], sizes: Sequence[int], method: M
                                    exchange=exchanges[key]) for key, holders in ties.items()],
                            synchronous=method.synchronous) if ties else None
         stage = Stage(k, n, part, opt, policy, loss_fn=loss_fn if k in lasts else None, scheduler=scheduler,
-                      clip_grad_norm=clip_grad_norm, precision=precision, device=device,
-                      recompute=bool(recompute[k]) if recompute is not None else False, compile=compile,
-                      first=k in firsts, last=k in lasts, config=config, shards=sharded, tensor=divided, tied=tied,
+                      clip_grad_norm=run.stage_clip, precision=run.precision, device=device,
+                      recompute=bool(run.recompute[k]) if run.recompute else False, compile=run.backend,
+                      first=k in firsts, last=k in lasts, shards=sharded, tensor=divided, tied=tied,
+                      grad_sync=sharded if sharded is not None else replica_sync,
                       # a mirrored method's second pipeline: copies of pieces 0 .. n/2 - 1
                       replica_of=k - n // 2 if method.mirrored and k >= n // 2 else None,
                       # a model without loss_fn computes its own loss: the labels go into its last module
-                      takes_target=k in lasts and config is not None and config.loss_fn is None,
-                      probes=PredictionProbes(config.diagnose_every if config is not None else 0),
-                      loss_scaling=scaler)
+                      takes_target=k in lasts and run.own_loss,
+                      probes=PredictionProbes(run.diagnose_every),
+                      loss_scaling=scaler, clock=clock)
         stages.append(stage)
     for stage in stages:  # every stage built: a split one's original layers freed (it holds its part)
         if stage.copied is not None:

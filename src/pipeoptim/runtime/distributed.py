@@ -4,7 +4,7 @@
 generator."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -114,13 +114,40 @@ class PipeTransport(Transport):
                 stage.tied.drained()
 
 
+class ForwardTransport(Transport):
+    """The links of forward-only work alone under torchrun (``Executor.feed_forward_only``,
+    ``Torchrun.forward_executor``): E micro-batch j travels as message ``-1 - j`` (training's are
+    numbered from 0) on the links into this process's stages where ``travels(boundary, j)``
+    (None: every link), each run through the pipeline before the next is given (this process's
+    receives wait for theirs)."""
+
+    def __init__(self, comm: PipeComm, travels: Optional[Callable[[int, int], bool]]) -> None:
+        self.comm, self.travels = comm, travels
+        self.key: Optional[Signature] = None  #: the running micro-batch's
+
+    def fed_forward_only(self, j: int, key: Any) -> None:
+        self.key = key
+        self.comm.expect_more([(-1 - j, key)], [], self.travels)
+
+    def recv(self, kind: Any, k: int, i: int) -> bool:
+        self.evals[(k, i)] = self.comm.recv("activation", -1 - i, self.key, stage=k)
+        return True
+
+    def send(self, kind: Any, k: int, i: int, value: Any) -> None:
+        self.comm.send("activation", -1 - i, self.key, value, stage=k)
+        self.comm.poll()
+
+    def drained(self) -> None:
+        self.comm.flush()
+
+
 class DistributedExecutor(Executor):
     """This process's stages (one, or several: ``comm.placement`` says which rank holds each) of a
     pipeline whose other stages run in other processes; the other arguments are
     :class:`~pipeoptim.runtime.executor.Executor`'s. Every rank feeds the same mini-batches (every
     stage uses their input shapes as message keys)."""
 
-    def __init__(self, stage: Union[Stage, Sequence[Stage]], comm: PipeComm,
+    def __init__(self, stages: Sequence[Stage], comm: PipeComm,
                  schedule_for: Callable[[int], Schedule], *, expected: Optional[int] = None,
                  trace_offset: int = 0, clip_global: Optional[float] = None,
                  replica_groups: Optional[Dict[int, Any]] = None,
@@ -128,7 +155,7 @@ class DistributedExecutor(Executor):
         """``replica_groups``: a bidirectional run's 2-process group of each piece whose two
         replicas are on two processes (piece -> group), for the sum of their gradients (one
         summer per group: pieces j and N-1-j share theirs)."""
-        own = [stage] if isinstance(stage, Stage) else list(stage)
+        own = list(stages)
         n = own[0].num_stages
         held = [s.index for s in own]
         if len(comm.placement) != n or held != [k for k in range(n) if comm.placement[k] == comm.rank]:
@@ -143,9 +170,9 @@ class DistributedExecutor(Executor):
     def _overlap_points(self, order: List[Action]) -> FrozenSet[int]:
         """Before a backward (``B``) or weight half (``W``) whose rank's next compute action is
         an update, the replicas' averaging starts as gradients become final
-        (``averaging.GradientAverager``; an ``I`` leaves every weight gradient to its ``W``)."""
-        averages = [isinstance(s.grad_sync, GradientAverager) if s is not None else False
-                    for s in self.stage_list]
+        (a stage's ``overlapped`` sync, ``averaging.GradientAverager``; an ``I`` leaves every
+        weight gradient to its ``W``)."""
+        averages = [s is not None and s.overlapped is not None for s in self.stage_list]
         if not any(averages):
             return frozenset()
         points, update_next = [], False

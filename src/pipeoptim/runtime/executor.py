@@ -25,17 +25,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 from operator import attrgetter
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
 from ..schedules.lower import lower
-from .forward_only import ForwardOnly
 from .loss_scaling import UpdateAgreement
 from .replicas import ReplicaUpdates
 from .segment import MicroBatch, ScheduleFor, WindowLosses, check_runnable, next_horizon, stage_orders
 from .stage import Stage
+
+if TYPE_CHECKING:  # (forward_only.py builds on this module)
+    from .forward_only import ForwardOnly
 
 Key = Tuple[int, int]  # (stage, micro-batch): whose value a store holds
 
@@ -67,6 +69,9 @@ class Transport:
         norm: ``loss_scaling.UpdateAgreement.table``) from this process's table, which holds its
         stages' rows (the others zero): here every stage's."""
         return table
+
+    def fed_forward_only(self, j: int, key: Any) -> None:
+        """Micro-batch ``j`` of forward-only work run alone came (its messages keyed ``key``)."""
 
     def drained(self) -> None:
         """The segment has run to its end."""
@@ -124,7 +129,8 @@ class Executor:
     methods); it and fp16's loss scale, which the stages carry (``runtime/loss_scaling.py``), are
     agreed on at each update over every stage. ``on_loss(window, loss)`` is called as each
     mini-batch's loss completes (windows from 0 in this segment), on the process holding the last
-    stage; :meth:`take_completed` returns them too. ``forward_only``: the work of the schedule's ``E`` actions.
+    stage; :meth:`take_completed` returns them too. ``forward_only``: the work of the schedule's
+    ``E`` actions, beside training or alone (:meth:`feed_forward_only`).
     ``replica_sums``: piece -> the summer of its two replicas' gradients where they are on two
     processes (``averaging.GradientAverager`` over their 2-process group)."""
 
@@ -140,6 +146,7 @@ class Executor:
         self.horizon = 0  #: mini-batches the current orders are built for
         self.fed_batches = 0
         self.finished = False
+        self._alone = False  #: forward-only work alone (:meth:`feed_forward_only`), no training
         own = sorted(stages, key=lambda s: s.index)
         self.num_stages = own[0].num_stages
         self.own = own  #: this process's stages, in stage order
@@ -173,12 +180,7 @@ class Executor:
     # -- the segment ------------------------------------------------------------------------
     def feed(self, microbatches: Sequence[MicroBatch]) -> None:
         """Add one mini-batch (its micro-batches, in order) and run everything now runnable."""
-        if self.finished:
-            raise RuntimeError("this segment has finished; start a new one")
-        self.fed_batches += 1
-        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
-        if rebuild is not None:
-            self._use(self.schedule_for(rebuild[0]), open_ended=rebuild[1])
+        self._grow(alone=False)
         if len(microbatches) != self.schedule.microbatches_per_update:
             raise ValueError(f"a mini-batch must come as {self.schedule.microbatches_per_update} "
                              f"micro-batches, got {len(microbatches)}")
@@ -189,6 +191,31 @@ class Executor:
             self.fed_micro += 1
         self.transport.fed(first, microbatches, self.fed_batches)
         self._run()
+
+    def feed_forward_only(self, inputs: Any, target: Any) -> None:
+        """Forward-only work alone, on a drained pipeline (a drained evaluation, a call of the
+        pipelined model): one more of its micro-batches (``target``: the last stage's), run now
+        through every stage here. ``schedule_for(n)`` builds the E actions alone of n of them
+        (``schedules/fill.forward_alone``: each rank's, micro-batch after micro-batch), the
+        horizon growing as they come, as a segment's; each is dropped once run, so that a loader
+        is never held whole."""
+        work = self.forward_only
+        j = work.add(inputs, target)
+        self._grow(alone=True)
+        self.transport.fed_forward_only(j, work.key(j))
+        self._run()
+        work.spent(j)
+
+    def _grow(self, alone: bool) -> None:
+        """One more mini-batch (or forward-only micro-batch, ``alone``): the orders are built
+        further where they do not reach past it."""
+        if self.finished:
+            raise RuntimeError("this segment has finished; start a new one")
+        self._alone = alone
+        self.fed_batches += 1
+        rebuild = next_horizon(self.fed_batches, self.horizon, self.expected, self.schedule is not None)
+        if rebuild is not None:
+            self._use(self.schedule_for(rebuild[0]), *rebuild)
 
     def finish(self) -> None:
         """The data has ended: run the rest of the orders for exactly the mini-batches fed."""
@@ -203,7 +230,7 @@ class Executor:
                     if final.orders[w.rank][:len(done)] != done:
                         raise RuntimeError(f"schedule {final.name}: rank {w.rank} ran {len(done)} actions "
                                            f"that its final orders do not start with")
-                self._use(final, open_ended=False)
+                self._use(final, self.fed_batches, open_ended=False)
             self._run()
             left = [str(w.order[w.pos]) for w in self.walkers if w.pos < len(w.order)]
             if left:
@@ -216,19 +243,22 @@ class Executor:
         process without a last stage."""
         return self._window_loss.take_completed(wait) if self._window_loss is not None else []
 
-    def _use(self, schedule: Schedule, open_ended: bool) -> None:
-        check_runnable(schedule, self.num_stages, self.mirrored)
-        self.transport.use(schedule)
-        if self._replicas is not None:
-            self._replicas.use(schedule)
+    def _use(self, schedule: Schedule, batches: int, open_ended: bool) -> None:
+        """Walk ``schedule`` (built for ``batches`` mini-batches, or forward-only micro-batches
+        alone) on from where each walker stands; in training, the stages' policies learn it."""
         first = self.schedule is None
-        sync = schedule.options.get("synchronous_updates", 0)
-        by_stage = stage_orders(schedule)
-        for stage in self.own:
-            (stage.policy.begin_epoch if first else stage.policy.extend_epoch)(
-                by_stage[stage.index], schedule.orders, open_ended=open_ended, synchronous_updates=sync)
-            if first:
-                stage.trace_offset = self.trace_offset
+        self.transport.use(schedule)
+        if not self._alone:
+            check_runnable(schedule, self.num_stages, self.mirrored)
+            if self._replicas is not None:
+                self._replicas.use(schedule)
+            sync = schedule.options.get("synchronous_updates", 0)
+            by_stage = stage_orders(schedule)
+            for stage in self.own:
+                (stage.policy.begin_epoch if first else stage.policy.extend_epoch)(
+                    by_stage[stage.index], schedule.orders, open_ended=open_ended, synchronous_updates=sync)
+                if first:
+                    stage.start_segment(self.trace_offset)
         if first:
             m = schedule.microbatches_per_update
             lasts = sum(1 for s in self.own if s.is_last)  # a mirrored process: its pipelines' halves
@@ -236,7 +266,7 @@ class Executor:
                                              expected=m * lasts // 2 if self.mirrored else None)
             self.walkers = [Walker(r) for r in (self._ranks if self._ranks is not None
                                                 else range(schedule.num_ranks))]
-        self.schedule, self.horizon = schedule, schedule.num_updates
+        self.schedule, self.horizon = schedule, batches if self._alone else schedule.num_updates
         n, rank_of = self.num_stages, schedule.stage_to_rank
         self._next = [schedule.next_stage(k) for k in range(n)]
         self._prev = [schedule.prev_stage(k) for k in range(n)]
@@ -287,7 +317,8 @@ class Executor:
 
     def _walk(self, w: Walker) -> bool:
         """Run rank ``w``'s order from where it stands as far as it can go now; whether it moved."""
-        F, B, I, W, U, E, RECV_F = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E, Kind.RECV_F
+        F, B, I, W, U, E = Kind.F, Kind.B, Kind.I, Kind.W, Kind.U, Kind.E
+        RECV_F, RECV_B, RECV_E = Kind.RECV_F, Kind.RECV_B, Kind.RECV_E
         order, start = w.order, w.pos
         end, fed, stages, data = len(order), self.fed_micro, self.stage_list, self._data
         inputs, grads, outgoing, t = self._inputs, self._grads, self._outgoing, self.transport
@@ -318,7 +349,7 @@ class Executor:
                 elif kind is RECV_F:
                     if i >= fed or not t.recv(kind, k, i):
                         break
-                elif kind in _RECEIVES:  # RECV_B, RECV_E
+                elif kind is RECV_B:
                     if w.gates and w.gates.get(p, -1) >= fed:
                         break  # a pair's: its forward's micro-batch is not fed yet
                     if not t.recv(kind, k, i):
@@ -326,7 +357,7 @@ class Executor:
                 elif kind is B or kind is I:
                     stage = stages[k]
                     if p in overlap_at:
-                        stage.grad_sync.overlap()
+                        stage.overlapped.overlap()
                     g = None if stage.is_last else grads.pop((k, i))
                     g = (stage.backward if kind is B else stage.backward_input)(i, g)
                     if not stage.is_first:
@@ -339,7 +370,7 @@ class Executor:
                 elif kind is W:
                     stage = stages[k]
                     if p in overlap_at:
-                        stage.grad_sync.overlap()
+                        stage.overlapped.overlap()
                     stage.backward_weight(i)
                     if replicas is not None:
                         replicas.backward_done(k, i)
@@ -354,7 +385,11 @@ class Executor:
                     else:
                         stages[k].update()
                 elif kind is E:
-                    self._forward_only(k, i)
+                    if not self._forward_only(k, i):
+                        break  # forward-only work alone: not given yet
+                elif kind is RECV_E:
+                    if i >= len(self.forward_only) or not t.recv(kind, k, i):
+                        break
                 else:
                     raise ValueError(f"the executor cannot run {order[p]}")
                 p += 1
@@ -362,18 +397,22 @@ class Executor:
             w.pos = p
         return p != start
 
-    def _forward_only(self, k: int, j: int) -> None:
-        """Stage ``k``'s forward-only pass of E micro-batch ``j`` (its input is here)."""
+    def _forward_only(self, k: int, j: int) -> bool:
+        """Stage ``k``'s forward-only pass of E micro-batch ``j`` (its input is here), unless the
+        work has not given it yet (False)."""
         work, stage = self.forward_only, self.stage_list[k]
         if work is None:
             raise ValueError(f"{self.schedule.name} holds forward-only actions (E) but this executor "
                              f"was given no forward-only work (Pipeline.evaluate_in_bubbles)")
+        if j >= len(work):
+            return False
         out = work.forward(stage, j, work.inputs(j) if stage.is_first else self._evals.pop((k, j)))
         if not stage.is_last:
             if self._next_here[k]:
                 self._evals[(self._next[k], j)] = out
             else:
                 self._outgoing[(k, j)] = out
+        return True
 
     def _agree(self, w: Walker, update: int) -> bool:
         """The agreement of update ``update`` over every stage, once every walker of this process
@@ -403,7 +442,6 @@ class Executor:
 
 _COMPUTE = frozenset(COMPUTE_KINDS)
 _SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.SEND_E))
-_RECEIVES = frozenset((Kind.RECV_B, Kind.RECV_E))
 
 
 def _computed(w: Walker) -> int:

@@ -1,18 +1,17 @@
-"""Forward-only work: the drained evaluation and the micro-batches of a schedule's E actions.
+"""Forward-only work: an evaluation, or a user's forward passes, as the ``E`` actions of a
+schedule that the one executor walks (``runtime/executor.py``).
 
-:func:`scored_forward` evaluates in one process or pipelined over the processes of a torchrun
-job (docs/architecture.md, "The Pipeline under torchrun"), and :class:`PipelinedModel` runs a
-user's evaluation function there, each call of the model through the stages. A schedule's ``E``
-actions run an evaluation in the bubbles (docs/architecture.md, "Evaluation in the bubbles") or a
-user's forward-only work (``Pipeline.forward_in_bubbles``), as the drained evaluation runs it, to
-the bit. A stage is in eval mode only for the span of each pass (dropout then draws no random
-numbers from the training forwards' streams), on the buffers it held when the evaluation was
-asked for."""
+In the bubbles of a training schedule (docs/architecture.md, "Evaluation in the bubbles"), or
+alone on a drained pipeline (``schedules/fill.forward_alone``: the drained evaluation, in one
+process or pipelined over the processes of a torchrun job, and :class:`PipelinedModel`, which
+runs a user's evaluation function there, each call of the model through the stages): the same
+passes, to the bit. In the bubbles a stage is in eval mode only for the span of each pass
+(dropout then draws no random numbers from the training forwards' streams), on the buffers it
+held when the evaluation was asked for."""
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,104 +27,46 @@ from .values import to_device
 from .wire import signature
 
 
-def run_stage(stage: Stage, value: Any, target: Any = None, autocast: bool = True) -> Any:
-    """``stage``'s module on ``value`` (moved to its device), in its autocast (unless not
-    ``autocast``: as the model runs whole); a last stage that takes the target (a model computing
-    its own loss from its labels) takes ``target`` too."""
-    with stage.autocast() if autocast else contextlib.nullcontext():
-        if stage.takes_target:
-            return stage.module(to_device(value, stage.device), to_device(target, stage.device))
-        return stage.module(to_device(value, stage.device))
-
+#: where a user's evaluation reads the model's inputs and outputs (a tensor, a tuple, a dict or a
+#: ``transformers`` model output, its own class kept): every process reads host tensors alike
+HOST = torch.device("cpu")
 
 #: ``fn(inputs, target) -> int``: how much a mini-batch's value weighs in an evaluation's mean
 Weight = Callable[[Any, Any], int]
 
 
-@torch.no_grad()
-def scored_forward(comm: Optional[PipeComm], stages: List[Stage], loader: Iterable, score: Callable, last: int,
-                   first_chain: bool = False, weight: Weight = samples) -> Tuple[float, int]:
-    """(the sum over samples of ``score(output, target)``, on the process of stage ``last``, 0.0
-    elsewhere; the samples: ``weight(inputs, target)`` of each mini-batch, the real items of a
-    loss that is a mean over them) of ``loader``'s mini-batches through this process's ``stages``, in
-    chain order, the activations going to the other processes' stages over ``comm`` (None: every
-    stage is here). ``first_chain``: a bidirectional run's stages 0 .. ``last`` are the model once.
-    Summed in mini-batch order, as :class:`Scores` sums an evaluation in the bubbles: the same bits."""
-    count, values = 0, []
-    final = next((stage for stage in stages if stage.index == last), None)  # None: on another process
-    for j, (inputs, target) in enumerate(loader):
-        output = forward_through(comm, stages, -1 - j, inputs, target, last, first_chain)
-        if final is not None:
-            with final.autocast():
-                values.append((score(output, to_device(target, final.device)), weight(inputs, target)))
-        count += weight(inputs, target)
-    if comm is not None:
-        comm.flush()
-    if count == 0:
-        raise ValueError("the evaluation loader yielded no mini-batches")
-    return sum(float(v) * n for v, n in values), count
-
-
-def forward_through(comm: Optional[PipeComm], stages: List[Stage], ident: int, inputs: Any, target: Any,
-                    last: int, first_chain: bool = False, autocast: bool = True) -> Optional[Any]:
-    """One forward of ``inputs`` through this process's ``stages`` (in chain order, the other
-    processes' stages between them over ``comm``, as message ``ident``: an evaluation's own
-    numbers on the links, below 0): stage ``last``'s output on its process, None elsewhere
-    (``target``: the last stage's labels, for a model that computes its own loss; ``autocast``:
-    :func:`run_stage`'s; without it the messages' layouts are agreed apart: their dtypes are not
-    those of the training's messages of the same input shapes)."""
-    held = {stage.index for stage in stages}
-    key = None
-    if comm is not None:
-        travels = (lambda boundary, microbatch: boundary < last) if first_chain else None
-        key = signature((inputs, target, 1.0))
-        key = key if autocast else ("without autocast", *key)
-        comm.expect_more([(ident, key)], [], travels)  # on each link into this process's stages
-    value, output = inputs, None
-    for stage in stages:  # this process's chunks in chain order; the others between them
-        k = stage.index
-        if k > 0 and (k - 1) not in held:
-            value = comm.recv("activation", ident, key, stage=k)
-        value = run_stage(stage, value, target if k == last else None, autocast)
-        if k == last:
-            output = value
-        if k < last and (k + 1) not in held:
-            comm.send("activation", ident, key, value, stage=k)
-    if comm is not None:
-        comm.poll()
-    return output
-
-
 class PipelinedModel(torch.nn.Module):
     """The trained model as one module under torchrun, for ``Pipeline.evaluate_model``: a call
     on the process of the model's last stage (``source``, a pipeline rank) hands its inputs to
-    every process of the pipeline, which runs them through its stages on their devices as
-    training does (:func:`forward_through`, the activations over the links), and returns the
-    output on the CPU (as ``world.OnStageDevices`` returns it). The other processes
+    every process of the pipeline, whose executor (``executor_for(work)``: forward-only work
+    alone) runs them through its stages on their devices, the activations over the links, and
+    returns the output on the CPU (as ``world.OnStageDevices`` returns it). The other processes
     :meth:`serve` those calls meanwhile: nothing of the model is copied anywhere. The stages run
     as the caller has put them (the Pipeline: in eval mode, a traced model's eval-mode graph),
-    whatever this module's ``training`` flag. A model that computes its own loss is called with
-    its labels among its keyword inputs (``model(**batch)``): they go to its last stage."""
+    whatever this module's ``training`` flag, without autocast (as the model whole runs). A
+    model that computes its own loss is called with its labels among its keyword inputs
+    (``model(**batch)``): they go to its last stage."""
 
-    def __init__(self, comm: PipeComm, stages: List[Stage], last: int, source: int,
-                 first_chain: bool = False) -> None:
+    def __init__(self, comm: PipeComm, stages: List[Stage], source: int,
+                 executor_for: Callable[["ForwardOnly"], Any]) -> None:
         super().__init__()
-        self._comm, self._stages, self._last, self._source = comm, stages, last, source
-        self._first_chain = first_chain
-        self._takes_target = any(s.takes_target for s in stages if s.index == last)
-        self._calls = 0
+        self._comm, self._source = comm, source
+        self._takes_target = any(s.takes_target for s in stages)  # (a last stage)
+        self._outputs: Dict[int, Any] = {}
+        self._executor = executor_for(ForwardOnly(on_output=self._outputs.__setitem__, autocast=False))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._comm.rank != self._source:
             raise RuntimeError(f"the evaluation runs on pipeline rank {self._source}; the others serve it")
         inputs = kwargs if kwargs else args[0] if len(args) == 1 else args
-        inputs = on_host(inputs)  # (every process reads them: host tensors pickle alike everywhere)
+        inputs = to_device(inputs, HOST)  # (every process reads them: host tensors pickle alike everywhere)
         if self._takes_target and (not isinstance(inputs, dict) or LABELS not in inputs):
             raise ValueError(f"this model computes its loss from labels (no loss_fn): call it as "
                              f"model(**batch) with batch['{LABELS}'] in evaluate_model's function, "
                              f"or give the Pipeline loss_fn=fn(output, target)")
         broadcast(("forward", inputs), self._comm, self._source, "handing the evaluation's inputs on")
-        return on_host(self._through(inputs))
+        self._through(inputs)
+        return to_device(self._outputs.popitem()[1], HOST)
 
     def run(self, evaluate: Callable[[torch.nn.Module], float]) -> float:
         """``evaluate(self)`` on the source process; its value (or its failure) reaches the others."""
@@ -136,7 +77,7 @@ class PipelinedModel(torch.nn.Module):
                       "reporting the evaluation's failure")
             raise
         broadcast(("done", value), self._comm, self._source, "sharing the evaluation")
-        self._comm.flush()
+        self._executor.finish()
         return value
 
     def serve(self) -> float:
@@ -144,30 +85,15 @@ class PipelinedModel(torch.nn.Module):
         while True:
             kind, payload = broadcast(None, self._comm, self._source, "waiting for the evaluation's next call")
             if kind == "done":
-                self._comm.flush()
+                self._executor.finish()
                 return float(payload)
             if kind == "failed":
                 raise RuntimeError(f"evaluate_model's function failed on pipeline rank {self._source}: {payload}")
             self._through(payload)
 
-    def _through(self, inputs: Any) -> Any:
+    def _through(self, inputs: Any) -> None:
         target = inputs[LABELS] if self._takes_target else None  # (only the last stage reads it)
-        self._calls += 1
-        return forward_through(self._comm, self._stages, -self._calls, inputs, target, self._last,
-                               self._first_chain, autocast=False)  # (the model whole runs without it)
-
-
-def on_host(value: Any) -> Any:
-    """``value`` with its tensors on the CPU: a tensor, a tuple, or a dict (its own class kept,
-    such as a ``transformers`` model output)."""
-    if isinstance(value, dict):
-        moved = copy.copy(value)
-        for key, item in value.items():
-            moved[key] = on_host(item)
-        return moved
-    if isinstance(value, tuple):
-        return tuple(on_host(item) for item in value)
-    return to_device(value, torch.device("cpu"))
+        self._executor.feed_forward_only(inputs, target)
 
 
 class Scores:
@@ -183,55 +109,84 @@ class Scores:
     def __len__(self) -> int:
         return len(self._values)
 
-    def mean(self) -> float:
+    def sums(self) -> Tuple[float, int]:
+        """(the sum over the samples, the samples), summed in micro-batch order."""
         total, count = 0.0, 0
         for index in sorted(self._values):
             value, samples = self._values[index]
             total += float(value) * samples
             count += samples
+        return total, count
+
+    def mean(self) -> float:
+        total, count = self.sums()
         if count == 0:
-            raise ValueError("the evaluation loader yielded no mini-batches")
+            raise ValueError(NO_BATCHES)
         return total / count
 
 
-class ForwardOnly:
-    """The ``E`` micro-batches of an evaluation, or of a user's forward-only work, over
-    ``stages`` (the model's, in chain order): micro-batch j is ``items[j]``, an
-    ``(inputs, target)`` pair run whole, in ``eval_mode(stage)``. At the last stage
-    ``on_output(j, output)`` receives the output (a user's work), or else ``score(output,
-    target)`` gives the mini-batch's value. ``on_done(value)`` is called once the last stage has
-    run every micro-batch, or, ``at_drain``, when :meth:`deliver` gives it at the segment's drain
-    (every rank at once, under torchrun). Built while the pipeline is drained: the stages'
-    buffers are copied then (a synchronous stage's weights do not change before its next update,
-    which the schedule runs after its E's)."""
+NO_BATCHES = "the evaluation loader yielded no mini-batches"
 
-    def __init__(self, items: Sequence[Tuple[Any, Any]], eval_mode: Callable[[Stage], ContextManager[Any]],
-                 stages: Sequence[Stage], *, score: Optional[Callable[[Any, Any], Any]] = None,
+
+class ForwardOnly:
+    """The ``E`` micro-batches of an evaluation, or of a user's forward-only work: micro-batch j
+    is ``items[j]``, an ``(inputs, target)`` pair run whole (with ``autocast``: each stage's, as
+    training runs it; without: as the model whole runs), or, given none, the pairs :meth:`add`
+    brings as they come (work alone, on a drained pipeline). At the last stage ``on_output(j,
+    output)`` receives the output (a user's work), or else ``score(output, target)`` gives the
+    mini-batch's value, weighing ``weight(inputs, target)`` samples.
+
+    In the bubbles of a training schedule, each pass runs in ``eval_mode(stage)`` on the buffers
+    ``stages`` (the model's) held when the work was built, the pipeline drained (a synchronous
+    stage's weights do not change before its next update, which the schedule runs after its
+    E's); ``on_done(value)`` is called once the last stage has run every micro-batch, or,
+    ``at_drain``, when :meth:`deliver` gives it at the segment's drain (every rank at once,
+    under torchrun)."""
+
+    def __init__(self, items: Sequence[Tuple[Any, Any]] = (),
+                 eval_mode: Optional[Callable[[Stage], ContextManager[Any]]] = None, stages: Sequence[Stage] = (),
+                 *, score: Optional[Callable[[Any, Any], Any]] = None,
                  on_output: Optional[Callable[[int, Any], None]] = None,
                  on_done: Optional[Callable[[Optional[float]], None]] = None, at_drain: bool = False,
-                 weight: Weight = samples) -> None:
-        if not items:
-            raise ValueError("the evaluation loader yielded no mini-batches" if on_output is None
-                             else "no inputs to run forward in the bubbles")
-        self.items = list(items)
+                 weight: Weight = samples, autocast: bool = True) -> None:
+        self.items: List[Optional[Tuple[Any, Any]]] = list(items)
+        if stages and not self.items:  # (in the bubbles: given whole)
+            raise ValueError(NO_BATCHES if on_output is None else "no inputs to run forward in the bubbles")
         self.score = score
-        self.weight = weight  #: a mini-batch's weight in the mean (scored_forward's)
+        self.weight = weight  #: a mini-batch's weight in the mean
         self.on_output = on_output
-        self.eval_mode = eval_mode
+        self.eval_mode = eval_mode or (lambda stage: contextlib.nullcontext())
         self.on_done = on_done
+        self.autocast = autocast
         self.scores = Scores()
         self.value: Optional[float] = None  #: the evaluation's mean, once every micro-batch is scored
-        self.done = False                   #: the last stage has run every micro-batch
         self.at_drain = at_drain
+        self._given = len(self.items)  # (work alone: none; it is never complete before its end)
         self._outputs = 0
         self._reported = False
         self._buffers = {}
         for stage in stages:
-            with torch.no_grad(), eval_mode(stage):
+            with torch.no_grad(), self.eval_mode(stage):
                 self._buffers[stage.index] = [b.detach().clone() for b in _frozen(stage)]
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def add(self, inputs: Any, target: Any) -> int:
+        """One more micro-batch of work alone; its number."""
+        self.items.append((inputs, target))
+        return len(self.items) - 1
+
+    def spent(self, index: int) -> None:
+        """Micro-batch ``index`` has run through every stage of this process: dropped."""
+        self.items[index] = None
+
+    def key(self, index: int) -> Any:
+        """The key of micro-batch ``index``'s messages (``wire.signature``; their layouts differ
+        without autocast)."""
+        inputs, target = self.items[index]
+        key = signature((inputs, target, 1.0))
+        return key if self.autocast else ("without autocast", *key)
 
     def inputs(self, index: int) -> Any:
         """Micro-batch ``index``'s inputs (what the first stage's E reads)."""
@@ -242,7 +197,10 @@ class ForwardOnly:
         or, at the last stage, None once the micro-batch is scored."""
         with torch.no_grad(), self.eval_mode(stage), self._eval_point_buffers(stage):
             inputs_of, target = self.items[index]
-            output = run_stage(stage, inputs, target if stage.is_last else None)
+            with stage.autocast() if self.autocast else contextlib.nullcontext():
+                value = to_device(inputs, stage.device)  # (a model computing its own loss: with its labels)
+                output = stage.module(value, to_device(target, stage.device)) if stage.takes_target \
+                    else stage.module(value)
             if not stage.is_last:
                 return output
             if self.on_output is not None:
@@ -252,8 +210,7 @@ class ForwardOnly:
                 with stage.autocast():
                     value = self.score(output, to_device(target, stage.device))
                 self.scores.add(index, value, self.weight(inputs_of, target))
-        if max(self._outputs, len(self.scores)) == len(self.items):
-            self.done = True
+        if max(self._outputs, len(self.scores)) == self._given:
             self.value = self.scores.mean() if self.on_output is None else None
             if not self.at_drain:
                 self.deliver(self.value)
@@ -263,7 +220,7 @@ class ForwardOnly:
                     evaluating: Callable[[], ContextManager[Any]]) -> None:
         """The work no schedule came to hold, now, on the drained pipeline: an evaluation as
         ``world.evaluate`` runs one (pipelined under torchrun, every rank), in ``evaluating()``;
-        a user's work through ``stages``, every stage in this process."""
+        a user's work through ``stages`` (every stage in this process) as work alone."""
         if self.on_output is None:
             with torch.no_grad(), evaluating():
                 self.deliver(world.evaluate(stages, self.items, self.score, self.weight))
@@ -271,10 +228,8 @@ class ForwardOnly:
         if world.processes > 1:
             raise RuntimeError("under torchrun forward_in_bubbles runs in the next mini-batch's bubbles: "
                                "step() once before flush()")
-        for index in range(len(self.items)):
-            value = self.inputs(index)
-            for stage in stages:
-                value = self.forward(stage, index, value)
+        items, self.items = self.items, []
+        world.run_alone(stages, self, items)
         self.deliver(self.value)
 
     def plan(self, schedule: Schedule, samples_per_micro: float) -> FillPlan:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opti
 
 import torch
 
+from ..compat import tree_flatten
 from ..weights.base import local
 from .tensor_parallel import storage_of
 
@@ -33,23 +34,13 @@ def _span(t: torch.Tensor) -> Span:
 
 
 def signature(*values: Any) -> Optional[Tuple[Any, ...]]:
-    """The shapes, dtypes and devices of a micro-batch's tensors (in tuples, lists and dicts, with
-    None and numbers), what the bytes it holds depend on; None for anything else."""
-    def sign(value: Any) -> Any:
-        if torch.is_tensor(value):
-            return (tuple(value.shape), value.dtype, value.device)
-        if isinstance(value, (tuple, list)):
-            return tuple(sign(v) for v in value)
-        if isinstance(value, dict):
-            return tuple((k, sign(v)) for k, v in value.items())
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TypeError
-
-    try:
-        return sign(values)
-    except TypeError:
+    """The structure of a micro-batch's values (``compat.tree_flatten``'s) and the shape, dtype and
+    device of each tensor (None, numbers and strings as they are), what the bytes it holds depend
+    on; None where a leaf is anything else."""
+    leaves, structure = tree_flatten(values)
+    if not all(torch.is_tensor(v) or v is None or isinstance(v, (bool, int, float, str)) for v in leaves):
         return None
+    return structure, tuple((tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) else v for v in leaves)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

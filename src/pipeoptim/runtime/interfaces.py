@@ -6,6 +6,9 @@ from typing import Dict, List, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..compat import MUON
+from ..weights.formulas import ComposedOptimizer  # (declared where each part's formula is read)
+
 
 class GradientSync(Protocol):
     """Before each update, the stage's gradients reduced over its replicas
@@ -17,9 +20,12 @@ class GradientSync(Protocol):
 @runtime_checkable
 class OverlappedSync(GradientSync, Protocol):
     """A sync that reduces the gradients of the last backward before an update as each becomes
-    final (``overlapping``: that backward is running), while the rest of the backward runs."""
+    final, while the rest of the backward runs (``overlap``: the executor's word that the next
+    backward is that one; ``overlapping``: it is running)."""
 
     overlapping: bool
+
+    def overlap(self) -> None: ...
 
     def ready(self, param: torch.Tensor) -> None: ...
 
@@ -39,18 +45,6 @@ class PredictsVariants(Protocol):
     (what the prediction probes measure beside its own prediction)."""
 
     def prediction_variants(self, microbatch: int) -> Dict[str, List[torch.Tensor]]: ...
-
-
-@runtime_checkable
-class ComposedOptimizer(Protocol):
-    """An optimizer made of others, whose groups are its own (``muon_adamw.MuonWithAdamW``: Muon
-    on a stage's matrices, AdamW on the rest)."""
-
-    parts: List[torch.optim.Optimizer]
-
-
-#: torch's Muon (torch >= 2.9; none before)
-MUON = getattr(torch.optim, "Muon", ())
 
 
 def orthogonalizes(optimizer: torch.optim.Optimizer) -> bool:

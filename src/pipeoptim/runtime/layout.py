@@ -1,8 +1,8 @@
 """Where a run's pieces go: the one function that turns (method, stages or partition, chunks,
 processes, replicas) into the layout every part of the package uses.
 
-A run of N pipeline stages, each holding V model chunks, replicated D times, needs N x D
-processes under torchrun (or one process holding all N x V pieces). Who asks
+A run of N pipeline ranks, each holding V stages (model chunks), replicated D times, needs N x D
+processes under torchrun (or one process holding all N x V stages). Who asks
 :func:`plan_layout`, so that all agree and refuse alike: (docs/architecture.md, "Layers"); the
 lab's launcher asks how many processes to start, its worker under a user's own torchrun whether
 the job fits the run."""
@@ -19,6 +19,7 @@ FIXED_CHUNKS = {"v": "a V", "bidirectional": "one of each pipeline", "bitpipe": 
 def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[int]] = None) -> int:
     """Stages per rank: ``chunks`` if given, else the method's own; refused where the method
     places one stage per rank, or the partition does not divide into that many chunks."""
+    # refused here, not in pipeoptim.checks: the launcher asks the layout for its process count first
     if chunks is None:
         v = method.chunks
     elif isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -41,11 +42,12 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
 
 @dataclass(frozen=True)
 class Layout:
-    """The shape of a run: ``stages`` pipeline ranks (None: not known yet, the partitioner's
-    default decides), each holding ``chunks`` model pieces, in ``replicas`` copies, each stage
-    split over ``tensor`` processes (tensor parallelism)."""
+    """The shape of a run: ``ranks`` pipeline ranks N (None: not known yet, the partitioner's
+    default decides; the ``stages`` option gives it), each holding ``chunks`` stages (model
+    pieces), in ``replicas`` copies, each rank's work split over ``tensor`` processes (tensor
+    parallelism)."""
 
-    stages: Optional[int]
+    ranks: Optional[int]
     chunks: int = 1
     replicas: int = 1
     tensor: int = 1
@@ -53,9 +55,9 @@ class Layout:
     @property
     def processes(self) -> int:
         """Processes the run needs under torchrun: T per stage of each replica."""
-        if self.stages is None:
-            raise ValueError("the number of stages is not known yet: give stages=N or a partition")
-        return self.stages * self.replicas * self.tensor
+        if self.ranks is None:
+            raise ValueError("the pipeline's ranks are not known yet: give stages=N or a partition")
+        return self.ranks * self.replicas * self.tensor
 
 
 def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optional[Sequence[int]] = None,
@@ -63,12 +65,13 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
                 data_parallel: Optional[int] = None, tensor_parallel: int = 1) -> Layout:
     """The layout of a run of ``method`` (a registry entry).
 
-    ``stages`` counts pipeline ranks; a ``partition`` lists the layers (or traced units) of each
-    of the stages x chunks pieces, and wins when ``stages`` is None. ``processes``: the size of
-    the torchrun job the run must fill (None: not under torchrun; then ``data_parallel`` gives
-    the replicas to start, default 1). Without ``stages`` or a partition, a torchrun job runs
-    one stage per process of each replica. ``tensor_parallel``: T processes hold each stage
-    (WORLD_SIZE = N x D x T). Refuses, with the fix, a layout the processes cannot hold."""
+    ``stages`` (the option's name) counts pipeline ranks N; a ``partition`` lists the layers (or
+    traced units) of each of the N x chunks stages, and wins when ``stages`` is None.
+    ``processes``: the size of the torchrun job the run must fill (None: not under torchrun; then
+    ``data_parallel`` gives the replicas to start, default 1). Without ``stages`` or a partition, a
+    torchrun job runs one rank per process of each replica. ``tensor_parallel``: T processes hold
+    each rank's stages (WORLD_SIZE = N x D x T). Refuses, with the fix, a layout the processes cannot hold."""
+    # refused here, not in pipeoptim.checks: they need the job's size, and the launcher asks first
     t = tensor_parallel
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise ValueError(f"tensor_parallel must be a positive number of processes per stage, got {t!r}")

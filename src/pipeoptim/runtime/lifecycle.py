@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
-#: the signals that stop a stage: Ctrl-C (forwarded by the launcher), kill's default, a lost terminal
-STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+from ..errors import CAN_WAIT_SIGNALS, STOP_SIGNALS
+
 #: the signal the kernel sends a stage when its parent dies (prctl)
 PARENT_DEATH_SIGNAL = signal.SIGTERM
 POLL_SECONDS = 0.25
@@ -150,7 +150,7 @@ def guard(on_stop: Callable[[Stop], None] = lambda stop: None, *, parent: Option
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda s, frame: stop(Stop(s, cause_of(None))))
         how_signals = "handler"
-        if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+        if CAN_WAIT_SIGNALS:
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread and those it starts
 
             def watch_signals() -> None:

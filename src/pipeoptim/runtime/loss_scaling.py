@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..weights.base import local
 from .segment import clip_coefficient
 
 #: torch.amp.GradScaler's defaults: the first scale, its growth after ``GROWTH_INTERVAL`` updates
@@ -124,7 +123,7 @@ class UpdateAgreement:
                             device=device)
         for stage in stages:
             if stage.loss_scaling is not None:
-                table[stage.index, 0] = unscale(stage).to(table.device, table.dtype)
+                table[stage.index, 0] = stage.unscale_gradients().to(table.device, table.dtype)
             if self.clip is not None:
                 norm = stage.grad_norm()
                 self._dtype = norm.dtype
@@ -148,13 +147,3 @@ class UpdateAgreement:
         return clip_coefficient(table[:, 1].sum().sqrt().to(self._dtype), self.clip), False
 
 
-def unscale(stage: Any) -> torch.Tensor:
-    """Unscale ``stage``'s gradients by its scaler; its found-inf flag (0-dim, on its device),
-    over the shards of every replica where the stage is sharded, of every tensor rank where split."""
-    found = stage.loss_scaling.unscale([local(g) for g in stage.grads()], stage.device)
-    if stage.shards is not None:
-        found = stage.shards.any_replica(found)
-    if stage.tensor is not None:
-        found = stage.tensor.any_replica(found)
-    stage.unscaled = True
-    return found

@@ -8,14 +8,12 @@ import torch
 from torch import nn
 
 from ..batches import Normalization, item_counter
+from ..compat import tensor_leaves, tree_flatten, tree_unflatten
 
 
 def batch_size(inputs: Any) -> int:
-    if isinstance(inputs, dict):
-        first = next(iter(inputs.values()))
-    else:
-        first = inputs[0] if isinstance(inputs, tuple) else inputs
-    return int(first.shape[0])
+    """A mini-batch's samples: the first dimension of its inputs' first tensor (``compat.tensor_leaves``)."""
+    return int(tensor_leaves(inputs)[0].shape[0])
 
 
 def samples(inputs: Any, target: Any) -> int:
@@ -24,13 +22,11 @@ def samples(inputs: Any, target: Any) -> int:
 
 
 def _pieces(inputs: Any, parts: int) -> List[Any]:
-    """``inputs`` cut into ``parts`` along dimension 0: every tensor of a tuple or a dict alike."""
-    if isinstance(inputs, dict):
-        cut = {key: torch.tensor_split(value, parts) for key, value in inputs.items()}
-        return [{key: pieces[j] for key, pieces in cut.items()} for j in range(parts)]
-    if isinstance(inputs, tuple):
-        return list(zip(*(torch.tensor_split(t, parts) for t in inputs)))
-    return list(torch.tensor_split(inputs, parts))
+    """``inputs`` cut into ``parts`` along dimension 0: every tensor of a tuple or a dict alike,
+    each piece of its inputs' own structure (``compat.tree_flatten``)."""
+    leaves, structure = tree_flatten(inputs)
+    cut = [torch.tensor_split(leaf, parts) for leaf in leaves]
+    return [tree_unflatten([pieces[j] for pieces in cut], structure) for j in range(parts)]
 
 
 def split_batch(inputs: Any, target: torch.Tensor, parts: int,

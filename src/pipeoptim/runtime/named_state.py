@@ -52,7 +52,7 @@ def stage_state(stage: Stage) -> Dict[str, Any]:
             "step_lr": {names[0]: lr for names, lr in zip(groups, pred["step_lr"])}}}
     return {"stage": stage.index, "groups": groups, "optimizer": optimizer, "policy": policy,
             "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
-            "counters": dict(stage.count),
+            "counters": dict(stage.record.count),
             # fp16: the loss scale (the same on every stage)
             "loss_scaler": stage.loss_scaling.state_dict() if stage.loss_scaling is not None else None}
 
@@ -113,7 +113,7 @@ def load_stages(stages: Sequence[Stage], saved: Sequence[Dict[str, Any]]) -> Non
         if stage.loss_scaling is not None and first.get("loss_scaler") is not None:  # (none: fp32's, bf16's)
             stage.loss_scaling.load_state_dict(first["loss_scaler"])
         if first["stage"] == stage.index and len(saved) == len(stages):
-            stage.count.update(first["counters"])
+            stage.record.count.update(first["counters"])
 
 
 def _gathered(saved: Sequence[Dict[str, Any]], section: str, field: str) -> Dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from ..compat import is_dtensor
 from ..weights.fused import clone_all, norms64
 from .interfaces import PredictsVariants
 
@@ -29,7 +30,7 @@ def relative_distance(copies: List[torch.Tensor], live: Sequence[torch.Tensor], 
     if copies:
         torch._foreach_sub_(copies, list(live))
     value = norm_of(copies) / live_norm
-    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)  # a DTensor's: whole
+    return float(value.full_tensor() if is_dtensor(value) else value)  # a DTensor's: whole
 
 
 class PredictionProbes:

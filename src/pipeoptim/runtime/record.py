@@ -40,11 +40,15 @@ class StageRecord:
         self.skips: List[int] = []
         self.time = {"F": 0.0, "B": 0.0, "U": 0.0}
         self.count = {"F": 0, "B": 0, "U": 0}
+        #: busy seconds of the weight halves (``W``) of split backwards alone (counted in ``time["B"]`` too)
+        self.weight_seconds = 0.0
         self.grad_bytes_peak = 0
 
     def passed(self, kind: str, microbatch: int, used: WeightUse, seconds: float) -> None:
         """A pass ``kind`` of ``microbatch`` (its number in the run) ran on ``used``."""
         self.trace.append(TraceEntry(self.stage, microbatch, kind, used.version, used.steps))
+        if kind == "W":
+            self.weight_seconds += seconds
         self.took("F" if kind == "F" else "B", seconds, counted=kind != "I")
 
     def updating(self, update: int, lrs: Tuple[float, ...], grad_bytes: int) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat import forget_sharding_cache, fsdp_gather_streams, fsdp_reduce_gradients
+from ..compat import device_module, forget_sharding_cache, fsdp_gather_streams, fsdp_reduce_gradients, is_dtensor
 from ..weights.base import local
 
 
@@ -63,6 +63,9 @@ class StageCopy:
 
     def __init__(self) -> None:
         self.module: Optional[nn.Module] = None
+        #: the device mesh the copy is split over: its "dp" dimension (the replicas' shards), "tp"
+        #: (the tensor ranks' parts), or both (set by the subclass)
+        self.mesh: Any = None
         #: the module it was made from (the Pipeline's copy of the model's layers), its
         #: parameters released (:meth:`release_original`)
         self.original: Optional[nn.Module] = None
@@ -72,8 +75,40 @@ class StageCopy:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The stage module's state, whole: each DTensor gathered (a collective: every process the
         stage is split on calls it)."""
-        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        return {name: value.full_tensor() if is_dtensor(value) else value
                 for name, value in self.module.state_dict().items()}
+
+    def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The 2-norm of the whole stage's gradients from this process's parts: a gradient split
+        over the tensor ranks summed over them, one whole there counted once; sharded over the
+        replicas, every part summed over them too."""
+        import torch.distributed as dist
+
+        total = torch.zeros(2, dtype=torch.float32, device=device)  # [split over tp, whole there]
+        for g in grads:
+            names = (g.device_mesh.mesh_dim_names or ()) if is_dtensor(g) else ()
+            split = "tp" in names and g.placements[names.index("tp")].is_shard()
+            total[0 if split else 1] += local(g).float().pow(2).sum()
+        if "dp" in self._dims():
+            dist.all_reduce(total, group=self._group("dp"))
+        if "tp" in self._dims():
+            dist.all_reduce(total[:1], group=self._group("tp"))
+        return total.sum().sqrt()
+
+    def any_replica(self, flag: torch.Tensor) -> torch.Tensor:
+        """``flag`` (0-dim, 1.0: this process's part found an inf or nan: fp16's found-inf flag,
+        ``runtime/loss_scaling.py``) over the processes the stage is split on: the replicas'
+        shards where sharded, else its tensor ranks."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group("dp" if "dp" in self._dims() else "tp"))
+        return flag
+
+    def _dims(self) -> Tuple[str, ...]:
+        return self.mesh.mesh_dim_names or ()
+
+    def _group(self, name: str) -> Any:
+        return (self.mesh if self.mesh.ndim == 1 else self.mesh[name]).get_group()
 
     def release_original(self) -> None:
         """Free the parameters' memory of the module the shards were made from (the Pipeline's
@@ -194,7 +229,7 @@ class StageShards(StageCopy):
         asynchronous run on CUDA equal the replicated run's (tests/test_sharding.py, on gloo)."""
         if self.device_type == "cpu":
             return
-        handle = getattr(torch, self.device_type)  # torch.cuda: FSDP's own device handle
+        handle = device_module(self.device_type)  # torch.cuda: FSDP's own device handle
         streams = fsdp_gather_streams(self.module)
         if streams is None:
             handle.current_stream().synchronize()
@@ -233,30 +268,6 @@ class StageShards(StageCopy):
             self._last_backward(True)
             fsdp_reduce_gradients(self.module)
             self._last_backward(False)
-
-    def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The 2-norm of the whole stage's gradients from the shards (summed over the replicas;
-        split over tensor ranks too, a gradient split there summed over them, one whole there
-        counted once)."""
-        import torch.distributed as dist
-
-        total = torch.zeros(2, dtype=torch.float32, device=device)  # [split over tp, whole there]
-        for g in grads:
-            names = getattr(g, "device_mesh", self.mesh).mesh_dim_names or ()
-            split = "tp" in names and g.placements[names.index("tp")].is_shard()
-            total[0 if split else 1] += local(g).float().pow(2).sum()
-        dist.all_reduce(total, group=self.mesh["dp"].get_group())
-        if "tp" in (self.mesh.mesh_dim_names or ()):
-            dist.all_reduce(total[:1], group=self.mesh["tp"].get_group())
-        return total.sum().sqrt()
-
-    def any_replica(self, flag: torch.Tensor) -> torch.Tensor:
-        """``flag`` (0-dim, 1.0: this shard found an inf or nan) over every replica's shard of the
-        stage (fp16's found-inf flag: ``runtime/loss_scaling.py``)."""
-        import torch.distributed as dist
-
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
-        return flag
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The stage module's state, gathered (a collective: every replica of the stage calls it),

@@ -1,67 +1,73 @@
 """A run resolved before any work starts, and where it drains.
 
-The Pipeline's preparation, its ``fit`` loop and the lab's experiment use these: the method's
-options with its defaults, the stage count and partition fixed, the micro-batch count chosen
-(:func:`resolve`); the checkpoint interval and the facts a checkpoint must match
-(:func:`checkpoint_settings`); and where a run drains, ending a segment (every checkpoint and
-every evaluation interval, each epoch's end: :func:`next_drain`). The settings are checked
-before they come here, once (``pipeoptim.checks``). Nothing here imports the API, the tasks or
-the command line.
+:class:`RunSpec` is the one resolved record of a run: ``pipeoptim.checks.check_run`` builds it
+once, when the settings are checked (a Pipeline's, or the lab's launcher's before it starts any
+process), and the preparation, the stage builders, the Pipeline's schedules, its ``fit`` loop
+and the lab's experiment read it; only the model's cut, which the trace or a profile decides,
+is added later (:meth:`RunSpec.cut`). Here too: the checkpoint interval and the facts a
+checkpoint must match (:func:`checkpoint_settings`), and where a run drains, ending a segment
+(every checkpoint and every evaluation interval, each epoch's end: :func:`next_drain`). Nothing
+here imports the API, the tasks or the command line.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from torch import nn
-
-from ..methods import Method, get_method
-from .layout import Layout, plan_layout
-from ..partition import plan_partition
+from .layout import Layout
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSpec:
-    """A resolved run: method, options, stage count, partition and micro-batches."""
+    """A resolved run: the method's name and its options (each one's default filled), the
+    layout (``layout.ranks``: the pipeline's ranks N, known), the micro-batches per mini-batch,
+    clipping (``clip_scope``'s ``auto`` resolved), the compile backend (None: eager), the
+    precision, recompute per stage, the diagnostic's interval, whether the model computes its
+    own loss (no ``loss_fn``), and the cut: the layers (or traced units) of each stage, once
+    the model is split (None before; a mirrored method lists the N pieces' twice)."""
 
     method: str
     options: Dict[str, Any]
-    stages: int          #: stages (one Stage each): ranks x chunks (a mirrored method: 2 x its N pieces)
-    partition: List[int]  #: layers per stage (a mirrored method: the N pieces', twice)
+    layout: Layout
     microbatches: int
-    chunks: int = 1      #: stages per rank (interleaved: rank r holds stages r, r + N, ...)
+    clip_scope: str = "stage"
+    clip_grad_norm: Optional[float] = None
+    backend: Optional[str] = None
+    precision: str = "fp32"
+    recompute: Tuple[bool, ...] = ()
+    diagnose_every: int = 0
+    own_loss: bool = False
+    partition: Optional[List[int]] = None
 
     @property
     def ranks(self) -> int:
-        """Ranks of the pipeline (processes under torchrun): stages / chunks."""
-        return self.stages // self.chunks
+        """Ranks of the pipeline (processes of a replica under torchrun)."""
+        return self.layout.ranks
 
+    @property
+    def chunks(self) -> int:
+        """Stages per rank (interleaved: rank r holds stages r, r + N, ...)."""
+        return self.layout.chunks
 
-def resolve(model: nn.Sequential, *, method: Union[str, Method], stages: Optional[int],
-            partition: Optional[Sequence[int]], partitioner: str, micro_batches: Optional[int],
-            method_options: Dict[str, Any],
-            chunks: Optional[int] = None, layout: Optional[Layout] = None) -> RunSpec:
-    """The resolved run of settings that ``pipeoptim.checks`` has checked (the partitioner's
-    own refusals aside, which say the fix: a partition that does not cover the model).
+    @property
+    def stages(self) -> int:
+        """Stages (one Stage each): ranks x chunks (a mirrored method: 2 x its N pieces)."""
+        return self.ranks * self.chunks
 
-    ``stages`` counts ranks; with ``chunks=V`` (a chunked method: interleaved) the model is cut
-    into ``stages x V`` stages, and ``partition`` lists the layers of each of them. ``layout``:
-    the run's layout where the caller has it (else it is planned from these). ``method``: a
-    registry name, or the Method itself (one running a user's schedule: ``methods.with_order``)."""
-    m = method if isinstance(method, Method) else get_method(method)
-    method = m.name
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"model must be an nn.Sequential of stage-able blocks, got {type(model).__name__}")
-    layout = layout or plan_layout(m, stages=stages, partition=partition, chunks=chunks)
-    v = layout.chunks
-    if method == "sequential":
-        n, sizes = 1, [len(model)]
-    else:
-        n = layout.stages
-        sizes = plan_partition(model, n * m.pieces_per_rank(v), partitioner, partition)
-        if m.mirrored:  # the second pipeline's stages: replicas of the first's pieces
-            sizes = list(sizes) + list(sizes)
-    return RunSpec(method, m.resolve_options(method_options), n * v, sizes, m.microbatches(n, micro_batches), v)
+    @property
+    def stage_clip(self) -> Optional[float]:
+        """The max norm each stage clips its own gradient to (None: none, or clipped globally)."""
+        return self.clip_grad_norm if self.clip_scope == "stage" else None
+
+    @property
+    def global_clip(self) -> Optional[float]:
+        """The max norm of the gradient over all stages (None: none, or clipped per stage)."""
+        return self.clip_grad_norm if self.clip_scope == "global" else None
+
+    def cut(self, partition: Sequence[int]) -> "RunSpec":
+        """This run with the model cut into ``partition``'s stages."""
+        return dataclasses.replace(self, partition=list(partition))
 
 
 #: what a resumed run must share with the run that wrote the checkpoint

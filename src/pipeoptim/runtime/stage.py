@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ class Stage:
     split over the stage's tensor ranks: passes run on its DTensors, a backward with its version
     written into the live storage the forward's aliases share), ``tied`` (weights
     shared with other stages), ``grad_sync`` (the gradients reduced over the stage's replicas
-    before each update; the world sets it once its groups exist), ``loss_scaling`` (fp16: the
+    before each update: the world's ``replica_sync``, or the stage's shards), ``loss_scaling`` (fp16: the
     process's loss scale, runtime/loss_scaling.py; made here if not given). Observers: ``record``,
     ``probes``, ``held``."""
 
@@ -58,15 +58,14 @@ class Stage:
                  scheduler: Optional[Any] = None, clip_grad_norm: Optional[float] = None,
                  precision: str = "fp32", device: Optional[torch.device] = None,
                  recompute: bool = False, compile: Optional[str] = None,
-                 first: Optional[bool] = None, last: Optional[bool] = None, config: Any = None,
+                 first: Optional[bool] = None, last: Optional[bool] = None,
                  shards: Optional[StageShards] = None, tensor: Optional[Any] = None,
                  tied: Optional[TiedWeights] = None, replica_of: Optional[int] = None, takes_target: bool = False,
                  grad_sync: Optional[GradientSync] = None, record: Optional[StageRecord] = None,
                  probes: Optional[PredictionProbes] = None, held: Optional[HeldActivations] = None,
-                 loss_scaling: Optional[LossScaler] = None) -> None:
+                 loss_scaling: Optional[LossScaler] = None, clock: Optional[Callable[[], float]] = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        self.config = config  #: the run's options whole (pipeoptim.config.PipelineConfig; None: built by hand)
         self.index, self.num_stages = index, num_stages
         self.module, self.optimizer, self.policy, self.loss_fn = module, optimizer, policy, loss_fn
         self.scheduler = scheduler  #: stepped right after every update (update j: the same lr on every stage)
@@ -81,6 +80,7 @@ class Stage:
         self.recompute = recompute
         self.compiled = CompiledForward(module, compile) if compile else None
         self.shards, self.tied, self.grad_sync = shards, tied, grad_sync
+        self._overlapped = grad_sync if isinstance(grad_sync, OverlappedSync) else None
         self.tensor = tensor  #: runtime/tensor_parallel.StageTensors (None: the stage whole on this process)
         self._delay_aware = isinstance(optimizer, DelayAware)  # (a Protocol test costs tens of us: once)
         #: the first and last stage of its pipeline (default: of the one chain 0 .. N-1; a mirrored
@@ -92,11 +92,14 @@ class Stage:
         #: the last stage's module takes the target as a second argument (a model that computes
         #: its own loss from the labels)
         self.takes_target = takes_target
-        self.record = record = record if record is not None else StageRecord(index)
-        self.trace, self.updates, self.time, self.count = record.trace, record.updates, record.time, record.count
+        #: what the passes report: the version trace, the updates' learning rates, busy seconds and counts
+        self.record = record if record is not None else StageRecord(index)
+        #: the seconds the record's times are read from (a timer of stages on an accelerator: one that
+        #: waits for the device first, ``profile.Clock.now``)
+        self.clock = clock if clock is not None else time.perf_counter
         self.probes = probes if probes is not None else PredictionProbes()
         self.held = held if held is not None else HeldActivations()
-        self.trace_offset = 0  #: added to the micro-batch numbers in the trace (set per segment)
+        self.trace_offset = 0  #: added to the micro-batch numbers in the trace (:meth:`start_segment`)
         #: how stale the next update's gradients are (what error feedback and a delay-aware optimizer read)
         self.delays = GradientDelay()
         self._buffers: Optional[List[torch.Tensor]] = None
@@ -109,20 +112,17 @@ class Stage:
         self._weight_halves: Dict[int, Tuple[Any, WeightUse, contextlib.ExitStack, WeightUse]] = {}
 
     @property
-    def grad_sync(self) -> Optional[GradientSync]:
-        return self._grad_sync
-
-    @grad_sync.setter
-    def grad_sync(self, sync: Optional[GradientSync]) -> None:
-        self._grad_sync = sync
-        self._overlapped = sync if isinstance(sync, OverlappedSync) else None
+    def overlapped(self) -> Optional[OverlappedSync]:
+        """The stage's gradient sync where it reduces the last backward's gradients as they become
+        final (the executor starts it before that backward), None where it reduces at the update."""
+        return self._overlapped
 
     # -- actions ------------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Activation, target: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0) -> Activation:
         """Forward of one micro-batch. The last stage also computes the (scaled) loss and
         returns its value as a float; other stages return the activation to send on."""
-        start = time.perf_counter()
+        start = self.clock()
         probe = self.probes.every and self.probes.before_forward(microbatch, self.trace_offset + microbatch,
                                                                  self.policy)
         use = self.policy.forward_weights(microbatch)
@@ -219,7 +219,7 @@ class Stage:
         """Backward of one micro-batch; returns the gradient to send to the previous stage
         (None for the first stage). ``grad_output`` matches the forward's output tuple, with
         None for entries that carry no gradient."""
-        start = time.perf_counter()
+        start = self.clock()
         leaves, tensors, grads, use = self._backward_start(microbatch, grad_output)
         hooks = self._announce(use)  # the last backward before an update
         try:
@@ -241,7 +241,7 @@ class Stage:
         previous stage, as :meth:`backward` returns it; what the weight gradients need stays
         for :meth:`backward_weight` (``runtime/split_backward.py``). The policy's backward pass
         spans both halves (it is entered here and left by the weight half)."""
-        start = time.perf_counter()
+        start = self.clock()
         leaves, tensors, grads, use = self._backward_start(microbatch, grad_output)
         inputs = [v for v in as_tuple(leaves) if torch.is_tensor(v) and v.requires_grad]
         if self.shards is not None:  # what the graph holds: the weights FSDP gathered (kept to the update)
@@ -270,7 +270,7 @@ class Stage:
     def backward_weight(self, microbatch: int) -> None:
         """The weight half of a split backward (a schedule's ``W``): the weight gradients of the
         micro-batch whose input half ran, accumulated into the parameters' ``.grad``."""
-        start = time.perf_counter()
+        start = self.clock()
         pending, use, scope, used = self._weight_halves.pop(microbatch)
         overlap = self._overlapping()  # the last W before an update
         hooks = self._announce(use) if pending.full else []
@@ -343,8 +343,36 @@ class Stage:
         return grads_in if isinstance(leaves, tuple) else grads_in[0]
 
     def _passed(self, kind: str, microbatch: int, used: WeightUse, start: float) -> None:
-        self.record.passed(kind, self.trace_offset + microbatch, used, time.perf_counter() - start)
+        self.record.passed(kind, self.trace_offset + microbatch, used, self.clock() - start)
         self.delays.saw(kind, microbatch, used.version)
+
+    @contextlib.contextmanager
+    def running(self, module: nn.Module) -> Iterator[None]:
+        """Within: the stage's passes run ``module`` in place of its own (a traced model's
+        eval-mode graph over the same parameters, for an evaluation)."""
+        own, self.module = self.module, module
+        try:
+            yield
+        finally:
+            self.module = own
+
+    def start_segment(self, trace_offset: int) -> None:
+        """A segment of the run begins: its micro-batch j is number ``trace_offset + j`` of the run
+        in the trace and the probes."""
+        self.trace_offset = trace_offset
+
+    def unscale_gradients(self) -> torch.Tensor:
+        """fp16: this update's gradients unscaled by the process's loss scale; the found-inf flag
+        (0-dim, on the stage's device), over the shards of every replica where the stage is
+        sharded, of every tensor rank where split (the executor's agreement on the update reads it:
+        runtime/loss_scaling.UpdateAgreement)."""
+        found = self.loss_scaling.unscale([local(g) for g in self.grads()], self.device)
+        if self.shards is not None:
+            found = self.shards.any_replica(found)
+        if self.tensor is not None:
+            found = self.tensor.any_replica(found)
+        self.unscaled = True
+        return found
 
     def gradient_delay(self) -> int:
         """The next update's delay (:class:`~pipeoptim.weights.error_feedback.GradientDelay`)."""
@@ -356,7 +384,7 @@ class Stage:
         computed over several stages); without it, ``clip_grad_norm`` clips this stage's own.
         ``skip`` (fp16: some stage's gradients held an inf or nan): no update at all, the
         gradients dropped (runtime/loss_scaling.py)."""
-        start = time.perf_counter()
+        start = self.clock()
         self.sync_gradients()
         self._synced = self._replicas_synced = False
         if self.loss_scaling is not None and not self.unscaled:
@@ -367,7 +395,7 @@ class Stage:
             self.delays.take(self.policy.version)
             self.optimizer.zero_grad(set_to_none=True)
             self.policy.skipped_update()
-            self.record.skipped(self.policy.version, time.perf_counter() - start)
+            self.record.skipped(self.policy.version, self.clock() - start)
             return
         if grad_scale is None and self.clip_grad_norm is not None and (self.shards or self.tensor) is not None:
             # torch's clip_grad_norm_ coefficient, from the norm over the shards
@@ -404,7 +432,7 @@ class Stage:
         if self.tied is not None:
             self.tied.after_update()
         self.policy.after_update()
-        self.record.took("U", time.perf_counter() - start)
+        self.record.took("U", self.clock() - start)
 
     # -- helpers ------------------------------------------------------------------------------
     def parameters(self) -> List[nn.Parameter]:
@@ -441,10 +469,8 @@ class Stage:
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of this stage's accumulated gradients (a 0-dim tensor on its device)."""
         grads = self.grads()
-        if self.shards is not None:
-            return self.shards.grad_norm(grads, self.device)
-        if self.tensor is not None:
-            return self.tensor.grad_norm(grads, self.device)
+        if self.copied is not None:  # split over processes: the norm of the whole, from every part
+            return self.copied.grad_norm(grads, self.device)
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

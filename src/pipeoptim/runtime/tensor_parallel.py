@@ -3,10 +3,9 @@
 Under torchrun with N stages x D replicas x T tensor ranks, stage k of replica d lives on T
 processes, the "tp" dimension of the job's ``DeviceMesh``; each holds its part of the planned
 layers' weights as DTensors (docs/architecture.md, "Tensor parallelism in a stage"). The plan
-maps module names of the whole model to torch's parallel styles (``ColwiseParallel``,
-``RowwiseParallel``, ...): the user's ``tensor_plan``, or the model's own (a transformers model's
-``_tp_plan``, from its config's ``base_model_tp_plan``). Only ``nn.Linear`` and ``nn.Embedding``
-layers are split; everything else is replicated on the T processes.
+(``pipeoptim/tensor_plan.py``) maps module names of the whole model to torch's parallel styles
+(``ColwiseParallel``, ``RowwiseParallel``, ...); only ``nn.Linear`` and ``nn.Embedding`` layers are
+split, everything else is replicated on the T processes.
 
 A stage whose modules run as modules (an ``nn.Sequential``'s layers) is parallelized by torch's
 ``parallelize_module``, whose hooks move the layouts. A traced stage runs aten operations on its
@@ -24,131 +23,13 @@ forward's aliases share for its span (:meth:`StageTensors.hold`)."""
 from __future__ import annotations
 
 import copy
-import fnmatch
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat import waited_collectives
+from ..compat import collective_result, is_dtensor, waited_collectives
 from .sharding import StageCopy
-
-
-def _styles():
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    return {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-        # the token ids whole on every rank, the vocabulary split (torch's RowwiseParallel alone
-        # takes its input sharded on the last dimension)
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "sequence_parallel": SequenceParallel,
-    }
-
-
-#: transformers' names of a plan entry that mean one of torch's styles (the others are refused)
-STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input",
-               "rowwise_rep", "embedding_rowwise", "sequence_parallel")
-
-
-def style_of(value: Any, pattern: str) -> Any:
-    """A plan entry as one of torch's parallel styles (a copy: a style serves one module)."""
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    if isinstance(value, ParallelStyle):
-        return copy.deepcopy(value)
-    if isinstance(value, str) and value in STYLE_NAMES:
-        return _styles()[value]()
-    raise ValueError(f"tensor_plan[{pattern!r}] = {value!r}: give one of torch's parallel styles "
-                     f"(ColwiseParallel(), RowwiseParallel(), ...) or a name: {', '.join(STYLE_NAMES)}")
-
-
-def model_plan(model: nn.Module) -> Dict[str, Any]:
-    """The model's own plan, by module names of the whole model: a transformers model's
-    ``_tp_plan`` (its head's entries and its base model's, prefixed), else its config's
-    ``base_model_tp_plan`` under the base model's prefix; empty where it carries none."""
-    own = getattr(model, "_tp_plan", None)
-    if isinstance(own, dict) and own:
-        return dict(own)
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    wrapped = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
-    return {f"{prefix}.{k}" if wrapped else k: v for k, v in base.items()}
-
-
-def resolve_plan(model: nn.Module, plan: Optional[Dict[str, Any]], tensor: int) -> Dict[str, Any]:
-    """{module name of ``model``: torch's style} for every layer the plan (the user's, else the
-    model's own) splits; refused, with the fix, where there is no plan, a pattern matches no
-    layer or one that is neither ``nn.Linear`` nor ``nn.Embedding``, or a transformers config's
-    attention heads do not divide by T."""
-    given = plan if plan is not None else model_plan(model)
-    name = type(model).__name__
-    if not given:
-        raise ValueError(f"tensor_parallel={tensor} splits the layers a plan names, and {name} carries no plan "
-                         f"(a transformers model's config.base_model_tp_plan): give tensor_plan={{'layer name "
-                         f"pattern': ColwiseParallel() or RowwiseParallel(), ...}} (e.g. the first of two Linear "
-                         f"layers column-wise, the second row-wise), or drop tensor_parallel")
-    if not isinstance(given, dict):
-        raise ValueError(f"tensor_plan must be a dict of layer-name patterns to styles, got {type(given).__name__}")
-    modules = dict(model.named_modules())
-    chosen: Dict[str, Any] = {}
-    for pattern, value in given.items():
-        matched = [n for n in modules if n and (n == pattern or fnmatch.fnmatchcase(n, pattern))]
-        if not matched:
-            raise ValueError(f"tensor_plan entry {pattern!r} names no layer of {name} (its layers are named as "
-                             f"model.named_modules() names them, e.g. {next(iter(n for n in modules if n), '')!r}): "
-                             f"fix the pattern or drop the entry")
-        for module_name in matched:
-            module = modules[module_name]
-            if not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise ValueError(f"tensor_plan entry {pattern!r} matches {module_name}, a {type(module).__name__}: "
-                                 f"only nn.Linear and nn.Embedding layers are split (GPT-2's Conv1D is neither); "
-                                 f"name Linear or Embedding layers, or drop the entry")
-            style = chosen.setdefault(module_name, style_of(value, pattern))
-            _check_divides(module_name, module, style, tensor)
-    _check_heads(model, tensor)
-    return chosen
-
-
-def _check_divides(name: str, module: nn.Module, style: Any, tensor: int) -> None:
-    """The dimension ``style`` splits ``module``'s weight along must divide by T (torch would
-    fail deep inside a sharded operation)."""
-    kind = "embedding" if isinstance(module, nn.Embedding) else "linear"
-    try:
-        dim = weight_placements(style, kind)["weight"].dim
-    except ValueError:
-        return  # a style that splits no weight (SequenceParallel)
-    size = module.weight.shape[dim]
-    if size % tensor:
-        what = {("linear", 0): "out_features", ("linear", 1): "in_features",
-                ("embedding", 0): "num_embeddings", ("embedding", 1): "embedding_dim"}[kind, dim]
-        raise ValueError(f"tensor_plan splits {name} ({type(module).__name__}) along its {what} = {size}, which "
-                         f"tensor_parallel={tensor} does not divide: choose T dividing {size}, or leave {name} out")
-
-
-def _check_heads(model: nn.Module, tensor: int) -> None:
-    """A transformers config's attention heads (query and key/value) must divide by T: each
-    tensor rank computes its own heads. Grouped-query attention is refused: the traced graph
-    repeats each key/value head by counts fixed at trace time, for the whole model's heads."""
-    config = getattr(model, "config", None)
-    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(groups, int) and groups != heads:
-        raise ValueError(f"{type(model).__name__}'s config has {groups} key/value heads for {heads} query heads "
-                         f"(grouped-query attention), which tensor_parallel does not split yet: the traced graph "
-                         f"repeats the key/value heads by the whole model's counts. Use a config with "
-                         f"num_key_value_heads = num_attention_heads, or drop tensor_parallel")
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, field, None)
-        if isinstance(heads, int) and heads % tensor:
-            raise ValueError(f"{type(model).__name__}'s config has {field}={heads}, which tensor_parallel={tensor} "
-                             f"does not divide (each tensor rank computes its own heads): choose T dividing "
-                             f"{heads}")
 
 
 # -- the layouts of a style, and the operations of a traced stage ------------------------------
@@ -188,7 +69,7 @@ def layouts(style: Any, kind: str) -> Tuple[str, str, str]:
     layer of ``kind``, as :func:`linear` and :func:`embedding` read them."""
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    if not getattr(style, "use_local_output", True):
+    if not style.use_local_output:
         raise ValueError("a traced stage passes local tensors between its operations: give the style "
                          "use_local_output=True (torch's default)")
     given = _name(style.input_layouts[0])
@@ -254,7 +135,7 @@ def in_layout(param: torch.Tensor) -> Optional[torch.Tensor]:
     of an ``nn.Embedding`` leaves it whole on every tensor rank, which the sums over replicas and
     tied holders, shard by shard, cannot take."""
     grad = param.grad
-    if grad is not None and hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad = grad.redistribute(placements=param.placements)
     return grad
 
@@ -262,8 +143,7 @@ def in_layout(param: torch.Tensor) -> Optional[torch.Tensor]:
 def storage_of(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds ``tensor``'s values on this process: a DTensor's local
     part, an ``AsyncCollectiveTensor``'s own result."""
-    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return getattr(tensor, "elem", tensor) if hasattr(tensor, "trigger_wait") else tensor
+    return collective_result(tensor.to_local() if is_dtensor(tensor) else tensor)
 
 
 class StageTensors(StageCopy):
@@ -370,32 +250,8 @@ class StageTensors(StageCopy):
         wrapped = {}
         for name, value in values.items():
             param = self._named.get(name)
-            if param is not None and hasattr(param, "placements") and not hasattr(value, "placements"):
+            if is_dtensor(param) and not is_dtensor(value):
                 value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                            shape=param.shape, stride=param.stride())
             wrapped[name] = value
         return wrapped
-
-    def grad_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The 2-norm of the whole stage's gradients: each split one's shards summed over the
-        tensor ranks, each replicated one counted once."""
-        import torch.distributed as dist
-
-        split = torch.zeros((), dtype=torch.float32, device=device)
-        whole = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            placements = getattr(g, "placements", ())
-            part = g.to_local() if placements else g
-            if any(p.is_shard() for p in placements):
-                split += part.float().pow(2).sum()
-            else:
-                whole += part.float().pow(2).sum()
-        dist.all_reduce(split, group=self.mesh.get_group())
-        return (split + whole).sqrt()
-
-    def any_replica(self, flag: torch.Tensor) -> torch.Tensor:
-        """``flag`` (0-dim, 1.0: this rank's part found an inf or nan) over the stage's tensor ranks."""
-        import torch.distributed as dist
-
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
-        return flag

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import is_dtensor
 from ..weights.base import local
 from .transport import warm_pair
 
@@ -129,7 +130,7 @@ class TiedWeights:
         self.round: Optional["TieRound"] = None
 
     def held(self) -> List[Tie]:
-        """Synchronous methods: the ties this stage holds a copy of in a run of one process per stage."""
+        """Synchronous methods: the ties this stage holds a copy of in a run of one stage per process."""
         return [t for t in self.ties if t.param is not None and t.group is not None] if self.synchronous else []
 
     def read_not_owned(self) -> List[nn.Parameter]:
@@ -180,7 +181,7 @@ class TiedWeights:
                 if grad is not None:
                     p = tie.param
                     if p.grad is None:
-                        p.grad = grad if not hasattr(p, "to_local") else torch.zeros_like(p)
+                        p.grad = grad if not is_dtensor(p) else torch.zeros_like(p)
                     if p.grad is not grad:
                         local(p.grad).add_(grad)  # (sharded: the holders' shards of it)
             else:

@@ -7,21 +7,18 @@ from typing import Any, Tuple
 
 import torch
 
+from ..compat import tree_map_tensors
+
 Activation = Any  # a tensor, a tuple of tensors, or a dict of keyword tensors
 
 
 def to_device(value: Activation, device: torch.device) -> Activation:
-    """``value`` (a tensor, a tuple of them, or anything else) with its tensors on ``device``;
+    """``value`` (nested: ``compat.tensor_leaves``' walk) with its tensors on ``device``;
     tensors already there are returned as they are (no copy). A copy to an accelerator is queued
     (the device's work after it waits for it); a copy to the host is made at once, since the host
     reads it next (a queued one could be read before the values arrive)."""
-    if torch.is_tensor(value):
-        return value if value.device == device else value.to(device, non_blocking=device.type != "cpu")
-    if isinstance(value, tuple):
-        return tuple(to_device(v, device) for v in value)
-    if isinstance(value, dict):  # a first stage's keyword inputs
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    return tree_map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=device.type != "cpu"),
+                            value)
 
 
 def as_tuple(value: Activation) -> Tuple[Any, ...]:
@@ -29,7 +26,9 @@ def as_tuple(value: Activation) -> Tuple[Any, ...]:
 
 
 def detach_for_send(value: Activation) -> Activation:
-    """What crosses a stage boundary: the values, cut from this stage's autograd graph."""
+    """What crosses a stage boundary: the values, cut from this stage's autograd graph. Not
+    pytree's walk: a message is a tensor or a flat tuple (``wire.py``), and another output fails
+    here in one process as at the link (passed on, its tensors would get no gradient back)."""
     if isinstance(value, tuple):
         return tuple(v.detach() if torch.is_tensor(v) else v for v in value)
     return value.detach()
@@ -37,8 +36,5 @@ def detach_for_send(value: Activation) -> Activation:
 
 def leaf_inputs(value: Activation) -> Activation:
     """Received activations as leaves, floating and complex ones collecting their gradient."""
-    def leaf(v):
-        if torch.is_tensor(v) and (v.is_floating_point() or v.is_complex()):
-            return v.detach().requires_grad_(True)
-        return v
-    return tuple(leaf(v) for v in value) if isinstance(value, tuple) else leaf(value)
+    return tree_map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() or t.is_complex()
+                            else t, value)

@@ -8,6 +8,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..compat import HAS_POST_ACCUMULATE_HOOK
 from ..weights.base import WeightUse
 
 
@@ -30,7 +31,7 @@ def announce_on_accumulate(ready: Callable[[torch.Tensor], None], use: WeightUse
                            params: Sequence[nn.Parameter], named: Named) -> List[Any]:
     """Hooks that hand each parameter to ``ready`` as soon as autograd has its final gradient in
     this backward (a tensor of ``use.weights`` first gives it to its parameter); remove them after."""
-    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):  # torch < 2.1
+    if not HAS_POST_ACCUMULATE_HOOK:
         return []
     if use.direct:
         return [p.register_post_accumulate_grad_hook(ready) for p in params]

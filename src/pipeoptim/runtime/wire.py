@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ..compat import tree_leaves
 from .segment import MicroBatch
 from .values import as_tuple
 
@@ -59,18 +60,20 @@ def wait_for(work: Any, timeout: Any, device: torch.device) -> None:
 
 
 def signature(microbatch: MicroBatch) -> Signature:
-    """The key under which a micro-batch's message layouts are agreed: its input shapes (of a
-    dict of keyword inputs, its values', in its order: every rank builds it alike)."""
+    """The key under which a micro-batch's message layouts are agreed: its input shapes, in
+    ``compat.tree_leaves``' order (a dict of keyword inputs: its values', in its order), which
+    every rank builds alike; a leaf that is no tensor fails here."""
     inputs = microbatch[0]
     if inputs is None:
         raise ValueError("every rank needs the micro-batches' inputs (at least their shapes): load "
                          "the same data on every rank")
-    return tuple(tuple(t.shape) for t in (inputs.values() if isinstance(inputs, dict) else as_tuple(inputs)))
+    return tuple(tuple(t.shape) for t in tree_leaves(inputs))
 
 
 def layout_of(value: Any, what: str) -> Layout:
     """The layout of a message (``what``: "activation" or "gradient", for errors): tuple or
-    not, and per entry its dtype and shape, or None for an entry without a tensor."""
+    not, and per entry its dtype and shape, or None for an entry without a tensor. Not pytree's
+    walk: the receiver rebuilds a tensor or a flat tuple only, so anything else is refused here."""
     entries = []
     for v in as_tuple(value):
         if v is None:

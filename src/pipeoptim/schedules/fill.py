@@ -24,9 +24,9 @@ streaming property the executors rely on: docs/architecture.md, "Schedules as da
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .actions import Action, Kind, Schedule, actions_of
+from .actions import Action, Kind, Schedule
 from .simulate import Costs, simulate
 
 
@@ -155,10 +155,26 @@ def plan_fill(schedule: Schedule, evaluations: int, costs: Optional[Costs] = Non
     return FillPlan(evaluations, filled, tuple(before), starts)
 
 
+def forward_alone(stage_to_rank: Sequence[int], last: int, evaluations: int) -> Schedule:
+    """Forward-only work alone, on a drained pipeline: E micro-batches 0 .. ``evaluations`` - 1
+    through the model once (stages 0 .. ``last``: every stage, or a mirrored method's first
+    pipeline, whose second holds replicas of the same pieces), stage k on rank
+    ``stage_to_rank[k]``. Each rank runs its stages' E's micro-batch after micro-batch, in chain
+    order (pipelined over the ranks: a drained evaluation, a call of the pipelined model)."""
+    n = len(stage_to_rank)
+    chains = [list(range(last + 1))] + ([list(range(last + 1, n))] if last + 1 < n else [])
+    orders: List[List[Action]] = [[] for _ in range(max(stage_to_rank) + 1)]
+    for j in range(evaluations):
+        for k in chains[0]:
+            orders[stage_to_rank[k]].append(Action(k, Kind.E, j))
+    return Schedule("forward-only", n, len(orders), 0, 1, orders, list(stage_to_rank), chains, synchronous=True,
+                    options={"evaluations": evaluations})
+
+
 def drain_first(schedule: Schedule, evaluations: int) -> Schedule:
     """``schedule`` after a drained evaluation of ``evaluations`` micro-batches: every stage runs
-    its E actions first, in order (pipelined, as torchrun's drained evaluation runs)."""
+    its E actions first, in order (:func:`forward_alone`'s, pipelined)."""
     check_fillable(schedule)
-    orders = [actions_of(schedule.stages_of_rank(rank)[0], Kind.E, range(evaluations)) + list(order)
-              for rank, order in enumerate(schedule.orders)]
+    alone = forward_alone(schedule.stage_to_rank, schedule.num_stages - 1, evaluations)
+    orders = [first + list(order) for first, order in zip(alone.orders, schedule.orders)]
     return replace(schedule, orders=orders, options={**schedule.options, "evaluations": evaluations})

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..schedules.actions import Action, Kind
-from .corrections import LR_CORRECTIONS, delay_divisor
+from .corrections import delay_divisor
 from .error_feedback import UpdateFeedback
 from .fused import local, nbytes
 
@@ -56,14 +56,8 @@ class WeightPolicy:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
                  num_stages: int, lr_correction: str = "none", lr_correction_steps: Optional[int] = None,
-                 error_feedback: bool = False, **options) -> None:
-        if options:
-            raise ValueError(f"{type(self).__name__} takes no options, got {', '.join(options)}")
-        if lr_correction not in LR_CORRECTIONS:
-            raise ValueError(f"lr_correction must be one of {', '.join(LR_CORRECTIONS)}, got {lr_correction!r}")
-        if lr_correction == "delay" and (lr_correction_steps is None or lr_correction_steps < 1):
-            raise ValueError(f"lr_correction='delay' needs lr_correction_steps=T >= 1 (the updates over "
-                             f"which the lr anneals from lr/delay to lr), got {lr_correction_steps!r}")
+                 error_feedback: bool = False, sharded: bool = False) -> None:
+        # the options' values arrive checked (pipeoptim.checks.check_method_options)
         self.stage = stage
         self.num_stages = num_stages
         self.optimizer = optimizer
@@ -76,8 +70,6 @@ class WeightPolicy:
         self._sync_micro: frozenset = frozenset()
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.param_bytes = nbytes([p for _, p in self.named])
-        if error_feedback not in (False, True):
-            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         #: error_feedback=True: the update's error fed back (weights/error_feedback.py); the
         #: stage runs it around each optimizer step
         self.feedback = UpdateFeedback(self.named) if error_feedback else None
@@ -89,9 +81,10 @@ class WeightPolicy:
         #: :meth:`forward_weights_kept`), counted with the copies
         self.recompute_copy_bytes = 0
         self._forward_version: Dict[int, int] = {}
-        #: the parameters are shards of the stage over its replicas (``runtime/sharding.py``):
-        #: versions are kept as copies, never by moving the live storage (FSDP gathers from it)
-        self.sharded = False
+        #: the parameters are shards of the stage over its replicas (``runtime/sharding.py``) or its
+        #: tensor ranks' part (``runtime/tensor_parallel.py``): versions are kept as copies, never
+        #: by moving the live storage (FSDP gathers from it, a DTensor keeps its local tensor)
+        self.sharded = sharded
 
     # -- schedule knowledge -----------------------------------------------------------------
     def begin_epoch(self, stage_actions: Sequence[Action], full_orders: Sequence[Sequence[Action]] = (),

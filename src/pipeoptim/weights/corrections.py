@@ -32,9 +32,6 @@ import torch
 
 from .fused import applied_update, batches, clone_all, local_all
 
-LR_CORRECTIONS = ("none", "delay")
-HORIZONS = ("constant", "scheduled")
-DELTAS = ("optimizer", "ema")
 
 #: The corrections that change a prediction, in the order the diagnostic reports them.
 PREDICTION_CORRECTIONS = ("lr_correction", "horizon", "delta", "prediction_warmup")
@@ -110,8 +107,6 @@ class UpdateAverage:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[Tuple[str, torch.Tensor]],
                  decay: float) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"ema_decay must lie strictly between 0 and 1, got {decay}")
         self.optimizer = optimizer
         self.decay = decay
         self.named = list(named)

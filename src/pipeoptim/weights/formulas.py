@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Sequence
+from typing import Any, List, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -26,7 +26,8 @@ from ..compat import muon_lr_ratio, muon_orthogonalize
 from ..delay_nadamw import DelayNAdamW, adam_denominators, lookahead_direction, runs_by
 from .fused import Into, batches, copy_all, local_all
 
-__all__ = ["KNOWN", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported", "muon_direction"]
+__all__ = ["KNOWN", "ComposedOptimizer", "DirectionFormulas", "formula_of", "parts_of", "optimizer_direction_supported",
+           "muon_direction"]
 
 #: (formula, optimizer class): the optimizers with an exact formula (Muon where torch has it;
 #: DelayNAdamW is pipeoptim's own, :mod:`pipeoptim.delay_nadamw`)
@@ -55,10 +56,17 @@ def formula_of(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+@runtime_checkable
+class ComposedOptimizer(Protocol):
+    """An optimizer made of others, whose groups are its own (``muon_adamw.MuonWithAdamW``: Muon
+    on a stage's matrices, AdamW on the rest); each group follows its part's formula."""
+
+    parts: List[torch.optim.Optimizer]
+
+
 def parts_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
-    """The optimizers a composite optimizer is made of (its ``parts``), or None."""
-    parts = getattr(optimizer, "parts", None)
-    return list(parts) if isinstance(parts, (list, tuple)) and parts else None
+    """The optimizers a composed optimizer is made of (:class:`ComposedOptimizer`), or None."""
+    return list(optimizer.parts) if isinstance(optimizer, ComposedOptimizer) and optimizer.parts else None
 
 
 def optimizer_direction_supported(optimizer: torch.optim.Optimizer) -> bool:
@@ -127,7 +135,7 @@ def kept_like(table: dict[Tensor, Tensor], p: Tensor) -> Tensor:
 
 class DirectionFormulas:
     """Delta's formulas for the Predictor (attributes it sets: ``optimizer``, ``sgd_momentum``,
-    ``steps_taken``, ``uses_fallback``, ``_kind``, ``_composite``, ``_stored``, ``_step_lr``,
+    ``steps_taken``, ``uses_fallback``, ``_kind``, ``_parts``, ``_stored``, ``_step_lr``,
     ``_group_of``, ``_computed``). Lists of parameters are of one group, in its order."""
 
     def _scratch(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
@@ -141,9 +149,9 @@ class DirectionFormulas:
 
     def _kind_of(self, group: dict[str, Any]) -> str | None:
         """The formula of ``group``: the optimizer's, or that of the part holding the group."""
-        if not self._composite:
+        if self._parts is None:
             return self._kind
-        for part in parts_of(self.optimizer) or ():
+        for part in self._parts:
             if any(g is group for g in part.param_groups):
                 return formula_of(part)
         raise KeyError("a parameter group that no part of the optimizer holds")

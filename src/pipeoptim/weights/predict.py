@@ -93,13 +93,13 @@ class Predictor(DirectionFormulas):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, sgd_momentum: str = "paper") -> None:
-        if sgd_momentum not in ("paper", "code"):
+        if sgd_momentum not in ("paper", "code"):  # (a Predictor made by hand; a policy's: checked already)
             raise ValueError(f"sgd_momentum must be 'paper' or 'code', got {sgd_momentum!r}")
         self.optimizer = optimizer
         self.sgd_momentum = sgd_momentum
         self.steps_taken: int = 0
         self._kind = formula_of(optimizer)
-        self._composite = parts_of(optimizer) is not None
+        self._parts = parts_of(optimizer)  # a composed optimizer's: each group's formula is its part's
         self.uses_fallback: bool = not optimizer_direction_supported(optimizer)
         # Per-parameter tensors owned by the predictor: the captured gradient turned into Delta
         # by the post-hook (exact formulas), or W_before turned into Delta (fallback).

@@ -51,12 +51,7 @@ class PipeOptim2BWPolicy(VersionStore, PredictingPolicy):
 
     def __init__(self, *args, predict_feedback: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if predict_feedback not in (False, True):
-            raise ValueError(f"predict_feedback must be True or False, got {predict_feedback!r}")
-        if predict_feedback and self.feedback is None:
-            raise ValueError("predict_feedback extrapolates error feedback's term: it needs "
-                             "error_feedback on as well (turn both on, or leave predict_feedback off)")
-        #: predict_feedback=True: windows run on :meth:`feedback_prediction`
+        #: predict_feedback=True (checked to come with error_feedback: pipeoptim.checks): windows run on :meth:`feedback_prediction`
         self.predict_feedback = predict_feedback
         self._windows: Dict[int, _Window] = {}
         self._window_steps: Dict[int, int] = {}

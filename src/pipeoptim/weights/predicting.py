@@ -15,8 +15,7 @@ import torch
 
 from ..compat import CAN_SWAP_STORAGE, swap_storage_memory
 from .base import WeightPolicy, WeightUse, local, nbytes
-from .corrections import (DELTAS, HORIZONS, PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage,
-                          horizon_rate)
+from .corrections import PREDICTION_CORRECTIONS, LrLookahead, UpdateAverage, horizon_rate
 from .fused import Into, copy_all
 from .predict import Predictor, predict_plan
 
@@ -40,15 +39,7 @@ class PredictingPolicy(WeightPolicy):
     def __init__(self, *args, sgd_momentum: str = "paper", horizon: str = "constant",
                  delta: str = "optimizer", ema_decay: Optional[float] = None, prediction_warmup: int = 0,
                  **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if horizon not in HORIZONS:
-            raise ValueError(f"horizon must be one of {', '.join(HORIZONS)}, got {horizon!r}")
-        if delta not in DELTAS:
-            raise ValueError(f"delta must be one of {', '.join(DELTAS)}, got {delta!r}")
-        if ema_decay is not None and delta != "ema":
-            raise ValueError("ema_decay applies with delta='ema'")
-        if prediction_warmup is None or prediction_warmup < 0:
-            raise ValueError(f"prediction_warmup must be 0 (off) or a number of updates, got {prediction_warmup!r}")
+        super().__init__(*args, **kwargs)  # (the options' values: checked by checks.check_method_options)
         #: the optimizer's own direction (docs/architecture.md, "The prediction per
         #: optimizer"); also the diagnostic's baseline
         self.predictor = Predictor(self.optimizer, sgd_momentum=sgd_momentum)
@@ -282,10 +273,6 @@ class PipeOptimPolicy(PredictingPolicy):
 
     def __init__(self, *args, steps: str = "exact", backward: str = "latest", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if steps not in ("exact", "paper", "code"):
-            raise ValueError(f"steps must be exact, paper or code, got {steps!r}")
-        if backward not in ("latest", "predicted"):
-            raise ValueError(f"backward must be latest or predicted, got {backward!r}")
         self.steps_policy = steps
         self.backward_weights = backward
         self._held: Dict[int, List[torch.Tensor]] = {}
