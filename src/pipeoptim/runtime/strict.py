@@ -315,9 +315,12 @@ def install(timeout: float = TIMEOUT) -> None:
     if _INSTALLED is not None:
         return
     strict = _Strict(timeout)
-    for name in ("isend", "irecv", "new_group", *COLLECTIVES):
-        strict.real[name] = getattr(dist, name)
-        setattr(dist, name, strict.collective(name) if name in COLLECTIVES else getattr(strict, name))
+    names = ("isend", "irecv", "new_group", *COLLECTIVES)
+    strict.real.update({name: vars(dist)[name] for name in names})  # torch.distributed's own, kept
+    ours = {"isend": strict.isend, "irecv": strict.irecv, "new_group": strict.new_group,
+            **{name: strict.collective(name) for name in COLLECTIVES}}
+    for name in names:  # each replaced by its checked one
+        setattr(dist, name, ours[name])
     strict.start()
     _INSTALLED = strict
 
