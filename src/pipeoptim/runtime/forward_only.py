@@ -96,6 +96,10 @@ class PipelinedModel(torch.nn.Module):
         self._executor.feed_forward_only(inputs, target)
 
 
+#: the refusal of an evaluation (or forward-only work) given nothing to run
+NO_BATCHES = "the evaluation loader yielded no mini-batches"
+
+
 class Scores:
     """An evaluation's scores per micro-batch; :meth:`mean` is the mean over the samples, summed in
     micro-batch order (values read back only then: an accelerator is not waited for meanwhile)."""
@@ -123,9 +127,6 @@ class Scores:
         if count == 0:
             raise ValueError(NO_BATCHES)
         return total / count
-
-
-NO_BATCHES = "the evaluation loader yielded no mini-batches"
 
 
 class ForwardOnly:
