@@ -10,6 +10,9 @@ computes its own loss. The data is a small synthetic corpus made here: nothing i
     torchrun --nproc-per-node 4 examples/transformers_causal_lm.py --shard-replicas
                                                             # 2 stages x 2 replicas, each stage sharded
 
+Each launch writes its own folder (``--out``; by default runs/gpt2-example, and under torchrun
+runs/gpt2-example-torchrunN for N processes), so that one launch never overwrites another's.
+
 With --dropout 0 and a synchronous method (the default) the three print the same losses (with
 dropout on, each launcher draws its own masks). At the end, the
 checkpoint that `fit` wrote becomes a plain state dict with torch alone, which a fresh
@@ -18,6 +21,7 @@ class) goes through `save_pretrained` / `from_pretrained`.
 """
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -43,8 +47,13 @@ p.add_argument("--stages", type=int, default=2)
 p.add_argument("--method", default=None, help="a pipeoptim method (default: the library's)")
 p.add_argument("--shard-replicas", action="store_true",
                help="under torchrun with more processes than stages: shard each stage over its replicas (FSDP2)")
-p.add_argument("--out", type=Path, default=Path("runs/gpt2-example"), help="checkpoints and exported models")
+p.add_argument("--out", type=Path, default=None,
+               help="checkpoints and exported models (default: runs/gpt2-example; under torchrun with N "
+                    "processes runs/gpt2-example-torchrunN)")
 args = p.parse_args()
+if args.out is None:  # each launcher its own folder: a torchrun launch does not overwrite the one-process run's
+    under_torchrun = "WORLD_SIZE" in os.environ
+    args.out = Path("runs/gpt2-example" + (f"-torchrun{os.environ['WORLD_SIZE']}" if under_torchrun else ""))
 
 torch.manual_seed(0)
 config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,

@@ -89,6 +89,12 @@ PRELOAD = ["torch", "torch._dynamo", "torch._functorch.aot_autograd", "torch._in
            "pipeoptim.pipeline", "pipeoptim.cli", "pipeoptim.lab.tasks.image", "library_models", "traced_models",
            "first_day"]
 
+#: what the scripts of the 4- and 8-process jobs import anyway (dynamo at the first optimizer step,
+#: FSDP2 and tensor parallelism's modules, the library models of the tensor-parallel and sharded ones)
+PRELOAD_WIDE = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "transformers",
+                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+                "pipeoptim.pipeline", "traced_models"]
+
 #: the wall-clock limit of a shared job (a loaded 2-core machine runs the 2-process one for minutes)
 JOB_TIMEOUT = 1200
 
@@ -213,7 +219,7 @@ def torchrun_4(tmp_path_factory):
                       "data-parallel": [test_torchrun.DP_SCRIPT, *test_torchrun.DATA_PARALLEL, 256],
                       "equivalence": [HERE / "torchrun_distributed.py", folder / "equivalence"],
                       "sharded": [test_sharding.SCRIPT, *test_sharding.job_args(folder / "sharded")]},
-                     nproc=4, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+                     nproc=4, preload=PRELOAD_WIDE, timeout=JOB_TIMEOUT)
     printed.folder = folder
     return printed
 
@@ -227,7 +233,7 @@ def torchrun_8():
     from torchrun_jobs import HERE, launch
 
     return launch({"tensor-parallel-8": [HERE / "torchrun_tensor_parallel.py", ",".join(test_tensor_parallel.SHARDED)]},
-                  nproc=8, preload=["torch", "pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
+                  nproc=8, preload=PRELOAD_WIDE[:4] + ["pipeoptim.pipeline"], timeout=JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

@@ -65,7 +65,7 @@ CASES = [
      "--warmup-steps 500 leaves no update after the warm-up (10 updates in the run)"),
     (["train", "--precision", "fp8"], "invalid choice: 'fp8'"),
     (["train", "--device", "cuda:7", *QUICK], "device cuda:7 does not exist"),
-    (["train", "--device", "cpu,cpu,cpu", "--stages", "4", *QUICK], "devices lists 3 devices for 4 stages"),
+    (["train", "--device", "cpu,cpu,cpu", "--stages", "4", *QUICK], "--device lists 3 devices for 4 stages"),
     (["train", "--runtime", "distributed", "--lr-schedule", "warmup-cosine", "--warmup-steps", "500", "--epochs", "1",
       *QUICK],
      "--warmup-steps 500 leaves no update after the warm-up (10 updates in the run)"),

@@ -100,8 +100,10 @@ def test_methods_without_one_update_per_stretch_are_refused_with_the_fix(method,
 
 
 def test_it_needs_eval_every_and_an_eval_loader():
-    for options in ({"eval_loader": EVAL}, {"evaluate": lambda model: 0.0, "eval_every": 2}):
-        with pytest.raises(ValueError, match="give eval_every=K and eval_loader="):
+    for options, missing in (({"eval_loader": EVAL}, r"give eval_every=K$"),
+                             ({"evaluate": lambda model: 0.0, "eval_every": 2}, r"give eval_loader= \(evaluate"),
+                             ({}, r"give eval_every=K and eval_loader= \(evaluate")):
+        with pytest.raises(ValueError, match=missing):
             pipeoptim.train(noisy_model(), batches(4), method="gpipe", stages=2, optimizer=ADAM, loss_fn=LOSS,
                             eval_in_bubbles=True, **options)
 

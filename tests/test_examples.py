@@ -1,9 +1,11 @@
 """The examples a user copies run as they are: the Fashion-MNIST script on a few hundred images,
 and the transformers GPT-2 script on a tiny config, in one process and under torchrun (2 stages x
 2 replicas, sharded: in the job of tests/test_sharding.py), to the same losses, its exports loading
-back into GPT-2's own class."""
+back into GPT-2's own class; and the README's quickstart, run as a newcomer runs it, prints what
+the README shows, to the digits shown."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -14,7 +16,8 @@ import pytest
 
 from test_torchrun import _env
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 EXAMPLE = EXAMPLES / "fashion_mnist_pipeline.py"
 GPT2 = EXAMPLES / "transformers_causal_lm.py"
 
@@ -53,6 +56,37 @@ def printed(stdout: str) -> Dict[str, object]:
     method, stages, replicas, updates, final = summary[0].groups()
     return {"epochs": epochs, "method": method, "stages": int(stages), "replicas": int(replicas),
             "updates": int(updates), "final": float(final), "export": lines[-1]}
+
+
+def newcomer_script():
+    """scripts/newcomer.py, whose README reader, terminal and comparison the README's test uses."""
+    spec = importlib.util.spec_from_file_location("newcomer", ROOT / "scripts" / "newcomer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["newcomer"] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_shows_what_its_quickstart_prints(tmp_path):
+    """The README's quickstart command (its first run of this example, with the example's own
+    defaults) as a newcomer runs it: in a terminal (the progress bars drawn, stdout and stderr in
+    the order they come), the newcomer's plain environment (no thread count, which the tests
+    otherwise set: torch's own), from a folder of its own (its runs/ there). Every line the README
+    shows is the terminal's, to the digits shown (timings and bars by pattern: the script's
+    VOLATILE), and nothing else appeared."""
+    newcomer = newcomer_script()
+    command = next(c for c in newcomer.commands((ROOT / "README.md").read_text())
+                   if c.argv()[:2] == ["python", "examples/transformers_causal_lm.py"])
+    assert command.shown and "..." not in command.shown  # every line shown: the whole output
+    env = newcomer.plain_env()
+    env["PYTHONPATH"] = str(ROOT / "src")  # this checkout's package (the environment's editable one is the same)
+    status, raw = newcomer.run_in_terminal([sys.executable, str(ROOT / command.argv()[1]), *command.argv()[2:]],
+                                           tmp_path, env, timeout=300)
+    seen = newcomer.screen(raw)
+    assert status == 0, raw[-4000:]
+    problem = newcomer.difference(command.shown, seen)
+    assert problem is None, f"README.md:{command.line}: {problem}\n--- the terminal showed ---\n" + "\n".join(seen)
+    assert (tmp_path / "runs" / "gpt2-example" / "model.pt").exists()  # its own folder, under the run's
 
 
 @pytest.fixture(scope="module")

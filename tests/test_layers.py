@@ -25,14 +25,16 @@ schedules, weights    schedules/ (schedules as data, simulator, renderers), weig
 methods               methods (the registry: name -> schedule, policy, options)
 runtime               runtime/ (stage, the local and distributed executors and the streamed
                       segment they share, the resolved run and its layout, building stages, the
-                      process lifecycle of a stage)
+                      process lifecycle of a stage, where a user's error in a pass happened)
 API                   pipeline (pipeoptim.Pipeline), prepare, world (where the stages run: the
                       local world, the checkpoint writer and reader), torchrun (the Pipeline under
                       torchrun), fit (fit's loop), training (pipeoptim.train), profile, throughput
                       (a profiled model's time per method), planning and recommendation (a plan
                       of any model and the rule it recommends by), options (every option, defined once),
                       checkpoint (a run's checkpoint files, the stages' state by parameter name),
-                      tensor_plan (the layers a tensor-parallel run splits)
+                      tensor_plan (the layers a tensor-parallel run splits), run_log (a run's
+                      scalars to TensorBoard or Weights & Biases), config and checks (the options
+                      as objects, their refusals), fit_checks (fit's refusals)
 lab                   lab/: tasks/, experiment (task + method + run folder), planner, plots,
                       optimizers and lr schedules by name, launcher (torchrun's agent, the stage
                       worker), run_folder, bench_worker, time_to_target (the study's arithmetic)
@@ -57,8 +59,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("schedules, weights", ["schedules", "schedules.*", "weights", "weights.*"]),
     ("methods", ["methods"]),
     ("runtime", ["runtime", "runtime.*"]),
-    ("API", ["pipeline", "config", "checks", "prepare", "world", "fit", "training", "profile", "stage_timing", "torchrun", "throughput", "planning",
-             "recommendation", "options", "tensor_plan",
+    ("API", ["pipeline", "config", "checks", "fit_checks", "prepare", "world", "fit", "training", "profile", "stage_timing", "torchrun", "throughput", "planning",
+             "recommendation", "options", "tensor_plan", "run_log",
              "checkpoint"]),
     ("lab", ["lab", "lab.*"]),
     ("command line", ["cli", "cli.*", "__main__", ""]),

@@ -205,7 +205,7 @@ def test_recommend_by_time_to_target_its_ties_and_its_fallback():
     only = [{**cand("pipedream", 1, 900), "eligible": False, "time_to_target_seconds": None},
             {**cand("pipeoptim", 1, 1000), "eligible": False, "time_to_target_seconds": None}]
     assert recommend(only)["method"] == "pipeoptim"
-    with pytest.raises(ValueError, match="no method fits --memory-limit 50 bytes per stage"):
+    with pytest.raises(ValueError, match="no method fits memory_limit=50 bytes per stage"):
         recommend(rows, memory_limit=50)
 
 

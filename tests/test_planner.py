@@ -153,7 +153,7 @@ def test_recommendation_rule():
     tied = [row("pipeoptim", 1000, 50, m=2), row("pipedream", 1000, 50, m=1), row("pipeoptim", 1000, 50, m=1)]
     best = recommend(tied, order=["pipeoptim", "pipedream"])
     assert (best["method"], best["microbatches"]) == ("pipeoptim", 1)
-    with pytest.raises(ValueError, match="no method fits --memory-limit 40 bytes per stage; the smallest, "
+    with pytest.raises(ValueError, match="no method fits memory_limit=40 bytes per stage; the smallest, "
                                          "pipeoptim with 1 micro-batches, needs 50 bytes"):
         recommend(rows, memory_limit=40)
 
@@ -315,7 +315,12 @@ def test_plan_command_rejects_bad_input_in_one_line(argv, message, tmp_path):
 
 @needs_data
 def test_memory_limit_that_nothing_fits_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="no method fits --memory-limit 1000 bytes per stage"):
+    from pipeoptim.errors import command_line_words
+    from pipeoptim.lab.config import LAB_OPTIONS
+    from pipeoptim.options import OPTIONS
+
+    with command_line_words((*OPTIONS, *LAB_OPTIONS)), \
+            pytest.raises(ValueError, match="no method fits --memory-limit 1000 bytes per stage"):
         run_plan([*QUICK, "--stages", "2", "--micro-batches", "1", "--memory-limit", "1000",
                   "--out", str(tmp_path / "p.json")])
 

@@ -28,7 +28,14 @@ def test_the_default_lr_is_the_tuned_one_then_the_recipes_then_none():
     assert default_lr("image", "momentum", "pipeoptim") == (
         0.005, "tuned for pipeoptim, image, momentum, N = 8 (second study, docs/results.md); --lr overrides")
     lr, source = default_lr("lm", "adamw", "gpipe")  # equal to sequential: sequential's tuned lr
-    assert lr == 0.004 and source.startswith("tuned for gpipe (as sequential, which it equals), lm, adamw")
+    assert lr == 0.004 and source.startswith("tuned for gpipe (as sequential, which every synchronous method "
+                                             "equals), lm, adamw")
+    # one rule, one wording for every synchronous method (issue 65): zb-h1 too, with any optimizer
+    assert default_lr("image", "momentum", "zb-h1") == (
+        0.01, "tuned for zb-h1 (as sequential, which every synchronous method equals), image, momentum, N = 8 "
+              "(second study, docs/results.md); --lr overrides")
+    assert default_lr("translation", "adamw", "interleaved")[1].startswith(
+        "not tuned for interleaved (as sequential, which every synchronous method equals) on translation")
     lr, source = default_lr("translation", "adamw", "pipeoptim")  # nothing tuned: the recipe's
     assert lr == 1e-3 and source.startswith("not tuned for pipeoptim on translation with adamw: the recipe's")
     lr, source = default_lr("image", "nesterov", "pipeoptim")  # another optimizer: the task knows

@@ -92,11 +92,11 @@ def test_train_bench_and_plan_take_one_tensor_parallel_flag_with_one_default(com
      "--tensor-parallel with --optimizer muon: Muon orthogonalizes each whole matrix"),
     (["bench", "--synthetic", "--task", "sentiment"], "--synthetic makes random images or token ids"),
     (["bench", "--synthetic", "--tensor-parallel", "3"],
-     "the blocks model: tensor_plan splits 0.1 (Linear) along its out_features = 512, which tensor_parallel=3 "
+     "the blocks model: tensor_plan splits 0.1 (Linear) along its out_features = 512, which --tensor-parallel 3 "
      "does not divide: choose T dividing 512"),
     (["bench", "--synthetic", "--task", "lm", "--model", "gpt-small", "--tensor-parallel", "3"],
      "lm's model gpt-small: tensor_plan splits 0.tok (Embedding) along its num_embeddings = 2000, which "
-     "tensor_parallel=3 does not divide"),
+     "--tensor-parallel 3 does not divide"),
     (["plan", "--tensor-parallel", "2", "--model", "resnet"], "image's model resnet carries none"),
 ])
 def test_what_cannot_split_is_refused_in_one_line_naming_the_fix(argv, says, capsys, tmp_path, monkeypatch):
@@ -107,15 +107,19 @@ def test_what_cannot_split_is_refused_in_one_line_naming_the_fix(argv, says, cap
 
 
 def test_a_t_that_does_not_divide_a_planned_layer_is_refused():
+    from pipeoptim.errors import command_line_words
+    from pipeoptim.lab.config import LAB_OPTIONS
     from pipeoptim.lab.experiment import check_tensor_split
     from pipeoptim.lab.tasks.image_models import build_image_model
+    from pipeoptim.options import OPTIONS
 
     mlp = build_image_model("mlp", 0)
     check_tensor_split(mlp, 2, "image's model mlp")  # 256 hidden features: halves
-    with pytest.raises(ValueError, match=r"image's model mlp: tensor_plan splits 0.1 \(Linear\) along its "
-                                         r"out_features = 256, which tensor_parallel=3 does not divide: choose T "
-                                         r"dividing 256"):
-        check_tensor_split(mlp, 3, "image's model mlp")
+    with command_line_words((*OPTIONS, *LAB_OPTIONS)), \
+            pytest.raises(ValueError, match=r"^image's model mlp: tensor_plan splits 0.1 \(Linear\) along its "
+                                            r"out_features = 256, which --tensor-parallel 3 does not divide: choose "
+                                            r"T dividing 256, or leave 0.1 out$"):
+        check_tensor_split(mlp, 3, "image's model mlp")  # the command line's check: its words
 
 
 # -- the models' plans -----------------------------------------------------------------------------

@@ -345,6 +345,23 @@ def test_inputs_that_are_not_tensors_are_refused():
                            optimizer=SGDM, example_input=[torch.randn(4, 8)])
 
 
+def test_split_points_names_where_an_nn_sequentials_stages_begin():
+    """``pipe.split_points`` of an nn.Sequential: its children's names where stages 2.. begin (its
+    layer indices, or the names an OrderedDict gave), a chunked method's every piece, a mirrored
+    method's first pipeline, none for one stage; the same form as a traced model's."""
+    from collections import OrderedDict
+
+    layers = [nn.Linear(4, 4) for _ in range(6)]
+    cut = lambda **kw: pipeoptim.Pipeline(nn.Sequential(*layers), optimizer=SGDM,  # noqa: E731
+                                          loss_fn=nn.functional.mse_loss, **kw).split_points
+    assert cut(stages=2, partition=[2, 4]) == ["2"]
+    assert cut(stages=3) == ["2", "4"]
+    assert cut(method="interleaved", stages=2, chunks=3) == ["1", "2", "3", "4", "5"]
+    assert cut(method="bidirectional", stages=2, partition=[1, 5]) == ["1"]
+    assert cut(method="sequential") == []
+    named = nn.Sequential(OrderedDict((f"block{k}", layer) for k, layer in enumerate(layers)))
+    assert pipeoptim.Pipeline(named, optimizer=SGDM, loss_fn=nn.functional.mse_loss, stages=2).split_points == ["block3"]
+
 def test_an_nn_sequential_can_be_cut_by_profiled_time_too():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8), nn.Linear(8, 3))
@@ -353,5 +370,6 @@ def test_an_nn_sequential_can_be_cut_by_profiled_time_too():
                               loss_fn=nn.functional.cross_entropy, optimizer=SGDM)
     assert not pipe.prepared  # the profile needs an input: the first mini-batch
     losses = run(pipe, data)
-    assert sum(pipe.spec.partition) == 6 and len(pipe.spec.partition) == 2 and pipe.split_points is None
+    assert sum(pipe.spec.partition) == 6 and len(pipe.spec.partition) == 2
+    assert pipe.split_points == [str(pipe.spec.partition[0])]  # the layer the profile's second stage begins at
     assert losses == pytest.approx(plain_loop(model, data, SGDM, nn.functional.cross_entropy, micro=2)[0], rel=1e-6)

@@ -1,29 +1,34 @@
-"""Every refusal of a run's settings, in one place: what the configuration, the model and the world
-decide, each a ValueError that names the fix.
+"""The refusals of a run's settings: what the configuration, the model and the world decide, each a
+ValueError that names the fix (fit's own: ``fit_checks.py``).
 
 A Pipeline runs them once, when it is built: the options alone (:func:`check_options`, before
 a torchrun job is joined), then what the model and the world decide (:func:`check_pipeline`) in
 the world's layout, computed there once; :func:`check_run` (sharding, compilation, the cut, the
 method's options, the chunks, the micro-batches) resolves the run into the one record everything
-after reads (``runtime/spec.RunSpec``). What
-needs the trace or the placed devices is checked where they are made, by the functions here
-(:func:`check_units`, :func:`check_toolchain`, :func:`check_tie_devices`,
-:func:`recompute_per_stage`); what needs the data, when fit starts (:func:`check_fit`,
-:func:`check_loader`). The lab's launcher asks :func:`check_run` before it starts any process,
-and the command line asks the same checks in its own words (:data:`COMMAND_LINE`:
-``--clip-scope global`` where the API says ``clip_scope='global'``).
+after reads (``runtime/spec.RunSpec``). What needs the trace or the placed devices is checked
+where they are made, by the functions here (:func:`check_units`, :func:`check_toolchain`,
+:func:`check_tie_devices`, :func:`recompute_per_stage`). The lab's launcher asks
+:func:`check_run` before it starts any process, and the command line asks the same checks. Each
+names an option in the words of the interface in use (:func:`pipeoptim.errors.option`,
+:class:`Words`): ``--clip-scope global`` while the command line runs, where the API says
+``clip_scope='global'``. An unknown keyword is refused as Python refuses one, naming the nearest
+(:func:`check_method_options`, by ``config.check_keywords``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .batches import item_counter
+from .config import check_keywords
+from .errors import Shown, command_line_words, flag, on_command_line, python_words
+from .errors import option as spelled
 from .methods import METHODS, Method, clip_scope_for, get_method, with_order
 from .options import BY_NAME, OPTIONS
 from .partition import weighted_units
@@ -37,37 +42,44 @@ from .schedules.custom import load_order
 
 
 class Words:
-    """How a refusal names an option and its value: as the Python API takes it
-    (``clip_scope='global'``) or as the command line does (``--clip-scope global``)."""
+    """How a refusal names an option and its value: in the words of the interface in use
+    (:func:`pipeoptim.errors.option`: Python's ``clip_scope='global'``, or the command line's
+    ``--clip-scope global`` while it runs), the default; :data:`API` and :data:`COMMAND_LINE`
+    always in one of them."""
 
-    def __init__(self, command_line: bool) -> None:
+    def __init__(self, command_line: Optional[bool] = None) -> None:
         self.command_line = command_line
 
+    def _spoken(self) -> ContextManager[None]:
+        if self.command_line is None or self.command_line == on_command_line():
+            return contextlib.nullcontext()
+        return command_line_words(OPTIONS) if self.command_line else python_words()
+
     def name(self, option: str) -> str:
-        if not self.command_line:
-            return option
-        flag = BY_NAME[option].flag if option in BY_NAME else None
-        return flag.flag_name(option) if flag is not None else "--" + option.replace("_", "-")
+        with self._spoken():
+            return spelled(option)
 
     def set(self, option: str, value: Any) -> str:
-        if self.command_line:
-            return self.name(option) + ("" if value is True else f" {value}")
-        return f"{option}={value!r}"
+        with self._spoken():
+            return spelled(option, value)
 
     def say(self, message: str) -> str:
         """A message written in the API's words, in these (each option's name as its flag; an
-        option's ``name=`` as ``--name ``)."""
-        if not self.command_line:
-            return message
-        return re.sub(rf"(?<![\w-])({_NAMES})\b(=)?",
-                      lambda m: self.name(m.group(1)) + (" " if m.group(2) else ""), message)
+        option's ``name=`` as ``--name ``); an option the command line lacks keeps its name."""
+        with self._spoken():
+            if not on_command_line():
+                return message
+            return re.sub(rf"(?<![\w-])({_NAMES})\b(=)?",
+                          lambda m: m.group(0) if flag(m.group(1)) is None else
+                          flag(m.group(1)) + (" " if m.group(2) else ""), message)
 
 
 #: the names Words.say turns into flags: the methods' options and every name with an underscore
 #: (a plain word such as "method" or "continuous" is left as it is)
 _NAMES = "|".join(sorted((re.escape(o.name) for o in OPTIONS if o.scope == "method" or "_" in o.name),
                          key=len, reverse=True))
-API, COMMAND_LINE = Words(False), Words(True)
+#: the interface in use (the default of every check), Python's, the command line's
+IN_USE, API, COMMAND_LINE = Words(), Words(False), Words(True)
 
 
 # -- a Pipeline, when it is built ---------------------------------------------------------------
@@ -129,18 +141,19 @@ def check_one_process(config: Any) -> None:
     """What only a torchrun job holds, refused in one process."""
     t, d = config.tensor_parallel, config.data_parallel
     if t != 1:
-        raise ValueError(f"tensor_parallel={t} splits each stage over {t} processes: launch with torchrun, "
-                         f"N x D x {t} processes (e.g. torchrun --nproc-per-node {2 * t} for 2 stages), or "
-                         f"drop tensor_parallel")
+        raise ValueError(f"{spelled('tensor_parallel', t)} splits each stage over {t} processes: launch with "
+                         f"torchrun, N x D x {t} processes (e.g. torchrun --nproc-per-node {2 * t} for 2 stages), "
+                         f"or drop {spelled('tensor_parallel')}")
     if d not in (None, 1):
-        raise ValueError(f"data_parallel={d} needs torchrun with N x {d} processes (one per stage of each replica)")
+        raise ValueError(f"{spelled('data_parallel', d)} needs torchrun with N x {d} processes (one per stage of "
+                         f"each replica)")
 
 
-def check_options(method: Method, config: Any, words: Words = API) -> None:
+def check_options(method: Method, config: Any, words: Words = IN_USE) -> None:
     """The options alone: what each must be, and the ones that contradict each other."""
     check_loss_fn(config.loss_fn)
     if not config.timeout > 0:
-        raise ValueError(f"timeout must be positive, got {config.timeout}")
+        raise ValueError(f"{words.name('timeout')} must be positive, got {config.timeout}")
     item_counter(config.loss_normalization)  # a name it knows, or a function
     optimizer = config.optimizer
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -151,14 +164,15 @@ def check_options(method: Method, config: Any, words: Words = API) -> None:
         raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
                          "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
     if config.precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+        raise ValueError(f"{words.name('precision')} must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
     check_clipping(method, config.clip_grad_norm, config.clip_scope, words)
     check_diagnose_every(config.diagnose_every, words)
     if config.partitioner not in PARTITIONERS:
-        raise ValueError(f"unknown partitioner {config.partitioner!r}; choose {', '.join(PARTITIONERS)}")
+        raise ValueError(f"unknown {words.name('partitioner')} {config.partitioner!r}; "
+                         f"choose {', '.join(PARTITIONERS)}")
 
 
-def check_precision(method: Method, precision: str, processes: int, words: Words = API) -> None:
+def check_precision(method: Method, precision: str, processes: int, words: Words = IN_USE) -> None:
     """fp16 over ``processes`` processes: its loss scale agrees on one found-inf flag per update
     number over every stage (runtime/loss_scaling.py), which an asynchronous method, whose stages
     update at their own times, could only do under torchrun by stalling at every update."""
@@ -172,17 +186,18 @@ def check_precision(method: Method, precision: str, processes: int, words: Words
             f"{method.name} in one process")
 
 
-def check_diagnose_every(every: int, words: Words = API) -> None:
+def check_diagnose_every(every: int, words: Words = IN_USE) -> None:
     """``diagnose_every``: 0 (off) or an interval."""
     if every < 0:
         raise ValueError(f"{words.name('diagnose_every')} must be 0 (off) or more, got {every}")
 
 
-def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: str, words: Words = API) -> None:
+def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: str, words: Words = IN_USE) -> None:
     """The clipping options: a positive max norm; a global scope only where every stage holds
     the same mini-batch's gradients when it updates, over one copy of each piece."""
     if clip_scope not in CLIP_SCOPES:
-        raise ValueError(f"clip_scope must be one of {', '.join(map(repr, CLIP_SCOPES))}, got {clip_scope!r}")
+        raise ValueError(f"{words.name('clip_scope')} must be one of {', '.join(map(repr, CLIP_SCOPES))}, "
+                         f"got {clip_scope!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"{words.name('clip_grad_norm')} must be a positive max norm, got {clip_grad_norm}")
     if clip_scope != "global" or clip_grad_norm is None:
@@ -197,9 +212,11 @@ def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: 
                          f"own time: use {stage}")
 
 
-def check_method_options(method: Method, given: Dict[str, Any], words: Words = API) -> Dict[str, Any]:
+def check_method_options(method: Method, given: Dict[str, Any], words: Words = IN_USE) -> Dict[str, Any]:
     """The method's options: ``given`` over each one's default (its ``Option``'s), each value
-    one its ``Option`` allows; an option the method does not take and a bad value are refused."""
+    one its ``Option`` allows; a keyword that is no option (:func:`check_keywords`), an option the
+    method does not take and a bad value are refused."""
+    check_keywords(method, given)
     unknown = sorted(set(given) - set(method.options))
     if unknown:
         allowed = ", ".join(method.options) or "none"
@@ -254,17 +271,18 @@ def check_sharding(world: Any, layout: Layout, config: Any) -> None:
     """``shard_replicas``: what the job must be for it."""
     if not isinstance(config.shard_replicas, bool):
         raise ValueError(f"shard_replicas must be True or False, got {config.shard_replicas!r}")
+    sharded, drop = spelled("shard_replicas", True), spelled("shard_replicas")
     if world.processes == 1:
-        raise ValueError("shard_replicas=True shards each stage over its data-parallel replicas, which "
-                         "run as processes: start N x D processes with torchrun (D >= 2), e.g. "
-                         "torchrun --nproc-per-node 4 for 2 stages x 2 replicas, or drop shard_replicas")
+        raise ValueError(f"{sharded} shards each stage over its data-parallel replicas, which "
+                         f"run as processes: start N x D processes with torchrun (D >= 2), e.g. "
+                         f"torchrun --nproc-per-node 4 for 2 stages x 2 replicas, or drop {drop}")
     if layout.replicas < 2:
-        raise ValueError(f"shard_replicas=True needs D >= 2 replicas to shard over, but WORLD_SIZE "
+        raise ValueError(f"{sharded} needs D >= 2 replicas to shard over, but WORLD_SIZE "
                          f"{world.processes} holds {layout.ranks} rank(s) x 1 replica: start "
                          f"{2 * (layout.ranks or 1)} processes or give fewer stages")
     if not fsdp_available():
-        raise ValueError(f"shard_replicas=True needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
-                         f"is torch {torch.__version__}: upgrade torch or drop shard_replicas")
+        raise ValueError(f"{sharded} needs torch's FSDP2 (fully_shard, torch >= 2.6); this "
+                         f"is torch {torch.__version__}: upgrade torch or drop {drop}")
 
 
 def check_tensor_parallel(layout: Layout, config: Any) -> None:
@@ -275,14 +293,15 @@ def check_tensor_parallel(layout: Layout, config: Any) -> None:
     if layout.tensor == 1:
         return
     if config.compile:
-        raise ValueError("tensor_parallel and compile do not run together yet: drop one of them")
+        raise ValueError(f"{spelled('tensor_parallel')} and {spelled('compile')} do not run together yet: "
+                         f"drop one of them")
 
 
 def check_compile(config: Any) -> None:
     """``compile`` beside the other options (its toolchain: :func:`check_toolchain`)."""
     if config.shard_replicas:
-        raise ValueError("compile and shard_replicas do not run together yet (FSDP's hooks around a "
-                         "compiled stage): drop one of them")
+        raise ValueError(f"{spelled('compile')} and {spelled('shard_replicas')} do not run together yet (FSDP's "
+                         f"hooks around a compiled stage): drop one of them")
 
 
 # -- a run in a layout: the Pipeline's, or the launcher's before it starts the processes ----------
@@ -296,12 +315,14 @@ def check_run(config: Any, model: nn.Module, method: Method, layout: Layout) -> 
         check_compile(config)
     check_split(model, method, config.stages, config.partition, config.split_points, layout.chunks)
     if method.mirrored and (layout.replicas > 1 or config.shard_replicas):
-        raise ValueError(f"{method.name} already holds two replicas of each piece; with data_parallel > 1 or "
-                         f"shard_replicas it is not supported yet: run one pipeline (WORLD_SIZE = stages)")
+        raise ValueError(f"{method.name} already holds two replicas of each piece; with "
+                         f"{spelled('data_parallel')} > 1 or {spelled('shard_replicas')} it is not supported yet: "
+                         f"run one pipeline (WORLD_SIZE = stages)")
     options = check_method_options(method, config.method_options)
     ranks = ranks_of(method, layout, config.split_points)
     if ranks is None:
-        raise ValueError("give stages=N or partition=[layers per stage]")
+        raise ValueError(f"give {spelled('stages', Shown('N'))} or "
+                         f"{spelled('partition', Shown('[layers per stage]'))}")
     if isinstance(model, nn.Sequential):
         check_chunk_layers(model, method, ranks, layout.chunks, config.partition)
     micro = method.microbatches(ranks, config.micro_batches)
@@ -364,7 +385,8 @@ def check_chunk_layers(model: nn.Sequential, method: Method, ranks: int, chunks:
     weighted = len(weighted_units(model))
     if pieces > 1 and partition is None and weighted < ranks * pieces:
         fix = (f"use fewer stages (at most {weighted // pieces}) or a one-chunk method (1f1b-flush, zb-h1)"
-               if method.placement in FIXED_CHUNKS else f"use chunks={max(1, weighted // ranks)} or fewer stages")
+               if method.placement in FIXED_CHUNKS else
+               f"use {spelled('chunks', max(1, weighted // ranks))} or fewer stages")
         raise ValueError(f"{method.name} with {ranks} stages x {pieces} pieces needs {ranks * pieces} layers with "
                          f"parameters, the model has {weighted}: {fix}")
 
@@ -373,12 +395,12 @@ def check_microbatches(method: Method, ranks: int, chunks: int, micro: int) -> N
     """The micro-batches per mini-batch the method's schedule can run on ``ranks`` ranks."""
     if chunks > 1 and method.placement == "interleaved" and micro % ranks:
         raise ValueError(f"{method.name} needs micro-batches to be a multiple of the {ranks} stages (got {micro}); "
-                         f"use micro_batches={ranks * max(1, micro // ranks)}")
+                         f"use {spelled('micro_batches', ranks * max(1, micro // ranks))}")
     if micro < 1:
-        raise ValueError(f"micro-batches must be at least 1, got {micro}")
+        raise ValueError(f"{spelled('micro_batches')} must be at least 1, got {micro}")
     if method.schedule == "2bw" and micro < ranks:
         raise ValueError(f"{method.name} needs micro-batches >= stages ({micro} < {ranks}); "
-                         f"use micro_batches={ranks}")
+                         f"use {spelled('micro_batches', ranks)}")
 
 
 # -- where the model is cut and placed ----------------------------------------------------------
@@ -391,11 +413,11 @@ def check_units(model: nn.Module, units: int, candidates: Sequence[str], stages:
     if per_rank > 1:
         raise ValueError(f"{method.name} cuts {stages} stages x {per_rank} chunks = {stages * per_rank} pieces, "
                          f"each at a candidate point; {type(model).__name__} has {units} "
-                         f"({', '.join(candidates)}): use stages={max(1, units // per_rank)} or fewer"
+                         f"({', '.join(candidates)}): use {spelled('stages', max(1, units // per_rank))} or fewer"
                          + (", or a one-chunk method (1f1b-flush, zb-h1)" if units < 2 * per_rank else ""))
     raise ValueError(f"{stages} stages need {stages} candidate points; "
                      f"{type(model).__name__} has {units} ({', '.join(candidates)}): "
-                     f"use stages={units} or fewer")
+                     f"use {spelled('stages', units)} or fewer")
 
 
 def check_toolchain(backend: Optional[str], devices: Sequence[torch.device]) -> None:
@@ -426,41 +448,3 @@ def recompute_per_stage(recompute: Any, stages: int) -> List[bool]:
         return list(recompute)
     raise ValueError(f"recompute must be True, False or a list of one bool per stage (e.g. "
                      f"[True] * {stages}), got {recompute!r}")
-
-
-# -- fit ------------------------------------------------------------------------------------------
-def check_fit(config: Any, words: Words = API) -> None:
-    """fit's options alone: what each must be, and the ones that contradict each other."""
-    if config.epochs < 1:
-        raise ValueError(f"{words.name('epochs')} must be at least 1, got {config.epochs}")
-    if config.eval_loader is not None and config.evaluate is not None:
-        raise ValueError("give evaluate=fn(model) or eval_loader (with metric), not both")
-    if config.eval_every is not None and config.evaluate is None and config.eval_loader is None:
-        raise ValueError("eval_every needs something to evaluate: give evaluate=fn(model) or "
-                         "eval_loader (with metric)")
-    check_drains(config.checkpoint_every, config.eval_every, config.continuous, words)
-    if config.resume and config.checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir")
-    if config.eval_in_bubbles and (config.eval_every is None or config.eval_loader is None):
-        raise ValueError("eval_in_bubbles runs eval_every's evaluations of eval_loader in the bubbles: "
-                         "give eval_every=K and eval_loader= (evaluate=fn(model) needs the whole model, "
-                         "drained)")
-
-
-def check_drains(checkpoint_every: Optional[int], eval_every: Optional[int], continuous: bool,
-                 words: Words = API) -> None:
-    """Where a run drains: the intervals, and a continuous run, which never does."""
-    for name, every in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
-        if every is not None and every < 1:
-            raise ValueError(f"{words.name(name)} must be at least 1, got {every}")
-        if continuous and every:
-            raise ValueError(f"a continuous run never drains, so it cannot "
-                             f"{'checkpoint' if name == 'checkpoint_every' else 'evaluate'} every K batches; "
-                             f"drop {words.name('continuous')} or {words.name(name)}")
-
-
-def check_loader(batches: Optional[int]) -> None:
-    """The loader's length, where it has one."""
-    if batches == 0:
-        raise ValueError("the loader yields no mini-batches (is it empty, or is batch_size "
-                         "larger than the data set with drop_last=True?)")

@@ -8,7 +8,8 @@ checkpoint, an evaluation, an epoch's end), evaluates, checkpoints, keeps the ep
 and the run's clock (training time less evaluations and checkpoint writes), and assembles the
 :class:`TrainResult`. It drives the Pipeline only through its public steps (``step``,
 ``flush``) and its world (:mod:`pipeoptim.world`), so it runs the same in one process and
-under torchrun.
+under torchrun. With ``log_dir`` or ``wandb``, rank 0 writes what its callbacks receive to
+TensorBoard or Weights & Biases (:mod:`pipeoptim.run_log`).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from torch import nn
 
 from .batches import loader_item
 from .checkpoint import schedule_digest, set_rng_state
-from .checks import check_loader
+from .fit_checks import check_loader
 from .config import FitConfig
+from .run_log import check_run_log, open_run_log
 from .runtime.microbatch import batch_size
 from .runtime.spec import checkpoint_settings, next_drain
 from .runtime.state_memory import state_memory
@@ -63,6 +65,7 @@ class FitRun:
         except TypeError:
             self.num_batches = None
         check_loader(self.num_batches)
+        check_run_log(settings.log_dir, settings.wandb)  # their packages, before any work
         self.segment, self.run_info = checkpoint_settings(pipe.spec, self.num_batches, settings.checkpoint_every,
                                                           settings.eval_every)
         # a user's own schedule (None: the method's): a resume must run the same one
@@ -84,9 +87,25 @@ class FitRun:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        pipe, settings = self.pipe, self.settings
-        if settings.resume:
+        if self.settings.resume:
             self.resume()
+        log = open_run_log(self.settings, self.pipe.rank, self.pipe.stages, self.pipe.batches_done + 1)
+        if log is None:
+            return self.train()
+        # log_dir / wandb: rank 0's log is fed what the callbacks are fed, then the result's metrics
+        self.settings = self.settings.replace(**log.wrap(
+            self.settings.on_batch, self.settings.on_eval, self.settings.on_epoch,
+            eval_step=lambda entry: self.batch_base + entry["batch"], epoch_step=lambda: self.pipe.batches_done))
+        try:
+            result = self.train()
+            log.finish(self.pipe.batches_done, result.metrics)
+        finally:
+            log.close()
+        return result
+
+    def train(self) -> TrainResult:
+        """Train from ``self.start`` to the end; the result."""
+        pipe, settings = self.pipe, self.settings
         first_loss = 0 if settings.resume and sum(self.start) else len(pipe.losses)
         self.started = self.epoch_start = time.perf_counter()
         samples_at_start = pipe.samples_done

@@ -385,6 +385,25 @@ OPTIONS: Tuple[Option, ...] = (
            "on_epoch(epoch, entry) after each epoch", "fit", api_only="a function"),
     Option("on_eval", "Optional[Callable[..., Any]]", None,
            "on_eval(entry) after each evaluation", "fit", api_only="a function"),
+    Option("log_dir", "Optional[Union[str, os.PathLike]]", None,
+           "write TensorBoard event files there (torch's SummaryWriter; the tensorboard package), from rank 0: "
+           "against the update number and the wall time, each mini-batch's loss with its update's lr (per "
+           "stage where the stages' differ), each evaluation, each epoch's loss, samples/s and prediction "
+           "diagnostic (diagnose_every), and at the end the run's samples/s and each stage's memory: the "
+           "numbers the callbacks receive (pipeoptim.run_log names the tags)", "fit",
+           Flag("str", name="--tensorboard", metavar="DIR", group="output", only="train", config="tensorboard",
+                help="write TensorBoard event files into DIR (needs the tensorboard package): against the "
+                "update number and the wall time, each mini-batch's loss with its update's lr, each evaluation, "
+                "each epoch's loss, samples/s and prediction diagnostic (--diagnose-every), and at the end the "
+                "run's samples/s and each stage's memory (the losses, evaluations and epochs as the run folder's "
+                "metrics.jsonl holds them); watch with `tensorboard --logdir DIR`")),
+    Option("wandb", "Optional[str]", None,
+           "log the same scalars as log_dir to a Weights & Biases run of this project (wandb.init(project=...); "
+           "the wandb package), from rank 0; wandb reads WANDB_MODE itself (offline: kept on disk for "
+           "`wandb sync`)", "fit",
+           Flag("str", metavar="PROJECT", group="output", only="train",
+                help="log the scalars --tensorboard writes to a Weights & Biases run of PROJECT (needs the wandb "
+                "package); WANDB_MODE=offline keeps it on disk for `wandb sync`")),
     Option("checkpoint_dir", "Optional[Union[str, os.PathLike]]", None,
            "drain and write a checkpoint there (torch's distributed checkpoint, keyed by "
            "the model's parameter names; it loads into any layout of the same model) every checkpoint_every "

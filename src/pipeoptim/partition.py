@@ -7,6 +7,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .errors import option
+
 
 def validate_partition(sizes: Sequence[int], num_layers: int) -> List[int]:
     """Check that ``sizes`` (layers per stage) covers the model; return it as a list."""
@@ -66,7 +68,7 @@ def _units_for(model: nn.Sequential, stages: int) -> List[int]:
     units = weighted_units(model)
     if stages > len(units):
         raise ValueError(f"{stages} stages need at least {stages} layers with parameters; the model has "
-                         f"{len(units)} (of {len(model)} layers); use --stages {len(units)} or fewer")
+                         f"{len(units)} (of {len(model)} layers); use {option('stages', len(units))} or fewer")
     return units
 
 
@@ -79,14 +81,14 @@ def plan_partition(model: nn.Sequential, stages: int, how: str = "uniform",
     if sizes is not None:
         return validate_partition(sizes, num_layers)
     if stages < 1:
-        raise ValueError(f"stages must be at least 1, got {stages}")
+        raise ValueError(f"{option('stages')} must be at least 1, got {stages}")
     units = _units_for(model, stages)
     if how == "uniform":
         per_stage = uniform(len(units), stages)
     elif how == "params":
         per_stage = time_partition(_group_sums(parameter_counts(model), units), stages)  # equal devices, free links
     else:
-        raise ValueError(f"unknown partitioner {how!r}; choose uniform or params")
+        raise ValueError(f"unknown {option('partitioner')} {how!r}; choose uniform or params")
     return _group_sums(units, per_stage)
 
 

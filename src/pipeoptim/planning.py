@@ -30,6 +30,7 @@ from .plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from .throughput import (TensorLayers, candidate_problem, describe_partition, head_rows, microbatch_size,
                          partition_for, predict, profile_sizes, style_name)
 from .compat import tensor_leaves
+from .errors import option
 from .profile import check_statistic
 from .stage_timing import StageTimer
 from .recommendation import RULE, pieces_note, reach, recommend, time_in_code, try_in_code, unstudied_notes
@@ -130,7 +131,7 @@ def tensor_layers(units: Units, plan: Dict[str, Any], tensor: int, repeats: int 
     ``repeats``), each planned module's output bytes noted, and its input's where it has a gradient."""
     if units.traced is not None:
         raise ValueError(f"tensor parallelism is priced on an nn.Sequential's layers, and {units.name} is traced "
-                         f"(not yet priced): drop --tensor-parallel, or plan an nn.Sequential model")
+                         f"(not yet priced): drop {option('tensor_parallel')}, or plan an nn.Sequential model")
     net, reduce, gather = units.net, 2 * (tensor - 1) / tensor, (tensor - 1) / tensor
     modules, n = dict(net.named_modules()), len(net)
     kinds = {name: "embedding_rowwise" if isinstance(modules[name], nn.Embedding) and style_name(style).startswith(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .errors import Shown, option
 from .methods import get_method, split_variant
 
 RULE = ("the fastest synchronous candidate (predicted samples/s) among those whose largest process memory fits the "
@@ -50,7 +51,8 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
     if not fits:
         least = min(candidates, key=lambda c: c["max_stage_memory"])
-        raise ValueError(f"no method fits --memory-limit {memory_limit:.0f} bytes per stage; the smallest, "
+        limit = option("memory_limit", Shown(f"{memory_limit:.0f}"), flag="--memory-limit")
+        raise ValueError(f"no method fits {limit} bytes per stage; the smallest, "
                          f"{candidate_name(least)} with {least['microbatches']} micro-batches, needs "
                          f"{least['max_stage_memory']} bytes")
     reached = [c for c in fits if c.get("reachable", True)] or fits

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
+from .errors import option
 from .runtime.tensor_parallel import weight_placements
 
 
@@ -74,10 +75,10 @@ def resolve_plan(model: nn.Module, plan: Optional[Dict[str, Any]], tensor: int) 
     given = plan if plan is not None else model_plan(model)
     name = type(model).__name__
     if not given:
-        raise ValueError(f"tensor_parallel={tensor} splits the layers a plan names, and {name} carries no plan "
-                         f"(a transformers model's config.base_model_tp_plan): give tensor_plan={{'layer name "
+        raise ValueError(f"{option('tensor_parallel', tensor)} splits the layers a plan names, and {name} carries no "
+                         f"plan (a transformers model's config.base_model_tp_plan): give tensor_plan={{'layer name "
                          f"pattern': ColwiseParallel() or RowwiseParallel(), ...}} (e.g. the first of two Linear "
-                         f"layers column-wise, the second row-wise), or drop tensor_parallel")
+                         f"layers column-wise, the second row-wise), or drop {option('tensor_parallel')}")
     if not isinstance(given, dict):
         raise ValueError(f"tensor_plan must be a dict of layer-name patterns to styles, got {type(given).__name__}")
     modules = dict(model.named_modules())
@@ -113,7 +114,8 @@ def _check_divides(name: str, module: nn.Module, style: Any, tensor: int) -> Non
         what = {("linear", 0): "out_features", ("linear", 1): "in_features",
                 ("embedding", 0): "num_embeddings", ("embedding", 1): "embedding_dim"}[kind, dim]
         raise ValueError(f"tensor_plan splits {name} ({type(module).__name__}) along its {what} = {size}, which "
-                         f"tensor_parallel={tensor} does not divide: choose T dividing {size}, or leave {name} out")
+                         f"{option('tensor_parallel', tensor)} does not divide: choose T dividing {size}, or leave "
+                         f"{name} out")
 
 
 def _check_heads(model: nn.Module, tensor: int) -> None:
@@ -124,12 +126,12 @@ def _check_heads(model: nn.Module, tensor: int) -> None:
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(groups, int) and groups != heads:
         raise ValueError(f"{type(model).__name__}'s config has {groups} key/value heads for {heads} query heads "
-                         f"(grouped-query attention), which tensor_parallel does not split yet: the traced graph "
-                         f"repeats the key/value heads by the whole model's counts. Use a config with "
-                         f"num_key_value_heads = num_attention_heads, or drop tensor_parallel")
+                         f"(grouped-query attention), which {option('tensor_parallel')} does not split yet: the "
+                         f"traced graph repeats the key/value heads by the whole model's counts. Use a config with "
+                         f"num_key_value_heads = num_attention_heads, or drop {option('tensor_parallel')}")
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % tensor:
-            raise ValueError(f"{type(model).__name__}'s config has {field}={heads}, which tensor_parallel={tensor} "
-                             f"does not divide (each tensor rank computes its own heads): choose T dividing "
-                             f"{heads}")
+            raise ValueError(f"{type(model).__name__}'s config has {field}={heads}, which "
+                             f"{option('tensor_parallel', tensor)} does not divide (each tensor rank computes its "
+                             f"own heads): choose T dividing {heads}")

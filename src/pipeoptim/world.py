@@ -25,7 +25,7 @@ from torch import nn
 from .runtime.replicas import copy_to_replicas
 from .checkpoint import (checkpoint_name, checkpoint_state, checksums, load_state, newest_whole, plan_load, prune,
                          read_manifest, save_manifest, write_state)
-from .errors import CheckpointError
+from .errors import CheckpointError, option
 from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
@@ -123,17 +123,17 @@ def resolve_devices(devices: DeviceSpec, stages: int) -> List[torch.device]:
     try:
         chosen = [torch.device(d) for d in devices]
     except (RuntimeError, TypeError) as error:
-        raise ValueError(f"devices: {error}; give 'auto', a device such as 'cpu' or 'cuda:0', or "
+        raise ValueError(f"{option('devices')}: {error}; give 'auto', a device such as 'cpu' or 'cuda:0', or "
                          f"one per stage") from None
     if len(chosen) != stages:
-        raise ValueError(f"devices lists {len(chosen)} devices for {stages} stages; give one per "
+        raise ValueError(f"{option('devices')} lists {len(chosen)} devices for {stages} stages; give one per "
                          f"stage, one device for all, or 'auto'")
     for d in chosen:
         if d.type == "cuda":
             index = d.index if d.index is not None else 0
             if index >= visible:
                 raise ValueError(f"device {d} does not exist: {visible} CUDA device(s) visible; "
-                                 f"use devices='auto' or fewer stages per GPU")
+                                 f"use {option('devices', 'auto')} or fewer stages per GPU")
         elif d.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
             raise ValueError("device mps is not available on this machine")
     return [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in chosen]

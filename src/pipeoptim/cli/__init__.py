@@ -2,7 +2,8 @@
 
 Every subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` to a function taking the parsed arguments and returning the exit code. Errors the user
-can fix (a bad option, a missing data set) print one line and exit with code 2.
+can fix (a bad option, a missing data set, a package of the lab extra not installed) print
+one line and exit with code 2.
 
 Building the parsers imports neither torch nor matplotlib (schedules are pure data, and
 ``--help`` needs only names and defaults): the subcommand modules import what trains, profiles
@@ -16,12 +17,15 @@ import signal
 import sys
 from typing import List, Optional
 
-from ..errors import CheckpointError, Interrupted, MissingDataError, NonFiniteLoss, signals_handled
+from ..errors import CheckpointError, Interrupted, MissingDataError, NonFiniteLoss, command_line_words, signals_handled
+from ..lab.config import LAB_OPTIONS
+from ..options import OPTIONS
 from . import bench as _bench
 from . import compare as _compare
 from . import plan as _plan
 from . import schedule as _schedule
 from . import train as _train
+from .common import missing_lab_package
 
 SUBCOMMANDS = [_train, _compare, _schedule, _bench, _plan]
 
@@ -47,11 +51,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what was given (a default is not)
     try:
-        return int(args.func(args) or 0)
+        with command_line_words((*OPTIONS, *LAB_OPTIONS)):  # refusals name the flags, not the keywords
+            return int(args.func(args) or 0)
     except (UserError, ValueError, MissingDataError, CheckpointError) as error:
         if os.environ.get("PIPEOPTIM_DEBUG"):
             raise
         print(f"pipeoptim {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ImportError as error:  # the engine alone installed: the lab's packages are missing
+        missing = missing_lab_package(error)
+        if missing is None or os.environ.get("PIPEOPTIM_DEBUG"):
+            raise
+        print(f"pipeoptim {args.command}: error: {missing}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:
         print(f"pipeoptim {args.command}: stopped: {error}; the last good checkpoint is kept "

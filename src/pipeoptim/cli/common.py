@@ -20,6 +20,12 @@ from .flags import NO_CLIPPING
 #: the methods' own options, by name (passed to the Pipeline as keywords)
 METHOD_OPTIONS = [o.name for o in of_scope("method")]
 
+#: the packages of the ``lab`` extra, as imported (pyproject.toml's, each imported under its own
+#: name; ``pip install .`` leaves them out), and the command that installs them, as the README's
+#: Install section gives it
+LAB_EXTRA = ("matplotlib", "sentencepiece", "sacrebleu", "tensorboard")
+LAB_INSTALL = "pip install '.[lab]' in the clone   (or: make setup)"
+
 if TYPE_CHECKING:
     from ..lab.config import RunConfig
 
@@ -59,9 +65,9 @@ def method_options(args: argparse.Namespace, method: str, strict: bool = True) -
     check = dict(given)  # the values, checked now (the default T is only known with the data)
     if check.get("lr_correction") == "delay" and "lr_correction_steps" not in check:
         check["lr_correction_steps"] = 1
-    from ..checks import COMMAND_LINE, check_method_options
+    from ..checks import check_method_options
 
-    check_method_options(meth, check, COMMAND_LINE)  # in the flags' words
+    check_method_options(meth, check)
     return given
 
 
@@ -111,9 +117,9 @@ def clip_scope_of(args: argparse.Namespace, method: str, strict: bool, clip: Opt
                          f"give --clip-grad MAX_NORM")
     if not strict:  # a comparison: the asynchronous methods clip per stage
         return "stage" if scope == "global" and not meth.synchronous else scope
-    from ..checks import COMMAND_LINE, check_clipping
+    from ..checks import check_clipping
 
-    check_clipping(meth, clip, scope, COMMAND_LINE)
+    check_clipping(meth, clip, scope)
     return scope
 
 
@@ -164,6 +170,38 @@ def output_dir(args: argparse.Namespace, label: str) -> Path:
         if (out / "summary.json").exists() or (out / "compare.json").exists():
             raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
     return out
+
+
+def missing_lab_package(error: ImportError) -> Optional[str]:
+    """The one line that reports ``error`` where it is a package of the lab extra that is not
+    installed (the engine alone, ``pip install .``, ships the command without them), naming the
+    install command; None for any other ImportError. An ImportError raised from such a one with
+    the fix in its own words (``schedule --format png``) keeps them."""
+    for found in (error, error.__cause__):
+        name = getattr(found, "name", None) if isinstance(found, ImportError) else None
+        if name and name.split(".")[0] in LAB_EXTRA:
+            if found is not error:
+                return str(error)
+            return f"the command line needs the lab extra (missing: {name.split('.')[0]}): {LAB_INSTALL}"
+    return None
+
+
+def flag_given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether the command line gave ``flag`` (``args.argv``: the words it was called with; an
+    abbreviation argparse took counts). Without ``args.argv`` (parsed outside :func:`main`): True."""
+    words = getattr(args, "argv", None)
+    return words is None or any(len(w.split("=")[0]) > 2 and flag.startswith(w.split("=")[0]) for w in words)
+
+
+def say_default_task(args: argparse.Namespace, log: Callable[..., None]) -> None:
+    """A run without --task (nor a --plan that sets it) takes the image task: say so first, naming
+    the others (rank 0 alone under torchrun)."""
+    import os
+
+    from ..lab.tasks import task_names
+
+    if not flag_given(args, "--task") and getattr(args, "plan", None) is None and os.environ.get("RANK", "0") == "0":
+        log(f"task: {args.task} (the default; --task {'|'.join(task_names())})")
 
 
 def print_json(obj: Any) -> None:

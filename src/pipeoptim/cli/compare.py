@@ -11,7 +11,7 @@ from ..methods import get_method, variant_name
 from ..lab.tasks import get_task
 from ..lab.tasks.advice import advice
 from .flags import add_run_options
-from .common import check_numbers, known_methods, log_for, output_dir, print_json, run_config
+from .common import check_numbers, known_methods, log_for, output_dir, print_json, run_config, say_default_task
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,10 +22,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: what the table's throughputs count (python -m pydoc pipeoptim.lab.experiment: the summary's keys)
+COLUMNS_KEY = ["samples/s: each run's samples over its whole training in this one process, the stages taking turns "
+               "on its cores (epoch-end evaluations and checkpoints included)",
+               "predicted samples/s: the schedule simulated with one device per stage, from the stages' measured "
+               "times (no transfer cost)"]
+
+
 def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
     """One line per run, named as ``pipeoptim plan`` names it (``pipeoptim-2bw+ef`` where a run had
     error feedback). With a validation split (``--holdout``) the final test metric, the final
-    validation metric and the best validation metric; else the final and best test metric."""
+    validation metric and the best validation metric; else the final and best test metric. Under
+    it, what the throughput columns count (:data:`COLUMNS_KEY`)."""
     validated = any(r.get("validation_metric") is not None for r in rows)
     best = f"best {'validation ' if validated else ''}{metric}" + ("" if higher_is_better else " (lowest)")
     head = ["method", f"final {'test ' if validated else ''}{metric}"]
@@ -43,6 +51,7 @@ def format_table(rows, metric: str, higher_is_better: bool = True) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     table = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
+    table += COLUMNS_KEY
     if any((r.get("lr_source") or "").startswith("tuned") for r in rows):
         table.append("* each method at its own peak lr, as the study tuned it (--lr: one lr for all)")
     return "\n".join(table)
@@ -68,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{option.replace('_', '-')} applies to none of {', '.join(methods)}")
     out = output_dir(args, "compare")
     log = log_for(args)
+    say_default_task(args, log)
     task = get_task(args.task)
     first = configs[0].resolved(task)
     data = load_data(task, first)

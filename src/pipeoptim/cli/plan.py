@@ -11,7 +11,7 @@ from typing import Any, Tuple
 from ..lab.optimizers import optimizer_names
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES, PARTITIONERS
 from ..methods import feedback_variants, method_names, split_variant
-from .common import check_positive, log_for, print_json
+from .common import check_positive, log_for, print_json, say_default_task
 from .flags import add_table_flags
 
 DESCRIPTION = """\
@@ -80,8 +80,11 @@ tensor's bytes for an all-reduce and (T-1)/T for an all-gather at --bandwidth (f
 added to the stage's pass (no overlap). The sequential reference stays one process; a candidate
 may be up to N x T times faster.
 
-Writes the plan (task, model, batch size, stages, partition, method, micro-batches,
-predictions, per-stage memory, the profile) to --out; `pipeoptim train --plan FILE` runs a
+Prints how the timing went (where it did not settle: what that means and what to do), the best
+candidates by time to target, what the study says and the recommendation (--verbose: every
+candidate, the partitions, the memory and the rule). Writes the plan (task, model, batch size,
+stages, partition, method, micro-batches, predictions, per-stage memory, the profile) to --out
+(default plan.json in the current folder) and says where; `pipeoptim train --plan FILE` runs a
 task's plan; for your own model it prints the Pipeline call that runs it."""
 
 MODEL_FN = """\
@@ -153,8 +156,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time kept of the runs: min (default: the fastest, what the machine can do when no "
                         "other work takes its cores) or median")
     g = p.add_argument_group("output")
-    g.add_argument("--out", type=Path, default=Path("plan.json"), help="plan file (default: plan.json)")
+    g.add_argument("--out", type=Path, default=Path("plan.json"), help="plan file, always written and named at the "
+                   "end (default: plan.json, in the current folder)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON on stdout, nothing else")
+    g.add_argument("--verbose", action="store_true", help="print every candidate, the partitions, the memory and "
+                   "the rule (default: the recommendation and the best candidates; the plan file holds everything)")
     p.set_defaults(func=run)
 
 
@@ -239,16 +245,19 @@ def run(args: argparse.Namespace) -> int:
         model, batch, loss_fn = load_model_fn(args.model_fn)
         plan = plan_model(model, batch, loss_fn, batches=args.batches or 100, **common)
     else:
+        say_default_task(args, log)
         plan = make_plan(task=args.task, model=args.model, batch_size=args.batch_size,
                          batches=args.batches, limit=args.limit, **common)
     path = write_plan(plan, args.out)
+    wrote = f"wrote the plan to {path.resolve()} (--out FILE: another)"
     if args.json:
+        log(wrote)  # on stderr: stdout holds the JSON alone
         print_json(plan)
     else:
-        print(format_plan(plan))
+        print(format_plan(plan, verbose=args.verbose))
         if plan["task"] is None:
-            print(f"plan: {path}  (run it: {pipeline_call(plan)})")
+            print(f"{wrote}  (run it: {pipeline_call(plan)})")
         else:
             distributed = " --runtime distributed" if plan.get("tensor_parallel", 1) > 1 else ""
-            print(f"plan: {path}  (run it: pipeoptim train --plan {path}{distributed})")
+            print(f"{wrote}  (run it: pipeoptim train --plan {path}{distributed})")
     return 0

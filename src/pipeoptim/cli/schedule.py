@@ -79,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (schedule, method, stages, ranks, microbatches, "
                              "batches, makespan, bubble_fraction, analytic_bubble_fraction, "
-                             "peak_activations, weight_copies, busy, out) instead of a summary")
+                             "peak_activations, weight_copies: per stage, stage 0 first, the weight versions "
+                             "it holds, busy, out) instead of a summary")
     parser.set_defaults(func=run)
 
 
@@ -137,6 +138,14 @@ def _from_csv(args: argparse.Namespace):
     one = load_order(args.from_csv)
     batches = _integer("--batches", args.batches) if args.batches is not None else 1
     return one.name, repeat(one, batches)
+
+
+def versions_key(copies: List[int]) -> str:
+    """What the list of weight versions is: per stage, stage 0 first, the copies of its weights
+    that stage holds (the last holding fewer where its backward follows its forward at once)."""
+    last = (f"; the last runs each backward right after its forward, so it holds {copies[-1]}"
+            if len(copies) > 1 and copies[-1] < max(copies) else "")
+    return f"(the copies of its weights each stage holds, stage 0 first{last})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     lines = []
     if method is not None:
         lines.append(f"method {name}: the {schedule_name} schedule, weight versions per stage "
-                     f"{weight_copies}")
+                     f"{weight_copies} {versions_key(weight_copies)}")
     lines += [f"note: {n}" for n in notes]
     lines.append(f"peak activations per stage (micro-batches held) {result.peak_activations}")
     if args.format == "text" and out is None:

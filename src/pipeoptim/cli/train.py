@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 from ..errors import Interrupted, interrupt_on_signals
 from .flags import add_distributed_options, add_run_options
-from .common import check_numbers, log_for, output_dir, print_json, run_config
+from .common import check_numbers, log_for, output_dir, print_json, run_config, say_default_task
 
 if TYPE_CHECKING:
     from ..lab.config import RunConfig
@@ -95,14 +95,19 @@ def run(args: argparse.Namespace) -> int:
     if args.shard_replicas and not follows_world and (args.data_parallel or 1) < 2:
         raise ValueError("--shard-replicas shards each stage over its replicas: give --data-parallel D "
                          "with D >= 2 (under your own torchrun, leave it out: the replicas follow the world size)")
-    from ..checks import COMMAND_LINE, check_diagnose_every, check_drains
+    from ..checks import check_diagnose_every
+    from ..fit_checks import check_drains
 
-    check_drains(args.checkpoint_every, None, False, COMMAND_LINE)
-    check_diagnose_every(args.diagnose_every, COMMAND_LINE)
+    check_drains(args.checkpoint_every, None, False)
+    check_diagnose_every(args.diagnose_every)
+    from ..run_log import check_run_log
+
+    check_run_log(args.tensorboard, args.wandb)  # the packages, before anything starts
     if args.resume is True:  # --resume without RUN_DIR: --out's run if it has a checkpoint, else a new one there
         args.resume = resume_here(args.out)
     if args.resume is not None:
         cfg = resume_config(args.resume)
+        check_run_log(cfg.fit.log_dir, cfg.fit.wandb)  # the run's own --tensorboard, --wandb
         if args.runtime == "distributed":
             from ..lab.launcher import run_distributed_train
 
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             summary = run_experiment(cfg, out_dir=args.resume, show_progress=not args.no_progress,
                                      log=log_for(args), resume=True, diagnose_every=args.diagnose_every)
         return report(args, summary, args.resume)
+    say_default_task(args, log_for(args))
     cfg = run_config(args, args.method)
     if args.runtime == "distributed":
         from ..lab.launcher import run_distributed_train
@@ -156,14 +162,8 @@ def report(args: argparse.Namespace, summary: dict, out: Path) -> int:
     if args.json:
         print_json(summary)
     else:
-        if summary.get("validation_metric") is not None:
-            print(f"final test {summary['metric']}: {summary['final_metric']:.4f}, validation "
-                  f"{summary['validation_metric']:.4f} (best {summary['best_metric']:.4f}), "
-                  f"final loss {summary['final_loss']:.4f}, {summary['samples_per_second']:.0f} samples/s, "
-                  f"weight copies per stage {summary['weight_copies']}")
-        else:
-            print(f"final {summary['metric']}: {summary['final_metric']:.4f} (best {summary['best_metric']:.4f}), "
-                  f"final loss {summary['final_loss']:.4f}, {summary['samples_per_second']:.0f} samples/s, "
-                  f"weight copies per stage {summary['weight_copies']}")
+        from ..lab.experiment import final_line
+
+        print(final_line(summary))
         print(f"run folder: {out}")
     return 0

@@ -73,7 +73,8 @@ LAB_OPTIONS: Tuple[Option, ...] = (
            Flag(group=OPTIMIZER, choices=tuple(LR_SCHEDULES), default=NOT_GIVEN,
                 note="default: the task's recipe (warmup-cosine)")),
     Option("warmup_steps", "Optional[int]", None, "updates of linear warm-up (default: 5% of the updates for warmup-cosine, "
-           "0 for step)", "lab", Flag("int", metavar="W", group=OPTIMIZER)),
+           "at least 1, at most a third of them: none in a run of 1 or 2 updates; 0 for step)", "lab",
+           Flag("int", metavar="W", group=OPTIMIZER)),
     Option("runtime", "str", "local", "local: all stages in this process; distributed: one process per pipeline rank "
            "(started with torchrun for you, or run under torchrun)", "lab",
            Flag(choices=("local", "distributed"), group="method", only="train", in_config=False)),
@@ -88,7 +89,8 @@ LAB_OPTIONS: Tuple[Option, ...] = (
     Option("out", "Any", None, "run folder (default: runs/<task>-<method>-<time>)", "cli", Flag("path", group=OUTPUT)),
     Option("overwrite", "bool", False, "allow writing into a folder that holds a run", "cli",
            Flag("switch", group=OUTPUT)),
-    Option("json", "bool", False, "print the summary as JSON on stdout, nothing else", "cli", Flag("switch", group=OUTPUT)),
+    Option("json", "bool", False, "print the summary as JSON on stdout, nothing else (what its throughputs count: "
+           "python -m pydoc pipeoptim.lab.experiment)", "cli", Flag("switch", group=OUTPUT)),
     Option("no_progress", "bool", False, "no progress bar", "cli", Flag("switch", group=OUTPUT)),
 )
 

@@ -10,6 +10,16 @@ mini-batches), and writes the run folder:
 * ``summary.json``: the settings and results (what ``--json`` prints);
 * ``curves.png``: training loss and the evaluated metric.
 
+The run's throughputs, as the summary holds and the run prints them (:data:`THROUGHPUTS`):
+``epochs_detail[i].samples_per_second``, each epoch's line, is *training* samples/s: the
+epoch's samples over its training time, its evaluations and its end's checkpoint left out;
+``samples_per_second``, the final line, is over the whole training: the epochs' training time
+plus the evaluations and checkpoints at their ends (an evaluation within an epoch, with
+``eval_every``, is left out of both); neither counts loading the data and building the model
+before it. ``predicted_samples_per_second`` is what the schedule simulator predicts with one
+device per stage from the stages' measured times (no transfer cost); ``seconds``, the wall time
+from the start of training to the summary.
+
 Which split is evaluated during training: the test split; with ``holdout`` the validation split
 (what tuning may read), and then the test split once, on the final model. The summary's
 ``final_metric`` is always the test split's; ``validation_metric`` (with ``holdout``) is the final
@@ -27,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import checks
+from ..fit_checks import check_drains
 from ..methods import get_method
 from ..pipeline import Pipeline, TrainResult, resolve_devices
 from ..prepare import prepare
@@ -36,11 +47,16 @@ from ..runtime.microbatch import batch_size as samples_in, split_batch
 from ..runtime.spec import RunSpec
 from ..schedules import Costs, simulate
 from .config import RunConfig
-from .lr_schedules import make_lr_schedule
+from .lr_schedules import make_lr_schedule, warmup_note
 from .optimizers import make_optimizer
 from .plots import plot_runs
 from .tasks import Task, TaskData, get_task
 
+
+#: how the run's text names its throughputs (the module's docstring says what each counts): an
+#: epoch's, and the whole training's
+THROUGHPUTS = {"epoch": "training samples/s",
+               "run": "samples/s over the whole training (epoch-end evaluations and checkpoints included)"}
 
 #: --lr-correction delay without --lr-correction-steps anneals over this share of the run's updates
 DEFAULT_LR_CORRECTION_SHARE = 0.3
@@ -104,8 +120,7 @@ def check_run(cfg: RunConfig, model: torch.nn.Module, batches: List[Any]) -> Non
                          data_parallel=config.data_parallel, tensor_parallel=config.tensor_parallel)
     checks.check_tensor_parallel(layout, config)
     spec = checks.check_run(config, model, method, layout)
-    checks.check_precision(method, config.precision, layout.replicas * (layout.ranks or 2) * layout.tensor,
-                           checks.COMMAND_LINE)
+    checks.check_precision(method, config.precision, layout.replicas * (layout.ranks or 2) * layout.tensor)
     check_spec(cfg, cut_spec(cfg, model, batches, spec), batches)
 
 
@@ -126,12 +141,12 @@ def check_spec(cfg: RunConfig, spec: RunSpec, batches: List[Any]) -> None:
     """What the resolved run ``spec`` must still fit: the checkpoint and evaluation intervals,
     every mini-batch splitting into the micro-batches, the lr schedule, the devices, clipping."""
     run, config = cfg.fit, cfg.pipeline
-    checks.check_drains(run.checkpoint_every, run.eval_every, run.continuous)
+    check_drains(run.checkpoint_every, run.eval_every, run.continuous)
     for inputs, target in batches:  # views only: cheap, and every mini-batch must split
         split_batch(inputs, target, spec.microbatches)
     make_lr_schedule(cfg.lr_schedule, len(batches) * run.epochs, cfg.warmup_steps)
     resolve_devices(config.devices, spec.stages)
-    checks.check_clipping(get_method(config.method), config.clip_grad_norm, config.clip_scope, checks.COMMAND_LINE)
+    checks.check_clipping(get_method(config.method), config.clip_grad_norm, config.clip_scope)
 
 
 def cut_spec(cfg: RunConfig, model: torch.nn.Module, batches: List[Any], spec: RunSpec) -> RunSpec:
@@ -283,7 +298,8 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     writes = pipe.rank == 0  # rank 0 writes the run folder (every rank trains and evaluates)
     batches = replica_batches(pipe, data.train)
     if cfg.lr_source is not None and not resume and writes:
-        log(f"{cfg.pipeline.method}: lr {cfg.lr:g}: {cfg.lr_source}")
+        short = warmup_note(cfg.lr_schedule, len(data.train) * cfg.fit.epochs, cfg.warmup_steps)
+        log(f"{cfg.pipeline.method}: lr {cfg.lr:g}: {cfg.lr_source}" + (f"; {short}" if short else ""))
     log_file = None
     if out_dir is not None and writes:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +328,7 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
         bar.clear()
         log(f"{cfg.pipeline.method:>14} epoch {epoch + 1}/{cfg.fit.epochs}: loss {entry['loss']:.4f}  "
             f"{'validation ' if split == 'validation' else ''}{task.metric} {entry.get('metric', float('nan')):.4f}  "
-            f"{entry['samples_per_second']:.0f} samples/s")
+            f"{entry['samples_per_second']:.0f} {THROUGHPUTS['epoch']}")
         if any(d.get("probes") for d in entry.get("prediction_error") or []):
             log(f"{'':>14} {format_prediction_error(entry['prediction_error'])}")
 
@@ -335,6 +351,18 @@ def run_experiment(cfg: RunConfig, *, out_dir: Optional[Path], show_progress: bo
     extra = {"runtime": "distributed", "device": result.metrics["devices"][0]} if processes is not None else {}
     return summarize_run(cfg, task, data, result, started=started, out_dir=out_dir if writes else None,
                          test_metric=final_test, extra=extra)
+
+
+def final_line(summary: Dict[str, Any]) -> str:
+    """The line a finished run ends with: its metrics, loss, throughput (:data:`THROUGHPUTS`) and
+    weight copies (the local runtime's and, from rank 0, the distributed one's)."""
+    speed = f"{summary['samples_per_second']:.0f} {THROUGHPUTS['run']}"
+    if summary.get("validation_metric") is not None:
+        return (f"final test {summary['metric']}: {summary['final_metric']:.4f}, validation "
+                f"{summary['validation_metric']:.4f} (best {summary['best_metric']:.4f}), "
+                f"final loss {summary['final_loss']:.4f}, {speed}, weight copies per stage {summary['weight_copies']}")
+    return (f"final {summary['metric']}: {summary['final_metric']:.4f} (best {summary['best_metric']:.4f}), "
+            f"final loss {summary['final_loss']:.4f}, {speed}, weight copies per stage {summary['weight_copies']}")
 
 
 def summarize_run(cfg: RunConfig, task: Task, data: TaskData, result: TrainResult, *, started: float,

@@ -7,7 +7,9 @@ any ``torch.optim.lr_scheduler`` factory instead; these build a ``LambdaLR``.
 * ``step``: linear warm-up over W updates (if any), then the peak, times 0.1 from half of the
   updates on and 0.01 from three quarters on.
 
-``warmup_steps`` defaults to 5% of the updates for ``warmup-cosine`` and 0 for ``step``.
+``warmup_steps`` defaults to 5% of the updates for ``warmup-cosine`` (at least 1, at most a third
+of them: none in a run of one or two updates, so that a short run keeps updates after it) and 0
+for ``step``.
 This module imports torch only when a factory is called, so the command line can list the
 names without loading it.
 """
@@ -18,6 +20,9 @@ import math
 from typing import Any, Callable, Optional
 
 LR_SCHEDULES = ("constant", "warmup-cosine", "step")
+#: warmup-cosine's default warm-up: this share of the run's updates, at least 1, at most
+#: ``1 / WARMUP_MOST`` of them
+WARMUP_SHARE, WARMUP_MOST = 0.05, 3
 
 
 def lr_multiplier(name: str, update: int, total: int, warmup: int, floor: float = 0.1) -> float:
@@ -36,9 +41,26 @@ def lr_multiplier(name: str, update: int, total: int, warmup: int, floor: float 
 
 
 def default_warmup(name: str, total: int, warmup_steps: Optional[int]) -> int:
+    """The warm-up of a run of ``total`` updates: ``warmup_steps`` where given, else the
+    schedule's own, scaled to the run (see the module's docstring)."""
     if warmup_steps is not None:
         return warmup_steps
-    return max(1, round(0.05 * total)) if name == "warmup-cosine" else 0
+    if name != "warmup-cosine":
+        return 0
+    return min(max(1, round(WARMUP_SHARE * total)), total // WARMUP_MOST)
+
+
+def warmup_note(name: str, total: int, warmup_steps: Optional[int]) -> Optional[str]:
+    """What a run says of its warm-up where the schedule's own was cut to fit a short run of
+    ``total`` updates (None where it was not, or ``warmup_steps`` was given)."""
+    if warmup_steps is not None or name != "warmup-cosine" or total // WARMUP_MOST >= 1:
+        return None
+    return (f"no warm-up: a run of {_updates(total)} is too short for the recipe's ({WARMUP_SHARE * 100:g} % of "
+            f"the updates, at least 1, at most a third of them; --warmup-steps W sets it)")
+
+
+def _updates(count: int) -> str:
+    return f"{count} update" + ("" if count == 1 else "s")
 
 
 def _lambda_lr(name: str, total: int, warmup: int, floor: float, optimizer: Any) -> Any:
@@ -63,7 +85,9 @@ def make_lr_schedule(name: str, total_updates: int, warmup_steps: Optional[int] 
     if total_updates < 1:
         raise ValueError(f"an lr schedule needs at least one update, got {total_updates}")
     warmup = default_warmup(name, total_updates, warmup_steps)
-    if warmup >= total_updates:
+    if warmup >= total_updates:  # only one given: the default fits the run
+        fewer = f"--warmup-steps {total_updates - 1}" + (" or fewer" if total_updates > 2 else "")
         raise ValueError(f"--warmup-steps {warmup} leaves no update after the warm-up "
-                         f"({total_updates} updates in the run)")
+                         f"({_updates(total_updates)} in the run): give {fewer}, or a longer run "
+                         f"(more --epochs, a larger --limit)")
     return functools.partial(_lambda_lr, name, total_updates, warmup, floor)

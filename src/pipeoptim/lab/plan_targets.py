@@ -16,17 +16,18 @@ models are no better than the synchronous pipeline's beyond the seed spread, and
 one is the model non-pipelined training gives. Where no study covers the case (another task,
 model, batch size or optimizer, or a model of the user's own), the fastest synchronous candidate
 is recommended and the fastest asynchronous one named as the one to try with
-``pipeoptim compare``.
+``pipeoptim compare``. :func:`target_table` shows the candidates so ranked, as the plan prints them.
 
 This module imports nothing heavy (no torch)."""
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..methods import split_variant
 from ..recommendation import candidate_name, pieces_note, reach_notes, time_in_code, unstudied_notes
-from .tasks.advice import Advice, advice
+from .tasks.advice import Advice, advice, not_studied_here
 from .tasks.updates_to_target import StudiedSetting, VariantRatio, studied_setting
 
 RULE = ("the shortest predicted time to target (seconds per mini-batch x the updates to 99 % of sequential's "
@@ -94,7 +95,8 @@ def annotate(candidates: Sequence[Dict[str, Any]], *, task: Optional[str], model
             "advice": text, "advised_method": None if entry is None else entry.method,
             "advised_variant": None if entry is None else entry.variant(),
             "advised_synchronous": None if entry is None else entry.synchronous,
-            "advised_optimizer": None if entry is None else entry.optimizer}
+            "advised_optimizer": None if entry is None else entry.optimizer,
+            "studied_stages": None if setting is None else setting.stages}
 
 
 def methods_flags(names: Sequence[str]) -> str:
@@ -148,6 +150,13 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
                    + ("time to target" if best.get("time_to_target_seconds") is not None else "throughput alone"))
     rivals = [c for c in fits if not c["synchronous"] and c is not best]
     out.append(f"the study's advice: {study['advice']}")
+    studied = study.get("studied_stages")
+    if not best["synchronous"] and studied not in (None, stages):  # the advice of another depth: not measured here
+        plain = [c for c in fits if c["synchronous"] and c.get("time_to_target_seconds") is not None]
+        against = [candidate_name(min(plain, key=lambda c: c["time_to_target_seconds"]))] if plain else []
+        out.append(f"{_m(best)} is recommended by the study's N = {studied} {not_studied_here(stages)}: no run "
+                   f"measured it at N = {stages}; to see it on your task before relying on it: "
+                   + compare_command(task, model, stages, optimizer, [candidate_name(best), *against]))
     if study["advised_optimizer"] is not None and study["advised_optimizer"] != optimizer:
         out.append(f"(that advice is for {study['advised_optimizer']}; this plan is for {optimizer}: "
                    f"--optimizer {study['advised_optimizer']} plans it)")
@@ -175,3 +184,40 @@ def notes(study: Dict[str, Any], cands: Sequence[Dict[str, Any]], best: Dict[str
                    f"not recommended; to see it on your task: "
                    + compare_command(task, model, stages, optimizer, [candidate_name(best), candidate_name(first)]))
     return out
+
+
+def name_width(plan: Dict[str, Any]) -> int:
+    """The plan tables' method column: 16 characters, or the longest candidate's name."""
+    names = [candidate_name(c) for c in plan["candidates"]] + [s["method"] for s in plan["skipped"]]
+    return max([16] + [len(n) for n in names])
+
+
+def target_table(plan: Dict[str, Any], top: Optional[int] = None) -> List[str]:
+    """The candidates by predicted time to target (unknown ones last, by throughput): samples/s,
+    the ratio of updates to the target and where it comes from, whether it may be recommended
+    (``top``: the first ``top`` and the recommended one, then how many more)."""
+    study = plan["study"]
+    studied = study.get("studied_stages")
+    near = f" {not_studied_here(plan['stages'])}" if studied not in (None, plan["stages"]) else ""
+    head = (f"by predicted time to target ({study['setting']} of the equal-time study: "
+            f"{study['target_updates']:.0f} updates of the synchronous pipeline to the target){near}:" if study["covered"]
+            else "by predicted time to target (no study covers this case: ratios unknown but the synchronous 1):")
+    w = name_width(plan)
+    lines = [*textwrap.wrap(head, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False),
+             f"{'method':<{w}} {'M':>2}   samples/s  updates x  to target s  may recommend  ratio from"]
+    ranked = sorted(plan["candidates"], key=lambda c: (c.get("time_to_target_seconds") is None,
+                                                       c.get("time_to_target_seconds") or 0.0,
+                                                       -c["samples_per_second"]))
+    chosen = [c for c in ranked if (candidate_name(c), c["microbatches"]) == (plan.get("variant") or plan["method"],
+                                                                            plan["microbatches"])]
+    shown = ranked if top is None else ranked[:top] + [c for c in chosen[:1] if c not in ranked[:top]]
+    for c in shown:
+        ratio, to_target = c.get("updates_ratio"), c.get("time_to_target_seconds")
+        lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
+                     f"{(f'{ratio:.2f}' if ratio is not None else '-'):>9}  "
+                     f"{(f'{to_target:.1f}' if to_target is not None else '-'):>11}  "
+                     f"{'yes' if c.get('eligible', True) else 'no':<13}  {c.get('ratio_source', '')}")
+    if len(shown) < len(ranked):
+        lines.append(f"... and {len(ranked) - len(shown)} more (--verbose: every candidate, with the partitions, "
+                     f"the memory and the rule; the plan file holds them all)")
+    return lines

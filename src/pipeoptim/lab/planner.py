@@ -32,7 +32,7 @@ from ..planning import assemble, check_options, model_units, survey
 from ..recommendation import RULE as UNSTUDIED_RULE
 from ..recommendation import candidate_name, recommend
 from ..throughput import candidate_problem
-from .plan_targets import RULE, annotate, notes
+from .plan_targets import RULE, annotate, name_width, notes, target_table
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
@@ -316,14 +316,15 @@ def pipeline_call(plan: Dict[str, Any]) -> str:
             f"micro_batches={run['micro_batches']}{options}, optimizer=...{loss})")
 
 
-def name_width(plan: Dict[str, Any]) -> int:
-    """The plan tables' method column: 16 characters, or the longest candidate's name."""
-    names = [candidate_name(c) for c in plan["candidates"]] + [s["method"] for s in plan["skipped"]]
-    return max([16] + [len(n) for n in names])
+#: the candidates the command line's short plan lists (``--verbose``: all of them)
+SHORT_ROWS = 8
 
 
-def format_plan(plan: Dict[str, Any]) -> str:
-    """The plan as text: partitions, candidates, recommendation."""
+def format_plan(plan: Dict[str, Any], verbose: bool = True) -> str:
+    """The plan as text: how the timing went, the candidates by predicted time to target, what the
+    study says, the recommendation; ``verbose`` (``pipeoptim plan --verbose``; not verbose: the
+    first :data:`SHORT_ROWS` candidates) also the partitions, every candidate's throughput and
+    memory, and the rule."""
     shown = plan["model"] or ("nn.Sequential" if plan.get("model_class", "Sequential") == "Sequential"
                               else plan["model_class"])
     units = plan.get("units") or {}
@@ -333,36 +334,36 @@ def format_plan(plan: Dict[str, Any]) -> str:
     if units.get("traced"):
         lines.append(f"traced into {units['count']} units, beginning at: {', '.join(units['cut_points'])}")
     lines.append("")
-    lines.append(f"partition   {what} per stage{' ' * (8 - len(what))}        slowest stage ms   cycle ms   "
-                 f"slowest/mean   measured slowest stage ms")
-    for how, p in plan["partitions"].items():
-        measured = p.get("measured_slowest_stage_seconds")
-        lines.append(f"{how:<11} {str(p['sizes']):<23} {p['slowest_stage_seconds'] * 1e3:>16.2f}   "
-                     f"{p['cycle_seconds'] * 1e3:>8.2f}   {p['imbalance']:>12.2f}   "
-                     f"{(f'{measured * 1e3:.2f}' if measured is not None else '-'):>25}")
-    lines.append("(slowest stage ms: the profiled layers' sum; measured: the stages timed as a run runs them, "
-                 "what the predictions use)")
+    if verbose:  # the three splits' slowest stages
+        lines.append(f"partition   {what} per stage{' ' * (8 - len(what))}        slowest stage ms   cycle ms   "
+                     f"slowest/mean   measured slowest stage ms")
+        for how, p in plan["partitions"].items():
+            measured = p.get("measured_slowest_stage_seconds")
+            lines.append(f"{how:<11} {str(p['sizes']):<23} {p['slowest_stage_seconds'] * 1e3:>16.2f}   "
+                         f"{p['cycle_seconds'] * 1e3:>8.2f}   {p['imbalance']:>12.2f}   "
+                         f"{(f'{measured * 1e3:.2f}' if measured is not None else '-'):>25}")
+        lines += ["(slowest stage ms: the profiled layers' sum; measured: the stages timed as a run runs them, "
+                  "what the predictions use)", ""]
+    lines += measurement_lines(plan.get("measurement"), verbose)
+    if verbose:  # every candidate's throughput and memory, and the ones skipped
+        ref, w = plan["reference"]["samples_per_second"], name_width(plan)
+        lines.append(f"predicted ({plan['partitioner']} partition; sequential reference {ref:.0f} samples/s):")
+        lines.append(f"{'method':<{w}} {'M':>2}  partition             samples/s  speedup  bubble  max stage MB  "
+                     "fits  activations MB (recompute)")
+        for c in plan["candidates"]:
+            act = max(r["activations"] for r in c["memory"]) / 2 ** 20
+            light = max(r.get("activations_recompute", 0) for r in c["memory"]) / 2 ** 20
+            lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {str(c['partition']):<20} "
+                         f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
+                         f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
+                         f"{act:.3f} ({light:.3f})" + ("" if c.get("reachable", True) else "  flagged: unreachable"))
+        reasons: Dict[Any, List[int]] = {}  # one line per method and reason, its micro-batch counts together
+        for s in plan["skipped"]:
+            reasons.setdefault((s["method"], s["reason"]), []).append(s["microbatches"])
+        for (method, reason), counts in reasons.items():
+            lines.append(f"{method:<{w}} {','.join(map(str, counts)):>2}  skipped: {reason}")
     lines.append("")
-    ref = plan["reference"]["samples_per_second"]
-    lines += measurement_lines(plan.get("measurement"))
-    lines.append(f"predicted ({plan['partitioner']} partition; sequential reference {ref:.0f} samples/s):")
-    w = name_width(plan)
-    lines.append(f"{'method':<{w}} {'M':>2}  partition             samples/s  speedup  bubble  max stage MB  fits  "
-                 "activations MB (recompute)")
-    for c in plan["candidates"]:
-        act = max(r["activations"] for r in c["memory"]) / 2 ** 20
-        light = max(r.get("activations_recompute", 0) for r in c["memory"]) / 2 ** 20
-        lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {str(c['partition']):<20} "
-                     f"{c['samples_per_second']:>10.0f}  {c['speedup']:>7.2f}  {c['bubble_fraction']:>6.2f}  "
-                     f"{c['max_stage_memory'] / 2 ** 20:>12.2f}  {'yes' if c['fits'] else 'no ':<4}  "
-                     f"{act:.3f} ({light:.3f})" + ("" if c.get("reachable", True) else "  flagged: unreachable"))
-    reasons: Dict[Any, List[int]] = {}  # one line per method and reason, its micro-batch counts together
-    for s in plan["skipped"]:
-        reasons.setdefault((s["method"], s["reason"]), []).append(s["microbatches"])
-    for (method, reason), counts in reasons.items():
-        lines.append(f"{method:<{w}} {','.join(map(str, counts)):>2}  skipped: {reason}")
-    lines.append("")
-    lines += target_table(plan)
+    lines += target_table(plan, None if verbose else SHORT_ROWS)
     lines.append("")
     lines += [textwrap.fill(note, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
               for note in plan["recommendation"]["notes"]]
@@ -374,10 +375,11 @@ def format_plan(plan: Dict[str, Any]) -> str:
                                            f"{', '.join(points)})" if points else "")
                  + f": {plan['predicted']['samples_per_second']:.0f} samples/s"
                  + (f", {to_target:.1f} s to target" if to_target is not None else "") + " predicted")
-    lines.append(textwrap.fill(f"rule: {plan['recommendation']['rule']}", 100, subsequent_indent="  ",
-                               break_long_words=False, break_on_hyphens=False))
-    lines.append("activations: the largest stage's peak of in-flight activations (simulated micro-batches in "
-                 "flight x bytes per micro-batch), without and (in brackets) with pipeoptim train --recompute")
+    if verbose:
+        lines.append(textwrap.fill(f"rule: {plan['recommendation']['rule']}", 100, subsequent_indent="  ",
+                                   break_long_words=False, break_on_hyphens=False))
+        lines.append("activations: the largest stage's peak of in-flight activations (simulated micro-batches in "
+                     "flight x bytes per micro-batch), without and (in brackets) with pipeoptim train --recompute")
     lines += [textwrap.fill(line, 100, subsequent_indent="  ") for line in tensor_lines(plan)]
     return "\n".join(lines)
 
@@ -411,40 +413,30 @@ def tensor_lines(plan: Dict[str, Any]) -> List[str]:
             f"input gradient all-reduced): {price}"]
 
 
-def measurement_lines(measurement: Optional[Dict[str, Any]]) -> List[str]:
-    """How the splits were timed: rounds, stable or not, the largest spread."""
+def measurement_lines(measurement: Optional[Dict[str, Any]], verbose: bool = True) -> List[str]:
+    """How the splits were timed: rounds, and whether the timings settled; where they did not,
+    what that means and what to do (``verbose``: also the largest spread, the splits raised)."""
     if not measurement:
         return []
-    spread = max(measurement["spread"].values())
-    state = ("stable" if measurement["stable"] else
-             f"not stable: halves still {measurement['halves_disagree']:.0%} apart, beyond the "
-             f"{measurement['tolerance']:.0%} asked; the machine's other work moves the timings")
-    lines = [f"timed {len(measurement['spread'])} splits and the reference in turns, {measurement['rounds']} rounds, "
-             f"{state}; the largest spread of a split's rounds (interquartile range / median): {spread:.0%}"]
+    rounds, tolerance = measurement["rounds"], measurement["tolerance"]
+    if measurement["stable"]:
+        state = f"stable (each split's first and second halves of rounds within {tolerance:.0%})"
+    else:
+        state = (f"not stable: a split timed over the first half of the rounds and over the second half still "
+                 f"differs by {measurement['halves_disagree']:.0%} (the plan stops at {tolerance:.0%}, or after "
+                 f"--max-rounds): other work on this machine slowed some of the timed runs, so candidates closer "
+                 f"than that to each other may be ranked in the wrong order. Plan again on a quieter machine, or "
+                 f"with more rounds (--max-rounds {2 * rounds})")
+    head = f"timed {len(measurement['spread'])} splits and the reference in turns, {rounds} rounds, {state}"
+    if verbose:
+        head += (f"; the largest spread of a split's rounds (interquartile range / median): "
+                 f"{max(measurement['spread'].values()):.0%}")
+    lines = [textwrap.fill(head, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)]
+    if not verbose:
+        return lines
     raised = measurement.get("raised") or {}
     if raised:
         most = max(raised, key=raised.get)
         lines.append(f"{len(raised)} split(s) added up to less than the whole model timed the same way, and were "
                      f"raised to it (the most: {most}, x{raised[most]:.2f})")
-    return lines
-
-
-def target_table(plan: Dict[str, Any]) -> List[str]:
-    """The candidates by predicted time to target (unknown ones last, by throughput): samples/s,
-    the ratio of updates to the target and where it comes from, whether it may be recommended."""
-    study = plan["study"]
-    head = (f"by predicted time to target ({study['setting']} of the equal-time study: "
-            f"{study['target_updates']:.0f} updates of the synchronous pipeline to the target):" if study["covered"]
-            else "by predicted time to target (no study covers this case: ratios unknown but the synchronous 1):")
-    w = name_width(plan)
-    lines = [head, f"{'method':<{w}} {'M':>2}   samples/s  updates x  to target s  may recommend  ratio from"]
-    ranked = sorted(plan["candidates"], key=lambda c: (c.get("time_to_target_seconds") is None,
-                                                       c.get("time_to_target_seconds") or 0.0,
-                                                       -c["samples_per_second"]))
-    for c in ranked:
-        ratio, to_target = c.get("updates_ratio"), c.get("time_to_target_seconds")
-        lines.append(f"{candidate_name(c):<{w}} {c['microbatches']:>2}  {c['samples_per_second']:>10.0f}  "
-                     f"{(f'{ratio:.2f}' if ratio is not None else '-'):>9}  "
-                     f"{(f'{to_target:.1f}' if to_target is not None else '-'):>11}  "
-                     f"{'yes' if c.get('eligible', True) else 'no':<13}  {c.get('ratio_source', '')}")
     return lines

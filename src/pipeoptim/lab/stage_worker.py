@@ -85,7 +85,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
 
     from ..checkpoint import CheckpointError
     from ..errors import NonFiniteLoss
-    from .experiment import run_experiment
+    from .experiment import final_line, run_experiment
     from ..runtime.control import init_process_group
     from ..runtime.wire import PipelineCommError
 
@@ -116,10 +116,7 @@ def worker(cfg, *, out: Optional[Path], timeout: float, device: str, threads: Op
             if json:
                 print(_dumps(summary, indent=2), flush=True)
             else:
-                print(f"final {summary['metric']}: {summary['final_metric']:.4f} (best "
-                      f"{summary['best_metric']:.4f}), final loss {summary['final_loss']:.4f}, "
-                      f"{summary['samples_per_second']:.0f} samples/s, weight copies per stage "
-                      f"{summary['weight_copies']}", flush=True)
+                print(final_line(summary), flush=True)  # the line a one-process run ends with
                 print(f"run folder: {out}", flush=True)
         write_status(out, rank, state="finished")
         return 0
@@ -173,6 +170,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     train = spec.get("kind") != "bench"
     guard_stage(int(os.environ.get("RANK", "0")) if train else None, spec.get("out") if train else None)
+    from ..errors import command_line_words
+    from ..options import OPTIONS
+    from .config import LAB_OPTIONS
+
+    with command_line_words((*OPTIONS, *LAB_OPTIONS)):  # a process of the command line's run: its words
+        return _run(spec, train)
+
+
+def _run(spec: Dict[str, Any], train: bool) -> int:
+    """The benchmark or the training run of a local launch's ``spec``, its refusals said in one line."""
     if not train:
         from .bench_worker import bench_worker
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..compat import compile_backend
+from ..errors import option
 from .defaults import COMPILE_BACKENDS
 
 #: what ``compile=True`` means: torch's default backend
@@ -33,12 +34,12 @@ def backend_of(compile: Union[bool, str, None]) -> Optional[str]:
     if compile is True:
         return DEFAULT_BACKEND
     if not isinstance(compile, str):
-        raise ValueError(f"compile must be True, False or a torch.compile backend's name "
+        raise ValueError(f"{option('compile')} must be True, False or a torch.compile backend's name "
                          f"({', '.join(COMPILE_BACKENDS)}), got {compile!r}")
     try:
         compile_backend(compile)
     except Exception:  # torch raises its own InvalidBackend; any failure means the same to the user
-        raise ValueError(f"compile={compile!r}: torch.compile has no backend of that name; use one of "
+        raise ValueError(f"{option('compile', compile)}: torch.compile has no backend of that name; use one of "
                          f"{', '.join(COMPILE_BACKENDS)} (or True for {DEFAULT_BACKEND})") from None
     return compile
 
@@ -52,11 +53,12 @@ def missing_toolchain(backend: Optional[str], device_types: Tuple[str, ...]) -> 
     compiler = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
     headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
     if compiler is None or not shutil.which(compiler):
-        return ("compile=True on the CPU needs a C++ compiler for torch's inductor backend and none was found "
-                "(install one: apt-get install g++), or pass compile='aot_eager' (no compiler, less speed)")
+        return (f"{option('compile', True)} on the CPU needs a C++ compiler for torch's inductor backend and none "
+                f"was found (install one: apt-get install g++), or pass {option('compile', 'aot_eager')} (no "
+                f"compiler, less speed)")
     if not os.path.exists(headers):
-        return (f"compile=True on the CPU needs Python's headers for torch's inductor backend ({headers} is "
-                f"missing: apt-get install python3-dev), or pass compile='aot_eager'")
+        return (f"{option('compile', True)} on the CPU needs Python's headers for torch's inductor backend "
+                f"({headers} is missing: apt-get install python3-dev), or pass {option('compile', 'aot_eager')}")
     return None
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import option
 from .defaults import DEFAULT_TIMEOUT  # seconds a rank waits for a peer before the run fails
 from .lifecycle import fresh_join, shares_agent_store
 from .strict import install_if_asked
@@ -26,7 +27,7 @@ def local_gpu(local_rank: int, visible: int) -> torch.device:
     own where it sees one (however the launcher numbered it), ``cuda:LOCAL_RANK`` where it sees
     the node's; more processes on a node than GPUs is refused, naming the fix."""
     if visible < 1:
-        raise ValueError("--device cuda: no CUDA device is visible to this process")
+        raise ValueError(f"{option('devices', 'cuda')}: no CUDA device is visible to this process")
     if visible == 1:
         return torch.device("cuda", 0)
     if local_rank >= visible:
@@ -75,14 +76,14 @@ def init_process_group(*, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
         torch.set_num_threads(threads)
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
+            raise ValueError(f"{option('devices', 'cuda')}: no CUDA device is available")
         dev = local_gpu(int(os.environ.get("LOCAL_RANK", rank or 0)), torch.cuda.device_count())
         torch.cuda.set_device(dev)
         backend = "nccl"
     elif device == "cpu":
         dev, backend = torch.device("cpu"), "gloo"
     else:
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        raise ValueError(f"{option('devices')} must be cpu or cuda, got {device!r}")
     kwargs: Dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout)}
     if dev.type == "cuda":
         kwargs["device_id"] = dev
@@ -109,7 +110,7 @@ def _control(comm: PipeComm, what: str, fn: Callable[[], Any]) -> Any:
     except RuntimeError as error:
         raise PipelineCommError(
             f"pipeline rank {comm.rank}: {what} failed: {reason(error)}. A peer stage hung, died or is slower than "
-            f"the timeout ({comm.timeout:g} s); see its own error, or raise --timeout") from error
+            f"the timeout ({comm.timeout:g} s); see its own error, or raise {option('timeout')}") from error
 
 
 def broadcast(obj: Any, comm: PipeComm, src: int, what: str) -> Any:

@@ -32,6 +32,7 @@ import torch
 from ..schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
 from ..schedules.lower import lower
 from .loss_scaling import UpdateAgreement
+from .pass_errors import PassErrors
 from .replicas import ReplicaUpdates
 from .segment import MicroBatch, ScheduleFor, WindowLosses, check_runnable, next_horizon, stage_orders
 from .stage import Stage
@@ -163,6 +164,8 @@ class Executor:
         self._ranks = list(ranks) if ranks is not None else None
         self.walkers: List[Walker] = []
         self._data: Dict[int, MicroBatch] = {}
+        #: the rows of the micro-batches fed, for an error of the user's code to say where it happened
+        self._errors = PassErrors(Executor._forward_only)
         self._holds_first = any(s.is_first for s in own)
         self._holds_last = any(s.is_last for s in own)
         self._inputs: Dict[Key, Any] = {}
@@ -189,6 +192,7 @@ class Executor:
             self._data[self.fed_micro] = (inputs if self._holds_first else None,
                                           target if self._holds_last else None, share)
             self.fed_micro += 1
+        self._errors.fed(self.fed_batches - 1, microbatches)
         self.transport.fed(first, microbatches, self.fed_batches)
         self._run()
 
@@ -393,6 +397,12 @@ class Executor:
                 else:
                     raise ValueError(f"the executor cannot run {order[p]}")
                 p += 1
+        except Exception as error:  # the user's code failed in a pass: said where (runtime/pass_errors.py)
+            again = self._errors.placed(error, order[p], stages, self.schedule.microbatches_per_update,
+                                        self.trace_offset)
+            if again is None:
+                raise
+            raise again from error
         finally:
             w.pos = p
         return p != start

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ..errors import Shown, option
+
 
 #: placements whose chunks per stage are fixed by their shape (the method's own ``chunks``)
 FIXED_CHUNKS = {"v": "a V", "bidirectional": "one of each pipeline", "bitpipe": "two of each pipeline's V"}
@@ -23,20 +25,20 @@ def chunks_of(method: Any, chunks: Optional[int], partition: Optional[Sequence[i
     if chunks is None:
         v = method.chunks
     elif isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive number of model chunks per stage, got {chunks!r}")
+        raise ValueError(f"{option('chunks')} must be a positive number of model chunks per stage, got {chunks!r}")
     elif chunks > 1 and method.chunks == 1:
-        raise ValueError(f"{method.name} runs one chunk per stage; chunks={chunks} needs a method that "
-                         f"places several: method='interleaved'")
+        raise ValueError(f"{method.name} runs one chunk per stage; {option('chunks', chunks)} needs a method that "
+                         f"places several: {option('method', 'interleaved')}")
     elif method.placement in FIXED_CHUNKS and chunks != method.chunks:
         raise ValueError(f"{method.name} places exactly {method.chunks} chunks per stage "
-                         f"({FIXED_CHUNKS[method.placement]}); drop chunks={chunks} "
-                         f"or use method='interleaved' for {chunks}")
+                         f"({FIXED_CHUNKS[method.placement]}); drop {option('chunks', chunks)} "
+                         f"or use {option('method', 'interleaved')} for {chunks}")
     else:
         v = chunks
     pieces = method.pieces_per_rank(v)
     if partition is not None and len(partition) % pieces:
         raise ValueError(f"a partition for {pieces} chunks per stage lists stages x {pieces} entries; "
-                         f"{list(partition)} has {len(partition)}")
+                         f"{option('partition', list(partition))} has {len(partition)}")
     return v
 
 
@@ -56,7 +58,8 @@ class Layout:
     def processes(self) -> int:
         """Processes the run needs under torchrun: T per stage of each replica."""
         if self.ranks is None:
-            raise ValueError("the pipeline's ranks are not known yet: give stages=N or a partition")
+            raise ValueError(f"the pipeline's ranks are not known yet: give {option('stages', Shown('N'))} or "
+                             f"{option('partition')}")
         return self.ranks * self.replicas * self.tensor
 
 
@@ -74,22 +77,22 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
     # refused here, not in pipeoptim.checks: they need the job's size, and the launcher asks first
     t = tensor_parallel
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tensor_parallel must be a positive number of processes per stage, got {t!r}")
+        raise ValueError(f"{option('tensor_parallel')} must be a positive number of processes per stage, got {t!r}")
     if processes is not None and processes % t:
-        raise ValueError(f"WORLD_SIZE {processes} is not a multiple of tensor_parallel={t}: start N x D x {t} "
-                         f"processes (T per stage of each replica) or give another tensor_parallel")
+        raise ValueError(f"WORLD_SIZE {processes} is not a multiple of {option('tensor_parallel', t)}: start N x D x "
+                         f"{t} processes (T per stage of each replica) or give another {option('tensor_parallel')}")
     if processes is not None:
         processes //= t
     if data_parallel is not None and (isinstance(data_parallel, bool) or data_parallel < 1):
-        raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
+        raise ValueError(f"{option('data_parallel')} must be at least 1, got {data_parallel}")
     v = chunks_of(method, chunks, partition)
     if method.name == "sequential":
         n: Optional[int] = 1
     elif partition is not None:
         n = len(partition) // method.pieces_per_rank(v)
         if stages is not None and stages != n:
-            raise ValueError(f"stages={stages} but the partition {list(partition)} has {n} stages"
-                             + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")
+            raise ValueError(f"{option('stages', stages)} but {option('partition', list(partition))} makes {n} "
+                             f"stages" + (f" of {v} chunks" if v > 1 else "") + ": drop one of them")
     elif stages is not None:
         n = stages
     elif method.order is not None:  # a user's schedule: its ranks
@@ -99,7 +102,7 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
     else:
         n = None
     if n is not None and n < 1:
-        raise ValueError(f"stages must be at least 1, got {n}")
+        raise ValueError(f"{option('stages')} must be at least 1, got {n}")
     if processes is None:
         return Layout(n, v, data_parallel or 1, t)
     if n is None or processes % n:
@@ -109,7 +112,7 @@ def plan_layout(method: Any, *, stages: Optional[int] = None, partition: Optiona
                          f"{'T' if t > 1 else 'one'} per stage of each replica")
     replicas = processes // n
     if data_parallel is not None and data_parallel != replicas:
-        raise ValueError(f"data_parallel={data_parallel}, but WORLD_SIZE {processes * t} with {n} stages"
+        raise ValueError(f"{option('data_parallel', data_parallel)}, but WORLD_SIZE {processes * t} with {n} stages"
                          f"{f' x {t} tensor ranks' if t > 1 else ''} makes {replicas} replicas; start "
-                         f"{n * data_parallel * t} processes or drop data_parallel")
+                         f"{n * data_parallel * t} processes or drop {option('data_parallel')}")
     return Layout(n, v, replicas, t)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import HAS_STORAGE_USE_COUNT, storage_use_count
+from ..errors import option
 from .values import as_tuple
 from .wire import (Layout, PipelineCommError, Signature, decode_layout, encode_layout, layout_of, on_the_wire, reason,
                    wait_for)
@@ -101,7 +102,7 @@ class Link:
         return PipelineCommError(
             f"{doing} the {self.what} of micro-batch {microbatch} (peer: rank {self.peer}) failed: "
             f"{reason(error)}. A peer stage hung, died or is slower than the timeout ({self.timeout:g} s); "
-            f"see its own error, or raise --timeout if stages are merely slow")
+            f"see its own error, or raise {option('timeout')} if stages are merely slow")
 
     def send(self, microbatch: int, key: Signature, value: Any, pending: Deque) -> None:
         """Send ``value`` (its layout first, the first time ``key`` is sent), each tensor's work

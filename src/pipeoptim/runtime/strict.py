@@ -37,6 +37,7 @@ import inspect
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -47,9 +48,6 @@ from .wire import NCCL_DTYPES, PipelineCommError
 ENV = "PIPEOPTIM_STRICT_TRANSPORT"
 #: seconds a strict wait lasts before it fails (a test's deadlocks end within it)
 TIMEOUT = float(os.environ.get("PIPEOPTIM_STRICT_TIMEOUT", "30"))
-#: the longest pause between two looks at a wait's marks (the pauses double from 0.5 ms: a short wait
-#: is met at once, a long one costs a look every 8 ms, not every 1)
-PAUSE = 0.008
 
 
 class StrictTransportError(PipelineCommError):
@@ -72,6 +70,7 @@ class _Strict:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.progress: Optional[threading.Thread] = None
+        self.connections: Dict[int, Tuple[Any, Any]] = {}  # thread -> (the store, its clone for blocking waits)
 
     # -- the job's store and the groups' numbers ----------------------------------------------
     @property
@@ -104,18 +103,25 @@ class _Strict:
             raise StrictTransportError(f"{what} on group {number} from a second thread: an NCCL communicator "
                                        f"must not be used by two threads")
 
-    def wait_keys(self, keys: list, what: str) -> None:
-        """Until every key is in the store, polled: a blocking wait would hold the store's one
-        connection, which the progress thread needs to start the sends queued before this."""
-        end, pause = time.monotonic() + self.timeout, 0.0005
-        while True:
-            with self.lock:
-                if self.store.check(keys):
-                    return
-            if time.monotonic() > end:
-                raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang")
-            time.sleep(pause)
-            pause = min(PAUSE, 2 * pause)
+    def wait_keys(self, keys: list, what: str, deadline: Optional[float] = None) -> None:
+        """Until every key is in the store, blocked on a connection of this thread's own (the
+        progress thread keeps the shared one, to start the operations queued meanwhile); past
+        ``deadline`` (a ``time.monotonic()``; default: the strict timeout from now), refused
+        with ``what`` (the whole message where a deadline is given)."""
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        try:
+            self.connection().wait(keys, timedelta(seconds=max(end - time.monotonic(), 0.001)))
+        except RuntimeError as error:  # the store's timeout (DistStoreError), or the store gone
+            raise StrictTransportError(what if deadline is not None else f"{what}: not met within "
+                                       f"{self.timeout:g} s; under NCCL this would hang") from error
+
+    def connection(self) -> Any:
+        """This thread's own connection to the job's store (a clone, made once per store)."""
+        store, me = self.store, threading.get_ident()
+        made = self.connections.get(me)
+        if made is None or made[0] is not store:
+            made = self.connections[me] = (store, store.clone())
+        return made[1]
 
     def join(self, number: int, me: int, peer: int) -> None:
         """The pair's first operation on the group waits until the other end has issued one."""
@@ -130,14 +136,17 @@ class _Strict:
 
     def start(self) -> None:
         """The pairs' progress, apart from this process's thread, as a GPU's streams progress
-        apart from its CPU: every few milliseconds :meth:`advance` (under :attr:`lock`)."""
+        apart from its CPU: every few milliseconds :meth:`advance` (under :attr:`lock`) of the pairs
+        where an operation waits behind its queue's head to start (a lone head's mark is up already,
+        and only a wait on it needs its match)."""
         def run() -> None:
             while not self.stopped.wait(0.002):
                 with self.lock:
-                    if not any(self.queues.values()):
+                    queues = [queue for queue in self.queues.values() if len(queue) > 1]
+                    if not queues:
                         continue
                     try:
-                        self.advance()
+                        self.advance(queues)
                     except Exception:  # noqa: BLE001 (no job's store between two jobs: try again)
                         continue
 
@@ -148,11 +157,12 @@ class _Strict:
     def queue(self, number: int, peer: int) -> "list[StrictWork]":
         return self.queues.setdefault((number, peer), [])
 
-    def advance(self) -> None:
-        """Start and complete what can, pair by pair, in each pair's order: the operation at the
-        head of its queue has started (its mark goes up for the peer); it completes once the
-        peer's matching operation has started too."""
-        for queue in self.queues.values():
+    def advance(self, queues: List[list]) -> None:
+        """Start and complete what can in these pairs' queues, each in its order: the operation at
+        the head of its queue has started (its mark goes up for the peer); it completes once the
+        peer's matching operation has started too. (A pair's queue is advanced by whoever waits on
+        it, and by the progress thread where an operation waits behind its head to start.)"""
+        for queue in queues:
             while queue:
                 head = queue[0]
                 if not head.started:
@@ -188,7 +198,7 @@ class _Strict:
         queue = self.queue(number, peer)
         strict_work = StrictWork(self, kind, work, key, match, described, queue)
         queue.append(strict_work)
-        self.advance()
+        self.advance([queue])
         return strict_work
 
     # -- collectives ---------------------------------------------------------------------------
@@ -267,23 +277,23 @@ class StrictWork:
         return self.met
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        end, pause = time.monotonic() + self.strict.timeout, 0.0005
+        """Blocks until met: on the match of the pair's oldest unmet operation, this one or one
+        issued before it (each met one lets the next start)."""
+        deadline = time.monotonic() + self.strict.timeout
         while True:
             with self.strict.lock:
-                self.strict.advance()
-                met = self.done()
-            if met:
-                return self.work.wait(*args, **kwargs)
-            if time.monotonic() > end:
-                raise StrictTransportError(f"{self.what} within {self.strict.timeout:g} s: under NCCL this would "
-                                           f"hang")
-            time.sleep(pause)
-            pause = min(PAUSE, 2 * pause)
+                self.strict.advance([self.queue])  # looks at the head's match (this one, or one before)
+                if self.met:
+                    break
+                head = self.queue[0]
+            self.strict.wait_keys([head.match], f"{self.what} within {self.strict.timeout:g} s: under NCCL this "
+                                                f"would hang", deadline)
+        return self.work.wait(*args, **kwargs)
 
     def is_completed(self) -> bool:
         with self.strict.lock:
-            self.strict.advance()
-            return self.done() and self.work.is_completed()
+            self.strict.advance([self.queue])
+            return self.met and self.work.is_completed()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)

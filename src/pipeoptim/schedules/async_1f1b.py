@@ -7,6 +7,7 @@ micro-batch per update, that weight stashing and weight prediction deal with: (d
 buffers), whatever the depth: a delay of one update ("Weight versions per method")."""
 from __future__ import annotations
 
+from ..errors import option
 from .actions import Action, Kind, Schedule, actions_of, check_positive, one_f_one_b, straight
 
 
@@ -34,5 +35,5 @@ def two_bw(num_stages: int, microbatches: int, batches: int = 1) -> Schedule:
     if microbatches < num_stages:
         raise ValueError(f"2bw needs micro-batches per update m >= stages N (got m={microbatches}, "
                          f"N={num_stages}); with fewer, a window's forwards would need a third "
-                         f"weight version. Use micro_batches={num_stages} or more (--micro-batches).")
+                         f"weight version. Use {option('micro_batches', num_stages)} or more.")
     return async_1f1b(num_stages, batches, microbatches, name="2bw")

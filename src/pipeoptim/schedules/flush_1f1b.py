@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
+from ..errors import option
 from .actions import Action, Kind, Schedule, actions_of, check_positive, one_f_one_b, straight
 from .concat import repeat
 
@@ -39,8 +40,8 @@ def interleaved_1f1b(num_ranks: int, microbatches: int, chunks: int = 2, batches
     check_positive(stages=num_ranks, microbatches=microbatches, chunks=chunks, batches=batches)
     if microbatches % num_ranks:
         raise ValueError(f"interleaved-1f1b needs micro-batches to be a multiple of the ranks "
-                         f"(got M={microbatches}, N={num_ranks}); try micro_batches="
-                         f"{num_ranks * max(1, microbatches // num_ranks)} (--micro-batches)")
+                         f"(got M={microbatches}, N={num_ranks}); try "
+                         f"{option('micro_batches', num_ranks * max(1, microbatches // num_ranks))}")
     n, v, m = num_ranks, chunks, microbatches
     total = m * v  # virtual steps per rank and mini-batch
 

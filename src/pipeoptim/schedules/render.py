@@ -162,7 +162,7 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
     lighter, ``W`` darker), micro-batch numbers on boxes wide enough to hold them, updates as dark
     ticks (a thin dark box where an update has a cost), idle time grey. The title names the
     schedule (or ``title``), N, M, the number of updates and the bubble fraction. Needs
-    matplotlib (the ``lab`` extra: ``pip install 'pipeoptim[lab]'``).
+    matplotlib (the ``lab`` extra: ``pip install '.[lab]'`` in the clone).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -171,7 +171,7 @@ def to_png(result: SimResult, path: PathLike, title: Optional[str] = None,
         from matplotlib.patches import Patch
         from matplotlib.ticker import MaxNLocator
     except ImportError as error:  # the engine runs without it; only the PNG needs it
-        raise ImportError("drawing a schedule as PNG needs matplotlib: pip install 'pipeoptim[lab]' "
+        raise ImportError("drawing a schedule as PNG needs matplotlib: pip install '.[lab]' in the clone "
                           "(or pip install matplotlib)") from error
 
     schedule, makespan = result.schedule, max(result.makespan, 1e-9)

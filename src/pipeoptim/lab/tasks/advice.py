@@ -160,6 +160,12 @@ def nearest_depth(studied: Iterable[int], stages: int) -> int:
     return min(depths, key=lambda n: (abs(n - stages), -n))
 
 
+def not_studied_here(stages: int) -> str:
+    """How every command says that the study's numbers it shows are another depth's: ``compare``'s
+    and ``plan``'s advice, ``plan``'s ratios of updates to the target."""
+    return f"(no study at N = {stages}; the nearest studied depth)"
+
+
 def advised_lr(task: str, stages: int, optimizer: str, method: str,
                options: Dict[str, Any]) -> Optional[Tuple[float, str]]:
     """(lr, where it comes from) where the study's advice for ``task`` at ``stages`` is this very
@@ -187,4 +193,4 @@ def advice(task: str, stages: int) -> Tuple[Optional[Advice], str]:
                       "pipeline is the safe choice: at equal updates every asynchronous method ended behind it "
                       "(the second study, same file)")
     entry = ADVICE[(task, nearest_depth(studied, stages))]
-    return entry, f"(no study at N = {stages}; the nearest studied depth) " + entry.describe()
+    return entry, f"{not_studied_here(stages)} " + entry.describe()

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from ...methods import get_method
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -78,8 +80,9 @@ TUNED_LRS: Dict[Tuple[str, str, str], float] = {
         "sequential": 0.004, "async-naive": 0.002, "pipedream": 0.004, "pipedream-2bw": 0.001,
         "spectrain": 0.002, "xpipe": 0.0005, "pipeoptim": 0.002}.items()},
 }
-#: the synchronous pipelines equal sequential numerically: sequential's tuned lr is theirs
-SAME_AS_SEQUENTIAL = ("gpipe", "1f1b-flush")
+#: what the lr source says of a synchronous method: every one computes sequential's updates, so
+#: sequential's tuned lr (and the recipe's, which is sequential's) is theirs
+AS_SEQUENTIAL = "as sequential, which every synchronous method equals"
 
 
 def recipe(task: str) -> Recipe:
@@ -92,16 +95,17 @@ def recipe(task: str) -> Recipe:
 def default_lr(task: str, optimizer: str, method: str) -> Tuple[Optional[float], str]:
     """(peak lr, where it comes from) for ``method`` on ``task`` with ``optimizer`` when the user
     gives no ``--lr``: the study's tuned lr, else the recipe's lr when ``optimizer`` is the
-    recipe's, else None (the task's usual lr for that optimizer, which only the task knows)."""
-    looked_up = "sequential" if method in SAME_AS_SEQUENTIAL else method
+    recipe's, else None (the task's usual lr for that optimizer, which only the task knows). A
+    synchronous method takes sequential's, which it equals (one rule, one wording: :data:`AS_SEQUENTIAL`)."""
+    looked_up = "sequential" if get_method(method).synchronous else method
+    who = method if looked_up == method else f"{method} ({AS_SEQUENTIAL})"
     tuned = TUNED_LRS.get((task, optimizer, looked_up))
     if tuned is not None:
-        who = method if looked_up == method else f"{method} (as sequential, which it equals)"
         return tuned, f"tuned for {who}, {task}, {optimizer}, {TUNED_AT}; --lr overrides"
     if optimizer == recipe(task).optimizer:
-        return recipe(task).lr, (f"not tuned for {method} on {task} with {optimizer}: the recipe's "
+        return recipe(task).lr, (f"not tuned for {who} on {task} with {optimizer}: the recipe's "
                                  f"(sequential's) lr; --lr overrides")
-    return None, f"not tuned for {method} on {task} with {optimizer}: the task's usual lr for it; --lr overrides"
+    return None, f"not tuned for {who} on {task} with {optimizer}: the task's usual lr for it; --lr overrides"
 
 
 def tuned_lrs(task: str) -> Dict[str, Dict[str, float]]:

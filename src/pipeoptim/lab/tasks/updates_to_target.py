@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .advice import SOURCE, nearest_depth, pairs, study_table
+from .advice import SOURCE, nearest_depth, not_studied_here, pairs, study_table
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def studied_setting(task: Optional[str], optimizer: str, stages: int, model: Opt
         return None, (f"{SOURCE} ran {task} with {ran_with}, not {optimizer}: no ratio of updates to the target "
                       f"for it")
     setting = UPDATES_TO_TARGET[(task, optimizer, nearest_depth(depths, stages))]
-    near = "" if setting.stages == stages else f" (no study at N = {stages}; the nearest studied depth)"
+    near = "" if setting.stages == stages else f" {not_studied_here(stages)}"
     return setting, f"ratios of updates to the target: {setting.name()} of {SOURCE}{near}"
 
 
