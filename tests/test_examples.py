@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
-from test_torchrun import _env
+from torchrun_jobs import run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -27,10 +26,7 @@ TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--vocab", "64", "--se
 
 
 def test_the_fashion_mnist_example_trains_and_reports_test_accuracy():
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--limit", "384", "--epochs", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
+    lines = run_here(EXAMPLE, "--limit", "384", "--epochs", "2").strip().splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["epoch 1", "epoch 2"]
     final = re.match(r"test accuracy (\d\.\d+) after 12 updates, \d+ samples/s, "
                      r"weight copies per stage \[2\.0, 2\.0, 2\.0, 1\.0\]", lines[-1])
@@ -39,11 +35,9 @@ def test_the_fashion_mnist_example_trains_and_reports_test_accuracy():
 
 
 def gpt2_run(out: Path, *extra: str) -> Dict[str, object]:
-    """Run the GPT-2 example on the tiny config in one process and read what it printed."""
-    done = subprocess.run([sys.executable, str(GPT2), *TINY, "--out", str(out), *extra],
-                          capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return printed(done.stdout)
+    """Run the GPT-2 example on the tiny config in one process (the pytest process: no start of
+    its own) and read what it printed."""
+    return printed(run_here(GPT2, *TINY, "--out", out, *extra))
 
 
 def printed(stdout: str) -> Dict[str, object]:
@@ -150,10 +144,8 @@ SEQ2SEQ_SMALL = ["--pairs", "128", "--epochs", "1", "--eval-every", "4", "--widt
 
 
 def seq2seq_run(out: Path, *extra: str) -> List[str]:
-    done = subprocess.run([sys.executable, str(SEQ2SEQ), *SEQ2SEQ_SMALL, "--out", str(out), *extra],
-                          capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout.strip().splitlines()
+    """The BART example's small run in the pytest process; the lines it printed."""
+    return run_here(SEQ2SEQ, *SEQ2SEQ_SMALL, "--out", out, *extra).strip().splitlines()
 
 
 def test_the_seq2seq_example_trains_on_padded_batches_as_the_whole_model_does(tmp_path):
