@@ -236,7 +236,7 @@ def test_global_clipping_is_one_all_reduce_on_the_device_and_reads_nothing_back(
     writer: the sum is exact, so the ranks and one process read the same bits) and the coefficient
     stays on the device. The meta device stands for the GPU: a read to the host raises there."""
     from pipeoptim.runtime.distributed import PipeTransport
-    from pipeoptim.runtime.executor import Mailbox
+    from pipeoptim.runtime.local import Mailbox
     from pipeoptim.runtime.loss_scaling import UpdateAgreement
 
     def stage(index, norm, device):

@@ -474,7 +474,8 @@ def test_after_each_mini_batch_every_stage_has_run_all_it_can(method):
     """After a feed, each stage stands at its first forward of a micro-batch not fed yet: what it
     ran needs nothing beyond the data fed, so one process per stage can stream without waiting
     on a peer that has not been fed."""
-    from pipeoptim.runtime.executor import Executor, Mailbox
+    from pipeoptim.runtime.executor import Executor
+    from pipeoptim.runtime.local import Mailbox
 
     pipe = Pipeline(mlp(), method=method, stages=4, loss_fn=LOSS, optimizer=sgdm)
     m = pipe.microbatches

@@ -30,7 +30,8 @@ from .state_names import StateNames
 from .methods import Method
 from .runtime.layout import Layout, plan_layout
 from .runtime.forward_only import NO_BATCHES, ForwardOnly, Weight, samples
-from .runtime.executor import Executor, Mailbox
+from .runtime.executor import Executor
+from .runtime.local import Mailbox
 from .runtime.interfaces import GradientSync
 from .runtime.segment import ScheduleFor
 from .runtime.sharding import released

@@ -11,7 +11,8 @@ import torch
 from ..schedules.actions import Action, Kind, Schedule
 from .averaging import GradientAverager
 from .control import sum_over_pipeline
-from .executor import Executor, Transport
+from .executor import Executor
+from .interfaces import Transport
 from .forward_only import ForwardOnly
 from .segment import MicroBatch
 from .stage import Stage

@@ -5,7 +5,7 @@ A rank's lowered order (``schedules/lower.py``) holds its compute actions (F, B,
 the transfers between its stages and another rank's (SEND_*/RECV_*). :class:`Executor` walks it
 with a :class:`Walker` per rank this process plays: every rank in one process (the walkers take
 turns until none moves), one under torchrun. Only how a transfer travels differs, behind a
-:class:`Transport`: a hand-off in memory (:class:`Mailbox`) or a message
+:class:`~pipeoptim.runtime.interfaces.Transport`: a hand-off in memory (``runtime/local.Mailbox``) or a message
 (``runtime/distributed.PipeTransport``); between two stages of one rank the walker hands the
 value over itself. A walker stops (and is resumed later) at a forward, or a receive of an
 activation, of a micro-batch not fed yet, at a receive whose message has not come, at an update
@@ -34,66 +34,17 @@ from ..schedules.lower import lower
 from .loss_scaling import UpdateAgreement
 from .pass_errors import PassErrors
 from .replicas import ReplicaUpdates
+from .interfaces import Key, Transport
 from .segment import MicroBatch, ScheduleFor, WindowLosses, check_runnable, next_horizon, stage_orders
 from .stage import Stage
 
 if TYPE_CHECKING:  # (forward_only.py builds on this module)
     from .forward_only import ForwardOnly
 
-Key = Tuple[int, int]  # (stage, micro-batch): whose value a store holds
 
 
 class ScheduleStuck(RuntimeError):
     """No rank can make progress: the schedule and the data disagree."""
-
-
-class Transport:
-    """How a value crosses from a stage of one rank to a stage of another: the SEND_*/RECV_*
-    actions of a lowered order. ``attach`` gives it the executor's stores, keyed by (stage,
-    micro-batch): the inputs of stages (activations), the gradients of their outputs, and the
-    inputs of forward-only passes (E micro-batch j). ``recv(kind, k, i)`` (RECV_F, RECV_B or
-    RECV_E) puts stage ``k``'s value into its store and says True, or says False where it has
-    not come yet (a walker then stops there); ``send(kind, k, i, value)`` gets stage ``k``'s
-    value for the stage on the other side."""
-
-    def attach(self, inputs: Dict[Key, Any], grads: Dict[Key, Any], evals: Dict[Key, Any]) -> None:
-        self.inputs, self.grads, self.evals = inputs, grads, evals
-
-    def use(self, schedule: Schedule) -> None:
-        """The segment's schedule (or the same one known further)."""
-
-    def fed(self, first: int, microbatches: Sequence[MicroBatch], batch: int) -> None:
-        """Micro-batches ``first``, ``first + 1``, ... came (mini-batch number ``batch``, from 1)."""
-
-    def agree(self, table: torch.Tensor) -> torch.Tensor:
-        """Every stage's row of an update's agreement (fp16's found-inf flag, the squared gradient
-        norm: ``loss_scaling.UpdateAgreement.table``) from this process's table, which holds its
-        stages' rows (the others zero): here every stage's."""
-        return table
-
-    def fed_forward_only(self, j: int, key: Any) -> None:
-        """Micro-batch ``j`` of forward-only work run alone came (its messages keyed ``key``)."""
-
-    def drained(self) -> None:
-        """The segment has run to its end."""
-
-
-class Mailbox(Transport):
-    """Every rank in this process: a send puts the value where the receiving stage reads it,
-    and a receive finds it there, or not yet."""
-
-    def use(self, schedule: Schedule) -> None:
-        nxt = [schedule.next_stage(k) for k in range(schedule.num_stages)]
-        prv = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
-        self._at = {Kind.RECV_F: self.inputs, Kind.RECV_B: self.grads, Kind.RECV_E: self.evals}
-        self._to = {Kind.SEND_F: (self.inputs, nxt), Kind.SEND_B: (self.grads, prv), Kind.SEND_E: (self.evals, nxt)}
-
-    def recv(self, kind: Kind, k: int, i: int) -> bool:
-        return (k, i) in self._at[kind]
-
-    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
-        store, to = self._to[kind]
-        store[(to[k], i)] = value
 
 
 class Walker:

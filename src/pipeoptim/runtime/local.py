@@ -1,14 +1,33 @@
 """The local executor: every stage in one process. The one interpreter
 (:class:`~pipeoptim.runtime.executor.Executor`), with a walker per rank over an in-memory
-:class:`~pipeoptim.runtime.executor.Mailbox`."""
+:class:`Mailbox`."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
 
-from ..schedules.actions import Schedule
-from .executor import Executor, Mailbox
+from ..schedules.actions import Kind, Schedule
+from .executor import Executor
+from .interfaces import Transport
 from .segment import MicroBatch
 from .stage import Stage
+
+
+class Mailbox(Transport):
+    """Every rank in this process: a send puts the value where the receiving stage reads it,
+    and a receive finds it there, or not yet."""
+
+    def use(self, schedule: Schedule) -> None:
+        nxt = [schedule.next_stage(k) for k in range(schedule.num_stages)]
+        prv = [schedule.prev_stage(k) for k in range(schedule.num_stages)]
+        self._at = {Kind.RECV_F: self.inputs, Kind.RECV_B: self.grads, Kind.RECV_E: self.evals}
+        self._to = {Kind.SEND_F: (self.inputs, nxt), Kind.SEND_B: (self.grads, prv), Kind.SEND_E: (self.evals, nxt)}
+
+    def recv(self, kind: Kind, k: int, i: int) -> bool:
+        return (k, i) in self._at[kind]
+
+    def send(self, kind: Kind, k: int, i: int, value: Any) -> None:
+        store, to = self._to[kind]
+        store[(to[k], i)] = value
 
 
 def run_schedule(stages: Sequence[Stage], schedule: Schedule, microbatches: Sequence[MicroBatch],

@@ -37,7 +37,6 @@ import inspect
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -48,6 +47,9 @@ from .wire import NCCL_DTYPES, PipelineCommError
 ENV = "PIPEOPTIM_STRICT_TRANSPORT"
 #: seconds a strict wait lasts before it fails (a test's deadlocks end within it)
 TIMEOUT = float(os.environ.get("PIPEOPTIM_STRICT_TIMEOUT", "30"))
+#: the longest pause between two looks at a wait's marks (the pauses double from 0.5 ms: a short wait
+#: is met at once, a long one costs a look every 8 ms, not every 1)
+PAUSE = 0.008
 
 
 class StrictTransportError(PipelineCommError):
@@ -70,7 +72,6 @@ class _Strict:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.progress: Optional[threading.Thread] = None
-        self.connections: Dict[int, Tuple[Any, Any]] = {}  # thread -> (the store, its clone for blocking waits)
 
     # -- the job's store and the groups' numbers ----------------------------------------------
     @property
@@ -104,24 +105,22 @@ class _Strict:
                                        f"must not be used by two threads")
 
     def wait_keys(self, keys: list, what: str, deadline: Optional[float] = None) -> None:
-        """Until every key is in the store, blocked on a connection of this thread's own (the
-        progress thread keeps the shared one, to start the operations queued meanwhile); past
-        ``deadline`` (a ``time.monotonic()``; default: the strict timeout from now), refused
+        """Until every key is in the store, polled: a blocking wait would hold the store's one
+        connection, which the progress thread needs to start the sends queued before this. (One
+        blocked on a connection of its own was tried: under load, tests/test_restarts.py's peers
+        of a killed rank then ended by their own errors before torchrun's agent stopped them.)
+        Past ``deadline`` (a ``time.monotonic()``; default: the strict timeout from now), refused
         with ``what`` (the whole message where a deadline is given)."""
-        end = time.monotonic() + self.timeout if deadline is None else deadline
-        try:
-            self.connection().wait(keys, timedelta(seconds=max(end - time.monotonic(), 0.001)))
-        except RuntimeError as error:  # the store's timeout (DistStoreError), or the store gone
-            raise StrictTransportError(what if deadline is not None else f"{what}: not met within "
-                                       f"{self.timeout:g} s; under NCCL this would hang") from error
-
-    def connection(self) -> Any:
-        """This thread's own connection to the job's store (a clone, made once per store)."""
-        store, me = self.store, threading.get_ident()
-        made = self.connections.get(me)
-        if made is None or made[0] is not store:
-            made = self.connections[me] = (store, store.clone())
-        return made[1]
+        end, pause = (time.monotonic() + self.timeout if deadline is None else deadline), 0.0005
+        while True:
+            with self.lock:
+                if self.store.check(keys):
+                    return
+            if time.monotonic() > end:
+                raise StrictTransportError(what if deadline is not None else f"{what}: not met within "
+                                           f"{self.timeout:g} s; under NCCL this would hang")
+            time.sleep(pause)
+            pause = min(PAUSE, 2 * pause)
 
     def join(self, number: int, me: int, peer: int) -> None:
         """The pair's first operation on the group waits until the other end has issued one."""
@@ -277,8 +276,8 @@ class StrictWork:
         return self.met
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        """Blocks until met: on the match of the pair's oldest unmet operation, this one or one
-        issued before it (each met one lets the next start)."""
+        """Until met: polls the match of the pair's oldest unmet operation, this one or one issued
+        before it (each met one lets the next start)."""
         deadline = time.monotonic() + self.strict.timeout
         while True:
             with self.strict.lock:
