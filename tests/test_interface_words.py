@@ -15,7 +15,7 @@ from torch import nn
 
 import pipeoptim
 from pipeoptim import Pipeline
-from pipeoptim.cli import main
+from pipeoptim.cli import build_parser, main, own_flags
 from pipeoptim.errors import Shown, command_line_words, layers_of, option, placed
 from pipeoptim.lab.config import LAB_OPTIONS
 from pipeoptim.options import OPTIONS
@@ -110,8 +110,8 @@ def test_the_command_line_spells_each_option_as_its_flag_and_python_as_its_keywo
     assert option("micro_batches", 4) == "micro_batches=4"
     assert option("clip_scope", "global") == "clip_scope='global'"
     assert option("stages", Shown("N")) == "stages=N"
-    assert option("memory_limit", 40, flag="--memory-limit") == "memory_limit=40"
-    with command_line_words((*OPTIONS, *LAB_OPTIONS)):
+    assert option("memory_limit", 40) == "memory_limit=40"
+    with command_line_words((*OPTIONS, *LAB_OPTIONS), own_flags(build_parser(), "plan")):
         assert option("micro_batches", 4) == "--micro-batches 4"
         assert option("clip_grad_norm") == "--clip-grad"           # the table's own flag name
         assert option("clip_scope", "global") == "--clip-scope global"
@@ -119,7 +119,8 @@ def test_the_command_line_spells_each_option_as_its_flag_and_python_as_its_keywo
         assert option("shard_replicas", True) == "--shard-replicas"
         assert option("batch_size") == "--batch-size"              # the lab's option
         assert option("split_points") == "split_points (Python only)"
-        assert option("memory_limit", 40, flag="--memory-limit") == "--memory-limit 40"  # a subcommand's own
+        assert option("memory_limit", 40) == "--memory-limit 40"  # a subcommand's own (plan's)
+        assert option("devices", "cuda") == "--device cuda"  # a table's flag, not plan's own --device
         with pytest.raises(ValueError, match=r"^--tensor-parallel 2 splits each stage over 2 processes: .* or "
                                              r"drop --tensor-parallel$"):
             Pipeline(mlp(), loss_fn=LOSS, optimizer=sgd, stages=2, tensor_parallel=2)
@@ -248,7 +249,7 @@ def test_a_refusal_below_the_pipeline_speaks_the_interface_in_use(made, python, 
     call = made()
     said = _refusal(call)
     assert said.endswith(python), said
-    with command_line_words((*OPTIONS, *LAB_OPTIONS)):
+    with command_line_words((*OPTIONS, *LAB_OPTIONS), own_flags(build_parser(), "plan")):
         said = _refusal(call)
     assert said.endswith(command_line), said
     assert "='" not in said  # no Python literal on the command line

@@ -315,11 +315,12 @@ def test_plan_command_rejects_bad_input_in_one_line(argv, message, tmp_path):
 
 @needs_data
 def test_memory_limit_that_nothing_fits_is_an_error(tmp_path):
+    from pipeoptim.cli import build_parser, own_flags
     from pipeoptim.errors import command_line_words
     from pipeoptim.lab.config import LAB_OPTIONS
     from pipeoptim.options import OPTIONS
 
-    with command_line_words((*OPTIONS, *LAB_OPTIONS)), \
+    with command_line_words((*OPTIONS, *LAB_OPTIONS), own_flags(build_parser(), "plan")), \
             pytest.raises(ValueError, match="no method fits --memory-limit 1000 bytes per stage"):
         run_plan([*QUICK, "--stages", "2", "--micro-batches", "1", "--memory-limit", "1000",
                   "--out", str(tmp_path / "p.json")])

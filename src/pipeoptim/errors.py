@@ -98,11 +98,15 @@ class Shown(str):
 
 
 @contextlib.contextmanager
-def command_line_words(options: Iterable[Any]) -> Iterator[None]:
+def command_line_words(options: Iterable[Any], own: Optional[Dict[str, str]] = None) -> Iterator[None]:
     """Within the block, refusals name options as the command line's flags. ``options``: the
     option tables' entries (``pipeoptim.options.OPTIONS`` and the lab's), each with its ``flag``
-    (``Flag.flag_name``) or None where the command line does not take it."""
-    token = _FLAGS.set({o.name: o.flag.flag_name(o.name) for o in options if o.flag is not None})
+    (``Flag.flag_name``) or None where the command line does not take it; ``own``: a subcommand's
+    flags of options in neither table, by name (``{"memory_limit": "--memory-limit"}``)."""
+    flags = {o.name: o.flag.flag_name(o.name) for o in options if o.flag is not None}
+    for name, said in (own or {}).items():
+        flags.setdefault(name, said)
+    token = _FLAGS.set(flags)
     try:
         yield
     finally:
@@ -131,15 +135,13 @@ def flag(name: str) -> Optional[str]:
     return flags.get(name) if flags is not None else None
 
 
-def option(name: str, value: Any = _NO_VALUE, flag: Optional[str] = None) -> str:
+def option(name: str, value: Any = _NO_VALUE) -> str:
     """Option ``name`` (its keyword) as a refusal names it, with ``value`` where given: in Python
     ``micro_batches``, ``micro_batches=4``, ``clip_scope='global'``; on the command line its flag,
-    ``--micro-batches``, ``--micro-batches 4`` (a list comma-separated, True the flag alone).
-    ``flag``: the flag of an option in neither table, one subcommand's own (``memory_limit``:
-    ``--memory-limit``, ``pipeoptim plan``'s). An option the command line does not take keeps its
-    keyword there, marked (Python only)."""
+    ``--micro-batches``, ``--micro-batches 4`` (a list comma-separated, True the flag alone). An
+    option the command line does not take keeps its keyword there, marked (Python only)."""
     flags = _FLAGS.get()
-    said = flags.get(name, flag) if flags is not None else None
+    said = flags.get(name) if flags is not None else None
     if said is None:
         keyword = name if value is _NO_VALUE else f"{name}={value!r}"
         return keyword if flags is None else f"{keyword} (Python only)"

@@ -91,34 +91,34 @@ def model_units(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None
 
 def check_options(stages: int, methods: Sequence[str], microbatches: Sequence[int],
                   speeds: Optional[Sequence[float]], bandwidth: Optional[float], memory_limit: Optional[float],
-                  partitioner: str, tie: float, stage_timing: str, flag: Callable[[str], str] = lambda n: n) -> Any:
+                  partitioner: str, tie: float, stage_timing: str) -> Any:
     """(methods, micro-batch counts, speeds) as lists, checked; a one-line ValueError naming the
-    option (``flag(name)``: its name where it is given, e.g. ``--micro-batches``) otherwise."""
+    option in the words of the interface in use (:func:`pipeoptim.errors.option`) otherwise."""
     methods = list(methods)
     for m in methods:
         split_variant(m)  # a method, or one with error feedback (pipeoptim-2bw+ef)
     counts = list(microbatches)
     if not counts or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in counts):
-        raise ValueError(f"{flag('micro_batches')} must be positive integers, got {microbatches!r}")
+        raise ValueError(f"{option('micro_batches')} must be positive integers, got {microbatches!r}")
     if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"{flag('stages')} must be at least 1, got {stages}")
+        raise ValueError(f"{option('stages')} must be at least 1, got {stages}")
     if speeds is not None:
         speeds = [float(s) for s in speeds]
         if len(speeds) != stages:
-            raise ValueError(f"{flag('speeds')} has {len(speeds)} values but {flag('stages')} is {stages} "
+            raise ValueError(f"{option('speeds')} has {len(speeds)} values but {option('stages')} is {stages} "
                              f"(give one per stage)")
         if any(not (s > 0 and s < float("inf")) for s in speeds):
-            raise ValueError(f"{flag('speeds')} must all be positive, got {speeds}")
+            raise ValueError(f"{option('speeds')} must all be positive, got {speeds}")
     if bandwidth is not None and not (0 < bandwidth < float("inf")):
-        raise ValueError(f"{flag('bandwidth')} must be positive (bytes per second), got {bandwidth}")
+        raise ValueError(f"{option('bandwidth')} must be positive (bytes per second), got {bandwidth}")
     if memory_limit is not None and not memory_limit > 0:
-        raise ValueError(f"{flag('memory_limit')} must be positive, got {memory_limit}")
+        raise ValueError(f"{option('memory_limit')} must be positive, got {memory_limit}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose one of: {', '.join(PARTITIONERS)}")
     if not 0 <= tie < 1:
-        raise ValueError(f"{flag('tie')} must be in [0, 1), got {tie}")
+        raise ValueError(f"{option('tie')} must be in [0, 1), got {tie}")
     if stage_timing not in ("measured", "profile"):
-        raise ValueError(f"{flag('stage_timing')} must be measured or profile, got {stage_timing!r}")
+        raise ValueError(f"{option('stage_timing')} must be measured or profile, got {stage_timing!r}")
     return methods, counts, speeds
 
 

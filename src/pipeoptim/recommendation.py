@@ -51,7 +51,7 @@ def recommend(candidates: Sequence[Dict[str, Any]], memory_limit: Optional[float
     fits = [c for c in candidates if memory_limit is None or c["max_stage_memory"] <= memory_limit]
     if not fits:
         least = min(candidates, key=lambda c: c["max_stage_memory"])
-        limit = option("memory_limit", Shown(f"{memory_limit:.0f}"), flag="--memory-limit")
+        limit = option("memory_limit", Shown(f"{memory_limit:.0f}"))
         raise ValueError(f"no method fits {limit} bytes per stage; the smallest, "
                          f"{candidate_name(least)} with {least['microbatches']} micro-batches, needs "
                          f"{least['max_stage_memory']} bytes")

@@ -15,7 +15,7 @@ import argparse
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..errors import CheckpointError, Interrupted, MissingDataError, NonFiniteLoss, command_line_words, signals_handled
 from ..lab.config import LAB_OPTIONS
@@ -32,6 +32,18 @@ SUBCOMMANDS = [_train, _compare, _schedule, _bench, _plan]
 
 class UserError(Exception):
     """A mistake the user can fix: reported as one line, exit code 2, no traceback."""
+
+
+def own_flags(parser: argparse.ArgumentParser, command: str) -> Dict[str, str]:
+    """Subcommand ``command``'s flags by their destination (``memory_limit``: ``--memory-limit``),
+    so that a refusal of an option in neither option table names the flag too."""
+    found: Dict[str, str] = {}
+    for action in parser._actions:  # (argparse keeps a parser's actions there)
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            for own in action.choices[command]._actions:
+                if own.option_strings and own.dest != "help":
+                    found[own.dest] = max(own.option_strings, key=len)
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what was given (a default is not)
     try:
-        with command_line_words((*OPTIONS, *LAB_OPTIONS)):  # refusals name the flags, not the keywords
+        with command_line_words((*OPTIONS, *LAB_OPTIONS), own_flags(parser, args.command)):  # flags, not keywords
             return int(args.func(args) or 0)
     except (UserError, ValueError, MissingDataError, CheckpointError) as error:
         if os.environ.get("PIPEOPTIM_DEBUG"):

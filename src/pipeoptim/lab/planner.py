@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..errors import option
 from ..methods import get_method, method_names
 from ..options import BY_NAME
 from ..plan_defaults import DEFAULT_METHODS, DEFAULT_MICROBATCHES
@@ -41,11 +42,6 @@ RECOMMENDATION_RULE = RULE
 #: plan field -> the `pipeoptim train` option (argparse destination) it sets
 TRAIN_FIELDS = {"task": "task", "model": "model", "batch_size": "batch_size", "stages": "stages",
                 "partition": "partition", "method": "method", "microbatches": "micro_batches"}
-
-
-def flag(name: str) -> str:
-    """An option's name on the command line: ``micro_batches`` -> ``--micro-batches``."""
-    return "--" + name.replace("_", "-")
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -119,11 +115,10 @@ def make_plan(*, task: str, model: Optional[str] = None, stages: int, device: st
     second of each link (None: free transfers). ``memory_limit``: bytes per stage."""
     from .tasks import get_task
 
-    check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit, partitioner, tie, stage_timing,
-                  flag)
-    for name, value in (("batch-size", batch_size), ("batches", batches), ("limit", limit)):
+    check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit, partitioner, tie, stage_timing)
+    for name, value in (("batch_size", batch_size), ("batches", batches), ("limit", limit)):
         if value is not None and value < 1:
-            raise ValueError(f"--{name} must be at least 1, got {value}")
+            raise ValueError(f"{option(name)} must be at least 1, got {value}")
     the_task = get_task(task)
     model_name = model or the_task.default_model
     if model_name not in the_task.model_names():
@@ -173,9 +168,9 @@ def plan_model(net: torch.nn.Module, batch: Any, loss: Optional[Callable[[Any, A
     from .optimizers import make_optimizer
 
     methods, microbatches, speeds = check_options(stages, methods, microbatches, speeds, bandwidth, memory_limit,
-                                                  partitioner, tie, stage_timing, flag)
+                                                  partitioner, tie, stage_timing)
     if batches < 1:
-        raise ValueError(f"--batches must be at least 1, got {batches}")
+        raise ValueError(f"{option('batches')} must be at least 1, got {batches}")
     units = model_units(net, batch, loss)
     if model_name is not None:
         units.name = model_name
