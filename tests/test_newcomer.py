@@ -3,7 +3,7 @@ minutes). Read with the script's own parser, every command of the README's block
 and flags that exist, checked without running them (the command line's parser, torchrun's, the
 example scripts' argparse read from their source, the Makefile's targets); the pycon session
 compiles; and the script's comparison and terminal fail where they must. The quickstart's output
-itself is held to a real run in tests/test_examples.py."""
+itself is held to a real run in tests/test_examples.py, the short command lines' here."""
 from __future__ import annotations
 
 import contextlib
@@ -180,3 +180,24 @@ def test_a_command_runs_in_a_terminal_of_its_own_width(tmp_path):
 def test_a_program_or_flag_that_does_not_exist_is_caught(text, wrong):
     with pytest.raises((AssertionError, pytest.fail.Exception), match=wrong):
         test_every_readme_command_names_a_program_and_flags_that_exist(newcomer.Command(text, [], 1))
+
+
+def test_the_command_lines_the_readme_shows_print_what_it_shows(tmp_path, monkeypatch, capsys):
+    """The README's short `pipeoptim` commands run in one process (the command line's `main`, in
+    the pytest process, from a folder of its own): each prints, to the digits shown, the lines the
+    README shows (timings and rates by pattern). The distributed one, which prints the same losses
+    by its own test (tests/test_distributed.py), is left to the script run by hand."""
+    from conftest import has_image_data
+    from pipeoptim.cli import main
+
+    shown = [c for c in COMMANDS if c.argv()[:1] == ["pipeoptim"] and c.shown and "--runtime" not in c.argv()]
+    assert [c.argv()[1] for c in shown] == ["train", "schedule"], [c.text for c in shown]
+    if not has_image_data():
+        pytest.skip("Fashion-MNIST is not installed")
+    monkeypatch.chdir(tmp_path)
+    for command in shown:
+        assert main(command.argv()[1:]) == 0, where(command)
+        captured = capsys.readouterr()
+        seen = [line.rstrip() for line in (captured.out + captured.err).splitlines()]
+        problem = newcomer.difference(command.shown, seen)
+        assert problem is None, f"{where(command)}: {problem}\n" + "\n".join(seen)
