@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,9 +136,12 @@ def test_torchrun_restarts_a_killed_job_to_the_uninterrupted_losses_and_weights(
     # start 2: the checkpoint at mini-batch 4, being written when rank 0 died, was never named
     assert f"pipeoptim: torchrun restart 2 of at most 2: resumed from {store('async-cut') / 'epoch0000-batch000002'} " \
            f"(epoch 0, mini-batch 2) (2 stages x 2 replicas (sharded) on 4 processes)" in lines
+    # a rank the agent stops while restarts are left says so (start 0's or start 1's: which ranks the
+    # agent stops, and which end first by their own error as the killed rank's connections close, is a
+    # race, on a loaded machine too)
     stopped = [line for line in lines if "stopped by SIGTERM (launcher)" in line]
-    assert any(line.endswith("torchrun restarts the job (restart 1 of at most 2), and fit(..., resume=True) "
-                             "continues it from the last checkpoint") for line in stopped), stopped
+    assert any(re.search(r"torchrun restarts the job \(restart [12] of at most 2\), and fit\(\.\.\., "
+                         r"resume=True\) continues it from the last checkpoint$", line) for line in stopped), stopped
     # every start joined over torchrun's store, which holds the earlier starts' keys (a peer of the killed
     # rank may still end with its own error before the agent stops it: not checked)
     assert "connectFullMesh failed" not in first.stderr and "fresh_join" not in first.stderr

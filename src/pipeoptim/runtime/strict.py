@@ -104,21 +104,16 @@ class _Strict:
             raise StrictTransportError(f"{what} on group {number} from a second thread: an NCCL communicator "
                                        f"must not be used by two threads")
 
-    def wait_keys(self, keys: list, what: str, deadline: Optional[float] = None) -> None:
+    def wait_keys(self, keys: list, what: str) -> None:
         """Until every key is in the store, polled: a blocking wait would hold the store's one
-        connection, which the progress thread needs to start the sends queued before this. (One
-        blocked on a connection of its own was tried: under load, tests/test_restarts.py's peers
-        of a killed rank then ended by their own errors before torchrun's agent stopped them.)
-        Past ``deadline`` (a ``time.monotonic()``; default: the strict timeout from now), refused
-        with ``what`` (the whole message where a deadline is given)."""
-        end, pause = (time.monotonic() + self.timeout if deadline is None else deadline), 0.0005
+        connection, which the progress thread needs to start the sends queued before this."""
+        end, pause = time.monotonic() + self.timeout, 0.0005
         while True:
             with self.lock:
                 if self.store.check(keys):
                     return
             if time.monotonic() > end:
-                raise StrictTransportError(what if deadline is not None else f"{what}: not met within "
-                                           f"{self.timeout:g} s; under NCCL this would hang")
+                raise StrictTransportError(f"{what}: not met within {self.timeout:g} s; under NCCL this would hang")
             time.sleep(pause)
             pause = min(PAUSE, 2 * pause)
 
@@ -135,17 +130,14 @@ class _Strict:
 
     def start(self) -> None:
         """The pairs' progress, apart from this process's thread, as a GPU's streams progress
-        apart from its CPU: every few milliseconds :meth:`advance` (under :attr:`lock`) of the pairs
-        where an operation waits behind its queue's head to start (a lone head's mark is up already,
-        and only a wait on it needs its match)."""
+        apart from its CPU: every few milliseconds :meth:`advance` (under :attr:`lock`)."""
         def run() -> None:
             while not self.stopped.wait(0.002):
                 with self.lock:
-                    queues = [queue for queue in self.queues.values() if len(queue) > 1]
-                    if not queues:
+                    if not any(self.queues.values()):
                         continue
                     try:
-                        self.advance(queues)
+                        self.advance()
                     except Exception:  # noqa: BLE001 (no job's store between two jobs: try again)
                         continue
 
@@ -156,12 +148,11 @@ class _Strict:
     def queue(self, number: int, peer: int) -> "list[StrictWork]":
         return self.queues.setdefault((number, peer), [])
 
-    def advance(self, queues: List[list]) -> None:
-        """Start and complete what can in these pairs' queues, each in its order: the operation at
-        the head of its queue has started (its mark goes up for the peer); it completes once the
-        peer's matching operation has started too. (A pair's queue is advanced by whoever waits on
-        it, and by the progress thread where an operation waits behind its head to start.)"""
-        for queue in queues:
+    def advance(self) -> None:
+        """Start and complete what can, pair by pair, in each pair's order: the operation at the
+        head of its queue has started (its mark goes up for the peer); it completes once the
+        peer's matching operation has started too."""
+        for queue in self.queues.values():
             while queue:
                 head = queue[0]
                 if not head.started:
@@ -197,7 +188,7 @@ class _Strict:
         queue = self.queue(number, peer)
         strict_work = StrictWork(self, kind, work, key, match, described, queue)
         queue.append(strict_work)
-        self.advance([queue])
+        self.advance()
         return strict_work
 
     # -- collectives ---------------------------------------------------------------------------
@@ -276,23 +267,23 @@ class StrictWork:
         return self.met
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        """Until met: polls the match of the pair's oldest unmet operation, this one or one issued
-        before it (each met one lets the next start)."""
-        deadline = time.monotonic() + self.strict.timeout
+        end, pause = time.monotonic() + self.strict.timeout, 0.0005
         while True:
             with self.strict.lock:
-                self.strict.advance([self.queue])  # looks at the head's match (this one, or one before)
-                if self.met:
-                    break
-                head = self.queue[0]
-            self.strict.wait_keys([head.match], f"{self.what} within {self.strict.timeout:g} s: under NCCL this "
-                                                f"would hang", deadline)
-        return self.work.wait(*args, **kwargs)
+                self.strict.advance()
+                met = self.done()
+            if met:
+                return self.work.wait(*args, **kwargs)
+            if time.monotonic() > end:
+                raise StrictTransportError(f"{self.what} within {self.strict.timeout:g} s: under NCCL this would "
+                                           f"hang")
+            time.sleep(pause)
+            pause = min(PAUSE, 2 * pause)
 
     def is_completed(self) -> bool:
         with self.strict.lock:
-            self.strict.advance([self.queue])
-            return self.met and self.work.is_completed()
+            self.strict.advance()
+            return self.done() and self.work.is_completed()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
