@@ -21,8 +21,10 @@ from torch import nn
 
 import pipeoptim
 from conftest import has_image_data
-from pipeoptim.checks import COMMAND_LINE
 from pipeoptim.cli import main
+from pipeoptim.errors import command_line_words
+from pipeoptim.lab.config import LAB_OPTIONS
+from pipeoptim.options import OPTIONS
 from pipeoptim.run_log import check_run_log
 
 LOSS = nn.functional.cross_entropy
@@ -178,10 +180,11 @@ def test_a_missing_package_is_refused_with_its_install_command(tmp_path, monkeyp
                                          r"pip install '\.\[lab\]'\)$"):
         pipeoptim.train(mlp(), data(2), method="zb-h1", stages=2, loss_fn=LOSS, optimizer=sgd,
                         log_dir=tmp_path / "tb")
-    with pytest.raises(ValueError, match=r"^--tensorboard writes TensorBoard event files"):
-        check_run_log(tmp_path / "tb", None, COMMAND_LINE)
-    with pytest.raises(ValueError, match=r"^--wandb logs to Weights & Biases"):
-        check_run_log(None, "p", COMMAND_LINE)
+    with command_line_words((*OPTIONS, *LAB_OPTIONS)):
+        with pytest.raises(ValueError, match=r"^--tensorboard writes TensorBoard event files"):
+            check_run_log(tmp_path / "tb", None)
+        with pytest.raises(ValueError, match=r"^--wandb logs to Weights & Biases"):
+            check_run_log(None, "p")
     assert not (tmp_path / "tb").exists()
 
 

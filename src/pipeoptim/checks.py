@@ -10,24 +10,23 @@ where they are made, by the functions here (:func:`check_units`, :func:`check_to
 :func:`check_tie_devices`, :func:`recompute_per_stage`). The lab's launcher asks
 :func:`check_run` before it starts any process, and the command line asks the same checks. Each
 names an option in the words of the interface in use (:func:`pipeoptim.errors.option`,
-:class:`Words`): ``--clip-scope global`` while the command line runs, where the API says
+:func:`in_words`): ``--clip-scope global`` while the command line runs, where the API says
 ``clip_scope='global'``. An unknown keyword is refused as Python refuses one, naming the nearest
 (:func:`check_method_options`, by ``config.check_keywords``).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import re
-from typing import Any, ContextManager, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .batches import item_counter
 from .config import check_keywords
-from .errors import Shown, command_line_words, flag, on_command_line, python_words
+from .errors import Shown, flag, on_command_line
 from .errors import option as spelled
 from .methods import METHODS, Method, clip_scope_for, get_method, with_order
 from .options import BY_NAME, OPTIONS
@@ -41,45 +40,21 @@ from .runtime.spec import RunSpec
 from .schedules.custom import load_order
 
 
-class Words:
-    """How a refusal names an option and its value: in the words of the interface in use
-    (:func:`pipeoptim.errors.option`: Python's ``clip_scope='global'``, or the command line's
-    ``--clip-scope global`` while it runs), the default; :data:`API` and :data:`COMMAND_LINE`
-    always in one of them."""
-
-    def __init__(self, command_line: Optional[bool] = None) -> None:
-        self.command_line = command_line
-
-    def _spoken(self) -> ContextManager[None]:
-        if self.command_line is None or self.command_line == on_command_line():
-            return contextlib.nullcontext()
-        return command_line_words(OPTIONS) if self.command_line else python_words()
-
-    def name(self, option: str) -> str:
-        with self._spoken():
-            return spelled(option)
-
-    def set(self, option: str, value: Any) -> str:
-        with self._spoken():
-            return spelled(option, value)
-
-    def say(self, message: str) -> str:
-        """A message written in the API's words, in these (each option's name as its flag; an
-        option's ``name=`` as ``--name ``); an option the command line lacks keeps its name."""
-        with self._spoken():
-            if not on_command_line():
-                return message
-            return re.sub(rf"(?<![\w-])({_NAMES})\b(=)?",
-                          lambda m: m.group(0) if flag(m.group(1)) is None else
-                          flag(m.group(1)) + (" " if m.group(2) else ""), message)
+def in_words(message: str) -> str:
+    """A message written in the API's words, in the interface's in use: while the command line
+    runs, each option's name as its flag and an option's ``name=`` as ``--name `` (an option the
+    command line lacks keeps its name)."""
+    if not on_command_line():
+        return message
+    return re.sub(rf"(?<![\w-])({_NAMES})\b(=)?",
+                  lambda m: m.group(0) if flag(m.group(1)) is None else
+                  flag(m.group(1)) + (" " if m.group(2) else ""), message)
 
 
-#: the names Words.say turns into flags: the methods' options and every name with an underscore
+#: the names in_words turns into flags: the methods' options and every name with an underscore
 #: (a plain word such as "method" or "continuous" is left as it is)
 _NAMES = "|".join(sorted((re.escape(o.name) for o in OPTIONS if o.scope == "method" or "_" in o.name),
                          key=len, reverse=True))
-#: the interface in use (the default of every check), Python's, the command line's
-IN_USE, API, COMMAND_LINE = Words(), Words(False), Words(True)
 
 
 # -- a Pipeline, when it is built ---------------------------------------------------------------
@@ -149,11 +124,11 @@ def check_one_process(config: Any) -> None:
                          f"each replica)")
 
 
-def check_options(method: Method, config: Any, words: Words = IN_USE) -> None:
+def check_options(method: Method, config: Any) -> None:
     """The options alone: what each must be, and the ones that contradict each other."""
     check_loss_fn(config.loss_fn)
     if not config.timeout > 0:
-        raise ValueError(f"{words.name('timeout')} must be positive, got {config.timeout}")
+        raise ValueError(f"{spelled('timeout')} must be positive, got {config.timeout}")
     item_counter(config.loss_normalization)  # a name it knows, or a function
     optimizer = config.optimizer
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -164,55 +139,55 @@ def check_options(method: Method, config: Any, words: Words = IN_USE) -> None:
         raise ValueError("lr_scheduler must be a factory called with each stage's optimizer, "
                          "e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), not a scheduler")
     if config.precision not in PRECISIONS:
-        raise ValueError(f"{words.name('precision')} must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
-    check_clipping(method, config.clip_grad_norm, config.clip_scope, words)
-    check_diagnose_every(config.diagnose_every, words)
+        raise ValueError(f"{spelled('precision')} must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+    check_clipping(method, config.clip_grad_norm, config.clip_scope)
+    check_diagnose_every(config.diagnose_every)
     if config.partitioner not in PARTITIONERS:
-        raise ValueError(f"unknown {words.name('partitioner')} {config.partitioner!r}; "
+        raise ValueError(f"unknown {spelled('partitioner')} {config.partitioner!r}; "
                          f"choose {', '.join(PARTITIONERS)}")
 
 
-def check_precision(method: Method, precision: str, processes: int, words: Words = IN_USE) -> None:
+def check_precision(method: Method, precision: str, processes: int) -> None:
     """fp16 over ``processes`` processes: its loss scale agrees on one found-inf flag per update
     number over every stage (runtime/loss_scaling.py), which an asynchronous method, whose stages
     update at their own times, could only do under torchrun by stalling at every update."""
     if precision == "fp16" and not method.synchronous and processes > 1:
         raise ValueError(
-            f"{words.set('precision', 'fp16')} with {method.name} under torchrun is not supported: fp16's loss "
+            f"{spelled('precision', 'fp16')} with {method.name} under torchrun is not supported: fp16's loss "
             f"scale skips an update on every stage at once where any stage's gradients overflow, and "
             f"{method.name} updates each stage at its own time, so each stage would wait at every update for the "
             f"first stage's backward of the same mini-batch (the pipeline stalled as by a flush). Use "
-            f"{words.set('precision', 'bf16')} (no loss scale needed), a synchronous method (zb-h1), or run "
+            f"{spelled('precision', 'bf16')} (no loss scale needed), a synchronous method (zb-h1), or run "
             f"{method.name} in one process")
 
 
-def check_diagnose_every(every: int, words: Words = IN_USE) -> None:
+def check_diagnose_every(every: int) -> None:
     """``diagnose_every``: 0 (off) or an interval."""
     if every < 0:
-        raise ValueError(f"{words.name('diagnose_every')} must be 0 (off) or more, got {every}")
+        raise ValueError(f"{spelled('diagnose_every')} must be 0 (off) or more, got {every}")
 
 
-def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: str, words: Words = IN_USE) -> None:
+def check_clipping(method: Method, clip_grad_norm: Optional[float], clip_scope: str) -> None:
     """The clipping options: a positive max norm; a global scope only where every stage holds
     the same mini-batch's gradients when it updates, over one copy of each piece."""
     if clip_scope not in CLIP_SCOPES:
-        raise ValueError(f"{words.name('clip_scope')} must be one of {', '.join(map(repr, CLIP_SCOPES))}, "
+        raise ValueError(f"{spelled('clip_scope')} must be one of {', '.join(map(repr, CLIP_SCOPES))}, "
                          f"got {clip_scope!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"{words.name('clip_grad_norm')} must be a positive max norm, got {clip_grad_norm}")
+        raise ValueError(f"{spelled('clip_grad_norm')} must be a positive max norm, got {clip_grad_norm}")
     if clip_scope != "global" or clip_grad_norm is None:
         return
-    stage = words.set("clip_scope", "stage")
+    stage = spelled("clip_scope", "stage")
     if method.mirrored:
-        raise ValueError(f"{words.set('clip_scope', 'global')} over {method.name}'s two replicas of each piece is "
+        raise ValueError(f"{spelled('clip_scope', 'global')} over {method.name}'s two replicas of each piece is "
                          f"not supported yet (the norm would count each piece twice): use {stage}")
     if not method.synchronous:
-        raise ValueError(f"{words.set('clip_scope', 'global')} needs every stage to update the same mini-batch "
+        raise ValueError(f"{spelled('clip_scope', 'global')} needs every stage to update the same mini-batch "
                          f"at once, which only synchronous methods do; {method.name} updates each stage at its "
                          f"own time: use {stage}")
 
 
-def check_method_options(method: Method, given: Dict[str, Any], words: Words = IN_USE) -> Dict[str, Any]:
+def check_method_options(method: Method, given: Dict[str, Any]) -> Dict[str, Any]:
     """The method's options: ``given`` over each one's default (its ``Option``'s), each value
     one its ``Option`` allows; a keyword that is no option (:func:`check_keywords`), an option the
     method does not take and a bad value are refused."""
@@ -222,7 +197,7 @@ def check_method_options(method: Method, given: Dict[str, Any], words: Words = I
         allowed = ", ".join(method.options) or "none"
         takers = [m.name for m in METHODS.values() if set(unknown) <= set(m.options)]
         hint = f"; {', '.join(unknown)} applies to {', '.join(takers)}" if takers else ""
-        raise ValueError(words.say(f"method {method.name!r} takes no option {', '.join(unknown)} "
+        raise ValueError(in_words(f"method {method.name!r} takes no option {', '.join(unknown)} "
                                    f"(its options: {allowed}){hint}"))
     merged = {**{name: BY_NAME[name].default for name in method.options}, **given}
     try:
@@ -233,7 +208,7 @@ def check_method_options(method: Method, given: Dict[str, Any], words: Words = I
                                  f"got {merged[key]!r}")
         _check_corrections(method.name, merged, given)
     except ValueError as error:
-        raise ValueError(words.say(str(error))) from None
+        raise ValueError(in_words(str(error))) from None
     return merged
 
 

@@ -113,16 +113,6 @@ def command_line_words(options: Iterable[Any], own: Optional[Dict[str, str]] = N
         _FLAGS.reset(token)
 
 
-@contextlib.contextmanager
-def python_words() -> Iterator[None]:
-    """Within the block, refusals name options as Python's keywords (the default)."""
-    token = _FLAGS.set(None)
-    try:
-        yield
-    finally:
-        _FLAGS.reset(token)
-
-
 def on_command_line() -> bool:
     """Whether the command line runs (:func:`command_line_words`)."""
     return _FLAGS.get() is not None

@@ -35,7 +35,7 @@ import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .checks import IN_USE, Words
+from .errors import option
 
 #: how to install what each sink needs, as a refusal names it
 INSTALL = {"tensorboard": "pip install tensorboard (in a clone of pipeoptim: pip install '.[lab]')",
@@ -50,14 +50,14 @@ def _module(name: str) -> Any:
         return None
 
 
-def check_run_log(log_dir: Any, wandb: Optional[str], words: Words = IN_USE) -> None:
+def check_run_log(log_dir: Any, wandb: Optional[str]) -> None:
     """Refuse, with the command that installs it, a ``log_dir`` without the tensorboard package
     or a ``wandb`` project without the wandb package (on every rank alike)."""
     if log_dir is not None and _module("tensorboard") is None:
-        raise ValueError(f"{words.name('log_dir')} writes TensorBoard event files, which needs the tensorboard "
+        raise ValueError(f"{option('log_dir')} writes TensorBoard event files, which needs the tensorboard "
                          f"package: {INSTALL['tensorboard']}")
     if wandb is not None and _module("wandb") is None:
-        raise ValueError(f"{words.name('wandb')} logs to Weights & Biases, which needs the wandb package: "
+        raise ValueError(f"{option('wandb')} logs to Weights & Biases, which needs the wandb package: "
                          f"{INSTALL['wandb']}")
 
 
