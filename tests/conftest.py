@@ -5,6 +5,7 @@ scripts' training)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,16 @@ def load_benchmark(name: str) -> ModuleType:
     """The module ``benchmarks.<name>`` (``name`` without .py): benchmarks/ is a package, importable
     from the repository root (pytest's ``pythonpath = ["."]``)."""
     return importlib.import_module(f"benchmarks.{name}")
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as the module ``name`` (scripts/ is no package; registered in
+    ``sys.modules``, where a dataclass of the script looks its module up)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def mlp(depth: int = 8, width: int = 12, classes: int = 4, dtype=torch.float64, seed: int = 0) -> nn.Sequential:

@@ -6,10 +6,11 @@ Read as text; only the README's options table imports what writes it (pipeoptim.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -103,9 +104,7 @@ def test_the_module_map_lists_every_module_of_the_package():
 def test_the_module_map_is_the_one_the_docstrings_make():
     """The map is generated from each module's docstring (``python scripts/module_map.py
     --write`` rewrites it): a module says what it is for in one place."""
-    spec = importlib.util.spec_from_file_location("module_map", ROOT / "scripts" / "module_map.py")
-    module_map = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module_map)
+    module_map = load_script("module_map")
     assert map_block(ARCHITECTURE.read_text()).lstrip("\n") == module_map.module_map(), \
         "docs/architecture.md's map is stale: run python scripts/module_map.py --write"
 

@@ -5,7 +5,6 @@ back into GPT-2's own class; and the README's quickstart, run as a newcomer runs
 the README shows, to the digits shown."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Dict, List
 
 import pytest
 
+from conftest import load_script
 from torchrun_jobs import run_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,13 +52,6 @@ def printed(stdout: str) -> Dict[str, object]:
             "updates": int(updates), "final": float(final), "export": lines[-1]}
 
 
-def newcomer_script():
-    """scripts/newcomer.py, whose README reader, terminal and comparison the README's test uses."""
-    spec = importlib.util.spec_from_file_location("newcomer", ROOT / "scripts" / "newcomer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["newcomer"] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_readme_shows_what_its_quickstart_prints(tmp_path):
@@ -68,7 +61,7 @@ def test_the_readme_shows_what_its_quickstart_prints(tmp_path):
     otherwise set: torch's own), from a folder of its own (its runs/ there). Every line the README
     shows is the terminal's, to the digits shown (timings and bars by pattern: the script's
     VOLATILE), and nothing else appeared."""
-    newcomer = newcomer_script()
+    newcomer = load_script("newcomer")  # its README reader, terminal and comparison
     command = next(c for c in newcomer.commands((ROOT / "README.md").read_text())
                    if c.argv()[:2] == ["python", "examples/transformers_causal_lm.py"])
     assert command.shown and "..." not in command.shown  # every line shown: the whole output

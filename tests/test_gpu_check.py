@@ -4,12 +4,13 @@ transport, NCCL's rules), judged by the script's own rules and held here row by 
 script's rules for the rows a machine cannot run (too few GPUs), on a GPU count and jobs made up."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "scripts" / "gpu_check_worker.py"
@@ -33,10 +34,7 @@ def worker_args(scratch: Path) -> list:
 
 def driver():
     """scripts/gpu_check.py as a module."""
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the whole check")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import doctest
-import importlib.util
 import io
 import re
 import sys
@@ -17,18 +16,10 @@ from typing import List
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("newcomer", ROOT / "scripts" / "newcomer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["newcomer"] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
-newcomer = _load()
+newcomer = load_script("newcomer")
 COMMANDS = newcomer.commands((ROOT / "README.md").read_text())
 
 

@@ -2,22 +2,15 @@
 per-round normalisation by the plain loop, per-round pair ratios, median, min/max and IQR."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from conftest import load_benchmark
 from pipeoptim.lab.bench_worker import iqr, quartiles
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_throughput.py"
 
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("peer_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("peer_throughput")
 
 
 def test_quartiles_interpolate_like_numpy():
