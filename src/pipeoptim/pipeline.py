@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import itertools
 import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
@@ -96,8 +95,11 @@ class Pipeline:
         self.spec: RunSpec = check_pipeline(config, model, self.world, self.method)
         #: the stages this process holds: all of them, or under torchrun its own one
         self.stages: List[Stage] = []
-        #: where a traced model's stages 2..N begin, as the trace names them (None: an nn.Sequential)
-        self._traced_points: Optional[List[str]] = None
+        #: where stages 2..N begin (a chunked method's pieces 2.., a mirrored method's first
+        #: pipeline's), as the modules that begin them: a traced model's submodules, as
+        #: ``split_points=`` takes them (``["layers.2"]``), or an ``nn.Sequential``'s children, its layer
+        #: indices (``["3"]``: stage 2 begins at layer 3); None until the model is split
+        self.split_points: Optional[List[str]] = None
         self.devices: List[torch.device] = []  #: each stage's device, once the model is split
         #: the pipeline rank of each stage (Method.stage_ranks: s mod N, or a V for zb-v)
         self.placement: List[int] = []
@@ -121,20 +123,6 @@ class Pipeline:
         return self.spec.partition is not None
 
     @property
-    def split_points(self) -> Optional[List[str]]:
-        """Where stages 2..N begin (a chunked method's pieces 2.., a mirrored method's first
-        pipeline's), as the names of the modules that begin them: a traced model's submodules, as
-        ``split_points=`` takes them (``["layers.2"]``), or an ``nn.Sequential``'s children, its
-        layer indices (``["3"]``: stage 2 begins at layer 3). None until the model is split
-        (:attr:`prepared`)."""
-        if self._traced_points is not None or not self.prepared:
-            return self._traced_points
-        cut = self.spec.partition
-        pieces = cut[:len(cut) // 2] if self.method.mirrored else cut
-        names = list(self._model._modules)  # an nn.Sequential's children, in order (its layer indices)
-        return [names[start] for start in itertools.accumulate(pieces[:-1])]
-
-    @property
     def recompute(self) -> List[bool]:
         """Per stage, whether it recomputes its forward in the backward."""
         return self.spec.recompute
@@ -147,8 +135,8 @@ class Pipeline:
             return
         built = build_model_stages(self.world, self._model, example_input, self.config, self.method, self.spec)
         self.spec, self.stages, self.devices, self.placement = built.spec, built.stages, built.devices, built.placement
-        self._traced_points, self._eval_mode = built.split_points, built.eval_mode
-        if self._traced_points is not None:  # a traced model: its stages name a tied weight once
+        self.split_points, self._eval_mode = built.split_points, built.eval_mode
+        if not isinstance(self._model, nn.Sequential):  # a traced model: its stages name a tied weight once
             self.state_names = StateNames(self._model)
 
     # -- driving by hand ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -40,7 +41,9 @@ class PreparedModel:
     #: tied parameters: id(parameter) -> the stages that read it (the first one owns it)
     ties: Dict[int, List[int]] = field(default_factory=dict)
     tied_names: Dict[int, List[str]] = field(default_factory=dict)  #: id -> its names in the stages
-    split_points: Optional[List[str]] = None   #: where stages 2..N begin (traced models)
+    #: where stages 2..N begin (a mirrored method's first pipeline's): a traced model's submodules, an
+    #: nn.Sequential's children (its layer indices)
+    split_points: Optional[List[str]] = None
     traced: Optional[TracedModel] = None       #: the trace (None for an nn.Sequential)
 
 
@@ -65,7 +68,9 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, method: Meth
         if timed:
             sizes = agree(_time_sizes(model, example, spec.ranks * per_rank), "agreeing on the partition")
         spec = spec.cut(_cut(model, method, spec.ranks * per_rank, config.partitioner, sizes))
-        return PreparedModel(spec, split_for(method, model, spec.partition))
+        names = list(model._modules)  # its children, in order
+        starts = itertools.accumulate(first_pipeline(method, spec.partition)[:-1])
+        return PreparedModel(spec, split_for(method, model, spec.partition), split_points=[names[s] for s in starts])
     traced = trace(model, example, late)
     if late is not None:
         model_loss(traced.output_example())  # refused now, on every process, if it holds no loss
@@ -78,7 +83,7 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, method: Meth
         if sizes is None and timed:
             sizes = agree(_time_sizes(units, example, spec.ranks * per_rank), "agreeing on the partition")
     spec = spec.cut(_cut(units, method, spec.ranks * per_rank, config.partitioner, sizes))
-    pieces = spec.partition[:len(spec.partition) // 2] if method.mirrored else spec.partition
+    pieces = first_pipeline(method, spec.partition)
     parts = traced.stage_modules(pieces)
     if method.mirrored:  # the second pipeline's stages: copies of the pieces (one copy: tied as the originals)
         parts = parts + copy.deepcopy(parts)
@@ -88,6 +93,12 @@ def prepare(model: nn.Module, example: Any, config: PipelineConfig, method: Meth
         prepared.tied_names[id(param)] = [name for name, p in model.named_parameters(remove_duplicate=False)
                                           if p is param]
     return prepared
+
+
+def first_pipeline(method: Method, partition: Sequence[int]) -> List[int]:
+    """The pieces of ``partition`` a model is cut into: all of it, or a mirrored method's first
+    pipeline's (its second pipeline's stages are replicas of them)."""
+    return list(partition[:len(partition) // 2] if method.mirrored else partition)
 
 
 def _cut(units: nn.Sequential, method: Method, pieces: int, partitioner: str,
@@ -147,7 +158,7 @@ def build_model_stages(world: World, model: nn.Module, example: Any, config: Pip
     chose = config.partition is None and config.split_points is None and method.name != "sequential"
     if config.partitioner == "time" and chose and world.rank == 0:
         # a cut the profile chose (another run may choose another): how to give it again
-        given = (f"split_points={prepared.split_points}" if prepared.split_points is not None
+        given = (f"split_points={prepared.split_points}" if prepared.traced is not None
                  else f"partition={list(spec.partition)}")
         print(f"pipeoptim: partitioner='time' cut {type(model).__name__} into {spec.stages} stages: "
               f"give Pipeline({given}) to use this cut again", file=sys.stderr, flush=True)
