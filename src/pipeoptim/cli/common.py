@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
+from ..lab.config import flag_given
 from ..lab.optimizers import check_options
 from ..methods import clip_scope_for, get_method, method_names
 from ..options import of_scope
@@ -184,13 +185,6 @@ def missing_lab_package(error: ImportError) -> Optional[str]:
                 return str(error)
             return f"the command line needs the lab extra (missing: {name.split('.')[0]}): {LAB_INSTALL}"
     return None
-
-
-def flag_given(args: argparse.Namespace, flag: str) -> bool:
-    """Whether the command line gave ``flag`` (``args.argv``: the words it was called with; an
-    abbreviation argparse took counts). Without ``args.argv`` (parsed outside :func:`main`): True."""
-    words = getattr(args, "argv", None)
-    return words is None or any(len(w.split("=")[0]) > 2 and flag.startswith(w.split("=")[0]) for w in words)
 
 
 def say_default_task(args: argparse.Namespace, log: Callable[..., None]) -> None:

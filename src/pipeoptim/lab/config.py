@@ -224,3 +224,11 @@ class RunConfig:
             cfg.lr = task.default_lr.get(cfg.optimizer_name, 1e-3)
             cfg.lr_source = cfg.lr_source or f"the {task.name} task's usual lr for {cfg.optimizer_name}"
         return cfg
+
+
+def flag_given(args: Any, flag: str) -> bool:
+    """Whether the command line gave ``flag`` (``args.argv``: the words ``pipeoptim.cli.main`` was
+    called with; an abbreviation argparse took counts, ``--stage`` for ``--stages``); without
+    ``args.argv`` (parsed outside ``main``): True."""
+    words = getattr(args, "argv", None)
+    return words is None or any(len(w.split("=")[0]) > 2 and flag.startswith(w.split("=")[0]) for w in words)

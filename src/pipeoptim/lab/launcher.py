@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import STOP_SIGNALS, Interrupted, interrupt_on_signals
+from .config import flag_given
 from .run_folder import clear_statuses, last_checkpoint, read_statuses, resume_hint
 from ..runtime.defaults import DEFAULT_TIMEOUT
 from ..runtime.layout import Layout, plan_layout
@@ -99,12 +100,6 @@ def distributed_device(device: str) -> str:
                      f"stage process takes cuda:LOCAL_RANK)")
 
 
-def _stages_given(args: argparse.Namespace) -> bool:
-    """Whether the command line gave ``--stages`` (``args.argv``: the words it was called with,
-    ``main(argv)``'s from Python, else the program's)."""
-    return any(a == "--stages" or a.startswith("--stages=") for a in args.argv)
-
-
 def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[str], Path]) -> int:
     """`pipeoptim train --runtime distributed`: a worker under torchrun, else start torchrun.
     ``output_dir(label)`` names a new run folder (called on the rank that names it)."""
@@ -118,7 +113,7 @@ def run_distributed_train(args: argparse.Namespace, cfg, output_dir: Callable[[s
         check_tensor_planned(cfg.task, cfg.model or get_task(cfg.task).default_model, cfg.tensor_parallel)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume, _stages_given(args)))
+        cfg = dataclasses.replace(cfg, stages=job_stages(cfg, world, resume, flag_given(args, "--stages")))
         out = resume
         if out is None and int(os.environ["RANK"]) == 0:  # the others learn it from rank 0
             out = output_dir(f"{cfg.method}-N{world}")
